@@ -1,0 +1,33 @@
+"""fasttree: tree-structured decode attention (FastTree) with a fast planner and Triton kernels.
+
+Quick use::
+
+    import fasttree as ft
+    tree = ft.KVTree.from_levels([1, 2, 64], [8, 256, 32])
+    plan = ft.plan(tree, ft.FastTreeConfig(), num_q_heads=32, num_kv_heads=8, head_dim=128)
+    o = ft.tree_attention(q, k_cache, v_cache, plan)
+"""
+
+from .attention import plan_query_separated, query_separated_attention, tree_attention
+from .config import FastTreeConfig
+from .plan_arrays import DevicePlan, Plan
+from .planner import Groups, build_groups, greedy_edge_assignment, plan
+from .reference import reference_attention
+from .tree import KVTree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DevicePlan",
+    "FastTreeConfig",
+    "Groups",
+    "KVTree",
+    "Plan",
+    "build_groups",
+    "greedy_edge_assignment",
+    "plan",
+    "plan_query_separated",
+    "query_separated_attention",
+    "reference_attention",
+    "tree_attention",
+]

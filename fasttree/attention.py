@@ -1,0 +1,224 @@
+"""Host wrappers: validate, allocate, size the grids and launch the tree-attention kernels.
+
+Tensor vocabulary: ``q`` is ``[n_queries, Hq, D]`` (query ``j`` = row ``j``);
+``k_cache`` / ``v_cache`` are SGLang-style token pools ``[pool_slots, Hkv, D]``;
+outputs are ``[n_queries, Hq, D]`` in ``q``'s dtype. fp16 and bf16 are supported.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+
+from .config import FastTreeConfig
+from .kernels import merge_partials_kernel, tree_attention_units_kernel
+from .plan_arrays import DevicePlan, Plan, check_heads, materialize
+from .planner import Groups
+from .tree import KVTree
+
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    return type(tree_attention_units_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"devices differ: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"tensors are on {q.device}; tree attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+    nq, hq, d = q.shape
+    if (nq, hq, d) != (plan.n_queries, plan.num_q_heads, plan.head_dim):
+        raise ValueError(
+            f"q has shape {tuple(q.shape)} but the plan expects "
+            f"[n_queries={plan.n_queries}, Hq={plan.num_q_heads}, D={plan.head_dim}]"
+        )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} shapes differ")
+    pool, hkv, dk = k_cache.shape
+    if hkv != plan.num_kv_heads or dk != plan.head_dim:
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)} but the plan expects [pool_slots, Hkv={plan.num_kv_heads}, D={plan.head_dim}]"
+        )
+    if plan.max_slot >= pool:
+        raise ValueError(f"the tree reads pool slot {plan.max_slot} but the KV pool has only {pool} slots")
+
+
+def _device_plan(plan: Plan | DevicePlan, device: torch.device) -> DevicePlan:
+    if isinstance(plan, DevicePlan):
+        if plan.device != device:
+            raise ValueError(f"the plan was uploaded to {plan.device} but the tensors are on {device}")
+        return plan
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a fasttree Plan, got {type(plan).__name__}")
+    return plan.to(device)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: Plan | DevicePlan,
+    sm_scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of every query over its root-path context, as planned.
+
+    Parameters
+    ----------
+    q : Tensor, fp16/bf16 [n_queries, Hq, D], CUDA (CPU under ``TRITON_INTERPRET=1``)
+        One decode query per row, in the tree's query order.
+    k_cache, v_cache : Tensor, q's dtype [pool_slots, Hkv, D], q's device
+        Token pools the tree's slot ids index.
+    plan : Plan or DevicePlan
+        From :func:`fasttree.plan`; a host plan is uploaded once and cached per device.
+    sm_scale : float, optional
+        Softmax scale; ``1 / sqrt(D)`` by default.
+    out : Tensor, q's dtype [n_queries, Hq, D], optional
+        Written in place and returned.
+
+    Returns
+    -------
+    Tensor, q's dtype [n_queries, Hq, D]
+    """
+    host = plan.plan if isinstance(plan, DevicePlan) else plan
+    if not isinstance(host, Plan):
+        raise ValueError(f"plan must be a fasttree Plan, got {type(plan).__name__}")
+    _check_inputs(q, k_cache, v_cache, host)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(host.head_dim)
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
+    dev = _device_plan(plan, q.device)
+    a = dev.arrays
+
+    hq, d = host.num_q_heads, host.head_dim
+    rows = max(1, host.n_partial_rows)
+    part_o = torch.empty((rows, hq, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    ptr = host.class_unit_ptr
+    for c, tc in enumerate(host.tile_classes):
+        n_units = ptr[c + 1] - ptr[c]
+        if n_units == 0:
+            continue
+        tree_attention_units_kernel[(n_units, host.num_kv_heads)](
+            q, k_cache, v_cache, out, part_o, part_lse,
+            a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
+            a["pair_query"], a["pair_out_row"],
+            ptr[c], sm_scale * _LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+            HEAD_DIM=d, BLOCK_D=block_d, GROUP=host.group_size, BLOCK_M=tc.block_m, BLOCK_N=tc.block_n,
+            UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
+            num_warps=tc.num_warps, num_stages=tc.num_stages,
+        )  # fmt: skip
+    n_merge = int(host.merge_queries.size)
+    if n_merge:
+        block_h = min(triton.next_power_of_2(hq), max(1, 4096 // block_d))
+        merge_partials_kernel[(n_merge, triton.cdiv(hq, block_h))](
+            out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
+            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------- baseline
+def plan_query_separated(
+    tree: KVTree,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_split_size: int | None = None,
+    num_sms: int = 132,
+    kv_tile: int = 64,
+) -> Plan:
+    """Plan FlashDecoding-style attention: every query alone over its whole context.
+
+    Each query's root-path KV is cut into chunks of ``kv_split_size`` tokens (by default
+    sized so that about four waves of ``num_sms`` programs run); one program handles the
+    ``g`` heads of one KV head of one query over one chunk, and chunks are merged.
+    """
+    check_heads(num_q_heads, num_kv_heads, head_dim)
+    kv_indptr, kv_slots = tree.query_slots()
+    nq = tree.n_queries
+    lens = np.diff(kv_indptr)
+    if kv_split_size is None:
+        want_chunks = max(1, -(-4 * num_sms // (nq * num_kv_heads)))
+        kv_split_size = max(kv_tile, -(-int(lens.max()) // want_chunks))
+        kv_split_size = -(-kv_split_size // kv_tile) * kv_tile
+    if kv_split_size < 1:
+        raise ValueError(f"kv_split_size must be >= 1, got {kv_split_size}")
+    groups = Groups(
+        node=tree.query_nodes.copy(),
+        kv_indptr=kv_indptr,
+        kv_slots=kv_slots,
+        q_indptr=np.arange(nq + 1, dtype=np.int64),
+        q_ids=np.arange(nq, dtype=np.int64),
+    )
+    config = FastTreeConfig(q_tile_queries=(1, 1), kv_tile=(kv_tile, kv_tile), kv_split_sizes=(kv_split_size, kv_split_size))
+    return materialize(
+        groups,
+        tile_class=np.ones(nq, dtype=np.int64),
+        q_tiles=(1, 1),
+        split_sizes=(kv_split_size, kv_split_size),
+        config=config,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        n_queries=nq,
+        max_slot=tree.max_slot,
+        tile_mode="query_separated",
+    )
+
+
+def query_separated_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tree: KVTree,
+    sm_scale: float | None = None,
+    *,
+    kv_split_size: int | None = None,
+) -> torch.Tensor:
+    """Baseline decode attention that ignores sharing: each query reads its whole path.
+
+    Same tensors as :func:`tree_attention`; plans with :func:`plan_query_separated` (on
+    every call -- plan once and call :func:`tree_attention` to time the kernel alone).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D torch.Tensor")
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    qs_plan = plan_query_separated(
+        tree,
+        num_q_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[1],
+        head_dim=q.shape[2],
+        kv_split_size=kv_split_size,
+        num_sms=num_sms,
+    )
+    return tree_attention(q, k_cache, v_cache, qs_plan, sm_scale)

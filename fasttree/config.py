@@ -1,0 +1,197 @@
+"""Every planner and kernel knob of FastTree in one validated, JSON-serialisable object.
+
+Vocabulary used across the package:
+
+* ``g`` -- the GQA group size, ``num_q_heads // num_kv_heads``.
+* *tile class* -- 0 is the large query tile, 1 the small one. Pairs such as
+  ``kv_tile`` or ``num_warps`` are indexed by tile class.
+* *query tile* -- how many decode queries one work unit handles; the kernel packs
+  the ``g`` query heads of one KV head of each of them into ``queries * g`` matrix rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+CONFIG_SCHEMA_VERSION = 1
+
+#: Published query tiles in matrix rows (queries x g): (64, 16) for MHA, GQA 4 and GQA 16 alike.
+DEFAULT_Q_TILE_ROWS = (64, 16)
+_MAX_Q_TILE_ROWS = 256
+_PAIR_FIELDS = (
+    "q_tile_queries",
+    "kv_tile",
+    "kv_split_sizes",
+    "para_threshs1",
+    "para_threshs2",
+    "num_warps",
+    "num_stages",
+)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class FastTreeConfig:
+    """Planner cost weights, tile sizes, split sizes, thresholds and launch settings.
+
+    Defaults are the values the FastTree authors tuned on an H100.
+
+    Parameters
+    ----------
+    alpha : float
+        Weight of query-dimension padding (wasted matrix rows) in the planner's cost.
+    beta : float
+        Weight of KV-dimension padding (wasted KV columns) in the planner's cost.
+    gamma : float
+        Price per query of an extra partial result (merge work). ``-10`` never
+        concatenates a context into its children (cascade-like), ``10`` always does
+        (query-centric).
+    q_tile_queries : tuple of int or None
+        Queries per tile for (large, small) tile class. ``None`` derives the published
+        values from the GQA ratio: 64 and 16 matrix rows, i.e. (64, 16) queries for MHA,
+        (16, 4) for GQA 4, (4, 1) for GQA 16.
+    kv_tile : tuple of int
+        KV tokens per inner-loop tile (a power of two >= 16) for each tile class.
+    kv_split_sizes : tuple of int
+        (default, small) number of KV tokens per work unit; a tile class with too few
+        units switches to the small one.
+    para_threshs1 : tuple of int
+        Per tile class, the work units x KV heads under which that class uses the small
+        split size.
+    para_threshs2 : tuple of int
+        (large, small): when both classes have work and the large one has fewer units x
+        KV heads than the first value, every group uses the small tile; else, when the
+        small one has fewer than the second, every group uses the large tile.
+    num_warps, num_stages : tuple of int
+        Triton launch settings per tile class.
+    """
+
+    alpha: float = 0.66
+    beta: float = 0.33
+    gamma: float = 0.1
+    q_tile_queries: tuple[int, int] | None = None
+    kv_tile: tuple[int, int] = (32, 32)
+    kv_split_sizes: tuple[int, int] = (1024, 128)
+    para_threshs1: tuple[int, int] = (132, 528)
+    para_threshs2: tuple[int, int] = (132, 132)
+    num_warps: tuple[int, int] = (4, 4)
+    num_stages: tuple[int, int] = (2, 2)
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"FastTreeConfig.{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in _PAIR_FIELDS:
+            value = getattr(self, name)
+            if value is None and name == "q_tile_queries":
+                continue
+            object.__setattr__(self, name, _int_pair(name, value))
+        if self.q_tile_queries is not None:
+            large, small = self.q_tile_queries
+            if small < 1 or large < small:
+                raise ValueError(
+                    f"FastTreeConfig.q_tile_queries must be (large, small) with large >= small >= 1, "
+                    f"got {self.q_tile_queries}"
+                )
+        for t in self.kv_tile:
+            if not _is_pow2(t) or not 16 <= t <= 512:
+                raise ValueError(f"FastTreeConfig.kv_tile entries must be powers of two in [16, 512], got {self.kv_tile}")
+        if min(self.kv_split_sizes) < 1:
+            raise ValueError(f"FastTreeConfig.kv_split_sizes must be >= 1, got {self.kv_split_sizes}")
+        for name in ("para_threshs1", "para_threshs2"):
+            if min(getattr(self, name)) < 0:
+                raise ValueError(f"FastTreeConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if any(not _is_pow2(w) or w > 16 for w in self.num_warps):
+            raise ValueError(f"FastTreeConfig.num_warps must be powers of two <= 16, got {self.num_warps}")
+        if min(self.num_stages) < 1 or max(self.num_stages) > 8:
+            raise ValueError(f"FastTreeConfig.num_stages must be in [1, 8], got {self.num_stages}")
+
+    # ------------------------------------------------------------------ tiles
+    def query_tiles(self, group_size: int) -> tuple[int, int]:
+        """Queries per tile (large, small) for a GQA group size ``g``.
+
+        Raises ``ValueError`` when a tile would need more than 256 matrix rows.
+        """
+        if group_size < 1:
+            raise ValueError(f"GQA group size must be >= 1, got {group_size}")
+        if self.q_tile_queries is None:
+            tiles = tuple(max(1, rows // group_size) for rows in DEFAULT_Q_TILE_ROWS)
+        else:
+            tiles = self.q_tile_queries
+        for t in tiles:
+            if t * group_size > _MAX_Q_TILE_ROWS:
+                raise ValueError(
+                    f"a query tile of {t} queries x GQA group size {group_size} = {t * group_size} rows "
+                    f"exceeds the kernel limit of {_MAX_Q_TILE_ROWS} rows; lower q_tile_queries"
+                )
+        return tiles[0], tiles[1]
+
+    def with_(self, **changes: Any) -> FastTreeConfig:
+        """Return a validated copy with some fields changed."""
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON dict (tuples become lists) with a schema version."""
+        out: dict[str, Any] = {"schema_version": CONFIG_SCHEMA_VERSION}
+        for key, value in asdict(self).items():
+            out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FastTreeConfig:
+        """Build from :meth:`to_dict` output; unknown keys or another schema version raise ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a FastTreeConfig must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        version = data.pop("schema_version", CONFIG_SCHEMA_VERSION)
+        if version != CONFIG_SCHEMA_VERSION:
+            raise ValueError(f"FastTreeConfig schema_version {version!r} is not supported (expected {CONFIG_SCHEMA_VERSION})")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown FastTreeConfig keys: {unknown}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialise to a JSON string; when ``path`` is given, also write it atomically."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            path = Path(path)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> FastTreeConfig:
+        """Load from a JSON string or a file path."""
+        if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        else:
+            text = str(text_or_path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"FastTreeConfig JSON is malformed: {exc}") from None
+        return cls.from_dict(data)
+
+
+def _int_pair(name: str, value: Any) -> tuple[int, int]:
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ValueError(f"FastTreeConfig.{name} must be a pair of integers, got {value!r}") from None
+    if len(items) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in items):
+        raise ValueError(f"FastTreeConfig.{name} must be a pair of integers, got {value!r}")
+    return int(items[0]), int(items[1])

@@ -1,0 +1,348 @@
+"""The :class:`Plan`: flat int32 arrays that drive the kernels, built from groups.
+
+Vocabulary (dimension names used in every docstring of the package):
+
+* ``n_queries`` -- decode queries (one new token each), row ``j`` of ``q``.
+* ``Hq``, ``Hkv``, ``D``, ``g = Hq // Hkv`` -- query heads, KV heads, head dim, GQA ratio.
+* *unit* -- one program's work per KV head: a chunk of a group's KV (at most the split
+  size) times a tile of the group's queries.
+* *pair* -- one (unit, query) combination; it produces one partial result per head.
+* *partial row* -- a row of the fp32 partial buffers; a query with one partial writes
+  its output directly and owns no partial row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .config import FastTreeConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .planner import Groups
+
+#: int32 arrays shipped to the device, in packing order.
+DEVICE_ARRAYS = (
+    "kv_indices",
+    "unit_kv_start",
+    "unit_kv_len",
+    "unit_q_start",
+    "unit_q_len",
+    "pair_query",
+    "pair_out_row",
+    "query_partial_start",
+    "query_num_partials",
+    "merge_queries",
+)
+
+_MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+
+
+def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Validate head counts and head dim; return the GQA ratio ``g``."""
+    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be in [16, 256], got {head_dim}")
+    return num_q_heads // num_kv_heads
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, int(x)) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TileClass:
+    """Launch shape of one tile class.
+
+    Attributes
+    ----------
+    queries : int
+        Queries per tile.
+    block_m : int
+        Matrix rows of a program (``queries * g`` rounded up to a power of two >= 16).
+    block_n : int
+        KV tokens per inner-loop tile.
+    split : int
+        KV tokens per unit.
+    num_warps, num_stages : int
+    """
+
+    queries: int
+    block_m: int
+    block_n: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(eq=False)
+class Plan:
+    """A tree-attention plan: host arrays (int32) plus the decisions behind them.
+
+    Attributes
+    ----------
+    num_q_heads, num_kv_heads, head_dim, n_queries : int
+    max_slot : int
+        Largest KV-pool slot read; the pool must have more slots.
+    kv_indices : ndarray, int32 [n_kv_entries]
+        Pool slots of every group's KV, groups back to back.
+    unit_kv_start, unit_kv_len : ndarray, int32 [n_units]
+        The unit's KV is ``kv_indices[start:start + len]`` (len >= 1).
+    unit_q_start, unit_q_len : ndarray, int32 [n_units]
+        The unit's pairs are ``start:start + len`` of the pair arrays.
+    pair_query : ndarray, int32 [n_pairs]
+        Query row of each pair.
+    pair_out_row : ndarray, int32 [n_pairs]
+        Partial row the pair writes, or -1 when its query has a single partial and the
+        pair writes the output directly.
+    query_partial_start, query_num_partials : ndarray, int32 [n_queries]
+        Query ``j``'s partial rows are ``start:start + num`` (num == 1 means direct).
+    merge_queries : ndarray, int32 [n_merge]
+        Queries with two or more partials, merged by stage 2.
+    class_unit_ptr : tuple of int
+        Units of tile class ``c`` are ``class_unit_ptr[c]:class_unit_ptr[c + 1]``; within
+        a class, units are sorted by decreasing KV length.
+    tile_classes : tuple of TileClass
+        Launch shape per tile class (large, small).
+    n_partial_rows : int
+    tile_mode : str
+        ``two_classes``, ``all_large`` or ``all_small`` (the adaptive tile pass).
+    config : FastTreeConfig
+    edge_assignment : ndarray, int8 [n_nodes] or None
+        The greedy's decision per node (1: edge from its parent concatenated).
+    groups : Groups
+        The context-query groups the units were cut from.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    n_queries: int
+    max_slot: int
+    kv_indices: np.ndarray
+    unit_kv_start: np.ndarray
+    unit_kv_len: np.ndarray
+    unit_q_start: np.ndarray
+    unit_q_len: np.ndarray
+    pair_query: np.ndarray
+    pair_out_row: np.ndarray
+    query_partial_start: np.ndarray
+    query_num_partials: np.ndarray
+    merge_queries: np.ndarray
+    class_unit_ptr: tuple[int, int, int]
+    tile_classes: tuple[TileClass, TileClass]
+    n_partial_rows: int
+    tile_mode: str
+    config: FastTreeConfig
+    groups: Groups
+    edge_assignment: np.ndarray | None = None
+    _device_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def n_units(self) -> int:
+        return int(self.unit_kv_len.size)
+
+    def units_per_class(self) -> tuple[int, int]:
+        p = self.class_unit_ptr
+        return p[1] - p[0], p[2] - p[1]
+
+    # ------------------------------------------------------------- device
+    def to(self, device: Any) -> DevicePlan:
+        """Upload the plan's arrays with one host-to-device copy; cached per device."""
+        import torch
+
+        device = torch.device(device)
+        cached = self._device_cache.get(device)
+        if cached is None:
+            cached = DevicePlan.upload(self, device)
+            self._device_cache[device] = cached
+        return cached
+
+    # ------------------------------------------------------------ summary
+    def stats(self) -> dict[str, Any]:
+        """Work counts of the plan (per launch, all KV heads)."""
+        elem = 2  # fp16 / bf16 bytes
+        d = self.head_dim
+        kv_tokens = int(self.unit_kv_len.astype(np.int64).sum())
+        pair_tokens = int((self.unit_kv_len.astype(np.int64) * self.unit_q_len).sum())
+        return {
+            "units": self.units_per_class(),
+            "groups": self.groups.n_groups,
+            "pairs": int(self.pair_query.size),
+            "partial_rows": self.n_partial_rows,
+            "merged_queries": int(self.merge_queries.size),
+            "kv_tokens_read": kv_tokens,
+            "kv_bytes_read": kv_tokens * self.num_kv_heads * d * 2 * elem,
+            "flops": 4 * pair_tokens * self.num_q_heads * d,
+            "tile_mode": self.tile_mode,
+            "splits": tuple(tc.split for tc in self.tile_classes),
+            "q_tiles": tuple(tc.queries for tc in self.tile_classes),
+        }
+
+    def summary(self) -> str:
+        """One-paragraph human summary."""
+        s = self.stats()
+        return (
+            f"Plan: {self.n_queries} queries, Hq={self.num_q_heads} Hkv={self.num_kv_heads} D={self.head_dim}; "
+            f"{s['groups']} groups -> units (large, small) = {s['units']} x {self.num_kv_heads} KV heads, "
+            f"query tiles {s['q_tiles']}, splits {s['splits']}, mode {s['tile_mode']}; "
+            f"{s['partial_rows']} partial rows, {s['merged_queries']} queries merged; "
+            f"KV read {s['kv_tokens_read']} tokens ({s['kv_bytes_read'] / 1e6:.2f} MB)"
+        )
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The plan's arrays on one device: views into a single int32 tensor."""
+
+    plan: Plan
+    device: Any
+    buffer: torch.Tensor
+    arrays: dict[str, torch.Tensor]
+
+    @classmethod
+    def upload(cls, plan: Plan, device: Any) -> DevicePlan:
+        import torch
+
+        parts = [np.ascontiguousarray(getattr(plan, name), dtype=np.int32) for name in DEVICE_ARRAYS]
+        sizes = [max(1, p.size) for p in parts]  # keep every view non-empty (valid pointer)
+        host = np.zeros(sum(sizes), dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        for p, off in zip(parts, offsets[:-1], strict=True):
+            host[off : off + p.size] = p
+        buf = torch.from_numpy(host).to(device)
+        arrays = {name: buf[offsets[i] : offsets[i] + sizes[i]] for i, name in enumerate(DEVICE_ARRAYS)}
+        return cls(plan=plan, device=buf.device, buffer=buf, arrays=arrays)
+
+
+def materialize(
+    groups: Groups,
+    *,
+    tile_class: np.ndarray,
+    q_tiles: tuple[int, int],
+    split_sizes: tuple[int, int],
+    config: FastTreeConfig,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    n_queries: int,
+    max_slot: int,
+    tile_mode: str,
+    edge_assignment: np.ndarray | None = None,
+) -> Plan:
+    """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
+
+    Parameters
+    ----------
+    groups : Groups
+        Non-empty groups (each with >= 1 token and >= 1 query).
+    tile_class : ndarray, int [n_groups]
+        0 (large) or 1 (small) per group.
+    q_tiles, split_sizes : tuple of int
+        Queries per tile and KV tokens per unit, per tile class.
+    """
+    g = num_q_heads // num_kv_heads
+    kv_len = groups.kv_len
+    nq = groups.n_queries
+    tile_class = np.asarray(tile_class, dtype=np.int64)
+    split_g = np.where(tile_class == 0, split_sizes[0], split_sizes[1]).astype(np.int64)
+    tile_g = np.where(tile_class == 0, q_tiles[0], q_tiles[1]).astype(np.int64)
+    chunks = -(-kv_len // split_g)
+    tiles = -(-nq // tile_g)
+    per_group = chunks * tiles
+
+    u_group = np.repeat(np.arange(groups.n_groups), per_group)
+    first = np.zeros(groups.n_groups, dtype=np.int64)
+    np.cumsum(per_group[:-1], out=first[1:])
+    w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
+    u_tiles = tiles[u_group]
+    chunk = w // u_tiles
+    tile = w - chunk * u_tiles
+    u_split = split_g[u_group]
+    u_tile = tile_g[u_group]
+    kv_start = groups.kv_indptr[u_group] + chunk * u_split
+    u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
+    q_first = groups.q_indptr[u_group] + tile * u_tile
+    u_q_len = np.minimum(u_tile, nq[u_group] - tile * u_tile)
+
+    # pairs, in unit order
+    pair_unit = np.repeat(np.arange(u_group.size), u_q_len)
+    unit_pair_start = np.zeros(u_group.size, dtype=np.int64)
+    np.cumsum(u_q_len[:-1], out=unit_pair_start[1:])
+    pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
+    pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
+
+    # partial rows, contiguous per query
+    n_part = np.bincount(pair_query, minlength=n_queries)
+    if n_part.size != n_queries or n_part.min() < 1:
+        raise AssertionError("internal error: a query has no work unit")
+    multi = n_part >= 2
+    rows_per_query = np.where(multi, n_part, 0)
+    part_start = np.zeros(n_queries, dtype=np.int64)
+    np.cumsum(rows_per_query[:-1], out=part_start[1:])
+    order = np.argsort(pair_query, kind="stable")
+    q_sorted = pair_query[order]
+    seg_start = np.zeros(n_queries, dtype=np.int64)
+    np.cumsum(n_part[:-1], out=seg_start[1:])
+    rank = np.arange(order.size, dtype=np.int64) - seg_start[q_sorted]
+    out_row = np.empty(pair_query.size, dtype=np.int64)
+    out_row[order] = np.where(multi[q_sorted], part_start[q_sorted] + rank, -1)
+
+    if max(groups.kv_slots.size, pair_query.size, int(rows_per_query.sum())) > np.iinfo(np.int32).max:
+        raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
+
+    # units ordered by tile class, then longest KV first
+    u_class = tile_class[u_group]
+    uorder = np.lexsort((-u_kv_len, u_class))
+    u_class_sorted = u_class[uorder]
+    ptr = tuple(int(x) for x in np.searchsorted(u_class_sorted, [0, 1, 2]))
+
+    classes = tuple(
+        TileClass(
+            queries=int(q_tiles[c]),
+            block_m=max(_MIN_BLOCK_M, _next_pow2(q_tiles[c] * g)),
+            block_n=int(config.kv_tile[c]),
+            split=int(split_sizes[c]),
+            num_warps=int(config.num_warps[c]),
+            num_stages=int(config.num_stages[c]),
+        )
+        for c in (0, 1)
+    )
+    i32 = np.int32
+    return Plan(
+        num_q_heads=int(num_q_heads),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_dim),
+        n_queries=int(n_queries),
+        max_slot=int(max_slot),
+        kv_indices=groups.kv_slots.astype(i32, copy=False),
+        unit_kv_start=kv_start[uorder].astype(i32),
+        unit_kv_len=u_kv_len[uorder].astype(i32),
+        unit_q_start=unit_pair_start[uorder].astype(i32),
+        unit_q_len=u_q_len[uorder].astype(i32),
+        pair_query=pair_query.astype(i32),
+        pair_out_row=out_row.astype(i32),
+        query_partial_start=part_start.astype(i32),
+        query_num_partials=n_part.astype(i32),
+        merge_queries=np.flatnonzero(multi).astype(i32),
+        class_unit_ptr=ptr,  # type: ignore[arg-type]
+        tile_classes=classes,  # type: ignore[arg-type]
+        n_partial_rows=int(rows_per_query.sum()),
+        tile_mode=tile_mode,
+        config=config,
+        groups=groups,
+        edge_assignment=edge_assignment,
+    )
+

@@ -1,0 +1,290 @@
+"""The KV tree (a forest, in general) of a batch of decode queries.
+
+A *node* is a run of KV tokens stored in a token pool (an SGLang-style
+``[pool_slots, Hkv, D]`` KV cache with page size 1); a query's context is the
+concatenation of the nodes on its root-to-node path. Nodes are numbered
+``0 .. n_nodes - 1``; siblings are visited in increasing node id everywhere.
+
+Construction validates everything the planner and kernels rely on and derives,
+with vectorised numpy, the arrays they need (depths, levels, children,
+subtree query counts, path lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
+    arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def ragged_gather(indptr: np.ndarray, data: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate ``data[indptr[r]:indptr[r + 1]]`` for each ``r`` in ``rows``.
+
+    Returns ``(out_indptr, out_data)`` with ``len(rows) + 1`` and ``sum of row lengths`` entries.
+    """
+    starts = indptr[rows]
+    lens = indptr[rows + 1] - starts
+    out_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=out_indptr[1:])
+    total = int(out_indptr[-1])
+    if total == 0:
+        return out_indptr, data[:0]
+    idx = np.arange(total, dtype=np.int64) + np.repeat(starts - out_indptr[:-1], lens)
+    return out_indptr, data[idx]
+
+
+class KVTree:
+    """A forest of KV-cache nodes and the decode queries that read it.
+
+    Parameters
+    ----------
+    parents : array-like of int, shape [n_nodes]
+        ``parents[i]`` is the parent node of node ``i``, or ``-1`` for a root
+        (several roots make a forest).
+    node_slots : sequence of n_nodes array-likes of int
+        ``node_slots[i]`` is the 1-D array of KV-pool slot ids of node ``i``'s tokens,
+        in any order and not necessarily contiguous. A node may be empty.
+    query_nodes : array-like of int, shape [n_queries]
+        ``query_nodes[j]`` is the node whose root path is query ``j``'s context;
+        any node, internal ones included.
+
+    Raises
+    ------
+    ValueError
+        On an empty tree, parent ids out of range, self-parents or cycles, negative
+        slots (or slots >= 2**31), query nodes out of range, or a query whose
+        context holds no token.
+
+    Attributes
+    ----------
+    parents : ndarray, int64 [n_nodes]
+    lengths : ndarray, int64 [n_nodes]
+        Tokens per node.
+    slot_indptr : ndarray, int64 [n_nodes + 1]
+        Node ``i``'s slots are ``slots[slot_indptr[i]:slot_indptr[i + 1]]``.
+    slots : ndarray, int32 [total_tokens]
+    query_nodes : ndarray, int64 [n_queries]
+    depth : ndarray, int64 [n_nodes]
+        0 for roots.
+    level_order : ndarray, int64 [n_nodes]
+        Nodes sorted by (depth, id); level ``d`` is
+        ``level_order[level_ptr[d]:level_ptr[d + 1]]``.
+    level_ptr : ndarray, int64 [max_depth + 2]
+    subtree_queries : ndarray, int64 [n_nodes]
+        Queries whose context contains node ``i`` (queries at ``i`` or below it).
+    path_lengths : ndarray, int64 [n_nodes]
+        Tokens on the path from the root to node ``i`` inclusive.
+    """
+
+    def __init__(self, parents, node_slots: Sequence, query_nodes) -> None:
+        parents_arr = _as_int_array("parents", parents)
+        n = parents_arr.size
+        if n == 0:
+            raise ValueError("a KVTree needs at least one node (parents is empty)")
+        if len(node_slots) != n:
+            raise ValueError(f"node_slots has {len(node_slots)} entries but parents has {n} nodes")
+        arrays = [_as_int_array(f"node_slots[{i}]", s) for i, s in enumerate(node_slots)]
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
+        slots = np.concatenate(arrays) if lengths.sum() else np.zeros(0, dtype=np.int64)
+        self._init(parents_arr, lengths, slots, _as_int_array("query_nodes", query_nodes))
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def from_lengths(cls, parents, lengths, query_nodes) -> KVTree:
+        """Tree whose nodes occupy contiguous slots, node ``i`` right after node ``i - 1``.
+
+        Parameters
+        ----------
+        parents : array-like of int, shape [n_nodes]
+        lengths : array-like of int, shape [n_nodes]
+            Tokens per node (>= 0).
+        query_nodes : array-like of int, shape [n_queries]
+        """
+        lengths_arr = _as_int_array("lengths", lengths)
+        parents_arr = _as_int_array("parents", parents)
+        if lengths_arr.size != parents_arr.size:
+            raise ValueError(f"lengths has {lengths_arr.size} entries but parents has {parents_arr.size} nodes")
+        if lengths_arr.size and lengths_arr.min() < 0:
+            bad = int(np.flatnonzero(lengths_arr < 0)[0])
+            raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
+        if lengths_arr.sum() > _INT32_MAX:
+            raise ValueError(f"the tree holds {lengths_arr.sum()} tokens, more than a 2**31 slot pool")
+        obj = cls.__new__(cls)
+        obj._init(parents_arr, lengths_arr, np.arange(lengths_arr.sum(), dtype=np.int64), _as_int_array("query_nodes", query_nodes))
+        return obj
+
+    @classmethod
+    def from_levels(cls, nodes_per_level: Sequence[int], tokens_per_level: Sequence[int]) -> KVTree:
+        """The paper-suite tree: level 0 nodes are roots, child ``j`` of a level of ``n_l``
+        nodes hangs under node ``j * n_prev // n_l`` of the previous level, every node of
+        level ``l`` holds ``tokens_per_level[l]`` tokens (contiguous slots, level by level),
+        and each node of the last level carries one query, in node order.
+        """
+        if len(nodes_per_level) == 0 or len(nodes_per_level) != len(tokens_per_level):
+            raise ValueError("nodes_per_level and tokens_per_level must be non-empty and of equal length")
+        if min(nodes_per_level) < 1:
+            raise ValueError(f"every level needs at least one node, got {list(nodes_per_level)}")
+        parents: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
+        prev_first, prev_n, first = -1, 0, 0
+        for n_l, tokens in zip(nodes_per_level, tokens_per_level, strict=True):
+            if prev_n == 0:
+                parents.append(np.full(n_l, -1, dtype=np.int64))
+            else:
+                parents.append(prev_first + np.arange(n_l, dtype=np.int64) * prev_n // n_l)
+            lengths.append(np.full(n_l, tokens, dtype=np.int64))
+            prev_first, prev_n, first = first, n_l, first + n_l
+        queries = np.arange(prev_first, first, dtype=np.int64)
+        return cls.from_lengths(np.concatenate(parents), np.concatenate(lengths), queries)
+
+    # ------------------------------------------------------------- internals
+    def _init(self, parents: np.ndarray, lengths: np.ndarray, slots: np.ndarray, query_nodes: np.ndarray) -> None:
+        n = parents.size
+        if n == 0:
+            raise ValueError("a KVTree needs at least one node (parents is empty)")
+        bad = np.flatnonzero((parents < -1) | (parents >= n))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"parents[{i}] = {parents[i]} is out of range: parent ids must be -1 or in [0, {n})")
+        self_loops = np.flatnonzero(parents == np.arange(n))
+        if self_loops.size:
+            i = int(self_loops[0])
+            raise ValueError(f"node {i} is its own parent (a cycle)")
+        if slots.size:
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0:
+                raise ValueError(f"node_slots hold a negative slot id ({lo})")
+            if hi > _INT32_MAX:
+                raise ValueError(f"node_slots hold slot id {hi}, beyond the int32 range of the kernels")
+        if query_nodes.size == 0:
+            raise ValueError("a KVTree needs at least one query (query_nodes is empty)")
+        bad = np.flatnonzero((query_nodes < 0) | (query_nodes >= n))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"query_nodes[{j}] = {query_nodes[j]} is out of range [0, {n})")
+
+        depth = _depths(parents)  # raises on cycles
+        level_order = np.lexsort((np.arange(n), depth))
+        level_ptr = np.searchsorted(depth[level_order], np.arange(int(depth.max()) + 2))
+
+        indptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+
+        # Top-down path lengths, bottom-up subtree query counts, one level at a time.
+        path_lengths = lengths.copy()
+        subtree_queries = np.bincount(query_nodes, minlength=n).astype(np.int64)
+        levels = [level_order[level_ptr[d] : level_ptr[d + 1]] for d in range(len(level_ptr) - 1)]
+        for lvl in levels[1:]:
+            path_lengths[lvl] += path_lengths[parents[lvl]]
+        for lvl in reversed(levels[1:]):
+            np.add.at(subtree_queries, parents[lvl], subtree_queries[lvl])
+
+        empty = np.flatnonzero(path_lengths[query_nodes] == 0)
+        if empty.size:
+            j = int(empty[0])
+            raise ValueError(f"query {j} (at node {query_nodes[j]}) has an empty context: no token on its root path")
+
+        self.parents = parents
+        self.lengths = lengths
+        self.slot_indptr = indptr
+        self.slots = slots.astype(np.int32)
+        self.query_nodes = query_nodes
+        self.depth = depth
+        self.level_order = level_order
+        self.level_ptr = level_ptr
+        self.levels = levels
+        self.subtree_queries = subtree_queries
+        self.path_lengths = path_lengths
+
+    # ------------------------------------------------------------ properties
+    @property
+    def n_nodes(self) -> int:
+        return int(self.parents.size)
+
+    @property
+    def n_queries(self) -> int:
+        return int(self.query_nodes.size)
+
+    @property
+    def num_tokens(self) -> int:
+        """Unique KV tokens held by the tree's nodes."""
+        return int(self.slots.size)
+
+    @property
+    def max_slot(self) -> int:
+        """Largest pool slot id used, or -1 for a tree without tokens."""
+        return int(self.slots.max()) if self.slots.size else -1
+
+    def node_slots(self, i: int) -> np.ndarray:
+        """Slots of node ``i``, int32 [lengths[i]]."""
+        return self.slots[self.slot_indptr[i] : self.slot_indptr[i + 1]]
+
+    def query_paths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Root-first node paths of every query.
+
+        Returns
+        -------
+        indptr : ndarray, int64 [n_queries + 1]
+        nodes : ndarray, int64 [sum of path node counts]
+            Query ``j``'s path is ``nodes[indptr[j]:indptr[j + 1]]``, root first.
+        """
+        qn = self.query_nodes
+        width = int(self.depth[qn].max()) + 1
+        table = np.full((qn.size, width), -1, dtype=np.int64)
+        rows = np.arange(qn.size)
+        cur = qn.copy()
+        alive = np.ones(qn.size, dtype=bool)
+        while alive.any():
+            table[rows[alive], self.depth[cur[alive]]] = cur[alive]
+            cur[alive] = self.parents[cur[alive]]
+            alive &= cur >= 0
+        counts = self.depth[qn] + 1
+        indptr = np.zeros(qn.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        return indptr, table[table >= 0]
+
+    def query_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each query's context as pool slots, root first (an SGLang ``req_to_token`` in CSR form).
+
+        Returns
+        -------
+        indptr : ndarray, int64 [n_queries + 1]
+        slots : ndarray, int32 [sum of context lengths]
+        """
+        path_indptr, path_nodes = self.query_paths()
+        node_ptr, slots = ragged_gather(self.slot_indptr, self.slots, path_nodes)
+        return node_ptr[path_indptr], slots
+
+    def __repr__(self) -> str:
+        roots = int((self.parents < 0).sum())
+        return (
+            f"KVTree(n_nodes={self.n_nodes}, roots={roots}, depth={int(self.depth.max()) + 1}, "
+            f"tokens={self.num_tokens}, n_queries={self.n_queries})"
+        )
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node by pointer jumping; raises ``ValueError`` on a cycle."""
+    n = parents.size
+    depth = (parents >= 0).astype(np.int64)
+    anc = parents.copy()
+    for _ in range(max(1, int(n).bit_length()) + 1):
+        live = np.flatnonzero(anc >= 0)
+        if live.size == 0:
+            return depth
+        up = anc[live]
+        depth[live] += depth[up]
+        anc[live] = anc[up]
+    cyc = int(np.flatnonzero(anc >= 0)[0])
+    raise ValueError(f"the parent links contain a cycle (node {cyc} never reaches a root)")

@@ -1,0 +1,10 @@
+"""Triton kernels of fasttree (installed as ``fasttree.kernels``): ``@triton.jit`` code only.
+
+Host wrappers that validate inputs, allocate outputs, size grids and launch these
+kernels live in :mod:`fasttree.attention`.
+"""
+
+from .merge import merge_partials_kernel
+from .tree_attention import tree_attention_units_kernel
+
+__all__ = ["merge_partials_kernel", "tree_attention_units_kernel"]

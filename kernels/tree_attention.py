@@ -1,0 +1,119 @@
+"""Stage 1 of tree attention: one program per (work unit, KV head).
+
+A unit is a chunk of one context-query group's KV (gathered through pool slot ids)
+and a tile of that group's queries. The program packs the ``GROUP`` query heads that
+share its KV head for each query of the tile into ``BLOCK_M`` matrix rows
+(row ``r`` is query ``r // GROUP``, head ``r % GROUP``), runs an online softmax over the
+chunk in ``BLOCK_N``-token tiles with fp32 accumulators, and writes, per row, either the
+final output (queries with a single partial) or a normalised fp32 partial output and
+its natural-log LSE.
+"""
+
+import triton
+import triton.language as tl
+
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def tree_attention_units_kernel(
+    Q,  # [n_queries, Hq, D], fp16/bf16
+    K,  # [pool_slots, Hkv, D]
+    V,  # [pool_slots, Hkv, D]
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [n_partial_rows, Hq, D], fp32
+    PartLse,  # [n_partial_rows, Hq], fp32
+    KvIndices,  # int32 [n_kv_entries]
+    UnitKvStart,  # int32 [n_units]
+    UnitKvLen,  # int32 [n_units]
+    UnitQStart,  # int32 [n_units]
+    UnitQLen,  # int32 [n_units]
+    PairQuery,  # int32 [n_pairs]
+    PairOutRow,  # int32 [n_pairs]; -1: write Out directly
+    unit_offset,  # first unit of the launched tile class
+    qk_scale,  # sm_scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
+):
+    unit = tl.program_id(0) + unit_offset
+    kv_head = tl.program_id(1)
+    kv_start = tl.load(UnitKvStart + unit)
+    kv_len = tl.load(UnitKvLen + unit)
+    q_start = tl.load(UnitQStart + unit)
+    q_len = tl.load(UnitQLen + unit)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_query = rows // GROUP
+    row_valid = row_query < q_len
+    head = kv_head * GROUP + rows % GROUP
+    qid = tl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(tl.int64)
+    out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=0)
+
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(
+        Q + qid[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    for start in range(0, kv_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_len
+        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0).to(tl.int64)
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+        p = p.to(v.dtype)
+        if UPCAST_DOT:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    direct = row_valid & (out_row < 0)
+    partial = row_valid & (out_row >= 0)
+    tl.store(
+        Out + qid[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+        o.to(Out.dtype.element_ty),
+        mask=direct[:, None] & d_valid[None, :],
+    )
+    prow = tl.maximum(out_row, 0).to(tl.int64)
+    tl.store(
+        PartO + prow[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+        o,
+        mask=partial[:, None] & d_valid[None, :],
+    )
+    lse = (m_i + tl.log2(l_i)) * LN2
+    tl.store(PartLse + prow * stride_ln + head, lse, mask=partial)
