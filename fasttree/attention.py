@@ -42,7 +42,9 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k_cache.device != q.device or v_cache.device != q.device:
         raise ValueError(f"devices differ: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}")
     if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"tensors are on {q.device}; tree attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        raise ValueError(
+            f"tensors are on {q.device}; tree attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+        )
     nq, hq, d = q.shape
     if (nq, hq, d) != (plan.n_queries, plan.num_q_heads, plan.head_dim):
         raise ValueError(
@@ -54,7 +56,8 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pool, hkv, dk = k_cache.shape
     if hkv != plan.num_kv_heads or dk != plan.head_dim:
         raise ValueError(
-            f"k_cache has shape {tuple(k_cache.shape)} but the plan expects [pool_slots, Hkv={plan.num_kv_heads}, D={plan.head_dim}]"
+            f"k_cache has shape {tuple(k_cache.shape)} but the plan expects "
+            f"[pool_slots, Hkv={plan.num_kv_heads}, D={plan.head_dim}]"
         )
     if plan.max_slot >= pool:
         raise ValueError(f"the tree reads pool slot {plan.max_slot} but the KV pool has only {pool} slots")
@@ -174,12 +177,15 @@ def plan_query_separated(
         raise ValueError(f"kv_split_size must be >= 1, got {kv_split_size}")
     groups = Groups(
         node=tree.query_nodes.copy(),
-        kv_indptr=kv_indptr,
+        kv_start=kv_indptr[:-1],
+        kv_len=lens,
         kv_slots=kv_slots,
         q_indptr=np.arange(nq + 1, dtype=np.int64),
         q_ids=np.arange(nq, dtype=np.int64),
     )
-    config = FastTreeConfig(q_tile_queries=(1, 1), kv_tile=(kv_tile, kv_tile), kv_split_sizes=(kv_split_size, kv_split_size))
+    config = FastTreeConfig(
+        q_tile_queries=(1, 1), kv_tile=(kv_tile, kv_tile), kv_split_sizes=(kv_split_size, kv_split_size)
+    )
     return materialize(
         groups,
         tile_class=np.ones(nq, dtype=np.int64),

@@ -105,7 +105,9 @@ class FastTreeConfig:
                 )
         for t in self.kv_tile:
             if not _is_pow2(t) or not 16 <= t <= 512:
-                raise ValueError(f"FastTreeConfig.kv_tile entries must be powers of two in [16, 512], got {self.kv_tile}")
+                raise ValueError(
+                    f"FastTreeConfig.kv_tile entries must be powers of two in [16, 512], got {self.kv_tile}"
+                )
         if min(self.kv_split_sizes) < 1:
             raise ValueError(f"FastTreeConfig.kv_split_sizes must be >= 1, got {self.kv_split_sizes}")
         for name in ("para_threshs1", "para_threshs2"):
@@ -156,7 +158,9 @@ class FastTreeConfig:
         data = dict(data)
         version = data.pop("schema_version", CONFIG_SCHEMA_VERSION)
         if version != CONFIG_SCHEMA_VERSION:
-            raise ValueError(f"FastTreeConfig schema_version {version!r} is not supported (expected {CONFIG_SCHEMA_VERSION})")
+            raise ValueError(
+                f"FastTreeConfig schema_version {version!r} is not supported (expected {CONFIG_SCHEMA_VERSION})"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -21,6 +21,8 @@ import numpy as np
 #: Tile modes of a plan: two tile classes, or every group on one of them.
 TWO_CLASSES, ALL_LARGE, ALL_SMALL = "two_classes", "all_large", "all_small"
 
+_FIXED_CLASS = {ALL_LARGE: 0, ALL_SMALL: 1}
+
 
 @dataclass(frozen=True)
 class PaddingCost:
@@ -68,17 +70,17 @@ class PaddingCost:
         else:
             c = 0 if self.mode == ALL_LARGE else 1
             tsq, tsk = self.q_tiles[c], self.kv_tiles[c]
-        pad_q = (-n_queries) % tsq
+        if self.q_tiles[0] & (self.q_tiles[0] - 1) == 0 and self.q_tiles[1] & (self.q_tiles[1] - 1) == 0:
+            pad_q = (-n_queries) & (tsq - 1)  # same as % for power-of-two tiles, and faster
+        else:
+            pad_q = (-n_queries) % tsq
         pad_k = np.maximum(tsk - n_kv, 0)
         g = self.group_size
         return self.alpha * g * (pad_q * n_kv) + self.beta * g * (pad_k * n_queries)
 
     def cmm_scalar(self, nq: int, nk: int) -> float:
         """``cmm`` for Python ints (no numpy overhead), same arithmetic."""
-        if self.mode == TWO_CLASSES:
-            c = 0 if nq > self.q_tiles[1] else 1
-        else:
-            c = 0 if self.mode == ALL_LARGE else 1
+        c = _FIXED_CLASS.get(self.mode, 0 if nq > self.q_tiles[1] else 1)
         tsk = self.kv_tiles[c]
         pad_k = tsk - nk if nk < tsk else 0
         g = self.group_size

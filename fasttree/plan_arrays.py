@@ -93,7 +93,7 @@ class Plan:
     max_slot : int
         Largest KV-pool slot read; the pool must have more slots.
     kv_indices : ndarray, int32 [n_kv_entries]
-        Pool slots of every group's KV, groups back to back.
+        Pool slots the units' KV ranges index (see :class:`fasttree.planner.Groups`).
     unit_kv_start, unit_kv_len : ndarray, int32 [n_units]
         The unit's KV is ``kv_indices[start:start + len]`` (len >= 1).
     unit_q_start, unit_q_len : ndarray, int32 [n_units]
@@ -272,7 +272,7 @@ def materialize(
     tile = w - chunk * u_tiles
     u_split = split_g[u_group]
     u_tile = tile_g[u_group]
-    kv_start = groups.kv_indptr[u_group] + chunk * u_split
+    kv_start = groups.kv_start[u_group] + chunk * u_split
     u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
     q_first = groups.q_indptr[u_group] + tile * u_tile
     u_q_len = np.minimum(u_tile, nq[u_group] - tile * u_tile)
@@ -345,4 +345,3 @@ def materialize(
         groups=groups,
         edge_assignment=edge_assignment,
     )
-

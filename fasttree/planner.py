@@ -30,8 +30,10 @@ from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost
 from .plan_arrays import Plan, check_heads, materialize
 from .tree import KVTree, ragged_gather
 
+_DEFAULT_CONFIG = FastTreeConfig()
+
 #: Levels with at most this many edges are decided by the scalar loop.
-_SCALAR_EDGES = 48
+_SCALAR_EDGES = 64
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,20 @@ class Groups:
     ----------
     node : ndarray, int64 [n_groups]
         The tree node that names the group (the bottom of its KV chain).
-    kv_indptr : ndarray, int64 [n_groups + 1]
-    kv_slots : ndarray, int32 [total group tokens]
-        Group ``i`` reads ``kv_slots[kv_indptr[i]:kv_indptr[i + 1]]``.
+    kv_start, kv_len : ndarray, int64 [n_groups]
+        Group ``i`` reads pool slots ``kv_slots[kv_start[i]:kv_start[i] + kv_len[i]]``
+        (``kv_len >= 1``).
+    kv_slots : ndarray, int32 [n_kv_entries]
+        Backing slot list: the tree's own slot array (single-node groups point into it),
+        followed by the concatenated slots of multi-node groups.
     q_indptr : ndarray, int64 [n_groups + 1]
     q_ids : ndarray, int64 [total group queries]
         Group ``i`` serves queries ``q_ids[q_indptr[i]:q_indptr[i + 1]]`` (ascending).
     """
 
     node: np.ndarray
-    kv_indptr: np.ndarray
+    kv_start: np.ndarray
+    kv_len: np.ndarray
     kv_slots: np.ndarray
     q_indptr: np.ndarray
     q_ids: np.ndarray
@@ -59,10 +65,6 @@ class Groups:
     @property
     def n_groups(self) -> int:
         return int(self.node.size)
-
-    @property
-    def kv_len(self) -> np.ndarray:
-        return np.diff(self.kv_indptr)
 
     @property
     def n_queries(self) -> np.ndarray:
@@ -135,43 +137,61 @@ def _decide_level_scalar(children, parents, lengths, nq, n_cur, eff_len, assign,
 
 
 def _decide_level_vector(children, parents, lengths, nq, n_cur, eff_len, assign, cost: PaddingCost) -> None:
-    # Children are sorted by parent; positions 0..E-1. Each round evaluates every
-    # undecided child under its parent's current query count; per parent, children
-    # before the first "1" are final zeros, the first "1" is applied, and the parent's
-    # later children wait for the next round (the count changed).
+    # Children are sorted by parent. A round resolves, for every parent with undecided
+    # children, a run of 1s (evaluated with the count dropping by each child taken),
+    # the 0 that ends it, the 0s that follow under the now-fixed count, and the next 1;
+    # the parent's later children wait for the next round. Each decision is evaluated
+    # under exactly the count the sequential greedy would see.
     cp = parents[children]
     q = nq[children]
     lv = eff_len[cp]
     c_child = cost.cmm(q, lengths[children])
     c_concat = cost.cmm(q, lengths[children] + lv)
     g_q = cost.gamma * q
-    n_state = n_cur.copy()  # indexed by node id, updated for parents as edges land
+    n_state = n_cur.copy()  # indexed by node id
     decided = np.zeros(children.size, dtype=np.int8)
-    rem = np.arange(children.size)
-    cut = np.full(n_cur.size, children.size, dtype=np.int64)
-    while rem.size:
-        p = cp[rem]
-        n = n_state[p]
+
+    def concat(rem: np.ndarray, n: np.ndarray) -> np.ndarray:
         split_kv = cost.cmm(n, lv[rem]) + c_child[rem] + g_q[rem]
         split_q = cost.cmm(n - q[rem], lv[rem]) + c_concat[rem]
-        hit = rem[split_kv > split_q]
-        if hit.size == 0:
-            break
-        hp = cp[hit]
-        first = np.ones(hit.size, dtype=bool)
-        first[1:] = hp[1:] != hp[:-1]
-        sel = hit[first]
-        sel_p = cp[sel]
-        decided[sel] = 1
-        n_state[sel_p] -= q[sel]
-        cut[sel_p] = sel
-        keep = rem > cut[p]
-        cut[sel_p] = children.size
-        rem = rem[keep]
+        return split_kv > split_q
+
+    big = np.iinfo(np.int64).max
+    rem = np.arange(children.size)
+    while rem.size:
+        p = cp[rem]
+        qr = q[rem]
+        seg_first = np.ones(rem.size, dtype=bool)
+        seg_first[1:] = p[1:] != p[:-1]
+        starts = np.flatnonzero(seg_first)
+        seg = np.cumsum(seg_first) - 1
+        incl = np.cumsum(qr)
+        taken_before = incl - qr - (incl - qr)[starts][seg]
+        n_if_ones = n_state[p] - taken_before
+        ones = concat(rem, n_if_ones)
+        pos = np.arange(rem.size)
+        k0 = np.minimum.reduceat(np.where(ones, big, pos), starts)[seg]  # first 0 of the run of 1s
+        decided[rem[pos < k0]] = 1
+        seg_p = p[starts]
+        all_ones = k0[starts] == big
+        seg_end = np.append(starts[1:], rem.size) - 1
+        n_state[seg_p[all_ones]] -= (incl[seg_end] - (incl - qr)[starts])[all_ones]
+        # children after the 0 at k0 see the count fixed at its value there
+        has_zero = k0 < big
+        n_fixed = n_if_ones[np.minimum(k0, rem.size - 1)]
+        after = has_zero & (pos > k0)
+        later_ones = np.zeros(rem.size, dtype=bool)
+        later_ones[after] = concat(rem[after], n_fixed[after])
+        k1 = np.minimum.reduceat(np.where(later_ones, pos, big), starts)[seg]  # next 1
+        hit = later_ones & (pos == k1)
+        decided[rem[hit]] = 1
+        stop_p = seg_p[~all_ones]
+        n_state[stop_p] = n_fixed[starts][~all_ones]
+        n_state[p[hit]] -= qr[hit]
+        rem = rem[has_zero & (pos > k1) & (k1 < big)]
     assign[children] = decided
     eff_len[children] = lengths[children] + decided * lv
-    touched = np.unique(cp)
-    n_cur[touched] = n_state[touched]
+    n_cur[cp] = n_state[cp]
 
 
 # --------------------------------------------------------------------- groups
@@ -207,38 +227,50 @@ def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, gr
         cur = par
     pair_q = np.concatenate(q_ids)
     pair_g = np.concatenate(g_nodes)
-    order = np.lexsort((pair_q, pair_g))
+    order = np.argsort(pair_g * nqry + pair_q)
     pair_q, pair_g = pair_q[order], pair_g[order]
     counts = np.bincount(pair_g, minlength=tree.n_nodes)
     if not np.array_equal(counts, group_queries):
         raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     kept = group_kv_len[pair_g] > 0
     pair_q, pair_g = pair_q[kept], pair_g[kept]
-    node, q_start, q_count = np.unique(pair_g, return_index=True, return_counts=True)
-    q_indptr = np.zeros(node.size + 1, dtype=np.int64)
-    np.cumsum(q_count, out=q_indptr[1:])
-    kv_indptr, kv_slots = _chain_slots(tree, assign, node)
-    return Groups(node=node, kv_indptr=kv_indptr, kv_slots=kv_slots, q_indptr=q_indptr, q_ids=pair_q)
+    new_group = np.ones(pair_g.size, dtype=bool)
+    new_group[1:] = pair_g[1:] != pair_g[:-1]
+    q_indptr = np.append(np.flatnonzero(new_group), pair_g.size)
+    node = pair_g[new_group]
+    kv_start, kv_slots = _chain_slots(tree, assign, node)
+    return Groups(
+        node=node, kv_start=kv_start, kv_len=group_kv_len[node], kv_slots=kv_slots, q_indptr=q_indptr, q_ids=pair_q
+    )
 
 
 def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Slots of each node's 1-chain (top of the chain first) for the given group nodes."""
+    """KV of each group node's 1-chain (top of the chain first).
+
+    Returns ``(kv_start, kv_slots)``: a group that is a single node reads its run of the
+    tree's own slot array; longer chains are concatenated after it.
+    """
     parents = tree.parents
-    cols = [nodes]
-    cur = nodes
-    alive = assign[cur] == 1
+    kv_start = tree.slot_indptr[nodes].copy()
+    chained = np.flatnonzero(assign[nodes] == 1)
+    if chained.size == 0:
+        return kv_start, tree.slots
+    cur = nodes[chained]
+    cols = [cur]
+    alive = np.ones(cur.size, dtype=bool)
     while alive.any():
         nxt = np.where(alive, parents[np.where(alive, cur, 0)], -1)
         cols.append(nxt)
         cur = nxt
         alive = (cur >= 0) & (assign[np.maximum(cur, 0)] == 1)
-    table = np.stack(cols[::-1], axis=1)  # [n_groups, chain_len], top of chain first, -1 padded on the left
+    table = np.stack(cols[::-1], axis=1)  # [n_chained, chain_len], top of chain first, -1 padded on the left
     chain_nodes = table[table >= 0]
     chain_len = (table >= 0).sum(axis=1)
     node_ptr, slots = ragged_gather(tree.slot_indptr, tree.slots, chain_nodes)
-    chain_ptr = np.zeros(nodes.size + 1, dtype=np.int64)
+    chain_ptr = np.zeros(chained.size + 1, dtype=np.int64)
     np.cumsum(chain_len, out=chain_ptr[1:])
-    return node_ptr[chain_ptr], slots
+    kv_start[chained] = tree.slots.size + node_ptr[chain_ptr[:-1]]
+    return kv_start, np.concatenate([tree.slots, slots])
 
 
 # ----------------------------------------------------------------------- plan
@@ -269,7 +301,7 @@ def plan(
     """
     if not isinstance(tree, KVTree):
         raise ValueError(f"plan() needs a KVTree, got {type(tree).__name__}")
-    config = FastTreeConfig() if config is None else config
+    config = _DEFAULT_CONFIG if config is None else config
     if not isinstance(config, FastTreeConfig):
         raise ValueError(f"config must be a FastTreeConfig, got {type(config).__name__}")
     g = check_heads(num_q_heads, num_kv_heads, head_dim)

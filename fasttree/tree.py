@@ -40,7 +40,16 @@ def ragged_gather(indptr: np.ndarray, data: np.ndarray, rows: np.ndarray) -> tup
     total = int(out_indptr[-1])
     if total == 0:
         return out_indptr, data[:0]
-    idx = np.arange(total, dtype=np.int64) + np.repeat(starts - out_indptr[:-1], lens)
+    # Gather indices by a cumulative sum of steps: +1 inside a row, a jump at each row start.
+    nonempty = lens > 0
+    first = out_indptr[:-1][nonempty]
+    s = starts[nonempty]
+    jumps = np.empty_like(s)
+    jumps[0] = s[0]
+    jumps[1:] = s[1:] - (s[:-1] + lens[nonempty][:-1] - 1)
+    idx = np.ones(total, dtype=np.int64)
+    idx[first] = jumps
+    np.cumsum(idx, out=idx)
     return out_indptr, data[idx]
 
 
@@ -121,7 +130,12 @@ class KVTree:
         if lengths_arr.sum() > _INT32_MAX:
             raise ValueError(f"the tree holds {lengths_arr.sum()} tokens, more than a 2**31 slot pool")
         obj = cls.__new__(cls)
-        obj._init(parents_arr, lengths_arr, np.arange(lengths_arr.sum(), dtype=np.int64), _as_int_array("query_nodes", query_nodes))
+        obj._init(
+            parents_arr,
+            lengths_arr,
+            np.arange(lengths_arr.sum(), dtype=np.int64),
+            _as_int_array("query_nodes", query_nodes),
+        )
         return obj
 
     @classmethod
