@@ -1,0 +1,1 @@
+"""Benchmark scripts for fasttree (run as ``python -m bench.<name>`` from the repo root)."""

@@ -1,0 +1,297 @@
+"""Host planning time of :func:`fasttree.plan` on the FastTree paper suite.
+
+For every paper-suite tree (``fasttree.suite.PAPER_SUITE``, 15 cases) crossed with every head
+setting (``fasttree.suite.PAPER_HEADS``: mha 32/32, gqa4 32/8, gqa16 16/1), head_dim 128 and the
+default :class:`fasttree.FastTreeConfig`, this script
+
+* builds the tree once with ``paper_tree(case)`` and times that build ("tree_ms"),
+* warms the planner up with a few calls, then times ``--repeats`` calls of ``fasttree.plan`` with
+  :func:`time.perf_counter` and reports the median ("plan_ms") and 90th percentile ("plan_p90_ms"),
+* records the plan's tile mode, units per tile class and partial-row count, and the tree's size,
+* sets the result beside the published FastTree planner's time for the same case.
+
+Outputs ``plan_time_<label>.json`` and ``plan_time_<label>.md`` under ``--out`` (written
+atomically) and prints the markdown table to stdout.
+
+Run from the repository root::
+
+    python -m bench.plan_time [--repeats 200] [--warmup 5] [--out docs/bench] [--label cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import fasttree
+from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+
+log = logging.getLogger("bench.plan_time")
+
+HEAD_DIM = 128
+
+#: Published FastTree planner time in ms per (case, heads), copied from the
+#: ``published_fasttree_plan_ms`` field of shared/anchors/h200_paper_suite.json:
+#: measured on an H200 host, 2026-11-29, published FastTree planner incl. index upload.
+#: Note that it includes the upload of the index arrays to the GPU, while ``plan_ms`` here is
+#: host planning only (fasttree.plan returns host arrays), so the comparison slightly favours us.
+PUBLISHED_PLAN_MS: dict[int, dict[str, float]] = {
+    1: {"mha": 1.9, "gqa4": 6.03, "gqa16": 3.96},
+    2: {"mha": 5.87, "gqa4": 9.81, "gqa16": 5.46},
+    3: {"mha": 4.93, "gqa4": 10.96, "gqa16": 6.3},
+    4: {"mha": 5.51, "gqa4": 10.56, "gqa16": 14.21},
+    5: {"mha": 13.33, "gqa4": 15.95, "gqa16": 16.58},
+    6: {"mha": 2.5, "gqa4": 2.61, "gqa16": 4.69},
+    7: {"mha": 7.95, "gqa4": 17.35, "gqa16": 12.34},
+    8: {"mha": 44.56, "gqa4": 56.23, "gqa16": 59.2},
+    9: {"mha": 1.59, "gqa4": 1.71, "gqa16": 5.8},
+    10: {"mha": 16.08, "gqa4": 20.96, "gqa16": 15.33},
+    11: {"mha": 15.48, "gqa4": 30.44, "gqa16": 19.86},
+    12: {"mha": 15.31, "gqa4": 91.75, "gqa16": 19.78},
+    13: {"mha": 16.55, "gqa4": 18.46, "gqa16": 27.17},
+    14: {"mha": 15.33, "gqa4": 17.2, "gqa16": 19.39},
+    15: {"mha": 15.99, "gqa4": 19.17, "gqa16": 26.19},
+}
+
+
+def _cpu_model() -> str | None:
+    """CPU model name from /proc/cpuinfo, or None where it is not readable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def _git_commit() -> str | None:
+    """``git rev-parse HEAD`` of the repository holding this script, or None on failure."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit or None
+
+
+def environment() -> dict[str, Any]:
+    """Host-name-free description of the machine and software versions."""
+    return {
+        "processor": platform.processor() or None,
+        "machine": platform.machine() or None,
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "fasttree": fasttree.__version__,
+        "git_commit": _git_commit(),
+        "timestamp_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def bench_case(case: int, heads: str, repeats: int, warmup: int) -> dict[str, Any]:
+    """Time tree build and planning of one (case, heads) pair."""
+    num_q_heads, num_kv_heads = PAPER_HEADS[heads]
+    config = fasttree.FastTreeConfig()
+
+    t0 = time.perf_counter()
+    tree = paper_tree(case)
+    tree_ms = (time.perf_counter() - t0) * 1e3
+
+    plan = None
+    for _ in range(warmup):
+        plan = fasttree.plan(tree, config, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM)
+
+    times = np.empty(repeats, dtype=np.float64)
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        plan = fasttree.plan(tree, config, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM)
+        times[i] = time.perf_counter() - t0
+    assert plan is not None
+    times *= 1e3
+
+    plan_ms = float(np.median(times))
+    published = PUBLISHED_PLAN_MS.get(case, {}).get(heads)
+    return {
+        "case": case,
+        "heads": heads,
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": HEAD_DIM,
+        "n_nodes": int(tree.n_nodes),
+        "n_queries": int(tree.n_queries),
+        "tree_ms": tree_ms,
+        "plan_ms": plan_ms,
+        "plan_p90_ms": float(np.percentile(times, 90)),
+        "plan_min_ms": float(times.min()),
+        "repeats": repeats,
+        "published_plan_ms": published,
+        "speedup_vs_published": (published / plan_ms) if published is not None and plan_ms > 0 else None,
+        "tile_mode": plan.tile_mode,
+        "units_per_class": [int(u) for u in plan.units_per_class()],
+        "n_partial_rows": int(plan.n_partial_rows),
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Max and median plan_ms over all rows and how many rows plan in at most 1 ms."""
+    plan_ms = np.array([r["plan_ms"] for r in rows], dtype=np.float64)
+    speedups = np.array([r["speedup_vs_published"] for r in rows if r["speedup_vs_published"] is not None])
+    worst = rows[int(plan_ms.argmax())]
+    return {
+        "n_rows": len(rows),
+        "max_plan_ms": float(plan_ms.max()),
+        "max_plan_case": f"{worst['case']}/{worst['heads']}",
+        "median_plan_ms": float(np.median(plan_ms)),
+        "rows_le_1ms": int((plan_ms <= 1.0).sum()),
+        "median_speedup_vs_published": float(np.median(speedups)) if speedups.size else None,
+        "min_speedup_vs_published": float(speedups.min()) if speedups.size else None,
+    }
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any], label: str) -> str:
+    """Markdown table of all rows followed by summary lines."""
+    lines = [
+        f"# fasttree.plan host planning time ({label})",
+        "",
+        f"head_dim {HEAD_DIM}, default FastTreeConfig, median / p90 of {rows[0]['repeats'] if rows else 0} calls. "
+        "published_ms: published FastTree planner on an H200 host incl. index upload (2026-11-29).",
+        "",
+        "| case | heads | nodes | queries | tree_ms | plan_ms | p90_ms | published_ms | speedup | mode |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|---:|:---|",
+    ]
+    for r in rows:
+        speedup = r["speedup_vs_published"]
+        lines.append(
+            f"| {r['case']} | {r['heads']} | {r['n_nodes']} | {r['n_queries']} | {_fmt(r['tree_ms'])} "
+            f"| {_fmt(r['plan_ms'])} | {_fmt(r['plan_p90_ms'])} | {_fmt(r['published_plan_ms'], 2)} "
+            f"| {'-' if speedup is None else f'{speedup:.1f}x'} | {r['tile_mode']} |"
+        )
+    lines += [
+        "",
+        f"- max plan_ms: {summary['max_plan_ms']:.3f} (case {summary['max_plan_case']})",
+        f"- median plan_ms: {summary['median_plan_ms']:.3f}",
+        f"- rows with plan_ms <= 1 ms: {summary['rows_le_1ms']} / {summary['n_rows']}",
+    ]
+    if summary["median_speedup_vs_published"] is not None:
+        lines.append(
+            f"- speedup vs published: median {summary['median_speedup_vs_published']:.1f}x, "
+            f"min {summary['min_speedup_vs_published']:.1f}x"
+        )
+    lines.append(
+        f"- env: {env['cpu_model'] or env['processor'] or env['machine']}, python {env['python']}, "
+        f"numpy {env['numpy']}, fasttree {env['fasttree']}, commit {(env['git_commit'] or 'unknown')[:12]}, "
+        f"{env['timestamp_utc']}"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.plan_time",
+        description="Measure host planning time of fasttree.plan on the 15 paper-suite trees x 3 head settings "
+        f"(head_dim {HEAD_DIM}, default config) and compare with the published FastTree planner.",
+    )
+    parser.add_argument("--repeats", type=int, default=200, help="timed plan() calls per case (default: 200)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed plan() calls before timing (default: 5)")
+    parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="output folder (default: docs/bench)")
+    parser.add_argument(
+        "--label", default="cpu", help="label in the output names plan_time_<label>.json/.md (default: cpu)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every case")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )
+    env = environment()
+    log.info("env: %s", env)
+
+    rows: list[dict[str, Any]] = []
+    for case in sorted(PAPER_SUITE):
+        for heads in PAPER_HEADS:
+            row = bench_case(case, heads, args.repeats, args.warmup)
+            rows.append(row)
+            log.info(
+                "case %2d %-5s plan %.3f ms (p90 %.3f), published %s ms, mode %s",
+                case,
+                heads,
+                row["plan_ms"],
+                row["plan_p90_ms"],
+                row["published_plan_ms"],
+                row["tile_mode"],
+            )
+
+    summary = summarize(rows)
+    report = {
+        "benchmark": "fasttree.plan host planning time, paper suite",
+        "label": args.label,
+        "head_dim": HEAD_DIM,
+        "config": "FastTreeConfig() defaults",
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "published_source": "measured on an H200 host, 2026-11-29, published FastTree planner incl. index upload",
+        "env": env,
+        "summary": summary,
+        "rows": rows,
+    }
+    md = markdown(rows, summary, env, args.label)
+    json_path = args.out / f"plan_time_{args.label}.json"
+    md_path = args.out / f"plan_time_{args.label}.md"
+    write_atomic(json_path, json.dumps(report, indent=2) + "\n")
+    write_atomic(md_path, md)
+    log.info("wrote %s and %s", json_path, md_path)
+    sys.stdout.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
