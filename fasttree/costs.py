@@ -1,15 +1,15 @@
 """The FastTree planner's padding cost ``Cmm`` and the edge costs built on it.
 
-With ``TSQ`` query rows per tile (counted in queries), ``TSK`` KV tokens per tile and
-``g`` the GQA group size::
+With ``TSQ`` queries per tile, ``TSK`` KV tokens per tile and ``g`` the GQA group size::
 
     PadQ(TS, n) = TS - ((n - 1) % TS + 1)       # == (-n) mod TS, 0 for n == 0
     PadK(TS, n) = max(0, TS - n)
     Cmm(nQ, nK) = alpha * PadQ(TSQ, nQ) * g * nK + beta * PadK(TSK, nK) * nQ * g
 
-The tile class (and so ``TSQ``, ``TSK``) is chosen by ``nQ``: more than the small
-query tile uses the large tile, unless the plan is forced to one tile class.
-``Cmm(0, nK) == 0``: an empty group costs nothing.
+The tile *phase* is chosen by ``nQ``: more queries than the phase-1 tile use the phase-0
+tile pair. In the default two-class mode the pairs are (large, small); the adaptive tile
+pass can force both phases onto the small or onto the large tiles (see
+:func:`mode_tiles`). ``Cmm(0, nK) == 0``: an empty group costs nothing.
 """
 
 from __future__ import annotations
@@ -21,12 +21,25 @@ import numpy as np
 #: Tile modes of a plan: two tile classes, or every group on one of them.
 TWO_CLASSES, ALL_LARGE, ALL_SMALL = "two_classes", "all_large", "all_small"
 
-_FIXED_CLASS = {ALL_LARGE: 0, ALL_SMALL: 1}
+
+def mode_tiles(mode: str, q_tiles: tuple[int, int], kv_tiles: tuple[int, int]):
+    """Per-phase (query tiles, KV tiles) of a tile mode."""
+    if mode == TWO_CLASSES:
+        return tuple(q_tiles), tuple(kv_tiles)
+    if mode == ALL_LARGE:
+        return (q_tiles[0], q_tiles[0]), (kv_tiles[0], kv_tiles[0])
+    if mode == ALL_SMALL:
+        return (q_tiles[1], q_tiles[1]), (kv_tiles[1], kv_tiles[1])
+    raise ValueError(f"unknown tile mode {mode!r}")
+
+
+def _pow2(x: int) -> bool:
+    return x & (x - 1) == 0
 
 
 @dataclass(frozen=True)
 class PaddingCost:
-    """Vectorised ``Cmm`` for one (config, GQA ratio, tile mode).
+    """Vectorised ``Cmm`` for one (config, GQA ratio, per-phase tiles).
 
     Parameters
     ----------
@@ -35,11 +48,9 @@ class PaddingCost:
     group_size : int
         GQA ratio ``g``.
     q_tiles : tuple of int
-        Queries per tile (large, small).
+        Queries per tile of phase 0 and phase 1.
     kv_tiles : tuple of int
-        KV tokens per tile (large, small).
-    mode : str
-        ``TWO_CLASSES``, ``ALL_LARGE`` or ``ALL_SMALL``.
+        KV tokens per tile of phase 0 and phase 1.
     """
 
     alpha: float
@@ -48,29 +59,20 @@ class PaddingCost:
     group_size: int
     q_tiles: tuple[int, int]
     kv_tiles: tuple[int, int]
-    mode: str = TWO_CLASSES
 
-    def tile_class(self, n_queries: np.ndarray) -> np.ndarray:
-        """0 (large) or 1 (small) per group of ``n_queries`` queries, int64 like the input."""
-        n_queries = np.asarray(n_queries)
-        if self.mode == ALL_LARGE:
-            return np.zeros_like(n_queries)
-        if self.mode == ALL_SMALL:
-            return np.ones_like(n_queries)
-        return (n_queries <= self.q_tiles[1]).astype(n_queries.dtype)
+    def phase(self, n_queries: np.ndarray) -> np.ndarray:
+        """0 or 1 per group of ``n_queries`` queries (int64)."""
+        return (np.asarray(n_queries) <= self.q_tiles[1]).astype(np.int64)
 
     def cmm(self, n_queries: np.ndarray, n_kv: np.ndarray) -> np.ndarray:
         """Padding cost of a group of ``n_queries`` queries over ``n_kv`` tokens (broadcasting)."""
         n_queries = np.asarray(n_queries, dtype=np.int64)
         n_kv = np.asarray(n_kv, dtype=np.int64)
-        if self.mode == TWO_CLASSES:
-            large = n_queries > self.q_tiles[1]
-            tsq = np.where(large, self.q_tiles[0], self.q_tiles[1])
-            tsk = np.where(large, self.kv_tiles[0], self.kv_tiles[1])
-        else:
-            c = 0 if self.mode == ALL_LARGE else 1
-            tsq, tsk = self.q_tiles[c], self.kv_tiles[c]
-        if self.q_tiles[0] & (self.q_tiles[0] - 1) == 0 and self.q_tiles[1] & (self.q_tiles[1] - 1) == 0:
+        (tq0, tq1), (tk0, tk1) = self.q_tiles, self.kv_tiles
+        large = n_queries > tq1
+        tsq = np.where(large, tq0, tq1)
+        tsk = np.where(large, tk0, tk1)
+        if _pow2(tq0) and _pow2(tq1):
             pad_q = (-n_queries) & (tsq - 1)  # same as % for power-of-two tiles, and faster
         else:
             pad_q = (-n_queries) % tsq
@@ -80,7 +82,7 @@ class PaddingCost:
 
     def cmm_scalar(self, nq: int, nk: int) -> float:
         """``cmm`` for Python ints (no numpy overhead), same arithmetic."""
-        c = _FIXED_CLASS.get(self.mode, 0 if nq > self.q_tiles[1] else 1)
+        c = 0 if nq > self.q_tiles[1] else 1
         tsk = self.kv_tiles[c]
         pad_k = tsk - nk if nk < tsk else 0
         g = self.group_size

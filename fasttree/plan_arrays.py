@@ -111,7 +111,8 @@ class Plan:
         Units of tile class ``c`` are ``class_unit_ptr[c]:class_unit_ptr[c + 1]``; within
         a class, units are sorted by decreasing KV length.
     tile_classes : tuple of TileClass
-        Launch shape per tile class (large, small).
+        Launch shape per tile class (0: units with more than ``tile_classes[1].queries``
+        queries, 1: the others).
     n_partial_rows : int
     tile_mode : str
         ``two_classes``, ``all_large`` or ``all_small`` (the adaptive tile pass).
@@ -230,9 +231,10 @@ class DevicePlan:
 def materialize(
     groups: Groups,
     *,
-    tile_class: np.ndarray,
     q_tiles: tuple[int, int],
-    split_sizes: tuple[int, int],
+    kv_tiles: tuple[int, int],
+    group_split: np.ndarray,
+    splits: tuple[int, int],
     config: FastTreeConfig,
     num_q_heads: int,
     num_kv_heads: int,
@@ -244,23 +246,28 @@ def materialize(
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
+    Every group's queries are cut into tiles of ``q_tiles[0]`` queries and its KV into
+    chunks of its ``group_split`` tokens; a unit with more than ``q_tiles[1]`` queries runs
+    in tile class 0, the others (small groups and remainder tiles) in class 1.
+
     Parameters
     ----------
     groups : Groups
-        Non-empty groups (each with >= 1 token and >= 1 query).
-    tile_class : ndarray, int [n_groups]
-        0 (large) or 1 (small) per group.
-    q_tiles, split_sizes : tuple of int
-        Queries per tile and KV tokens per unit, per tile class.
+        Groups with >= 1 token and >= 1 query each.
+    q_tiles, kv_tiles : tuple of int
+        Queries and KV tokens per tile of tile class 0 and 1.
+    group_split : ndarray, int [n_groups]
+        KV tokens per unit of each group.
+    splits : tuple of int
+        The split sizes of the two phases (recorded in the plan).
     """
     g = num_q_heads // num_kv_heads
     kv_len = groups.kv_len
     nq = groups.n_queries
-    tile_class = np.asarray(tile_class, dtype=np.int64)
-    split_g = np.where(tile_class == 0, split_sizes[0], split_sizes[1]).astype(np.int64)
-    tile_g = np.where(tile_class == 0, q_tiles[0], q_tiles[1]).astype(np.int64)
+    split_g = np.asarray(group_split, dtype=np.int64)
+    tile_q = int(q_tiles[0])
     chunks = -(-kv_len // split_g)
-    tiles = -(-nq // tile_g)
+    tiles = -(-nq // tile_q)
     per_group = chunks * tiles
 
     u_group = np.repeat(np.arange(groups.n_groups), per_group)
@@ -271,11 +278,10 @@ def materialize(
     chunk = w // u_tiles
     tile = w - chunk * u_tiles
     u_split = split_g[u_group]
-    u_tile = tile_g[u_group]
     kv_start = groups.kv_start[u_group] + chunk * u_split
     u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
-    q_first = groups.q_indptr[u_group] + tile * u_tile
-    u_q_len = np.minimum(u_tile, nq[u_group] - tile * u_tile)
+    q_first = groups.q_indptr[u_group] + tile * tile_q
+    u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
 
     # pairs, in unit order
     pair_unit = np.repeat(np.arange(u_group.size), u_q_len)
@@ -299,22 +305,20 @@ def materialize(
     rank = np.arange(order.size, dtype=np.int64) - seg_start[q_sorted]
     out_row = np.empty(pair_query.size, dtype=np.int64)
     out_row[order] = np.where(multi[q_sorted], part_start[q_sorted] + rank, -1)
-
     if max(groups.kv_slots.size, pair_query.size, int(rows_per_query.sum())) > np.iinfo(np.int32).max:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
     # units ordered by tile class, then longest KV first
-    u_class = tile_class[u_group]
+    u_class = (u_q_len <= q_tiles[1]).astype(np.int64)
     uorder = np.lexsort((-u_kv_len, u_class))
-    u_class_sorted = u_class[uorder]
-    ptr = tuple(int(x) for x in np.searchsorted(u_class_sorted, [0, 1, 2]))
+    ptr = (0, int(np.count_nonzero(u_class == 0)), int(u_class.size))
 
     classes = tuple(
         TileClass(
             queries=int(q_tiles[c]),
             block_m=max(_MIN_BLOCK_M, _next_pow2(q_tiles[c] * g)),
-            block_n=int(config.kv_tile[c]),
-            split=int(split_sizes[c]),
+            block_n=int(kv_tiles[c]),
+            split=int(splits[c]),
             num_warps=int(config.num_warps[c]),
             num_stages=int(config.num_stages[c]),
         )
@@ -337,7 +341,7 @@ def materialize(
         query_partial_start=part_start.astype(i32),
         query_num_partials=n_part.astype(i32),
         merge_queries=np.flatnonzero(multi).astype(i32),
-        class_unit_ptr=ptr,  # type: ignore[arg-type]
+        class_unit_ptr=ptr,
         tile_classes=classes,  # type: ignore[arg-type]
         n_partial_rows=int(rows_per_query.sum()),
         tile_mode=tile_mode,

@@ -10,9 +10,9 @@ Pipeline (all on the host, numpy only):
    absorbed by a 1-edge child. Empty groups are dropped.
 3. :func:`fasttree.plan_arrays.materialize` -- groups cut into work units (KV chunks x
    query tiles), partial rows assigned; see :class:`fasttree.plan_arrays.Plan`.
-4. Adaptive passes (:func:`plan`): a tile class with few units uses the small split
-   size; when one class is nearly empty every group moves to the other class and the
-   greedy is re-run with that single tile.
+4. Adaptive passes (:func:`plan`): a tile phase with few units uses the small split
+   size; when one phase is nearly empty every group moves to the other phase's tiles and
+   the greedy is re-run with them.
 
 Levels are processed one at a time; within a level, edges are decided either by a
 scalar loop (few edges) or by vectorised rounds in which every parent jumps to its
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import FastTreeConfig
-from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost
+from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .plan_arrays import Plan, check_heads, materialize
 from .tree import KVTree, ragged_gather
 
@@ -284,6 +284,13 @@ def plan(
 ) -> Plan:
     """Plan tree attention for one tree on the host.
 
+    The adaptive passes follow the published planner: after the greedy, a phase whose
+    units x KV heads are fewer than ``para_threshs1`` (and more than zero) switches to
+    the small split size; only if a split changed, the units are recounted, and when the
+    large phase has fewer than ``para_threshs2[0]`` (or else the small one fewer than
+    ``para_threshs2[1]``) every group moves to the small (large) tiles and the greedy
+    runs again with them.
+
     Parameters
     ----------
     tree : KVTree
@@ -308,27 +315,35 @@ def plan(
     q_tiles = config.query_tiles(g)
 
     def run_greedy(mode: str):
-        cost = PaddingCost(config.alpha, config.beta, config.gamma, g, q_tiles, config.kv_tile, mode)
+        tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
+        cost = PaddingCost(config.alpha, config.beta, config.gamma, g, tq, tk)
         assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
-        groups = build_groups(tree, assign, group_q, group_kv)
-        return cost, assign, groups
+        return cost, assign, build_groups(tree, assign, group_q, group_kv)
 
     mode = TWO_CLASSES
     cost, assign, groups = run_greedy(mode)
-    splits, units = _choose_splits(groups, cost, config, q_tiles, num_kv_heads)
-    if units[0] > 0 and units[1] > 0:
-        if units[0] * num_kv_heads < config.para_threshs2[0]:
+    big, small = config.kv_split_sizes
+    splits = [big, big]
+    units = _units_per_phase(groups, cost, splits, num_kv_heads)
+    changed = False
+    for c in (0, 1):
+        if 0 < units[c] < config.para_threshs1[c]:
+            splits[c] = small
+            changed = True
+    if changed:
+        units = _units_per_phase(groups, cost, splits, num_kv_heads)
+        if 0 < units[0] < config.para_threshs2[0]:
             mode = ALL_SMALL
-        elif units[1] * num_kv_heads < config.para_threshs2[1]:
+        elif 0 < units[1] < config.para_threshs2[1]:
             mode = ALL_LARGE
-    if mode != TWO_CLASSES:
-        cost, assign, groups = run_greedy(mode)
-        splits, units = _choose_splits(groups, cost, config, q_tiles, num_kv_heads)
+        if mode != TWO_CLASSES:
+            cost, assign, groups = run_greedy(mode)
     return materialize(
         groups,
-        tile_class=cost.tile_class(groups.n_queries),
-        q_tiles=q_tiles,
-        split_sizes=splits,
+        q_tiles=cost.q_tiles,
+        kv_tiles=cost.kv_tiles,
+        group_split=np.where(cost.phase(groups.n_queries) == 0, splits[0], splits[1]),
+        splits=(splits[0], splits[1]),
         config=config,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -340,22 +355,11 @@ def plan(
     )
 
 
-def _units_per_class(groups: Groups, tile_class: np.ndarray, q_tiles, splits) -> list[int]:
-    kv_len = groups.kv_len
-    nq = groups.n_queries
-    out = []
-    for c in (0, 1):
-        m = tile_class == c
-        chunks = -(-kv_len[m] // splits[c])
-        tiles = -(-nq[m] // q_tiles[c])
-        out.append(int((chunks * tiles).sum()))
-    return out
-
-
-def _choose_splits(groups: Groups, cost: PaddingCost, config: FastTreeConfig, q_tiles, num_kv_heads: int):
-    """First adaptive pass: a tile class with too few units x KV heads uses the small split."""
-    tile_class = cost.tile_class(groups.n_queries)
-    big, small = config.kv_split_sizes
-    units = _units_per_class(groups, tile_class, q_tiles, (big, big))
-    splits = tuple(small if units[c] * num_kv_heads < config.para_threshs1[c] else big for c in (0, 1))
-    return splits, _units_per_class(groups, tile_class, q_tiles, splits)
+def _units_per_phase(groups: Groups, cost: PaddingCost, splits, num_kv_heads: int) -> list[int]:
+    """Work units x KV heads per group phase, for the given split sizes."""
+    phase = cost.phase(groups.n_queries)
+    split = np.where(phase == 0, splits[0], splits[1])
+    tile = np.where(phase == 0, cost.q_tiles[0], cost.q_tiles[1])
+    units = -(-groups.kv_len // split) * -(-groups.n_queries // tile)
+    per_phase = np.bincount(phase, weights=units, minlength=2)
+    return [int(per_phase[0]) * num_kv_heads, int(per_phase[1]) * num_kv_heads]

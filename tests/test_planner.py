@@ -1,0 +1,293 @@
+"""Planner properties: the greedy matches a plain implementation of the notes, every
+query reads its context exactly once, partial rows are consistent, plans are
+deterministic, and the adaptive passes and ablations behave as documented."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+from trees import random_tree
+
+import fasttree as ft
+import fasttree.planner as planner_mod
+from fasttree.costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
+from fasttree.plan_arrays import DEVICE_ARRAYS
+from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.tree import ragged_gather
+
+
+# ------------------------------------------------------------------ helpers
+def reference_greedy(tree: ft.KVTree, cost: PaddingCost) -> np.ndarray:
+    """The notes' greedy, written as plainly as possible (BFS, Python lists)."""
+    n = tree.n_nodes
+    parents = tree.parents.tolist()
+    children = [[] for _ in range(n)]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children[p].append(i)
+    nq = tree.subtree_queries.tolist()
+    length = tree.lengths.tolist()
+    assign = [0] * n
+    queue = deque(i for i in range(n) if parents[i] < 0)
+    while queue:
+        v = queue.popleft()
+        n_cur = nq[v]
+        for child in children[v]:
+            split_kv = (
+                cost.cmm_scalar(n_cur, length[v]) + cost.cmm_scalar(nq[child], length[child]) + cost.gamma * nq[child]
+            )
+            split_q = cost.cmm_scalar(n_cur - nq[child], length[v]) + cost.cmm_scalar(
+                nq[child], length[child] + length[v]
+            )
+            if split_kv > split_q:
+                assign[child] = 1
+                n_cur -= nq[child]
+                length[child] += length[v]
+            queue.append(child)
+    return np.array(assign, dtype=np.int8)
+
+
+def random_cost(rng: np.random.Generator) -> PaddingCost:
+    g = int(rng.choice([1, 2, 4, 7, 8, 16]))
+    cfg = ft.FastTreeConfig(
+        q_tile_queries=None if rng.random() < 0.6 else (int(rng.integers(2, 9)), int(rng.integers(1, 3))),
+        kv_tile=(int(rng.choice([16, 32, 64])), int(rng.choice([16, 32, 128]))),
+    )
+    mode = str(rng.choice([TWO_CLASSES, ALL_SMALL, ALL_LARGE]))
+    tq, tk = mode_tiles(mode, cfg.query_tiles(g), cfg.kv_tile)
+    return PaddingCost(
+        float(rng.choice([0.66, 0.1, 1.0])),
+        float(rng.choice([0.33, 0.0, 2.0])),
+        float(rng.choice([0.1, -10, 10, 0])),
+        g,
+        tq,
+        tk,
+    )
+
+
+def read_tokens(plan: ft.Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(query, slot) of every KV token that every pair of the plan reads."""
+    queries, slots = [], []
+    kv = plan.kv_indices
+    for u in range(plan.n_units):
+        ks, kn = int(plan.unit_kv_start[u]), int(plan.unit_kv_len[u])
+        qs, qn = int(plan.unit_q_start[u]), int(plan.unit_q_len[u])
+        for j in plan.pair_query[qs : qs + qn].tolist():
+            queries.append(np.full(kn, j, dtype=np.int64))
+            slots.append(kv[ks : ks + kn].astype(np.int64))
+    return np.concatenate(queries), np.concatenate(slots)
+
+
+def assert_covers_contexts_once(tree: ft.KVTree, plan: ft.Plan) -> None:
+    q, s = read_tokens(plan)
+    base = max(int(s.max()), tree.max_slot) + 1
+    got = np.sort(q * base + s)
+    indptr, slots = tree.query_slots()
+    rq = np.repeat(np.arange(tree.n_queries), np.diff(indptr))
+    want = np.sort(rq * base + slots.astype(np.int64))
+    assert got.size == want.size, "a query reads a different number of tokens than its context holds"
+    np.testing.assert_array_equal(got, want)
+
+
+def assert_partials_consistent(plan: ft.Plan) -> None:
+    nq = plan.n_queries
+    counts = np.bincount(plan.pair_query, minlength=nq)
+    np.testing.assert_array_equal(counts, plan.query_num_partials)
+    direct = plan.pair_out_row < 0
+    # a pair writes directly exactly when its query has one partial
+    np.testing.assert_array_equal(direct, plan.query_num_partials[plan.pair_query] == 1)
+    rows = plan.pair_out_row[~direct]
+    assert rows.size == plan.n_partial_rows
+    np.testing.assert_array_equal(np.sort(rows), np.arange(plan.n_partial_rows))
+    owner = plan.pair_query[~direct]
+    start = plan.query_partial_start[owner]
+    assert np.all((rows >= start) & (rows < start + plan.query_num_partials[owner]))
+    np.testing.assert_array_equal(plan.merge_queries, np.flatnonzero(plan.query_num_partials >= 2))
+
+
+def assert_unit_shapes(plan: ft.Plan) -> None:
+    ptr = plan.class_unit_ptr
+    assert ptr[0] == 0 and ptr[2] == plan.n_units and ptr[0] <= ptr[1] <= ptr[2]
+    assert np.all(plan.unit_kv_len >= 1)
+    assert np.all(plan.unit_kv_start >= 0)
+    assert np.all(plan.unit_kv_start.astype(np.int64) + plan.unit_kv_len <= plan.kv_indices.size)
+    assert np.all(plan.unit_q_len >= 1)
+    for c in (0, 1):
+        tc = plan.tile_classes[c]
+        sl = slice(ptr[c], ptr[c + 1])
+        q_len, kv_len = plan.unit_q_len[sl], plan.unit_kv_len[sl]
+        assert np.all(q_len <= tc.queries)
+        assert np.all(q_len * plan.group_size <= tc.block_m)
+        assert np.all(np.diff(kv_len) <= 0), "units of a class must be sorted by decreasing KV length"
+    small = plan.tile_classes[1].queries
+    assert np.all(plan.unit_q_len[: ptr[1]] > small)
+    assert np.all(plan.unit_q_len[ptr[1] :] <= small)
+
+
+def check_plan(tree: ft.KVTree, plan: ft.Plan) -> None:
+    assert_covers_contexts_once(tree, plan)
+    assert_partials_consistent(plan)
+    assert_unit_shapes(plan)
+
+
+# ------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("scalar_edges", [-1, 10**9, planner_mod._SCALAR_EDGES])
+def test_greedy_matches_plain_implementation(monkeypatch, scalar_edges):
+    monkeypatch.setattr(planner_mod, "_SCALAR_EDGES", scalar_edges)
+    rng = np.random.default_rng(1234 + scalar_edges % 97)
+    for _ in range(150):
+        tree = random_tree(rng, max_nodes=120)
+        cost = random_cost(rng)
+        assign, group_q, _ = ft.greedy_edge_assignment(tree, cost)
+        np.testing.assert_array_equal(assign, reference_greedy(tree, cost))
+        assert np.all(assign[tree.parents < 0] == 0)
+        assert np.all(group_q >= 0)
+
+
+def test_greedy_wide_fanout_runs_match_plain_implementation():
+    # many identical siblings: all-1 runs, all-0 runs and alternating patterns
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        fan = int(rng.integers(60, 400))
+        lengths = np.concatenate([[int(rng.choice([1, 8, 16, 256, 2048]))], rng.choice([1, 16, 32, 33], size=fan)])
+        parents = np.concatenate([[-1], np.zeros(fan, dtype=np.int64)])
+        queries = np.concatenate([np.arange(1, fan + 1), rng.integers(0, fan + 1, size=int(rng.integers(0, 50)))])
+        tree = ft.KVTree.from_lengths(parents, lengths, queries)
+        cost = random_cost(rng)
+        np.testing.assert_array_equal(ft.greedy_edge_assignment(tree, cost)[0], reference_greedy(tree, cost))
+
+
+# --------------------------------------------------------------------- plans
+def test_random_plans_cover_every_context_exactly_once():
+    rng = np.random.default_rng(99)
+    for _ in range(120):
+        tree = random_tree(rng, max_nodes=60)
+        hkv = int(rng.choice([1, 2, 4]))
+        g = int(rng.choice([1, 4, 7, 16]))
+        cfg = ft.FastTreeConfig(
+            gamma=float(rng.choice([0.1, -10, 10])),
+            kv_split_sizes=(int(rng.choice([64, 1024])), int(rng.choice([1, 16, 128]))),
+            para_threshs1=(int(rng.integers(0, 600)), int(rng.integers(0, 600))),
+            para_threshs2=(int(rng.integers(0, 300)), int(rng.integers(0, 300))),
+        )
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
+        check_plan(tree, plan)
+
+
+@pytest.mark.parametrize("case", sorted(PAPER_SUITE))
+def test_paper_suite_plans_cover_every_context_exactly_once(case):
+    tree = paper_tree(case)
+    for hq, hkv in PAPER_HEADS.values():
+        check_plan(tree, ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128))
+
+
+def test_plan_is_deterministic():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        tree = random_tree(rng)
+        a = ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=128)
+        b = ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=128)
+        for name in DEVICE_ARRAYS:
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert a.class_unit_ptr == b.class_unit_ptr and a.tile_classes == b.tile_classes
+
+
+def test_query_at_internal_node_and_forest():
+    # two roots; queries at a root, at an internal node and at leaves
+    tree = ft.KVTree.from_lengths([-1, 0, 1, 1, -1, 4], [5, 3, 2, 4, 6, 1], [0, 1, 2, 3, 5, 4, 1])
+    plan = ft.plan(tree, num_q_heads=4, num_kv_heads=4, head_dim=64)
+    check_plan(tree, plan)
+    indptr, _ = tree.query_slots()
+    np.testing.assert_array_equal(np.diff(indptr), [5, 8, 10, 12, 7, 6, 8])
+
+
+def test_million_token_node_is_split_into_units():
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [1_000_000, 1, 1, 3], [1, 2, 3])
+    plan = ft.plan(tree, num_q_heads=8, num_kv_heads=1, head_dim=128)
+    check_plan(tree, plan)
+    assert plan.unit_kv_len.max() <= max(plan.config.kv_split_sizes)
+    assert plan.n_units >= 1_000_000 // 1024
+
+
+# ---------------------------------------------------------- adaptive passes
+def test_small_split_used_when_a_phase_has_few_units():
+    tree = ft.KVTree.from_lengths([-1, 0, 0], [4000, 10, 10], [1, 2])
+    cfg = ft.FastTreeConfig(para_threshs1=(10**6, 10**6), para_threshs2=(0, 0))
+    plan = ft.plan(tree, cfg, num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan.tile_mode == TWO_CLASSES
+    # every group is in the small phase; the empty large phase keeps the default split
+    assert [tc.split for tc in plan.tile_classes] == [cfg.kv_split_sizes[0], cfg.kv_split_sizes[1]]
+    assert plan.unit_kv_len.max() <= cfg.kv_split_sizes[1]
+    plan_big = ft.plan(tree, cfg.with_(para_threshs1=(0, 0)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan_big.unit_kv_len.max() == min(4010, cfg.kv_split_sizes[0])
+
+
+def test_tile_pass_forces_small_tiles_when_large_phase_is_underfilled():
+    # one group with many queries (large phase) next to many small groups
+    parents = [-1] + [0] * 40 + [1] * 30
+    lengths = [64] + [300] * 40 + [8] * 30
+    tree = ft.KVTree.from_lengths(parents, lengths, list(range(2, 71)))
+    cfg = ft.FastTreeConfig(para_threshs1=(10**6, 10**6), para_threshs2=(10**6, 0))
+    plan = ft.plan(tree, cfg, num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan.tile_mode == ALL_SMALL
+    assert plan.tile_classes[0].queries == plan.tile_classes[1].queries == cfg.query_tiles(1)[1]
+    check_plan(tree, plan)
+    cfg_large = cfg.with_(para_threshs2=(0, 10**6))
+    plan_large = ft.plan(tree, cfg_large, num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan_large.tile_mode == ALL_LARGE
+    check_plan(tree, plan_large)
+
+
+def test_tile_pass_needs_a_split_change_first():
+    # the published planner only reconsiders tiles when the split pass changed a split
+    tree = paper_tree(2)
+    cfg = ft.FastTreeConfig(para_threshs1=(0, 0), para_threshs2=(10**6, 10**6))
+    assert ft.plan(tree, cfg, num_q_heads=32, num_kv_heads=8, head_dim=128).tile_mode == TWO_CLASSES
+
+
+# ----------------------------------------------------------------- ablations
+def _ones(tree, gamma, split, hq, hkv) -> int:
+    cfg = ft.FastTreeConfig(gamma=gamma, kv_split_sizes=(split, min(split, 128)))
+    plan = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    return int(plan.edge_assignment.sum())
+
+
+@pytest.mark.parametrize("case", sorted(PAPER_SUITE))
+def test_ablation_gammas_order_concatenation_on_suite(case):
+    tree = paper_tree(case)
+    for hq, hkv in PAPER_HEADS.values():
+        no_greedy = _ones(tree, -10.0, 1024, hq, hkv)
+        default = _ones(tree, 0.1, 1024, hq, hkv)
+        query_centric = _ones(tree, 10.0, 81920, hq, hkv)
+        assert no_greedy <= default <= query_centric
+
+
+def test_ablation_extremes():
+    # gamma = -10 keeps every context in its own group on a long-prefix tree ...
+    tree = paper_tree(5)
+    plan = ft.plan(tree, ft.FastTreeConfig(gamma=-10.0), num_q_heads=32, num_kv_heads=32, head_dim=128)
+    assert plan.edge_assignment.sum() == 0
+    assert plan.groups.n_groups == tree.n_nodes
+    # ... and gamma = 10 with a huge split concatenates every edge where query tiles
+    # cost no padding (GQA 16: one query per small tile): each query reads its whole
+    # context in one unit and writes its output directly, with no merge.
+    tree = paper_tree(1)
+    cfg = ft.FastTreeConfig(gamma=10.0, kv_split_sizes=(81920, 81920))
+    plan = ft.plan(tree, cfg, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    assert plan.edge_assignment[tree.parents >= 0].all()
+    assert plan.merge_queries.size == 0 and plan.n_partial_rows == 0
+
+
+def test_ragged_gather_matches_concatenation():
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        lens = rng.integers(0, 6, size=int(rng.integers(1, 20)))
+        indptr = np.concatenate([[0], np.cumsum(lens)])
+        data = rng.integers(0, 1000, size=int(indptr[-1]))
+        rows = rng.integers(0, lens.size, size=int(rng.integers(0, 30)))
+        out_ptr, out = ragged_gather(indptr, data, rows)
+        want = [data[indptr[r] : indptr[r + 1]] for r in rows]
+        np.testing.assert_array_equal(out, np.concatenate(want) if want else data[:0])
+        np.testing.assert_array_equal(np.diff(out_ptr), lens[rows])
