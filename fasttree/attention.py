@@ -188,9 +188,10 @@ def plan_query_separated(
     )
     return materialize(
         groups,
-        tile_class=np.ones(nq, dtype=np.int64),
         q_tiles=(1, 1),
-        split_sizes=(kv_split_size, kv_split_size),
+        kv_tiles=(kv_tile, kv_tile),
+        group_split=np.full(nq, kv_split_size, dtype=np.int64),
+        splits=(kv_split_size, kv_split_size),
         config=config,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,

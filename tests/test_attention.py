@@ -1,0 +1,118 @@
+"""Kernels against the float64 reference on random trees (interpreter on the CPU, CUDA on the device).
+
+Outputs are poisoned with NaN before each run; every element must be written and the
+norm-wise relative error must stay within the dtype's bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from trees import random_tree
+
+import fasttree as ft
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+# (GQA ratio, KV heads, head dim, dtype): GQA 1/4/7/16, D 64/128 (+256 and a padded 96)
+SHAPES = [
+    (1, 2, 64, torch.float16),
+    (4, 1, 64, torch.bfloat16),
+    (7, 1, 64, torch.float16),
+    (16, 1, 64, torch.bfloat16),
+    (4, 2, 128, torch.float16),
+    (1, 1, 128, torch.bfloat16),
+    (8, 1, 256, torch.float16),
+    (2, 1, 96, torch.bfloat16),
+]
+
+
+def make_inputs(tree: ft.KVTree, hq: int, hkv: int, d: int, dtype, device, gen: torch.Generator):
+    pool = tree.max_slot + 1 + int(torch.randint(0, 8, (1,), generator=gen))
+    q = torch.randn(tree.n_queries, hq, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(pool, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(pool, hkv, d, generator=gen).to(dtype).to(device)
+    return q, k, v
+
+
+def check_against_reference(out: torch.Tensor, q, k, v, tree: ft.KVTree, sm_scale=None) -> float:
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison survived)"
+    ref = ft.reference_attention(q.cpu(), k.cpu(), v.cpu(), tree, sm_scale)
+    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    assert err <= TOL[q.dtype], f"relative error {err:.2e} > {TOL[q.dtype]:.0e}"
+    return err
+
+
+def run_poisoned(fn, q) -> torch.Tensor:
+    out = torch.full_like(q, float("nan"))
+    result = fn(out)
+    assert result.data_ptr() == out.data_ptr()
+    return out
+
+
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), SHAPES)
+def test_tree_attention_matches_reference_on_random_forests(g, hkv, d, dtype, device):
+    rng = np.random.default_rng(1000 * g + d + hkv)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    for _ in range(5):
+        tree = random_tree(rng, max_nodes=20, max_len=300)
+        cfg = ft.FastTreeConfig(
+            gamma=float(rng.choice([0.1, -10.0, 10.0])),
+            kv_split_sizes=(int(rng.choice([64, 1024])), int(rng.choice([16, 32]))),
+            kv_tile=(int(rng.choice([16, 32, 64])), int(rng.choice([16, 32]))),
+        )
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+
+
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), SHAPES[:4])
+def test_query_separated_attention_matches_reference(g, hkv, d, dtype, device):
+    rng = np.random.default_rng(77 + g)
+    gen = torch.Generator().manual_seed(5 + g)
+    tree = random_tree(rng, max_nodes=10, max_len=100)
+    q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+    out = ft.query_separated_attention(q, k, v, tree, kv_split_size=48)
+    check_against_reference(out, q, k, v, tree)
+
+
+def test_paper_case1_four_heads(device):
+    tree = ft.KVTree.from_levels([1, 2, 64], [8, 256, 32])
+    gen = torch.Generator().manual_seed(0)
+    for hkv in (4, 1):
+        plan = ft.plan(tree, num_q_heads=4, num_kv_heads=hkv, head_dim=64)
+        q, k, v = make_inputs(tree, 4, hkv, 64, torch.float16, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+
+
+def test_custom_scale_non_contiguous_pool_and_plan_reuse(device):
+    rng = np.random.default_rng(11)
+    gen = torch.Generator().manual_seed(11)
+    tree = random_tree(rng, max_nodes=8, max_len=64)
+    plan = ft.plan(tree, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    # k/v as views into one [pool, 2, Hkv, D] buffer: strided in the slot dimension
+    kv = torch.randn(tree.max_slot + 1, 2, 2, 64, generator=gen).half().to(device)
+    k, v = kv[:, 0], kv[:, 1]
+    for _ in range(2):  # the uploaded plan is cached and reused
+        q = torch.randn(tree.n_queries, 4, 64, generator=gen).half().to(device)
+        out = run_poisoned(lambda o, q=q: ft.tree_attention(q, k, v, plan, 0.3, out=o), q)
+        check_against_reference(out, q, k, v, tree, 0.3)
+    assert len(plan._device_cache) == 1
+    dev_plan = plan.to(device)
+    out2 = ft.tree_attention(q, k, v, dev_plan, 0.3)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_single_token_contexts(device):
+    # every query reads exactly one token: softmax of one element, output = v
+    tree = ft.KVTree.from_lengths([-1, -1, -1], [1, 1, 1], [2, 0, 1, 1])
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_inputs(tree, 8, 2, 64, torch.float16, device, gen)
+    out = ft.tree_attention(q, k, v, ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=64))
+    slots = tree.slots[tree.query_nodes].astype(np.int64)
+    want = v.cpu()[slots].repeat_interleave(4, dim=1)
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
