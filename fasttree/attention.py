@@ -8,6 +8,7 @@ outputs are ``[n_queries, Hq, D]`` in ``q``'s dtype. fp16 and bf16 are supported
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -107,10 +108,17 @@ def tree_attention(
     _check_inputs(q, k_cache, v_cache, host)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(host.head_dim)
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+    if (
+        isinstance(sm_scale, bool)
+        or not isinstance(sm_scale, numbers.Real)
+        or not math.isfinite(sm_scale)
+        or sm_scale <= 0
+    ):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
     dev = _device_plan(plan, q.device)
@@ -130,7 +138,7 @@ def tree_attention(
             q, k_cache, v_cache, out, part_o, part_lse,
             a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
             a["pair_query"], a["pair_out_row"],
-            ptr[c], sm_scale * _LOG2E,
+            ptr[c], float(sm_scale) * _LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
             HEAD_DIM=d, BLOCK_D=block_d, GROUP=host.group_size, BLOCK_M=tc.block_m, BLOCK_N=tc.block_n,

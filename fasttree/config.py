@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ CONFIG_SCHEMA_VERSION = 1
 
 #: Published query tiles in matrix rows (queries x g): (64, 16) for MHA, GQA 4 and GQA 16 alike.
 DEFAULT_Q_TILE_ROWS = (64, 16)
-_MAX_Q_TILE_ROWS = 256
+_MAX_Q_TILE_ROWS = 256  # == fasttree.plan_arrays.MAX_BLOCK_M
 _PAIR_FIELDS = (
     "q_tile_queries",
     "kv_tile",
@@ -88,7 +89,7 @@ class FastTreeConfig:
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"FastTreeConfig.{name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
         for name in _PAIR_FIELDS:
@@ -167,7 +168,7 @@ class FastTreeConfig:
             raise ValueError(f"unknown FastTreeConfig keys: {unknown}")
         return cls(**data)
 
-    def to_json(self, path: str | Path | None = None) -> str:
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
         """Serialise to a JSON string; when ``path`` is given, also write it atomically."""
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
         if path is not None:
@@ -178,12 +179,14 @@ class FastTreeConfig:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> FastTreeConfig:
-        """Load from a JSON string or a file path."""
-        if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith("{"):
+    def from_json(cls, text_or_path: str | os.PathLike) -> FastTreeConfig:
+        """Load from JSON text (a ``str``) or from a file (a ``pathlib.Path`` or other path-like)."""
+        if isinstance(text_or_path, os.PathLike):
             text = Path(text_or_path).read_text()
+        elif isinstance(text_or_path, str):
+            text = text_or_path
         else:
-            text = str(text_or_path)
+            raise ValueError(f"from_json takes JSON text or a path, got {type(text_or_path).__name__}")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

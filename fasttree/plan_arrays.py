@@ -40,6 +40,7 @@ DEVICE_ARRAYS = (
 )
 
 _MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+MAX_BLOCK_M = 256  # rows of one program (query tile x GQA ratio)
 
 
 def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -262,6 +263,11 @@ def materialize(
         The split sizes of the two phases (recorded in the plan).
     """
     g = num_q_heads // num_kv_heads
+    for t in q_tiles:
+        if t * g > MAX_BLOCK_M:
+            raise ValueError(
+                f"a tile of {t} queries x GQA ratio {g} needs {t * g} rows, more than the kernel's {MAX_BLOCK_M}"
+            )
     kv_len = groups.kv_len
     nq = groups.n_queries
     split_g = np.asarray(group_split, dtype=np.int64)

@@ -25,6 +25,8 @@ def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
         raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {arr.max()}, beyond the int64 range")
     return arr.astype(np.int64, copy=False)
 
 
@@ -127,7 +129,7 @@ class KVTree:
         if lengths_arr.size and lengths_arr.min() < 0:
             bad = int(np.flatnonzero(lengths_arr < 0)[0])
             raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
-        if lengths_arr.sum() > _INT32_MAX:
+        if lengths_arr.sum() > _INT32_MAX + 1:
             raise ValueError(f"the tree holds {lengths_arr.sum()} tokens, more than a 2**31 slot pool")
         obj = cls.__new__(cls)
         obj._init(

@@ -123,7 +123,7 @@ def test_json_file_round_trip(tmp_path, config, as_str):
     text = config.to_json(str(path) if as_str else path)
     assert path.read_text() == text
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary file left behind
-    assert FastTreeConfig.from_json(str(path) if as_str else path) == config
+    assert FastTreeConfig.from_json(path) == config
 
 
 def test_to_json_overwrites_an_existing_file(tmp_path):

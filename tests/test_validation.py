@@ -473,3 +473,33 @@ def test_query_separated_attention_rejects_small_pool(tree, inputs, no_launch):
     q, k, v = inputs["q"], inputs["k_cache"], inputs["v_cache"]
     with pytest.raises(ValueError, match="the tree reads pool slot 8 but the KV pool has only 8 slots"):
         ft.query_separated_attention(q, k[:-1], v[:-1], tree)
+
+
+def test_tree_attention_rejects_bool_scale_and_non_tensor_out(inputs):
+    with pytest.raises(ValueError, match="sm_scale"):
+        ft.tree_attention(**{**inputs, "sm_scale": True})
+    with pytest.raises(ValueError, match=r"out must be a torch\.Tensor"):
+        ft.tree_attention(**inputs, out=5)
+
+
+def test_numpy_float_scales_are_accepted(tree, inputs):
+    out = ft.tree_attention(**{**inputs, "sm_scale": np.float32(0.25)})
+    ref = ft.reference_attention(inputs["q"], inputs["k_cache"], inputs["v_cache"], tree, 0.25)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+    assert ft.FastTreeConfig(alpha=np.float32(0.5)).alpha == 0.5
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", ""])
+def test_from_json_text_that_is_not_an_object_is_a_value_error(text):
+    with pytest.raises(ValueError, match="JSON"):
+        ft.FastTreeConfig.from_json(text)
+
+
+def test_unsigned_slots_beyond_int64_are_named():
+    with pytest.raises(ValueError, match="beyond the int64 range"):
+        ft.KVTree([-1], [np.array([2**64 - 1], dtype=np.uint64)], [0])
+
+
+def test_query_separated_plan_rejects_more_than_256_rows(tree):
+    with pytest.raises(ValueError, match="rows"):
+        ft.plan_query_separated(tree, num_q_heads=512, num_kv_heads=1, head_dim=64)
