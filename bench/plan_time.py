@@ -21,15 +21,9 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as dt
 import json
 import logging
-import os
-import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,78 +31,19 @@ from typing import Any
 import numpy as np
 
 import fasttree
+from bench.common import anchor_rows, environment, write_atomic
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
 log = logging.getLogger("bench.plan_time")
 
 HEAD_DIM = 128
 
-#: Published FastTree planner time in ms per (case, heads), copied from the
-#: ``published_fasttree_plan_ms`` field of shared/anchors/h200_paper_suite.json:
-#: measured on an H200 host, 2026-11-29, published FastTree planner incl. index upload.
-#: Note that it includes the upload of the index arrays to the GPU, while ``plan_ms`` here is
-#: host planning only (fasttree.plan returns host arrays), so the comparison slightly favours us.
-PUBLISHED_PLAN_MS: dict[int, dict[str, float]] = {
-    1: {"mha": 1.9, "gqa4": 6.03, "gqa16": 3.96},
-    2: {"mha": 5.87, "gqa4": 9.81, "gqa16": 5.46},
-    3: {"mha": 4.93, "gqa4": 10.96, "gqa16": 6.3},
-    4: {"mha": 5.51, "gqa4": 10.56, "gqa16": 14.21},
-    5: {"mha": 13.33, "gqa4": 15.95, "gqa16": 16.58},
-    6: {"mha": 2.5, "gqa4": 2.61, "gqa16": 4.69},
-    7: {"mha": 7.95, "gqa4": 17.35, "gqa16": 12.34},
-    8: {"mha": 44.56, "gqa4": 56.23, "gqa16": 59.2},
-    9: {"mha": 1.59, "gqa4": 1.71, "gqa16": 5.8},
-    10: {"mha": 16.08, "gqa4": 20.96, "gqa16": 15.33},
-    11: {"mha": 15.48, "gqa4": 30.44, "gqa16": 19.86},
-    12: {"mha": 15.31, "gqa4": 91.75, "gqa16": 19.78},
-    13: {"mha": 16.55, "gqa4": 18.46, "gqa16": 27.17},
-    14: {"mha": 15.33, "gqa4": 17.2, "gqa16": 19.39},
-    15: {"mha": 15.99, "gqa4": 19.17, "gqa16": 26.19},
-}
-
-
-def _cpu_model() -> str | None:
-    """CPU model name from /proc/cpuinfo, or None where it is not readable."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
-
-
-def _git_commit() -> str | None:
-    """``git rev-parse HEAD`` of the repository holding this script, or None on failure."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = out.stdout.strip()
-    return commit or None
-
-
-def environment() -> dict[str, Any]:
-    """Host-name-free description of the machine and software versions."""
-    return {
-        "processor": platform.processor() or None,
-        "machine": platform.machine() or None,
-        "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "fasttree": fasttree.__version__,
-        "git_commit": _git_commit(),
-        "timestamp_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+#: Published FastTree planner time (ms) per (case, heads) from the project's anchors file
+#: (bench/anchors_h200_paper_suite.json): measured on an H200 host, 2026-11-29, published
+#: planner incl. index upload, while ``plan_ms`` here is host planning only.
+PUBLISHED_PLAN_MS: dict[int, dict[str, float]] = {}
+for (_case, _heads), _row in anchor_rows().items():
+    PUBLISHED_PLAN_MS.setdefault(_case, {})[_heads] = _row["published_fasttree_plan_ms"]
 
 
 def bench_case(case: int, heads: str, repeats: int, warmup: int) -> dict[str, Any]:
@@ -210,23 +145,6 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], env: dict[str,
         f"{env['timestamp_utc']}"
     )
     return "\n".join(lines) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

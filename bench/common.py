@@ -1,0 +1,106 @@
+"""Helpers shared by the benchmark scripts: environment metadata, atomic writes, anchors."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import fasttree
+
+ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
+
+
+def git_commit() -> str | None:
+    """The commit being measured: ``$FASTTREE_GIT_COMMIT`` (set it where the tree travels
+    without ``.git``), else ``git rev-parse HEAD``, else None."""
+    if os.environ.get("FASTTREE_GIT_COMMIT"):
+        return os.environ["FASTTREE_GIT_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def environment(*, gpu: bool = False) -> dict[str, Any]:
+    """Host-name-free description of the machine and software versions (and the GPU)."""
+    env: dict[str, Any] = {
+        "processor": platform.processor() or None,
+        "machine": platform.machine() or None,
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "fasttree": fasttree.__version__,
+        "git_commit": git_commit(),
+        "timestamp_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if gpu:
+        import torch
+        import triton
+
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu_name=props.name,
+            gpu_sm_count=props.multi_processor_count,
+            gpu_compute_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            triton=triton.__version__,
+        )
+    return env
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_anchors() -> dict[str, Any]:
+    """The project's copy of the H200 paper-suite anchors (published kernel, SDPA, floors)."""
+    return json.loads(ANCHORS_PATH.read_text())
+
+
+def anchor_rows() -> dict[tuple[int, str], dict[str, Any]]:
+    """Anchor rows keyed by (case, heads name)."""
+    return {(c["case"], c["heads"]): c for c in load_anchors()["cases"]}

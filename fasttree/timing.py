@@ -1,0 +1,68 @@
+"""GPU timing helpers shared by the benchmarks and the profiler.
+
+* :func:`graph_time_us` -- pure GPU time: ``calls`` invocations captured in one CUDA graph,
+  median replay time divided by ``calls`` (the method of the project's H200 anchors).
+* :func:`eager_time_us` -- the plain call through ``triton.testing.do_bench`` (median; it
+  clears the L2 cache between calls), launch gaps and host work included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import triton
+
+
+def graph_time_us(
+    fn: Callable[[], object], *, calls: int = 20, replays: int = 30, warmup: int = 3, budget_s: float = 0.25
+) -> dict:
+    """Median, p20 and p80 of one call's GPU time (us) by CUDA-graph replay.
+
+    At most ``replays`` replays (at least 5), fewer when they would exceed ``budget_s``.
+
+    ``fn`` must be capturable: no host synchronisation, device buffers it needs already
+    allocated or allocated from the graph's pool (torch allocations inside are fine).
+    """
+    for _ in range(warmup):  # compile kernels, upload plans, settle the allocator
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    one = t0.elapsed_time(t1) * 1e-3
+    replays = int(max(5, min(replays, budget_s / max(one, 1e-9))))
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for s, e in zip(start, end, strict=True):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    times = np.array([s.elapsed_time(e) for s, e in zip(start, end, strict=True)]) * 1e3 / calls
+    del graph
+    return {
+        "median": float(np.median(times)),
+        "p20": float(np.percentile(times, 20)),
+        "p80": float(np.percentile(times, 80)),
+        "replays": replays,
+        "calls_per_graph": calls,
+    }
+
+
+def eager_time_us(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time (us) of the plain call, by ``triton.testing.do_bench``."""
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
