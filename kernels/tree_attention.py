@@ -12,7 +12,7 @@ its natural-log LSE.
 import triton
 import triton.language as tl
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
