@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .config import FastTreeConfig
-from .kernels import merge_partials_kernel, tree_attention_units_kernel
+from .kernels import tree_attention_kernel
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
@@ -25,7 +25,7 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _interpreting() -> bool:
-    return type(tree_attention_units_kernel).__name__ == "InterpretedFunction"
+    return type(tree_attention_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> None:
@@ -123,37 +123,46 @@ def tree_attention(
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
     dev = _device_plan(plan, q.device)
     a = dev.arrays
-
-    hq, d = host.num_q_heads, host.head_dim
-    rows = max(1, host.n_partial_rows)
-    part_o = torch.empty((rows, hq, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(d)
+    part_o, part_lse, counters = _workspace(host, q.device)
     ptr = host.class_unit_ptr
-    for c, tc in enumerate(host.tile_classes):
-        n_units = ptr[c + 1] - ptr[c]
-        if n_units == 0:
-            continue
-        tree_attention_units_kernel[(n_units, host.num_kv_heads)](
-            q, k_cache, v_cache, out, part_o, part_lse,
-            a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
-            a["pair_query"], a["pair_out_row"],
-            ptr[c], float(sm_scale) * _LOG2E,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            HEAD_DIM=d, BLOCK_D=block_d, GROUP=host.group_size, BLOCK_M=tc.block_m, BLOCK_N=tc.block_n,
-            UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
-            num_warps=tc.num_warps, num_stages=tc.num_stages,
-        )  # fmt: skip
-    n_merge = int(host.merge_queries.size)
-    if n_merge:
-        block_h = min(triton.next_power_of_2(hq), max(1, 4096 // block_d))
-        merge_partials_kernel[(n_merge, triton.cdiv(hq, block_h))](
-            out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
-            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            NUM_HEADS=hq, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
+    tc0, tc1 = host.tile_classes
+    has0, has1 = ptr[1] > ptr[0], ptr[2] > ptr[1]
+    tree_attention_kernel[(host.n_units, host.num_kv_heads)](
+        q, k_cache, v_cache, out, part_o, part_lse, counters,
+        a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
+        a["pair_query"], a["pair_out_row"], a["query_partial_start"], a["query_num_partials"],
+        ptr[1], float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_Q_HEADS=host.num_q_heads, HEAD_DIM=host.head_dim, BLOCK_D=triton.next_power_of_2(host.head_dim),
+        GROUP=host.group_size,
+        HAS_CLASS0=has0, BLOCK_M0=tc0.block_m, BLOCK_N0=tc0.block_n, STAGES0=tc0.num_stages,
+        HAS_CLASS1=has1, BLOCK_M1=tc1.block_m, BLOCK_N1=tc1.block_n, STAGES1=tc1.num_stages,
+        UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=max(tc.num_warps for tc, has in ((tc0, has0), (tc1, has1)) if has),
+    )  # fmt: skip
     return out
+
+
+def _workspace(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial-result buffers and merge counters of a plan on one device, allocated once.
+
+    The counters start at zero and the kernel leaves them at zero, so the same workspace
+    serves every call (and CUDA-graph replays); calls sharing a plan must not run
+    concurrently on different streams.
+    """
+    key = ("workspace", device)
+    ws = plan._device_cache.get(key)
+    if ws is None:
+        rows = max(1, plan.n_partial_rows)
+        hq, d = plan.num_q_heads, plan.head_dim
+        ws = (
+            torch.empty((rows, hq, d), dtype=torch.float32, device=device),
+            torch.empty((rows, hq), dtype=torch.float32, device=device),
+            torch.zeros((plan.n_queries, hq), dtype=torch.int32, device=device),
+        )
+        plan._device_cache[key] = ws
+    return ws
 
 
 # ------------------------------------------------------------------- baseline
