@@ -125,22 +125,22 @@ def tree_attention(
     a = dev.arrays
     part_o, part_lse, counters = _workspace(host, q.device)
     ptr = host.class_unit_ptr
-    tc0, tc1 = host.tile_classes
-    has0, has1 = ptr[1] > ptr[0], ptr[2] > ptr[1]
-    tree_attention_kernel[(host.n_units, host.num_kv_heads)](
-        q, k_cache, v_cache, out, part_o, part_lse, counters,
-        a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
-        a["pair_query"], a["pair_out_row"], a["query_partial_start"], a["query_num_partials"],
-        ptr[1], float(sm_scale) * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_Q_HEADS=host.num_q_heads, HEAD_DIM=host.head_dim, BLOCK_D=triton.next_power_of_2(host.head_dim),
-        GROUP=host.group_size,
-        HAS_CLASS0=has0, BLOCK_M0=tc0.block_m, BLOCK_N0=tc0.block_n, STAGES0=tc0.num_stages,
-        HAS_CLASS1=has1, BLOCK_M1=tc1.block_m, BLOCK_N1=tc1.block_n, STAGES1=tc1.num_stages,
-        UPCAST_DOT=_interpreting() and q.dtype == torch.bfloat16,
-        num_warps=max(tc.num_warps for tc, has in ((tc0, has0), (tc1, has1)) if has),
-    )  # fmt: skip
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    for c, tc in enumerate(host.tile_classes):
+        n_units = ptr[c + 1] - ptr[c]
+        if n_units == 0:
+            continue
+        tree_attention_kernel[(n_units, host.num_kv_heads)](
+            q, k_cache, v_cache, out, part_o, part_lse, counters,
+            a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
+            a["pair_query"], a["pair_out_row"], a["query_partial_start"], a["query_num_partials"],
+            ptr[c], float(sm_scale) * _LOG2E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_Q_HEADS=host.num_q_heads, HEAD_DIM=host.head_dim, BLOCK_D=triton.next_power_of_2(host.head_dim),
+            GROUP=host.group_size, BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, NUM_STAGES=tc.num_stages,
+            UPCAST_DOT=upcast, num_warps=tc.num_warps,
+        )  # fmt: skip
     return out
 
 

@@ -1,4 +1,4 @@
-"""Tree attention in one launch: one program per (work unit, KV head), merge fused in.
+"""Tree attention: one program per (work unit, KV head), the merge of partials fused in.
 
 A unit is a chunk of one context-query group's KV (gathered through pool slot ids)
 and a tile of that group's queries. The program packs the ``GROUP`` query heads that
@@ -14,8 +14,10 @@ merges all of that query's partials for that head::
     lse = m + log(sum_i exp(lse_i - m)),   o = sum_i exp(lse_i - lse) * o_i
 
 and resets the counter to zero, so counters need no clearing between calls (and the
-launch can be captured in a CUDA graph). Units of tile class 0 (``unit <
-class1_start``) and class 1 use their own ``BLOCK_M`` / ``BLOCK_N`` / pipeline depth.
+launches can be captured in a CUDA graph). Each tile class is its own launch (grid
+``(units of the class, Hkv)``, first unit ``unit_offset``) with its own ``BLOCK_M`` /
+``BLOCK_N`` / pipeline depth, so each compiles to its own register budget; the
+counters make the merge work across the launches.
 """
 
 import triton
@@ -25,26 +27,25 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attend_unit(
-    Q,
-    K,
-    V,
-    Out,
-    PartO,
-    PartLse,
-    Counters,
-    KvIndices,
-    UnitKvStart,
-    UnitKvLen,
-    UnitQStart,
-    UnitQLen,
-    PairQuery,
-    PairOutRow,
-    QueryPartialStart,
-    QueryNumPartials,
-    unit,
-    kv_head,
-    qk_scale,
+def tree_attention_kernel(
+    Q,  # [n_queries, Hq, D], fp16/bf16
+    K,  # [pool_slots, Hkv, D]
+    V,  # [pool_slots, Hkv, D]
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # fp32 [n_partial_rows, Hq, D], contiguous
+    PartLse,  # fp32 [n_partial_rows, Hq], contiguous
+    Counters,  # int32 [n_queries, Hq], zero between calls
+    KvIndices,  # int32 [n_kv_entries]
+    UnitKvStart,  # int32 [n_units]
+    UnitKvLen,  # int32 [n_units]
+    UnitQStart,  # int32 [n_units]
+    UnitQLen,  # int32 [n_units]
+    PairQuery,  # int32 [n_pairs]
+    PairOutRow,  # int32 [n_pairs]; -1: write Out directly
+    QueryPartialStart,  # int32 [n_queries]
+    QueryNumPartials,  # int32 [n_queries]
+    unit_offset,  # first unit of the launched tile class
+    qk_scale,  # sm_scale * log2(e)
     stride_qn,
     stride_qh,
     stride_kn,
@@ -60,8 +61,10 @@ def _attend_unit(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
 ):
+    unit = tl.program_id(0) + unit_offset
+    kv_head = tl.program_id(1)
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
@@ -154,69 +157,3 @@ def _attend_unit(
             merged = merged / tl.where(last, total, 1.0)[:, None]
             tl.store(out_ptr, merged.to(Out.dtype.element_ty), mask=last[:, None] & d_valid[None, :])
             tl.store(counter, tl.zeros([BLOCK_M], tl.int32), mask=last)
-
-
-@triton.jit
-def tree_attention_kernel(
-    Q,  # [n_queries, Hq, D], fp16/bf16
-    K,  # [pool_slots, Hkv, D]
-    V,  # [pool_slots, Hkv, D]
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # fp32 [n_partial_rows, Hq, D], contiguous
-    PartLse,  # fp32 [n_partial_rows, Hq], contiguous
-    Counters,  # int32 [n_queries, Hq], zero between calls
-    KvIndices,  # int32 [n_kv_entries]
-    UnitKvStart,  # int32 [n_units]
-    UnitKvLen,  # int32 [n_units]
-    UnitQStart,  # int32 [n_units]
-    UnitQLen,  # int32 [n_units]
-    PairQuery,  # int32 [n_pairs]
-    PairOutRow,  # int32 [n_pairs]; -1: write Out directly
-    QueryPartialStart,  # int32 [n_queries]
-    QueryNumPartials,  # int32 [n_queries]
-    class1_start,  # first unit of tile class 1
-    qk_scale,  # sm_scale * log2(e)
-    stride_qn,
-    stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_on,
-    stride_oh,
-    NUM_Q_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
-    HAS_CLASS0: tl.constexpr,
-    BLOCK_M0: tl.constexpr,
-    BLOCK_N0: tl.constexpr,
-    STAGES0: tl.constexpr,
-    HAS_CLASS1: tl.constexpr,
-    BLOCK_M1: tl.constexpr,
-    BLOCK_N1: tl.constexpr,
-    STAGES1: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
-):
-    unit = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    if HAS_CLASS0 and HAS_CLASS1:
-        use_class0 = unit < class1_start
-    else:
-        use_class0 = HAS_CLASS0
-    if use_class0:
-        _attend_unit(
-            Q, K, V, Out, PartO, PartLse, Counters, KvIndices, UnitKvStart, UnitKvLen, UnitQStart, UnitQLen,
-            PairQuery, PairOutRow, QueryPartialStart, QueryNumPartials, unit, kv_head, qk_scale,
-            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-            NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP,
-            BLOCK_M0, BLOCK_N0, STAGES0, UPCAST_DOT,
-        )  # fmt: skip
-    else:
-        _attend_unit(
-            Q, K, V, Out, PartO, PartLse, Counters, KvIndices, UnitKvStart, UnitKvLen, UnitQStart, UnitQLen,
-            PairQuery, PairOutRow, QueryPartialStart, QueryNumPartials, unit, kv_head, qk_scale,
-            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-            NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP,
-            BLOCK_M1, BLOCK_N1, STAGES1, UPCAST_DOT,
-        )  # fmt: skip

@@ -1,0 +1,49 @@
+"""Host-side cost of one ``tree_attention`` call (needs a CUDA GPU).
+
+Enqueues many calls of a tiny case back to back and reports microseconds per call for:
+input checks alone, the whole call, and the bare Triton launch of the same kernel.
+The GPU work per call is far below these times, so they measure the host::
+
+    python -m bench.host_overhead
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import fasttree as ft
+from fasttree import attention
+from fasttree.suite import paper_tree
+
+
+def per_call_us(fn, n: int = 2000) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> int:
+    tree = paper_tree(1)
+    plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    q = torch.randn(tree.n_queries, 16, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(tree.max_slot + 1, 1, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    ft.tree_attention(q, k, v, plan, out=out)
+    print(f"units per class {plan.units_per_class()}")
+    print(f"checks only: {per_call_us(lambda: attention._check_inputs(q, k, v, plan)):.1f} us/call")
+    print(f"tree_attention(out=...): {per_call_us(lambda: ft.tree_attention(q, k, v, plan, out=out)):.1f} us/call")
+    print(f"tree_attention(): {per_call_us(lambda: ft.tree_attention(q, k, v, plan)):.1f} us/call")
+    print(f"torch.empty_like: {per_call_us(lambda: torch.empty_like(q)):.1f} us/call")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
