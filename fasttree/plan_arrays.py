@@ -269,55 +269,90 @@ def materialize(
                 f"a tile of {t} queries x GQA ratio {g} needs {t * g} rows, more than the kernel's {MAX_BLOCK_M}"
             )
     kv_len = groups.kv_len
-    nq = groups.n_queries
+    q_indptr = groups.q_indptr
+    nq = q_indptr[1:] - q_indptr[:-1]
     split_g = np.asarray(group_split, dtype=np.int64)
     tile_q = int(q_tiles[0])
+    n_groups = groups.node.size
     chunks = -(-kv_len // split_g)
     tiles = -(-nq // tile_q)
-    per_group = chunks * tiles
 
-    u_group = np.repeat(np.arange(groups.n_groups), per_group)
-    first = np.zeros(groups.n_groups, dtype=np.int64)
-    np.cumsum(per_group[:-1], out=first[1:])
-    w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
-    u_tiles = tiles[u_group]
-    chunk = w // u_tiles
-    tile = w - chunk * u_tiles
-    u_split = split_g[u_group]
-    kv_start = groups.kv_start[u_group] + chunk * u_split
-    u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
-    q_first = groups.q_indptr[u_group] + tile * tile_q
-    u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
+    if (chunks == 1).all():
+        # one KV chunk per group: a group's units are its query tiles, and the pairs are
+        # the groups' query lists back to back
+        if (tiles == 1).all():
+            kv_start, u_kv_len, q_first, u_q_len = groups.kv_start, kv_len, q_indptr[:-1], nq
+        else:
+            u_group = np.repeat(np.arange(n_groups), tiles)
+            first = np.zeros(n_groups, dtype=np.int64)
+            np.cumsum(tiles[:-1], out=first[1:])
+            w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
+            w *= tile_q
+            kv_start = groups.kv_start[u_group]
+            u_kv_len = kv_len[u_group]
+            q_first = q_indptr[u_group] + w
+            u_q_len = nq[u_group] - w
+            np.minimum(u_q_len, tile_q, out=u_q_len)
+        q0 = int(q_indptr[0]) if q_indptr.size else 0
+        unit_pair_start = q_first - q0
+        pair_query = groups.q_ids[q0 : q0 + int(u_q_len.sum())]
+    else:
+        per_group = chunks * tiles
+        u_group = np.repeat(np.arange(n_groups), per_group)
+        first = np.zeros(n_groups, dtype=np.int64)
+        np.cumsum(per_group[:-1], out=first[1:])
+        w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
+        u_tiles = tiles[u_group]
+        chunk = w // u_tiles
+        tile = w - chunk * u_tiles
+        u_split = split_g[u_group]
+        kv_start = groups.kv_start[u_group] + chunk * u_split
+        u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
+        q_first = groups.q_indptr[u_group] + tile * tile_q
+        u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
 
-    # pairs, in unit order
-    pair_unit = np.repeat(np.arange(u_group.size), u_q_len)
-    unit_pair_start = np.zeros(u_group.size, dtype=np.int64)
-    np.cumsum(u_q_len[:-1], out=unit_pair_start[1:])
-    pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
-    pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
+        # pairs, in unit order
+        pair_unit = np.repeat(np.arange(u_group.size), u_q_len)
+        unit_pair_start = np.zeros(u_group.size, dtype=np.int64)
+        np.cumsum(u_q_len[:-1], out=unit_pair_start[1:])
+        pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
+        pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
 
-    # partial rows, contiguous per query
+    # partial rows, contiguous per query, in pair order within a query
     n_part = np.bincount(pair_query, minlength=n_queries)
     if n_part.size != n_queries or n_part.min() < 1:
         raise AssertionError("internal error: a query has no work unit")
     multi = n_part >= 2
-    rows_per_query = np.where(multi, n_part, 0)
+    rows_per_query = n_part * multi
     part_start = np.zeros(n_queries, dtype=np.int64)
     np.cumsum(rows_per_query[:-1], out=part_start[1:])
-    order = np.argsort(pair_query, kind="stable")
-    q_sorted = pair_query[order]
-    seg_start = np.zeros(n_queries, dtype=np.int64)
-    np.cumsum(n_part[:-1], out=seg_start[1:])
-    rank = np.arange(order.size, dtype=np.int64) - seg_start[q_sorted]
-    out_row = np.empty(pair_query.size, dtype=np.int64)
-    out_row[order] = np.where(multi[q_sorted], part_start[q_sorted] + rank, -1)
-    if max(groups.kv_slots.size, pair_query.size, int(rows_per_query.sum())) > np.iinfo(np.int32).max:
+    n_rows = int(part_start[-1] + rows_per_query[-1])
+    n_pairs = pair_query.size
+    out_row = np.full(n_pairs, -1, dtype=np.int32)
+    if n_rows:
+        # a stable sort of the pairs by query (radix sort on 16-bit keys when they fit)
+        keys = pair_query.astype(np.uint16) if n_queries <= 1 << 16 else pair_query
+        order = np.argsort(keys, kind="stable")
+        q_sorted = pair_query[order]
+        seg_start = np.zeros(n_queries, dtype=np.int64)
+        np.cumsum(n_part[:-1], out=seg_start[1:])
+        # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
+        row = np.arange(n_pairs, dtype=np.int64)
+        row += (part_start - seg_start)[q_sorted]
+        out_row[order] = np.where(multi[q_sorted], row, -1)
+    if max(groups.kv_slots.size, n_pairs, n_rows) > np.iinfo(np.int32).max:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
-    # units ordered by tile class, then longest KV first
-    u_class = (u_q_len <= q_tiles[1]).astype(np.int64)
-    uorder = np.lexsort((-u_kv_len, u_class))
-    ptr = (0, int(np.count_nonzero(u_class == 0)), int(u_class.size))
+    # units ordered by tile class, then longest KV first (a stable sort)
+    u_small = u_q_len <= q_tiles[1]
+    n_large = int(u_small.size - np.count_nonzero(u_small))
+    longest = int(u_kv_len.max()) if u_kv_len.size else 0
+    if longest < 1 << 15 and u_kv_len.size and int(u_kv_len.min()) >= 0:
+        key = (u_small.view(np.uint8).astype(np.uint16) << 15) | (0x7FFF - u_kv_len).astype(np.uint16)
+        uorder = np.argsort(key, kind="stable")
+    else:
+        uorder = np.lexsort((-u_kv_len, u_small))
+    ptr = (0, n_large, int(u_small.size))
 
     classes = tuple(
         TileClass(
@@ -343,13 +378,13 @@ def materialize(
         unit_q_start=unit_pair_start[uorder].astype(i32),
         unit_q_len=u_q_len[uorder].astype(i32),
         pair_query=pair_query.astype(i32),
-        pair_out_row=out_row.astype(i32),
+        pair_out_row=out_row,
         query_partial_start=part_start.astype(i32),
         query_num_partials=n_part.astype(i32),
         merge_queries=np.flatnonzero(multi).astype(i32),
         class_unit_ptr=ptr,
         tile_classes=classes,  # type: ignore[arg-type]
-        n_partial_rows=int(rows_per_query.sum()),
+        n_partial_rows=n_rows,
         tile_mode=tile_mode,
         config=config,
         groups=groups,

@@ -138,6 +138,7 @@ class KVTree:
             np.arange(lengths_arr.sum(), dtype=np.int64),
             _as_int_array("query_nodes", query_nodes),
         )
+        obj._slots_are_arange = True  # slot i of the pool is token i of the tree
         return obj
 
     @classmethod
@@ -177,6 +178,7 @@ class KVTree:
         if self_loops.size:
             i = int(self_loops[0])
             raise ValueError(f"node {i} is its own parent (a cycle)")
+        hi = -1
         if slots.size:
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0:
@@ -222,6 +224,7 @@ class KVTree:
         self.levels = levels
         self.subtree_queries = subtree_queries
         self.path_lengths = path_lengths
+        self._max_slot = hi
 
     # ------------------------------------------------------------ properties
     @property
@@ -240,7 +243,7 @@ class KVTree:
     @property
     def max_slot(self) -> int:
         """Largest pool slot id used, or -1 for a tree without tokens."""
-        return int(self.slots.max()) if self.slots.size else -1
+        return self._max_slot
 
     def node_slots(self, i: int) -> np.ndarray:
         """Slots of node ``i``, int32 [lengths[i]]."""
