@@ -7,6 +7,7 @@ outputs are ``[n_queries, Hq, D]`` in ``q``'s dtype. fp16 and bf16 are supported
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -15,7 +16,7 @@ import torch
 import triton
 
 from .config import FastTreeConfig
-from .kernels import tree_attention_kernel
+from .kernels import merge_partials_kernel, tree_attention_units_kernel
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
@@ -25,7 +26,7 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _interpreting() -> bool:
-    return type(tree_attention_kernel).__name__ == "InterpretedFunction"
+    return type(tree_attention_units_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> None:
@@ -123,43 +124,105 @@ def tree_attention(
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
     dev = _device_plan(plan, q.device)
     a = dev.arrays
-    part_o, part_lse, counters = _workspace(host, q.device)
+    part_o, part_lse = _workspace(host, q.device)
     ptr = host.class_unit_ptr
+    hq, d = host.num_q_heads, host.head_dim
+    block_d = triton.next_power_of_2(d)
     upcast = _interpreting() and q.dtype == torch.bfloat16
-    for c, tc in enumerate(host.tile_classes):
-        n_units = ptr[c + 1] - ptr[c]
-        if n_units == 0:
-            continue
-        tree_attention_kernel[(n_units, host.num_kv_heads)](
-            q, k_cache, v_cache, out, part_o, part_lse, counters,
-            a["kv_indices"], a["unit_kv_start"], a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"],
-            a["pair_query"], a["pair_out_row"], a["query_partial_start"], a["query_num_partials"],
-            ptr[c], float(sm_scale) * _LOG2E,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_Q_HEADS=host.num_q_heads, HEAD_DIM=host.head_dim, BLOCK_D=triton.next_power_of_2(host.head_dim),
-            GROUP=host.group_size, BLOCK_M=tc.block_m, BLOCK_N=tc.block_n, NUM_STAGES=tc.num_stages,
-            UPCAST_DOT=upcast, num_warps=tc.num_warps,
-        )  # fmt: skip
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    with _on_device(q.device):
+        for c, tc in enumerate(host.tile_classes):
+            n_units = ptr[c + 1] - ptr[c]
+            if n_units == 0:
+                continue
+            _launch(
+                tree_attention_units_kernel,
+                (n_units, host.num_kv_heads),
+                (
+                    q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["unit_kv_start"],
+                    a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
+                    ptr[c], float(sm_scale) * _LOG2E, *strides, out.stride(0), out.stride(1),
+                    part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+                ),
+                (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
+                tc.num_warps,
+                tc.num_stages,
+            )  # fmt: skip
+        n_merge = int(host.merge_queries.size)
+        if n_merge:
+            block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
+            _launch(
+                merge_partials_kernel,
+                (n_merge, triton.cdiv(hq, block_h)),
+                (
+                    out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
+                    out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+                ),
+                (hq, d, block_h, block_d),
+                4,
+                3,
+            )  # fmt: skip
     return out
 
 
-def _workspace(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Partial-result buffers and merge counters of a plan on one device, allocated once.
+#: Query heads merged by one program of the merge kernel.
+_MERGE_HEADS = 4
 
-    The counters start at zero and the kernel leaves them at zero, so the same workspace
-    serves every call (and CUDA-graph replays); calls sharing a plan must not run
-    concurrently on different streams.
+#: Compiled kernels by (kernel, device, constexprs, launch options, argument specialisation).
+_COMPILED: dict[tuple, object] = {}
+
+
+def _arg_spec(arg: object) -> object:
+    """What Triton specialises a launch argument on: pointer alignment, int 1 / %16 / width."""
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+    return None
+
+
+def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> None:
+    """Launch ``kernel[grid](*args, *constexprs)``.
+
+    The first launch of a specialisation goes through Triton's JIT (compiling if needed);
+    later ones call the compiled kernel's launcher directly, which skips ~40 us of
+    Python argument binding per launch. ``constexprs`` are the kernel's trailing
+    ``tl.constexpr`` parameters in signature order.
+    """
+    if _interpreting() or triton.knobs.runtime.launch_enter_hook is not None:
+        kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+        return
+    device = args[0].device.index
+    key = (kernel, device, constexprs, num_warps, num_stages, tuple(_arg_spec(x) for x in args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+        return
+    stream = torch.cuda.current_stream(device).cuda_stream
+    compiled.run(
+        grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs
+    )
+
+
+def _on_device(device: torch.device):
+    """Make ``device`` current for the launches (a no-op when it already is, or on the CPU)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _workspace(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial-result buffers of a plan on one device, allocated once and reused.
+
+    Calls sharing a plan must not run concurrently on different streams.
     """
     key = ("workspace", device)
     ws = plan._device_cache.get(key)
     if ws is None:
         rows = max(1, plan.n_partial_rows)
-        hq, d = plan.num_q_heads, plan.head_dim
         ws = (
-            torch.empty((rows, hq, d), dtype=torch.float32, device=device),
-            torch.empty((rows, hq), dtype=torch.float32, device=device),
-            torch.zeros((plan.n_queries, hq), dtype=torch.int32, device=device),
+            torch.empty((rows, plan.num_q_heads, plan.head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows, plan.num_q_heads), dtype=torch.float32, device=device),
         )
         plan._device_cache[key] = ws
     return ws

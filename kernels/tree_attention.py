@@ -1,23 +1,17 @@
-"""Tree attention: one program per (work unit, KV head), the merge of partials fused in.
+"""Stage 1 of tree attention: one program per (work unit, KV head), one launch per tile class.
 
 A unit is a chunk of one context-query group's KV (gathered through pool slot ids)
 and a tile of that group's queries. The program packs the ``GROUP`` query heads that
-share its KV head for each query of the tile into ``BLOCK_M`` matrix rows (row ``r`` is
-query ``r // GROUP``, head ``r % GROUP``) and runs an online softmax over the chunk in
-``BLOCK_N``-token tiles with fp32 accumulators.
+share its KV head for each query of the tile into ``BLOCK_M`` matrix rows
+(row ``r`` is query ``r // GROUP``, head ``r % GROUP``), runs an online softmax over the
+chunk in ``BLOCK_N``-token tiles with fp32 accumulators, and writes, per row, either the
+final output (queries with a single partial) or a normalised fp32 partial output and
+its natural-log LSE; :mod:`.merge` combines the partials.
 
-A row whose query has a single partial result writes the output directly. Otherwise it
-writes a normalised fp32 partial output and its natural-log LSE, then increments the
-(query, head) counter; the program that brings a counter to the query's partial count
-merges all of that query's partials for that head::
-
-    lse = m + log(sum_i exp(lse_i - m)),   o = sum_i exp(lse_i - lse) * o_i
-
-and resets the counter to zero, so counters need no clearing between calls (and the
-launches can be captured in a CUDA graph). Each tile class is its own launch (grid
-``(units of the class, Hkv)``, first unit ``unit_offset``) with its own ``BLOCK_M`` /
-``BLOCK_N`` / pipeline depth, so each compiles to its own register budget; the
-counters make the merge work across the launches.
+(A variant that merged partials in stage 1 through per-(query, head) atomic counters
+removed the merge launch but was 1.2-1.4x slower on plans with many small units on the
+H200: the barrier, acquire-release atomics and extra registers lengthen every program;
+see docs/bench/NOTES.md.)
 """
 
 import triton
@@ -27,14 +21,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def tree_attention_kernel(
+def tree_attention_units_kernel(
     Q,  # [n_queries, Hq, D], fp16/bf16
     K,  # [pool_slots, Hkv, D]
     V,  # [pool_slots, Hkv, D]
     Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # fp32 [n_partial_rows, Hq, D], contiguous
-    PartLse,  # fp32 [n_partial_rows, Hq], contiguous
-    Counters,  # int32 [n_queries, Hq], zero between calls
+    PartO,  # [n_partial_rows, Hq, D], fp32
+    PartLse,  # [n_partial_rows, Hq], fp32
     KvIndices,  # int32 [n_kv_entries]
     UnitKvStart,  # int32 [n_units]
     UnitKvLen,  # int32 [n_units]
@@ -42,8 +35,6 @@ def tree_attention_kernel(
     UnitQLen,  # int32 [n_units]
     PairQuery,  # int32 [n_pairs]
     PairOutRow,  # int32 [n_pairs]; -1: write Out directly
-    QueryPartialStart,  # int32 [n_queries]
-    QueryNumPartials,  # int32 [n_queries]
     unit_offset,  # first unit of the launched tile class
     qk_scale,  # sm_scale * log2(e)
     stride_qn,
@@ -54,13 +45,14 @@ def tree_attention_kernel(
     stride_vh,
     stride_on,
     stride_oh,
-    NUM_Q_HEADS: tl.constexpr,
+    stride_pn,
+    stride_ph,
+    stride_ln,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
 ):
     unit = tl.program_id(0) + unit_offset
@@ -92,7 +84,7 @@ def tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
-    for start in tl.range(0, kv_len, BLOCK_N, num_stages=NUM_STAGES):
+    for start in range(0, kv_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_len
         slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0).to(tl.int64)
@@ -117,43 +109,16 @@ def tree_attention_kernel(
     o = acc / l_i[:, None]
     direct = row_valid & (out_row < 0)
     partial = row_valid & (out_row >= 0)
-    out_ptr = Out + qid[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr, o.to(Out.dtype.element_ty), mask=direct[:, None] & d_valid[None, :])
-
-    if tl.max(partial.to(tl.int32), 0) > 0:
-        # partial rows: [n_partial_rows, NUM_Q_HEADS, HEAD_DIM] fp32 and [n_partial_rows, NUM_Q_HEADS]
-        prow = tl.maximum(out_row, 0).to(tl.int64) * NUM_Q_HEADS + head
-        tl.store(PartO + prow[:, None] * HEAD_DIM + d[None, :], o, mask=partial[:, None] & d_valid[None, :])
-        tl.store(PartLse + prow, (m_i + tl.log2(l_i)) * LN2, mask=partial)
-        tl.debug_barrier()  # every thread's partial stores precede the counter increments
-        counter = Counters + qid * NUM_Q_HEADS + head
-        done = tl.atomic_add(counter, 1, mask=partial, sem="acq_rel", scope="gpu")
-        count = tl.load(QueryNumPartials + qid, mask=partial, other=0)
-        last = partial & (done == count - 1)
-        n_merge = tl.max(tl.where(last, count, 0), 0)
-        if n_merge > 0:
-            tl.debug_barrier()  # the acquiring threads' view reaches every thread of the program
-            first = tl.load(QueryPartialStart + qid, mask=last, other=0).to(tl.int64)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for i in range(n_merge):
-                valid = last & (i < count)
-                r = (first + i) * NUM_Q_HEADS + head
-                lse_i = tl.load(PartLse + r, mask=valid, other=0.0, cache_modifier=".cg")
-                o_i = tl.load(
-                    PartO + r[:, None] * HEAD_DIM + d[None, :],
-                    mask=valid[:, None] & d_valid[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_new = tl.where(valid, tl.maximum(m, lse_i), m)
-                m_ref = tl.where(valid, m_new, 0.0)  # keeps -inf - -inf out of inactive rows
-                scale = tl.exp(tl.where(valid, m, 0.0) - m_ref)
-                w = tl.exp(tl.where(valid, lse_i, float("-inf")) - m_ref)
-                total = total * scale + w
-                merged = merged * scale[:, None] + w[:, None] * o_i
-                m = m_new
-            merged = merged / tl.where(last, total, 1.0)[:, None]
-            tl.store(out_ptr, merged.to(Out.dtype.element_ty), mask=last[:, None] & d_valid[None, :])
-            tl.store(counter, tl.zeros([BLOCK_M], tl.int32), mask=last)
+    tl.store(
+        Out + qid[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+        o.to(Out.dtype.element_ty),
+        mask=direct[:, None] & d_valid[None, :],
+    )
+    prow = tl.maximum(out_row, 0).to(tl.int64)
+    tl.store(
+        PartO + prow[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+        o,
+        mask=partial[:, None] & d_valid[None, :],
+    )
+    lse = (m_i + tl.log2(l_i)) * LN2
+    tl.store(PartLse + prow * stride_ln + head, lse, mask=partial)

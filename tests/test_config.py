@@ -21,7 +21,7 @@ def test_defaults_are_the_published_values():
     assert c.para_threshs1 == (132, 528)
     assert c.para_threshs2 == (132, 132)
     assert c.num_warps == (4, 4)
-    assert c.num_stages == (2, 2)
+    assert c.num_stages == (3, 3)
 
 
 def test_weights_are_stored_as_floats():

@@ -414,13 +414,14 @@ class _NoLaunch:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    monkeypatch.setattr(attention, "tree_attention_kernel", _NoLaunch("tree_attention_kernel"))
+    monkeypatch.setattr(attention, "tree_attention_units_kernel", _NoLaunch("tree_attention_units_kernel"))
+    monkeypatch.setattr(attention, "merge_partials_kernel", _NoLaunch("merge_partials_kernel"))
     # the fakes are not InterpretedFunctions; keep the CPU tensors acceptable
     monkeypatch.setattr(attention, "_interpreting", lambda: True)
 
 
 def test_no_launch_fixture_catches_a_launch(inputs, no_launch):
-    with pytest.raises(pytest.fail.Exception, match="tree_attention_kernel launched"):
+    with pytest.raises(pytest.fail.Exception, match="tree_attention_units_kernel launched"):
         ft.tree_attention(**inputs)
 
 
