@@ -173,9 +173,10 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def _arg_spec(arg: object) -> object:
-    """What Triton specialises a launch argument on: pointer alignment, int 1 / %16 / width."""
+    """What Triton specialises a launch argument on: pointer dtype and 16-byte alignment,
+    an int's value 1, divisibility by 16 and width."""
     if isinstance(arg, torch.Tensor):
-        return arg.data_ptr() % 16 == 0
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
     if isinstance(arg, int):
         return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
     return None
@@ -185,9 +186,11 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     """Launch ``kernel[grid](*args, *constexprs)``.
 
     The first launch of a specialisation goes through Triton's JIT (compiling if needed);
-    later ones call the compiled kernel's launcher directly, which skips ~40 us of
-    Python argument binding per launch. ``constexprs`` are the kernel's trailing
-    ``tl.constexpr`` parameters in signature order.
+    later ones call the compiled kernel's launcher directly, skipping Triton's Python
+    argument binding. The cache key holds everything Triton specialises on (see
+    :func:`_arg_spec`), so a cached kernel is only reused where the JIT would pick the
+    same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
+    signature order.
     """
     if _interpreting() or triton.knobs.runtime.launch_enter_hook is not None:
         kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)

@@ -116,3 +116,16 @@ def test_single_token_contexts(device):
     slots = tree.slots[tree.query_nodes].astype(np.int64)
     want = v.cpu()[slots].repeat_interleave(4, dim=1)
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
+
+
+def test_launch_cache_key_tells_specialisations_apart():
+    from fasttree.attention import _arg_spec
+
+    a16 = torch.empty(64, dtype=torch.float16)
+    b16 = torch.empty(64, dtype=torch.bfloat16)
+    assert _arg_spec(a16) != _arg_spec(b16)  # same alignment, other element type
+    assert _arg_spec(a16) != _arg_spec(a16[1:])  # 2-byte offset breaks 16-byte alignment
+    assert _arg_spec(1) != _arg_spec(17)  # Triton turns 1 into a constant
+    assert _arg_spec(16) != _arg_spec(17)  # and tracks divisibility by 16
+    assert _arg_spec(2**31) != _arg_spec(2**31 - 16)  # and 64-bit width
+    assert _arg_spec(32) == _arg_spec(48)

@@ -73,3 +73,18 @@ def test_random_forests(seed):
         assert torch.isfinite(out).all()
         err = _max_rel_error(out, q, k, v, tree, _sample(tree.n_queries, rng))
         assert err <= TOL[dtype], f"seed {seed}: g={g} hkv={hkv} d={d} {dtype}: {err:.2e}"
+
+
+def test_same_shapes_fp16_then_bf16_use_their_own_kernels():
+    # the cached launcher must not reuse a kernel compiled for another dtype
+    tree = paper_tree(1)
+    gen = torch.Generator().manual_seed(7)
+    plan = ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=128)
+    for dtype in (torch.float16, torch.bfloat16, torch.float16):
+        q, k, v = make_inputs(tree, 8, 2, 128, dtype, "cuda", gen)
+        for _ in range(2):  # the second call takes the cached path
+            out = torch.full_like(q, float("nan"))
+            ft.tree_attention(q, k, v, plan, out=out)
+            torch.cuda.synchronize()
+            err = _max_rel_error(out, q, k, v, tree, np.arange(tree.n_queries))
+            assert err <= TOL[dtype], f"{dtype}: {err:.2e}"
