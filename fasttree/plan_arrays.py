@@ -277,15 +277,15 @@ def materialize(
     chunks = -(-kv_len // split_g)
     tiles = -(-nq // tile_q)
 
-    if (chunks == 1).all():
+    if not np.count_nonzero(chunks != 1):
         # one KV chunk per group: a group's units are its query tiles, and the pairs are
         # the groups' query lists back to back
-        if (tiles == 1).all():
+        if not np.count_nonzero(tiles != 1):
             kv_start, u_kv_len, q_first, u_q_len = groups.kv_start, kv_len, q_indptr[:-1], nq
         else:
-            u_group = np.repeat(np.arange(n_groups), tiles)
+            u_group = np.arange(n_groups).repeat(tiles)
             first = np.zeros(n_groups, dtype=np.int64)
-            np.cumsum(tiles[:-1], out=first[1:])
+            np.add.accumulate(tiles[:-1], out=first[1:])
             w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
             w *= tile_q
             kv_start = groups.kv_start[u_group]
@@ -298,9 +298,9 @@ def materialize(
         pair_query = groups.q_ids[q0 : q0 + int(u_q_len.sum())]
     else:
         per_group = chunks * tiles
-        u_group = np.repeat(np.arange(n_groups), per_group)
+        u_group = np.arange(n_groups).repeat(per_group)
         first = np.zeros(n_groups, dtype=np.int64)
-        np.cumsum(per_group[:-1], out=first[1:])
+        np.add.accumulate(per_group[:-1], out=first[1:])
         w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
         u_tiles = tiles[u_group]
         chunk = w // u_tiles
@@ -312,9 +312,9 @@ def materialize(
         u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
 
         # pairs, in unit order
-        pair_unit = np.repeat(np.arange(u_group.size), u_q_len)
+        pair_unit = np.arange(u_group.size).repeat(u_q_len)
         unit_pair_start = np.zeros(u_group.size, dtype=np.int64)
-        np.cumsum(u_q_len[:-1], out=unit_pair_start[1:])
+        np.add.accumulate(u_q_len[:-1], out=unit_pair_start[1:])
         pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
         pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
 
@@ -325,17 +325,17 @@ def materialize(
     multi = n_part >= 2
     rows_per_query = n_part * multi
     part_start = np.zeros(n_queries, dtype=np.int64)
-    np.cumsum(rows_per_query[:-1], out=part_start[1:])
+    np.add.accumulate(rows_per_query[:-1], out=part_start[1:])
     n_rows = int(part_start[-1] + rows_per_query[-1])
     n_pairs = pair_query.size
     out_row = np.full(n_pairs, -1, dtype=np.int32)
     if n_rows:
         # a stable sort of the pairs by query (radix sort on 16-bit keys when they fit)
         keys = pair_query.astype(np.uint16) if n_queries <= 1 << 16 else pair_query
-        order = np.argsort(keys, kind="stable")
+        order = keys.argsort(kind="stable")
         q_sorted = pair_query[order]
         seg_start = np.zeros(n_queries, dtype=np.int64)
-        np.cumsum(n_part[:-1], out=seg_start[1:])
+        np.add.accumulate(n_part[:-1], out=seg_start[1:])
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
         row = np.arange(n_pairs, dtype=np.int64)
         row += (part_start - seg_start)[q_sorted]
@@ -349,7 +349,7 @@ def materialize(
     longest = int(u_kv_len.max()) if u_kv_len.size else 0
     if longest < 1 << 15 and u_kv_len.size and int(u_kv_len.min()) >= 0:
         key = (u_small.view(np.uint8).astype(np.uint16) << 15) | (0x7FFF - u_kv_len).astype(np.uint16)
-        uorder = np.argsort(key, kind="stable")
+        uorder = key.argsort(kind="stable")
     else:
         uorder = np.lexsort((-u_kv_len, u_small))
     ptr = (0, n_large, int(u_small.size))
@@ -381,7 +381,7 @@ def materialize(
         pair_out_row=out_row,
         query_partial_start=part_start.astype(i32),
         query_num_partials=n_part.astype(i32),
-        merge_queries=np.flatnonzero(multi).astype(i32),
+        merge_queries=multi.nonzero()[0].astype(i32),
         class_unit_ptr=ptr,
         tile_classes=classes,  # type: ignore[arg-type]
         n_partial_rows=n_rows,

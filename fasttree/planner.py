@@ -34,7 +34,7 @@ from .tree import KVTree
 _DEFAULT_CONFIG = FastTreeConfig()
 
 #: Levels with at most this many edges are decided by the scalar loop.
-_SCALAR_EDGES = 64
+_SCALAR_EDGES = 16
 
 
 @dataclass(frozen=True)
@@ -73,47 +73,58 @@ class Groups:
 
 
 # ---------------------------------------------------------------- tree index
+class _Level:
+    """The edges into one depth of the tree: slice ``lo:hi`` of the edge order."""
+
+    __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "size", "sstart")
+
+    def __init__(self, ix: _TreeIndex, lo: int, hi: int, lv0: np.ndarray | None) -> None:
+        self.lo, self.hi, self.size = lo, hi, hi - lo
+        self.lv0 = lv0  # parents' group lengths of the first level (roots: their own)
+        self.prel = None if lv0 is not None else ix.prel[lo:hi]  # parent's index in the level above
+        self.sstart = ix.sstart_rel[lo:hi]  # first sibling's index in this level
+        self.not_last = ix.not_last[lo:hi]
+        self.lnf = ix.lnf[lo:hi]
+        self.a = ix.af[:, lo:hi]
+        self.lists: tuple[list, list, list, list] | None = None
+
+
 class _TreeIndex:
     """Structure of one tree that every plan of it shares; built once, cached on the tree.
 
-    Non-root nodes are kept in *edge order*: by depth, then parent, then id. A level
-    ``d >= 1`` is the slice ``bounds[d - 1]`` of every per-edge array, and the children of
-    one parent (a *segment*) are contiguous, in id order.
+    Non-root nodes are kept in *edge order*: by depth, then parent, then id. A level (the
+    edges into one depth) is a slice of every per-edge array, and the children of one
+    parent (a *segment*) are contiguous, in id order.
     """
 
     def __init__(self, tree: KVTree) -> None:
         n = tree.n_nodes
         parents, sq = tree.parents, tree.subtree_queries
         lp = tree.level_ptr.tolist()
-        ch = tree.level_order[lp[1] :] if len(lp) > 2 else tree.level_order[:0]
+        ch = tree.level_order[lp[1] :]
         cp = parents[ch]
         if ch.size > 1:
             key = tree.depth[ch] * n + cp
-            if (key[1:] < key[:-1]).any():
-                o = np.argsort(key, kind="stable")
+            if np.count_nonzero(key[1:] < key[:-1]):
+                o = key.argsort(kind="stable")
                 ch, cp = ch[o], cp[o]
         e = ch.size
         self.children = ch
         self.cp = cp
-        self.bounds = [(lo - lp[1], hi - lp[1]) for lo, hi in itertools.pairwise(lp[1:])]
         q = sq[ch]
         self.q = q
-        self.ln = tree.lengths[ch]
+        self.qf = q.astype(np.float64)
+        self.lnf = tree.lengths[ch].astype(np.float64)
         new_seg = np.ones(e, dtype=bool)
         np.not_equal(cp[1:], cp[:-1], out=new_seg[1:])
-        starts = np.flatnonzero(new_seg)
-        seg = np.cumsum(new_seg) - 1
-        self.sstart = starts[seg]  # segment start of every edge
-        incl = np.cumsum(q)
+        starts = new_seg.nonzero()[0]
+        sstart = starts[np.add.accumulate(new_seg, dtype=np.int64) - 1]  # first sibling of every edge
+        self.not_last = np.append(~new_seg[1:], False)
+        incl = np.add.accumulate(q)
         excl = incl - q
-        excl_seg = excl - excl[self.sstart]  # queries of earlier siblings
+        excl_seg = excl - excl[sstart]  # queries of earlier siblings
         n_par = sq[cp]
-        ends = np.empty_like(starts)
-        ends[:-1] = starts[1:] - 1
-        ends[-1:] = e - 1
-        seg_total = (incl[ends] - excl[starts])[seg]
         self.n_par = n_par
-        self.n_par_after = n_par - seg_total  # parent count when every child is concatenated
         self.excl_seg = excl_seg
         # Query counts at which the vectorised greedy evaluates Cmm: a run of 1s before
         # the edge (n1) or only 0s (n_par), each before and after taking the child, and q.
@@ -123,24 +134,30 @@ class _TreeIndex:
         np.subtract(a[0], q, out=a[2])
         np.subtract(n_par, q, out=a[3])
         a[4] = q
-        self.a = a
-        self._lists: dict[int, tuple[list, list, list, list, list]] = {}
+        self.af = a.astype(np.float64)
+        small = tree.n_queries < 1 << 31
+        self.a = a.astype(np.int32) if small else a
+        self.neg_a = np.negative(self.a)
+        self.seg_starts = starts
+        self.seg_par = cp[starts]
+        # children in edge order are the nodes n_roots .. n - 1 (trees numbered level by level)
+        r = n - e
+        contiguous = e == 0 or (int(ch[0]) == r and not np.count_nonzero(ch[1:] - ch[:-1] - 1))
+        self.child_index = slice(r, n) if contiguous else ch
+        # level-relative positions
+        level_lo = np.asarray(lp[1:], dtype=np.int64) - lp[1]
+        edge_lo = level_lo[tree.depth[ch] - 1] if e else level_lo[:0]
+        pos = np.zeros(n, dtype=np.int64)
+        pos[ch] = np.arange(e) - edge_lo
+        self.prel = pos[cp]
+        self.sstart_rel = sstart - edge_lo
+        bounds = [(lo - lp[1], hi - lp[1]) for lo, hi in itertools.pairwise(lp[1:])]
+        self.roots = tree.level_order[: lp[1]]
+        self.levels = [
+            _Level(self, lo, hi, tree.lengths[cp[lo:hi]].astype(np.float64) if i == 0 else None)
+            for i, (lo, hi) in enumerate(bounds)
+        ]
         self._groups: _GroupIndex | None = None
-
-    def lists(self, lo: int, hi: int) -> tuple[list, list, list, list, list]:
-        """Python lists (children, parents, q, lengths, parent counts) of one level."""
-        got = self._lists.get(lo)
-        if got is None:
-            sl = slice(lo, hi)
-            got = (
-                self.children[sl].tolist(),
-                self.cp[sl].tolist(),
-                self.q[sl].tolist(),
-                self.ln[sl].tolist(),
-                self.n_par[sl].tolist(),
-            )
-            self._lists[lo] = got
-        return got
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
@@ -159,8 +176,8 @@ class _GroupIndex:
         n = tree.n_nodes
         parents, sq = tree.parents, tree.subtree_queries
         # non-root nodes sorted by (parent, id)
-        if ix.cp.size > 1 and (ix.cp[1:] < ix.cp[:-1]).any():
-            cs = np.argsort(parents, kind="stable")
+        if ix.cp.size > 1 and np.count_nonzero(ix.cp[1:] < ix.cp[:-1]):
+            cs = parents.argsort(kind="stable")
             self.child_sorted = cs[n - ix.children.size :]
         else:
             self.child_sorted = ix.children
@@ -168,15 +185,16 @@ class _GroupIndex:
         qlo = np.zeros(n, dtype=np.int64)
         roots = tree.level_order[: tree.level_ptr[1]]
         r_sq = sq[roots]
-        qlo[roots] = np.cumsum(r_sq) - r_sq
-        for lo, hi in ix.bounds:
-            ch, cp = ix.children[lo:hi], ix.cp[lo:hi]
-            qlo[ch] = qlo[cp] + own[cp] + ix.excl_seg[lo:hi]
+        qlo[roots] = np.add.accumulate(r_sq) - r_sq
+        for lvl in ix.levels:
+            sl = slice(lvl.lo, lvl.hi)
+            ch, cp = ix.children[sl], ix.cp[sl]
+            qlo[ch] = qlo[cp] + own[cp] + ix.excl_seg[sl]
         self.qlo = qlo
         self.qhi = qlo + sq
         key = qlo[tree.query_nodes]
-        if key.size > 1 and (key[1:] < key[:-1]).any():
-            self.perm: np.ndarray | None = np.argsort(key, kind="stable")
+        if key.size > 1 and np.count_nonzero(key[1:] < key[:-1]):
+            self.perm: np.ndarray | None = key.argsort(kind="stable")
         else:
             self.perm = None
 
@@ -195,36 +213,37 @@ class _EdgeCosts:
 
     ``c_child`` and ``g_q`` are ``Cmm(q, len_child)`` and ``gamma * q`` per edge; ``pad_q``
     and ``ts_k`` are the query padding and KV tile of the counts in ``_TreeIndex.a``.
+    Costs are float64 arrays of exact integers multiplied by the float weights, which is
+    what PaddingCost.cmm computes.
     """
 
     def __init__(self, ix: _TreeIndex, cost: PaddingCost, vector: bool) -> None:
         (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
         self.ag = cost.alpha * cost.group_size
         self.bg = cost.beta * cost.group_size
-        self.gamma = cost.gamma
         self.tiles = (tq0, tq1, tk0, tk1)
-        a = ix.a if vector else ix.a[4:]
+        a, neg_a = (ix.a, ix.neg_a) if vector else (ix.a[4:], ix.neg_a[4:])
         pow2 = _pow2(tq0) and _pow2(tq1)
+        large = a > tq1 if tq0 != tq1 or tk0 != tk1 else None
+        it = a.dtype.type
         if tq0 == tq1:
-            pad_q = (-a) & (tq0 - 1) if pow2 else (-a) % tq0
+            pad_q = neg_a & it(tq0 - 1) if pow2 else neg_a % it(tq0)
+        elif pow2:
+            pad_q = neg_a & np.where(large, it(tq0 - 1), it(tq1 - 1))
         else:
-            large = a > tq1
-            tsq = np.where(large, tq0, tq1)
-            pad_q = (-a) & (tsq - 1) if pow2 else (-a) % tsq
-        if tk0 == tk1:
-            ts_k = np.full(a.shape, tk0, dtype=np.int64)
-        else:
-            ts_k = np.where(a > tq1, tk0, tk1)
-        self.pad_q = pad_q
-        self.ts_k = ts_k
-        q, ln = ix.q, ix.ln
-        pk = ts_k[-1] - ln
-        np.maximum(pk, 0, out=pk)
-        pk *= q
-        c_child = self.ag * (pad_q[-1] * ln)
-        c_child += self.bg * pk
+            pad_q = neg_a % np.where(large, it(tq0), it(tq1))
+        self.pad_q = pad_q.astype(np.float64)
+        self.ts_k = float(tk0) if tk0 == tk1 else np.where(large, float(tk0), float(tk1))
+        tk_q = self.ts_k if tk0 == tk1 else self.ts_k[-1]
+        c_child = self.pad_q[-1] * ix.lnf
+        c_child *= self.ag
+        pad_k = tk_q - ix.lnf
+        np.maximum(pad_k, 0.0, out=pad_k)
+        pad_k *= ix.qf
+        pad_k *= self.bg
+        c_child += pad_k
         self.c_child = c_child
-        self.g_q = self.gamma * q
+        self.g_q = cost.gamma * ix.qf
 
 
 def _pow2(x: int) -> bool:
@@ -249,140 +268,143 @@ def greedy_edge_assignment(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray,
         Tokens of node ``i``'s group: its own plus its ancestors' up the 1-chain.
     """
     ix = _tree_index(tree)
-    assign = np.zeros(tree.n_nodes, dtype=np.int8)
+    n = tree.n_nodes
+    assign = np.zeros(n, dtype=np.int8)
     n_cur = tree.subtree_queries.copy()
     eff_len = tree.lengths.copy()
+    if not ix.levels:
+        return assign, n_cur, eff_len
     threshold = _SCALAR_EDGES
-    vector = any(hi - lo > threshold for lo, hi in ix.bounds)
-    ec = _EdgeCosts(ix, cost, vector)
-    for lo, hi in ix.bounds:
-        if hi - lo <= threshold:
-            _decide_level_scalar(ix, lo, hi, ec, n_cur, eff_len, assign)
+    ec = _EdgeCosts(ix, cost, any(lvl.size > threshold for lvl in ix.levels))
+    decided, group_len = [], []
+    eff = None  # group lengths of the level above, in its edge order
+    for lvl in ix.levels:
+        lv = lvl.lv0 if lvl.prel is None else eff[lvl.prel]
+        if lvl.size <= threshold:
+            dec, eff = _decide_level_scalar(ix, lvl, ec, lv)
         else:
-            _decide_level_vector(ix, lo, hi, ec, cost, n_cur, eff_len, assign)
+            dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv)
+        decided.append(dec)
+        group_len.append(eff)
+    dec = np.concatenate(decided) if len(decided) > 1 else decided[0]
+    assign[ix.child_index] = dec
+    eff_len[ix.child_index] = np.concatenate(group_len) if len(group_len) > 1 else group_len[0]
+    n_cur[ix.seg_par] -= np.add.reduceat(ix.q * dec, ix.seg_starts)
     return assign, n_cur, eff_len
 
 
-def _decide_level_scalar(ix: _TreeIndex, lo: int, hi: int, ec: _EdgeCosts, n_cur, eff_len, assign) -> None:
+def _decide_level_scalar(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, lv: np.ndarray):
     # The plain sequential greedy; Cmm(n, lv) of the parent's current count is carried
     # from one child to the next. Same arithmetic as PaddingCost.cmm_scalar.
     ag, bg = ec.ag, ec.bg
     tq0, tq1, tk0, tk1 = ec.tiles
-    children, pars, qs, lns, n_pars = ix.lists(lo, hi)
-    lvs = eff_len[ix.cp[lo:hi]].tolist()
-    ccs = ec.c_child[lo:hi].tolist()
-    gqs = ec.g_q[lo:hi].tolist()
-    ones = []
+    lo, hi = lvl.lo, lvl.hi
+    if lvl.lists is None:
+        sl = slice(lo, hi)
+        lvl.lists = (ix.cp[sl].tolist(), ix.q[sl].tolist(), ix.lnf[sl].tolist(), ix.n_par[sl].tolist())
+    pars, qs, lns, n_pars = lvl.lists
+    dec = []
     effs = []
-    seg_p = []
-    seg_n = []
     prev = -1
-    n = cn = 0
-    for c, p, q, ln, n_p, lv, cc, gq in zip(children, pars, qs, lns, n_pars, lvs, ccs, gqs, strict=True):
+    n = 0
+    cn = 0.0
+    for p, q, ln, n_p, lv_, cc, gq in zip(
+        pars, qs, lns, n_pars, lv.tolist(), ec.c_child[lo:hi].tolist(), ec.g_q[lo:hi].tolist(), strict=True
+    ):
         if p != prev:
-            if prev >= 0:
-                seg_p.append(prev)
-                seg_n.append(n)
             prev = p
             n = n_p
             if n > tq1:
-                cn = ag * (((-n) % tq0) * lv) + bg * ((tk0 - lv if lv < tk0 else 0) * n)
+                cn = ag * (((-n) % tq0) * lv_) + bg * ((tk0 - lv_ if lv_ < tk0 else 0) * n)
             else:
-                cn = ag * (((-n) % tq1) * lv) + bg * ((tk1 - lv if lv < tk1 else 0) * n)
+                cn = ag * (((-n) % tq1) * lv_) + bg * ((tk1 - lv_ if lv_ < tk1 else 0) * n)
         m = n - q
         if m > tq1:
-            cm = ag * (((-m) % tq0) * lv) + bg * ((tk0 - lv if lv < tk0 else 0) * m)
+            cm = ag * (((-m) % tq0) * lv_) + bg * ((tk0 - lv_ if lv_ < tk0 else 0) * m)
         else:
-            cm = ag * (((-m) % tq1) * lv) + bg * ((tk1 - lv if lv < tk1 else 0) * m)
-        t = ln + lv
+            cm = ag * (((-m) % tq1) * lv_) + bg * ((tk1 - lv_ if lv_ < tk1 else 0) * m)
+        t = ln + lv_
         if q > tq1:
             ccat = ag * (((-q) % tq0) * t) + bg * ((tk0 - t if t < tk0 else 0) * q)
         else:
             ccat = ag * (((-q) % tq1) * t) + bg * ((tk1 - t if t < tk1 else 0) * q)
         if cn + cc + gq > cm + ccat:
-            ones.append(c)
+            dec.append(True)
             effs.append(t)
             n = m
             cn = cm
         else:
+            dec.append(False)
             effs.append(ln)
-    seg_p.append(prev)
-    seg_n.append(n)
-    if ones:
-        assign[ones] = 1
-    eff_len[ix.children[lo:hi]] = effs
-    n_cur[seg_p] = seg_n
+    return np.array(dec, dtype=bool), np.array(effs, dtype=np.float64)
 
 
-def _decide_level_vector(ix: _TreeIndex, lo: int, hi: int, ec: _EdgeCosts, cost: PaddingCost, n_cur, eff_len, assign):
+def _decide_level_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv: np.ndarray):
     # Every edge is evaluated under two hypotheses about its earlier siblings: all
     # concatenated (count n1) or none (count n_par). A parent whose first child is
     # concatenated follows the first, otherwise the second; the decisions stand up to
-    # and including the first edge that breaks its hypothesis. When no edge breaks, the
-    # level is done; else the remaining edges go through the rounds of
+    # and including the first edge that breaks its hypothesis. When that covers every
+    # edge the level is done; else the remaining edges go through the rounds of
     # _decide_rest_vector. Costs use exactly the expressions of PaddingCost.cmm.
-    sl = slice(lo, hi)
-    children, cp, ln = ix.children[sl], ix.cp[sl], ix.ln[sl]
-    lv = eff_len[cp]
-    kv = np.empty((5, hi - lo), dtype=np.int64)
+    lo, hi = lvl.lo, lvl.hi
+    kv = np.empty((5, lvl.size))
     kv[:4] = lv
-    np.add(ln, lv, out=kv[4])
-    c = ec.pad_q[:, sl] * kv
-    c = ec.ag * c
-    pad_k = ec.ts_k[:, sl] - kv
-    np.maximum(pad_k, 0, out=pad_k)
-    pad_k *= ix.a[:, sl]
-    c += ec.bg * pad_k
+    np.add(lvl.lnf, lv, out=kv[4])
+    c = ec.pad_q[:, lo:hi] * kv
+    c *= ec.ag
+    pad_k = (ec.ts_k if isinstance(ec.ts_k, float) else ec.ts_k[:, lo:hi]) - kv
+    np.maximum(pad_k, 0.0, out=pad_k)
+    pad_k *= lvl.a
+    pad_k *= ec.bg
+    c += pad_k
     # split_kv = Cmm(n, lv) + Cmm(q, len) + gamma q ; split_q = Cmm(n - q, lv) + Cmm(q, len + lv)
-    split_kv = c[:2] + ec.c_child[sl]
-    split_kv += ec.g_q[sl]
+    split_kv = c[:2] + ec.c_child[lo:hi]
+    split_kv += ec.g_q[lo:hi]
     split_q = c[2:4] + c[4]
     ones = split_kv > split_q  # [2, E]: under n1, under n_par
-    first = ones[0][ix.sstart[sl] - lo]  # the first child's decision, per edge
+    first = ones[0][lvl.sstart]  # the first child's decision, per edge
     use = np.where(first, ones[0], ones[1])
     brk = use != first
-    if not brk.any():
-        assign[children] = first
-        eff_len[children] = np.where(first, kv[4], ln)
-        n_cur[cp] = np.where(first, ix.n_par_after[sl], ix.n_par[sl])
-        return
-    _decide_rest_vector(ix, lo, hi, ec, cost, n_cur, eff_len, assign, lv, c[4], use, brk)
+    brk &= lvl.not_last  # a break at a parent's last child decides nothing after it
+    if not np.count_nonzero(brk):
+        return use, np.where(use, kv[4], lvl.lnf)
+    return _decide_rest_vector(ix, lvl, ec, cost, lv, c[4], use, brk)
 
 
-def _decide_rest_vector(ix, lo, hi, ec, cost: PaddingCost, n_cur, eff_len, assign, lv, c_concat, use, brk) -> None:
+def _decide_rest_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv, c_concat, use, brk):
     # Children are sorted by parent. A round resolves, for every parent with undecided
     # children, a run of 1s (evaluated with the count dropping by each child taken),
     # the 0 that ends it, the 0s that follow under the now-fixed count, and the next 1;
     # the parent's later children wait for the next round. Each decision is evaluated
     # under exactly the count the sequential greedy would see.
-    sl = slice(lo, hi)
-    children, cp, q, ln = ix.children[sl], ix.cp[sl], ix.q[sl], ix.ln[sl]
+    sl = slice(lvl.lo, lvl.hi)
+    q = ix.q[sl]
     c_child, g_q = ec.c_child[sl], ec.g_q[sl]
-    sstart = ix.sstart[sl] - lo
+    sstart = lvl.sstart
     # decisions of the first pass stand up to and including each parent's first break
-    before = np.cumsum(brk) - brk
+    before = np.add.accumulate(brk, dtype=np.int64) - brk
     resolved = before == before[sstart]
     decided = (use & resolved).astype(np.int8)
-    n_state = n_cur.copy()  # indexed by node id
-    taken = np.where(decided == 1, q, 0)
-    seg_starts = np.flatnonzero(sstart == np.arange(hi - lo))
-    n_state[cp[seg_starts]] = ix.n_par[sl][seg_starts] - np.add.reduceat(taken, seg_starts)
+    n_state = ix.n_par[sl].copy()  # indexed by the parent's first child
+    seg_starts = (sstart == np.arange(lvl.size)).nonzero()[0]
+    n_state[seg_starts] -= np.add.reduceat(np.where(decided == 1, q, 0), seg_starts)
+    lv_int = lv.astype(np.int64)
 
     def concat(rem: np.ndarray, n: np.ndarray) -> np.ndarray:
-        split_kv = cost.cmm(n, lv[rem]) + c_child[rem] + g_q[rem]
-        split_q = cost.cmm(n - q[rem], lv[rem]) + c_concat[rem]
+        split_kv = cost.cmm(n, lv_int[rem]) + c_child[rem] + g_q[rem]
+        split_q = cost.cmm(n - q[rem], lv_int[rem]) + c_concat[rem]
         return split_kv > split_q
 
     big = np.iinfo(np.int64).max
-    rem = np.flatnonzero(~resolved)
+    rem = (~resolved).nonzero()[0]
     while rem.size:
-        p = cp[rem]
+        p = sstart[rem]
         qr = q[rem]
         seg_first = np.ones(rem.size, dtype=bool)
         seg_first[1:] = p[1:] != p[:-1]
-        starts = np.flatnonzero(seg_first)
-        seg = np.cumsum(seg_first) - 1
-        incl = np.cumsum(qr)
+        starts = seg_first.nonzero()[0]
+        seg = np.add.accumulate(seg_first, dtype=np.int64) - 1
+        incl = np.add.accumulate(qr)
         taken_before = incl - qr - (incl - qr)[starts][seg]
         n_if_ones = n_state[p] - taken_before
         ones = concat(rem, n_if_ones)
@@ -406,9 +428,7 @@ def _decide_rest_vector(ix, lo, hi, ec, cost: PaddingCost, n_cur, eff_len, assig
         n_state[stop_p] = n_fixed[starts][~all_ones]
         n_state[p[hit]] -= qr[hit]
         rem = rem[has_zero & (pos > k1) & (k1 < big)]
-    assign[children] = decided
-    eff_len[children] = ln + decided * lv
-    n_cur[cp] = n_state[cp]
+    return decided, lvl.lnf + decided * lv
 
 
 # --------------------------------------------------------------------- groups
@@ -435,24 +455,24 @@ def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, gr
     holes = cs[assign[cs] != 0]
     hole_par = tree.parents[holes]
     counts = sq - np.bincount(hole_par, weights=sq[holes], minlength=n).astype(np.int64)
-    if not np.array_equal(counts, group_queries):
+    if counts.shape != np.shape(group_queries) or np.count_nonzero(counts != group_queries):
         raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     keep = (counts > 0) & (group_kv_len > 0)
-    node = np.flatnonzero(keep)
+    node = keep.nonzero()[0]
     g_count = counts[node]
     q_indptr = np.zeros(node.size + 1, dtype=np.int64)
-    np.cumsum(g_count, out=q_indptr[1:])
+    np.add.accumulate(g_count, out=q_indptr[1:])
     inner = keep[hole_par]
     holes, hole_par = holes[inner], hole_par[inner]
     if holes.size == 0:
         run_start, run_len = gx.qlo[node], g_count
     else:
         # runs of group g: qlo[g] .. first hole, between holes, last hole .. qhi[g]
-        hg = np.searchsorted(node, hole_par)
+        hg = node.searchsorted(hole_par)
         k = np.arange(holes.size)
         n_holes = np.bincount(hg, minlength=node.size)
         g_first = np.zeros(node.size, dtype=np.int64)
-        np.cumsum(n_holes[:-1], out=g_first[1:])
+        np.add.accumulate(n_holes[:-1], out=g_first[1:])
         g_first += np.arange(node.size)
         n_runs = node.size + holes.size
         run_start = np.empty(n_runs, dtype=np.int64)
@@ -468,7 +488,7 @@ def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, gr
         q_ids = q_pos
     else:
         # DFS order differs from id order: sort each group's queries by id
-        gid = np.repeat(np.arange(node.size, dtype=np.int64) * tree.n_queries, g_count)
+        gid = (np.arange(node.size, dtype=np.int64) * tree.n_queries).repeat(g_count)
         key = gx.perm[q_pos] + gid
         key.sort()
         q_ids = key - gid
@@ -486,12 +506,12 @@ def _ragged_arange(start: np.ndarray, length: np.ndarray, total: int) -> np.ndar
     nonempty = length > 0
     s, ln = start[nonempty], length[nonempty]
     first = np.zeros(s.size, dtype=np.int64)
-    np.cumsum(ln[:-1], out=first[1:])
+    np.add.accumulate(ln[:-1], out=first[1:])
     jumps = np.empty_like(s)
     jumps[0] = s[0]
     jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
     out[first] = jumps
-    np.cumsum(out, out=out)
+    np.add.accumulate(out, out=out)
     return out
 
 
@@ -503,56 +523,76 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
     """
     parents = tree.parents
     kv_start = tree.slot_indptr[nodes]
-    chained = np.flatnonzero(assign[nodes] == 1)
-    if chained.size == 0:
+    chained = (assign[nodes] == 1).nonzero()[0]
+    n_chained = chained.size
+    if n_chained == 0:
         return kv_start, tree.slots
-    # walk every chain up from its group node; step s holds the s-th node above it
-    cur = nodes[chained]
-    ids = np.arange(chained.size)
-    steps, step_ids = [cur], [ids]
-    while cur.size:
+    # Walk every chain up from its group node: step s holds the s-th node above it (and
+    # which chains it belongs to, None for all); a chain ends at its first node not
+    # marked 1, or at a root.
+    roots_marked = np.count_nonzero(assign[_tree_index(tree).roots] == 1)
+    cur, ids = nodes[chained], None
+    steps = [(cur, ids)]
+    while True:
         up = parents[cur]
-        if up.min() < 0:  # a root marked 1: its chain ends there
+        if roots_marked:
             ok = up >= 0
-            up, ids = up[ok], ids[ok]
-        steps.append(up)
-        step_ids.append(ids)
+            if np.count_nonzero(ok) < up.size:
+                up, ids = up[ok], (np.arange(n_chained) if ids is None else ids)[ok]
+        if up.size == 0:
+            break
+        steps.append((up, ids))
         more = assign[up] == 1
-        cur, ids = up[more], ids[more]
-    chain_len = np.bincount(np.concatenate(step_ids), minlength=chained.size)
-    chain_ptr = np.zeros(chained.size + 1, dtype=np.int64)
-    np.cumsum(chain_len, out=chain_ptr[1:])
-    chain_nodes = np.empty(int(chain_ptr[-1]), dtype=np.int64)
-    top_pos = chain_ptr[1:] - 1  # the group node is last; the s-th node above it s places before
-    for s, (nd, gi) in enumerate(zip(steps, step_ids, strict=True)):
-        chain_nodes[top_pos[gi] - s] = nd
-    starts = tree.slot_indptr[chain_nodes]
-    lens = tree.slot_indptr[chain_nodes + 1] - starts
-    node_ptr = np.zeros(chain_nodes.size + 1, dtype=np.int64)
-    np.cumsum(lens, out=node_ptr[1:])
+        n_more = np.count_nonzero(more)
+        if n_more == 0:
+            break
+        if n_more < up.size:
+            up, ids = up[more], (np.arange(n_chained) if ids is None else ids)[more]
+        cur = up
+    # [chain, position] tables of the chain nodes' slot runs, top of the chain first;
+    # shorter chains are padded on the left with empty runs
+    k = len(steps)
+    run_start = np.zeros((n_chained, k), dtype=np.int64)
+    run_len = np.zeros((n_chained, k), dtype=np.int64)
+    for s, (nd, ids) in enumerate(steps):
+        col = k - 1 - s
+        if ids is None:
+            run_start[:, col] = tree.slot_indptr[nd]
+            run_len[:, col] = tree.lengths[nd]
+        else:
+            run_start[ids, col] = tree.slot_indptr[nd]
+            run_len[ids, col] = tree.lengths[nd]
+    chain_total = run_len.sum(axis=1)
+    chain_first = np.zeros(n_chained, dtype=np.int64)
+    np.add.accumulate(chain_total[:-1], out=chain_first[1:])
     n_slots = tree.slots.size
-    kv_start[chained] = n_slots + node_ptr[chain_ptr[:-1]]
-    total = int(node_ptr[-1])
+    kv_start[chained] = n_slots + chain_first
+    total = int(chain_first[-1] + chain_total[-1])
     out = np.empty(n_slots + total, dtype=np.int32)
     out[:n_slots] = tree.slots
-    if total:
-        nonempty = lens > 0
-        s, ln = starts[nonempty], lens[nonempty]
-        jumps = np.empty_like(s)
-        jumps[0] = s[0]
-        jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
-        first = node_ptr[:-1][nonempty]
-        if getattr(tree, "_slots_are_arange", False):
-            # slot i of the tree is i: the gather indices are the slots themselves
-            tail = out[n_slots:]
-            tail.fill(1)
-            tail[first] = jumps
-            np.cumsum(tail, dtype=np.int32, out=tail)
-        else:
-            idx = np.ones(total, dtype=np.int64)
-            idx[first] = jumps
-            np.cumsum(idx, out=idx)
-            np.take(tree.slots, idx, out=out[n_slots:])
+    if total == 0:
+        return kv_start, out
+    tail = out[n_slots:]
+    # every run as a jump in a cumulative sum of ones
+    flat_len = run_len.ravel()
+    pos = np.zeros(flat_len.size, dtype=np.int64)
+    np.add.accumulate(flat_len[:-1], out=pos[1:])
+    nonempty = flat_len > 0
+    s, ln = run_start.ravel()[nonempty], flat_len[nonempty]
+    jumps = np.empty_like(s)
+    jumps[0] = s[0]
+    jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
+    first = pos[nonempty]
+    if getattr(tree, "_slots_are_arange", False):
+        # slot i of the tree is i: the gather indices are the slots themselves
+        tail.fill(1)
+        tail[first] = jumps
+        np.add.accumulate(tail, out=tail)
+    else:
+        idx = np.ones(total, dtype=np.int64)
+        idx[first] = jumps
+        np.add.accumulate(idx, out=idx)
+        tree.slots.take(idx, out=tail)
     return kv_start, out
 
 
