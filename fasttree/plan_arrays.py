@@ -274,13 +274,14 @@ def materialize(
     split_g = np.asarray(group_split, dtype=np.int64)
     tile_q = int(q_tiles[0])
     n_groups = groups.node.size
-    chunks = -(-kv_len // split_g)
-    tiles = -(-nq // tile_q)
+    one_chunk = not np.count_nonzero((kv_len > split_g) | (kv_len < 1))
+    one_tile = not np.count_nonzero((nq > tile_q) | (nq < 1))
+    tiles = 1 if one_tile else -(-nq // tile_q)
 
-    if not np.count_nonzero(chunks != 1):
+    if one_chunk:
         # one KV chunk per group: a group's units are its query tiles, and the pairs are
         # the groups' query lists back to back
-        if not np.count_nonzero(tiles != 1):
+        if one_tile:
             kv_start, u_kv_len, q_first, u_q_len = groups.kv_start, kv_len, q_indptr[:-1], nq
         else:
             u_group = np.arange(n_groups).repeat(tiles)
@@ -297,12 +298,13 @@ def materialize(
         unit_pair_start = q_first - q0
         pair_query = groups.q_ids[q0 : q0 + int(u_q_len.sum())]
     else:
+        chunks = -(-kv_len // split_g)
         per_group = chunks * tiles
         u_group = np.arange(n_groups).repeat(per_group)
         first = np.zeros(n_groups, dtype=np.int64)
         np.add.accumulate(per_group[:-1], out=first[1:])
         w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
-        u_tiles = tiles[u_group]
+        u_tiles = 1 if one_tile else tiles[u_group]
         chunk = w // u_tiles
         tile = w - chunk * u_tiles
         u_split = split_g[u_group]
@@ -328,8 +330,9 @@ def materialize(
     np.add.accumulate(rows_per_query[:-1], out=part_start[1:])
     n_rows = int(part_start[-1] + rows_per_query[-1])
     n_pairs = pair_query.size
-    out_row = np.full(n_pairs, -1, dtype=np.int32)
-    if n_rows:
+    if not n_rows:
+        out_row = np.full(n_pairs, -1, dtype=np.int32)
+    else:
         # a stable sort of the pairs by query (radix sort on 16-bit keys when they fit)
         keys = pair_query.astype(np.uint16) if n_queries <= 1 << 16 else pair_query
         order = keys.argsort(kind="stable")
@@ -339,8 +342,10 @@ def materialize(
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
         row = np.arange(n_pairs, dtype=np.int64)
         row += (part_start - seg_start)[q_sorted]
-        out_row[order] = np.where(multi[q_sorted], row, -1)
-    if max(groups.kv_slots.size, n_pairs, n_rows) > np.iinfo(np.int32).max:
+        rows = np.empty(n_pairs, dtype=np.int64)
+        rows[order] = row if n_rows == n_pairs else np.where(multi[q_sorted], row, -1)
+        out_row = rows.astype(np.int32)
+    if max(groups.kv_slots.size, n_pairs, n_rows) > 0x7FFFFFFF:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
     # units ordered by tile class, then longest KV first (a stable sort)

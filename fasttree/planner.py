@@ -36,6 +36,11 @@ _DEFAULT_CONFIG = FastTreeConfig()
 #: Levels with at most this many edges are decided by the scalar loop.
 _SCALAR_EDGES = 16
 
+#: Chained groups with at least this many slots in all may be filled by strided copies ...
+_STRIDED_FILL_MIN = 16384
+#: ... of at most this many runs (chain positions x blocks of alike chains).
+_STRIDED_FILL_COPIES = 32
+
 
 @dataclass(frozen=True)
 class Groups:
@@ -503,8 +508,11 @@ def _ragged_arange(start: np.ndarray, length: np.ndarray, total: int) -> np.ndar
     out = np.ones(total, dtype=np.int64)
     if total == 0:
         return out
-    nonempty = length > 0
-    s, ln = start[nonempty], length[nonempty]
+    if np.count_nonzero(length) == length.size:
+        s, ln = start, length
+    else:
+        nonempty = length > 0
+        s, ln = start[nonempty], length[nonempty]
     first = np.zeros(s.size, dtype=np.int64)
     np.add.accumulate(ln[:-1], out=first[1:])
     jumps = np.empty_like(s)
@@ -573,6 +581,8 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
     if total == 0:
         return kv_start, out
     tail = out[n_slots:]
+    if total >= _STRIDED_FILL_MIN and _fill_strided(tail, tree.slots, run_start, run_len, chain_first):
+        return kv_start, out
     # every run as a jump in a cumulative sum of ones
     flat_len = run_len.ravel()
     pos = np.zeros(flat_len.size, dtype=np.int64)
@@ -594,6 +604,52 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
         np.add.accumulate(idx, out=idx)
         tree.slots.take(idx, out=tail)
     return kv_start, out
+
+
+def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
+    """Copy the chains' slot runs into ``tail`` as strided views of ``slots``, if they are regular.
+
+    Consecutive chains with the same run lengths form a [chains, tokens] block; one
+    position of the chain (a column range of the block) is one strided copy when its run
+    starts repeat in equal groups whose values step by a constant ``d >= 0`` (chains that
+    share an ancestor, siblings laid out evenly). Returns False, writing nothing, when
+    the runs are irregular or would need too many copies.
+    """
+    n_chains, k = run_len.shape
+    if n_chains == 1 or not np.count_nonzero(run_len[1:] != run_len[:-1]):
+        bounds = [0, n_chains]
+    else:
+        bounds = [0, *((run_len[1:] != run_len[:-1]).any(axis=1).nonzero()[0] + 1).tolist(), n_chains]
+    if (len(bounds) - 1) * k > _STRIDED_FILL_COPIES:
+        return False
+    copies = []
+    for b0, b1 in itertools.pairwise(bounds):
+        nb = b1 - b0
+        lens = run_len[b0].tolist()
+        width = sum(lens)
+        first = int(chain_first[b0])
+        off = 0
+        for col, ln in enumerate(lens):
+            if not ln:
+                continue
+            st = run_start[b0:b1, col]
+            s0 = int(st[0])
+            rep, step = nb, 0
+            if nb > 1:
+                change = (st[1:] != st[:-1]).nonzero()[0]
+                if change.size:
+                    rep = int(change[0]) + 1
+                    step = int(st[rep]) - s0
+                    if nb % rep or step < 0 or np.count_nonzero(st != s0 + np.arange(nb) // rep * step):
+                        return False
+            copies.append((first, nb, width, off, ln, s0, rep, step))
+            off += ln
+    item = slots.itemsize
+    for first, nb, width, off, ln, s0, rep, step in copies:
+        block = tail[first : first + nb * width].reshape(nb // rep, rep, width)
+        shape, strides = (nb // rep, 1, ln), (step * item, 0, item)
+        block[:, :, off : off + ln] = np.ndarray(shape, slots.dtype, buffer=slots, offset=s0 * item, strides=strides)
+    return True
 
 
 # ----------------------------------------------------------------------- plan
@@ -684,9 +740,15 @@ def _units_per_phase(groups: Groups, cost: PaddingCost, splits, num_kv_heads: in
     # q_tiles[1] queries) is one query tile under either tile size.
     nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
     small = nq <= cost.q_tiles[1]
-    split = splits[0] if splits[0] == splits[1] else np.where(small, splits[1], splits[0])
-    units = -(-groups.kv_len // split)
-    units *= -(-nq // cost.q_tiles[0])
-    total = int(units.sum())
-    in_small = int(units[small].sum())
+    kv_len = groups.kv_len
+    if splits[0] == splits[1]:
+        chunks = 1 if int(kv_len.max()) <= splits[0] else -(-kv_len // splits[0])
+    else:
+        chunks = -(-kv_len // np.where(small, splits[1], splits[0]))
+    tq = cost.q_tiles[0]
+    units = chunks if int(nq.max()) <= tq else chunks * -(-nq // tq)
+    if isinstance(units, int):
+        total, in_small = nq.size, np.count_nonzero(small)
+    else:
+        total, in_small = int(units.sum()), int(units[small].sum())
     return [(total - in_small) * num_kv_heads, in_small * num_kv_heads]
