@@ -122,6 +122,10 @@ class KVTree:
             Tokens per node (>= 0).
         query_nodes : array-like of int, shape [n_queries]
         """
+        return cls._from_lengths(parents, lengths, query_nodes)
+
+    @classmethod
+    def _from_lengths(cls, parents, lengths, query_nodes, depth: np.ndarray | None = None) -> KVTree:
         lengths_arr = _as_int_array("lengths", lengths)
         parents_arr = _as_int_array("parents", parents)
         if lengths_arr.size != parents_arr.size:
@@ -129,16 +133,19 @@ class KVTree:
         if lengths_arr.size and lengths_arr.min() < 0:
             bad = int(np.flatnonzero(lengths_arr < 0)[0])
             raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
-        if lengths_arr.sum() > _INT32_MAX + 1:
-            raise ValueError(f"the tree holds {lengths_arr.sum()} tokens, more than a 2**31 slot pool")
+        total = int(lengths_arr.sum())
+        if total > _INT32_MAX + 1:
+            raise ValueError(f"the tree holds {total} tokens, more than a 2**31 slot pool")
         obj = cls.__new__(cls)
         obj._init(
             parents_arr,
             lengths_arr,
-            np.arange(lengths_arr.sum(), dtype=np.int64),
+            np.arange(total, dtype=np.int32),  # slot i of the pool is token i of the tree
             _as_int_array("query_nodes", query_nodes),
+            depth=depth,
+            slots_are_arange=True,
         )
-        obj._slots_are_arange = True  # slot i of the pool is token i of the tree
+        obj._slots_are_arange = True
         return obj
 
     @classmethod
@@ -163,10 +170,22 @@ class KVTree:
             lengths.append(np.full(n_l, tokens, dtype=np.int64))
             prev_first, prev_n, first = first, n_l, first + n_l
         queries = np.arange(prev_first, first, dtype=np.int64)
-        return cls.from_lengths(np.concatenate(parents), np.concatenate(lengths), queries)
+        depth = np.arange(len(nodes_per_level), dtype=np.int64).repeat(nodes_per_level)  # nodes are level by level
+        return cls._from_lengths(np.concatenate(parents), np.concatenate(lengths), queries, depth)
 
     # ------------------------------------------------------------- internals
-    def _init(self, parents: np.ndarray, lengths: np.ndarray, slots: np.ndarray, query_nodes: np.ndarray) -> None:
+    def _init(
+        self,
+        parents: np.ndarray,
+        lengths: np.ndarray,
+        slots: np.ndarray,
+        query_nodes: np.ndarray,
+        *,
+        depth: np.ndarray | None = None,
+        slots_are_arange: bool = False,
+    ) -> None:
+        # depth: the nodes' depths when the caller knows them (an acyclic forest);
+        # slots_are_arange: slots is arange(n_tokens) as int32, already in range.
         n = parents.size
         if n == 0:
             raise ValueError("a KVTree needs at least one node (parents is empty)")
@@ -178,8 +197,8 @@ class KVTree:
         if self_loops.size:
             i = int(self_loops[0])
             raise ValueError(f"node {i} is its own parent (a cycle)")
-        hi = -1
-        if slots.size:
+        hi = slots.size - 1 if slots_are_arange else -1
+        if slots.size and not slots_are_arange:
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0:
                 raise ValueError(f"node_slots hold a negative slot id ({lo})")
@@ -192,8 +211,9 @@ class KVTree:
             j = int(bad[0])
             raise ValueError(f"query_nodes[{j}] = {query_nodes[j]} is out of range [0, {n})")
 
-        depth = _depths(parents)  # raises on cycles
-        level_order = np.lexsort((np.arange(n), depth))
+        if depth is None:
+            depth = _depths(parents)  # raises on cycles
+        level_order = depth.argsort(kind="stable")
         level_ptr = np.searchsorted(depth[level_order], np.arange(int(depth.max()) + 2))
 
         indptr = np.zeros(n + 1, dtype=np.int64)
@@ -216,7 +236,7 @@ class KVTree:
         self.parents = parents
         self.lengths = lengths
         self.slot_indptr = indptr
-        self.slots = slots.astype(np.int32)
+        self.slots = slots if slots_are_arange else slots.astype(np.int32)
         self.query_nodes = query_nodes
         self.depth = depth
         self.level_order = level_order
