@@ -36,10 +36,8 @@ _DEFAULT_CONFIG = FastTreeConfig()
 #: Levels with at most this many edges are decided by the scalar loop.
 _SCALAR_EDGES = 16
 
-#: Chained groups with at least this many slots in all may be filled by strided copies ...
-_STRIDED_FILL_MIN = 16384
-#: ... of at most this many runs (chain positions x blocks of alike chains).
-_STRIDED_FILL_COPIES = 32
+#: Chained groups' slots are filled by strided copies only when a copy averages this many tokens.
+_STRIDED_FILL_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -581,7 +579,7 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
     if total == 0:
         return kv_start, out
     tail = out[n_slots:]
-    if total >= _STRIDED_FILL_MIN and _fill_strided(tail, tree.slots, run_start, run_len, chain_first):
+    if _fill_strided(tail, tree.slots, run_start, run_len, chain_first):
         return kv_start, out
     # every run as a jump in a cumulative sum of ones
     flat_len = run_len.ravel()
@@ -613,14 +611,14 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
     position of the chain (a column range of the block) is one strided copy when its run
     starts repeat in equal groups whose values step by a constant ``d >= 0`` (chains that
     share an ancestor, siblings laid out evenly). Returns False, writing nothing, when
-    the runs are irregular or would need too many copies.
+    the runs are irregular or the copies would be too short to pay.
     """
     n_chains, k = run_len.shape
     if n_chains == 1 or not np.count_nonzero(run_len[1:] != run_len[:-1]):
         bounds = [0, n_chains]
     else:
         bounds = [0, *((run_len[1:] != run_len[:-1]).any(axis=1).nonzero()[0] + 1).tolist(), n_chains]
-    if (len(bounds) - 1) * k > _STRIDED_FILL_COPIES:
+    if (len(bounds) - 1) * k * _STRIDED_FILL_TOKENS > tail.size:
         return False
     copies = []
     for b0, b1 in itertools.pairwise(bounds):
@@ -628,27 +626,29 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
         lens = run_len[b0].tolist()
         width = sum(lens)
         first = int(chain_first[b0])
+        block = tail[first : first + nb * width].reshape(nb, width)
         off = 0
         for col, ln in enumerate(lens):
             if not ln:
                 continue
             st = run_start[b0:b1, col]
-            s0 = int(st[0])
             rep, step = nb, 0
             if nb > 1:
-                change = (st[1:] != st[:-1]).nonzero()[0]
-                if change.size:
-                    rep = int(change[0]) + 1
-                    step = int(st[rep]) - s0
-                    if nb % rep or step < 0 or np.count_nonzero(st != s0 + np.arange(nb) // rep * step):
+                # starts s0 + (i // rep) * step: the differences are step at every rep-th place, else 0
+                dif = st[1:] - st[:-1]
+                moves = dif.nonzero()[0]
+                if moves.size:
+                    rep, step = int(moves[0]) + 1, int(dif[moves[0]])
+                    if nb % rep or step < 0 or moves.size != nb // rep - 1:
                         return False
-            copies.append((first, nb, width, off, ln, s0, rep, step))
+                    if np.count_nonzero(dif[rep - 1 :: rep] != step):
+                        return False
+            copies.append((block, nb // rep, rep, off, ln, int(st[0]), step))
             off += ln
     item = slots.itemsize
-    for first, nb, width, off, ln, s0, rep, step in copies:
-        block = tail[first : first + nb * width].reshape(nb // rep, rep, width)
-        shape, strides = (nb // rep, 1, ln), (step * item, 0, item)
-        block[:, :, off : off + ln] = np.ndarray(shape, slots.dtype, buffer=slots, offset=s0 * item, strides=strides)
+    for block, groups, r, off, ln, s, d in copies:
+        src = np.ndarray((groups, 1, ln), slots.dtype, buffer=slots, offset=s * item, strides=(d * item, 0, item))
+        block.reshape(groups, r, block.shape[1])[:, :, off : off + ln] = src
     return True
 
 
