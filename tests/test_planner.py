@@ -291,3 +291,117 @@ def test_ragged_gather_matches_concatenation():
         want = [data[indptr[r] : indptr[r + 1]] for r in rows]
         np.testing.assert_array_equal(out, np.concatenate(want) if want else data[:0])
         np.testing.assert_array_equal(np.diff(out_ptr), lens[rows])
+
+
+# ------------------------------------------------- fast paths vs plain versions
+def reference_greedy_state(tree: ft.KVTree, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The plain greedy of ``reference_greedy`` with its query counts and group lengths."""
+    assign = reference_greedy(tree, cost)
+    n_cur = tree.subtree_queries.copy()
+    for c in np.flatnonzero(assign):
+        n_cur[tree.parents[c]] -= tree.subtree_queries[c]
+    eff = tree.lengths.copy()
+    for v in tree.level_order.tolist():  # parents before children
+        if assign[v]:
+            eff[v] += eff[tree.parents[v]]
+    return assign, n_cur, eff
+
+
+def reference_groups(tree: ft.KVTree, assign: np.ndarray) -> dict[int, tuple[list[int], list[int]]]:
+    """node -> (ascending query ids, KV slots top of the chain first), groups with tokens and queries."""
+    parents = tree.parents.tolist()
+    members: dict[int, list[int]] = {}
+    for j, v in enumerate(tree.query_nodes.tolist()):
+        members.setdefault(v, []).append(j)
+        while parents[v] >= 0:
+            if assign[v] == 0:
+                members.setdefault(parents[v], []).append(j)
+            v = parents[v]
+    out = {}
+    for v, qs in members.items():
+        chain = [v]
+        while assign[chain[-1]] == 1 and parents[chain[-1]] >= 0:
+            chain.append(parents[chain[-1]])
+        slots = [s for u in reversed(chain) for s in tree.node_slots(u).tolist()]
+        if slots:
+            out[v] = (sorted(qs), slots)
+    return out
+
+
+def _random_tree_any_order(rng: np.random.Generator, **kw) -> ft.KVTree:
+    tree = random_tree(rng, **kw)
+    if rng.random() < 0.3:  # contiguous slots through from_lengths (its own fill path)
+        tree = ft.KVTree.from_lengths(tree.parents, tree.lengths, tree.query_nodes)
+    return tree
+
+
+def test_greedy_counts_and_lengths_match_plain_implementation():
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        tree = _random_tree_any_order(rng, max_nodes=150)
+        cost = random_cost(rng)
+        got = ft.greedy_edge_assignment(tree, cost)
+        for a, b in zip(got, reference_greedy_state(tree, cost), strict=True):
+            np.testing.assert_array_equal(a, b)
+            assert a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("fill_tokens", [0, planner_mod._STRIDED_FILL_TOKENS, 10**12])
+def test_groups_match_plain_membership_and_chains(monkeypatch, fill_tokens):
+    # every chain fill (strided copies, cumulative sums over indices or over slot ids)
+    monkeypatch.setattr(planner_mod, "_STRIDED_FILL_TOKENS", fill_tokens)
+    rng = np.random.default_rng(12 + fill_tokens % 89)
+    trees = [paper_tree(case) for case in (1, 4, 6, 8)]
+    trees += [_random_tree_any_order(rng, max_nodes=120) for _ in range(120)]
+    for tree in trees:
+        cost = random_cost(rng)
+        if rng.random() < 0.5:  # long 1-chains
+            cost = PaddingCost(cost.alpha, cost.beta, 10.0, cost.group_size, cost.q_tiles, cost.kv_tiles)
+        assign, group_q, group_kv = ft.greedy_edge_assignment(tree, cost)
+        groups = ft.build_groups(tree, assign, group_q, group_kv)
+        want = reference_groups(tree, assign)
+        assert groups.node.tolist() == sorted(want)
+        for i, v in enumerate(groups.node.tolist()):
+            qs, slots = want[v]
+            assert groups.q_ids[groups.q_indptr[i] : groups.q_indptr[i + 1]].tolist() == qs
+            start, n = int(groups.kv_start[i]), int(groups.kv_len[i])
+            assert groups.kv_slots[start : start + n].tolist() == slots
+        assert groups.kv_slots.dtype == np.int32 and groups.q_ids.dtype == np.int64
+
+
+def test_plans_do_not_depend_on_scalar_threshold(monkeypatch):
+    rng = np.random.default_rng(13)
+    cases = [(random_tree(rng, max_nodes=300), random_cost(rng)) for _ in range(40)]
+    cases += [(paper_tree(case), None) for case in (8, 10, 15)]
+    plans = {}
+    for threshold in (-1, 4, 10**9):
+        monkeypatch.setattr(planner_mod, "_SCALAR_EDGES", threshold)
+        plans[threshold] = [ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128) for tree, _ in cases]
+    for a, b, c in zip(*plans.values(), strict=True):
+        for name in (*DEVICE_ARRAYS, "edge_assignment"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            np.testing.assert_array_equal(getattr(a, name), getattr(c, name))
+
+
+def test_cached_tree_index_plans_like_a_fresh_tree():
+    rng = np.random.default_rng(14)
+    for _ in range(10):
+        tree = random_tree(rng, max_nodes=200)
+        fresh = ft.KVTree(tree.parents, [tree.node_slots(i) for i in range(tree.n_nodes)], tree.query_nodes)
+        for hq, hkv in PAPER_HEADS.values():  # the second and later plans reuse the tree's index
+            a = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+        b = ft.plan(fresh, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+        for name in DEVICE_ARRAYS:
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+@pytest.mark.parametrize("case", sorted(PAPER_SUITE))
+def test_from_levels_matches_generic_construction(case):
+    tree = paper_tree(case)
+    generic = ft.KVTree(tree.parents, [tree.node_slots(i) for i in range(tree.n_nodes)], tree.query_nodes)
+    for name in ("parents", "lengths", "slot_indptr", "slots", "query_nodes", "depth", "level_order", "level_ptr"):
+        np.testing.assert_array_equal(getattr(tree, name), getattr(generic, name))
+        assert getattr(tree, name).dtype == getattr(generic, name).dtype
+    for name in ("subtree_queries", "path_lengths"):
+        np.testing.assert_array_equal(getattr(tree, name), getattr(generic, name))
+    assert tree.max_slot == generic.max_slot
