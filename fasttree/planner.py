@@ -15,8 +15,14 @@ Pipeline (all on the host, numpy only):
    the greedy is re-run with them.
 
 Levels are processed one at a time; within a level, edges are decided either by a
-scalar loop (few edges) or by vectorised rounds in which every parent jumps to its
-next concatenated child -- both compute exactly the same floating-point costs.
+scalar loop (few edges) or vectorised: every edge is evaluated under "all earlier
+siblings concatenated" and "none concatenated", which settles the level unless a parent's
+children switch more than once (then rounds in which every parent jumps to its next
+concatenated child finish it). Every path computes exactly the floating-point costs of
+:meth:`fasttree.costs.PaddingCost.cmm` (exact integer products times the float weights).
+
+What depends only on the tree (edges grouped by level and parent, the query counts the
+greedy evaluates, DFS query ranges) is built on first use and cached on the tree.
 """
 
 from __future__ import annotations
@@ -186,9 +192,8 @@ class _GroupIndex:
             self.child_sorted = ix.children
         own = np.bincount(tree.query_nodes, minlength=n)
         qlo = np.zeros(n, dtype=np.int64)
-        roots = tree.level_order[: tree.level_ptr[1]]
-        r_sq = sq[roots]
-        qlo[roots] = np.add.accumulate(r_sq) - r_sq
+        r_sq = sq[ix.roots]
+        qlo[ix.roots] = np.add.accumulate(r_sq) - r_sq
         for lvl in ix.levels:
             sl = slice(lvl.lo, lvl.hi)
             ch, cp = ix.children[sl], ix.cp[sl]
@@ -717,11 +722,15 @@ def plan(
             mode = ALL_LARGE
         if mode != TWO_CLASSES:
             cost, assign, groups = run_greedy(mode)
+    if splits[0] == splits[1]:
+        group_split = np.full(groups.node.size, splits[0], dtype=np.int64)
+    else:  # phase 1: groups of at most q_tiles[1] queries
+        group_split = np.where(groups.q_indptr[1:] - groups.q_indptr[:-1] <= cost.q_tiles[1], splits[1], splits[0])
     return materialize(
         groups,
         q_tiles=cost.q_tiles,
         kv_tiles=cost.kv_tiles,
-        group_split=np.where(groups.q_indptr[1:] - groups.q_indptr[:-1] <= cost.q_tiles[1], splits[1], splits[0]),
+        group_split=group_split,
         splits=(splits[0], splits[1]),
         config=config,
         num_q_heads=num_q_heads,
