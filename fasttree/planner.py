@@ -452,19 +452,25 @@ def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, gr
         Query counts and KV lengths per group from the same call; the counts are
         checked against the memberships found here, groups without tokens are dropped.
     """
+    return _build_groups(tree, assign, group_queries, group_kv_len, check=True)
+
+
+def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: bool) -> Groups:
     # A query belongs to the group of its own node and to the parent of every 0-edge on
     # its path: node v's group holds the queries below v except those below a child of
     # v whose edge is not 0. In DFS order those are v's query range minus the ranges of
     # such children ("holes"), so every group's list is a few runs of DFS positions.
-    n = tree.n_nodes
+    # check=False trusts group_queries (the greedy's own counts, as in plan()).
     gx = _tree_index(tree).groups(tree)
-    sq = tree.subtree_queries
     cs = gx.child_sorted
     holes = cs[assign[cs] != 0]
     hole_par = tree.parents[holes]
-    counts = sq - np.bincount(hole_par, weights=sq[holes], minlength=n).astype(np.int64)
-    if counts.shape != np.shape(group_queries) or np.count_nonzero(counts != group_queries):
-        raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
+    counts = group_queries
+    if check:
+        sq = tree.subtree_queries
+        counts = sq - np.bincount(hole_par, weights=sq[holes], minlength=tree.n_nodes).astype(np.int64)
+        if counts.shape != np.shape(group_queries) or np.count_nonzero(counts != group_queries):
+            raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     keep = (counts > 0) & (group_kv_len > 0)
     node = keep.nonzero()[0]
     g_count = counts[node]
@@ -702,7 +708,7 @@ def plan(
         tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
         cost = PaddingCost(config.alpha, config.beta, config.gamma, g, tq, tk)
         assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
-        return cost, assign, build_groups(tree, assign, group_q, group_kv)
+        return cost, assign, _build_groups(tree, assign, group_q, group_kv, check=False)
 
     mode = TWO_CLASSES
     cost, assign, groups = run_greedy(mode)
