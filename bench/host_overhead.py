@@ -42,6 +42,37 @@ def main() -> int:
     print(f"tree_attention(out=...): {per_call_us(lambda: ft.tree_attention(q, k, v, plan, out=out)):.1f} us/call")
     print(f"tree_attention(): {per_call_us(lambda: ft.tree_attention(q, k, v, plan)):.1f} us/call")
     print(f"torch.empty_like: {per_call_us(lambda: torch.empty_like(q)):.1f} us/call")
+
+    # the pieces of one launch, with the arguments tree_attention would pass
+    calls = []
+    real_launch = attention._launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
+        calls.append((kernel, grid, args, constexprs, num_warps, num_stages))
+        real_launch(kernel, grid, args, constexprs, num_warps, num_stages)
+
+    attention._launch = spy
+    ft.tree_attention(q, k, v, plan, out=out)
+    attention._launch = real_launch
+    kernel, grid, args, constexprs, warps, stages = calls[0]
+    key = (kernel, 0, constexprs, warps, stages, tuple(attention._arg_spec(x) for x in args))
+    compiled = attention._COMPILED[key]
+    stream = torch.cuda.current_stream(0).cuda_stream
+    print(f"launches per call: {len(calls)}; stage-1 arguments: {len(args)}")
+    print(f"_launch (cached path): {per_call_us(lambda: real_launch(*calls[0])):.1f} us/call")
+    print(f"arg spec key: {per_call_us(lambda: tuple(attention._arg_spec(x) for x in args)):.1f} us/call")
+    print(f"current stream: {per_call_us(lambda: torch.cuda.current_stream(0).cuda_stream):.1f} us/call")
+    run = compiled.run
+    fn, meta = compiled.function, compiled.packed_metadata
+
+    def direct() -> None:
+        run(grid[0], grid[1], 1, stream, fn, meta, None, None, None, *args, *constexprs)
+
+    def jit() -> None:
+        kernel[grid](*args, *constexprs, num_warps=warps, num_stages=stages)
+
+    print(f"compiled.run only: {per_call_us(direct):.1f} us/call")
+    print(f"kernel[grid](...) JIT path: {per_call_us(jit):.1f} us/call")
     return 0
 
 
