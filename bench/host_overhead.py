@@ -56,7 +56,10 @@ def main() -> int:
     attention._launch = real_launch
     kernel, grid, args, constexprs, warps, stages = calls[0]
     key = (kernel, 0, constexprs, warps, stages, tuple(attention._arg_spec(x) for x in args))
-    compiled = attention._COMPILED[key]
+    compiled = attention._COMPILED.get(key)
+    if compiled is None:
+        print("the cached launch path was not taken (launch hooks active?)")
+        return 1
     stream = torch.cuda.current_stream(0).cuda_stream
     print(f"launches per call: {len(calls)}; stage-1 arguments: {len(args)}")
     print(f"_launch (cached path): {per_call_us(lambda: real_launch(*calls[0])):.1f} us/call")

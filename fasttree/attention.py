@@ -192,7 +192,7 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order.
     """
-    if _interpreting() or triton.knobs.runtime.launch_enter_hook is not None:
+    if _interpreting() or _launch_hooks_active():
         kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
         return
     device = args[0].device.index
@@ -205,6 +205,15 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     compiled.run(
         grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs
     )
+
+
+def _launch_hooks_active() -> bool:
+    """Whether a profiler registered Triton launch hooks (then every launch goes through the JIT).
+
+    Triton >= 3.5 keeps the hooks in an always-present ``HookChain``; older ones use None.
+    """
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _on_device(device: torch.device):
