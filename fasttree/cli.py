@@ -1,0 +1,285 @@
+"""``fasttree-tune``: the command line of the profiler (and, later, of the cost model and tuner).
+
+Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
+
+* ``profile`` -- measure a sampled design of (tree, heads, dtype, config) points on the
+  visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.profiler.profile`).
+
+Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
+the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming
+the problem; a run stopped by a lost GPU exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main", "parse_duration"]
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"60s"``, ``"10m"``, ``"1.5h"`` or ``"90"`` (seconds).
+
+    Parameters
+    ----------
+    text : str
+        A positive number with an optional unit ``s``, ``m`` or ``h``.
+
+    Returns
+    -------
+    float
+        Seconds, > 0.
+
+    Raises
+    ------
+    ValueError
+        When ``text`` is not such a duration or is not positive.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"a duration must be a string such as '60s', '10m' or '1h', got {text!r}")
+    m = _DURATION_RE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"invalid duration {text!r}: use seconds ('90', '60s'), minutes ('10m') or hours ('1h')")
+    seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"invalid duration {text!r}: it must be positive")
+    return seconds
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _families_arg(text: str) -> list[str]:
+    from .workloads import TREE_FAMILIES
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of tree families")
+    unknown = [s for s in names if s not in TREE_FAMILIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown tree famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+            f"choose from {', '.join(TREE_FAMILIES)}"
+        )
+    return names
+
+
+def _common_options(*, suppress: bool) -> argparse.ArgumentParser:
+    """``-v/--verbose`` and ``--log-level``; with ``suppress`` they set nothing unless given (subcommand copy)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("logging")
+    g.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS if suppress else 0,
+        help="more log output: per-point details (DEBUG); the default level is INFO",
+    )
+    g.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=_LOG_LEVELS,
+        default=argparse.SUPPRESS if suppress else None,
+        help="log level of fasttree's messages (overrides -v; default INFO)",
+    )
+    return p
+
+
+_PROFILE_HELP = "measure sampled (tree, heads, dtype, config) points on the GPU into a trace file"
+_PROFILE_DESCRIPTION = """\
+Measure a sampled design over the tuner's search space on the GPU and append one trace
+record per point to OUT (a .jsonl file; format: traces/README.md).
+
+The design is a scrambled Sobol' sequence (seeded by --seed) over tree family and seed,
+heads (GQA 1/4/8/16), head dim (64/128/256), dtype (fp16/bf16) and every FastTreeConfig
+knob; it starts with the published defaults, one point per tree family. Each point is
+planned, timed by CUDA-graph replay and eagerly, and every --check-every-th point is
+checked against the float64 reference. A failing point (plan error, compile error, out of
+memory, wrong result) is written as a failed record and the run goes on.
+
+Resumable: points whose key OUT already holds are skipped, so rerunning the same command
+continues a killed or budget-limited run, and a larger -n adds only new points. Kernels a
+batch needs are compiled ahead in min(16, cpu count) worker processes. With several visible
+GPUs, one worker process per GPU measures every k-th point (choose GPUs with
+CUDA_VISIBLE_DEVICES).
+"""
+_PROFILE_EPILOG = """\
+examples:
+  fasttree-tune profile --out traces/h200/run1.jsonl --budget 1h
+  fasttree-tune profile --out /tmp/t.jsonl --budget 60s -n 200 --families beam_search,speculative
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fasttree-tune`` argument parser (one subparser per subcommand)."""
+    parser = argparse.ArgumentParser(
+        prog="fasttree-tune",
+        description=(
+            "FastTree tuning tools. 'profile' measures the tree-attention kernels on the GPU "
+            "and writes versioned trace files, the training data of the learned cost model."
+        ),
+        parents=[_common_options(suppress=False)],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'fasttree-tune SUBCOMMAND --help' for what a subcommand does and its options.",
+    )
+    # Each subcommand adds a parser here and sets ``func``; new ones (fit, evaluate, tune, ...) go alongside.
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
+    sub.required = True
+
+    p = sub.add_parser(
+        "profile",
+        help=_PROFILE_HELP,
+        description=_PROFILE_DESCRIPTION,
+        epilog=_PROFILE_EPILOG,
+        parents=[_common_options(suppress=True)],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", required=True, metavar="PATH", help="trace file to append to (.jsonl; created if missing)")
+    p.add_argument(
+        "--budget",
+        type=_duration_arg,
+        default=None,
+        metavar="DURATION",
+        help="stop starting new points after this wall time: seconds ('90', '60s'), minutes ('10m') "
+        "or hours ('1h'); default: no limit",
+    )
+    p.add_argument(
+        "-n",
+        "--points",
+        type=_positive_int,
+        default=4096,
+        metavar="N",
+        help="design points (default 4096); the design is a prefix of one sequence, so a larger N extends a run",
+    )
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="design seed (default 0)")
+    p.add_argument(
+        "--families",
+        type=_families_arg,
+        default=None,
+        metavar="LIST",
+        help="comma-separated tree families to sample (default: all of paper_random, random_recursive, "
+        "few_shot, beam_search, speculative, multi_document, no_sharing)",
+    )
+    p.add_argument(
+        "--check-every",
+        type=_non_negative_int,
+        default=10,
+        metavar="K",
+        help="check the output against the float64 reference on every K-th design point and the first "
+        "(default 10; 0: never)",
+    )
+    p.add_argument(
+        "--no-precompile",
+        dest="precompile",
+        action="store_false",
+        help="do not compile kernels ahead in worker processes (the measuring process compiles them)",
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (progress goes to the log once a minute)",
+    )
+    p.set_defaults(func=_cmd_profile, subparser=p)
+    return parser
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    """fasttree's loggers at the chosen level; other libraries' at WARNING."""
+    level = args.log_level or ("DEBUG" if args.verbose >= 1 else "INFO")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("fasttree").setLevel(getattr(logging, level))
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    sub: argparse.ArgumentParser = args.subparser
+    if args.out.endswith(".gz"):
+        sub.error(f"--out {args.out}: write a .jsonl file (appendable); gzip it once the set is finished")
+    if not torch.cuda.is_available():
+        sub.error(
+            "no CUDA GPU found (torch.cuda.is_available() is False"
+            + (f", torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "")
+            + "): the profiler measures the kernels on a GPU; run it on a GPU machine"
+        )
+    from .profiler import profile
+
+    try:
+        summary = profile(
+            args.out,
+            n=args.points,
+            seed=args.seed,
+            budget_s=args.budget,
+            families=args.families,
+            precompile=args.precompile,
+            progress=args.progress,
+            check_every=args.check_every,
+        )
+    except KeyboardInterrupt:
+        logging.getLogger("fasttree.cli").warning("interrupted; rerun the same command to resume")
+        return 130
+    except ValueError as exc:
+        sub.error(str(exc))
+    except OSError as exc:
+        logging.getLogger("fasttree.cli").error("profile stopped: %s", exc)
+        return 1
+    print(f"{args.out}: {summary.line()}")
+    return 1 if summary.aborted else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``fasttree-tune``; returns the exit status.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        0 on success, 1 when a run stopped early on an error, 2 on bad arguments or no
+        GPU (``argparse`` exits with it), 130 when interrupted.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
