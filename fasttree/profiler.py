@@ -1301,6 +1301,7 @@ def _run_sharded(
     summary = ProfileSummary(gpus=k)
     finished: set[int] = set()
     errors: list[str] = []
+    early_events: list[str] = []
     try:
         while len(finished) < k:
             try:
@@ -1315,11 +1316,15 @@ def _run_sharded(
             if event == "total":
                 total += int(value)
                 totals_seen += 1
-                if totals_seen == k:
+                if totals_seen == k:  # every worker has counted its points: the bar can start
                     bar = progress(total)
+                    for early in early_events:
+                        bar.update(early)
             elif event in ("ok", "failed"):
                 if bar is not None:
                     bar.update(event)
+                else:
+                    early_events.append(event)
             elif event == "summary":
                 summary.merge(ProfileSummary(**value))
                 finished.add(shard)

@@ -437,7 +437,7 @@ def test_sigkilled_run_then_resume_leaves_whole_lines_and_no_duplicates(tmp_path
     assert not out.with_name(out.name + ".torn").exists()
 
 
-def test_gpu_worker_processes_split_the_points_and_share_the_file(tmp_path):
+def test_gpu_worker_processes_split_the_points_and_share_the_file(tmp_path, capsys):
     out = tmp_path / "t.jsonl"
     s = run(out, 24, gpus=2)
     assert s.gpus == 2
@@ -449,9 +449,11 @@ def test_gpu_worker_processes_split_the_points_and_share_the_file(tmp_path):
         m = r["meta"]["profiler"]
         by_worker[m["gpu_worker"]].add(m["design_index"])
     assert by_worker == {0: set(range(0, 24, 2)), 1: set(range(1, 24, 2))}, "worker i takes every 2nd point from i"
-    s = run(out, 30, gpus=2)
+    capsys.readouterr()
+    s = run(out, 30, gpus=2, progress=True)
     assert (s.measured, s.skipped) == (6, 24)
     assert len(set(keys_of(out))) == 30
+    assert "6/6" in capsys.readouterr().err, "one progress bar over both workers' points"
 
 
 # ------------------------------------------------------------------ measure_point on the CPU (interpreter)
