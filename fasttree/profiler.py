@@ -1157,9 +1157,14 @@ def _run_points(
                     summary.stopped_by_budget = True
                     break
                 if compiler is not None:
-                    specs = kernel_specialisations(batch, device)
-                    logger.debug("batch of %d points needs %d new kernel variant(s)", len(batch), len(specs))
-                    compiler.compile(specs, deadline)
+                    try:
+                        specs = kernel_specialisations(batch, device)
+                        logger.debug("batch of %d points needs %d new kernel variant(s)", len(batch), len(specs))
+                        compiler.compile(specs, deadline)
+                    except Exception as exc:  # e.g. a worker died and broke the pool: measure on without it
+                        logger.warning("compiling ahead failed (%s); the measuring process compiles from now on", exc)
+                        _close_compiler(compiler, summary)
+                        compiler = None
                 for p in batch:
                     if deadline is not None and time.monotonic() >= deadline:
                         summary.stopped_by_budget = True
@@ -1202,12 +1207,19 @@ def _run_points(
     finally:
         summary.not_started = len(todo) - summary.written
         if compiler is not None:
-            summary.precompiled = compiler.compiled
-            summary.precompile_failed = compiler.failed
-            summary.precompile_s = compiler.seconds
-            compiler.close()
+            _close_compiler(compiler, summary)
     summary.elapsed_s = time.monotonic() - t0
     return summary
+
+
+def _close_compiler(compiler: _Compiler, summary: ProfileSummary) -> None:
+    summary.precompiled += compiler.compiled
+    summary.precompile_failed += compiler.failed
+    summary.precompile_s += compiler.seconds
+    try:
+        compiler.close()
+    except Exception as exc:
+        logger.warning("closing the compile workers: %s", exc)
 
 
 def _cuda_device(device: Any) -> bool:

@@ -16,6 +16,7 @@ import textwrap
 import time
 import types
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -611,6 +612,84 @@ def test_compile_pool_reports_failures_and_respects_the_deadline():
         c.close()
     error, seconds = prof._compile_worker("os", "getcwd", "{}")  # os.getcwd has no preload: a clean error
     assert error.startswith("AttributeError") and seconds >= 0
+
+
+class FakeCompiler:
+    """Stands in for the pool of compile workers; logs what the driver asks of it."""
+
+    events: ClassVar[list] = []
+
+    def __init__(self, workers):
+        self.events.append(("init", workers))
+        self.compiled = self.failed = 0
+        self.seconds = 0.5
+
+    def compile(self, specs, deadline):
+        self.events.append(("compile", sorted(specs)))
+        self.compiled += len(specs)
+
+    def close(self):
+        self.events.append(("close",))
+
+
+@pytest.fixture
+def fake_compiler(monkeypatch):
+    FakeCompiler.events = events = []
+    monkeypatch.setattr(prof, "_Compiler", FakeCompiler)
+    monkeypatch.setattr(prof, "_cuda_device", lambda device: True)
+
+    def measure(point, **kw):
+        events.append(("measure", point.index))
+        return fake_measure(point, **kw)
+
+    return events, measure
+
+
+def test_each_batch_is_compiled_ahead_before_it_is_measured(tmp_path, monkeypatch, fake_compiler):
+    events, measure = fake_compiler
+    monkeypatch.setattr(
+        prof, "kernel_specialisations", lambda batch, device: {f"s{p.index}": ("m", "k") for p in batch}
+    )
+    s = run(tmp_path / "t.jsonl", 10, precompile=True, batch_size=4, compile_workers=3, measure=measure)
+    assert events == [
+        ("init", 3),
+        ("compile", ["s0", "s1", "s2", "s3"]),
+        *[("measure", i) for i in range(4)],
+        ("compile", ["s4", "s5", "s6", "s7"]),
+        *[("measure", i) for i in range(4, 8)],
+        ("compile", ["s8", "s9"]),
+        ("measure", 8),
+        ("measure", 9),
+        ("close",),
+    ]
+    assert (s.measured, s.precompiled, s.precompile_s) == (10, 10, 0.5)
+    events.clear()
+    run(tmp_path / "t.jsonl", 10, precompile=True, measure=measure)
+    assert events == [], "nothing left to measure: no compile workers are started"
+
+
+def test_a_failing_compile_step_falls_back_to_compiling_in_the_measuring_process(
+    tmp_path, monkeypatch, fake_compiler, caplog
+):
+    events, measure = fake_compiler
+
+    def discover(batch, device):
+        if batch[0].index >= 3:
+            raise RuntimeError("BrokenProcessPool (fake)")
+        return {"s": ("m", "k")}
+
+    monkeypatch.setattr(prof, "kernel_specialisations", discover)
+    caplog.set_level("WARNING", logger="fasttree")
+    s = run(tmp_path / "t.jsonl", 8, precompile=True, batch_size=3, measure=measure)
+    assert s.measured == 8
+    assert events == [
+        ("init", prof.default_compile_workers()),
+        ("compile", ["s"]),
+        *[("measure", i) for i in range(3)],
+        ("close",),
+        *[("measure", i) for i in range(3, 8)],
+    ]
+    assert "compiling ahead failed (BrokenProcessPool (fake))" in caplog.text
 
 
 def test_precompile_is_skipped_without_a_gpu(tmp_path, caplog):
