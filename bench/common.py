@@ -7,7 +7,6 @@ import datetime as dt
 import json
 import os
 import platform
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,27 +14,9 @@ from typing import Any
 import numpy as np
 
 import fasttree
+from fasttree.profiler import git_commit
 
 ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
-
-
-def git_commit() -> str | None:
-    """The commit being measured: ``$FASTTREE_GIT_COMMIT`` (set it where the tree travels
-    without ``.git``), else ``git rev-parse HEAD``, else None."""
-    if os.environ.get("FASTTREE_GIT_COMMIT"):
-        return os.environ["FASTTREE_GIT_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _cpu_model() -> str | None:
