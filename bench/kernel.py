@@ -98,8 +98,7 @@ def sdpa_runner(q, k, v, tree: ft.KVTree) -> Callable[[], torch.Tensor] | None:
 
 def worst_rel_error(out: torch.Tensor, ref: torch.Tensor, rows: np.ndarray) -> float:
     """Worst per-query relative error of ``out[rows]`` against the float64 ``ref``."""
-    got = out[torch.as_tensor(rows, device=out.device)].double()
-    return float(((got - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max())
+    return ft.max_relative_error(out[torch.as_tensor(rows, device=out.device)], ref)
 
 
 def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -> dict[str, Any]:

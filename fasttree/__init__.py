@@ -12,7 +12,7 @@ from .attention import plan_query_separated, query_separated_attention, tree_att
 from .config import FastTreeConfig
 from .plan_arrays import DevicePlan, Plan
 from .planner import Groups, build_groups, greedy_edge_assignment, plan
-from .reference import reference_attention
+from .reference import max_relative_error, reference_attention
 from .tree import KVTree
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "Plan",
     "build_groups",
     "greedy_edge_assignment",
+    "max_relative_error",
     "plan",
     "plan_query_separated",
     "query_separated_attention",

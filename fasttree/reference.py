@@ -51,3 +51,17 @@ def reference_attention(
         p = torch.softmax(s, dim=-1)
         out[i] = torch.einsum("hl,lhd->hd", p, v)
     return out
+
+
+def max_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Worst per-query relative error ``||out_j - ref_j|| / ||ref_j||`` over the rows.
+
+    Parameters
+    ----------
+    out : Tensor [n, Hq, D], any float dtype
+    ref : Tensor, float64 [n, Hq, D], same device
+        The reference rows (:func:`reference_attention`) for the same queries.
+    """
+    num = (out.double() - ref).flatten(1).norm(dim=1)
+    den = ref.flatten(1).norm(dim=1).clamp_min(1e-30)
+    return float((num / den).max())
