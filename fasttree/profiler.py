@@ -404,17 +404,20 @@ def point_key(point: DesignPoint, gpu_name: str, *, tree: KVTree | None = None) 
     tree : KVTree, optional
         The point's tree when already built (else :func:`point_tree`).
     """
-    return measurement_key(
-        point_tree(point) if tree is None else tree,
-        family=point.family,
-        seed=point.seed,
-        num_q_heads=point.num_q_heads,
-        num_kv_heads=point.num_kv_heads,
-        head_dim=point.head_dim,
-        dtype=point.dtype,
-        config=point.config,
-        gpu_name=gpu_name,
-    )
+    return measurement_key(point_tree(point) if tree is None else tree, **_identity(point), gpu_name=gpu_name)
+
+
+def _identity(point: DesignPoint) -> dict[str, Any]:
+    """The fields besides the tree that identify a point's measurement (its key's inputs)."""
+    return {
+        "family": point.family,
+        "seed": point.seed,
+        "num_q_heads": point.num_q_heads,
+        "num_kv_heads": point.num_kv_heads,
+        "head_dim": point.head_dim,
+        "dtype": point.dtype,
+        "config": point.config,
+    }
 
 
 # ------------------------------------------------------------------ environment
@@ -614,14 +617,8 @@ def failed_record(
         raise ValueError("a failed record needs a non-empty error")
     return measurement_record(
         env=env,
-        family=point.family,
-        seed=point.seed,
         tree=point_tree(point) if tree is None else tree,
-        num_q_heads=point.num_q_heads,
-        num_kv_heads=point.num_kv_heads,
-        head_dim=point.head_dim,
-        dtype=point.dtype,
-        config=point.config,
+        **_identity(point),
         plan=plan,
         status="failed",
         error=error,
@@ -746,13 +743,10 @@ def measure_point(
             rng = np.random.default_rng(point.seed)
             rows = np.sort(rng.choice(tree.n_queries, min(tree.n_queries, CHECK_QUERIES), replace=False))
             ref = ft.reference_attention(q, k, v, tree, queries=rows)
-            got = out[torch.as_tensor(rows, device=out.device)].double()
             finite = bool(torch.isfinite(out).all())
-            num = (got - ref).flatten(1).norm(dim=1)
-            den = ref.flatten(1).norm(dim=1).clamp_min(1e-30)
-            err = float((num / den).max()) if finite else None
+            err = ft.max_relative_error(out[torch.as_tensor(rows, device=out.device)], ref) if finite else None
             correct = finite and err is not None and err <= TOLERANCE[point.dtype]
-            del ref, got
+            del ref
             if not correct:
                 what = "non-finite output" if not finite else f"max relative error {err:.3g} > {TOLERANCE[point.dtype]}"
                 return failed_record(
@@ -762,14 +756,8 @@ def measure_point(
         eager = eager_time_us(call, warmup_ms=5, rep_ms=eager_rep_ms)
         record = measurement_record(
             env=env,
-            family=point.family,
-            seed=point.seed,
             tree=tree,
-            num_q_heads=point.num_q_heads,
-            num_kv_heads=point.num_kv_heads,
-            head_dim=point.head_dim,
-            dtype=point.dtype,
-            config=point.config,
+            **_identity(point),
             plan=summary,
             status="ok",
             timing={"graph_us": graph, "eager_us": {"median": eager}},
