@@ -6,5 +6,6 @@ kernels live in :mod:`fasttree.attention`.
 
 from .merge import merge_partials_kernel
 from .tree_attention import tree_attention_units_kernel
+from .tree_attention_stream import tree_attention_stream_kernel
 
-__all__ = ["merge_partials_kernel", "tree_attention_units_kernel"]
+__all__ = ["merge_partials_kernel", "tree_attention_stream_kernel", "tree_attention_units_kernel"]
