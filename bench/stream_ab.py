@@ -28,16 +28,17 @@ from fasttree.timing import graph_time_us
 
 log = logging.getLogger("bench.stream_ab")
 
-#: name -> (config changes, programs per SM per class or None for the per-unit grid)
-VARIANTS: dict[str, tuple[dict[str, Any], tuple[int, int] | None]] = {
-    "units": ({}, None),
-    "stream_2_4": ({}, (2, 4)),
-    "stream_4_8": ({}, (4, 8)),
-    "stream_1_2": ({}, (1, 2)),
-    "stream_2_4_w8": ({"num_warps": (8, 4)}, (2, 4)),
-    "stream_2_4_kv64": ({"kv_tile": (64, 32)}, (2, 4)),
-    "stream_2_4_s2": ({"num_stages": (2, 2)}, (2, 4)),
-    "stream_2_4_s4": ({"num_stages": (4, 4)}, (2, 4)),
+#: name -> (config changes, programs per SM per class or None for the per-unit grid,
+#: register cap per class)
+VARIANTS: dict[str, tuple[dict[str, Any], tuple[int, int] | None, tuple[int | None, int | None]]] = {
+    "units": ({}, None, (None, None)),
+    "units_r128_64": ({}, None, (128, 64)),
+    "units_r128_80": ({}, None, (128, 80)),
+    "units_r_64": ({}, None, (None, 64)),
+    "units_w2_r_128": ({"num_warps": (4, 2)}, None, (None, 128)),
+    "stream_2_4": ({}, (2, 4), (None, None)),
+    "stream_2_4_r128": ({}, (2, 4), (None, 128)),
+    "stream_2_8_r128": ({}, (2, 8), (None, 128)),
 }
 
 
@@ -70,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["published_us"] = anchor["published_fasttree_graph_us"]
                 row["floor_us"] = anchor["roofline_floor_us"]
             for name in names:
-                changes, pps = VARIANTS[name]
+                changes, pps, regs = VARIANTS[name]
                 try:
                     plan = ft.plan(tree, ft.FastTreeConfig(**changes), num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
 
-                    def fn(plan=plan, pps=pps, q=q, k=k, v=v, out=out):
-                        return ft.tree_attention(q, k, v, plan, out=out, _stream=pps)
+                    def fn(plan=plan, pps=pps, regs=regs, q=q, k=k, v=v, out=out):
+                        return ft.tree_attention(q, k, v, plan, out=out, _stream=pps, _maxnreg=regs)
 
                     out.fill_(float("nan"))
                     fn()
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     report = {
         "env": environment(gpu=True),
-        "variants": {n: {"config": VARIANTS[n][0], "programs_per_sm": VARIANTS[n][1]} for n in names},
+        "variants": {
+            n: {"config": VARIANTS[n][0], "programs_per_sm": VARIANTS[n][1], "maxnreg": VARIANTS[n][2]} for n in names
+        },
         "rows": rows,
         "summary": summary,
     }

@@ -85,6 +85,7 @@ def tree_attention(
     *,
     out: torch.Tensor | None = None,
     _stream: tuple[int, int] | None = None,
+    _maxnreg: tuple[int | None, int | None] = (None, None),
 ) -> torch.Tensor:
     """Decode attention of every query over its root-path context, as planned.
 
@@ -150,9 +151,7 @@ def tree_attention(
                         part_o,
                         part_lse,
                         a["kv_indices"],
-                        sa["tile_kv"],
-                        sa["tile_q"],
-                        sa["tile_meta"],
+                        sa["tile_info"],
                         sa["prog_tiles"],
                         a["pair_query"],
                         a["pair_out_row"],
@@ -168,6 +167,7 @@ def tree_attention(
                     (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
                     tc.num_warps,
                     tc.num_stages,
+                    _maxnreg[c],
                 )
                 continue
             _launch(
@@ -182,6 +182,7 @@ def tree_attention(
                 (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
                 tc.num_warps,
                 tc.num_stages,
+                _maxnreg[c],
             )  # fmt: skip
         n_merge = int(host.merge_queries.size)
         if n_merge:
@@ -217,7 +218,15 @@ def _arg_spec(arg: object) -> object:
     return None
 
 
-def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> None:
+def _launch(
+    kernel,
+    grid: tuple[int, int],
+    args: tuple,
+    constexprs: tuple,
+    num_warps: int,
+    num_stages: int,
+    maxnreg: int | None = None,
+) -> None:
     """Launch ``kernel[grid](*args, *constexprs)``.
 
     The first launch of a specialisation goes through Triton's JIT (compiling if needed);
@@ -227,14 +236,20 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order.
     """
-    if _interpreting() or _launch_hooks_active():
-        kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+    if _interpreting():
+        kernel[grid](*args, *constexprs)
+        return
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    if _launch_hooks_active():
+        kernel[grid](*args, *constexprs, **opts)
         return
     device = args[0].device.index
-    key = (kernel, device, constexprs, num_warps, num_stages, tuple(_arg_spec(x) for x in args))
+    key = (kernel, device, constexprs, num_warps, num_stages, maxnreg, tuple(_arg_spec(x) for x in args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+        _COMPILED[key] = kernel[grid](*args, *constexprs, **opts)
         return
     stream = torch.cuda.current_stream(device).cuda_stream
     compiled.run(
@@ -265,7 +280,7 @@ def _device_stream(plan: Plan, device: torch.device, programs_per_sm: tuple[int,
     if hit is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         ts = build_tile_stream(plan, num_sms=num_sms, programs_per_sm=programs_per_sm)
-        parts = [getattr(ts, name) for name in STREAM_ARRAYS]
+        parts = [getattr(ts, name).ravel() for name in STREAM_ARRAYS]
         sizes = [max(1, x.size) for x in parts]
         host = np.zeros(sum(sizes), dtype=np.int32)
         offsets = np.concatenate([[0], np.cumsum(sizes)])

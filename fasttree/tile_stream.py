@@ -19,10 +19,11 @@ from .plan_arrays import Plan
 #: Bit layout of ``tile_meta`` (must match the kernel's constants).
 META_TOKENS_BITS = 10
 META_LAST_SHIFT = 20
+META_FIRST_SHIFT = 21
 #: Work of one unit's output write, in tiles, for balancing the program ranges.
 UNIT_OVERHEAD_TILES = 0.5
 
-STREAM_ARRAYS = ("tile_kv", "tile_q", "tile_meta", "prog_tiles")
+STREAM_ARRAYS = ("tile_info", "prog_tiles")
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,10 @@ class TileStream:
 
     Attributes
     ----------
-    tile_kv : ndarray, int32 [n_tiles]
-        First ``kv_indices`` entry of each tile.
-    tile_q : ndarray, int32 [n_tiles]
-        First pair of the tile's unit.
-    tile_meta : ndarray, int32 [n_tiles]
-        Valid tokens (bits 0-9), the unit's queries (bits 10-19), last tile of its unit
-        (bit 20).
+    tile_info : ndarray, int32 [n_tiles, 4]
+        Per tile: first ``kv_indices`` entry; first pair of its unit; valid tokens (bits
+        0-9) | the unit's queries (bits 10-19) | last tile of its unit (bit 20) | first
+        tile (bit 21); 0.
     prog_tiles : ndarray, int32 [sum over classes of (programs + 1)]
         Class ``c``'s program ``p`` handles tiles ``prog_tiles[o + p]:prog_tiles[o + p + 1]``
         with ``o = prog_offset[c]``.
@@ -47,9 +45,7 @@ class TileStream:
         Programs per KV head of each class (0: the class has no units).
     """
 
-    tile_kv: np.ndarray
-    tile_q: np.ndarray
-    tile_meta: np.ndarray
+    tile_info: np.ndarray
     prog_tiles: np.ndarray
     prog_offset: tuple[int, int]
     programs: tuple[int, int]
@@ -95,8 +91,11 @@ def build_tile_stream(plan: Plan, *, num_sms: int, programs_per_sm: tuple[int, i
         q_parts.append(plan.unit_q_start[u0:u1][unit])
         n_valid = np.minimum(bn, kv_len[unit] - j)
         last = (j + bn >= kv_len[unit]).astype(np.int64)
+        first = (j == 0).astype(np.int64)
         q_len = plan.unit_q_len[u0:u1].astype(np.int64)[unit]
-        meta_parts.append(n_valid | (q_len << META_TOKENS_BITS) | (last << META_LAST_SHIFT))
+        meta_parts.append(
+            n_valid | (q_len << META_TOKENS_BITS) | (last << META_LAST_SHIFT) | (first << META_FIRST_SHIFT)
+        )
 
         want = -(-num_sms * int(programs_per_sm[c]) // plan.num_kv_heads)
         p = min(n_units, want)
@@ -116,10 +115,12 @@ def build_tile_stream(plan: Plan, *, num_sms: int, programs_per_sm: tuple[int, i
     if tile_base > 0x7FFFFFFF:
         raise ValueError("the plan needs more than 2**31 KV tiles; split the batch")
     i32 = np.int32
+    info = np.zeros((tile_base, 4), dtype=i32)
+    info[:, 0] = np.concatenate(kv_parts)
+    info[:, 1] = np.concatenate(q_parts)
+    info[:, 2] = np.concatenate(meta_parts)
     return TileStream(
-        tile_kv=np.concatenate(kv_parts).astype(i32),
-        tile_q=np.concatenate(q_parts).astype(i32),
-        tile_meta=np.concatenate(meta_parts).astype(i32),
+        tile_info=info,
         prog_tiles=np.concatenate(prog_parts).astype(i32),
         prog_offset=(prog_offset[0], prog_offset[1]),
         programs=(programs[0], programs[1]),

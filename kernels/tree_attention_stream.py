@@ -11,9 +11,10 @@ the state. Because the tile metadata is indexed by the loop counter alone, the c
 can prefetch the next tiles' KV while the current one computes, across unit boundaries:
 many tiny units (deep trees) no longer pay one memory round trip chain each.
 
-Tile metadata (int32, per tile ``t``): ``TileKv[t]`` the tile's first entry in
-``KvIndices``; ``TileQ[t]`` the unit's first pair; ``TileMeta[t]`` packs the valid
-tokens (bits 0-9), the unit's query count (bits 10-19) and a last-tile flag (bit 20).
+Tile metadata (int32, four per tile ``t``, loaded as one vector): the tile's first
+entry in ``KvIndices``; the unit's first pair; a word packing the valid tokens (bits
+0-9), the unit's query count (bits 10-19), a last-tile flag (bit 20) and a first-tile
+flag (bit 21); padding. The query rows are loaded on a unit's first tile only.
 """
 
 import triton
@@ -23,6 +24,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 META_TOKENS_MASK = tl.constexpr(1023)
 META_QUERIES_SHIFT = tl.constexpr(10)
 META_LAST_SHIFT = tl.constexpr(20)
+META_FIRST_SHIFT = tl.constexpr(21)
 
 
 @triton.jit
@@ -34,9 +36,7 @@ def tree_attention_stream_kernel(
     PartO,  # [n_partial_rows, Hq, D], fp32
     PartLse,  # [n_partial_rows, Hq], fp32
     KvIndices,  # int32 [n_kv_entries]
-    TileKv,  # int32 [n_tiles]
-    TileQ,  # int32 [n_tiles]
-    TileMeta,  # int32 [n_tiles]
+    TileInfo,  # int32 [n_tiles, 4]: (first KvIndices entry, first pair, meta, 0)
     ProgTiles,  # int32 [n_programs + 1] per class, back to back
     PairQuery,  # int32 [n_pairs]
     PairOutRow,  # int32 [n_pairs]; -1: write Out directly
@@ -77,27 +77,32 @@ def tree_attention_stream_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    four = tl.arange(0, 4)
+    q = tl.zeros([BLOCK_M, BLOCK_D], Q.dtype.element_ty)
     for t in range(t_begin, t_end):
-        kv_pos = tl.load(TileKv + t)
-        q_pos = tl.load(TileQ + t)
-        meta = tl.load(TileMeta + t)
+        info = tl.load(TileInfo + t * 4 + four)
+        kv_pos = tl.sum(tl.where(four == 0, info, 0))
+        q_pos = tl.sum(tl.where(four == 1, info, 0))
+        meta = tl.sum(tl.where(four == 2, info, 0))
         n_valid = meta & META_TOKENS_MASK
         q_len = (meta >> META_QUERIES_SHIFT) & META_TOKENS_MASK
+        first = ((meta >> META_FIRST_SHIFT) & 1) != 0
         row_valid = row_query < q_len
         qid = tl.load(PairQuery + q_pos + row_query, mask=row_valid, other=0).to(tl.int64)
-        q = tl.load(
+        q_new = tl.load(
             Q + qid[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
-            mask=row_valid[:, None] & d_valid[None, :],
+            mask=(row_valid & first)[:, None] & d_valid[None, :],
             other=0.0,
         )
+        q = tl.where(first, q_new, q)
         n_ok = n < n_valid
         slot = tl.load(KvIndices + kv_pos + n, mask=n_ok, other=0).to(tl.int64)
         kv_mask = n_ok[:, None] & d_valid[None, :]
         k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST_DOT:
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -110,7 +115,7 @@ def tree_attention_stream_kernel(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
-        if (meta >> META_LAST_SHIFT) != 0:
+        if ((meta >> META_LAST_SHIFT) & 1) != 0:
             o = acc / l_i[:, None]
             out_row = tl.load(PairOutRow + q_pos + row_query, mask=row_valid, other=0)
             direct = row_valid & (out_row < 0)
