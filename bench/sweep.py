@@ -46,6 +46,27 @@ def grid() -> list[dict[str, Any]]:
     ]
 
 
+def grid_splits() -> list[dict[str, Any]]:
+    """Baseline first, then split sizes, parallelism thresholds, small-class KV tile and warps."""
+    return [
+        {},
+        {"kv_split_sizes": (256, 128)},
+        {"kv_split_sizes": (512, 128)},
+        {"kv_split_sizes": (256, 64)},
+        {"kv_tile": (32, 16)},
+        {"num_warps": (4, 2)},
+        {"kv_tile": (32, 16), "num_warps": (4, 2)},
+        {"para_threshs1": (1056, 1056)},
+        {"para_threshs1": (528, 2112)},
+        {"kv_split_sizes": (256, 128), "kv_tile": (32, 16), "num_warps": (4, 2)},
+        {"kv_split_sizes": (256, 128), "q_tile_rows": (128, 16), "num_warps": (8, 4)},
+        {"kv_split_sizes": (256, 64), "para_threshs1": (1056, 1056), "kv_tile": (32, 16)},
+    ]
+
+
+GRIDS = {"launch": grid, "splits": grid_splits}
+
+
 def make_config(spec: dict[str, Any], group_size: int) -> ft.FastTreeConfig:
     spec = dict(spec)
     rows = spec.pop("q_tile_rows", None)
@@ -60,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", default="mha,gqa4,gqa16")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--label", default="h200")
+    p.add_argument("--grid", default="launch", choices=sorted(GRIDS))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cases = [int(c) for c in args.cases.split(",")]
     heads = args.heads.split(",")
-    configs = grid()
+    configs = GRIDS[args.grid]()
     times = np.full((len(configs), len(cases) * len(heads)), np.nan)
     labels = []
     col = 0
