@@ -16,10 +16,9 @@ import torch
 import triton
 
 from .config import FastTreeConfig
-from .kernels import merge_partials_kernel, tree_attention_stream_kernel, tree_attention_units_kernel
+from .kernels import merge_partials_kernel, single_query_units_kernel, tree_attention_units_kernel
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
-from .tile_stream import STREAM_ARRAYS, build_tile_stream
 from .tree import KVTree
 
 _LOG2E = 1.4426950408889634
@@ -84,7 +83,7 @@ def tree_attention(
     sm_scale: float | None = None,
     *,
     out: torch.Tensor | None = None,
-    _stream: tuple[int, int] | None = None,
+    _single: tuple[int, int, int] | None = None,
     _maxnreg: tuple[int | None, int | None] = (None, None),
 ) -> torch.Tensor:
     """Decode attention of every query over its root-path context, as planned.
@@ -134,41 +133,11 @@ def tree_attention(
     upcast = _interpreting() and q.dtype == torch.bfloat16
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     with _on_device(q.device):
+        scale2 = float(sm_scale) * _LOG2E
+        single_from = host.single_query_start if _single is not None else ptr[2]
         for c, tc in enumerate(host.tile_classes):
-            n_units = ptr[c + 1] - ptr[c]
+            n_units = (single_from if c == 1 else ptr[c + 1]) - ptr[c]
             if n_units == 0:
-                continue
-            if _stream is not None:
-                ts, sa = _device_stream(host, q.device, _stream)
-                _launch(
-                    tree_attention_stream_kernel,
-                    (ts.programs[c], host.num_kv_heads),
-                    (
-                        q,
-                        k_cache,
-                        v_cache,
-                        out,
-                        part_o,
-                        part_lse,
-                        a["kv_indices"],
-                        sa["tile_info"],
-                        sa["prog_tiles"],
-                        a["pair_query"],
-                        a["pair_out_row"],
-                        ts.prog_offset[c],
-                        float(sm_scale) * _LOG2E,
-                        *strides,
-                        out.stride(0),
-                        out.stride(1),
-                        part_o.stride(0),
-                        part_o.stride(1),
-                        part_lse.stride(0),
-                    ),
-                    (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
-                    tc.num_warps,
-                    tc.num_stages,
-                    _maxnreg[c],
-                )
                 continue
             _launch(
                 tree_attention_units_kernel,
@@ -176,13 +145,30 @@ def tree_attention(
                 (
                     q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["unit_kv_start"],
                     a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
-                    ptr[c], float(sm_scale) * _LOG2E, *strides, out.stride(0), out.stride(1),
+                    ptr[c], scale2, *strides, out.stride(0), out.stride(1),
                     part_o.stride(0), part_o.stride(1), part_lse.stride(0),
                 ),
                 (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
                 tc.num_warps,
                 tc.num_stages,
                 _maxnreg[c],
+            )  # fmt: skip
+        if ptr[2] > single_from:
+            block_r, block_n, warps = _single
+            block_g = triton.next_power_of_2(host.group_size)
+            block_r = max(block_r, block_g)
+            _launch(
+                single_query_units_kernel,
+                (ptr[2] - single_from, triton.cdiv(host.num_kv_heads, block_r // block_g)),
+                (
+                    q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["unit_kv_start"],
+                    a["unit_kv_len"], a["unit_q_start"], a["pair_query"], a["pair_out_row"], single_from,
+                    host.num_kv_heads, scale2, *strides, out.stride(0), out.stride(1),
+                    part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+                ),
+                (d, block_d, host.group_size, block_g, block_r, block_n),
+                warps,
+                1,
             )  # fmt: skip
         n_merge = int(host.merge_queries.size)
         if n_merge:
@@ -271,26 +257,6 @@ def _on_device(device: torch.device):
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
-
-
-def _device_stream(plan: Plan, device: torch.device, programs_per_sm: tuple[int, int]):
-    """The plan's tile stream for ``device``'s SM count, uploaded once and cached."""
-    key = ("stream", device, tuple(programs_per_sm))
-    hit = plan._device_cache.get(key)
-    if hit is None:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        ts = build_tile_stream(plan, num_sms=num_sms, programs_per_sm=programs_per_sm)
-        parts = [getattr(ts, name).ravel() for name in STREAM_ARRAYS]
-        sizes = [max(1, x.size) for x in parts]
-        host = np.zeros(sum(sizes), dtype=np.int32)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        for x, off in zip(parts, offsets[:-1], strict=True):
-            host[off : off + x.size] = x
-        buf = torch.from_numpy(host).to(device)
-        arrays = {name: buf[offsets[i] : offsets[i] + sizes[i]] for i, name in enumerate(STREAM_ARRAYS)}
-        hit = (ts, arrays)
-        plan._device_cache[key] = hit
-    return hit
 
 
 def _workspace(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,11 @@ class Plan:
         Queries with two or more partials, merged by stage 2.
     class_unit_ptr : tuple of int
         Units of tile class ``c`` are ``class_unit_ptr[c]:class_unit_ptr[c + 1]``; within
-        a class, units are sorted by decreasing KV length.
+        a class, units are sorted by decreasing KV length, except that the small class
+        lists its single-query units last.
+    single_query_start : int
+        Units ``single_query_start:class_unit_ptr[2]`` have one query each (a unit with
+        one query is always in the small class).
     tile_classes : tuple of TileClass
         Launch shape per tile class (0: units with more than ``tile_classes[1].queries``
         queries, 1: the others).
@@ -140,6 +144,7 @@ class Plan:
     query_num_partials: np.ndarray
     merge_queries: np.ndarray
     class_unit_ptr: tuple[int, int, int]
+    single_query_start: int
     tile_classes: tuple[TileClass, TileClass]
     n_partial_rows: int
     tile_mode: str
@@ -348,15 +353,19 @@ def materialize(
     if max(groups.kv_slots.size, n_pairs, n_rows) > 0x7FFFFFFF:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
-    # units ordered by tile class, then longest KV first (a stable sort)
+    # units ordered by tile class, single-query units last in the small class, then
+    # longest KV first (a stable sort)
     u_small = u_q_len <= q_tiles[1]
+    u_single = u_q_len == 1
     n_large = int(u_small.size - np.count_nonzero(u_small))
+    n_single = int(np.count_nonzero(u_single))
     longest = int(u_kv_len.max()) if u_kv_len.size else 0
     if longest < 1 << 15 and u_kv_len.size and int(u_kv_len.min()) >= 0:
-        key = (u_small.view(np.uint8).astype(np.uint16) << 15) | (0x7FFF - u_kv_len).astype(np.uint16)
+        key = (u_small.astype(np.uint32) << 16) | (u_single.astype(np.uint32) << 15)
+        key |= (0x7FFF - u_kv_len).astype(np.uint32)
         uorder = key.argsort(kind="stable")
     else:
-        uorder = np.lexsort((-u_kv_len, u_small))
+        uorder = np.lexsort((-u_kv_len, u_single, u_small))
     ptr = (0, n_large, int(u_small.size))
 
     classes = tuple(
@@ -388,6 +397,7 @@ def materialize(
         query_num_partials=n_part.astype(i32),
         merge_queries=multi.nonzero()[0].astype(i32),
         class_unit_ptr=ptr,
+        single_query_start=ptr[2] - n_single,
         tile_classes=classes,  # type: ignore[arg-type]
         n_partial_rows=n_rows,
         tile_mode=tile_mode,

@@ -117,10 +117,14 @@ def assert_unit_shapes(plan: ft.Plan) -> None:
     for c in (0, 1):
         tc = plan.tile_classes[c]
         sl = slice(ptr[c], ptr[c + 1])
-        q_len, kv_len = plan.unit_q_len[sl], plan.unit_kv_len[sl]
+        q_len = plan.unit_q_len[sl]
         assert np.all(q_len <= tc.queries)
         assert np.all(q_len * plan.group_size <= tc.block_m)
-        assert np.all(np.diff(kv_len) <= 0), "units of a class must be sorted by decreasing KV length"
+    sq = plan.single_query_start
+    assert ptr[1] <= sq <= ptr[2]
+    assert np.all(plan.unit_q_len[sq:] == 1) and np.all(plan.unit_q_len[:sq] > 1)
+    for lo, hi in ((ptr[0], ptr[1]), (ptr[1], sq), (sq, ptr[2])):
+        assert np.all(np.diff(plan.unit_kv_len[lo:hi]) <= 0), "units must be sorted by decreasing KV length"
     small = plan.tile_classes[1].queries
     assert np.all(plan.unit_q_len[: ptr[1]] > small)
     assert np.all(plan.unit_q_len[ptr[1] :] <= small)

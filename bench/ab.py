@@ -1,12 +1,12 @@
-"""A/B of stage-1 schedules on the paper suite: one program per unit vs the tile stream.
+"""A/B of stage-1 launch variants on the paper suite (private switches of ``tree_attention``).
 
-For every case and head layout, measures the default plan by CUDA-graph replay under the
-per-unit grid (the v3 kernel) and under the tile-stream kernel with several resident
-programs per SM and launch settings, checks each against the float64 reference on
+For every case and head layout, measures the plan of each variant by CUDA-graph replay
+(the per-unit tiled kernel alone; with the single-query kernel for one-query units in
+several shapes; register caps), checks each against the float64 reference on
 sampled queries (outputs poisoned first), and writes a JSON file plus a markdown table
 of geometric means relative to the per-unit grid. Needs a CUDA GPU::
 
-    python -m bench.stream_ab [--cases 1,...,15] [--heads mha,gqa4,gqa16] [--out docs/bench]
+    python -m bench.ab [--cases 1,...,15] [--heads mha,gqa4,gqa16] [--out docs/bench]
 """
 
 from __future__ import annotations
@@ -26,24 +26,23 @@ from bench.common import anchor_rows, environment, write_atomic
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import graph_time_us
 
-log = logging.getLogger("bench.stream_ab")
+log = logging.getLogger("bench.ab")
 
-#: name -> (config changes, programs per SM per class or None for the per-unit grid,
-#: register cap per class)
-VARIANTS: dict[str, tuple[dict[str, Any], tuple[int, int] | None, tuple[int | None, int | None]]] = {
+#: name -> (config changes, single-query kernel (rows, tokens, warps) or None, register cap per class)
+VARIANTS: dict[str, tuple[dict[str, Any], tuple[int, int, int] | None, tuple[int | None, int | None]]] = {
     "units": ({}, None, (None, None)),
-    "units_r128_64": ({}, None, (128, 64)),
-    "units_r128_80": ({}, None, (128, 80)),
-    "units_r_64": ({}, None, (None, 64)),
-    "units_w2_r_128": ({"num_warps": (4, 2)}, None, (None, 128)),
-    "stream_2_4": ({}, (2, 4), (None, None)),
-    "stream_2_4_r128": ({}, (2, 4), (None, 128)),
-    "stream_2_8_r128": ({}, (2, 8), (None, 128)),
+    "sq_4_16_w4": ({}, (4, 16, 4), (None, None)),
+    "sq_4_32_w4": ({}, (4, 32, 4), (None, None)),
+    "sq_8_16_w4": ({}, (8, 16, 4), (None, None)),
+    "sq_4_16_w2": ({}, (4, 16, 2), (None, None)),
+    "sq_2_16_w2": ({}, (2, 16, 2), (None, None)),
+    "sq_4_8_w2": ({}, (4, 8, 2), (None, None)),
+    "sq_4_16_w4_k16w2": ({"kv_tile": (32, 16), "num_warps": (4, 2)}, (4, 16, 4), (None, None)),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.stream_ab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(str(c) for c in range(1, 16)))
     p.add_argument("--heads", default="mha,gqa4,gqa16")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     plan = ft.plan(tree, ft.FastTreeConfig(**changes), num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
 
                     def fn(plan=plan, pps=pps, regs=regs, q=q, k=k, v=v, out=out):
-                        return ft.tree_attention(q, k, v, plan, out=out, _stream=pps, _maxnreg=regs)
+                        return ft.tree_attention(q, k, v, plan, out=out, _single=pps, _maxnreg=regs)
 
                     out.fill_(float("nan"))
                     fn()
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return float(np.exp(np.mean(np.log(x)))) if len(x) else float("nan")
 
     lines = [
-        f"# Stage-1 schedule A/B ({args.label})",
+        f"# Stage-1 launch variants A/B ({args.label})",
         "",
         "| variant | geomean vs units | worst | geomean vs published | slower than published | worst err |",
         "|:---|---:|---:|---:|---:|---:|",
@@ -131,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "env": environment(gpu=True),
         "variants": {
-            n: {"config": VARIANTS[n][0], "programs_per_sm": VARIANTS[n][1], "maxnreg": VARIANTS[n][2]} for n in names
+            n: {"config": VARIANTS[n][0], "single_query": VARIANTS[n][1], "maxnreg": VARIANTS[n][2]} for n in names
         },
         "rows": rows,
         "summary": summary,
     }
-    write_atomic(args.out / f"stream_ab_{args.label}.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(args.out / f"ab_{args.label}.json", json.dumps(report, indent=1) + "\n")
     md = "\n".join(lines) + "\n"
-    write_atomic(args.out / f"stream_ab_{args.label}.md", md)
+    write_atomic(args.out / f"ab_{args.label}.md", md)
     sys.stdout.write(md)
     return 0
 
