@@ -16,7 +16,7 @@ import torch
 import triton
 
 from .config import FastTreeConfig
-from .kernels import merge_partials_kernel, single_query_units_kernel, tree_attention_units_kernel
+from .kernels import merge_partials_kernel, tree_attention_units_kernel
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
@@ -83,8 +83,6 @@ def tree_attention(
     sm_scale: float | None = None,
     *,
     out: torch.Tensor | None = None,
-    _single: tuple[int, int, int] | None = None,
-    _maxnreg: tuple[int | None, int | None] = (None, None),
 ) -> torch.Tensor:
     """Decode attention of every query over its root-path context, as planned.
 
@@ -133,10 +131,8 @@ def tree_attention(
     upcast = _interpreting() and q.dtype == torch.bfloat16
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     with _on_device(q.device):
-        scale2 = float(sm_scale) * _LOG2E
-        single_from = host.single_query_start if _single is not None else ptr[2]
         for c, tc in enumerate(host.tile_classes):
-            n_units = (single_from if c == 1 else ptr[c + 1]) - ptr[c]
+            n_units = ptr[c + 1] - ptr[c]
             if n_units == 0:
                 continue
             _launch(
@@ -145,30 +141,12 @@ def tree_attention(
                 (
                     q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["unit_kv_start"],
                     a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
-                    ptr[c], scale2, *strides, out.stride(0), out.stride(1),
+                    ptr[c], float(sm_scale) * _LOG2E, *strides, out.stride(0), out.stride(1),
                     part_o.stride(0), part_o.stride(1), part_lse.stride(0),
                 ),
                 (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
                 tc.num_warps,
                 tc.num_stages,
-                _maxnreg[c],
-            )  # fmt: skip
-        if ptr[2] > single_from:
-            block_r, block_n, warps = _single
-            block_g = triton.next_power_of_2(host.group_size)
-            block_r = max(block_r, block_g)
-            _launch(
-                single_query_units_kernel,
-                (ptr[2] - single_from, triton.cdiv(host.num_kv_heads, block_r // block_g)),
-                (
-                    q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["unit_kv_start"],
-                    a["unit_kv_len"], a["unit_q_start"], a["pair_query"], a["pair_out_row"], single_from,
-                    host.num_kv_heads, scale2, *strides, out.stride(0), out.stride(1),
-                    part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-                ),
-                (d, block_d, host.group_size, block_g, block_r, block_n),
-                warps,
-                1,
             )  # fmt: skip
         n_merge = int(host.merge_queries.size)
         if n_merge:
@@ -204,15 +182,7 @@ def _arg_spec(arg: object) -> object:
     return None
 
 
-def _launch(
-    kernel,
-    grid: tuple[int, int],
-    args: tuple,
-    constexprs: tuple,
-    num_warps: int,
-    num_stages: int,
-    maxnreg: int | None = None,
-) -> None:
+def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> None:
     """Launch ``kernel[grid](*args, *constexprs)``.
 
     The first launch of a specialisation goes through Triton's JIT (compiling if needed);
@@ -222,20 +192,14 @@ def _launch(
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order.
     """
-    if _interpreting():
-        kernel[grid](*args, *constexprs)
-        return
-    opts = {"num_warps": num_warps, "num_stages": num_stages}
-    if maxnreg is not None:
-        opts["maxnreg"] = maxnreg
-    if _launch_hooks_active():
-        kernel[grid](*args, *constexprs, **opts)
+    if _interpreting() or _launch_hooks_active():
+        kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
         return
     device = args[0].device.index
-    key = (kernel, device, constexprs, num_warps, num_stages, maxnreg, tuple(_arg_spec(x) for x in args))
+    key = (kernel, device, constexprs, num_warps, num_stages, tuple(_arg_spec(x) for x in args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, *constexprs, **opts)
+        _COMPILED[key] = kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
         return
     stream = torch.cuda.current_stream(device).cuda_stream
     compiled.run(

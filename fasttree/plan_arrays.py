@@ -40,6 +40,7 @@ DEVICE_ARRAYS = (
 )
 
 _MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+_MIN_BLOCK_N = 16  # and at least 16 KV tokens
 MAX_BLOCK_M = 256  # rows of one program (query tile x GQA ratio)
 
 
@@ -59,6 +60,16 @@ def _next_pow2(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
+def _class_kv_tile(kv_tile: int, kv_len_desc: np.ndarray) -> int:
+    """The KV tile of a tile class: ``kv_tile``, shrunk (to a power of two >= 16) when
+    nine in ten of the class's units are shorter, so short units do not compute on
+    masked tokens. ``kv_len_desc`` is sorted in decreasing order."""
+    if not kv_len_desc.size:
+        return kv_tile
+    p90 = int(kv_len_desc[kv_len_desc.size // 10])
+    return min(kv_tile, max(_MIN_BLOCK_N, _next_pow2(p90)))
+
+
 @dataclass(frozen=True)
 class TileClass:
     """Launch shape of one tile class.
@@ -70,7 +81,8 @@ class TileClass:
     block_m : int
         Matrix rows of a program (``queries * g`` rounded up to a power of two >= 16).
     block_n : int
-        KV tokens per inner-loop tile.
+        KV tokens per inner-loop tile: the config's ``kv_tile`` of the class, or a smaller
+        power of two (>= 16) when 90% of the class's units are that short.
     split : int
         KV tokens per unit.
     num_warps, num_stages : int
@@ -110,11 +122,7 @@ class Plan:
         Queries with two or more partials, merged by stage 2.
     class_unit_ptr : tuple of int
         Units of tile class ``c`` are ``class_unit_ptr[c]:class_unit_ptr[c + 1]``; within
-        a class, units are sorted by decreasing KV length, except that the small class
-        lists its single-query units last.
-    single_query_start : int
-        Units ``single_query_start:class_unit_ptr[2]`` have one query each (a unit with
-        one query is always in the small class).
+        a class, units are sorted by decreasing KV length.
     tile_classes : tuple of TileClass
         Launch shape per tile class (0: units with more than ``tile_classes[1].queries``
         queries, 1: the others).
@@ -144,7 +152,6 @@ class Plan:
     query_num_partials: np.ndarray
     merge_queries: np.ndarray
     class_unit_ptr: tuple[int, int, int]
-    single_query_start: int
     tile_classes: tuple[TileClass, TileClass]
     n_partial_rows: int
     tile_mode: str
@@ -353,26 +360,23 @@ def materialize(
     if max(groups.kv_slots.size, n_pairs, n_rows) > 0x7FFFFFFF:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
-    # units ordered by tile class, single-query units last in the small class, then
-    # longest KV first (a stable sort)
+    # units ordered by tile class, then longest KV first (a stable sort)
     u_small = u_q_len <= q_tiles[1]
-    u_single = u_q_len == 1
     n_large = int(u_small.size - np.count_nonzero(u_small))
-    n_single = int(np.count_nonzero(u_single))
     longest = int(u_kv_len.max()) if u_kv_len.size else 0
     if longest < 1 << 15 and u_kv_len.size and int(u_kv_len.min()) >= 0:
-        key = (u_small.astype(np.uint32) << 16) | (u_single.astype(np.uint32) << 15)
-        key |= (0x7FFF - u_kv_len).astype(np.uint32)
+        key = (u_small.view(np.uint8).astype(np.uint16) << 15) | (0x7FFF - u_kv_len).astype(np.uint16)
         uorder = key.argsort(kind="stable")
     else:
-        uorder = np.lexsort((-u_kv_len, u_single, u_small))
+        uorder = np.lexsort((-u_kv_len, u_small))
     ptr = (0, n_large, int(u_small.size))
 
+    unit_kv_len = u_kv_len[uorder]
     classes = tuple(
         TileClass(
             queries=int(q_tiles[c]),
             block_m=max(_MIN_BLOCK_M, _next_pow2(q_tiles[c] * g)),
-            block_n=int(kv_tiles[c]),
+            block_n=_class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
             split=int(splits[c]),
             num_warps=int(config.num_warps[c]),
             num_stages=int(config.num_stages[c]),
@@ -388,7 +392,7 @@ def materialize(
         max_slot=int(max_slot),
         kv_indices=groups.kv_slots.astype(i32, copy=False),
         unit_kv_start=kv_start[uorder].astype(i32),
-        unit_kv_len=u_kv_len[uorder].astype(i32),
+        unit_kv_len=unit_kv_len.astype(i32),
         unit_q_start=unit_pair_start[uorder].astype(i32),
         unit_q_len=u_q_len[uorder].astype(i32),
         pair_query=pair_query.astype(i32),
@@ -397,7 +401,6 @@ def materialize(
         query_num_partials=n_part.astype(i32),
         merge_queries=multi.nonzero()[0].astype(i32),
         class_unit_ptr=ptr,
-        single_query_start=ptr[2] - n_single,
         tile_classes=classes,  # type: ignore[arg-type]
         n_partial_rows=n_rows,
         tile_mode=tile_mode,

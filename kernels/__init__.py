@@ -5,7 +5,6 @@ kernels live in :mod:`fasttree.attention`.
 """
 
 from .merge import merge_partials_kernel
-from .single_query import single_query_units_kernel
 from .tree_attention import tree_attention_units_kernel
 
-__all__ = ["merge_partials_kernel", "single_query_units_kernel", "tree_attention_units_kernel"]
+__all__ = ["merge_partials_kernel", "tree_attention_units_kernel"]

@@ -117,14 +117,10 @@ def assert_unit_shapes(plan: ft.Plan) -> None:
     for c in (0, 1):
         tc = plan.tile_classes[c]
         sl = slice(ptr[c], ptr[c + 1])
-        q_len = plan.unit_q_len[sl]
+        q_len, kv_len = plan.unit_q_len[sl], plan.unit_kv_len[sl]
         assert np.all(q_len <= tc.queries)
         assert np.all(q_len * plan.group_size <= tc.block_m)
-    sq = plan.single_query_start
-    assert ptr[1] <= sq <= ptr[2]
-    assert np.all(plan.unit_q_len[sq:] == 1) and np.all(plan.unit_q_len[:sq] > 1)
-    for lo, hi in ((ptr[0], ptr[1]), (ptr[1], sq), (sq, ptr[2])):
-        assert np.all(np.diff(plan.unit_kv_len[lo:hi]) <= 0), "units must be sorted by decreasing KV length"
+        assert np.all(np.diff(kv_len) <= 0), "units of a class must be sorted by decreasing KV length"
     small = plan.tile_classes[1].queries
     assert np.all(plan.unit_q_len[: ptr[1]] > small)
     assert np.all(plan.unit_q_len[ptr[1] :] <= small)
@@ -409,3 +405,18 @@ def test_from_levels_matches_generic_construction(case):
     for name in ("subtree_queries", "path_lengths"):
         np.testing.assert_array_equal(getattr(tree, name), getattr(generic, name))
     assert tree.max_slot == generic.max_slot
+
+
+def test_class_kv_tile_shrinks_only_for_short_units():
+    # 64 leaves of 16 tokens under one 8-token root: the small class holds the leaves
+    short = ft.KVTree.from_levels([1, 64], [8, 16])
+    plan = ft.plan(short, ft.FastTreeConfig(kv_tile=(64, 64)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan.tile_classes[1].block_n == 16
+    check_plan(short, plan)
+    # 100-token leaves: the configured tile stays
+    long = ft.KVTree.from_levels([1, 64], [8, 100])
+    plan = ft.plan(long, ft.FastTreeConfig(kv_tile=(64, 64)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan.tile_classes[1].block_n == 64
+    # never above the configured tile
+    plan = ft.plan(long, ft.FastTreeConfig(kv_tile=(16, 16)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert {tc.block_n for tc in plan.tile_classes} == {16}
