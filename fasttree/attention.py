@@ -158,7 +158,7 @@ def tree_attention(
                     out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
                     out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
                 ),
-                (hq, d, block_h, block_d, _MERGE_ROWS),
+                (hq, d, block_h, block_d),
                 4,
                 3,
             )  # fmt: skip
@@ -167,8 +167,6 @@ def tree_attention(
 
 #: Query heads merged by one program of the merge kernel.
 _MERGE_HEADS = 4
-#: Partial rows the merge kernel loads at once.
-_MERGE_ROWS = 4
 
 #: Compiled kernels by (kernel, device, constexprs, launch options, argument specialisation).
 _COMPILED: dict[tuple, object] = {}

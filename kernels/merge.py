@@ -6,9 +6,7 @@ outputs ``o_i`` and natural-log LSEs ``lse_i``::
 
     lse = m + log(sum_i exp(lse_i - m)),   o = sum_i exp(lse_i - lse) * o_i
 
-computed online over the query's contiguous partial rows, ``BLOCK_P`` rows at a time so
-that a query with many partials (a long context split into many chunks) keeps many
-loads in flight instead of waiting for one row after another.
+computed online over the query's contiguous partial rows.
 """
 
 import triton
@@ -32,7 +30,6 @@ def merge_partials_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,  # partial rows loaded at once
 ):
     qid = tl.load(MergeQueries + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -45,23 +42,15 @@ def merge_partials_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    p = tl.arange(0, BLOCK_P)
-    h_off = h[None, :, None] * stride_ph + d[None, None, :]
-    for first in range(0, count, BLOCK_P):
-        p_valid = first + p < count
-        row = start + first + p
-        lse = tl.load(
-            PartLse + row[:, None] * stride_ln + h[None, :], mask=p_valid[:, None] & h_valid[None, :], other=0.0
-        )
-        lse = tl.where(p_valid[:, None], lse, float("-inf"))  # [BLOCK_P, BLOCK_H]
-        o = tl.load(
-            PartO + row[:, None, None] * stride_pn + h_off, mask=p_valid[:, None, None] & mask[None, :, :], other=0.0
-        )
-        m_new = tl.maximum(m, tl.max(lse, 0))
+    for i in range(count):
+        row = start + i
+        lse = tl.load(PartLse + row * stride_ln + h, mask=h_valid, other=0.0)
+        o = tl.load(PartO + row * stride_pn + h[:, None] * stride_ph + d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
         scale = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new[None, :])
-        s = s * scale + tl.sum(w, 0)
-        acc = acc * scale[:, None] + tl.sum(w[:, :, None] * o, 0)
+        w = tl.exp(lse - m_new)
+        s = s * scale + w
+        acc = acc * scale[:, None] + w[:, None] * o
         m = m_new
     out = acc / s[:, None]
     tl.store(Out + qid * stride_on + h[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=mask)
