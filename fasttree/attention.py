@@ -139,12 +139,12 @@ def tree_attention(
                 tree_attention_units_kernel,
                 (n_units, host.num_kv_heads),
                 (
-                    q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["unit_kv_start"],
+                    q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["kv_row_mask"], a["unit_kv_start"],
                     a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
                     ptr[c], float(sm_scale) * _LOG2E, *strides, out.stride(0), out.stride(1),
                     part_o.stride(0), part_o.stride(1), part_lse.stride(0),
                 ),
-                (d, block_d, host.group_size, tc.block_m, tc.block_n, upcast),
+                (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast),
                 tc.num_warps,
                 tc.num_stages,
             )  # fmt: skip
@@ -276,7 +276,10 @@ def plan_query_separated(
         q_ids=np.arange(nq, dtype=np.int64),
     )
     config = FastTreeConfig(
-        q_tile_queries=(1, 1), kv_tile=(kv_tile, kv_tile), kv_split_sizes=(kv_split_size, kv_split_size)
+        q_tile_queries=(1, 1),
+        kv_tile=(kv_tile, kv_tile),
+        kv_split_sizes=(kv_split_size, kv_split_size),
+        pack_tokens=0,
     )
     return materialize(
         groups,

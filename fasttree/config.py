@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-CONFIG_SCHEMA_VERSION = 1
+CONFIG_SCHEMA_VERSION = 2
+#: Fields added since schema version 1, with the value that reproduces version-1 plans.
+_V1_DEFAULTS = {"pack_tokens": 0}
 
 #: Published query tiles in matrix rows (queries x g): (64, 16) for MHA, GQA 4 and GQA 16 alike.
 DEFAULT_Q_TILE_ROWS = (64, 16)
@@ -74,6 +76,13 @@ class FastTreeConfig:
     num_warps, num_stages : tuple of int
         Triton launch settings per tile class; (4, 3) is Triton's default, which the
         published kernel used.
+    pack_tokens : int
+        Small-class work units shorter than this many KV tokens are packed, in DFS order,
+        into masked units of up to this many tokens (one program, one partial per query;
+        see :mod:`fasttree.packing`). 0 turns packing off (the published behaviour).
+    pack_min_units : int
+        Packing keeps at least about this many work units x KV heads in the small class
+        (the token budget shrinks for small trees), so the GPU stays busy.
     """
 
     alpha: float = 0.66
@@ -86,6 +95,8 @@ class FastTreeConfig:
     para_threshs2: tuple[int, int] = (132, 132)
     num_warps: tuple[int, int] = (4, 4)
     num_stages: tuple[int, int] = (3, 3)
+    pack_tokens: int = 256
+    pack_min_units: int = 528
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
@@ -119,6 +130,11 @@ class FastTreeConfig:
             raise ValueError(f"FastTreeConfig.num_warps must be powers of two <= 16, got {self.num_warps}")
         if min(self.num_stages) < 1 or max(self.num_stages) > 8:
             raise ValueError(f"FastTreeConfig.num_stages must be in [1, 8], got {self.num_stages}")
+        for name in ("pack_tokens", "pack_min_units"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"FastTreeConfig.{name} must be an integer >= 0, got {value!r}")
+            object.__setattr__(self, name, int(value))
 
     # ------------------------------------------------------------------ tiles
     def query_tiles(self, group_size: int) -> tuple[int, int]:
@@ -154,14 +170,20 @@ class FastTreeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FastTreeConfig:
-        """Build from :meth:`to_dict` output; unknown keys or another schema version raise ``ValueError``."""
+        """Build from :meth:`to_dict` output; unknown keys or an unknown schema version raise ``ValueError``.
+
+        A version-1 dict (before packing existed) gets ``pack_tokens=0``, so it plans as it did.
+        """
         if not isinstance(data, dict):
             raise ValueError(f"a FastTreeConfig must be a JSON object, got {type(data).__name__}")
         data = dict(data)
         version = data.pop("schema_version", CONFIG_SCHEMA_VERSION)
-        if version != CONFIG_SCHEMA_VERSION:
+        if type(version) is int and version == 1:
+            for key, value in _V1_DEFAULTS.items():
+                data.setdefault(key, value)
+        elif type(version) is not int or version != CONFIG_SCHEMA_VERSION:
             raise ValueError(
-                f"FastTreeConfig schema_version {version!r} is not supported (expected {CONFIG_SCHEMA_VERSION})"
+                f"FastTreeConfig schema_version {version!r} is not supported (expected 1 or {CONFIG_SCHEMA_VERSION})"
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

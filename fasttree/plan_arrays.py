@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .config import FastTreeConfig
+from .packing import MAX_PACK_QUERIES, pack_units
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: int32 arrays shipped to the device, in packing order.
 DEVICE_ARRAYS = (
     "kv_indices",
+    "kv_row_mask",
     "unit_kv_start",
     "unit_kv_len",
     "unit_q_start",
@@ -42,6 +44,7 @@ DEVICE_ARRAYS = (
 _MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 _MIN_BLOCK_N = 16  # and at least 16 KV tokens
 MAX_BLOCK_M = 256  # rows of one program (query tile x GQA ratio)
+ABSENT_ROW = -2  # pair_out_row of a packed unit's row that serves no query
 
 
 def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -86,6 +89,9 @@ class TileClass:
     split : int
         KV tokens per unit.
     num_warps, num_stages : int
+    masked : bool
+        Whether the class holds packed units (bins): KV entries then carry row masks
+        (``Plan.kv_row_mask``) and the kernel applies them.
     """
 
     queries: int
@@ -94,6 +100,7 @@ class TileClass:
     split: int
     num_warps: int
     num_stages: int
+    masked: bool = False
 
 
 @dataclass(eq=False)
@@ -106,7 +113,11 @@ class Plan:
     max_slot : int
         Largest KV-pool slot read; the pool must have more slots.
     kv_indices : ndarray, int32 [n_kv_entries]
-        Pool slots the units' KV ranges index (see :class:`fasttree.planner.Groups`).
+        Pool slots the units' KV ranges index (see :class:`fasttree.planner.Groups`),
+        followed by the packed units' slots.
+    kv_row_mask : ndarray, int32 [n_kv_entries] or [0]
+        Bit ``p`` of entry ``e``: the unit's query at pair position ``p`` attends entry
+        ``e`` (-1: all of them). Empty when no tile class is masked.
     unit_kv_start, unit_kv_len : ndarray, int32 [n_units]
         The unit's KV is ``kv_indices[start:start + len]`` (len >= 1).
     unit_q_start, unit_q_len : ndarray, int32 [n_units]
@@ -114,8 +125,9 @@ class Plan:
     pair_query : ndarray, int32 [n_pairs]
         Query row of each pair.
     pair_out_row : ndarray, int32 [n_pairs]
-        Partial row the pair writes, or -1 when its query has a single partial and the
-        pair writes the output directly.
+        Partial row the pair writes, -1 when its query has a single partial and the
+        pair writes the output directly, or -2 (:data:`ABSENT_ROW`) for a row of a
+        packed unit that serves no query (nothing is written).
     query_partial_start, query_num_partials : ndarray, int32 [n_queries]
         Query ``j``'s partial rows are ``start:start + num`` (num == 1 means direct).
     merge_queries : ndarray, int32 [n_merge]
@@ -142,6 +154,7 @@ class Plan:
     n_queries: int
     max_slot: int
     kv_indices: np.ndarray
+    kv_row_mask: np.ndarray
     unit_kv_start: np.ndarray
     unit_kv_len: np.ndarray
     unit_q_start: np.ndarray
@@ -256,6 +269,7 @@ def materialize(
     max_slot: int,
     tile_mode: str,
     edge_assignment: np.ndarray | None = None,
+    query_rank: np.ndarray | None = None,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -273,6 +287,11 @@ def materialize(
         KV tokens per unit of each group.
     splits : tuple of int
         The split sizes of the two phases (recorded in the plan).
+    query_rank : ndarray, int64 [n_queries], optional
+        DFS rank of every query; when given and ``config.pack_tokens > 0``, small-class
+        units shorter than ``pack_tokens`` are packed into masked units
+        (:func:`fasttree.packing.pack_units`), with a token budget lowered until the
+        class has about ``config.pack_min_units`` programs.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -332,8 +351,34 @@ def materialize(
         pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
         pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
 
+    # units ordered by tile class (bins join the small one)
+    u_small = u_q_len <= q_tiles[1]
+    class1_rows = max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g))
+    packed = None
+    if query_rank is not None and config.pack_tokens > 0:
+        capacity = min(class1_rows // g, MAX_PACK_QUERIES)
+        eligible = u_small & (u_kv_len < config.pack_tokens)
+        total = int(u_kv_len[eligible].sum())
+        want_bins = -(-config.pack_min_units // num_kv_heads)
+        budget = min(config.pack_tokens, max(_MIN_BLOCK_N, total // max(1, want_bins)))
+        packed = pack_units(
+            kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
+            pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
+            query_rank=query_rank, capacity=capacity, budget=budget,
+        )  # fmt: skip
+    if packed is None:
+        kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
+        pair_present = None
+        n_present = pair_query
+    else:
+        kv_start, u_kv_len, unit_pair_start, u_q_len = packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len
+        pair_query, pair_present = packed.pair_query, packed.pair_present
+        kv_slots, kv_row_mask = packed.kv_slots, packed.kv_row_mask
+        u_small = (u_q_len <= q_tiles[1]) | packed.is_bin
+        n_present = pair_query[pair_present]
+
     # partial rows, contiguous per query, in pair order within a query
-    n_part = np.bincount(pair_query, minlength=n_queries)
+    n_part = np.bincount(n_present, minlength=n_queries)
     if n_part.size != n_queries or n_part.min() < 1:
         raise AssertionError("internal error: a query has no work unit")
     multi = n_part >= 2
@@ -341,14 +386,14 @@ def materialize(
     part_start = np.zeros(n_queries, dtype=np.int64)
     np.add.accumulate(rows_per_query[:-1], out=part_start[1:])
     n_rows = int(part_start[-1] + rows_per_query[-1])
-    n_pairs = pair_query.size
+    n_pairs = n_present.size
     if not n_rows:
         out_row = np.full(n_pairs, -1, dtype=np.int32)
     else:
         # a stable sort of the pairs by query (radix sort on 16-bit keys when they fit)
-        keys = pair_query.astype(np.uint16) if n_queries <= 1 << 16 else pair_query
+        keys = n_present.astype(np.uint16) if n_queries <= 1 << 16 else n_present
         order = keys.argsort(kind="stable")
-        q_sorted = pair_query[order]
+        q_sorted = n_present[order]
         seg_start = np.zeros(n_queries, dtype=np.int64)
         np.add.accumulate(n_part[:-1], out=seg_start[1:])
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
@@ -357,11 +402,14 @@ def materialize(
         rows = np.empty(n_pairs, dtype=np.int64)
         rows[order] = row if n_rows == n_pairs else np.where(multi[q_sorted], row, -1)
         out_row = rows.astype(np.int32)
-    if max(groups.kv_slots.size, n_pairs, n_rows) > 0x7FFFFFFF:
+    if pair_present is not None:
+        all_rows = np.full(pair_query.size, ABSENT_ROW, dtype=np.int32)
+        all_rows[pair_present] = out_row
+        out_row = all_rows
+    if max(kv_slots.size, pair_query.size, n_rows) > 0x7FFFFFFF:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
-    # units ordered by tile class, then longest KV first (a stable sort)
-    u_small = u_q_len <= q_tiles[1]
+    # within a class, longest KV first (a stable sort)
     n_large = int(u_small.size - np.count_nonzero(u_small))
     longest = int(u_kv_len.max()) if u_kv_len.size else 0
     if longest < 1 << 15 and u_kv_len.size and int(u_kv_len.min()) >= 0:
@@ -376,6 +424,7 @@ def materialize(
         TileClass(
             queries=int(q_tiles[c]),
             block_m=max(_MIN_BLOCK_M, _next_pow2(q_tiles[c] * g)),
+            masked=c == 1 and packed is not None,
             block_n=_class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
             split=int(splits[c]),
             num_warps=int(config.num_warps[c]),
@@ -390,7 +439,8 @@ def materialize(
         head_dim=int(head_dim),
         n_queries=int(n_queries),
         max_slot=int(max_slot),
-        kv_indices=groups.kv_slots.astype(i32, copy=False),
+        kv_indices=kv_slots.astype(i32, copy=False),
+        kv_row_mask=kv_row_mask,
         unit_kv_start=kv_start[uorder].astype(i32),
         unit_kv_len=unit_kv_len.astype(i32),
         unit_q_start=unit_pair_start[uorder].astype(i32),

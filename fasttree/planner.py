@@ -746,7 +746,18 @@ def plan(
         max_slot=tree.max_slot,
         tile_mode=mode,
         edge_assignment=assign,
+        query_rank=_query_rank(tree),
     )
+
+
+def _query_rank(tree: KVTree) -> np.ndarray:
+    """DFS rank of every query (queries of one node in id order)."""
+    perm = _tree_index(tree).groups(tree).perm
+    if perm is None:
+        return np.arange(tree.n_queries, dtype=np.int64)
+    rank = np.empty(tree.n_queries, dtype=np.int64)
+    rank[perm] = np.arange(tree.n_queries, dtype=np.int64)
+    return rank
 
 
 def _units_per_phase(groups: Groups, cost: PaddingCost, splits, num_kv_heads: int) -> list[int]:

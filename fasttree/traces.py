@@ -204,6 +204,17 @@ def _config_dict(config: FastTreeConfig | dict[str, Any]) -> dict[str, Any]:
     return FastTreeConfig.from_dict(config).to_dict()
 
 
+def _key_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as a key hashes it: with packing off (``pack_tokens == 0``, where
+    ``pack_min_units`` does not matter) it is written as schema version 1, which had
+    neither field, so measurements made before packing keep their keys."""
+    if config.get("pack_tokens") != 0:
+        return config
+    out = {k: v for k, v in config.items() if k not in ("pack_tokens", "pack_min_units")}
+    out["schema_version"] = 1
+    return out
+
+
 def _normalise_dtype(dtype: Any) -> str:
     name = str(dtype)
     return name[len("torch.") :] if name.startswith("torch.") else name
@@ -230,7 +241,7 @@ def _key_digest(
             "num_kv_heads": num_kv_heads,
             "head_dim": head_dim,
             "dtype": dtype,
-            "config": config,
+            "config": _key_config(config),
             "gpu_name": gpu_name,
         }
     )

@@ -1,7 +1,9 @@
 """Stage 1 of tree attention: one program per (work unit, KV head), one launch per tile class.
 
 A unit is a chunk of one context-query group's KV (gathered through pool slot ids)
-and a tile of that group's queries. The program packs the ``GROUP`` query heads that
+and a tile of that group's queries, or (``MASKED`` classes) a packed unit: several
+small units' KV back to back, each entry with a bit mask of the rows' queries that
+attend it. The program packs the ``GROUP`` query heads that
 share its KV head for each query of the tile into ``BLOCK_M`` matrix rows
 (row ``r`` is query ``r // GROUP``, head ``r % GROUP``), runs an online softmax over the
 chunk in ``BLOCK_N``-token tiles with fp32 accumulators, and writes, per row, either the
@@ -29,12 +31,13 @@ def tree_attention_units_kernel(
     PartO,  # [n_partial_rows, Hq, D], fp32
     PartLse,  # [n_partial_rows, Hq], fp32
     KvIndices,  # int32 [n_kv_entries]
+    KvRowMask,  # int32 [n_kv_entries]: bit p = the unit's pair p attends the entry (MASKED only)
     UnitKvStart,  # int32 [n_units]
     UnitKvLen,  # int32 [n_units]
     UnitQStart,  # int32 [n_units]
     UnitQLen,  # int32 [n_units]
     PairQuery,  # int32 [n_pairs]
-    PairOutRow,  # int32 [n_pairs]; -1: write Out directly
+    PairOutRow,  # int32 [n_pairs]; -1: write Out directly, -2: write nothing
     unit_offset,  # first unit of the launched tile class
     qk_scale,  # sm_scale * log2(e)
     stride_qn,
@@ -53,6 +56,7 @@ def tree_attention_units_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # the class holds packed units: apply KvRowMask
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
 ):
     unit = tl.program_id(0) + unit_offset
@@ -67,7 +71,7 @@ def tree_attention_units_kernel(
     row_valid = row_query < q_len
     head = kv_head * GROUP + rows % GROUP
     qid = tl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(tl.int64)
-    out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=0)
+    out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=-2)
 
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
@@ -79,7 +83,13 @@ def tree_attention_units_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if MASKED:
+        # finite: a row may see no entry of a whole tile (or of the unit), and
+        # exp2(-inf - -inf) would poison it
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        row_bit = tl.minimum(row_query, 31)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + kv_head * stride_kh
@@ -93,7 +103,11 @@ def tree_attention_units_kernel(
         if UPCAST_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(n_valid[None, :], s, float("-inf"))
+        if MASKED:
+            bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
+            s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
+        else:
+            s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -106,8 +120,10 @@ def tree_attention_units_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
 
+    if MASKED:
+        l_i = tl.maximum(l_i, 1.0e-30)  # rows that saw nothing (never stored): no 0 / 0
     o = acc / l_i[:, None]
-    direct = row_valid & (out_row < 0)
+    direct = row_valid & (out_row == -1)
     partial = row_valid & (out_row >= 0)
     tl.store(
         Out + qid[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],

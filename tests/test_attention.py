@@ -129,3 +129,27 @@ def test_launch_cache_key_tells_specialisations_apart():
     assert _arg_spec(16) != _arg_spec(17)  # and tracks divisibility by 16
     assert _arg_spec(2**31) != _arg_spec(2**31 - 16)  # and 64-bit width
     assert _arg_spec(32) == _arg_spec(48)
+
+
+# GQA 1/4/7/16 and D 64/128/256: packed (masked) small units, forced on with pack_min_units=0
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [*SHAPES[:4], SHAPES[6]])
+def test_packed_units_match_reference(g, hkv, d, dtype, device):
+    rng = np.random.default_rng(500 + 10 * g + d)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    packed = 0
+    for _ in range(4):
+        tree = random_tree(rng, max_nodes=30, max_len=40)
+        cfg = ft.FastTreeConfig(
+            pack_tokens=int(rng.choice([16, 40, 256])),
+            pack_min_units=0,
+            q_tile_queries=(int(rng.choice([8, 16])), int(rng.choice([1, 2, 4]))),
+            kv_tile=(16, int(rng.choice([16, 32]))),
+            kv_split_sizes=(64, int(rng.choice([8, 32]))),
+            gamma=float(rng.choice([0.1, -10.0])),
+        )
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        packed += plan.tile_classes[1].masked
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+    assert packed >= 2, "too few of the random plans packed units; the test would not cover the masked path"

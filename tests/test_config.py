@@ -160,7 +160,16 @@ def test_from_dict_rejects_unknown_keys():
         FastTreeConfig.from_dict(data)
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+def test_from_dict_reads_schema_version_1_without_packing():
+    # version 1 predates packing: its configs must keep planning as they did
+    data = FastTreeConfig(gamma=0.5).to_dict()
+    del data["pack_tokens"], data["pack_min_units"]
+    data["schema_version"] = 1
+    assert FastTreeConfig.from_dict(data) == FastTreeConfig(gamma=0.5, pack_tokens=0)
+    assert FastTreeConfig.from_dict(data | {"pack_tokens": 64}).pack_tokens == 64
+
+
+@pytest.mark.parametrize("version", [0, 3, "1", "2", None, True, 2.0])
 def test_from_dict_rejects_another_schema_version(version):
     data = FastTreeConfig().to_dict() | {"schema_version": version}
     with pytest.raises(ValueError, match=f"schema_version {version!r} is not supported"):
@@ -246,6 +255,9 @@ def test_from_json_validates_values():
         pytest.param({"num_warps": (32, 4)}, "num_warps must be powers of two <= 16", id="warps-32"),
         pytest.param({"num_stages": (0, 2)}, r"num_stages must be in \[1, 8\], got \(0, 2\)", id="stages-0"),
         pytest.param({"num_stages": (2, 9)}, r"num_stages must be in \[1, 8\]", id="stages-9"),
+        pytest.param({"pack_tokens": -1}, r"pack_tokens must be an integer >= 0, got -1", id="pack-neg"),
+        pytest.param({"pack_tokens": 1.5}, r"pack_tokens must be an integer >= 0, got 1.5", id="pack-float"),
+        pytest.param({"pack_min_units": True}, r"pack_min_units must be an integer >= 0, got True", id="pack-bool"),
     ],
 )
 def test_constructor_rejects(kwargs, match):

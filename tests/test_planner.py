@@ -13,7 +13,8 @@ from trees import random_tree
 import fasttree as ft
 import fasttree.planner as planner_mod
 from fasttree.costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
-from fasttree.plan_arrays import DEVICE_ARRAYS
+from fasttree.packing import MAX_PACK_QUERIES
+from fasttree.plan_arrays import ABSENT_ROW, DEVICE_ARRAYS
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from fasttree.tree import ragged_gather
 
@@ -67,16 +68,26 @@ def random_cost(rng: np.random.Generator) -> PaddingCost:
     )
 
 
+def unit_class(plan: ft.Plan, u: int) -> int:
+    return 0 if u < plan.class_unit_ptr[1] else 1
+
+
 def read_tokens(plan: ft.Plan) -> tuple[np.ndarray, np.ndarray]:
-    """(query, slot) of every KV token that every pair of the plan reads."""
+    """(query, slot) of every KV token that every pair of the plan reads (row masks applied)."""
     queries, slots = [], []
     kv = plan.kv_indices
     for u in range(plan.n_units):
         ks, kn = int(plan.unit_kv_start[u]), int(plan.unit_kv_len[u])
         qs, qn = int(plan.unit_q_start[u]), int(plan.unit_q_len[u])
-        for j in plan.pair_query[qs : qs + qn].tolist():
-            queries.append(np.full(kn, j, dtype=np.int64))
-            slots.append(kv[ks : ks + kn].astype(np.int64))
+        masked = plan.tile_classes[unit_class(plan, u)].masked
+        for p, j in enumerate(plan.pair_query[qs : qs + qn].tolist()):
+            take = np.ones(kn, dtype=bool)
+            if masked:
+                take = ((plan.kv_row_mask[ks : ks + kn].astype(np.int64) >> p) & 1).astype(bool)
+                # a row that reads nothing must be marked absent, and only then
+                assert take.any() == (plan.pair_out_row[qs + p] != ABSENT_ROW)
+            queries.append(np.full(int(take.sum()), j, dtype=np.int64))
+            slots.append(kv[ks : ks + kn][take].astype(np.int64))
     return np.concatenate(queries), np.concatenate(slots)
 
 
@@ -93,15 +104,18 @@ def assert_covers_contexts_once(tree: ft.KVTree, plan: ft.Plan) -> None:
 
 def assert_partials_consistent(plan: ft.Plan) -> None:
     nq = plan.n_queries
-    counts = np.bincount(plan.pair_query, minlength=nq)
+    present = plan.pair_out_row != ABSENT_ROW
+    assert np.all(plan.pair_out_row >= ABSENT_ROW)
+    counts = np.bincount(plan.pair_query[present], minlength=nq)
     np.testing.assert_array_equal(counts, plan.query_num_partials)
-    direct = plan.pair_out_row < 0
+    direct = plan.pair_out_row == -1
     # a pair writes directly exactly when its query has one partial
-    np.testing.assert_array_equal(direct, plan.query_num_partials[plan.pair_query] == 1)
-    rows = plan.pair_out_row[~direct]
+    np.testing.assert_array_equal(direct[present], plan.query_num_partials[plan.pair_query[present]] == 1)
+    partial = plan.pair_out_row >= 0
+    rows = plan.pair_out_row[partial]
     assert rows.size == plan.n_partial_rows
     np.testing.assert_array_equal(np.sort(rows), np.arange(plan.n_partial_rows))
-    owner = plan.pair_query[~direct]
+    owner = plan.pair_query[partial]
     start = plan.query_partial_start[owner]
     assert np.all((rows >= start) & (rows < start + plan.query_num_partials[owner]))
     np.testing.assert_array_equal(plan.merge_queries, np.flatnonzero(plan.query_num_partials >= 2))
@@ -118,12 +132,19 @@ def assert_unit_shapes(plan: ft.Plan) -> None:
         tc = plan.tile_classes[c]
         sl = slice(ptr[c], ptr[c + 1])
         q_len, kv_len = plan.unit_q_len[sl], plan.unit_kv_len[sl]
-        assert np.all(q_len <= tc.queries)
+        # packed units (masked class) fill the class's matrix rows, up to 32 queries
+        limit = tc.queries
+        if tc.masked:
+            limit = max(limit, min(tc.block_m // plan.group_size, MAX_PACK_QUERIES))
+        assert np.all(q_len <= limit)
         assert np.all(q_len * plan.group_size <= tc.block_m)
         assert np.all(np.diff(kv_len) <= 0), "units of a class must be sorted by decreasing KV length"
+    assert not plan.tile_classes[0].masked
+    assert plan.kv_row_mask.size == (plan.kv_indices.size if plan.tile_classes[1].masked else 0)
     small = plan.tile_classes[1].queries
     assert np.all(plan.unit_q_len[: ptr[1]] > small)
-    assert np.all(plan.unit_q_len[ptr[1] :] <= small)
+    if not plan.tile_classes[1].masked:
+        assert np.all(plan.unit_q_len[ptr[1] :] <= small)
 
 
 def check_plan(tree: ft.KVTree, plan: ft.Plan) -> None:
@@ -410,7 +431,8 @@ def test_from_levels_matches_generic_construction(case):
 def test_class_kv_tile_shrinks_only_for_short_units():
     # 64 leaves of 16 tokens under one 8-token root: the small class holds the leaves
     short = ft.KVTree.from_levels([1, 64], [8, 16])
-    plan = ft.plan(short, ft.FastTreeConfig(kv_tile=(64, 64)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    unpacked = ft.FastTreeConfig(kv_tile=(64, 64), pack_tokens=0)
+    plan = ft.plan(short, unpacked, num_q_heads=4, num_kv_heads=4, head_dim=64)
     assert plan.tile_classes[1].block_n == 16
     check_plan(short, plan)
     # 100-token leaves: the configured tile stays

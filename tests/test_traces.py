@@ -190,8 +190,15 @@ def test_measurement_key_is_stable_across_input_forms():
 
 def test_measurement_key_golden_value():
     # Changing the key derivation orphans every collected trace for resume: bump KEY_VERSION deliberately.
-    key = measurement_key(ft.KVTree.from_lengths([-1, 0], [64, 8], [1]), **KEY_ARGS)
-    assert key == GOLDEN_KEY
+    # Packing off is the configuration every trace before config schema 2 measured: same key as then.
+    tree = ft.KVTree.from_lengths([-1, 0], [64, 8], [1])
+    assert measurement_key(tree, **{**KEY_ARGS, "config": ft.FastTreeConfig(pack_tokens=0)}) == GOLDEN_KEY
+    v1 = {k: v for k, v in ft.FastTreeConfig().to_dict().items() if not k.startswith("pack_")}
+    assert measurement_key(tree, **{**KEY_ARGS, "config": v1 | {"schema_version": 1}}) == GOLDEN_KEY
+    assert measurement_key(tree, **KEY_ARGS) == GOLDEN_KEY_PACKED
+
+
+GOLDEN_KEY_PACKED = "77bf0321e937a4fda229deadafac86a95afe472bbda3a9cd286145c2dd32fb05"
 
 
 GOLDEN_KEY = "79eeb67e2674bd651fc937ae0550b77f698dd204de6eb8c43257c18b402f9330"
@@ -209,6 +216,8 @@ GOLDEN_KEY = "79eeb67e2674bd651fc937ae0550b77f698dd204de6eb8c43257c18b402f9330"
         {"dtype": "bfloat16"},
         {"config": ft.FastTreeConfig(gamma=-10)},
         {"config": ft.FastTreeConfig(num_stages=(2, 3))},
+        {"config": ft.FastTreeConfig(pack_tokens=128)},
+        {"config": ft.FastTreeConfig(pack_min_units=0)},
         {"gpu_name": "NVIDIA H100 80GB HBM3"},
     ],
 )

@@ -1,0 +1,126 @@
+"""Packing small units into masked units: the bins, their masks and the plans that use them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_planner import check_plan
+from trees import random_tree
+
+import fasttree as ft
+from fasttree.packing import MAX_PACK_QUERIES, pack_units
+from fasttree.suite import paper_tree
+
+
+def _units(q_lists, kv_lens):
+    """Unit arrays for units with the given query lists and KV lengths (slots 0, 1, 2, ...)."""
+    q_len = np.array([len(x) for x in q_lists])
+    pair_start = np.concatenate([[0], np.cumsum(q_len)[:-1]])
+    kv_len = np.array(kv_lens)
+    kv_start = np.concatenate([[0], np.cumsum(kv_len)[:-1]])
+    return dict(
+        kv_start=kv_start,
+        kv_len=kv_len,
+        pair_start=pair_start,
+        q_len=q_len,
+        pair_query=np.concatenate([np.array(x) for x in q_lists]),
+        kv_slots=np.arange(int(kv_len.sum()), dtype=np.int32) + 1000,
+    )
+
+
+def test_bins_follow_blocks_and_budget():
+    # 8 one-query units of 10 tokens, queries 0..7 in DFS order; 4 queries and 25 tokens per bin
+    u = _units([[j] for j in range(8)], [10] * 8)
+    p = pack_units(**u, eligible=np.ones(8, bool), query_rank=np.arange(8), capacity=4, budget=25)
+    # per block of 4 queries the runs are units {0, 1, 2} and {3}: one bin + one unit left alone
+    assert p.n_packed == 6
+    assert p.is_bin.tolist() == [False, False, True, True]
+    kept = p.kv_start[:2].tolist()
+    assert kept == [30, 70]  # units 3 and 7 keep their KV
+    b = 2
+    s, n = int(p.kv_start[b]), int(p.kv_len[b])
+    assert n == 30
+    np.testing.assert_array_equal(p.kv_slots[s : s + n], 1000 + np.arange(30))
+    np.testing.assert_array_equal(p.kv_row_mask[s : s + n], np.repeat([1, 2, 4], 10))
+    assert (p.q_len[b], p.pair_query[p.pair_start[b] : p.pair_start[b] + 3].tolist()) == (3, [0, 1, 2])
+    assert p.pair_present[p.pair_start[b] : p.pair_start[b] + 3].all()
+    assert np.all(p.kv_row_mask[: u["kv_slots"].size] == -1)
+
+
+def test_shared_queries_share_a_row_and_holes_are_absent():
+    # units over queries {0, 2} and {2}: one bin with rows 0..2; row 1 serves nobody
+    u = _units([[0, 2], [2]], [5, 7])
+    p = pack_units(**u, eligible=np.ones(2, bool), query_rank=np.arange(3), capacity=4, budget=100)
+    assert p.is_bin.tolist() == [True]
+    assert p.pair_query.tolist() == [0, 1, 2]
+    assert p.pair_present.tolist() == [True, False, True]
+    s = int(p.kv_start[0])
+    np.testing.assert_array_equal(p.kv_row_mask[s : s + 12], [0b101] * 5 + [0b100] * 7)
+
+
+def test_dfs_rank_not_query_id_decides_blocks():
+    # query ids 0..3 sit at DFS ranks 3, 0, 2, 1: blocks of 2 ranks hold queries {1, 3} and {2, 0}
+    u = _units([[0], [1], [2], [3]], [4, 4, 4, 4])
+    rank = np.array([3, 0, 2, 1])
+    p = pack_units(**u, eligible=np.ones(4, bool), query_rank=rank, capacity=2, budget=100)
+    bins = [p.pair_query[p.pair_start[b] : p.pair_start[b] + p.q_len[b]].tolist() for b in range(2)]
+    assert bins == [[1, 3], [2, 0]]
+
+
+def test_units_straddling_blocks_and_ineligible_units_stay():
+    u = _units([[1, 2], [0], [3], [4]], [4, 4, 4, 4])
+    eligible = np.array([True, True, True, False])
+    p = pack_units(**u, eligible=eligible, query_rank=np.arange(5), capacity=2, budget=100)
+    # unit 0 crosses blocks {0, 1} / {2, 3}; unit 3 is not eligible; 1 and 2 are alone in their blocks
+    assert p is None
+
+
+@pytest.mark.parametrize(("capacity", "budget"), [(0, 10), (MAX_PACK_QUERIES + 1, 10), (4, 0)])
+def test_pack_units_rejects_bad_sizes(capacity, budget):
+    u = _units([[0], [1]], [4, 4])
+    with pytest.raises(ValueError, match=r"(capacity|budget) must be"):
+        pack_units(**u, eligible=np.ones(2, bool), query_rank=np.arange(2), capacity=capacity, budget=budget)
+
+
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (16, 1)])
+def test_deep_tree_packs_its_leaves(heads):
+    tree = paper_tree(10)  # 1024 leaves of 16 tokens
+    hq, hkv = heads
+    off = ft.plan(tree, ft.FastTreeConfig(pack_tokens=0), num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    on = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    check_plan(tree, on)
+    if hq // hkv < 16:  # a 16-row small tile holds 16 / g queries
+        assert on.tile_classes[1].masked
+        assert on.units_per_class()[1] * 4 <= off.units_per_class()[1]
+        assert on.n_partial_rows <= off.n_partial_rows
+    else:  # one query per small tile and one small unit per query: nothing to pack
+        assert not on.tile_classes[1].masked
+
+
+def test_pack_min_units_keeps_small_trees_parallel():
+    tree = ft.KVTree.from_levels([1, 64], [8, 32])
+    cfg = ft.FastTreeConfig(pack_min_units=512)
+    plan = ft.plan(tree, cfg, num_q_heads=32, num_kv_heads=32, head_dim=128)
+    check_plan(tree, plan)
+    assert plan.units_per_class()[1] * 32 >= 512
+    greedy = ft.plan(tree, cfg.with_(pack_min_units=0), num_q_heads=32, num_kv_heads=32, head_dim=128)
+    assert greedy.units_per_class()[1] < plan.units_per_class()[1]
+
+
+def test_random_packed_plans_cover_contexts_once():
+    rng = np.random.default_rng(7)
+    masked = 0
+    for _ in range(60):
+        tree = random_tree(rng, max_nodes=40, max_len=64)
+        g = int(rng.choice([1, 2, 4, 16]))
+        cfg = ft.FastTreeConfig(
+            pack_tokens=int(rng.choice([8, 32, 300])),
+            pack_min_units=int(rng.choice([0, 64])),
+            q_tile_queries=(int(rng.choice([16, 64])) // min(g, 16) or 1, 1 + int(rng.integers(0, 16 // g or 1))),
+            kv_split_sizes=(128, int(rng.choice([16, 64]))),
+        )
+        cfg = cfg.with_(q_tile_queries=(max(cfg.q_tile_queries), cfg.q_tile_queries[1]))
+        plan = ft.plan(tree, cfg, num_q_heads=g, num_kv_heads=1, head_dim=64)
+        check_plan(tree, plan)
+        masked += plan.tile_classes[1].masked
+    assert masked >= 20
