@@ -64,7 +64,23 @@ def grid_splits() -> list[dict[str, Any]]:
     ]
 
 
-GRIDS = {"launch": grid, "splits": grid_splits}
+def grid_pack() -> list[dict[str, Any]]:
+    """Packing off first (the v4 kernel's plans), then token budgets, program floors and launch settings."""
+    return [
+        {"pack_tokens": 0},
+        {},
+        {"pack_tokens": 128},
+        {"pack_tokens": 512},
+        {"pack_min_units": 264},
+        {"pack_min_units": 1056},
+        {"pack_tokens": 512, "pack_min_units": 1056},
+        {"num_warps": (4, 2)},
+        {"kv_tile": (32, 64)},
+        {"pack_tokens": 512, "kv_tile": (32, 64)},
+    ]
+
+
+GRIDS = {"launch": grid, "splits": grid_splits, "pack": grid_pack}
 
 
 def make_config(spec: dict[str, Any], group_size: int) -> ft.FastTreeConfig:
