@@ -73,6 +73,11 @@ def _ragged_arange(start: np.ndarray, length: np.ndarray) -> np.ndarray:
     return out
 
 
+def _bit_index(x: np.ndarray) -> np.ndarray:
+    """Index of the highest set bit of each positive ``x`` (< 2**52)."""
+    return np.frexp(x.astype(np.float64))[1].astype(np.int64) - 1
+
+
 def pack_units(
     *,
     kv_start: np.ndarray,
@@ -108,6 +113,9 @@ def pack_units(
         Queries per bin, 1 .. :data:`MAX_PACK_QUERIES`.
     budget : int
         KV tokens per bin (>= 1).
+
+    A bin's rows are the positions from its lowest to its highest served query, so
+    its row count (``q_len``) says which tile class can hold it.
 
     Returns
     -------
@@ -174,8 +182,12 @@ def pack_units(
     m_first = m_new.nonzero()[0]
     b_bits = np.bitwise_or.reduceat(m_bits, m_first)
     b_tokens = np.add.reduceat(m_tokens, m_first)
-    b_block = block[packed][m_first]
-    b_qlen = np.floor(np.log2(b_bits.astype(np.float64))).astype(np.int64) + 1
+    # a bin's rows start at its lowest position: shift its bits down to row 0
+    b_base = _bit_index(b_bits & -b_bits)
+    b_first_rank = block[packed][m_first] * capacity + b_base
+    m_bits = np.right_shift(m_bits, np.repeat(b_base, np.diff(np.append(m_first, m_bits.size))))
+    b_bits = np.right_shift(b_bits, b_base)
+    b_qlen = _bit_index(b_bits) + 1
 
     entries = _ragged_arange(kv_start[m_unit], m_tokens)
     new_slots = kv_slots[entries]
@@ -202,7 +214,7 @@ def pack_units(
     b_of_pair = np.repeat(np.arange(b_qlen.size), b_qlen)
     rank_to_query = np.empty(query_rank.size, dtype=np.int64)
     rank_to_query[query_rank] = np.arange(query_rank.size, dtype=np.int64)
-    b_query = rank_to_query[b_block[b_of_pair] * capacity + b_pos]
+    b_query = rank_to_query[b_first_rank[b_of_pair] + b_pos]
     b_present = (np.right_shift(b_bits[b_of_pair], b_pos) & 1).astype(bool)
 
     return PackedUnits(

@@ -288,10 +288,11 @@ def materialize(
     splits : tuple of int
         The split sizes of the two phases (recorded in the plan).
     query_rank : ndarray, int64 [n_queries], optional
-        DFS rank of every query; when given and ``config.pack_tokens > 0``, small-class
-        units shorter than ``pack_tokens`` are packed into masked units
-        (:func:`fasttree.packing.pack_units`), with a token budget lowered until the
-        class has about ``config.pack_min_units`` programs.
+        DFS rank of every query; when given and ``config.pack_tokens > 0``, units
+        shorter than ``pack_tokens`` are packed into masked units of up to a large
+        tile's rows (:func:`fasttree.packing.pack_units`), with a token budget lowered
+        until there are about ``config.pack_min_units`` packed programs; a packed unit
+        whose rows fit the small tile runs in the small class.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -351,31 +352,34 @@ def materialize(
         pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
         pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
 
-    # units ordered by tile class (bins join the small one)
+    # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
+    # builds bins of up to a large tile's rows, which join the class their rows fit
     u_small = u_q_len <= q_tiles[1]
-    class1_rows = max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g))
+    block_m = tuple(max(_MIN_BLOCK_M, _next_pow2(t * g)) for t in q_tiles)
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        capacity = min(class1_rows // g, MAX_PACK_QUERIES)
-        eligible = u_small & (u_kv_len < config.pack_tokens)
+        eligible = u_kv_len < config.pack_tokens
         total = int(u_kv_len[eligible].sum())
         want_bins = -(-config.pack_min_units // num_kv_heads)
         budget = min(config.pack_tokens, max(_MIN_BLOCK_N, total // max(1, want_bins)))
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-            query_rank=query_rank, capacity=capacity, budget=budget,
+            query_rank=query_rank, capacity=min(block_m[0] // g, MAX_PACK_QUERIES), budget=budget,
         )  # fmt: skip
     if packed is None:
         kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
         pair_present = None
         n_present = pair_query
+        masked = (False, False)
     else:
         kv_start, u_kv_len, unit_pair_start, u_q_len = packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len
         pair_query, pair_present = packed.pair_query, packed.pair_present
         kv_slots, kv_row_mask = packed.kv_slots, packed.kv_row_mask
-        u_small = (u_q_len <= q_tiles[1]) | packed.is_bin
+        fits_small = u_q_len * g <= block_m[1]
+        u_small = np.where(packed.is_bin, fits_small, u_q_len <= q_tiles[1])
         n_present = pair_query[pair_present]
+        masked = (bool(np.count_nonzero(packed.is_bin & ~u_small)), bool(np.count_nonzero(packed.is_bin & u_small)))
 
     # partial rows, contiguous per query, in pair order within a query
     n_part = np.bincount(n_present, minlength=n_queries)
@@ -423,8 +427,8 @@ def materialize(
     classes = tuple(
         TileClass(
             queries=int(q_tiles[c]),
-            block_m=max(_MIN_BLOCK_M, _next_pow2(q_tiles[c] * g)),
-            masked=c == 1 and packed is not None,
+            block_m=block_m[c],
+            masked=masked[c],
             block_n=_class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
             split=int(splits[c]),
             num_warps=int(config.num_warps[c]),

@@ -153,3 +153,23 @@ def test_packed_units_match_reference(g, hkv, d, dtype, device):
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
         check_against_reference(out, q, k, v, tree)
     assert packed >= 2, "too few of the random plans packed units; the test would not cover the masked path"
+
+
+@pytest.mark.parametrize(("g", "hkv", "q_tiles"), [(4, 2, None), (1, 1, (32, 8)), (16, 1, None)])
+def test_packed_units_in_both_tile_classes(g, hkv, q_tiles, device):
+    # internal-node queries and three levels of short nodes: bins fill large and small tiles
+    rng = np.random.default_rng(g + 100 * hkv)
+    gen = torch.Generator().manual_seed(g)
+    parents = [-1, -1] + [0] * 3 + [1] * 3 + list(rng.integers(2, 8, size=40))
+    lengths = [20, 9] + list(rng.integers(1, 24, size=46))
+    queries = list(range(8, 48)) + [2, 5, 5, 0]
+    tree = ft.KVTree.from_lengths(parents, lengths, queries)
+    cfg = ft.FastTreeConfig(
+        q_tile_queries=q_tiles, pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), para_threshs1=(0, 0)
+    )
+    plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
+    assert plan.tile_classes[0].masked
+    assert plan.tile_classes[1].masked or g == 16  # GQA 16: one query fills a small tile
+    q, k, v = make_inputs(tree, g * hkv, hkv, 64, torch.float16, device, gen)
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, tree)

@@ -139,8 +139,8 @@ def assert_unit_shapes(plan: ft.Plan) -> None:
         assert np.all(q_len <= limit)
         assert np.all(q_len * plan.group_size <= tc.block_m)
         assert np.all(np.diff(kv_len) <= 0), "units of a class must be sorted by decreasing KV length"
-    assert not plan.tile_classes[0].masked
-    assert plan.kv_row_mask.size == (plan.kv_indices.size if plan.tile_classes[1].masked else 0)
+    any_masked = plan.tile_classes[0].masked or plan.tile_classes[1].masked
+    assert plan.kv_row_mask.size == (plan.kv_indices.size if any_masked else 0)
     small = plan.tile_classes[1].queries
     assert np.all(plan.unit_q_len[: ptr[1]] > small)
     if not plan.tile_classes[1].masked:
