@@ -160,9 +160,9 @@ def test_packed_units_in_both_tile_classes(g, hkv, q_tiles, device):
     # internal-node queries and three levels of short nodes: bins fill large and small tiles
     rng = np.random.default_rng(g + 100 * hkv)
     gen = torch.Generator().manual_seed(g)
-    parents = [-1, -1] + [0] * 3 + [1] * 3 + list(rng.integers(2, 8, size=40))
-    lengths = [20, 9] + list(rng.integers(1, 24, size=46))
-    queries = list(range(8, 48)) + [2, 5, 5, 0]
+    parents = [-1, -1, 0, 0, 0, 1, 1, 1, *rng.integers(2, 8, size=40)]
+    lengths = [20, 9, *rng.integers(1, 24, size=46)]
+    queries = [*range(8, 48), 2, 5, 5, 0]
     tree = ft.KVTree.from_lengths(parents, lengths, queries)
     cfg = ft.FastTreeConfig(
         q_tile_queries=q_tiles, pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), para_threshs1=(0, 0)
