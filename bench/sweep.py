@@ -69,14 +69,14 @@ def grid_pack() -> list[dict[str, Any]]:
     return [
         {"pack_tokens": 0},
         {},
-        {"pack_tokens": 128},
         {"pack_tokens": 512},
+        {"pack_tokens": 1024},
         {"pack_min_units": 264},
         {"pack_min_units": 1056},
-        {"pack_tokens": 512, "pack_min_units": 1056},
+        {"pack_tokens": 512, "pack_min_units": 264},
         {"num_warps": (4, 2)},
-        {"kv_tile": (32, 64)},
-        {"pack_tokens": 512, "kv_tile": (32, 64)},
+        {"pack_tokens": 512, "num_warps": (8, 4)},
+        {"pack_tokens": 512, "kv_tile": (64, 32)},
     ]
 
 
