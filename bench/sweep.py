@@ -69,14 +69,14 @@ def grid_pack() -> list[dict[str, Any]]:
     return [
         {"pack_tokens": 0},
         {},
-        {"pack_tokens": 512},
         {"pack_tokens": 1024},
-        {"pack_min_units": 264},
-        {"pack_min_units": 1056},
-        {"pack_tokens": 512, "pack_min_units": 264},
-        {"num_warps": (4, 2)},
-        {"pack_tokens": 512, "num_warps": (8, 4)},
-        {"pack_tokens": 512, "kv_tile": (64, 32)},
+        {"pack_tokens": 2048},
+        {"pack_min_units": 132},
+        {"pack_min_units": 528},
+        {"pack_tokens": 1024, "pack_min_units": 132},
+        {"pack_tokens": 1024, "pack_min_units": 528},
+        {"pack_tokens": 1024, "num_warps": (4, 2)},
+        {"pack_tokens": 1024, "kv_tile": (64, 32)},
     ]
 
 

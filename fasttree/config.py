@@ -95,8 +95,8 @@ class FastTreeConfig:
     para_threshs2: tuple[int, int] = (132, 132)
     num_warps: tuple[int, int] = (4, 4)
     num_stages: tuple[int, int] = (3, 3)
-    pack_tokens: int = 256
-    pack_min_units: int = 528
+    pack_tokens: int = 512
+    pack_min_units: int = 264
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):

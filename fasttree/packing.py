@@ -42,7 +42,7 @@ class PackedUnits:
         -1 (every row) for the input entries, the attending positions for bin entries.
     is_bin : ndarray, bool [n_units]
     n_packed : int
-        Input units that went into bins.
+        Pieces of input units that went into bins.
     """
 
     kv_start: np.ndarray
@@ -93,10 +93,12 @@ def pack_units(
 ) -> PackedUnits | None:
     """Pack eligible units into bins of at most ``capacity`` queries and about ``budget`` tokens.
 
-    Eligible units whose queries fall in one block of ``capacity`` consecutive DFS
-    ranks are sorted by (block, lowest rank) and cut, within a block, into runs of about
-    ``budget`` KV tokens (a run closes once it holds ``budget`` or more); a run of two or
-    more units becomes a bin.
+    The queries of every eligible unit are cut at the boundaries of blocks of
+    ``capacity`` consecutive DFS ranks (a unit across k blocks becomes k pieces, each
+    reading the unit's KV). Pieces are sorted by (block, lowest rank) and cut, within a
+    block, into runs of about ``budget`` KV tokens (a run closes once it holds
+    ``budget`` or more); a run of two or more pieces, or one holding a piece of a cut
+    unit, becomes a bin. Other units are left as they were.
 
     Parameters
     ----------
@@ -132,29 +134,29 @@ def pack_units(
     c_len = q_len[cand].astype(np.int64)
     c_pairs = _ragged_arange(pair_start[cand], c_len)
     c_rank = query_rank[pair_query[c_pairs]]
-    c_first = np.zeros(cand.size, dtype=np.int64)
-    np.add.accumulate(c_len[:-1], out=c_first[1:])
-    rmin = np.minimum.reduceat(c_rank, c_first)
-    rmax = np.maximum.reduceat(c_rank, c_first)
-    block = rmin // capacity
-    fits = rmax // capacity == block
-    if np.count_nonzero(fits) < 2:
-        return None
-    if not fits.all():
-        pair_keep = np.repeat(fits, c_len)
-        cand, c_len, rmin, block = cand[fits], c_len[fits], rmin[fits], block[fits]
-        c_rank = c_rank[pair_keep]
-        c_first = np.zeros(cand.size, dtype=np.int64)
-        np.add.accumulate(c_len[:-1], out=c_first[1:])
-
-    # member bits: OR over the unit's queries of 1 << position
-    pos = c_rank - np.repeat(block * capacity, c_len)
-    bits = np.bitwise_or.reduceat(np.left_shift(np.int64(1), pos), c_first)
+    # pieces: a unit's queries in one block (a unit across blocks is cut, its KV read once per piece)
+    c_block = c_rank // capacity
+    c_unit = np.repeat(np.arange(cand.size, dtype=np.int64), c_len)
+    n_blocks = int(c_block.max()) + 1
+    piece_key = c_unit * n_blocks + c_block
+    if np.count_nonzero(piece_key[1:] < piece_key[:-1]):
+        o = piece_key.argsort(kind="stable")
+        piece_key, c_rank, c_block = piece_key[o], c_rank[o], c_block[o]
+    new_piece = np.ones(piece_key.size, dtype=bool)
+    np.not_equal(piece_key[1:], piece_key[:-1], out=new_piece[1:])
+    p_first = new_piece.nonzero()[0]
+    unit = cand[piece_key[p_first] // n_blocks]
+    block = c_block[p_first]
+    rmin = np.minimum.reduceat(c_rank, p_first)
+    # piece bits: OR over its queries of 1 << position in the block
+    bits = np.bitwise_or.reduceat(np.left_shift(np.int64(1), c_rank - c_block * capacity), p_first)
+    cut = np.zeros(kv_len.size, dtype=bool)
+    cut[unit[1:][unit[1:] == unit[:-1]]] = True
 
     order = np.lexsort((rmin, block))
-    cand, block, bits = cand[order], block[order], bits[order]
-    tokens = kv_len[cand].astype(np.int64)
-    new_block = np.ones(cand.size, dtype=bool)
+    unit, block, bits = unit[order], block[order], bits[order]
+    tokens = kv_len[unit].astype(np.int64)
+    new_block = np.ones(unit.size, dtype=bool)
     np.not_equal(block[1:], block[:-1], out=new_block[1:])
     csum = np.add.accumulate(tokens)
     excl = csum - tokens
@@ -167,13 +169,15 @@ def pack_units(
     new_bin[1:] |= new_block[1:]
     bin_of = np.add.accumulate(new_bin) - 1
     n_bins = int(bin_of[-1]) + 1
-    members = np.bincount(bin_of, minlength=n_bins)
-    packed = members[bin_of] >= 2
+    # a run becomes a bin when it has two or more pieces or holds a piece of a cut unit
+    grouped = np.bincount(bin_of, minlength=n_bins) >= 2
+    grouped |= np.bincount(bin_of, weights=cut[unit], minlength=n_bins) > 0
+    packed = grouped[bin_of]
     if not packed.any():
         return None
 
     # bins of two or more members
-    m_unit = cand[packed]
+    m_unit = unit[packed]
     m_bits = bits[packed]
     m_bin = bin_of[packed]
     m_tokens = tokens[packed]

@@ -75,12 +75,31 @@ def test_dfs_rank_not_query_id_decides_blocks():
     assert bins == [[1, 3], [2, 0]]
 
 
-def test_units_straddling_blocks_and_ineligible_units_stay():
+def test_units_across_blocks_are_cut_and_ineligible_units_stay():
+    # unit 0 (queries 1, 2) crosses blocks {0, 1} / {2, 3}: each piece joins its block's bin
     u = _units([[1, 2], [0], [3], [4]], [4, 4, 4, 4])
     eligible = np.array([True, True, True, False])
     p = pack_units(**u, eligible=eligible, query_rank=np.arange(5), capacity=2, budget=100)
-    # unit 0 crosses blocks {0, 1} / {2, 3}; unit 3 is not eligible; 1 and 2 are alone in their blocks
-    assert p is None
+    assert p.is_bin.tolist() == [False, True, True]
+    assert p.kv_start[0] == 12  # unit 3 is left alone
+    bins = [p.pair_query[p.pair_start[b] : p.pair_start[b] + p.q_len[b]].tolist() for b in (1, 2)]
+    assert bins == [[0, 1], [2, 3]]
+    # unit 0's 4 tokens appear in both bins, each time for its query there only
+    for b, want in ((1, [1] * 4 + [2] * 4), (2, [1] * 4 + [2] * 4)):
+        s0 = int(p.kv_start[b])
+        np.testing.assert_array_equal(p.kv_row_mask[s0 : s0 + 8], want)
+        np.testing.assert_array_equal(
+            np.sort(p.kv_slots[s0 : s0 + 8]), 1000 + np.sort([0, 1, 2, 3, 4 * b, 4 * b + 1, 4 * b + 2, 4 * b + 3])
+        )
+
+
+def test_a_cut_unit_alone_in_its_block_still_becomes_a_bin():
+    u = _units([[0, 1, 2, 3]], [5])
+    p = pack_units(**u, eligible=np.ones(1, bool), query_rank=np.arange(4), capacity=2, budget=100)
+    assert p is None  # one unit: nothing to pack
+    u = _units([[0, 1, 2], [3]], [5, 2])
+    p = pack_units(**u, eligible=np.ones(2, bool), query_rank=np.arange(4), capacity=2, budget=100)
+    assert p.is_bin.tolist() == [True, True] and p.q_len.tolist() == [2, 2]
 
 
 @pytest.mark.parametrize(("capacity", "budget"), [(0, 10), (MAX_PACK_QUERIES + 1, 10), (4, 0)])

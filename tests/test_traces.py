@@ -195,7 +195,8 @@ def test_measurement_key_golden_value():
     assert measurement_key(tree, **{**KEY_ARGS, "config": ft.FastTreeConfig(pack_tokens=0)}) == GOLDEN_KEY
     v1 = {k: v for k, v in ft.FastTreeConfig().to_dict().items() if not k.startswith("pack_")}
     assert measurement_key(tree, **{**KEY_ARGS, "config": v1 | {"schema_version": 1}}) == GOLDEN_KEY
-    assert measurement_key(tree, **KEY_ARGS) == GOLDEN_KEY_PACKED
+    packed = ft.FastTreeConfig(pack_tokens=256, pack_min_units=528)  # explicit: defaults may move
+    assert measurement_key(tree, **{**KEY_ARGS, "config": packed}) == GOLDEN_KEY_PACKED
 
 
 GOLDEN_KEY_PACKED = "77bf0321e937a4fda229deadafac86a95afe472bbda3a9cd286145c2dd32fb05"
