@@ -65,18 +65,18 @@ def grid_splits() -> list[dict[str, Any]]:
 
 
 def grid_pack() -> list[dict[str, Any]]:
-    """Packing off first (the v4 kernel's plans), then token budgets, program floors and launch settings."""
+    """Packing off first (the v4 kernel's plans), then token budgets, program floors and KV tiles."""
     return [
         {"pack_tokens": 0},
         {},
         {"pack_tokens": 1024},
-        {"pack_tokens": 2048},
-        {"pack_min_units": 132},
-        {"pack_min_units": 528},
-        {"pack_tokens": 1024, "pack_min_units": 132},
-        {"pack_tokens": 1024, "pack_min_units": 528},
-        {"pack_tokens": 1024, "num_warps": (4, 2)},
+        {"kv_tile": (64, 32)},
         {"pack_tokens": 1024, "kv_tile": (64, 32)},
+        {"pack_min_units": 528},
+        {"pack_tokens": 1024, "pack_min_units": 528, "kv_tile": (64, 32)},
+        {"pack_tokens": 1024, "pack_min_units": 132, "kv_tile": (64, 32)},
+        {"pack_tokens": 1024, "kv_tile": (64, 64)},
+        {"pack_tokens": 1024, "kv_tile": (64, 32), "num_warps": (4, 2)},
     ]
 
 

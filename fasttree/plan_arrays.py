@@ -73,6 +73,15 @@ def _class_kv_tile(kv_tile: int, kv_len_desc: np.ndarray) -> int:
     return min(kv_tile, max(_MIN_BLOCK_N, _next_pow2(p90)))
 
 
+def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
+    """Queries per packed unit: a full large tile when its rows hold at most
+    :data:`~fasttree.packing.MAX_PACK_QUERIES` queries (GQA), else a full small tile
+    (MHA: a 64-row tile of 32 queries would leave half its rows empty, which measured
+    slower on the H200 than 16-query bins, docs/bench/NOTES.md)."""
+    large = block_m[0] // g
+    return large if large <= MAX_PACK_QUERIES else min(block_m[1] // g, MAX_PACK_QUERIES)
+
+
 @dataclass(frozen=True)
 class TileClass:
     """Launch shape of one tile class.
@@ -289,8 +298,9 @@ def materialize(
         The split sizes of the two phases (recorded in the plan).
     query_rank : ndarray, int64 [n_queries], optional
         DFS rank of every query; when given and ``config.pack_tokens > 0``, units
-        shorter than ``pack_tokens`` are packed into masked units of up to a large
-        tile's rows (:func:`fasttree.packing.pack_units`), with a token budget lowered
+        shorter than ``pack_tokens`` are packed into masked units that fill a large
+        tile's rows, or a small tile's when a large one holds more than 32 queries
+        (:func:`fasttree.packing.pack_units`), with a token budget lowered
         until there are about ``config.pack_min_units`` packed programs; a packed unit
         whose rows fit the small tile runs in the small class.
     """
@@ -365,7 +375,7 @@ def materialize(
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-            query_rank=query_rank, capacity=min(block_m[0] // g, MAX_PACK_QUERIES), budget=budget,
+            query_rank=query_rank, capacity=_pack_capacity(block_m, g), budget=budget,
         )  # fmt: skip
     if packed is None:
         kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
