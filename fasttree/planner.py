@@ -685,7 +685,7 @@ def plan(
     ----------
     tree : KVTree
     config : FastTreeConfig, optional
-        Defaults to ``FastTreeConfig()`` (the published H100 values).
+        Defaults to ``FastTreeConfig()``.
     num_q_heads, num_kv_heads : int
         ``Hq`` and ``Hkv``; ``Hq`` must be a multiple of ``Hkv``.
     head_dim : int

@@ -192,10 +192,11 @@ def test_measurement_key_golden_value():
     # Changing the key derivation orphans every collected trace for resume: bump KEY_VERSION deliberately.
     # Packing off is the configuration every trace before config schema 2 measured: same key as then.
     tree = ft.KVTree.from_lengths([-1, 0], [64, 8], [1])
-    assert measurement_key(tree, **{**KEY_ARGS, "config": ft.FastTreeConfig(pack_tokens=0)}) == GOLDEN_KEY
-    v1 = {k: v for k, v in ft.FastTreeConfig().to_dict().items() if not k.startswith("pack_")}
+    published = ft.FastTreeConfig(pack_tokens=0, kv_tile=(32, 32))  # the defaults of config schema 1
+    assert measurement_key(tree, **{**KEY_ARGS, "config": published}) == GOLDEN_KEY
+    v1 = {k: v for k, v in published.to_dict().items() if not k.startswith("pack_")}
     assert measurement_key(tree, **{**KEY_ARGS, "config": v1 | {"schema_version": 1}}) == GOLDEN_KEY
-    packed = ft.FastTreeConfig(pack_tokens=256, pack_min_units=528)  # explicit: defaults may move
+    packed = ft.FastTreeConfig(pack_tokens=256, pack_min_units=528, kv_tile=(32, 32))  # explicit: defaults move
     assert measurement_key(tree, **{**KEY_ARGS, "config": packed}) == GOLDEN_KEY_PACKED
 
 
