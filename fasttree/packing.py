@@ -37,7 +37,8 @@ class PackedUnits:
         False for a bin position none of the bin's members serves (the query is there
         only to fill the row; the kernel writes nothing for it).
     kv_slots : ndarray, int32 [n_kv_entries]
-        The input slots followed by the bins' concatenated slots.
+        The input slots (or, when the units left alone read less than half of them,
+        just their ranges) followed by the bins' concatenated slots.
     kv_row_mask : ndarray, int32 [n_kv_entries]
         -1 (every row) for the input entries, the attending positions for bin entries.
     is_bin : ndarray, bool [n_units]
@@ -198,15 +199,25 @@ def pack_units(
     new_mask = np.repeat(m_bits, m_tokens)
     # positions >= 31 set the sign bit of the int32 mask
     new_mask = new_mask.astype(np.uint32).view(np.int32)
-    n_old = int(kv_slots.size)
+
+    # units left alone keep their KV; when they use less than half of the input slots,
+    # their ranges are copied out so that the unused rest is not shipped to the device
+    keep = np.ones(kv_len.size, dtype=bool)
+    keep[m_unit] = False
+    k_idx = keep.nonzero()[0]
+    k_tokens = kv_len[k_idx].astype(np.int64)
+    k_kv_start = kv_start[k_idx].astype(np.int64)
+    old_slots = kv_slots
+    if 2 * int(k_tokens.sum()) < kv_slots.size:
+        old_slots = kv_slots[_ragged_arange(k_kv_start, k_tokens)]
+        k_kv_start = np.zeros(k_idx.size, dtype=np.int64)
+        np.add.accumulate(k_tokens[:-1], out=k_kv_start[1:])
+    n_old = int(old_slots.size)
     b_kv_start = np.zeros(b_tokens.size, dtype=np.int64)
     np.add.accumulate(b_tokens[:-1], out=b_kv_start[1:])
     b_kv_start += n_old
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
-    keep = np.ones(kv_len.size, dtype=bool)
-    keep[m_unit] = False
-    k_idx = keep.nonzero()[0]
     k_len = q_len[k_idx].astype(np.int64)
     k_pairs = _ragged_arange(pair_start[k_idx], k_len)
     k_pair_start = np.zeros(k_idx.size, dtype=np.int64)
@@ -222,13 +233,13 @@ def pack_units(
     b_present = (np.right_shift(b_bits[b_of_pair], b_pos) & 1).astype(bool)
 
     return PackedUnits(
-        kv_start=np.concatenate([kv_start[k_idx].astype(np.int64), b_kv_start]),
-        kv_len=np.concatenate([kv_len[k_idx].astype(np.int64), b_tokens]),
+        kv_start=np.concatenate([k_kv_start, b_kv_start]),
+        kv_len=np.concatenate([k_tokens, b_tokens]),
         pair_start=np.concatenate([k_pair_start, b_pair_start + n_kept_pairs]),
         q_len=np.concatenate([k_len, b_qlen]),
         pair_query=np.concatenate([pair_query[k_pairs].astype(np.int64), b_query]),
         pair_present=np.concatenate([np.ones(n_kept_pairs, dtype=bool), b_present]),
-        kv_slots=np.concatenate([kv_slots, new_slots.astype(kv_slots.dtype, copy=False)]),
+        kv_slots=np.concatenate([old_slots, new_slots.astype(kv_slots.dtype, copy=False)]),
         kv_row_mask=np.concatenate([np.full(n_old, -1, dtype=np.int32), new_mask]),
         is_bin=np.concatenate([np.zeros(k_idx.size, dtype=bool), np.ones(b_qlen.size, dtype=bool)]),
         n_packed=int(m_unit.size),

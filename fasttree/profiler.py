@@ -104,6 +104,8 @@ GAMMA_RANGE = (-1.0, 2.0)
 #: Triton launch settings per class.
 NUM_WARPS = (2, 4, 8)
 NUM_STAGES = (1, 2, 3, 4)
+#: Token budgets of packed units (0: no packing).
+PACK_TOKENS = (0, 256, 512, 1024, 2048)
 #: Largest matrix rows of one program (query tile x GQA ratio), the kernel's limit.
 MAX_TILE_ROWS = 256
 #: Heads, head dim and dtype of the defaults point of each family.
@@ -137,6 +139,8 @@ _DIMS = (
     "warps_small",
     "stages_large",
     "stages_small",
+    "pack_tokens",
+    "pack_min_units",
 )
 
 
@@ -266,6 +270,8 @@ def _point_from_unit(u: np.ndarray, *, index: int, families: list[str], sm_count
             para_threshs2=(_int_in(x["thresh2_large"], 0, hi), _int_in(x["thresh2_small"], 0, hi)),
             num_warps=(_categorical(x["warps_large"], NUM_WARPS), _categorical(x["warps_small"], NUM_WARPS)),
             num_stages=(_categorical(x["stages_large"], NUM_STAGES), _categorical(x["stages_small"], NUM_STAGES)),
+            pack_tokens=_categorical(x["pack_tokens"], PACK_TOKENS),
+            pack_min_units=_int_in(x["pack_min_units"], 0, hi),
         )
         config.query_tiles(g)
     except ValueError as exc:

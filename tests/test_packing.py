@@ -35,8 +35,10 @@ def test_bins_follow_blocks_and_budget():
     # per block of 4 queries the runs are units {0, 1, 2} and {3}: one bin + one unit left alone
     assert p.n_packed == 6
     assert p.is_bin.tolist() == [False, False, True, True]
-    kept = p.kv_start[:2].tolist()
-    assert kept == [30, 70]  # units 3 and 7 keep their KV
+    # units 3 and 7 keep their KV; they read 20 of 80 input slots, so only theirs are kept
+    for u_i, (start, n) in zip((3, 7), zip(p.kv_start[:2], p.kv_len[:2], strict=True), strict=True):
+        np.testing.assert_array_equal(p.kv_slots[start : start + n], 1000 + 10 * u_i + np.arange(10))
+    assert p.kv_slots.size == 20 + 60
     b = 2
     s, n = int(p.kv_start[b]), int(p.kv_len[b])
     assert n == 30
@@ -44,7 +46,7 @@ def test_bins_follow_blocks_and_budget():
     np.testing.assert_array_equal(p.kv_row_mask[s : s + n], np.repeat([1, 2, 4], 10))
     assert (p.q_len[b], p.pair_query[p.pair_start[b] : p.pair_start[b] + 3].tolist()) == (3, [0, 1, 2])
     assert p.pair_present[p.pair_start[b] : p.pair_start[b] + 3].all()
-    assert np.all(p.kv_row_mask[: u["kv_slots"].size] == -1)
+    assert np.all(p.kv_row_mask[:20] == -1)
 
 
 def test_shared_queries_share_a_row_and_holes_are_absent():
@@ -81,7 +83,8 @@ def test_units_across_blocks_are_cut_and_ineligible_units_stay():
     eligible = np.array([True, True, True, False])
     p = pack_units(**u, eligible=eligible, query_rank=np.arange(5), capacity=2, budget=100)
     assert p.is_bin.tolist() == [False, True, True]
-    assert p.kv_start[0] == 12  # unit 3 is left alone
+    s3 = int(p.kv_start[0])  # unit 3 is left alone
+    np.testing.assert_array_equal(p.kv_slots[s3 : s3 + 4], 1000 + 12 + np.arange(4))
     bins = [p.pair_query[p.pair_start[b] : p.pair_start[b] + p.q_len[b]].tolist() for b in (1, 2)]
     assert bins == [[0, 1], [2, 3]]
     # unit 0's 4 tokens appear in both bins, each time for its query there only

@@ -162,6 +162,7 @@ def test_every_design_point_is_a_valid_config_within_the_search_space(sm_count):
             assert 0 <= t <= 4 * sm_count
         assert 0.1 <= cfg.alpha <= 2 and 0.05 <= cfg.beta <= 1 and -1 <= cfg.gamma <= 2
         assert set(cfg.num_warps) <= {2, 4, 8} and set(cfg.num_stages) <= {1, 2, 3, 4}
+        assert cfg.pack_tokens in prof.PACK_TOKENS and 0 <= cfg.pack_min_units <= 4 * sm_count
     thresholds = [t for p in design(1500, 11, sm_count=sm_count) for t in p.config.para_threshs1]
     assert max(thresholds) > 3 * sm_count, "thresholds should span up to 4x the SM count"
 
@@ -185,6 +186,7 @@ def test_design_covers_families_heads_dims_dtypes_and_knobs():
     assert {t for p in pts for t in p.config.kv_tile} == set(prof.KV_TILES)
     assert {p.config.kv_split_sizes[0] for p in pts} == set(prof.SPLITS_LARGE)
     assert {p.config.kv_split_sizes[1] for p in pts} == set(prof.SPLITS_SMALL)
+    assert {p.config.pack_tokens for p in pts} == set(prof.PACK_TOKENS)
     mha_rows = {p.config.q_tile_queries[0] for p in pts if p.gqa == 1}
     assert mha_rows == set(prof.Q_ROWS_LARGE)
     gammas = np.array([p.config.gamma for p in pts])
