@@ -17,8 +17,11 @@ bin's block of ranks, and bit ``p`` of an entry's mask means "the query at posit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+from .tree import ragged_arange
 
 #: Bits of one KV entry's row mask (int32 on the device).
 MAX_PACK_QUERIES = 32
@@ -58,25 +61,54 @@ class PackedUnits:
     n_packed: int
 
 
-def _ragged_arange(start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(start[i], start[i] + length[i])`` (lengths >= 0)."""
-    total = int(length.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    keep = length > 0
-    s, ln = start[keep].astype(np.int64), length[keep].astype(np.int64)
-    first = np.zeros(s.size, dtype=np.int64)
-    np.add.accumulate(ln[:-1], out=first[1:])
-    out = np.ones(total, dtype=np.int64)
-    out[first] = s
-    out[first[1:]] -= s[:-1] + ln[:-1] - 1
-    np.add.accumulate(out, out=out)
-    return out
-
-
 def _bit_index(x: np.ndarray) -> np.ndarray:
     """Index of the highest set bit of each positive ``x`` (< 2**52)."""
     return np.frexp(x.astype(np.float64))[1].astype(np.int64) - 1
+
+
+class _Pieces(NamedTuple):
+    """Eligible units cut at block boundaries, sorted by (block, lowest rank)."""
+
+    unit: np.ndarray  # int64: the unit each piece comes from
+    block: np.ndarray  # int64: block of ``capacity`` DFS ranks
+    bits: np.ndarray  # int64: bit p = the query at position p of the block is the piece's
+    cut: np.ndarray  # bool [n_units]: the unit became two or more pieces
+
+
+def _cut_into_pieces(cand, q_len, pair_start, pair_query, query_rank, capacity: int, n_units: int) -> _Pieces:
+    c_len = q_len[cand].astype(np.int64)
+    c_rank = query_rank[pair_query[ragged_arange(pair_start[cand], c_len)]]
+    c_block = c_rank // capacity
+    n_blocks = int(c_block.max()) + 1
+    piece_key = np.repeat(np.arange(cand.size, dtype=np.int64), c_len) * n_blocks + c_block
+    if np.count_nonzero(piece_key[1:] < piece_key[:-1]):
+        o = piece_key.argsort(kind="stable")
+        piece_key, c_rank, c_block = piece_key[o], c_rank[o], c_block[o]
+    new_piece = np.ones(piece_key.size, dtype=bool)
+    np.not_equal(piece_key[1:], piece_key[:-1], out=new_piece[1:])
+    first = new_piece.nonzero()[0]
+    unit = cand[piece_key[first] // n_blocks]
+    block = c_block[first]
+    lowest = np.minimum.reduceat(c_rank, first)
+    bits = np.bitwise_or.reduceat(np.left_shift(np.int64(1), c_rank - c_block * capacity), first)
+    cut = np.zeros(n_units, dtype=bool)
+    cut[unit[1:][unit[1:] == unit[:-1]]] = True
+    order = np.lexsort((lowest, block))
+    return _Pieces(unit[order], block[order], bits[order], cut)
+
+
+def _runs(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
+    """Run (bin) index of every piece: runs never cross a block and close once they
+    hold ``budget`` or more tokens (by the exclusive sum of tokens within the block)."""
+    new_block = np.ones(block.size, dtype=bool)
+    np.not_equal(block[1:], block[:-1], out=new_block[1:])
+    excl = np.add.accumulate(tokens) - tokens
+    block_first = new_block.nonzero()[0]
+    excl -= excl[block_first][np.add.accumulate(new_block) - 1]
+    run = excl // budget
+    new_run = new_block
+    new_run[1:] |= run[1:] != run[:-1]
+    return np.add.accumulate(new_run) - 1
 
 
 def pack_units(
@@ -99,7 +131,9 @@ def pack_units(
     reading the unit's KV). Pieces are sorted by (block, lowest rank) and cut, within a
     block, into runs of about ``budget`` KV tokens (a run closes once it holds
     ``budget`` or more); a run of two or more pieces, or one holding a piece of a cut
-    unit, becomes a bin. Other units are left as they were.
+    unit, becomes a bin. Other units are left as they were. A bin's rows are the
+    positions from its lowest to its highest served query, so its row count
+    (``q_len``) says which tile class can hold it.
 
     Parameters
     ----------
@@ -109,7 +143,7 @@ def pack_units(
     pair_query : ndarray, int [n_pairs]
     kv_slots : ndarray, int32
     eligible : ndarray, bool [n_units]
-        Units that may be packed (one tile class, short KV).
+        Units that may be packed (short KV).
     query_rank : ndarray, int64 [n_queries]
         DFS rank of every query (a permutation of ``0 .. n_queries - 1``).
     capacity : int
@@ -117,13 +151,10 @@ def pack_units(
     budget : int
         KV tokens per bin (>= 1).
 
-    A bin's rows are the positions from its lowest to its highest served query, so
-    its row count (``q_len``) says which tile class can hold it.
-
     Returns
     -------
     PackedUnits or None
-        None when no bin of two or more units forms.
+        None when no bin forms.
     """
     if not 1 <= capacity <= MAX_PACK_QUERIES:
         raise ValueError(f"capacity must be in [1, {MAX_PACK_QUERIES}], got {capacity}")
@@ -132,100 +163,71 @@ def pack_units(
     cand = eligible.nonzero()[0]
     if cand.size < 2:
         return None
-    c_len = q_len[cand].astype(np.int64)
-    c_pairs = _ragged_arange(pair_start[cand], c_len)
-    c_rank = query_rank[pair_query[c_pairs]]
-    # pieces: a unit's queries in one block (a unit across blocks is cut, its KV read once per piece)
-    c_block = c_rank // capacity
-    c_unit = np.repeat(np.arange(cand.size, dtype=np.int64), c_len)
-    n_blocks = int(c_block.max()) + 1
-    piece_key = c_unit * n_blocks + c_block
-    if np.count_nonzero(piece_key[1:] < piece_key[:-1]):
-        o = piece_key.argsort(kind="stable")
-        piece_key, c_rank, c_block = piece_key[o], c_rank[o], c_block[o]
-    new_piece = np.ones(piece_key.size, dtype=bool)
-    np.not_equal(piece_key[1:], piece_key[:-1], out=new_piece[1:])
-    p_first = new_piece.nonzero()[0]
-    unit = cand[piece_key[p_first] // n_blocks]
-    block = c_block[p_first]
-    rmin = np.minimum.reduceat(c_rank, p_first)
-    # piece bits: OR over its queries of 1 << position in the block
-    bits = np.bitwise_or.reduceat(np.left_shift(np.int64(1), c_rank - c_block * capacity), p_first)
-    cut = np.zeros(kv_len.size, dtype=bool)
-    cut[unit[1:][unit[1:] == unit[:-1]]] = True
-
-    order = np.lexsort((rmin, block))
-    unit, block, bits = unit[order], block[order], bits[order]
-    tokens = kv_len[unit].astype(np.int64)
-    new_block = np.ones(unit.size, dtype=bool)
-    np.not_equal(block[1:], block[:-1], out=new_block[1:])
-    csum = np.add.accumulate(tokens)
-    excl = csum - tokens
-    block_first = new_block.nonzero()[0]
-    excl -= excl[block_first][np.add.accumulate(new_block) - 1]
-    # a run closes once it holds >= budget tokens: runs by the exclusive sum
-    run = excl // budget
-    new_bin = new_block.copy()
-    np.not_equal(run[1:], run[:-1], out=new_bin[1:])
-    new_bin[1:] |= new_block[1:]
-    bin_of = np.add.accumulate(new_bin) - 1
-    n_bins = int(bin_of[-1]) + 1
-    # a run becomes a bin when it has two or more pieces or holds a piece of a cut unit
-    grouped = np.bincount(bin_of, minlength=n_bins) >= 2
-    grouped |= np.bincount(bin_of, weights=cut[unit], minlength=n_bins) > 0
-    packed = grouped[bin_of]
-    if not packed.any():
+    pieces = _cut_into_pieces(cand, q_len, pair_start, pair_query, query_rank, capacity, kv_len.size)
+    tokens = kv_len[pieces.unit].astype(np.int64)
+    run = _runs(pieces.block, tokens, budget)
+    n_runs = int(run[-1]) + 1
+    is_bin = np.bincount(run, minlength=n_runs) >= 2
+    is_bin |= np.bincount(run, weights=pieces.cut[pieces.unit], minlength=n_runs) > 0
+    member = is_bin[run]
+    if not member.any():
         return None
+    return _assemble(
+        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_rank, capacity,
+        unit=pieces.unit[member], block=pieces.block[member], bits=pieces.bits[member],
+        run=run[member], tokens=tokens[member],
+    )  # fmt: skip
 
-    # bins of two or more members
-    m_unit = unit[packed]
-    m_bits = bits[packed]
-    m_bin = bin_of[packed]
-    m_tokens = tokens[packed]
-    m_new = np.ones(m_unit.size, dtype=bool)
-    np.not_equal(m_bin[1:], m_bin[:-1], out=m_new[1:])
-    m_first = m_new.nonzero()[0]
-    b_bits = np.bitwise_or.reduceat(m_bits, m_first)
-    b_tokens = np.add.reduceat(m_tokens, m_first)
+
+def _assemble(
+    kv_start,
+    kv_len,
+    pair_start,
+    q_len,
+    pair_query,
+    kv_slots,
+    query_rank,
+    capacity: int,
+    *,
+    unit,
+    block,
+    bits,
+    run,
+    tokens,
+) -> PackedUnits:
+    """The packed units from the bins' member pieces (in bin order)."""
+    new_bin = np.ones(unit.size, dtype=bool)
+    np.not_equal(run[1:], run[:-1], out=new_bin[1:])
+    first = new_bin.nonzero()[0]
+    b_bits = np.bitwise_or.reduceat(bits, first)
+    b_tokens = np.add.reduceat(tokens, first)
     # a bin's rows start at its lowest position: shift its bits down to row 0
     b_base = _bit_index(b_bits & -b_bits)
-    b_first_rank = block[packed][m_first] * capacity + b_base
-    m_bits = np.right_shift(m_bits, np.repeat(b_base, np.diff(np.append(m_first, m_bits.size))))
+    b_first_rank = block[first] * capacity + b_base
+    bits = np.right_shift(bits, np.repeat(b_base, np.diff(np.append(first, unit.size))))
     b_bits = np.right_shift(b_bits, b_base)
     b_qlen = _bit_index(b_bits) + 1
-
-    entries = _ragged_arange(kv_start[m_unit], m_tokens)
-    new_slots = kv_slots[entries]
-    new_mask = np.repeat(m_bits, m_tokens)
+    new_slots = kv_slots[ragged_arange(kv_start[unit], tokens)]
     # positions >= 31 set the sign bit of the int32 mask
-    new_mask = new_mask.astype(np.uint32).view(np.int32)
+    new_mask = np.repeat(bits, tokens).astype(np.uint32).view(np.int32)
 
     # units left alone keep their KV; when they use less than half of the input slots,
     # their ranges are copied out so that the unused rest is not shipped to the device
     keep = np.ones(kv_len.size, dtype=bool)
-    keep[m_unit] = False
+    keep[unit] = False
     k_idx = keep.nonzero()[0]
     k_tokens = kv_len[k_idx].astype(np.int64)
     k_kv_start = kv_start[k_idx].astype(np.int64)
     old_slots = kv_slots
     if 2 * int(k_tokens.sum()) < kv_slots.size:
-        old_slots = kv_slots[_ragged_arange(k_kv_start, k_tokens)]
-        k_kv_start = np.zeros(k_idx.size, dtype=np.int64)
-        np.add.accumulate(k_tokens[:-1], out=k_kv_start[1:])
-    n_old = int(old_slots.size)
-    b_kv_start = np.zeros(b_tokens.size, dtype=np.int64)
-    np.add.accumulate(b_tokens[:-1], out=b_kv_start[1:])
-    b_kv_start += n_old
+        old_slots = kv_slots[ragged_arange(k_kv_start, k_tokens)]
+        k_kv_start = _exclusive_sum(k_tokens)
+    b_kv_start = _exclusive_sum(b_tokens) + old_slots.size
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
     k_len = q_len[k_idx].astype(np.int64)
-    k_pairs = _ragged_arange(pair_start[k_idx], k_len)
-    k_pair_start = np.zeros(k_idx.size, dtype=np.int64)
-    np.add.accumulate(k_len[:-1], out=k_pair_start[1:])
-    n_kept_pairs = int(k_pairs.size)
-    b_pair_start = np.zeros(b_qlen.size, dtype=np.int64)
-    np.add.accumulate(b_qlen[:-1], out=b_pair_start[1:])
-    b_pos = _ragged_arange(np.zeros(b_qlen.size, dtype=np.int64), b_qlen)
+    k_pairs = ragged_arange(pair_start[k_idx], k_len)
+    b_pos = ragged_arange(np.zeros(b_qlen.size, dtype=np.int64), b_qlen)
     b_of_pair = np.repeat(np.arange(b_qlen.size), b_qlen)
     rank_to_query = np.empty(query_rank.size, dtype=np.int64)
     rank_to_query[query_rank] = np.arange(query_rank.size, dtype=np.int64)
@@ -235,12 +237,18 @@ def pack_units(
     return PackedUnits(
         kv_start=np.concatenate([k_kv_start, b_kv_start]),
         kv_len=np.concatenate([k_tokens, b_tokens]),
-        pair_start=np.concatenate([k_pair_start, b_pair_start + n_kept_pairs]),
+        pair_start=np.concatenate([_exclusive_sum(k_len), _exclusive_sum(b_qlen) + k_pairs.size]),
         q_len=np.concatenate([k_len, b_qlen]),
         pair_query=np.concatenate([pair_query[k_pairs].astype(np.int64), b_query]),
-        pair_present=np.concatenate([np.ones(n_kept_pairs, dtype=bool), b_present]),
+        pair_present=np.concatenate([np.ones(k_pairs.size, dtype=bool), b_present]),
         kv_slots=np.concatenate([old_slots, new_slots.astype(kv_slots.dtype, copy=False)]),
-        kv_row_mask=np.concatenate([np.full(n_old, -1, dtype=np.int32), new_mask]),
+        kv_row_mask=np.concatenate([np.full(old_slots.size, -1, dtype=np.int32), new_mask]),
         is_bin=np.concatenate([np.zeros(k_idx.size, dtype=bool), np.ones(b_qlen.size, dtype=bool)]),
-        n_packed=int(m_unit.size),
+        n_packed=int(unit.size),
     )
+
+
+def _exclusive_sum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.size, dtype=np.int64)
+    np.add.accumulate(x[:-1], out=out[1:])
+    return out

@@ -35,7 +35,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .plan_arrays import Plan, check_heads, materialize
-from .tree import KVTree
+from .tree import KVTree, ragged_arange
 
 _DEFAULT_CONFIG = FastTreeConfig()
 
@@ -497,7 +497,7 @@ def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: b
         run_end[hk] = gx.qlo[holes]
         run_start[hk + 1] = gx.qhi[holes]
         run_len = run_end - run_start
-    q_pos = _ragged_arange(run_start, run_len, int(q_indptr[-1]))
+    q_pos = ragged_arange(run_start, run_len, int(q_indptr[-1]))
     if gx.perm is None:
         q_ids = q_pos
     else:
@@ -510,26 +510,6 @@ def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: b
     return Groups(
         node=node, kv_start=kv_start, kv_len=group_kv_len[node], kv_slots=kv_slots, q_indptr=q_indptr, q_ids=q_ids
     )
-
-
-def _ragged_arange(start: np.ndarray, length: np.ndarray, total: int) -> np.ndarray:
-    """Concatenation of ``arange(start[i], start[i] + length[i])`` (int64, ``total`` entries)."""
-    out = np.ones(total, dtype=np.int64)
-    if total == 0:
-        return out
-    if np.count_nonzero(length) == length.size:
-        s, ln = start, length
-    else:
-        nonempty = length > 0
-        s, ln = start[nonempty], length[nonempty]
-    first = np.zeros(s.size, dtype=np.int64)
-    np.add.accumulate(ln[:-1], out=first[1:])
-    jumps = np.empty_like(s)
-    jumps[0] = s[0]
-    jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
-    out[first] = jumps
-    np.add.accumulate(out, out=out)
-    return out
 
 
 def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

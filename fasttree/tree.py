@@ -30,6 +30,32 @@ def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def ragged_arange(start: np.ndarray, length: np.ndarray, total: int | None = None) -> np.ndarray:
+    """Concatenation of ``arange(start[i], start[i] + length[i])`` (int64; lengths >= 0).
+
+    ``total`` is ``length.sum()`` when the caller already knows it.
+    """
+    if total is None:
+        total = int(length.sum())
+    out = np.ones(total, dtype=np.int64)
+    if total == 0:
+        return out
+    if np.count_nonzero(length) == length.size:
+        s, ln = start, length
+    else:
+        nonempty = length > 0
+        s, ln = start[nonempty], length[nonempty]
+    # a cumulative sum of steps: +1 inside a run, a jump at each run's first entry
+    first = np.zeros(s.size, dtype=np.int64)
+    np.add.accumulate(ln[:-1], out=first[1:])
+    jumps = np.empty(s.size, dtype=np.int64)
+    jumps[0] = s[0]
+    jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
+    out[first] = jumps
+    np.add.accumulate(out, out=out)
+    return out
+
+
 def ragged_gather(indptr: np.ndarray, data: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate ``data[indptr[r]:indptr[r + 1]]`` for each ``r`` in ``rows``.
 
@@ -39,20 +65,7 @@ def ragged_gather(indptr: np.ndarray, data: np.ndarray, rows: np.ndarray) -> tup
     lens = indptr[rows + 1] - starts
     out_indptr = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lens, out=out_indptr[1:])
-    total = int(out_indptr[-1])
-    if total == 0:
-        return out_indptr, data[:0]
-    # Gather indices by a cumulative sum of steps: +1 inside a row, a jump at each row start.
-    nonempty = lens > 0
-    first = out_indptr[:-1][nonempty]
-    s = starts[nonempty]
-    jumps = np.empty_like(s)
-    jumps[0] = s[0]
-    jumps[1:] = s[1:] - (s[:-1] + lens[nonempty][:-1] - 1)
-    idx = np.ones(total, dtype=np.int64)
-    idx[first] = jumps
-    np.cumsum(idx, out=idx)
-    return out_indptr, data[idx]
+    return out_indptr, data[ragged_arange(starts, lens, int(out_indptr[-1]))]
 
 
 class KVTree:

@@ -16,7 +16,7 @@ from fasttree.costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_
 from fasttree.packing import MAX_PACK_QUERIES
 from fasttree.plan_arrays import ABSENT_ROW, DEVICE_ARRAYS
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from fasttree.tree import ragged_gather
+from fasttree.tree import ragged_arange, ragged_gather
 
 
 # ------------------------------------------------------------------ helpers
@@ -312,6 +312,16 @@ def test_ragged_gather_matches_concatenation():
         want = [data[indptr[r] : indptr[r + 1]] for r in rows]
         np.testing.assert_array_equal(out, np.concatenate(want) if want else data[:0])
         np.testing.assert_array_equal(np.diff(out_ptr), lens[rows])
+
+
+def test_ragged_arange_matches_concatenation():
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        n = int(rng.integers(0, 12))
+        start, length = rng.integers(-5, 50, size=n), rng.integers(0, 5, size=n)
+        want = np.concatenate([np.arange(a, a + b) for a, b in zip(start, length, strict=True)] + [[]])
+        np.testing.assert_array_equal(ragged_arange(start, length), want)
+        np.testing.assert_array_equal(ragged_arange(start, length, int(length.sum())), want)
 
 
 # ------------------------------------------------- fast paths vs plain versions
