@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
         "few_shot, beam_search, speculative, multi_document, no_sharing)",
     )
     p.add_argument(
+        "--split",
+        choices=("train", "heldout"),
+        default="train",
+        help="design split (default train): 'heldout' samples only what training never does -- GQA 8, "
+        "head dim 256, or trees deeper than the training ranges -- for the cost model's held-out "
+        "evaluation; lines carry meta.split; write them to their own folder (traces/h200_heldout/)",
+    )
+    p.add_argument(
         "--check-every",
         type=_non_negative_int,
         default=10,
@@ -244,6 +252,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             seed=args.seed,
             budget_s=args.budget,
             families=args.families,
+            split=args.split,
             precompile=args.precompile,
             progress=args.progress,
             check_every=args.check_every,

@@ -87,6 +87,19 @@ HEADS_BY_GQA: dict[int, tuple[tuple[int, int], ...]] = {
 }
 #: Share of each head dim.
 HEAD_DIM_WEIGHTS: dict[int, float] = {64: 0.15, 128: 0.70, 256: 0.15}
+#: The held-out split: what the training design never samples. Each held-out point takes
+#: one axis: GQA 8 heads, head dim 256, or a tree deeper than any training tree (the
+#: family knob and its held-out range; training uses the family's default range below it).
+HELDOUT_GQA = 8
+HELDOUT_HEAD_DIM = 256
+DEEP_TREES: dict[str, tuple[str, int, int]] = {
+    "paper_random": ("levels", 10, 14),  # training: 2..9 levels
+    "beam_search": ("depth", 17, 32),  # training: 1..16 rounds
+    "speculative": ("max_depth", 13, 24),  # training: 1..12 tokens below the prompt
+}
+HELDOUT_AXES = ("gqa8", "head_dim_256", "deep")
+#: Design splits.
+SPLITS = ("train", "heldout")
 #: Share of each dtype.
 DTYPE_WEIGHTS: dict[str, float] = {"float16": 0.5, "bfloat16": 0.5}
 #: Query-tile matrix rows (queries x GQA ratio) of the large and the small tile class.
@@ -141,6 +154,8 @@ _DIMS = (
     "stages_small",
     "pack_tokens",
     "pack_min_units",
+    "heldout_axis",
+    "depth",
 )
 
 
@@ -164,6 +179,10 @@ class DesignPoint:
         Seed of the design the point belongs to.
     default_config : bool
         True for the published-defaults point of a family.
+    params : tuple of (str, int)
+        Keyword parameters of the family's generator (held-out deep trees), else empty.
+    split : str
+        ``"train"`` or ``"heldout"`` (:data:`SPLITS`).
     """
 
     index: int
@@ -176,6 +195,8 @@ class DesignPoint:
     config: FastTreeConfig
     design_seed: int = 0
     default_config: bool = False
+    params: tuple[tuple[str, int], ...] = ()
+    split: str = "train"
 
     @property
     def gqa(self) -> int:
@@ -184,9 +205,11 @@ class DesignPoint:
 
     def describe(self) -> str:
         """Short human description (for logs)."""
+        params = "".join(f" {k}={v}" for k, v in self.params)
+        tags = (" defaults" if self.default_config else "") + (" heldout" if self.split == "heldout" else "")
         return (
-            f"#{self.index} {self.family}/{self.seed} Hq={self.num_q_heads} Hkv={self.num_kv_heads} "
-            f"D={self.head_dim} {self.dtype}" + (" defaults" if self.default_config else "")
+            f"#{self.index} {self.family}/{self.seed}{params} Hq={self.num_q_heads} Hkv={self.num_kv_heads} "
+            f"D={self.head_dim} {self.dtype}{tags}"
         )
 
 
@@ -220,14 +243,50 @@ def _categorical(u: float, options: Sequence[Any], weights: Sequence[float] | No
     return options[min(i, len(options) - 1)]
 
 
-def _heads_options() -> tuple[list[tuple[int, int]], list[float]]:
+def _heads_options(ratios: Iterable[int]) -> tuple[list[tuple[int, int]], list[float]]:
+    """Head pairs of the given GQA ratios, each ratio with equal weight."""
+    ratios = list(ratios)
     options: list[tuple[int, int]] = []
     weights: list[float] = []
-    for pairs in HEADS_BY_GQA.values():
+    for g in ratios:
+        pairs = HEADS_BY_GQA[g]
         for pair in pairs:
             options.append(pair)
-            weights.append(1.0 / (len(HEADS_BY_GQA) * len(pairs)))
+            weights.append(1.0 / (len(ratios) * len(pairs)))
     return options, weights
+
+
+def _check_split(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    return split
+
+
+def _workload_axes(x: dict[str, float], families: list[str], split: str):
+    """(family, params, heads, head_dim) of a Sobol' point in ``split``.
+
+    Training draws from everything but the held-out values; a held-out point takes
+    one held-out axis (:data:`HELDOUT_AXES`; ``deep`` only when ``families`` has a
+    family of :data:`DEEP_TREES`) and training values on the others.
+    """
+    heads, heads_w = _heads_options(g for g in HEADS_BY_GQA if g != HELDOUT_GQA)
+    dims = {d: w for d, w in HEAD_DIM_WEIGHTS.items() if d != HELDOUT_HEAD_DIM}
+    family = _categorical(x["family"], families, [FAMILY_WEIGHTS[f] for f in families])
+    params: tuple[tuple[str, int], ...] = ()
+    head_dim = _categorical(x["head_dim"], list(dims), list(dims.values()))
+    if split == "heldout":
+        deep = [f for f in families if f in DEEP_TREES]
+        axes = [a for a in HELDOUT_AXES if a != "deep" or deep]
+        axis = _categorical(x["heldout_axis"], axes)
+        if axis == "gqa8":
+            heads, heads_w = _heads_options([HELDOUT_GQA])
+        elif axis == "head_dim_256":
+            head_dim = HELDOUT_HEAD_DIM
+        else:
+            family = _categorical(x["family"], deep, [FAMILY_WEIGHTS[f] for f in deep])
+            knob, lo, hi = DEEP_TREES[family]
+            params = ((knob, _int_in(x["depth"], lo, hi)),)
+    return family, params, _categorical(x["heads"], heads, heads_w), head_dim
 
 
 def _uniform(u: float, lo: float, hi: float, digits: int = 4) -> float:
@@ -239,14 +298,13 @@ def _int_in(u: float, lo: int, hi: int) -> int:
     return min(lo + int(u * (hi - lo + 1)), hi)
 
 
-def _point_from_unit(u: np.ndarray, *, index: int, families: list[str], sm_count: int, design_seed: int):
+def _point_from_unit(
+    u: np.ndarray, *, index: int, families: list[str], sm_count: int, design_seed: int, split: str = "train"
+):
     """Map one Sobol' point in ``[0, 1)^d`` to a :class:`DesignPoint`, or ``None`` when invalid."""
     x = dict(zip(_DIMS, u.tolist(), strict=True))
-    family = _categorical(x["family"], families, [FAMILY_WEIGHTS[f] for f in families])
-    heads, heads_w = _heads_options()
-    hq, hkv = _categorical(x["heads"], heads, heads_w)
+    family, params, (hq, hkv), head_dim = _workload_axes(x, families, split)
     g = hq // hkv
-    head_dim = _categorical(x["head_dim"], list(HEAD_DIM_WEIGHTS), list(HEAD_DIM_WEIGHTS.values()))
     dtype = _categorical(x["dtype"], list(DTYPE_WEIGHTS), list(DTYPE_WEIGHTS.values()))
     rows = (_categorical(x["q_rows_large"], Q_ROWS_LARGE), _categorical(x["q_rows_small"], Q_ROWS_SMALL))
     if rows[0] < rows[1]:
@@ -287,10 +345,12 @@ def _point_from_unit(u: np.ndarray, *, index: int, families: list[str], sm_count
         dtype=dtype,
         config=config,
         design_seed=design_seed,
+        params=params,
+        split=split,
     )
 
 
-def _sobol(d: int, seed: int):
+def _sobol(d: int, seed: int | list[int]):
     from scipy.stats import qmc
 
     try:
@@ -326,6 +386,7 @@ def design(
     *,
     sm_count: int = DEFAULT_SM_COUNT,
     families: Iterable[str] | None = None,
+    split: str = "train",
 ) -> list[DesignPoint]:
     """A deterministic sampled design of ``n`` points over the tuner's search space.
 
@@ -352,6 +413,11 @@ def design(
         The GPU's SM count; the thresholds range over ``[0, 4 * sm_count]``.
     families : iterable of str, optional
         Restrict to these tree families (default: all of :data:`TREE_FAMILIES`).
+    split : str
+        ``"train"`` (default) never samples GQA 8, head dim 256 or the deep-tree ranges
+        of :data:`DEEP_TREES`; ``"heldout"`` samples only points with one of them
+        (:data:`HELDOUT_AXES`) and has no published-defaults points. The two splits
+        draw from differently scrambled sequences.
 
     Returns
     -------
@@ -367,10 +433,11 @@ def design(
     seed = _check_int("seed", seed, 0)
     sm_count = _check_int("sm_count", sm_count, 1)
     fams = _check_families(families)
-    points = _default_points(fams, seed)[:n]
+    split = _check_split(split)
+    points = _default_points(fams, seed)[:n] if split == "train" else []
     if len(points) == n:
         return points
-    sampler = _sobol(len(_DIMS), seed)
+    sampler = _sobol(len(_DIMS), seed if split == "train" else [seed, 0x4E1D])
     # Draw blocks of 2^m points (the total stays a power of two, which keeps the Sobol' balance);
     # the sequence continues across blocks, so how it is cut does not change the points.
     count = 1 << max(6, math.ceil(math.log2(2 * (n - len(points)))))
@@ -380,7 +447,9 @@ def design(
             block = sampler.random(count)
         before = len(points)
         for row in block:
-            p = _point_from_unit(row, index=len(points), families=fams, sm_count=sm_count, design_seed=seed)
+            p = _point_from_unit(
+                row, index=len(points), families=fams, sm_count=sm_count, design_seed=seed, split=split
+            )
             if p is not None:
                 points.append(p)
                 if len(points) == n:
@@ -392,8 +461,8 @@ def design(
 
 
 def point_tree(point: DesignPoint) -> KVTree:
-    """The point's tree: ``sample_tree(point.family, point.seed)``."""
-    return sample_tree(point.family, point.seed)
+    """The point's tree: ``sample_tree(point.family, point.seed, **dict(point.params))``."""
+    return sample_tree(point.family, point.seed, **dict(point.params))
 
 
 def point_key(point: DesignPoint, gpu_name: str, *, tree: KVTree | None = None) -> str:
@@ -625,6 +694,7 @@ def failed_record(
         env=env,
         tree=point_tree(point) if tree is None else tree,
         **_identity(point),
+        params=dict(point.params) or None,
         plan=plan,
         status="failed",
         error=error,
@@ -764,6 +834,7 @@ def measure_point(
             env=env,
             tree=tree,
             **_identity(point),
+            params=dict(point.params) or None,
             plan=summary,
             status="ok",
             timing={"graph_us": graph, "eager_us": {"median": eager}},
@@ -1097,6 +1168,7 @@ def _annotate(record: dict[str, Any], point: DesignPoint, run_id: str, check: bo
         default_config=point.default_config,
         checked=check,
     )
+    meta["split"] = point.split  # traces/README.md: held-out lines say so at the top of meta
     if shard is not None:
         info["gpu_worker"] = shard
 
@@ -1358,6 +1430,7 @@ def profile(
     budget_s: float | None = None,
     device: Any = "cuda",
     families: Iterable[str] | None = None,
+    split: str = "train",
     precompile: bool = True,
     progress: bool = True,
     measure: Callable[..., dict[str, Any]] = measure_point,
@@ -1394,6 +1467,9 @@ def profile(
         ``"cuda"`` (every visible GPU) or one device such as ``"cuda:1"``.
     families : iterable of str, optional
         Restrict the design to these tree families.
+    split : str
+        ``"train"`` or ``"heldout"`` (see :func:`design`); recorded in every line's
+        ``meta.split``. Write the splits to separate folders (``traces/h200_heldout/``).
     precompile : bool
         Compile kernels ahead in worker processes (skipped without a CUDA device).
     progress : bool
@@ -1452,12 +1528,13 @@ def profile(
     if compile_workers is None:
         compile_workers = default_compile_workers()
     compile_workers = _check_int("compile_workers", compile_workers, 1)
-    points = design(n, seed, sm_count=sm_count, families=fams)
+    points = design(n, seed, sm_count=sm_count, families=fams, split=_check_split(split))
     run_id = uuid.uuid4().hex[:12]
     logger.info(
-        "profile run %s: %d design points (seed %d, families %s) -> %s%s",
+        "profile run %s: %d %s design points (seed %d, families %s) -> %s%s",
         run_id,
         n,
+        split,
         seed,
         ",".join(fams),
         out,

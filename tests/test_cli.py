@@ -146,9 +146,10 @@ def test_main_passes_the_options_to_profile(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(prof, "profile", fake_profile)
     out = str(tmp_path / "t.jsonl")
     argv = ["profile", "--out", out, "--budget", "1h", "-n", "12", "--seed", "5", "--families", "few_shot"]
-    rc = main([*argv, "--no-precompile", "--no-progress", "--check-every", "3"])
+    rc = main([*argv, "--no-precompile", "--no-progress", "--check-every", "3", "--split", "heldout"])
     assert rc == 0
     assert seen == {
+        "split": "heldout",
         "out": out,
         "n": 12,
         "seed": 5,

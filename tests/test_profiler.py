@@ -176,9 +176,9 @@ def test_design_covers_families_heads_dims_dtypes_and_knobs():
     light = max(c for f, c in fam.items() if f not in ("paper_random", "random_recursive"))
     assert heavy > light, f"paper_random and random_recursive should be sampled more: {fam}"
     gqa = collections.Counter(p.gqa for p in pts)
-    assert set(gqa) == {1, 4, 8, 16} and min(gqa.values()) > 0.2 * n
+    assert set(gqa) == {1, 4, 16} and min(gqa.values()) > 0.25 * n  # GQA 8 is held out
     dims = collections.Counter(p.head_dim for p in pts)
-    assert 0.10 * n < dims[64] < 0.20 * n and 0.10 * n < dims[256] < 0.20 * n and dims[128] > 0.6 * n
+    assert set(dims) == {64, 128} and 0.12 * n < dims[64] < 0.24 * n  # 256 is held out
     dtypes = collections.Counter(p.dtype for p in pts)
     assert 0.4 * n < dtypes["float16"] < 0.6 * n
     assert {w for p in pts for w in p.config.num_warps} == {2, 4, 8}
@@ -191,6 +191,45 @@ def test_design_covers_families_heads_dims_dtypes_and_knobs():
     assert mha_rows == set(prof.Q_ROWS_LARGE)
     gammas = np.array([p.config.gamma for p in pts])
     assert gammas.min() < -0.9 and gammas.max() > 1.9 and (gammas < 0).mean() > 0.25
+
+
+def test_heldout_design_holds_only_what_training_never_samples():
+    train = design(3000, 2)
+    held = design(600, 2, split="heldout")
+    assert all(p.split == "train" for p in train) and all(p.split == "heldout" for p in held)
+    assert not any(p.default_config for p in held)
+    for p in train:
+        assert p.gqa != prof.HELDOUT_GQA and p.head_dim != prof.HELDOUT_HEAD_DIM and p.params == ()
+    axes = collections.Counter()
+    for p in held:
+        deep = bool(p.params)
+        hits = (p.gqa == prof.HELDOUT_GQA) + (p.head_dim == prof.HELDOUT_HEAD_DIM) + deep
+        assert hits == 1, p.describe()  # exactly one held-out axis
+        if deep:
+            ((knob, value),) = p.params
+            name, lo, hi = prof.DEEP_TREES[p.family]
+            assert knob == name and lo <= value <= hi
+            tree = prof.point_tree(p)
+            assert tree.n_queries >= 1
+        axes[("gqa8", "head_dim_256", "deep")[[p.gqa == 8, p.head_dim == 256, deep].index(True)]] += 1
+    assert min(axes.values()) > 0.25 * len(held), axes
+    # paper_random's held-out levels make deeper trees than any training one (beam search and
+    # speculative trees are compressed, so their held-out knob shows in lengths and widths instead)
+    train_depth = max(int(prof.point_tree(p).depth.max()) for p in train[:600] if p.family == "paper_random")
+    held_depth = [int(prof.point_tree(p).depth.max()) for p in held if p.params and p.family == "paper_random"]
+    assert held_depth and min(held_depth) > train_depth
+    assert design(100, 2, split="heldout") == held[:100]
+
+
+def test_heldout_design_without_deep_families_uses_two_axes():
+    held = design(200, 0, split="heldout", families=["few_shot"])
+    assert {p.family for p in held} == {"few_shot"}
+    assert all((p.gqa == 8) != (p.head_dim == 256) for p in held)
+
+
+def test_design_rejects_an_unknown_split():
+    with pytest.raises(ValueError, match="split must be one of"):
+        design(4, 0, split="test")
 
 
 def test_design_restricted_to_families():
@@ -528,6 +567,25 @@ def test_measure_point_records_timings_plan_and_check(cpu_measure, tmp_path, dev
     with TraceWriter(tmp_path / "t.jsonl") as w:
         w.append(rec)
         w.append(unchecked)
+
+
+def test_measure_point_records_the_tree_parameters_of_a_deep_point(cpu_measure, device):
+    p = dataclasses.replace(small_point(), params=(("levels", 11),), split="heldout")
+    ok = measure_point(p, device=device, check=False, env=FAKE_ENV)
+    assert validate(ok) == [] and ok["workload"]["params"] == {"levels": 11}
+    failed = failed_record(p, FAKE_ENV, "OutOfResources: fake")
+    assert failed["workload"]["params"] == {"levels": 11}
+
+
+def test_heldout_run_marks_every_line(tmp_path):
+    out = tmp_path / "heldout.jsonl"
+    run(out, 12, split="heldout", measure=flaky_measure)
+    recs = list(read_traces(out, kind="measurement"))
+    assert len(recs) == 12
+    assert {r["meta"]["split"] for r in recs} == {"heldout"}
+    train = tmp_path / "train.jsonl"
+    run(train, 4)
+    assert {r["meta"]["split"] for r in read_traces(train, kind="measurement")} == {"train"}
 
 
 def test_measure_point_turns_a_planning_error_into_a_failed_record(cpu_measure, device):
