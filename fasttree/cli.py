@@ -4,6 +4,8 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
 
 * ``profile`` -- measure a sampled design of (tree, heads, dtype, config) points on the
   visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.profiler.profile`).
+* ``traces`` -- validate trace files and summarise them: lines per split, family and
+  status, profiling rate, spread of repeat measurements (:mod:`fasttree.trace_stats`).
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
 the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming
@@ -221,6 +223,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="no progress bar (progress goes to the log once a minute)",
     )
     p.set_defaults(func=_cmd_profile, subparser=p)
+
+    t = sub.add_parser(
+        "traces",
+        help="validate trace files and summarise what they hold",
+        description="Validate trace files (.jsonl, .jsonl.gz or folders of them) and print, for the "
+        "measurement lines, the count per split (meta.split), tree family and status, the GPUs, the "
+        "profiling rate (lines per minute of each profiler run) and the spread of repeat measurements "
+        "of one key (median relative deviation of the graph-replay median).",
+        parents=[_common_options(suppress=True)],
+    )
+    t.add_argument("paths", nargs="+", metavar="PATH", help="trace files or folders")
+    t.add_argument(
+        "--skip-invalid", action="store_true", help="skip bad lines (counted and listed) instead of stopping"
+    )
+    t.set_defaults(func=_cmd_traces, subparser=t)
     return parser
 
 
@@ -229,6 +246,21 @@ def _setup_logging(args: argparse.Namespace) -> None:
     level = args.log_level or ("DEBUG" if args.verbose >= 1 else "INFO")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("fasttree").setLevel(getattr(logging, level))
+
+
+def _cmd_traces(args: argparse.Namespace) -> int:
+    from .trace_stats import trace_stats
+    from .traces import TraceError, read_traces
+
+    try:
+        ts = read_traces(args.paths, skip_invalid=args.skip_invalid)
+    except TraceError as exc:
+        args.subparser.error(str(exc))
+    print(f"{len(ts.files)} file(s), {len(ts)} valid line(s), {ts.n_invalid} invalid")
+    for name, line, reason in ts.invalid[:20]:
+        print(f"  {name}:{line}: {reason}")
+    print(trace_stats(ts).table())
+    return 0
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
