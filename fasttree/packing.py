@@ -207,9 +207,7 @@ def _assemble(
     bits = np.right_shift(bits, np.repeat(b_base, np.diff(np.append(first, unit.size))))
     b_bits = np.right_shift(b_bits, b_base)
     b_qlen = _bit_index(b_bits) + 1
-    new_slots = kv_slots[ragged_arange(kv_start[unit], tokens)]
-    # positions >= 31 set the sign bit of the int32 mask
-    new_mask = np.repeat(bits, tokens).astype(np.uint32).view(np.int32)
+    b_total = int(b_tokens.sum())
 
     # units left alone keep their KV; when they use less than half of the input slots,
     # their ranges are copied out so that the unused rest is not shipped to the device
@@ -222,7 +220,15 @@ def _assemble(
     if 2 * int(k_tokens.sum()) < kv_slots.size:
         old_slots = kv_slots[ragged_arange(k_kv_start, k_tokens)]
         k_kv_start = _exclusive_sum(k_tokens)
-    b_kv_start = _exclusive_sum(b_tokens) + old_slots.size
+    n_old = int(old_slots.size)
+    b_kv_start = _exclusive_sum(b_tokens) + n_old
+    slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
+    slots[:n_old] = old_slots
+    np.take(kv_slots, ragged_arange(kv_start[unit], tokens, b_total), out=slots[n_old:])
+    mask = np.empty(n_old + b_total, dtype=np.int32)
+    mask[:n_old] = -1
+    # positions >= 31 set the sign bit of the int32 mask
+    mask[n_old:] = np.repeat(bits.astype(np.uint32).view(np.int32), tokens)
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
     k_len = q_len[k_idx].astype(np.int64)
@@ -241,8 +247,8 @@ def _assemble(
         q_len=np.concatenate([k_len, b_qlen]),
         pair_query=np.concatenate([pair_query[k_pairs].astype(np.int64), b_query]),
         pair_present=np.concatenate([np.ones(k_pairs.size, dtype=bool), b_present]),
-        kv_slots=np.concatenate([old_slots, new_slots.astype(kv_slots.dtype, copy=False)]),
-        kv_row_mask=np.concatenate([np.full(old_slots.size, -1, dtype=np.int32), new_mask]),
+        kv_slots=slots,
+        kv_row_mask=mask,
         is_bin=np.concatenate([np.zeros(k_idx.size, dtype=bool), np.ones(b_qlen.size, dtype=bool)]),
         n_packed=int(unit.size),
     )
