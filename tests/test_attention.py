@@ -173,3 +173,19 @@ def test_packed_units_in_both_tile_classes(g, hkv, q_tiles, device):
     q, k, v = make_inputs(tree, g * hkv, hkv, 64, torch.float16, device, gen)
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out, q, k, v, tree)
+
+
+def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
+    # a root shared by 64 one-query leaves, 32-row tiles: each packed unit holds 32 queries, so
+    # the last one's bit is the int32 sign bit (the kernel's shift must keep it)
+    tree = ft.KVTree.from_lengths([-1] + [0] * 64, [10] + [4] * 64, list(range(1, 65)))
+    cfg = ft.FastTreeConfig(
+        q_tile_queries=(32, 8), pack_tokens=512, pack_min_units=0, kv_tile=(16, 16), para_threshs1=(0, 0)
+    )
+    plan = ft.plan(tree, cfg, num_q_heads=2, num_kv_heads=2, head_dim=32)
+    assert plan.tile_classes[0].masked and plan.unit_q_len.max() == 32
+    assert (plan.kv_row_mask == np.int32(-(2**31))).any()  # bit 31 alone: the 32nd query's leaf
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_inputs(tree, 2, 2, 32, torch.bfloat16, device, gen)
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, tree)
