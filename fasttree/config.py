@@ -80,12 +80,13 @@ class FastTreeConfig:
         Triton launch settings per tile class; (4, 3) is Triton's default, which the
         published kernel used.
     pack_tokens : int
-        Small-class work units shorter than this many KV tokens are packed, in DFS order,
-        into masked units of up to this many tokens (one program, one partial per query;
-        see :mod:`fasttree.packing`). 0 turns packing off (the published behaviour).
+        Work units shorter than this many KV tokens are packed, in DFS order, into masked
+        units of about this many tokens that fill a tile's rows (one program, one partial
+        per query; see :mod:`fasttree.packing`). 0 turns packing off (the published
+        behaviour).
     pack_min_units : int
-        Packing keeps at least about this many work units x KV heads in the small class
-        (the token budget shrinks for small trees), so the GPU stays busy.
+        Packing aims at no fewer than about this many packed units x KV heads (the token
+        budget shrinks for small trees), so the GPU stays busy.
     """
 
     alpha: float = 0.66
