@@ -82,6 +82,16 @@ def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
     return large if large <= MAX_PACK_QUERIES else min(block_m[1] // g, MAX_PACK_QUERIES)
 
 
+def _pack_budget(kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int) -> tuple[np.ndarray, int]:
+    """Units that may be packed (shorter than ``pack_tokens``) and the tokens per packed
+    unit: ``pack_tokens``, lowered (to >= 16) so that about ``pack_min_units`` packed
+    programs (units x KV heads) share the eligible tokens."""
+    eligible = kv_len < config.pack_tokens
+    want_units = -(-config.pack_min_units // num_kv_heads)
+    share = int(kv_len[eligible].sum()) // max(1, want_units)
+    return eligible, min(config.pack_tokens, max(_MIN_BLOCK_N, share))
+
+
 @dataclass(frozen=True)
 class TileClass:
     """Launch shape of one tile class.
@@ -368,10 +378,7 @@ def materialize(
     block_m = tuple(max(_MIN_BLOCK_M, _next_pow2(t * g)) for t in q_tiles)
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        eligible = u_kv_len < config.pack_tokens
-        total = int(u_kv_len[eligible].sum())
-        want_bins = -(-config.pack_min_units // num_kv_heads)
-        budget = min(config.pack_tokens, max(_MIN_BLOCK_N, total // max(1, want_bins)))
+        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads)
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
