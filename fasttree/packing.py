@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .tree import ragged_arange
+from .tree import exclusive_sum, ragged_arange
 
 #: Bits of one KV entry's row mask (int32 on the device).
 MAX_PACK_QUERIES = 32
@@ -219,9 +219,9 @@ def _assemble(
     old_slots = kv_slots
     if 2 * int(k_tokens.sum()) < kv_slots.size:
         old_slots = kv_slots[ragged_arange(k_kv_start, k_tokens)]
-        k_kv_start = _exclusive_sum(k_tokens)
+        k_kv_start = exclusive_sum(k_tokens)
     n_old = int(old_slots.size)
-    b_kv_start = _exclusive_sum(b_tokens) + n_old
+    b_kv_start = exclusive_sum(b_tokens) + n_old
     slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
     slots[:n_old] = old_slots
     np.take(kv_slots, ragged_arange(kv_start[unit], tokens, b_total), out=slots[n_old:])
@@ -243,7 +243,7 @@ def _assemble(
     return PackedUnits(
         kv_start=np.concatenate([k_kv_start, b_kv_start]),
         kv_len=np.concatenate([k_tokens, b_tokens]),
-        pair_start=np.concatenate([_exclusive_sum(k_len), _exclusive_sum(b_qlen) + k_pairs.size]),
+        pair_start=np.concatenate([exclusive_sum(k_len), exclusive_sum(b_qlen) + k_pairs.size]),
         q_len=np.concatenate([k_len, b_qlen]),
         pair_query=np.concatenate([pair_query[k_pairs].astype(np.int64), b_query]),
         pair_present=np.concatenate([np.ones(k_pairs.size, dtype=bool), b_present]),
@@ -252,9 +252,3 @@ def _assemble(
         is_bin=np.concatenate([np.zeros(k_idx.size, dtype=bool), np.ones(b_qlen.size, dtype=bool)]),
         n_packed=int(unit.size),
     )
-
-
-def _exclusive_sum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.size, dtype=np.int64)
-    np.add.accumulate(x[:-1], out=out[1:])
-    return out

@@ -20,6 +20,7 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .packing import MAX_PACK_QUERIES, pack_units
+from .tree import exclusive_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -337,8 +338,7 @@ def materialize(
             kv_start, u_kv_len, q_first, u_q_len = groups.kv_start, kv_len, q_indptr[:-1], nq
         else:
             u_group = np.arange(n_groups).repeat(tiles)
-            first = np.zeros(n_groups, dtype=np.int64)
-            np.add.accumulate(tiles[:-1], out=first[1:])
+            first = exclusive_sum(tiles)
             w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
             w *= tile_q
             kv_start = groups.kv_start[u_group]
@@ -353,8 +353,7 @@ def materialize(
         chunks = -(-kv_len // split_g)
         per_group = chunks * tiles
         u_group = np.arange(n_groups).repeat(per_group)
-        first = np.zeros(n_groups, dtype=np.int64)
-        np.add.accumulate(per_group[:-1], out=first[1:])
+        first = exclusive_sum(per_group)
         w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
         u_tiles = 1 if one_tile else tiles[u_group]
         chunk = w // u_tiles
@@ -367,8 +366,7 @@ def materialize(
 
         # pairs, in unit order
         pair_unit = np.arange(u_group.size).repeat(u_q_len)
-        unit_pair_start = np.zeros(u_group.size, dtype=np.int64)
-        np.add.accumulate(u_q_len[:-1], out=unit_pair_start[1:])
+        unit_pair_start = exclusive_sum(u_q_len)
         pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
         pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
 
@@ -404,8 +402,7 @@ def materialize(
         raise AssertionError("internal error: a query has no work unit")
     multi = n_part >= 2
     rows_per_query = n_part * multi
-    part_start = np.zeros(n_queries, dtype=np.int64)
-    np.add.accumulate(rows_per_query[:-1], out=part_start[1:])
+    part_start = exclusive_sum(rows_per_query)
     n_rows = int(part_start[-1] + rows_per_query[-1])
     n_pairs = n_present.size
     if not n_rows:
@@ -415,8 +412,7 @@ def materialize(
         keys = n_present.astype(np.uint16) if n_queries <= 1 << 16 else n_present
         order = keys.argsort(kind="stable")
         q_sorted = n_present[order]
-        seg_start = np.zeros(n_queries, dtype=np.int64)
-        np.add.accumulate(n_part[:-1], out=seg_start[1:])
+        seg_start = exclusive_sum(n_part)
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
         row = np.arange(n_pairs, dtype=np.int64)
         row += (part_start - seg_start)[q_sorted]

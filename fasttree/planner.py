@@ -35,7 +35,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .plan_arrays import Plan, check_heads, materialize
-from .tree import KVTree, ragged_arange
+from .tree import KVTree, exclusive_sum, ragged_arange
 
 _DEFAULT_CONFIG = FastTreeConfig()
 
@@ -485,8 +485,7 @@ def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: b
         hg = node.searchsorted(hole_par)
         k = np.arange(holes.size)
         n_holes = np.bincount(hg, minlength=node.size)
-        g_first = np.zeros(node.size, dtype=np.int64)
-        np.add.accumulate(n_holes[:-1], out=g_first[1:])
+        g_first = exclusive_sum(n_holes)
         g_first += np.arange(node.size)
         n_runs = node.size + holes.size
         run_start = np.empty(n_runs, dtype=np.int64)
@@ -560,8 +559,7 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
             run_start[ids, col] = tree.slot_indptr[nd]
             run_len[ids, col] = tree.lengths[nd]
     chain_total = run_len.sum(axis=1)
-    chain_first = np.zeros(n_chained, dtype=np.int64)
-    np.add.accumulate(chain_total[:-1], out=chain_first[1:])
+    chain_first = exclusive_sum(chain_total)
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
     total = int(chain_first[-1] + chain_total[-1])
@@ -574,8 +572,7 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
         return kv_start, out
     # every run as a jump in a cumulative sum of ones
     flat_len = run_len.ravel()
-    pos = np.zeros(flat_len.size, dtype=np.int64)
-    np.add.accumulate(flat_len[:-1], out=pos[1:])
+    pos = exclusive_sum(flat_len)
     nonempty = flat_len > 0
     s, ln = run_start.ravel()[nonempty], flat_len[nonempty]
     jumps = np.empty_like(s)

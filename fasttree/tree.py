@@ -30,6 +30,13 @@ def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def exclusive_sum(x: np.ndarray) -> np.ndarray:
+    """``[0, x[0], x[0] + x[1], ...]``: the int64 start of each run of lengths ``x``."""
+    out = np.zeros(x.size, dtype=np.int64)
+    np.add.accumulate(x[:-1], out=out[1:])
+    return out
+
+
 def ragged_arange(start: np.ndarray, length: np.ndarray, total: int | None = None) -> np.ndarray:
     """Concatenation of ``arange(start[i], start[i] + length[i])`` (int64; lengths >= 0).
 
@@ -46,8 +53,7 @@ def ragged_arange(start: np.ndarray, length: np.ndarray, total: int | None = Non
         nonempty = length > 0
         s, ln = start[nonempty], length[nonempty]
     # a cumulative sum of steps: +1 inside a run, a jump at each run's first entry
-    first = np.zeros(s.size, dtype=np.int64)
-    np.add.accumulate(ln[:-1], out=first[1:])
+    first = exclusive_sum(ln)
     jumps = np.empty(s.size, dtype=np.int64)
     jumps[0] = s[0]
     jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
