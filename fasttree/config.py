@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_SCHEMA_VERSION = 2
+#: Fields added in schema version 2 (packing).
+PACKING_FIELDS = ("pack_tokens", "pack_min_units")
 #: What a schema-version-1 dict means by the keys it leaves out, where that differs from
 #: today's defaults: no packing (added in version 2) and the published KV tiles.
 _V1_DEFAULTS = {"pack_tokens": 0, "kv_tile": (32, 32)}

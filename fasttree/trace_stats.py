@@ -11,14 +11,14 @@ for every key measured ``ok`` two or more times, the median over its measurement
 
 from __future__ import annotations
 
-import datetime as dt
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-from .traces import TraceSet
+from .traces import TraceSet, parse_time_utc
 
 __all__ = ["TraceStats", "trace_stats"]
 
@@ -86,11 +86,6 @@ class TraceStats:
         return "\n".join(lines)
 
 
-def _time(text: str) -> dt.datetime:
-    """A validated ``time_utc`` (ISO 8601, UTC)."""
-    return dt.datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
-
-
 def trace_stats(ts: TraceSet) -> TraceStats:
     """Summarise the measurement lines of ``ts`` (see the module docstring).
 
@@ -105,14 +100,14 @@ def trace_stats(ts: TraceSet) -> TraceStats:
     """
     out = TraceStats(gpus=ts.gpus())
     counts: Counter = Counter()
-    run_times: dict[str, list[dt.datetime]] = {}
+    run_times: dict[str, list[datetime]] = {}
     for r in ts.of_kind("measurement"):
         meta: dict[str, Any] = r.get("meta") if isinstance(r.get("meta"), dict) else {}
         split = meta.get("split") if isinstance(meta.get("split"), str) else "unmarked"
         counts[(split, r["workload"]["family"], r["status"])] += 1
         prof = meta.get("profiler")
         if isinstance(prof, dict) and isinstance(prof.get("run_id"), str):
-            run_times.setdefault(prof["run_id"], []).append(_time(r["time_utc"]))
+            run_times.setdefault(prof["run_id"], []).append(parse_time_utc(r["time_utc"]))
     out.counts = dict(counts)
     for run_id, times in run_times.items():
         span = (max(times) - min(times)).total_seconds() / 60.0

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import FastTreeConfig
+from .config import PACKING_FIELDS, FastTreeConfig
 from .tree import KVTree
 
 try:  # POSIX advisory locks keep concurrent writers of one file from interleaving a repair
@@ -210,7 +210,7 @@ def _key_config(config: dict[str, Any]) -> dict[str, Any]:
     neither field, so measurements made before packing keep their keys."""
     if config.get("pack_tokens") != 0:
         return config
-    out = {k: v for k, v in config.items() if k not in ("pack_tokens", "pack_min_units")}
+    out = {k: v for k, v in config.items() if k not in PACKING_FIELDS}
     out["schema_version"] = 1
     return out
 
@@ -613,12 +613,17 @@ def _check_env(p: list[str], env: Any) -> None:
         _check_free_form(p, "env", extra)
 
 
+def parse_time_utc(text: str) -> datetime:
+    """A ``time_utc`` string (ISO 8601, ``Z`` or an offset) as an aware datetime; ``ValueError`` if not ISO 8601."""
+    return datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+
+
 def _check_time(p: list[str], v: Any) -> None:
     if not isinstance(v, str):
         p.append(f"time_utc must be an ISO 8601 UTC string, got {v!r}")
         return
     try:
-        t = datetime.fromisoformat(v[:-1] + "+00:00" if v.endswith("Z") else v)
+        t = parse_time_utc(v)
     except ValueError:
         p.append(f"time_utc {v!r} is not ISO 8601")
         return
