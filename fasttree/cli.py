@@ -124,18 +124,21 @@ _PROFILE_DESCRIPTION = """\
 Measure a sampled design over the tuner's search space on the GPU and append one trace
 record per point to OUT (a .jsonl file; format: traces/README.md).
 
-The design is a scrambled Sobol' sequence (seeded by --seed) over tree family and seed,
-heads (GQA 1/4/8/16), head dim (64/128/256), dtype (fp16/bf16) and every FastTreeConfig
-knob; it starts with the published defaults, one point per tree family. Each point is
-planned, timed by CUDA-graph replay and eagerly, and every --check-every-th point is
-checked against the float64 reference. A failing point (plan error, compile error, out of
-memory, wrong result) is written as a failed record and the run goes on.
+The design crosses trees with configs: trees from a scrambled Sobol' sequence (seeded by
+--seed) over tree family and seed, heads (GQA 1/4/16; 8 only in the held-out split), head
+dim (64/128; 256 held out) and dtype (fp16/bf16), each measured under 8 configs: the
+published defaults, then 7 sampled over every FastTreeConfig knob (kernel tiles, warps
+and stages from a per-GQA pool of 32 settings, so a run compiles a bounded set of
+kernels). Each point is planned, timed by CUDA-graph replay and eagerly, and every
+--check-every-th point is checked against the float64 reference. A failing point (plan
+error, compile error, out of memory, wrong result) is written as a failed record and the
+run goes on.
 
 Resumable: points whose key OUT already holds are skipped, so rerunning the same command
 continues a killed or budget-limited run, and a larger -n adds only new points. Kernels a
-batch needs are compiled ahead in min(16, cpu count) worker processes. With several visible
-GPUs, one worker process per GPU measures every k-th point (choose GPUs with
-CUDA_VISIBLE_DEVICES).
+batch needs are compiled ahead in min(16, cpu count) worker processes while the batch
+before it is measured. With several visible GPUs, one worker process per GPU measures
+every k-th tree (choose GPUs with CUDA_VISIBLE_DEVICES).
 """
 _PROFILE_EPILOG = """\
 examples:

@@ -28,6 +28,7 @@ The command line is ``fasttree-tune profile`` (:mod:`fasttree.cli`). scipy and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import math
@@ -128,17 +129,29 @@ DEFAULT_POINT_DTYPE = "float16"
 #: Largest family seed (exclusive).
 SEED_SPACE = 1 << 30
 
+#: Configs measured per tree: the published defaults, then ``CONFIGS_PER_TREE - 1`` sampled ones.
+CONFIGS_PER_TREE = 8
+#: Kernel settings (query-tile rows, KV tiles, warps and stages per class) sampled per GQA
+#: ratio and design seed: the design draws each point's kernel settings from this pool.
+KERNEL_POOL = 32
+
 # Sobol' dimensions, in order (a new dimension goes last, so existing columns keep their meaning).
-_DIMS = (
-    "family",
-    "family_seed",
-    "heads",
-    "head_dim",
-    "dtype",
+#: Per tree: the workload.
+_TREE_DIMS = ("family", "family_seed", "heads", "head_dim", "dtype", "heldout_axis", "depth")
+#: Per kernel-pool entry: the settings that make a kernel specialisation.
+_KERNEL_DIMS = (
     "q_rows_large",
     "q_rows_small",
     "kv_tile_large",
     "kv_tile_small",
+    "warps_large",
+    "warps_small",
+    "stages_large",
+    "stages_small",
+)
+#: Per sampled config: the pool entry and the planner's knobs.
+_CONFIG_DIMS = (
+    "kernel",
     "split_large",
     "split_small",
     "thresh1_large",
@@ -148,15 +161,13 @@ _DIMS = (
     "alpha",
     "beta",
     "gamma",
-    "warps_large",
-    "warps_small",
-    "stages_large",
-    "stages_small",
     "pack_tokens",
     "pack_min_units",
-    "heldout_axis",
-    "depth",
 )
+#: Scrambling salts of the three sequences (and of the held-out split's tree sequence).
+_SALT_TREES, _SALT_HELDOUT, _SALT_KERNELS, _SALT_CONFIGS = 0x7EE5, 0x4E1D, 0x4E7, 0xC0F
+#: Draws after which a sequence that produced nothing valid is given up.
+_MAX_FRUITLESS_DRAWS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,8 @@ class DesignPoint:
         Keyword parameters of the family's generator (held-out deep trees), else empty.
     split : str
         ``"train"`` or ``"heldout"`` (:data:`SPLITS`).
+    tree_index : int
+        Position of the point's tree in the design (its :data:`CONFIGS_PER_TREE` configs share it).
     """
 
     index: int
@@ -197,6 +210,7 @@ class DesignPoint:
     default_config: bool = False
     params: tuple[tuple[str, int], ...] = ()
     split: str = "train"
+    tree_index: int = 0
 
     @property
     def gqa(self) -> int:
@@ -298,58 +312,6 @@ def _int_in(u: float, lo: int, hi: int) -> int:
     return min(lo + int(u * (hi - lo + 1)), hi)
 
 
-def _point_from_unit(
-    u: np.ndarray, *, index: int, families: list[str], sm_count: int, design_seed: int, split: str = "train"
-):
-    """Map one Sobol' point in ``[0, 1)^d`` to a :class:`DesignPoint`, or ``None`` when invalid."""
-    x = dict(zip(_DIMS, u.tolist(), strict=True))
-    family, params, (hq, hkv), head_dim = _workload_axes(x, families, split)
-    g = hq // hkv
-    dtype = _categorical(x["dtype"], list(DTYPE_WEIGHTS), list(DTYPE_WEIGHTS.values()))
-    rows = (_categorical(x["q_rows_large"], Q_ROWS_LARGE), _categorical(x["q_rows_small"], Q_ROWS_SMALL))
-    if rows[0] < rows[1]:
-        return None
-    queries = tuple(max(1, r // g) for r in rows)
-    if max(queries) * g > MAX_TILE_ROWS:
-        return None
-    hi = 4 * sm_count
-    try:
-        config = FastTreeConfig(
-            alpha=_uniform(x["alpha"], *ALPHA_RANGE),
-            beta=_uniform(x["beta"], *BETA_RANGE),
-            gamma=_uniform(x["gamma"], *GAMMA_RANGE),
-            q_tile_queries=queries,
-            kv_tile=(_categorical(x["kv_tile_large"], KV_TILES), _categorical(x["kv_tile_small"], KV_TILES)),
-            kv_split_sizes=(
-                _categorical(x["split_large"], SPLITS_LARGE),
-                _categorical(x["split_small"], SPLITS_SMALL),
-            ),
-            para_threshs1=(_int_in(x["thresh1_large"], 0, hi), _int_in(x["thresh1_small"], 0, hi)),
-            para_threshs2=(_int_in(x["thresh2_large"], 0, hi), _int_in(x["thresh2_small"], 0, hi)),
-            num_warps=(_categorical(x["warps_large"], NUM_WARPS), _categorical(x["warps_small"], NUM_WARPS)),
-            num_stages=(_categorical(x["stages_large"], NUM_STAGES), _categorical(x["stages_small"], NUM_STAGES)),
-            pack_tokens=_categorical(x["pack_tokens"], PACK_TOKENS),
-            pack_min_units=_int_in(x["pack_min_units"], 0, hi),
-        )
-        config.query_tiles(g)
-    except ValueError as exc:
-        logger.debug("design point %d skipped: %s", index, exc)
-        return None
-    return DesignPoint(
-        index=index,
-        family=family,
-        seed=min(int(x["family_seed"] * SEED_SPACE), SEED_SPACE - 1),
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=head_dim,
-        dtype=dtype,
-        config=config,
-        design_seed=design_seed,
-        params=params,
-        split=split,
-    )
-
-
 def _sobol(d: int, seed: int | list[int]):
     from scipy.stats import qmc
 
@@ -359,25 +321,84 @@ def _sobol(d: int, seed: int | list[int]):
         return qmc.Sobol(d=d, scramble=True, seed=seed)
 
 
-def _default_points(families: list[str], design_seed: int) -> list[DesignPoint]:
-    out = []
-    for i, family in enumerate(families):
-        fam_seed = int(np.random.default_rng([design_seed, i, 0xDEF]).integers(0, SEED_SPACE))
-        out.append(
-            DesignPoint(
-                index=i,
-                family=family,
-                seed=fam_seed,
-                num_q_heads=DEFAULT_POINT_HEADS[0],
-                num_kv_heads=DEFAULT_POINT_HEADS[1],
-                head_dim=DEFAULT_POINT_HEAD_DIM,
-                dtype=DEFAULT_POINT_DTYPE,
-                config=FastTreeConfig(),
-                design_seed=design_seed,
-                default_config=True,
-            )
+class _Stream:
+    """Rows of one scrambled Sobol' sequence, one at a time, named by ``dims``.
+
+    Rows are drawn in blocks whose total stays a power of two (Sobol' balance); the
+    sequence continues across blocks, so how it is cut does not change the rows.
+    """
+
+    def __init__(self, dims: tuple[str, ...], seed: int | list[int]) -> None:
+        self.dims = dims
+        self._sampler = _sobol(len(dims), seed)
+        self._rows: list[list[float]] = []
+        self._next = 0
+        self.drawn = 0
+
+    def next(self) -> dict[str, float]:
+        if self._next == len(self._rows):
+            count = max(64, int(self._sampler.num_generated))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # balance warnings of scipy
+                self._rows = self._sampler.random(count).tolist()
+            self._next = 0
+        row = self._rows[self._next]
+        self._next += 1
+        self.drawn += 1
+        return dict(zip(self.dims, row, strict=True))
+
+
+def _kernel_pool(g: int, design_seed: int, size: int) -> list[dict[str, Any]]:
+    """``size`` valid kernel settings for GQA ratio ``g`` (query tiles, KV tiles, warps, stages per class)."""
+    stream = _Stream(_KERNEL_DIMS, [design_seed, g, _SALT_KERNELS])
+    pool: list[dict[str, Any]] = []
+    while len(pool) < size:
+        if stream.drawn >= _MAX_FRUITLESS_DRAWS and not pool:
+            raise ValueError(f"no valid point: no valid kernel setting for GQA {g} among {stream.drawn} draws")
+        x = stream.next()
+        rows = (_categorical(x["q_rows_large"], Q_ROWS_LARGE), _categorical(x["q_rows_small"], Q_ROWS_SMALL))
+        if rows[0] < rows[1]:
+            continue
+        queries = tuple(max(1, r // g) for r in rows)
+        if max(queries) * g > MAX_TILE_ROWS:
+            continue
+        pool.append(
+            {
+                "q_tile_queries": queries,
+                "kv_tile": (_categorical(x["kv_tile_large"], KV_TILES), _categorical(x["kv_tile_small"], KV_TILES)),
+                "num_warps": (_categorical(x["warps_large"], NUM_WARPS), _categorical(x["warps_small"], NUM_WARPS)),
+                "num_stages": (
+                    _categorical(x["stages_large"], NUM_STAGES),
+                    _categorical(x["stages_small"], NUM_STAGES),
+                ),
+            }
         )
-    return out
+    return pool
+
+
+def _config_from_unit(x: dict[str, float], kernel: dict[str, Any], *, g: int, sm_count: int) -> FastTreeConfig | None:
+    """The config of one configuration row with the pool's ``kernel`` settings, or ``None`` when invalid."""
+    hi = 4 * sm_count
+    try:
+        config = FastTreeConfig(
+            alpha=_uniform(x["alpha"], *ALPHA_RANGE),
+            beta=_uniform(x["beta"], *BETA_RANGE),
+            gamma=_uniform(x["gamma"], *GAMMA_RANGE),
+            kv_split_sizes=(
+                _categorical(x["split_large"], SPLITS_LARGE),
+                _categorical(x["split_small"], SPLITS_SMALL),
+            ),
+            para_threshs1=(_int_in(x["thresh1_large"], 0, hi), _int_in(x["thresh1_small"], 0, hi)),
+            para_threshs2=(_int_in(x["thresh2_large"], 0, hi), _int_in(x["thresh2_small"], 0, hi)),
+            pack_tokens=_categorical(x["pack_tokens"], PACK_TOKENS),
+            pack_min_units=_int_in(x["pack_min_units"], 0, hi),
+            **kernel,
+        )
+        config.query_tiles(g)
+    except ValueError as exc:
+        logger.debug("design config skipped: %s", exc)
+        return None
+    return config
 
 
 def design(
@@ -387,82 +408,119 @@ def design(
     sm_count: int = DEFAULT_SM_COUNT,
     families: Iterable[str] | None = None,
     split: str = "train",
+    configs_per_tree: int = CONFIGS_PER_TREE,
+    kernel_pool: int = KERNEL_POOL,
 ) -> list[DesignPoint]:
-    """A deterministic sampled design of ``n`` points over the tuner's search space.
+    """A deterministic sampled design of ``n`` points: trees crossed with configs.
 
-    The first points are the published defaults (:class:`FastTreeConfig` ``()``, heads
-    32/8, head dim 128, fp16), one per family; the others come from a scrambled Sobol'
-    sequence (``scipy.stats.qmc.Sobol``, seeded by ``seed``) mapped onto: family (weights
-    :data:`FAMILY_WEIGHTS`), family seed, heads (:data:`HEADS_BY_GQA`, each GQA ratio
-    alike), head dim (:data:`HEAD_DIM_WEIGHTS`), dtype, query-tile rows per class (large
-    from :data:`Q_ROWS_LARGE`, small from :data:`Q_ROWS_SMALL`, converted to queries per
-    tile ``max(1, rows // g)``), KV tiles, split sizes, the two threshold pairs (integers
-    in ``[0, 4 * sm_count]``), alpha, beta, gamma, warps and stages per class. A Sobol'
-    point that maps to an invalid combination (tile rows x GQA ratio above 256, a
-    :class:`FastTreeConfig` validation error) is skipped and the sequence continues, so
-    the design is a prefix of one sequence: ``design(m, seed)[:n] == design(n, seed)``
-    for ``m >= n`` (with the same ``sm_count``, ``families`` and scipy version).
+    Trees come from a scrambled Sobol' sequence (``scipy.stats.qmc.Sobol``, seeded by
+    ``seed`` and the split) over family (weights :data:`FAMILY_WEIGHTS`), family seed,
+    heads (:data:`HEADS_BY_GQA`, each GQA ratio alike), head dim
+    (:data:`HEAD_DIM_WEIGHTS`) and dtype. Each tree is measured under
+    ``configs_per_tree`` configs in a row: first the published defaults
+    (:class:`FastTreeConfig` ``()``), then configs from a second sequence over the
+    planner's knobs (split sizes, the two threshold pairs as integers in
+    ``[0, 4 * sm_count]``, alpha, beta, gamma, pack tokens and units) combined with
+    kernel settings (query-tile rows per class from :data:`Q_ROWS_LARGE` /
+    :data:`Q_ROWS_SMALL`, converted to queries per tile ``max(1, rows // g)``, KV tiles,
+    warps and stages per class) drawn from a pool of ``kernel_pool`` settings per GQA
+    ratio and design seed. Crossing gives every tree a ranking of configs (what the
+    cost model's per-tree rank metrics need), and the pool bounds the kernel variants
+    a run compiles; another design seed draws another pool. A configuration row that
+    maps to an invalid config (a :class:`FastTreeConfig` validation error) is skipped
+    and its sequence continues, so the design is a prefix of one sequence:
+    ``design(m, seed)[:n] == design(n, seed)`` for ``m >= n`` (with the same other
+    arguments and scipy version).
 
     Parameters
     ----------
     n : int
         Points (>= 0).
     seed : int
-        Design seed (>= 0): scrambling of the sequence and the defaults points' trees.
+        Design seed (>= 0).
     sm_count : int
         The GPU's SM count; the thresholds range over ``[0, 4 * sm_count]``.
     families : iterable of str, optional
         Restrict to these tree families (default: all of :data:`TREE_FAMILIES`).
     split : str
         ``"train"`` (default) never samples GQA 8, head dim 256 or the deep-tree ranges
-        of :data:`DEEP_TREES`; ``"heldout"`` samples only points with one of them
-        (:data:`HELDOUT_AXES`) and has no published-defaults points. The two splits
-        draw from differently scrambled sequences.
+        of :data:`DEEP_TREES`; ``"heldout"`` samples only trees with exactly one of them
+        (:data:`HELDOUT_AXES`). The splits draw their trees from differently scrambled
+        sequences.
+    configs_per_tree : int
+        Configs per tree (>= 1), the defaults included.
+    kernel_pool : int
+        Kernel settings per GQA ratio (>= 1).
 
     Returns
     -------
     list of DesignPoint
-        ``index`` runs from 0 to ``n - 1``.
+        ``index`` runs from 0 to ``n - 1``; ``tree_index`` numbers the trees.
 
     Raises
     ------
     ValueError
-        On a bad ``n``, ``seed``, ``sm_count`` or family name.
+        On a bad ``n``, ``seed``, ``sm_count``, family name, ``configs_per_tree`` or
+        ``kernel_pool``, or a search space without a valid config.
     """
     n = _check_int("n", n, 0)
     seed = _check_int("seed", seed, 0)
     sm_count = _check_int("sm_count", sm_count, 1)
+    configs_per_tree = _check_int("configs_per_tree", configs_per_tree, 1)
+    kernel_pool = _check_int("kernel_pool", kernel_pool, 1)
     fams = _check_families(families)
     split = _check_split(split)
-    points = _default_points(fams, seed)[:n] if split == "train" else []
-    if len(points) == n:
-        return points
-    sampler = _sobol(len(_DIMS), seed if split == "train" else [seed, 0x4E1D])
-    # Draw blocks of 2^m points (the total stays a power of two, which keeps the Sobol' balance);
-    # the sequence continues across blocks, so how it is cut does not change the points.
-    count = 1 << max(6, math.ceil(math.log2(2 * (n - len(points)))))
+    trees = _Stream(_TREE_DIMS, [seed, _SALT_TREES] if split == "train" else [seed, _SALT_HELDOUT])
+    configs = _Stream(_CONFIG_DIMS, [seed, _SALT_CONFIGS])
+    pools: dict[int, list[dict[str, Any]]] = {}
+    points: list[DesignPoint] = []
+    tree_index = 0
     while len(points) < n:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # balance warnings of scipy
-            block = sampler.random(count)
-        before = len(points)
-        for row in block:
-            p = _point_from_unit(
-                row, index=len(points), families=fams, sm_count=sm_count, design_seed=seed, split=split
-            )
-            if p is not None:
-                points.append(p)
-                if len(points) == n:
-                    break
-        if len(points) == before and sampler.num_generated >= 1 << 16:
-            raise ValueError(f"no valid point among the first {sampler.num_generated} of the design's sequence")
-        count = int(sampler.num_generated)  # doubles the total
+        x = trees.next()
+        family, params, (hq, hkv), head_dim = _workload_axes(x, fams, split)
+        g = hq // hkv
+        common = dict(
+            family=family,
+            seed=min(int(x["family_seed"] * SEED_SPACE), SEED_SPACE - 1),
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=head_dim,
+            dtype=_categorical(x["dtype"], list(DTYPE_WEIGHTS), list(DTYPE_WEIGHTS.values())),
+            design_seed=seed,
+            params=params,
+            split=split,
+            tree_index=tree_index,
+        )
+        points.append(DesignPoint(index=len(points), config=FastTreeConfig(), default_config=True, **common))
+        pool = pools.get(g)
+        if pool is None:
+            pool = pools[g] = _kernel_pool(g, seed, kernel_pool)
+        made, start = 1, configs.drawn
+        while made < configs_per_tree and len(points) < n:
+            if configs.drawn - start >= _MAX_FRUITLESS_DRAWS:
+                raise ValueError(f"no valid point among {configs.drawn - start} draws of the design's configs")
+            u = configs.next()
+            config = _config_from_unit(u, _categorical(u["kernel"], pool), g=g, sm_count=sm_count)
+            if config is None or config == FastTreeConfig():
+                continue
+            points.append(DesignPoint(index=len(points), config=config, **common))
+            made, start = made + 1, configs.drawn
+        tree_index += 1
     return points
 
 
 def point_tree(point: DesignPoint) -> KVTree:
-    """The point's tree: ``sample_tree(point.family, point.seed, **dict(point.params))``."""
-    return sample_tree(point.family, point.seed, **dict(point.params))
+    """The point's tree: ``sample_tree(point.family, point.seed, **dict(point.params))``.
+
+    The last few trees are cached (a design measures each tree under several configs in a
+    row); treat the returned tree as read-only.
+    """
+    return _sample_tree_cached(point.family, point.seed, point.params)
+
+
+@functools.lru_cache(maxsize=32)
+def _sample_tree_cached(family: str, seed: int, params: tuple[tuple[str, int], ...]) -> KVTree:
+    return sample_tree(family, seed, **dict(params))
 
 
 def point_key(point: DesignPoint, gpu_name: str, *, tree: KVTree | None = None) -> str:
@@ -638,6 +696,10 @@ def device_sm_count(device: Any = None) -> int:
 # ------------------------------------------------------------------ measurement
 #: Largest per-query relative error accepted against the float64 reference.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+#: Timing of one point: calls per CUDA graph (fewer when they would pass GRAPH_MAX_MS),
+#: replays and replay budget; the eager ``do_bench`` warm-up and repetition (ms).
+GRAPH_CALLS, GRAPH_REPLAYS, GRAPH_BUDGET_S, GRAPH_MAX_MS = 10, 20, 0.1, 2.0
+EAGER_WARMUP_MS, EAGER_REP_MS = 2.0, 10.0
 #: Queries checked against the reference (a sample when the tree has more).
 CHECK_QUERIES = 16
 
@@ -738,8 +800,8 @@ def measure_point(
     device: Any = "cuda",
     check: bool = True,
     env: dict[str, Any] | None = None,
-    graph_budget_s: float = 0.25,
-    eager_rep_ms: float = 20.0,
+    graph_budget_s: float = GRAPH_BUDGET_S,
+    eager_rep_ms: float = EAGER_REP_MS,
 ) -> dict[str, Any]:
     """Measure one design point on the GPU and return its trace record.
 
@@ -828,8 +890,10 @@ def measure_point(
                 return failed_record(
                     point, env, f"WrongResult: {what}", tree=tree, plan=summary, correct=False, max_rel_err=err
                 )
-        graph = graph_time_us(call, budget_s=graph_budget_s)
-        eager = eager_time_us(call, warmup_ms=5, rep_ms=eager_rep_ms)
+        graph = graph_time_us(
+            call, calls=GRAPH_CALLS, replays=GRAPH_REPLAYS, budget_s=graph_budget_s, max_graph_ms=GRAPH_MAX_MS
+        )
+        eager = eager_time_us(call, warmup_ms=EAGER_WARMUP_MS, rep_ms=eager_rep_ms)
         record = measurement_record(
             env=env,
             tree=tree,
@@ -936,11 +1000,18 @@ def kernel_specialisations(points: Iterable[DesignPoint], device: Any) -> dict[s
 
 
 class _Compiler:
-    """A pool of spawned worker processes that compile kernel specialisations into Triton's disk cache."""
+    """A pool of spawned worker processes that compile kernel specialisations into Triton's disk cache.
+
+    :meth:`submit` queues specialisations and returns at once (so the next batch compiles
+    while the current one is measured); :meth:`wait` blocks until a submission is done.
+    A specialisation is submitted once per compiler. ``seconds`` is the time spent
+    waiting, i.e. the compile time that measurement did not hide.
+    """
 
     def __init__(self, workers: int) -> None:
         self.workers = max(1, int(workers))
         self._pool = None
+        self._submitted: set[str] = set()
         self.compiled = 0
         self.failed = 0
         self.seconds = 0.0
@@ -953,20 +1024,28 @@ class _Compiler:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         return self._pool
 
-    def compile(self, specs: dict[str, tuple[str, str]], deadline: float | None) -> None:
-        """Compile ``specs`` in the workers; returns when done or at ``deadline`` (``time.monotonic``)."""
-        from concurrent.futures import FIRST_COMPLETED, wait
+    def submit(self, specs: dict[str, tuple[str, str]]) -> dict[Any, str]:
+        """Queue the specialisations not submitted before; returns their futures (future -> kernel name)."""
+        new = {data: where for data, where in specs.items() if data not in self._submitted}
+        if not new:
+            return {}
+        self._submitted.update(new)
+        pool = self._executor()
+        return {pool.submit(_compile_worker, mod, name, data): name for data, (mod, name) in new.items()}
 
-        if not specs:
+    def wait(self, futures: dict[Any, str], deadline: float | None) -> None:
+        """Block until ``futures`` (from :meth:`submit`) are done, or until ``deadline`` (``time.monotonic``)."""
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        if not futures:
             return
         t0 = time.monotonic()
-        pool = self._executor()
-        futures = {pool.submit(_compile_worker, mod, name, data): name for data, (mod, name) in specs.items()}
         pending = set(futures)
         errors: list[str] = []
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            done, pending = wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
             for f in done:
                 try:
                     error, _ = f.result()
@@ -986,12 +1065,16 @@ class _Compiler:
         self.seconds += spent
         if errors:
             logger.warning("%d kernel variant(s) failed to compile ahead; first: %s", len(errors), errors[0])
-        logger.info(
-            "compiled %d kernel variant(s) ahead in %.1f s with %d worker process(es)",
-            len(specs) - len(pending) - len(errors),
+        logger.debug(
+            "%d kernel variant(s) compiled ahead; waited %.1f s for them (%d worker process(es))",
+            len(futures) - len(pending) - len(errors),
             spent,
             self.workers,
         )
+
+    def compile(self, specs: dict[str, tuple[str, str]], deadline: float | None) -> None:
+        """Compile ``specs`` and wait for them (:meth:`submit` then :meth:`wait`)."""
+        self.wait(self.submit(specs), deadline)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -1218,15 +1301,21 @@ def _run_points(
     first = True
     try:
         with TraceWriter(out) as writer:
-            for batch in _batches(todo, batch_size):
+            batches = list(_batches(todo, batch_size))
+            queued: dict[Any, str] = {}
+            for i, batch in enumerate(batches):
                 if deadline is not None and time.monotonic() >= deadline:
                     summary.stopped_by_budget = True
                     break
                 if compiler is not None:
+                    # wait for this batch's kernels, then queue the next batch's (compiled while this one is measured)
                     try:
-                        specs = kernel_specialisations(batch, device)
-                        logger.debug("batch of %d points needs %d new kernel variant(s)", len(batch), len(specs))
-                        compiler.compile(specs, deadline)
+                        if i == 0:
+                            queued = compiler.submit(kernel_specialisations(batch, device))
+                        compiler.wait(queued, deadline)
+                        queued = {}
+                        if i + 1 < len(batches):
+                            queued = compiler.submit(kernel_specialisations(batches[i + 1], device))
                     except Exception as exc:  # e.g. a worker died and broke the pool: measure on without it
                         logger.warning("compiling ahead failed (%s); the measuring process compiles from now on", exc)
                         _close_compiler(compiler, summary)
@@ -1362,8 +1451,9 @@ def _run_sharded(
     try:
         for i, gpu in enumerate(gpu_ids):
             os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # inherited by the spawned child at start
+            mine = [p for p in points if p.tree_index % k == i]  # whole trees: a tree's configs share a GPU
             p = ctx.Process(
-                target=_shard_main, args=(i, str(out), points[i::k], dict(options), events), name=f"fasttree-gpu{i}"
+                target=_shard_main, args=(i, str(out), mine, dict(options), events), name=f"fasttree-gpu{i}"
             )
             p.start()
             procs.append(p)
@@ -1372,7 +1462,7 @@ def _run_sharded(
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
-    logger.info("profiling on %d GPUs (%s), one worker process each, every %d-th point", k, ",".join(gpu_ids), k)
+    logger.info("profiling on %d GPUs (%s), one worker process each, every %d-th tree", k, ",".join(gpu_ids), k)
     total = 0
     totals_seen = 0
     bar: _Progress | None = None
@@ -1450,7 +1540,7 @@ def profile(
     count)`` of them) so that the measuring process finds them in Triton's disk cache. No
     new point starts once ``budget_s`` is spent. A failing point is written as a failed
     record and the run goes on. With several visible GPUs (and ``device`` the generic
-    ``"cuda"``), one spawned worker process per GPU measures every k-th point, all
+    ``"cuda"``), one spawned worker process per GPU measures every k-th tree (all its configs), all
     appending to ``out``.
 
     Parameters

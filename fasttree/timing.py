@@ -16,11 +16,20 @@ import triton
 
 
 def graph_time_us(
-    fn: Callable[[], object], *, calls: int = 20, replays: int = 30, warmup: int = 3, budget_s: float = 0.25
+    fn: Callable[[], object],
+    *,
+    calls: int = 20,
+    replays: int = 30,
+    warmup: int = 3,
+    budget_s: float = 0.25,
+    max_graph_ms: float | None = None,
 ) -> dict:
     """Median, p20 and p80 of one call's GPU time (us) by CUDA-graph replay.
 
     At most ``replays`` replays (at least 5), fewer when they would exceed ``budget_s``.
+    With ``max_graph_ms``, one call is timed after the warm-up and the graph captures
+    fewer than ``calls`` calls (at least one) when they would take longer than that, so
+    slow calls are not repeated needlessly.
 
     ``fn`` must be capturable: no host synchronisation, device buffers it needs already
     allocated or allocated from the graph's pool (torch allocations inside are fine).
@@ -28,6 +37,14 @@ def graph_time_us(
     for _ in range(warmup):  # compile kernels, upload plans, settle the allocator
         fn()
     torch.cuda.synchronize()
+    if max_graph_ms is not None:
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        calls = int(max(1, min(calls, max_graph_ms // max(a.elapsed_time(b), 1e-6))))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

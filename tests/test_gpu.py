@@ -86,3 +86,18 @@ def test_same_shapes_fp16_then_bf16_use_their_own_kernels():
             torch.cuda.synchronize()
             err = _max_rel_error(out, q, k, v, tree, np.arange(tree.n_queries))
             assert err <= TOL[dtype], f"{dtype}: {err:.2e}"
+
+
+def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
+    from fasttree.timing import graph_time_us
+
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+
+    def slow():  # about 0.2-0.5 ms on an H100-class GPU
+        return x @ x
+
+    one = graph_time_us(slow, calls=4, replays=5)["median"] / 1e3  # ms per call
+    capped = graph_time_us(slow, calls=50, replays=5, max_graph_ms=3 * one)
+    assert 1 <= capped["calls_per_graph"] <= 4, capped
+    assert graph_time_us(slow, calls=50, replays=5, max_graph_ms=one / 10)["calls_per_graph"] == 1
+    assert abs(capped["median"] / 1e3 - one) < 0.3 * one, "fewer calls per graph must not change the time per call"

@@ -124,18 +124,43 @@ def test_design_is_deterministic_and_a_prefix_of_one_sequence():
     assert all(p.design_seed == 3 for p in a)
     assert len({(p.family, p.seed, p.config) for p in a}) == 300
     assert design(0, 3) == []
-    assert len(design(3, 3)) == 3  # fewer points than families: the first defaults only
+    assert len(design(3, 3)) == 3
 
 
-def test_design_starts_with_the_published_defaults_one_per_family():
-    pts = design(40, 0)
-    defaults = [p for p in pts if p.default_config]
-    assert [p.family for p in defaults] == list(TREE_FAMILIES)
-    assert pts[: len(TREE_FAMILIES)] == defaults
-    for p in defaults:
-        assert p.config == ft.FastTreeConfig()
-        assert (p.num_q_heads, p.num_kv_heads, p.head_dim, p.dtype) == (32, 8, 128, "float16")
-    assert not any(p.config == ft.FastTreeConfig() for p in pts[len(TREE_FAMILIES) :])
+def test_each_tree_is_measured_under_the_defaults_then_distinct_sampled_configs():
+    pts = design(100, 0)
+    trees = collections.defaultdict(list)
+    for p in pts:
+        trees[p.tree_index].append(p)
+    assert sorted(trees) == list(range(len(trees))) and len(trees) == math.ceil(100 / prof.CONFIGS_PER_TREE)
+    for t, group in trees.items():
+        assert [p.index for p in group] == list(range(group[0].index, group[0].index + len(group)))
+        same = {(p.family, p.seed, p.params, p.num_q_heads, p.num_kv_heads, p.head_dim, p.dtype) for p in group}
+        assert len(same) == 1, f"tree {t}: its configs must share the workload"
+        assert group[0].default_config and group[0].config == ft.FastTreeConfig()
+        rest = group[1:]
+        assert not any(p.default_config or p.config == ft.FastTreeConfig() for p in rest)
+        assert len({p.config for p in rest}) == len(rest)
+        assert len(group) == prof.CONFIGS_PER_TREE or t == len(trees) - 1
+    assert len({(p.family, p.seed) for p in pts if p.default_config}) == len(trees)
+    assert {p.family for p in pts} == set(TREE_FAMILIES)
+    three = design(9, 0, configs_per_tree=3)
+    assert [p.tree_index for p in three] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_kernel_settings_come_from_a_bounded_pool_per_gqa_ratio():
+    pts = [p for p in design(3000, 4, kernel_pool=12) if not p.default_config]
+    for g in (1, 4, 16):
+        kernels = {
+            (p.config.q_tile_queries, p.config.kv_tile, p.config.num_warps, p.config.num_stages)
+            for p in pts
+            if p.gqa == g
+        }
+        assert 6 <= len(kernels) <= 12, (g, len(kernels))
+    other = {(p.config.kv_tile, p.config.num_warps) for p in design(400, 5, kernel_pool=12) if not p.default_config}
+    assert other != {(p.config.kv_tile, p.config.num_warps) for p in pts[:400]}, "another seed, another pool"
+    planner = {(p.config.alpha, p.config.gamma, p.config.para_threshs1) for p in pts}
+    assert len(planner) == len(pts), "the planner's knobs are sampled per point, not pooled"
 
 
 @pytest.mark.parametrize("sm_count", [132, 78])
@@ -197,7 +222,8 @@ def test_heldout_design_holds_only_what_training_never_samples():
     train = design(3000, 2)
     held = design(600, 2, split="heldout")
     assert all(p.split == "train" for p in train) and all(p.split == "heldout" for p in held)
-    assert not any(p.default_config for p in held)
+    assert all(p.config == ft.FastTreeConfig() for p in held if p.default_config)
+    assert sum(p.default_config for p in held) == len({p.tree_index for p in held})
     for p in train:
         assert p.gqa != prof.HELDOUT_GQA and p.head_dim != prof.HELDOUT_HEAD_DIM and p.params == ()
     axes = collections.Counter()
@@ -235,7 +261,6 @@ def test_design_rejects_an_unknown_split():
 def test_design_restricted_to_families():
     pts = design(60, 2, families=["beam_search", "no_sharing"])
     assert {p.family for p in pts} == {"beam_search", "no_sharing"}
-    assert [p.family for p in pts[:2]] == ["beam_search", "no_sharing"]  # their defaults first
     assert design(60, 2, families=["no_sharing", "beam_search"]) == pts  # order of the list does not matter
 
 
@@ -248,6 +273,8 @@ def test_design_restricted_to_families():
         {"n": 5, "sm_count": 0},
         {"n": 5, "families": ["nope"]},
         {"n": 5, "families": []},
+        {"n": 5, "configs_per_tree": 0},
+        {"n": 5, "kernel_pool": 0},
     ],
 )
 def test_design_rejects_bad_arguments(kwargs):
@@ -263,10 +290,12 @@ def test_invalid_combinations_are_skipped_deterministically(monkeypatch):
     pts = design(400, 5)
     assert pts == design(400, 5)
     assert len(pts) == 400 and [p.index for p in pts] == list(range(400))
-    for p in pts[len(TREE_FAMILIES) :]:
+    for p in pts:
+        if p.default_config:
+            continue
         large, small = p.config.q_tile_queries
         assert large * p.gqa <= 256 and large >= small
-    assert {p.config.q_tile_queries[0] for p in pts if p.gqa == 1} == {32, 128}
+    assert {p.config.q_tile_queries[0] for p in pts if p.gqa == 1 and not p.default_config} == {32, 128}
 
 
 def test_a_search_space_without_valid_points_raises(monkeypatch):
@@ -306,7 +335,7 @@ def test_profile_writes_valid_records_with_run_metadata(tmp_path):
     assert len({m["run_id"] for m in metas}) == 1
     assert [m["design_index"] for m in metas] == list(range(25))
     assert all(m["design_seed"] == 7 for m in metas)
-    assert [m["default_config"] for m in metas] == [i < len(TREE_FAMILIES) for i in range(25)]
+    assert [m["default_config"] for m in metas] == [i % prof.CONFIGS_PER_TREE == 0 for i in range(25)]
     checked = [m["design_index"] for m in metas if m["checked"]]
     assert checked == [0, 10, 20]
     assert [r["correct"] for r in ts if r["meta"]["profiler"]["checked"]] == [True] * 3
@@ -490,7 +519,8 @@ def test_gpu_worker_processes_split_the_points_and_share_the_file(tmp_path, caps
     for r in recs:
         m = r["meta"]["profiler"]
         by_worker[m["gpu_worker"]].add(m["design_index"])
-    assert by_worker == {0: set(range(0, 24, 2)), 1: set(range(1, 24, 2))}, "worker i takes every 2nd point from i"
+    # worker i measures every 2nd tree from i, each with all its configs
+    assert by_worker == {0: {*range(0, 8), *range(16, 24)}, 1: set(range(8, 16))}
     capsys.readouterr()
     s = run(out, 30, gpus=2, progress=True)
     assert (s.measured, s.skipped) == (6, 24)
@@ -668,6 +698,7 @@ def test_compile_pool_reports_failures_and_respects_the_deadline():
         c.compile({'{"a": 1}': ("os", "no_such_function")}, deadline=time.monotonic() - 1)
         assert time.monotonic() - t0 < 5, "an expired deadline must not wait for the workers"
         assert c.compiled == 0 and c.failed in (1, 2)
+        assert c.submit({"{}": ("no_such_module_for_fasttree_tests", "kernel")}) == {}, "submitted once only"
     finally:
         c.close()
     error, seconds = prof._compile_worker("os", "getcwd", "{}")  # os.getcwd has no preload: a clean error
@@ -684,9 +715,13 @@ class FakeCompiler:
         self.compiled = self.failed = 0
         self.seconds = 0.5
 
-    def compile(self, specs, deadline):
+    def submit(self, specs):
         self.events.append(("compile", sorted(specs)))
         self.compiled += len(specs)
+        return sorted(specs)
+
+    def wait(self, submitted, deadline):
+        self.events.append(("wait", submitted))
 
     def close(self):
         self.events.append(("close",))
@@ -711,13 +746,17 @@ def test_each_batch_is_compiled_ahead_before_it_is_measured(tmp_path, monkeypatc
         prof, "kernel_specialisations", lambda batch, device: {f"s{p.index}": ("m", "k") for p in batch}
     )
     s = run(tmp_path / "t.jsonl", 10, precompile=True, batch_size=4, compile_workers=3, measure=measure)
+    # batch k+1's kernels are queued before batch k is measured, and waited for before it is measured
     assert events == [
         ("init", 3),
         ("compile", ["s0", "s1", "s2", "s3"]),
-        *[("measure", i) for i in range(4)],
+        ("wait", ["s0", "s1", "s2", "s3"]),
         ("compile", ["s4", "s5", "s6", "s7"]),
-        *[("measure", i) for i in range(4, 8)],
+        *[("measure", i) for i in range(4)],
+        ("wait", ["s4", "s5", "s6", "s7"]),
         ("compile", ["s8", "s9"]),
+        *[("measure", i) for i in range(4, 8)],
+        ("wait", ["s8", "s9"]),
         ("measure", 8),
         ("measure", 9),
         ("close",),
@@ -745,9 +784,9 @@ def test_a_failing_compile_step_falls_back_to_compiling_in_the_measuring_process
     assert events == [
         ("init", prof.default_compile_workers()),
         ("compile", ["s"]),
-        *[("measure", i) for i in range(3)],
-        ("close",),
-        *[("measure", i) for i in range(3, 8)],
+        ("wait", ["s"]),
+        ("close",),  # discovering the second batch's kernels failed: no more compiling ahead
+        *[("measure", i) for i in range(8)],
     ]
     assert "compiling ahead failed (BrokenProcessPool (fake))" in caplog.text
 
