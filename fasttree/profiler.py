@@ -2,13 +2,15 @@
 
 Three layers, each usable on its own:
 
-* **Design** -- :func:`design` draws ``n`` :class:`DesignPoint`\\ s from a scrambled Sobol'
-  sequence (``scipy.stats.qmc``) over the tuner's search space: tree family and seed, GQA
-  ratio and heads, head dim, dtype, and every :class:`~fasttree.config.FastTreeConfig`
-  knob (query and KV tiles, split sizes, parallelism thresholds, the cost weights
-  alpha/beta/gamma, warps and stages per tile class). The published defaults come first,
-  one point per family. A design is a prefix of its sequence: ``design(n2, seed)`` starts
-  with ``design(n1, seed)`` for ``n1 < n2``, so a longer run extends a shorter one.
+* **Design** -- :func:`design` crosses trees with configs. Trees come from a scrambled
+  Sobol' sequence (``scipy.stats.qmc``) over tree family and seed, GQA ratio and heads,
+  head dim and dtype; each is measured under :data:`CONFIGS_PER_TREE` configs, the
+  published defaults first, then configs sampled over every
+  :class:`~fasttree.config.FastTreeConfig` knob (query and KV tiles, warps and stages per
+  tile class from a per-GQA pool of :data:`KERNEL_POOL` settings; split sizes,
+  parallelism thresholds, the cost weights alpha/beta/gamma and packing drawn per
+  point). A design is a prefix of its sequence: ``design(n2, seed)`` starts with
+  ``design(n1, seed)`` for ``n1 < n2``, so a longer run extends a shorter one.
 * **Measurement** -- :func:`measure_point` builds the tree, plans it, times the kernels by
   CUDA-graph replay and eagerly, optionally checks the output against the float64
   reference, and returns a trace record (:func:`fasttree.traces.measurement_record`). Any
@@ -17,8 +19,9 @@ Three layers, each usable on its own:
 * **Driver** -- :func:`profile` appends records to a ``.jsonl`` trace file with
   :class:`~fasttree.traces.TraceWriter`, skips points whose key the file already holds
   (resume), compiles the Triton kernels a batch of points needs in parallel worker
-  processes first, stops starting points when a time budget is spent, shows a progress
-  bar, and runs one worker process per visible GPU when there are several.
+  processes while the batch before it is measured, stops starting points when a time
+  budget is spent, shows a progress bar, and runs one worker process per visible GPU
+  when there are several.
 
 The command line is ``fasttree-tune profile`` (:mod:`fasttree.cli`). scipy and tqdm (the
 ``profile`` extra) are imported inside the functions that need them, never by
