@@ -22,7 +22,10 @@ import triton.language as tl
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+# unit_offset (0 for the first tile class, its unit count for the second) and stride_ln (the
+# query-head count) only feed scalar address arithmetic: not specialising them on their value
+# halves the compiled variants of a config and costs nothing.
+@triton.jit(do_not_specialize=["unit_offset", "stride_ln"])
 def tree_attention_units_kernel(
     Q,  # [n_queries, Hq, D], fp16/bf16
     K,  # [pool_slots, Hkv, D]
