@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import fasttree
+from fasttree.fileio import write_atomic  # noqa: F401 (the bench scripts import it from here)
 from fasttree.profiler import git_commit
 
 ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
@@ -58,23 +57,6 @@ def environment(*, gpu: bool = False) -> dict[str, Any]:
             triton=triton.__version__,
         )
     return env
-
-
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def load_anchors() -> dict[str, Any]:

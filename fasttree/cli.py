@@ -6,6 +6,10 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
   visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.profiler.profile`).
 * ``traces`` -- validate trace files and summarise them: lines per split, family and
   status, profiling rate, spread of repeat measurements (:mod:`fasttree.trace_stats`).
+* ``fit`` -- fit the learned latency model on measurement traces and save it as JSON
+  (:mod:`fasttree.costmodel`; needs scikit-learn).
+* ``evaluate`` -- held-out metrics of a saved model on other traces, or group k-fold by
+  tree family on one set, side by side with the simulator and the published cost.
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
 the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming
@@ -241,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-invalid", action="store_true", help="skip bad lines (counted and listed) instead of stopping"
     )
     t.set_defaults(func=_cmd_traces, subparser=t)
+
+    from .cli_costmodel import add_costmodel_commands
+
+    add_costmodel_commands(sub, [_common_options(suppress=True)])
     return parser
 
 

@@ -1,0 +1,213 @@
+"""Training and evaluation data of the latency model: measurement traces -> feature matrix.
+
+Every ``status: "ok"`` measurement is re-planned with the library's planner (its tree,
+heads and config), turned into a feature row (:mod:`fasttree.costmodel.features`), and
+labelled with its graph-replay median time. Rows carry the tree family (the group of
+group k-fold), a tree id (the same tree, heads, head dim and dtype measured under
+several configs share one: the unit of the per-tree rank metrics) and the split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fasttree.config import FastTreeConfig
+from fasttree.traces import decode_tree, read_traces
+
+from .features import FEATURE_NAMES, features_of_plan, published_cost
+from .gpu import GpuSpec, gpu_spec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Dataset", "load_dataset", "record_features", "record_plan", "tree_id"]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Feature rows of measured plans.
+
+    Attributes
+    ----------
+    X : ndarray, float64 [n, len(FEATURE_NAMES)]
+    y_us : ndarray, float64 [n]
+        Measured GPU time (graph-replay median, microseconds).
+    family : ndarray, str [n]
+        Tree family of each row.
+    tree : ndarray, str [n]
+        Tree id (:func:`tree_id`).
+    split : ndarray, str [n]
+        ``meta.split`` of the line (``"unmarked"`` when absent).
+    default_config : ndarray, bool [n]
+        Whether the row measured the published defaults.
+    published_cost : ndarray, float64 [n]
+        The published planner's cost of the plan (:func:`~fasttree.costmodel.features.published_cost`).
+    keys : ndarray, str [n]
+        Measurement keys.
+    gpu : GpuSpec
+        The one GPU of the set.
+    trace_hash : str
+        SHA-256 over the sorted measurement keys (identifies the trace set).
+    """
+
+    X: np.ndarray
+    y_us: np.ndarray
+    family: np.ndarray
+    tree: np.ndarray
+    split: np.ndarray
+    default_config: np.ndarray
+    published_cost: np.ndarray
+    keys: np.ndarray
+    gpu: GpuSpec
+    trace_hash: str
+
+    def __len__(self) -> int:
+        return int(self.y_us.size)
+
+    def subset(self, mask: np.ndarray) -> Dataset:
+        """Rows where ``mask`` (bool [n] or indices) selects."""
+        return Dataset(
+            X=self.X[mask],
+            y_us=self.y_us[mask],
+            family=self.family[mask],
+            tree=self.tree[mask],
+            split=self.split[mask],
+            default_config=self.default_config[mask],
+            published_cost=self.published_cost[mask],
+            keys=self.keys[mask],
+            gpu=self.gpu,
+            trace_hash=self.trace_hash,
+        )
+
+
+def tree_id(record: dict[str, Any]) -> str:
+    """Id shared by the measurements of one tree with one heads/head-dim/dtype setting."""
+    w = record["workload"]
+    ident = [w["family"], w.get("seed"), w.get("params"), w["tree"], record["num_q_heads"], record["num_kv_heads"]]
+    ident += [record["head_dim"], record["dtype"]]
+    return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_plan(record: dict[str, Any]):
+    """Re-plan one measurement record with the library's planner (its tree, heads and config)."""
+    import fasttree as ft
+
+    return ft.plan(
+        decode_tree(record["workload"]["tree"]),
+        FastTreeConfig.from_dict(record["config"]),
+        num_q_heads=record["num_q_heads"],
+        num_kv_heads=record["num_kv_heads"],
+        head_dim=record["head_dim"],
+    )
+
+
+def record_features(record: dict[str, Any], gpu: GpuSpec | None = None) -> np.ndarray:
+    """Feature row (float64 [len(FEATURE_NAMES)]) of one measurement record (re-planned).
+
+    Parameters
+    ----------
+    record : dict
+        A valid measurement record.
+    gpu : GpuSpec, optional
+        Default: :func:`gpu_spec` of the record's ``env``.
+    """
+    return features_of_plan(record_plan(record), gpu_spec(record["env"]) if gpu is None else gpu)
+
+
+def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    spec = GpuSpec.from_dict(gpu)
+    X = np.empty((len(records), len(FEATURE_NAMES)))
+    cost = np.empty(len(records))
+    for i, r in enumerate(records):
+        plan = record_plan(r)
+        X[i] = features_of_plan(plan, spec)
+        cost[i] = published_cost(plan)
+    return X, cost
+
+
+def _is_default(record: dict[str, Any]) -> bool:
+    info = (record.get("meta") or {}).get("profiler") or {}
+    return bool(info.get("default_config")) if isinstance(info, dict) else False
+
+
+def _default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def load_dataset(
+    paths: str | os.PathLike | list[str | os.PathLike],
+    *,
+    skip_invalid: bool = False,
+    workers: int | None = None,
+    min_rows: int = 1,
+) -> Dataset:
+    """Read measurement traces and build their :class:`Dataset`.
+
+    Parameters
+    ----------
+    paths : path or list of paths
+        Trace files or folders (``*.jsonl``, ``*.jsonl.gz`` below them).
+    skip_invalid : bool
+        Skip (and log) invalid lines instead of raising.
+    workers : int, optional
+        Processes that re-plan the records (default ``min(8, cpu count)``; 1: in this process).
+    min_rows : int
+        Fewest ``ok`` measurements the set must hold.
+
+    Returns
+    -------
+    Dataset
+
+    Raises
+    ------
+    ValueError
+        On an invalid line (unless ``skip_invalid``), fewer than ``min_rows`` ok
+        measurements, measurements of several GPUs, or a GPU without facts.
+    """
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise ValueError("no trace paths given")
+    ts = read_traces([Path(p) for p in paths], kind="measurement", skip_invalid=skip_invalid)
+    for file, line, reason in ts.invalid:
+        logger.warning("%s:%s: skipped: %s", file, line, reason)
+    # one measurement per key (a key measured again, e.g. to gauge the spread, counts once: the first)
+    records = list({r["key"]: r for r in reversed(ts.records) if r["status"] == "ok"}.values())[::-1]
+    if len(records) < min_rows:
+        raise ValueError(f"{', '.join(map(str, paths))}: {len(records)} ok measurements, need at least {min_rows}")
+    gpus = sorted({r["env"]["gpu_name"] for r in records})
+    if len(gpus) != 1:
+        raise ValueError(f"the traces mix GPUs {gpus}: fit or evaluate one GPU at a time")
+    gpu = gpu_spec(records[0]["env"])
+    workers = _default_workers() if workers is None else max(1, int(workers))
+    if workers == 1 or len(records) < 256:
+        X, cost = _features_chunk(records, gpu.to_dict())
+    else:
+        chunks = [records[i::workers] for i in range(workers)]
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(_features_chunk, chunks, [gpu.to_dict()] * workers))
+        X = np.empty((len(records), len(FEATURE_NAMES)))
+        cost = np.empty(len(records))
+        for i, (part, part_cost) in enumerate(parts):
+            X[i::workers] = part
+            cost[i::workers] = part_cost
+    keys = np.array([r["key"] for r in records])
+    return Dataset(
+        X=X,
+        y_us=np.array([float(r["timing"]["graph_us"]["median"]) for r in records]),
+        family=np.array([r["workload"]["family"] for r in records]),
+        tree=np.array([tree_id(r) for r in records]),
+        split=np.array([str((r.get("meta") or {}).get("split", "unmarked")) for r in records]),
+        default_config=np.array([_is_default(r) for r in records]),
+        published_cost=cost,
+        keys=keys,
+        gpu=gpu,
+        trace_hash=hashlib.sha256("\n".join(sorted(keys.tolist())).encode()).hexdigest(),
+    )

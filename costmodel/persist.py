@@ -1,0 +1,172 @@
+"""Saving and loading a fitted :class:`~fasttree.costmodel.model.LatencyModel` as JSON (never pickle).
+
+The file holds the estimator (:mod:`fasttree.costmodel.serialize`, validated before
+anything is built) and the metadata that decides whether the model may be used: the GPU
+it was fitted for, the feature schema, the trace set it was fitted on and the library
+versions. :func:`load_model` refuses a model for another GPU or feature schema unless
+``force`` is given.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import fasttree
+from fasttree.fileio import write_atomic
+
+from .features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
+from .gpu import GpuSpec
+from .model import LatencyModel
+from .serialize import estimator_from_dict, estimator_to_dict
+
+__all__ = ["MODEL_FORMAT", "MODEL_FORMAT_VERSION", "ModelFileError", "load_model", "save_model"]
+
+MODEL_FORMAT = "fasttree-latency-model"
+MODEL_FORMAT_VERSION = 1
+#: Largest model file read (bytes).
+MAX_MODEL_BYTES = 2 * 2**30
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be used here: malformed, or for another GPU or feature schema."""
+
+
+def save_model(
+    path: str | os.PathLike,
+    model: LatencyModel,
+    *,
+    gpu: GpuSpec,
+    trace_hash: str,
+    trace_rows: int,
+    trace_paths: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write a fitted model and its metadata to ``path`` (JSON, atomically).
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Destination file (conventionally ``*.json``).
+    model : LatencyModel
+        A fitted model.
+    gpu : GpuSpec
+        The GPU its traces were measured on.
+    trace_hash : str
+        :attr:`fasttree.costmodel.dataset.Dataset.trace_hash` of the training set.
+    trace_rows : int
+        Training rows.
+    trace_paths : list of str, optional
+        Where the traces came from (informational).
+    extra : dict, optional
+        More JSON-ready metadata (e.g. evaluation results).
+    overwrite : bool
+        Replace an existing file (otherwise that is a ``FileExistsError``).
+
+    Returns
+    -------
+    dict
+        The metadata written (everything but the estimator).
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; choose another path or overwrite it explicitly")
+    if not hasattr(model, "estimator_"):
+        raise ValueError("the model is not fitted")
+    import sklearn
+
+    meta = {
+        "format": MODEL_FORMAT,
+        "format_version": MODEL_FORMAT_VERSION,
+        "feature_schema_version": FEATURE_SCHEMA_VERSION,
+        "feature_names": list(FEATURE_NAMES),
+        "gpu": gpu.to_dict(),
+        "trace_set": {"sha256": trace_hash, "rows": int(trace_rows), "paths": list(trace_paths or [])},
+        "versions": {"fasttree": fasttree.__version__, "scikit-learn": sklearn.__version__, "numpy": np.__version__},
+        "created_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "model_params": model.get_params(),
+        "extra": extra or {},
+    }
+    doc = {**meta, "estimator": estimator_to_dict(model.estimator_)}
+    write_atomic(path, json.dumps(doc, sort_keys=True, allow_nan=False) + "\n")
+    return meta
+
+
+def load_model(
+    path: str | os.PathLike, *, gpu_name: str | None = None, force: bool = False
+) -> tuple[LatencyModel, dict[str, Any]]:
+    """Read a model written by :func:`save_model`.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    gpu_name : str, optional
+        The GPU the caller will predict for; a model fitted for another GPU is refused.
+    force : bool
+        Accept a model for another GPU or feature schema (its predictions are then
+        extrapolations, or wrong).
+
+    Returns
+    -------
+    model : LatencyModel
+        Fitted, ready to predict.
+    meta : dict
+        The file's metadata (everything but the estimator).
+
+    Raises
+    ------
+    ModelFileError
+        On a malformed file, another format, or (without ``force``) another GPU or
+        feature schema.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_MODEL_BYTES:
+        raise ModelFileError(f"{path}: {size} bytes, larger than any model this library writes")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelFileError(f"{path}: not a JSON model file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
+        raise ModelFileError(f"{path}: not a {MODEL_FORMAT} file")
+    if doc.get("format_version") != MODEL_FORMAT_VERSION:
+        raise ModelFileError(
+            f"{path}: model format version {doc.get('format_version')!r}, this library reads {MODEL_FORMAT_VERSION}"
+        )
+    meta = {k: v for k, v in doc.items() if k != "estimator"}
+    problems = []
+    if doc.get("feature_schema_version") != FEATURE_SCHEMA_VERSION or doc.get("feature_names") != list(FEATURE_NAMES):
+        problems.append(
+            f"it uses feature schema {doc.get('feature_schema_version')!r}, this library computes "
+            f"{FEATURE_SCHEMA_VERSION} (refit it on the traces)"
+        )
+    try:
+        gpu = GpuSpec.from_dict(doc.get("gpu"))
+    except (TypeError, ValueError) as exc:
+        raise ModelFileError(f"{path}: bad gpu entry ({exc})") from None
+    if gpu_name is not None and gpu.name != gpu_name:
+        problems.append(f"it was fitted on {gpu.name!r} traces, not {gpu_name!r}")
+    if problems and not force:
+        raise ModelFileError(f"{path}: " + "; ".join(problems) + " (force=True / --force uses it anyway)")
+    params = doc.get("model_params")
+    if not isinstance(params, dict):
+        raise ModelFileError(f"{path}: model_params must be an object")
+    try:
+        model = LatencyModel(**params)
+        estimator = estimator_from_dict(doc.get("estimator"))
+    except (TypeError, ValueError) as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
+    expected = type(model._make_estimator())
+    if type(estimator) is not expected:
+        raise ModelFileError(f"{path}: a {params.get('kind')!r} model holds a {type(estimator).__name__}")
+    if estimator.n_features_in_ != len(FEATURE_NAMES) and not force:
+        raise ModelFileError(f"{path}: the estimator takes {estimator.n_features_in_} features")
+    model.estimator_ = estimator
+    model.n_features_in_ = estimator.n_features_in_
+    return model, meta

@@ -1,0 +1,209 @@
+"""Analytic GPU simulator of one tree-attention call: the baseline the learned model must beat.
+
+For each tile class (one launch of ``U_c x Hkv`` programs) and the merge pass:
+
+1. **Occupancy.** Programs resident per SM, limited by warps (``max_warps_per_sm //
+   num_warps``), shared memory (``num_stages`` K and V tiles plus the query tile) and
+   the per-SM block limit.
+2. **Program cost.** A program's SM time is the largest of its memory time (bytes over
+   the SM's share of DRAM bandwidth, ``eff_bw * hbm / sm_count``; a program on a
+   half-empty GPU may draw up to ``sm_bw_boost`` shares), its tensor time (padded
+   flops over ``eff_flops * tensor_flops / sm_count``) and its latency
+   (``c_prog_us + c_iter_us * iterations``, divided by the occupancy since resident
+   programs overlap their latencies).
+3. **Schedule.** Programs, longest first, are list-scheduled onto the SMs (each goes to
+   the least loaded SM; past :data:`_EXACT_ROUNDS` rounds the rest is spread evenly):
+   the class's time is the most loaded SM (waves and the tail of one long unit).
+4. **Total.** Class times plus the merge's (one program per merged query and head block,
+   fp32 partial traffic plus ``c_merge_us`` per program), plus ``c_launch_us`` per launch.
+
+The constants in :class:`SimParams` are physical guesses. Reported on its own, the
+simulator gets a two-parameter calibration on the training traces (a line in log-log
+space, :class:`fasttree.costmodel.evaluate.SimulatorBaseline`); the learned model uses its
+outputs as features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from .gpu import GpuSpec
+from .work import ClassWork, MergeWork, PlanWork
+
+__all__ = ["SimParams", "SimResult", "makespan", "occupancy", "simulate"]
+
+#: Rounds of exact list scheduling (``sm_count`` programs each) before the rest is spread evenly.
+_EXACT_ROUNDS = 64
+
+
+@dataclass(frozen=True)
+class SimParams:
+    """Constants of the simulator (times in microseconds).
+
+    Attributes
+    ----------
+    eff_bw : float
+        Achievable fraction of the DRAM bandwidth.
+    eff_flops : float
+        Achievable fraction of the tensor-core rate.
+    sm_bw_boost : float
+        How many SM shares of bandwidth one program may draw when few programs run.
+    c_prog_us : float
+        Fixed latency of one program (prologue, query load, epilogue).
+    c_iter_us : float
+        Latency of one inner-loop KV tile (index load, gathered K/V loads, two MMAs).
+    c_merge_us : float
+        Latency of one merge program.
+    c_launch_us : float
+        Cost of one kernel launch inside a CUDA graph.
+    """
+
+    eff_bw: float = 0.8
+    eff_flops: float = 0.5
+    sm_bw_boost: float = 4.0
+    c_prog_us: float = 1.5
+    c_iter_us: float = 0.25
+    c_merge_us: float = 1.0
+    c_launch_us: float = 2.0
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> SimParams:
+        """Inverse of :meth:`to_dict`; unknown keys or non-positive values are a ``ValueError``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"simulator parameters must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown simulator parameters {sorted(unknown)}")
+        for k, v in d.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v <= 0:
+                raise ValueError(f"simulator parameter {k} must be a positive finite number, got {v!r}")
+        return cls(**{k: float(v) for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Simulated time of one call (microseconds) and how it splits.
+
+    Attributes
+    ----------
+    total_us : float
+    class_us : tuple of float
+        Time of each tile class's launch (0 when empty).
+    merge_us : float
+    launch_us : float
+    occupancy : tuple of int
+        Resident programs per SM of each class.
+    waves : tuple of float
+        Programs per (SM x occupancy) of each class.
+    mem_us, tensor_us, latency_us : float
+        Sums over the launches of the GPU-wide memory, tensor and latency bounds (the
+        three parts of the programs' cost, spread over all SMs).
+    """
+
+    total_us: float
+    class_us: tuple[float, float]
+    merge_us: float
+    launch_us: float
+    occupancy: tuple[int, int]
+    waves: tuple[float, float]
+    mem_us: float
+    tensor_us: float
+    latency_us: float
+
+
+def occupancy(work: ClassWork, gpu: GpuSpec, head_dim: int, elem_bytes: int) -> int:
+    """Programs of a tile class resident per SM (at least 1)."""
+    by_warps = gpu.max_warps_per_sm // max(1, work.num_warps)
+    smem = (max(1, work.num_stages) * work.block_n * 2 + work.block_m) * head_dim * elem_bytes
+    by_smem = gpu.smem_per_sm // max(1, smem)
+    return int(max(1, min(by_warps, by_smem, gpu.max_programs_per_sm)))
+
+
+def makespan(costs: np.ndarray, machines: int) -> float:
+    """Most loaded of ``machines`` after list-scheduling ``costs`` (any order; longest first is used)."""
+    if costs.size == 0:
+        return 0.0
+    c = np.sort(costs)[::-1]
+    if c.size <= machines:
+        return float(c[0])
+    loads = np.zeros(machines)
+    rounds = min(-(-c.size // machines), _EXACT_ROUNDS)
+    for r in range(rounds):
+        chunk = c[r * machines : (r + 1) * machines]
+        loads = np.sort(loads)
+        loads[: chunk.size] += chunk  # the longest of the round to the least loaded SM
+    rest = c[rounds * machines :]
+    if rest.size:
+        loads = np.sort(loads)
+        total = loads.sum() + rest.sum()
+        return float(max(loads[-1], total / machines))
+    return float(loads.max())
+
+
+def _class_time(work: ClassWork, gpu: GpuSpec, p: SimParams, head_dim: int, elem: int, hkv: int):
+    if work.programs == 0:
+        return 0.0, 1, 0.0, 0.0, 0.0, 0.0
+    occ = occupancy(work, gpu, head_dim, elem)
+    sms = gpu.sm_count
+    bw_share = p.eff_bw * gpu.hbm_bytes_per_s / sms  # bytes/s of one SM when all stream
+    fl_share = p.eff_flops * gpu.tensor_flops / sms
+    active = min(work.programs, sms)
+    boost = min(p.sm_bw_boost, sms / active)
+    iters = np.repeat(work.prog_iterations.astype(np.float64), hkv)
+    # spread the class's bytes and flops over its programs in proportion to their tiles
+    share = iters / max(iters.sum(), 1.0)
+    mem = work.bytes * share / (bw_share * boost) * 1e6
+    tensor = work.flops * share / fl_share * 1e6
+    latency = (p.c_prog_us + p.c_iter_us * iters) / occ
+    cost = np.maximum(np.maximum(mem, tensor), latency)
+    t = makespan(cost, sms)
+    return t, occ, work.programs / (sms * occ), mem.sum() / sms, tensor.sum() / sms, latency.sum() / sms
+
+
+def _merge_time(m: MergeWork, gpu: GpuSpec, p: SimParams) -> float:
+    if m.programs == 0:
+        return 0.0
+    bw = p.eff_bw * gpu.hbm_bytes_per_s
+    per_prog_latency = p.c_merge_us * (1.0 + m.partials / max(m.queries, 1) / 8.0)
+    occ = 16  # 4-warp programs with no shared memory to speak of
+    latency = m.programs * per_prog_latency / (gpu.sm_count * occ)
+    return float(max(m.bytes / bw * 1e6, latency, p.c_merge_us))
+
+
+def simulate(work: PlanWork, gpu: GpuSpec, params: SimParams | None = None) -> SimResult:
+    """Simulated GPU time of one call of the plan whose work is ``work``.
+
+    Parameters
+    ----------
+    work : PlanWork
+        :func:`fasttree.costmodel.work.plan_work` of the plan.
+    gpu : GpuSpec
+    params : SimParams, optional
+        Defaults: :class:`SimParams` ``()``.
+
+    Returns
+    -------
+    SimResult
+    """
+    p = SimParams() if params is None else params
+    parts = [_class_time(c, gpu, p, work.head_dim, work.elem_bytes, work.num_kv_heads) for c in work.classes]
+    merge_us = _merge_time(work.merge, gpu, p)
+    launch_us = p.c_launch_us * work.launches
+    class_us = (parts[0][0], parts[1][0])
+    return SimResult(
+        total_us=float(sum(class_us) + merge_us + launch_us),
+        class_us=class_us,
+        merge_us=merge_us,
+        launch_us=launch_us,
+        occupancy=(parts[0][1], parts[1][1]),
+        waves=(parts[0][2], parts[1][2]),
+        mem_us=float(parts[0][3] + parts[1][3]),
+        tensor_us=float(parts[0][4] + parts[1][4]),
+        latency_us=float(parts[0][5] + parts[1][5]),
+    )

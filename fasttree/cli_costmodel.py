@@ -1,0 +1,178 @@
+"""``fasttree-tune fit`` and ``fasttree-tune evaluate``: the latency model's subcommands.
+
+scikit-learn is imported only when one of them runs (``pip install -e '.[costmodel]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any
+
+__all__ = ["add_costmodel_commands"]
+
+logger = logging.getLogger("fasttree.cli")
+
+_KEYS = ("n", "mape", "p90_ape", "mean_kendall_tau", "top1_score", "top5_score", "a_peak@1", "n_trees")
+_RANK_KEYS = ("mean_kendall_tau", "top1_score", "top5_score", "a_peak@1", "n_trees")
+
+
+def _trace_inputs() -> argparse.ArgumentParser:
+    """Options shared by the subcommands that read measurement traces."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("traces")
+    g.add_argument("paths", nargs="+", metavar="TRACES", help="measurement trace files or folders")
+    g.add_argument("--skip-invalid", action="store_true", help="skip bad lines (logged) instead of stopping")
+    g.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="processes that re-plan the traces (default: cpus, <= 8)"
+    )
+    return p
+
+
+def _model_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--kind", choices=("gbrt", "forest", "residual"), default="residual", help="regressor (default residual)"
+    )
+    g.add_argument("--n-estimators", type=int, default=400, metavar="N", help="trees (default 400)")
+    g.add_argument("--max-depth", type=int, default=6, metavar="D", help="tree depth (default 6)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    return p
+
+
+def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """Add ``fit`` and ``evaluate`` to the ``fasttree-tune`` subparsers ``sub``."""
+    f = sub.add_parser(
+        "fit",
+        help="fit the learned latency model on measurement traces",
+        description="Re-plan every ok measurement of TRACES (one GPU), compute its plan features and the "
+        "simulator's estimate, fit the latency model on log time, and save it with its metadata (GPU, "
+        "feature schema, trace-set hash, library versions) as JSON.",
+        parents=[*common, _trace_inputs(), _model_options()],
+    )
+    f.add_argument("-o", "--out", required=True, metavar="MODEL", help="model file to write (.json)")
+    f.add_argument("--overwrite", action="store_true", help="replace MODEL if it exists")
+    f.set_defaults(func=_cmd_fit, subparser=f)
+
+    e = sub.add_parser(
+        "evaluate",
+        help="held-out metrics of the latency model, the simulator and the published cost",
+        description="With --model: predict TRACES (a held-out set) with a saved model and compare it with the "
+        "simulator (calibrated on the model's training traces) and the published planner's cost (ranks "
+        "only). Without --model: group k-fold by tree family on TRACES, fitting a model per fold. Prints "
+        "MAPE, p90 error, mean per-tree Kendall tau and top-k scores.",
+        parents=[*common, _trace_inputs(), _model_options()],
+    )
+    e.add_argument("--model", metavar="MODEL", help="a model written by 'fasttree-tune fit'")
+    e.add_argument("--folds", type=int, default=5, metavar="K", help="folds without --model (default 5)")
+    e.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
+    e.add_argument("--json", metavar="PATH", help="also write the metrics as JSON")
+    e.set_defaults(func=_cmd_evaluate, subparser=e)
+
+
+def _load(args: argparse.Namespace):
+    from fasttree.costmodel.dataset import load_dataset
+    from fasttree.traces import TraceError
+
+    t0 = time.perf_counter()
+    try:
+        data = load_dataset(args.paths, skip_invalid=args.skip_invalid, workers=args.workers)
+    except (TraceError, ValueError, OSError) as exc:
+        args.subparser.error(str(exc))
+    logger.info("%d measurements of %s re-planned in %.1f s", len(data), data.gpu.name, time.perf_counter() - t0)
+    return data
+
+
+def _make_model(args: argparse.Namespace):
+    from fasttree.costmodel.model import LatencyModel
+
+    return LatencyModel(
+        kind=args.kind, n_estimators=args.n_estimators, max_depth=args.max_depth, random_state=args.seed
+    )
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fasttree.costmodel.evaluate import SimulatorBaseline, prediction_metrics
+    from fasttree.costmodel.persist import save_model
+
+    if Path(args.out).exists() and not args.overwrite:
+        args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
+    data = _load(args)
+    t0 = time.perf_counter()
+    model = _make_model(args).fit(data.X, data.y_us)
+    fit_s = time.perf_counter() - t0
+    sim = SimulatorBaseline().fit(data.X, data.y_us)
+    train = prediction_metrics(model.predict(data.X), data)
+    extra = {
+        "fit_seconds": round(fit_s, 2),
+        "training_metrics": {k: train[k] for k in _KEYS if k in train},
+        "simulator_baseline": {"coef": [float(c) for c in sim.coef_]},
+    }
+    save_model(
+        args.out,
+        model,
+        gpu=data.gpu,
+        trace_hash=data.trace_hash,
+        trace_rows=len(data),
+        trace_paths=[str(p) for p in args.paths],
+        extra=extra,
+        overwrite=args.overwrite,
+    )
+    print(f"{args.out}: {args.kind} model of {len(data)} measurements ({data.gpu.name}), fitted in {fit_s:.1f} s")
+    print(f"training fit (not a held-out score): MAPE {train['mape']:.3f}, tau {train['mean_kendall_tau']:.3f}")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from fasttree.costmodel.evaluate import (
+        SimulatorBaseline,
+        cross_validated_predictions,
+        prediction_metrics,
+        rank_only_metrics,
+    )
+    from fasttree.costmodel.metrics import evaluation_table
+    from fasttree.costmodel.persist import ModelFileError, load_model
+    from fasttree.fileio import write_atomic
+
+    rows: list[tuple[str, dict[str, float]]] = []
+    if args.model:
+        try:
+            model, meta = load_model(args.model, force=args.force)
+        except (ModelFileError, OSError) as exc:
+            args.subparser.error(str(exc))
+        data = _load(args)
+        if data.gpu.name != meta["gpu"]["name"] and not args.force:
+            args.subparser.error(f"the model is for {meta['gpu']['name']!r}, the traces are {data.gpu.name!r}")
+        if meta.get("trace_set", {}).get("sha256") == data.trace_hash:
+            logger.warning("these are the model's own training traces: the numbers are not held-out scores")
+        try:
+            sim = SimulatorBaseline.from_coef(meta["extra"]["simulator_baseline"]["coef"])
+        except (KeyError, TypeError, ValueError) as exc:
+            args.subparser.error(f"{args.model}: no usable simulator calibration ({exc})")
+        rows.append(("simulator", prediction_metrics(sim.predict(data.X), data)))
+        rows.append((f"learned ({meta['model_params']['kind']})", prediction_metrics(model.predict(data.X), data)))
+    else:
+        data = _load(args)
+        done = []
+
+        def progress(i: int) -> None:
+            done.append(i)
+            logger.info("fold %d/%d done", len(done), args.folds)
+
+        try:
+            sim_pred = cross_validated_predictions(SimulatorBaseline, data, n_splits=args.folds)
+            pred = cross_validated_predictions(lambda: _make_model(args), data, n_splits=args.folds, on_fold=progress)
+        except ValueError as exc:
+            args.subparser.error(str(exc))
+        rows.append(("simulator", prediction_metrics(sim_pred, data)))
+        rows.append((f"learned ({args.kind})", prediction_metrics(pred, data)))
+    rows.append(("published cost (ranks)", rank_only_metrics(data.published_cost, data)))
+    print(evaluation_table(rows, list(_KEYS)))
+    if args.json:
+        write_atomic(args.json, json.dumps({name: m for name, m in rows}, indent=1, default=float) + "\n")
+    return 0

@@ -1,0 +1,354 @@
+"""Cost model on the CPU: work counts, simulator, features, the estimator, datasets from traces, evaluation."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+
+import fasttree as ft
+import fasttree.profiler as prof
+from fasttree.costmodel.dataset import load_dataset, record_features, tree_id
+from fasttree.costmodel.evaluate import (
+    SimulatorBaseline,
+    cross_validated_predictions,
+    prediction_metrics,
+    rank_only_metrics,
+)
+from fasttree.costmodel.features import FEATURE_NAMES, SIM_TOTAL, features_of_plan, published_cost
+from fasttree.costmodel.gpu import KNOWN_GPUS, GpuSpec, gpu_spec
+from fasttree.costmodel.model import LatencyModel
+from fasttree.costmodel.simulator import SimParams, makespan, simulate
+from fasttree.costmodel.work import MERGE_HEADS, plan_work
+from fasttree.traces import TraceWriter, measurement_record, read_traces
+
+H200 = KNOWN_GPUS["NVIDIA H200"]
+ENV = {
+    "gpu_name": "NVIDIA H200",
+    "gpu_sm_count": 132,
+    "compute_capability": "9.0",
+    "memory_clock_mhz": 3201,
+    "driver": "0.0",
+    "torch": "0",
+    "triton": "0",
+    "fasttree": ft.__version__,
+    "git_commit": None,
+}
+
+
+def forest() -> ft.KVTree:
+    # two roots; queries at leaves and at an internal node; a 1-token node
+    parents = [-1, 0, 0, 1, 1, -1, 5, 5]
+    lengths = [700, 90, 1, 40, 33, 300, 17, 250]
+    queries = [3, 3, 4, 2, 1, 6, 7, 7, 7, 5]
+    return ft.KVTree.from_lengths(parents, lengths, queries)
+
+
+def plan_of(tree, config=None, hq=32, hkv=8, d=128):
+    return ft.plan(tree, config or ft.FastTreeConfig(), num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+
+
+# ------------------------------------------------------------------ work
+@pytest.mark.parametrize("pack_tokens", [0, 1024])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 32), (32, 8), (16, 1)])
+def test_plan_work_counts_what_the_plan_launches(pack_tokens, hq, hkv):
+    tree = forest()
+    plan = plan_of(tree, ft.FastTreeConfig(pack_tokens=pack_tokens, kv_split_sizes=(256, 64)), hq, hkv)
+    w = plan_work(plan)
+    g = hq // hkv
+    units = plan.units_per_class()
+    assert [c.programs for c in w.classes] == [u * hkv for u in units]
+    assert sum(c.kv_tokens for c in w.classes) == int(plan.unit_kv_len.sum()) * hkv
+    for c, tc in zip(w.classes, plan.tile_classes, strict=True):
+        assert c.padded_kv_tokens >= c.kv_tokens and c.padded_kv_tokens % tc.block_n == 0
+        assert c.padded_rows == c.programs * tc.block_m >= c.rows
+        assert c.flops == 4 * tc.block_m * c.padded_kv_tokens * plan.head_dim >= c.useful_flops
+    # every query row is written once directly or reaches the merge through partials
+    written = sum(c.direct_rows + c.partial_rows for c in w.classes)
+    assert written == int((plan.pair_out_row != -2).sum()) * g * hkv
+    assert sum(c.direct_rows for c in w.classes) == int((plan.query_num_partials == 1).sum()) * hq
+    assert w.merge.queries == plan.merge_queries.size
+    assert w.merge.programs == plan.merge_queries.size * math.ceil(hq / MERGE_HEADS)
+    assert w.merge.partials == int(plan.query_num_partials[plan.merge_queries].sum())
+    assert w.unique_kv_tokens == int(tree.lengths.sum()), "every node is read by some query"
+    assert w.launches == sum(u > 0 for u in units) + (plan.merge_queries.size > 0)
+
+
+def test_makespan_is_list_scheduling_longest_first():
+    assert makespan(np.array([]), 4) == 0
+    assert makespan(np.array([1.0, 5.0, 2.0]), 4) == 5.0  # fewer programs than SMs: the longest
+    assert makespan(np.array([3.0, 3, 2, 2, 2]), 2) == 7.0  # LPT: {3, 2, 2} and {3, 2}
+    c = np.full(1000, 2.0)
+    assert makespan(c, 10) == pytest.approx(200.0)  # 100 waves of equal programs
+    rng = np.random.default_rng(0)
+    many = rng.uniform(1, 3, 50_000)
+    assert many.sum() / 132 <= makespan(many, 132) <= many.sum() / 132 + many.max()
+
+
+def test_simulator_grows_with_work_and_shrinks_with_a_bigger_gpu():
+    small = forest()
+    big = ft.KVTree.from_lengths(list(small.parents), [x * 8 for x in small.lengths], list(small.query_nodes))
+    t_small = simulate(plan_work(plan_of(small)), H200).total_us
+    t_big = simulate(plan_work(plan_of(big)), H200).total_us
+    assert 0 < t_small < t_big
+    wide = ft.KVTree.from_lengths([-1] + [0] * 400, [4000] + [300] * 400, list(range(1, 401)))
+    w = plan_work(plan_of(wide))
+    half = dataclasses.replace(H200, sm_count=66, hbm_bytes_per_s=2.4e12, tensor_flops=350e12)  # half a GPU
+    full, halved = simulate(w, H200), simulate(w, half)
+    assert 1.6 < sum(halved.class_us) / sum(full.class_us) < 2.4
+    slow_launch = simulate(w, H200, SimParams(c_launch_us=50.0))
+    assert slow_launch.launch_us == 50.0 * w.launches
+    r = simulate(w, H200)
+    assert r.total_us == pytest.approx(sum(r.class_us) + r.merge_us + r.launch_us)
+
+
+def test_sim_params_and_gpu_spec_round_trip_and_reject_bad_values():
+    p = SimParams(c_iter_us=0.3)
+    assert SimParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="unknown simulator parameters"):
+        SimParams.from_dict({"warp_speed": 1.0})
+    with pytest.raises(ValueError, match="c_iter_us must be a positive"):
+        SimParams.from_dict({"c_iter_us": -1.0})
+    assert GpuSpec.from_dict(H200.to_dict()) == H200
+    with pytest.raises(ValueError, match="sm_count must be a positive"):
+        GpuSpec.from_dict({**H200.to_dict(), "sm_count": 0})
+    assert gpu_spec(ENV) == H200
+    assert gpu_spec({**ENV, "gpu_sm_count": 114}).sm_count == 114
+    with pytest.raises(ValueError, match="no GPU facts for 'Imaginary GPU'"):
+        gpu_spec("Imaginary GPU")
+
+
+# ------------------------------------------------------------------ features
+def test_feature_row_is_finite_and_carries_the_simulator():
+    plan = plan_of(forest())
+    x = features_of_plan(plan, H200)
+    assert x.shape == (len(FEATURE_NAMES),) and np.all(np.isfinite(x))
+    assert len(set(FEATURE_NAMES)) == len(FEATURE_NAMES)
+    assert x[SIM_TOTAL] == pytest.approx(simulate(plan_work(plan), H200).total_us)
+    named = dict(zip(FEATURE_NAMES, x, strict=True))
+    assert named["gqa"] == 4 and named["head_dim"] == 128 and named["gpu_sm_count"] == 132
+    assert named[f"tile_mode_{plan.tile_mode}"] == 1.0
+
+
+def test_published_cost_adds_gamma_per_partial():
+    tree = forest()
+    a = published_cost(plan_of(tree, ft.FastTreeConfig(gamma=0.0)))
+    b = published_cost(plan_of(tree, ft.FastTreeConfig(gamma=0.0)))
+    assert a == b > 0
+    # an all-separate plan (gamma -10: never concatenate) has one partial per (group, query)
+    sep = plan_of(tree, ft.FastTreeConfig(gamma=-10.0))
+    nq = int(sep.groups.n_queries.sum())
+    g0 = published_cost(dataclasses.replace(sep, config=dataclasses.replace(sep.config, gamma=0.0)))
+    assert published_cost(sep) == pytest.approx(g0 - 10.0 * nq)
+
+
+# ------------------------------------------------------------------ estimator
+def synthetic(n=600, seed=0):
+    """Feature rows of random trees and configs with a made-up latency: 2 x sim x config-dependent noise."""
+    rng = np.random.default_rng(seed)
+    pts = prof.design(n, seed, families=["paper_random", "few_shot", "beam_search"])
+    plans = [plan_of(prof.point_tree(p), p.config, p.num_q_heads, p.num_kv_heads) for p in pts]
+    X = np.stack([features_of_plan(plan, H200) for plan in plans])
+    y = 2.0 * X[:, SIM_TOTAL] * np.exp(rng.normal(0, 0.02, n))
+    return X, y, pts
+
+
+def test_latency_model_is_a_scikit_learn_estimator():
+    m = LatencyModel(kind="residual", n_estimators=20)
+    assert m.get_params()["kind"] == "residual" and clone(m).get_params() == m.get_params()
+    with pytest.raises(TypeError):
+        LatencyModel("gbrt")  # keyword-only
+    with pytest.raises(NotFittedError):
+        m.predict(np.ones((1, len(FEATURE_NAMES))))
+    X, y, _ = synthetic(120)
+    assert m.fit(X, y) is m and hasattr(m, "estimator_") and m.n_features_in_ == len(FEATURE_NAMES)
+    with pytest.raises(ValueError, match="feature columns"):
+        LatencyModel(n_estimators=5).fit(X[:, :10], y)
+    with pytest.raises(ValueError, match="positive times"):
+        LatencyModel(n_estimators=5).fit(X, -y)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        LatencyModel(kind="oracle").fit(X, y)
+    with pytest.raises(ValueError, match="features"):
+        m.predict(X[:, :10])
+
+
+@pytest.mark.parametrize("kind", ["gbrt", "forest", "residual"])
+def test_each_kind_learns_a_latency_that_follows_the_simulator(kind):
+    X, y, _ = synthetic(400)
+    m = LatencyModel(kind=kind, n_estimators=60, max_depth=4 if kind != "forest" else None).fit(X[:300], y[:300])
+    pred = m.predict(X[300:])
+    assert np.all(pred > 0)
+    err = np.median(np.abs(pred - y[300:]) / y[300:])
+    assert err < (0.05 if kind == "residual" else 0.35), err
+    base = SimulatorBaseline().fit(X[:300], y[:300])
+    assert base.coef_[1] == pytest.approx(1.0, abs=0.05) and math.exp(base.coef_[0]) == pytest.approx(2.0, rel=0.1)
+
+
+# ------------------------------------------------------------------ dataset from traces
+def synthetic_measure(point, *, device, check, env):
+    """A 'measurement' whose time is a made-up function of the real plan (simulator x per-family factor)."""
+    tree = prof.point_tree(point)
+    plan = plan_of(tree, point.config, point.num_q_heads, point.num_kv_heads, point.head_dim)
+    t = simulate(plan_work(plan), H200).total_us * (1.5 if point.family == "few_shot" else 1.0)
+    timing = {
+        "graph_us": {"median": t, "p20": t, "p80": t, "replays": 5, "calls_per_graph": 1},
+        "eager_us": {"median": t},
+    }
+    return measurement_record(
+        env=env, family=point.family, seed=point.seed, tree=tree, num_q_heads=point.num_q_heads,
+        num_kv_heads=point.num_kv_heads, head_dim=point.head_dim, dtype=point.dtype, config=point.config,
+        plan={"made_up": True}, timing=timing, correct=None, max_rel_err=None,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("traces") / "t.jsonl"
+    fams = ["paper_random", "few_shot", "beam_search", "no_sharing"]
+    prof.profile(
+        out, n=160, seed=3, env=ENV, measure=synthetic_measure, precompile=False, progress=False, families=fams
+    )
+    return out
+
+
+def test_dataset_rows_match_the_records(trace_file):
+    ds = load_dataset(trace_file, workers=1)
+    recs = read_traces(trace_file).records
+    assert len(ds) == 160 and ds.X.shape == (160, len(FEATURE_NAMES)) and ds.gpu == H200
+    assert ds.y_us.tolist() == [r["timing"]["graph_us"]["median"] for r in recs]
+    assert np.allclose(ds.X[7], record_features(recs[7]))
+    assert ds.tree.tolist() == [tree_id(r) for r in recs]
+    assert len(set(ds.tree.tolist())) == 160 // prof.CONFIGS_PER_TREE, "a tree's configs share its id"
+    assert ds.default_config.sum() == 160 // prof.CONFIGS_PER_TREE
+    assert set(ds.split) == {"train"} and set(ds.family) <= {"paper_random", "few_shot", "beam_search", "no_sharing"}
+    assert np.all(ds.published_cost > 0)
+    parallel = load_dataset(trace_file, workers=2)
+    assert np.array_equal(parallel.X, ds.X) and parallel.trace_hash == ds.trace_hash
+    sub = ds.subset(ds.family == "few_shot")
+    assert len(sub) == int((ds.family == "few_shot").sum()) and set(sub.family) == {"few_shot"}
+
+
+def test_dataset_refuses_mixed_gpus_and_empty_sets(trace_file, tmp_path):
+    recs = read_traces(trace_file).records[:3]
+    other = copy.deepcopy(recs[0])
+    other["env"]["gpu_name"] = "NVIDIA H100 80GB HBM3"
+    rebuilt = measurement_record(
+        env=other["env"], family=other["workload"]["family"], seed=other["workload"]["seed"],
+        tree=other["workload"]["tree"], num_q_heads=other["num_q_heads"], num_kv_heads=other["num_kv_heads"],
+        head_dim=other["head_dim"], dtype=other["dtype"], config=other["config"], plan=other["plan"],
+        timing=other["timing"], correct=None, max_rel_err=None,
+    )  # fmt: skip
+    mixed = tmp_path / "mixed.jsonl"
+    with TraceWriter(mixed) as w:
+        for r in [*recs, rebuilt]:
+            w.append(r)
+    with pytest.raises(ValueError, match="mix GPUs"):
+        load_dataset(mixed, workers=1)
+    with pytest.raises(ValueError, match="need at least 10"):
+        load_dataset(mixed, workers=1, min_rows=10)
+    with pytest.raises(ValueError, match="no trace paths"):
+        load_dataset([], workers=1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(recs[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        load_dataset(bad, workers=1)
+    assert len(load_dataset(bad, workers=1, skip_invalid=True)) == 1
+
+
+# ------------------------------------------------------------------ evaluation
+def test_group_kfold_holds_out_whole_families_and_metrics_see_the_family_factor(trace_file):
+    ds = load_dataset(trace_file, workers=1)
+    seen: list[set] = []
+
+    class Spy(SimulatorBaseline):
+        def fit(self, X, y):
+            rows = {tuple(r) for r in np.round(X[:, :12], 6)}
+            seen.append({f for f, x in zip(ds.family, ds.X, strict=True) if tuple(np.round(x[:12], 6)) in rows})
+            return super().fit(X, y)
+
+    pred = cross_validated_predictions(Spy, ds, n_splits=4)
+    assert len(seen) == 4 and all(len(s) == 3 for s in seen), "each fold trains on three of the four families"
+    m = prediction_metrics(pred, ds)
+    assert m["n"] == len(ds) and m["n_trees"] == 160 // prof.CONFIGS_PER_TREE
+    assert m["mean_kendall_tau"] == pytest.approx(1.0), "the made-up time is monotone in the simulator's"
+    few = ds.family == "few_shot"
+    ape = np.abs(pred - ds.y_us) / ds.y_us
+    assert ape[few].mean() > 0.2 > ape[~few].mean(), "the held-out family's factor cannot be learned"
+    ranks = rank_only_metrics(ds.published_cost, ds)
+    assert -1.0 <= ranks["mean_kendall_tau"] <= 1.0 and 0 < ranks["top1_score"] <= 1.0
+    with pytest.raises(ValueError, match="two families or more"):
+        cross_validated_predictions(SimulatorBaseline, ds.subset(few))
+
+
+# ------------------------------------------------------------------ persistence
+def test_saved_model_predicts_the_same_and_carries_its_metadata(tmp_path):
+    from fasttree.costmodel.persist import ModelFileError, load_model, save_model
+
+    X, y, _ = synthetic(150)
+    m = LatencyModel(kind="gbrt", n_estimators=15, max_depth=3).fit(X, y)
+    path = tmp_path / "m.json"
+    meta = save_model(path, m, gpu=H200, trace_hash="ab" * 32, trace_rows=150, extra={"note": "test"})
+    loaded, meta2 = load_model(path, gpu_name="NVIDIA H200")
+    assert np.array_equal(loaded.predict(X), m.predict(X))
+    assert loaded.get_params() == m.get_params()
+    assert meta2["trace_set"]["sha256"] == "ab" * 32 and meta2["extra"] == {"note": "test"}
+    assert meta2["gpu"] == H200.to_dict() and meta2["versions"] == meta["versions"]
+    with pytest.raises(FileExistsError):
+        save_model(path, m, gpu=H200, trace_hash="x", trace_rows=1)
+    with pytest.raises(ModelFileError, match="fitted on 'NVIDIA H200' traces, not 'NVIDIA H100 80GB HBM3'"):
+        load_model(path, gpu_name="NVIDIA H100 80GB HBM3")
+    assert load_model(path, gpu_name="NVIDIA H100 80GB HBM3", force=True)[0].predict(X[:3]).shape == (3,)
+    doc = json.loads(path.read_text())
+    for change, match in [
+        ({"feature_schema_version": 99}, "feature schema 99"),
+        ({"format_version": 2}, "format version 2"),
+        ({"format": "pickle"}, "not a fasttree-latency-model file"),
+        ({"model_params": {"kind": "forest", "n_estimators": 15}}, "holds a GradientBoostingRegressor"),
+        ({"model_params": {"kind": "gbrt", "warp": 1}}, "unexpected keyword"),
+    ]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**doc, **change}))
+        with pytest.raises(ModelFileError, match=match):
+            load_model(bad)
+    bad.write_text("{torn")
+    with pytest.raises(ModelFileError, match="not a JSON model file"):
+        load_model(bad)
+    with pytest.raises(ValueError, match="not fitted"):
+        save_model(tmp_path / "u.json", LatencyModel(), gpu=H200, trace_hash="x", trace_rows=0)
+
+
+# ------------------------------------------------------------------ CLI (the real entry point)
+def test_cli_fit_then_evaluate_a_saved_model_and_by_folds(trace_file, tmp_path, capsys):
+    from fasttree.cli import main
+
+    model = tmp_path / "m.json"
+    fit = ["fit", str(trace_file), "-o", str(model), "--n-estimators", "20", "--max-depth", "3", "--workers", "1"]
+    assert main(fit) == 0
+    assert "residual model of 160 measurements (NVIDIA H200)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit)
+    assert exit_info.value.code == 2 and "exists; pass --overwrite" in capsys.readouterr().err
+    assert main([*fit, "--overwrite", "--kind", "gbrt"]) == 0
+    capsys.readouterr()
+    out_json = tmp_path / "ev.json"
+    assert main(["evaluate", "--model", str(model), str(trace_file), "--workers", "1", "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out
+    assert "| simulator |" in table and "| learned (gbrt) |" in table and "| published cost (ranks) |" in table
+    metrics = json.loads(out_json.read_text())
+    assert set(metrics) == {"simulator", "learned (gbrt)", "published cost (ranks)"}
+    assert metrics["learned (gbrt)"]["n"] == 160 and 0 <= metrics["learned (gbrt)"]["mape"] < 1
+    argv = ["evaluate", str(trace_file), "--folds", "2", "--n-estimators", "10", "--workers", "1", "--kind", "forest"]
+    assert main(argv) == 0
+    assert "| learned (forest) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", "--model", str(tmp_path / "missing.json"), str(trace_file)])
+    assert exit_info.value.code == 2 and "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", str(tmp_path / "nothing_here"), "-o", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
