@@ -101,7 +101,9 @@ def test_log_level_before_the_subcommand_survives_the_subparser():
     ("argv", "message"),
     [
         ([], "SUBCOMMAND"),
-        (["fit"], "invalid choice: 'fit'"),
+        (["tune"], "invalid choice: 'tune'"),
+        (["fit", "t.jsonl"], "--out"),
+        (["evaluate"], "TRACES"),
         (["profile"], "--out"),
         (["profile", "--out", "t.jsonl", "--budget", "10x"], "argument --budget: invalid duration '10x'"),
         (["profile", "--out", "t.jsonl", "--budget", "0"], "argument --budget: invalid duration '0'"),
