@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .gpu import GpuSpec
-from .simulator import SimParams, SimResult, simulate
+from .simulator import SimParams, SimResult, regs_per_thread, simulate
 from .work import PlanWork, plan_work
 
 __all__ = [
@@ -61,6 +61,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "n_queries",
     "unique_kv_tokens",
     *(f"c{c}_{name}" for c in (0, 1) for name in _CLASS_FIELDS),
+    "c0_regs_per_thread",
+    "c1_regs_per_thread",
     "c0_occupancy",
     "c1_occupancy",
     "c0_waves",
@@ -123,6 +125,7 @@ def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResul
         work.n_queries,
         work.unique_kv_tokens,
         *(float(getattr(c, name)) for c in (c0, c1) for name in _CLASS_FIELDS),
+        *(regs_per_thread(c, work.head_dim) for c in (c0, c1)),
         *sim.occupancy,
         *sim.waves,
         m.programs,

@@ -10,7 +10,8 @@ For each tile class (one launch of ``U_c x Hkv`` programs) and the merge pass:
    half-empty GPU may draw up to ``sm_bw_boost`` shares), its tensor time (padded
    flops over ``eff_flops * tensor_flops / sm_count``) and its latency
    (``c_prog_us + c_iter_us * iterations``, divided by the occupancy since resident
-   programs overlap their latencies).
+   programs overlap their latencies), times a register-spill slowdown when the
+   accumulator and score tiles need more registers per thread than there are.
 3. **Schedule.** Programs, longest first, are list-scheduled onto the SMs (each goes to
    the least loaded SM; past :data:`_EXACT_ROUNDS` rounds the rest is spread evenly):
    the class's time is the most loaded SM (waves and the tail of one long unit).
@@ -32,7 +33,7 @@ import numpy as np
 from .gpu import GpuSpec
 from .work import ClassWork, MergeWork, PlanWork
 
-__all__ = ["SimParams", "SimResult", "makespan", "occupancy", "simulate"]
+__all__ = ["SimParams", "SimResult", "makespan", "occupancy", "regs_per_thread", "simulate", "spill_factor"]
 
 #: Rounds of exact list scheduling (``sm_count`` programs each) before the rest is spread evenly.
 _EXACT_ROUNDS = 64
@@ -58,6 +59,15 @@ class SimParams:
         Latency of one merge program.
     c_launch_us : float
         Cost of one kernel launch inside a CUDA graph.
+    spill_regs : float
+        fp32 words per thread (accumulator ``block_m x D`` plus scores ``block_m x
+        block_n`` over the program's threads) above which the compiler spills.
+    spill_per_word : float
+        Slowdown per spilled word: a program's cost is multiplied by
+        ``1 + spill_per_word * (words - spill_regs)`` (the H200 traces: 256-384 words
+        run about 10x slower than the simulator without it, 512 and more 20-40x).
+    spill_cap : float
+        Largest spill slowdown.
     """
 
     eff_bw: float = 0.8
@@ -67,6 +77,9 @@ class SimParams:
     c_iter_us: float = 0.25
     c_merge_us: float = 1.0
     c_launch_us: float = 2.0
+    spill_regs: float = 224.0
+    spill_per_word: float = 0.1
+    spill_cap: float = 50.0
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready fields."""
@@ -125,6 +138,17 @@ def occupancy(work: ClassWork, gpu: GpuSpec, head_dim: int, elem_bytes: int) -> 
     return int(max(1, min(by_warps, by_smem, gpu.max_programs_per_sm)))
 
 
+def regs_per_thread(work: ClassWork, head_dim: int) -> float:
+    """fp32 words each thread of a program holds: the output accumulator and the score tile."""
+    return (work.block_m * head_dim + work.block_m * work.block_n) / (32.0 * max(1, work.num_warps))
+
+
+def spill_factor(work: ClassWork, head_dim: int, p: SimParams) -> float:
+    """Slowdown of a class's programs from register spilling (1 when none)."""
+    over = regs_per_thread(work, head_dim) - p.spill_regs
+    return float(min(p.spill_cap, 1.0 + p.spill_per_word * max(0.0, over)))
+
+
 def makespan(costs: np.ndarray, machines: int) -> float:
     """Most loaded of ``machines`` after list-scheduling ``costs`` (any order; longest first is used)."""
     if costs.size == 0:
@@ -161,7 +185,7 @@ def _class_time(work: ClassWork, gpu: GpuSpec, p: SimParams, head_dim: int, elem
     mem = work.bytes * share / (bw_share * boost) * 1e6
     tensor = work.flops * share / fl_share * 1e6
     latency = (p.c_prog_us + p.c_iter_us * iters) / occ
-    cost = np.maximum(np.maximum(mem, tensor), latency)
+    cost = np.maximum(np.maximum(mem, tensor), latency) * spill_factor(work, head_dim, p)
     t = makespan(cost, sms)
     return t, occ, work.programs / (sms * occ), mem.sum() / sms, tensor.sum() / sms, latency.sum() / sms
 

@@ -108,6 +108,23 @@ def test_simulator_grows_with_work_and_shrinks_with_a_bigger_gpu():
     assert r.total_us == pytest.approx(sum(r.class_us) + r.merge_us + r.launch_us)
 
 
+def test_register_spilling_slows_programs_whose_tiles_do_not_fit_in_registers():
+    from fasttree.costmodel.simulator import regs_per_thread, spill_factor
+
+    tree = ft.KVTree.from_lengths([-1] + [0] * 64, [2048] + [64] * 64, list(range(1, 65)))
+    fits = ft.FastTreeConfig(q_tile_queries=(16, 4), kv_tile=(64, 64), num_warps=(4, 4))
+    spills = dataclasses.replace(fits, kv_tile=(128, 128), num_warps=(2, 2), q_tile_queries=(32, 4))
+    w_fit, w_spill = plan_work(plan_of(tree, fits)), plan_work(plan_of(tree, spills))
+    big = w_spill.classes[0]
+    assert big.block_m == 128 and big.block_n == 128
+    assert regs_per_thread(big, 128) == (128 * 128 + 128 * 128) / 64
+    assert spill_factor(big, 128, SimParams()) == pytest.approx(1 + 0.1 * (512 - 224))
+    assert all(spill_factor(c, 128, SimParams()) == 1.0 for c in w_fit.classes)
+    assert spill_factor(big, 128, SimParams(spill_cap=5.0)) == 5.0
+    no_spill = SimParams(spill_per_word=1e-9)
+    assert simulate(w_spill, H200).class_us[0] > 10 * simulate(w_spill, H200, no_spill).class_us[0]
+
+
 def test_sim_params_and_gpu_spec_round_trip_and_reject_bad_values():
     p = SimParams(c_iter_us=0.3)
     assert SimParams.from_dict(p.to_dict()) == p
