@@ -123,6 +123,44 @@ def tree_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
     dev = _device_plan(plan, q.device)
+    qk_scale = float(sm_scale) * _LOG2E
+    fast = _fast_path(host, dev, q, k_cache, v_cache, out)
+    if fast is not None:
+        entry = host._device_cache.get(fast)
+        if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
+            stream = _current_stream(q.device)
+            with _on_device(q.device):
+                for launch in entry:
+                    launch(stream, q, k_cache, v_cache, out, qk_scale)
+            return out
+    launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
+    compiled = []
+    with _on_device(q.device):
+        for kernel, grid, args, constexprs, warps, stages in launches:
+            compiled.append(_launch(kernel, grid, args, constexprs, warps, stages))
+    if fast is not None and all(c is not None for c in compiled):
+        host._device_cache[fast] = tuple(
+            _direct_launcher(c, kernel, grid, args, constexprs)
+            for c, (kernel, grid, args, constexprs, _, _) in zip(compiled, launches, strict=True)
+        )
+    return out
+
+
+def _launches(
+    host: Plan,
+    dev: DevicePlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    qk_scale: float,
+) -> list[tuple]:
+    """(kernel, grid, args, constexprs, num_warps, num_stages) of each launch of one call.
+
+    Stage-1 arguments start with ``q, k_cache, v_cache, out`` and hold ``qk_scale`` at
+    :data:`_QK_SCALE_ARG`; the merge's start with ``out``: :func:`_direct_launcher` relies
+    on these positions.
+    """  # fmt: skip
     a = dev.arrays
     part_o, part_lse = _workspace(host, q.device)
     ptr = host.class_unit_ptr
@@ -130,39 +168,86 @@ def tree_attention(
     block_d = triton.next_power_of_2(d)
     upcast = _interpreting() and q.dtype == torch.bfloat16
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-    with _on_device(q.device):
-        for c, tc in enumerate(host.tile_classes):
-            n_units = ptr[c + 1] - ptr[c]
-            if n_units == 0:
-                continue
-            _launch(
-                tree_attention_units_kernel,
-                (n_units, host.num_kv_heads),
-                (
-                    q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["kv_row_mask"], a["unit_kv_start"],
-                    a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
-                    ptr[c], float(sm_scale) * _LOG2E, *strides, out.stride(0), out.stride(1),
-                    part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-                ),
-                (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast),
-                tc.num_warps,
-                tc.num_stages,
-            )  # fmt: skip
-        n_merge = int(host.merge_queries.size)
-        if n_merge:
-            block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
-            _launch(
-                merge_partials_kernel,
-                (n_merge, triton.cdiv(hq, block_h)),
-                (
-                    out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
-                    out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-                ),
-                (hq, d, block_h, block_d),
-                4,
-                3,
-            )  # fmt: skip
-    return out
+    out_launches = []
+    for c, tc in enumerate(host.tile_classes):
+        n_units = ptr[c + 1] - ptr[c]
+        if n_units == 0:
+            continue
+        args = (
+            q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["kv_row_mask"], a["unit_kv_start"],
+            a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
+            ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        )  # fmt: skip
+        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast)
+        out_launches.append(
+            (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, tc.num_warps, tc.num_stages)
+        )
+    n_merge = int(host.merge_queries.size)
+    if n_merge:
+        block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
+        args = (
+            out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
+            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        )  # fmt: skip
+        out_launches.append(
+            (merge_partials_kernel, (n_merge, triton.cdiv(hq, block_h)), args, (hq, d, block_h, block_d), 4, 3)
+        )
+    return out_launches
+
+
+#: Position of ``qk_scale`` among the stage-1 kernel's arguments.
+_QK_SCALE_ARG = 15
+
+
+def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple | None:
+    """Cache key of the direct launchers of this call, or None when the call must go through Triton.
+
+    The key holds everything the launches' arguments differ by from one call to another
+    besides the tensors' addresses and ``qk_scale``: the dtype, each tensor's 16-byte
+    alignment (Triton specialises on it) and the strides. Only the plan's own cached
+    device copy qualifies (its arrays and workspace are then fixed for the plan's life).
+    """
+    if _interpreting() or not _is_cuda(q) or _launch_hooks_active():
+        return None
+    if host._device_cache.get(q.device) is not dev:
+        return None
+    return (
+        "direct", q.device, q.dtype,
+        q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
+def _direct_launcher(compiled, kernel, grid: tuple[int, int], args: tuple, constexprs: tuple):
+    """A function ``(stream, q, k_cache, v_cache, out, qk_scale)`` calling ``compiled``'s launcher with
+    ``args`` in which the per-call values are replaced (see :func:`_launches` for their positions)."""
+    run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
+    g0, g1 = grid
+    if kernel is merge_partials_kernel:  # only ``out`` changes
+        rest = (*args[1:], *constexprs)
+
+        def merge(stream, q, k_cache, v_cache, out, qk_scale):
+            run(g0, g1, 1, stream, fn, meta, None, None, None, out, *rest)
+
+        return merge
+    mid = args[4:_QK_SCALE_ARG]
+    tail = (*args[_QK_SCALE_ARG + 1 :], *constexprs)
+
+    def stage1(stream, q, k_cache, v_cache, out, qk_scale):
+        run(g0, g1, 1, stream, fn, meta, None, None, None, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
+
+    return stage1
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _current_stream(device: torch.device) -> int:
+    """Raw handle of the current CUDA stream of ``device``."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 #: Query heads merged by one program of the merge kernel.
@@ -182,8 +267,8 @@ def _arg_spec(arg: object) -> object:
     return None
 
 
-def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int) -> None:
-    """Launch ``kernel[grid](*args, *constexprs)``.
+def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int):
+    """Launch ``kernel[grid](*args, *constexprs)``; returns the compiled kernel (None under the interpreter or hooks).
 
     The first launch of a specialisation goes through Triton's JIT (compiling if needed);
     later ones call the compiled kernel's launcher directly, skipping Triton's Python
@@ -194,17 +279,18 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     """
     if _interpreting() or _launch_hooks_active():
         kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
-        return
+        return None
     device = args[0].device.index
     key = (kernel, device, constexprs, num_warps, num_stages, tuple(_arg_spec(x) for x in args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
-        return
-    stream = torch.cuda.current_stream(device).cuda_stream
+        compiled = _COMPILED[key] = kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+        return compiled
+    stream = _current_stream(args[0].device)
     compiled.run(
         grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs
     )
+    return compiled
 
 
 def _launch_hooks_active() -> bool:

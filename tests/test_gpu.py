@@ -101,3 +101,37 @@ def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
     assert 1 <= capped["calls_per_graph"] <= 4, capped
     assert graph_time_us(slow, calls=50, replays=5, max_graph_ms=one / 10)["calls_per_graph"] == 1
     assert abs(capped["median"] / 1e3 - one) < 0.3 * one, "fewer calls per graph must not change the time per call"
+
+
+def test_direct_launch_path_is_correct_across_calls_layouts_and_graph_capture():
+    from fasttree import attention
+
+    tree = random_tree(np.random.default_rng(5), max_nodes=200, max_len=2000, roots=3)
+    plan = ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128)
+    gen = torch.Generator().manual_seed(5)
+    rows = _sample(tree.n_queries, np.random.default_rng(5))
+    outs = []
+    for call in range(3):  # the first call goes through Triton, later ones through the direct launchers
+        q, k, v = make_inputs(tree, 32, 8, 128, torch.float16, "cuda", gen)
+        out = torch.full_like(q, float("nan"))
+        ft.tree_attention(q, k, v, plan, out=out)
+        assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16], call
+        outs.append(out)
+    assert any(isinstance(key, tuple) and key[0] == "direct" for key in plan._device_cache)
+    wide_k = torch.randn(k.shape[0], 16, 128, device="cuda", dtype=torch.float16)[:, 3:11]
+    wide_k.copy_(k)
+    out = torch.full_like(q, float("nan"))
+    ft.tree_attention(q, wide_k, v, plan, out=out)  # another stride: its own entry
+    assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16]
+    # capture after the direct path is cached, then replay on new data in the same buffers
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        ft.tree_attention(q, k, v, plan, out=out)
+    q2, k2, v2 = make_inputs(tree, 32, 8, 128, torch.float16, "cuda", gen)
+    q.copy_(q2), k.copy_(k2), v.copy_(v2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16]
+    assert attention._fast_path(plan, plan.to(q.device), q, k, v, out) is not None

@@ -1,0 +1,118 @@
+"""The direct-launch cache of ``tree_attention`` (CPU, with stand-in kernels): after the first call
+through Triton, later calls with the same tensor layout call the compiled launchers with the new
+tensors and nothing else changed; another layout goes through Triton again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fasttree as ft
+from fasttree import attention
+
+
+class FakeCompiled:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+        self.function, self.packed_metadata = f"fn-{name}", f"meta-{name}"
+
+    def run(self, g0, g1, g2, stream, fn, meta, lm, enter, exit_, *args):
+        assert (fn, meta, lm, enter, exit_) == (self.function, self.packed_metadata, None, None, None)
+        self.log.append(("run", self.name, (g0, g1, g2), stream, args))
+
+
+class FakeKernel:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages):
+            self.log.append(("jit", self.name, (*grid, 1), None, args))
+            return FakeCompiled(self.name, self.log)
+
+        return launch
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(attention, "tree_attention_units_kernel", FakeKernel("units", log))
+    monkeypatch.setattr(attention, "merge_partials_kernel", FakeKernel("merge", log))
+    monkeypatch.setattr(attention, "_interpreting", lambda: False)
+    monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
+    monkeypatch.setattr(attention, "_is_cuda", lambda t: True)
+    monkeypatch.setattr(attention, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(attention, "_COMPILED", {})
+    real_check = attention._check_inputs
+    monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)  # CPU tensors stand in for CUDA ones
+    return log, real_check
+
+
+def setup(gen):
+    tree = ft.KVTree.from_lengths([-1] + [0] * 20, [300] + [10 + i for i in range(20)], list(range(1, 21)))
+    config = ft.FastTreeConfig(
+        q_tile_queries=(8, 2), kv_split_sizes=(128, 32), pack_tokens=0, para_threshs1=(0, 0), para_threshs2=(0, 0)
+    )
+    plan = ft.plan(tree, config, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    assert plan.merge_queries.size and all(u > 0 for u in plan.units_per_class()), "needs both classes and a merge"
+    q = torch.randn(tree.n_queries, 8, 64, generator=gen, dtype=torch.float16)
+    k = torch.randn(tree.max_slot + 1, 2, 64, generator=gen, dtype=torch.float16)
+    return plan, q, k, torch.randn_like(k)
+
+
+def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes):
+    log, _ = fakes
+    gen = torch.Generator().manual_seed(0)
+    plan, q, k, v = setup(gen)
+    out = torch.empty_like(q)
+    ft.tree_attention(q, k, v, plan, out=out)
+    first = list(log)
+    assert [e[0] for e in first] == ["jit", "jit", "jit"] and [e[1] for e in first] == ["units", "units", "merge"]
+    log.clear()
+    q2, k2, v2, out2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), torch.empty_like(q)
+    ft.tree_attention(q2, k2, v2, plan, 0.5, out=out2)
+    assert [e[:2] for e in log] == [("run", "units"), ("run", "units"), ("run", "merge")]
+    for (_, _, grid1, _, args1), (_, name, grid2, stream, args2) in zip(first, log, strict=True):
+        assert grid1 == grid2 and stream == 1234 and len(args1) == len(args2)
+        if name == "merge":
+            assert args2[0] is out2 and all(a is b for a, b in zip(args1[1:], args2[1:], strict=True))
+            continue
+        assert args2[:4] == (q2, k2, v2, out2)
+        qk = attention._QK_SCALE_ARG
+        assert args1[qk] == pytest.approx(1 / np.sqrt(64) * attention._LOG2E) and args2[qk] == 0.5 * attention._LOG2E
+        same = [i for i in range(4, len(args1)) if i != qk]
+        assert all(args1[i] is args2[i] or args1[i] == args2[i] for i in same), "plan arrays, strides, constexprs"
+
+
+def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
+    log, _ = fakes
+    gen = torch.Generator().manual_seed(1)
+    plan, q, k, v = setup(gen)
+    ft.tree_attention(q, k, v, plan)
+    log.clear()
+    direct = lambda: {key for key in plan._device_cache if isinstance(key, tuple) and key[0] == "direct"}  # noqa: E731
+    assert len(direct()) == 1
+    wide = torch.randn(k.shape[0], 4, 64, generator=gen, dtype=torch.float16)[:, 1:3]  # another stride(0)
+    ft.tree_attention(q, wide, v, plan)
+    assert [e[0] for e in log] == ["run"] * 3, "Triton's kernels fit (same specialisation): its cached launch path"
+    assert log[0][4][1] is wide and log[0][4][18] == wide.stride(0) == 256
+    assert len(direct()) == 2, "a direct entry for the new layout"
+    log.clear()
+    ft.tree_attention(q, wide, v, plan)
+    assert [e[0] for e in log] == ["run"] * 3 and log[0][4][18] == 256
+    log.clear()
+    flat = torch.randn(k.numel() + 1, generator=gen, dtype=torch.float16)
+    odd = flat[1:].view(k.shape)  # 2-byte offset: not 16-byte aligned, which Triton specialises on
+    ft.tree_attention(q, odd, v, plan)
+    assert [e[0] for e in log] == ["jit", "jit", "run"], "stage 1 compiles for the unaligned pool; the merge is cached"
+    assert len(direct()) == 3
+    log.clear()
+    uploaded = attention.DevicePlan.upload(plan, q.device)  # not the plan's cached copy: no direct path
+    assert attention._fast_path(plan, uploaded, q, k, v, torch.empty_like(q)) is None
+    keys = direct()
+    out = torch.empty_like(q)
+    ft.tree_attention(q, k, v, uploaded, out=out)
+    assert [e[:2] for e in log] == [("run", "units"), ("run", "units"), ("run", "merge")]  # Triton's cached kernels
+    assert log[0][4][6] is uploaded.arrays["kv_indices"] and log[0][4][3] is out
+    assert direct() == keys
