@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call on a 2-GPU host (run from the repo root, after `pip install -e .`):
+#   GPU 0: the GPU tests, the host-overhead probe and the kernel benchmark (label $LABEL), then profiling;
+#   GPU 1: profiling from the start.
+# Both profile one design (seed $SEED, split train) into one file kept on the machine (/root/fasttree_traces),
+# so a later call of this script or of profile_resume.sh on the warm machine continues it.
+# Usage: LABEL=h200_v10 SEED=5 BUDGET=480 bench/device/check_then_profile.sh
+set -u
+: "${LABEL:?}" "${SEED:?}" "${BUDGET:?}"
+keep=/root/fasttree_traces; mkdir -p "$keep"
+name="run${SEED}_${FASTTREE_GIT_COMMIT:0:7}"
+t0=$(date +%s)
+CUDA_VISIBLE_DEVICES=1 fasttree-tune profile --out "$keep/$name.jsonl" --budget "${BUDGET}s" -n 100000 --seed "$SEED" \
+  --no-progress >>"$keep/${name}_gpu1.log" 2>&1 &
+p1=$!
+export CUDA_VISIBLE_DEVICES=0
+timeout 200 python3 -m pytest -q -n 8 -p no:warnings tests/test_gpu.py tests/test_attention.py tests/test_planner.py \
+  tests/test_packing.py >"$OUT/gpu_tests.log" 2>&1; tail -n 3 "$OUT/gpu_tests.log"
+timeout 60 python3 -m bench.host_overhead >"$OUT/host_overhead.log" 2>&1; cat "$OUT/host_overhead.log"
+timeout 200 python3 -m bench.kernel --suite paper --out "$OUT" --label "$LABEL" >"$OUT/kernel.log" 2>&1
+tail -n 12 "$OUT/kernel.log"
+left=$(( BUDGET - ($(date +%s) - t0) ))
+if [ "$left" -gt 30 ]; then
+  fasttree-tune profile --out "$keep/$name.jsonl" --budget "${left}s" -n 100000 --seed "$SEED" --no-progress \
+    >>"$keep/${name}_gpu0.log" 2>&1
+fi
+wait "$p1"
+fasttree-tune traces "$keep/$name.jsonl" --skip-invalid | tail -n 12
+gzip -9 -c "$keep/$name.jsonl" >"$OUT/$name.jsonl.gz"
+cat "$keep"/${name}_gpu*.log >"$OUT/$name.log"
