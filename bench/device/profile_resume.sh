@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device-side profiling that continues across calls on one warm machine (run from the repo root).
-# Usage: bench/device/profile_resume.sh BUDGET SPEC...   SPEC = GPU:SPLIT:SEED:NAME, as in profile_pair.sh.
+# Usage: bench/device/profile_resume.sh BUDGET SPEC...   SPEC = GPUS:SPLIT:SEED:NAME, e.g. 0,1:train:5:run5 (one
+# design on both GPUs: its worker processes split the trees). Never give two SPECs the same SEED and SPLIT.
 # The trace files live in /root/fasttree_traces/ (kept while the machine stays warm, as is Triton's kernel
 # cache), so the same command in the next call resumes each design where it stopped and reuses the compiled
 # kernels. Each call ends by copying gzipped snapshots of the files and the logs to $OUT.
