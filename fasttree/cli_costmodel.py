@@ -19,6 +19,21 @@ _KEYS = ("n", "mape", "p90_ape", "mean_kendall_tau", "top1_score", "top5_score",
 _RANK_KEYS = ("mean_kendall_tau", "top1_score", "top5_score", "a_peak@1", "n_trees")
 
 
+def _at_least(minimum: int):
+    """An argparse ``type``: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def _trace_inputs() -> argparse.ArgumentParser:
     """Options shared by the subcommands that read measurement traces."""
     p = argparse.ArgumentParser(add_help=False)
@@ -26,7 +41,11 @@ def _trace_inputs() -> argparse.ArgumentParser:
     g.add_argument("paths", nargs="+", metavar="TRACES", help="measurement trace files or folders")
     g.add_argument("--skip-invalid", action="store_true", help="skip bad lines (logged) instead of stopping")
     g.add_argument(
-        "--workers", type=int, default=None, metavar="N", help="processes that re-plan the traces (default: cpus, <= 8)"
+        "--workers",
+        type=_at_least(1),
+        default=None,
+        metavar="N",
+        help="processes that re-plan the traces (default: cpus, <= 8)",
     )
     return p
 
@@ -37,9 +56,9 @@ def _model_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--kind", choices=("gbrt", "forest", "residual"), default="residual", help="regressor (default residual)"
     )
-    g.add_argument("--n-estimators", type=int, default=400, metavar="N", help="trees (default 400)")
-    g.add_argument("--max-depth", type=int, default=6, metavar="D", help="tree depth (default 6)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--n-estimators", type=_at_least(1), default=400, metavar="N", help="trees (default 400)")
+    g.add_argument("--max-depth", type=_at_least(1), default=6, metavar="D", help="tree depth (default 6)")
+    g.add_argument("--seed", type=_at_least(0), default=0, help="random seed (default 0)")
     return p
 
 
@@ -67,7 +86,7 @@ def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> N
         parents=[*common, _trace_inputs(), _model_options()],
     )
     e.add_argument("--model", metavar="MODEL", help="a model written by 'fasttree-tune fit'")
-    e.add_argument("--folds", type=int, default=5, metavar="K", help="folds without --model (default 5)")
+    e.add_argument("--folds", type=_at_least(2), default=5, metavar="K", help="folds without --model (default 5)")
     e.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
     e.add_argument("--json", metavar="PATH", help="also write the metrics as JSON")
     e.set_defaults(func=_cmd_evaluate, subparser=e)

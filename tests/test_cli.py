@@ -104,6 +104,12 @@ def test_log_level_before_the_subcommand_survives_the_subparser():
         (["tune"], "invalid choice: 'tune'"),
         (["fit", "t.jsonl"], "--out"),
         (["evaluate"], "TRACES"),
+        (["evaluate", "t.jsonl", "--folds", "1"], "argument --folds: expected an integer >= 2, got 1"),
+        (
+            ["fit", "t.jsonl", "-o", "m.json", "--n-estimators", "0"],
+            "argument --n-estimators: expected an integer >= 1",
+        ),
+        (["fit", "t.jsonl", "-o", "m.json", "--workers", "x"], "argument --workers: expected an integer >= 1, got 'x'"),
         (["profile"], "--out"),
         (["profile", "--out", "t.jsonl", "--budget", "10x"], "argument --budget: invalid duration '10x'"),
         (["profile", "--out", "t.jsonl", "--budget", "0"], "argument --budget: invalid duration '0'"),
