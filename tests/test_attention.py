@@ -118,6 +118,23 @@ def test_single_token_contexts(device):
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("chain", "dtype"), [(40, torch.float16), (70, torch.bfloat16)])
+def test_queries_with_dozens_of_partials(chain, dtype, device):
+    # a chain of short nodes, a query at each, kept apart (no edge concatenated): the leaf
+    # query gets one partial per node, more than one merge step's worth; the others fewer
+    parents = [-1, *range(chain - 1)]
+    lengths = [int(x) for x in np.random.default_rng(chain).integers(1, 40, chain)]
+    queries = [*range(chain), chain - 1]
+    tree = ft.KVTree.from_lengths(parents, lengths, queries)
+    config = ft.FastTreeConfig(alpha=0.0, beta=0.0, gamma=-10.0, pack_tokens=0)  # padding free: only gamma decides
+    plan = ft.plan(tree, config, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    assert int(plan.query_num_partials.max()) >= chain
+    gen = torch.Generator().manual_seed(chain)
+    q, k, v = make_inputs(tree, 4, 2, 64, dtype, device, gen)
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, tree)
+
+
 def test_launch_cache_key_tells_specialisations_apart():
     from fasttree.attention import _arg_spec
 
