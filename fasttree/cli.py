@@ -218,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 10; 0: never)",
     )
     p.add_argument(
+        "--repeat-every",
+        type=_non_negative_int,
+        default=20,
+        metavar="K",
+        help="after every K-th point, measure an earlier point again as another line of its key, for the "
+        "spread of repeat measurements that 'fasttree-tune traces' reports (default 20; 0: never)",
+    )
+    p.add_argument(
         "--no-precompile",
         dest="precompile",
         action="store_false",
@@ -299,6 +307,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             precompile=args.precompile,
             progress=args.progress,
             check_every=args.check_every,
+            repeat_every=args.repeat_every,
         )
     except KeyboardInterrupt:
         logging.getLogger("fasttree.cli").warning("interrupted; rerun the same command to resume")

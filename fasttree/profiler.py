@@ -1116,6 +1116,8 @@ class ProfileSummary:
         Wall time spent compiling ahead.
     aborted : str or None
         Why the run stopped early other than the budget (a lost device), else None.
+    repeats : int
+        Repeat measurements written (lines of keys measured earlier in the run).
     """
 
     points: int = 0
@@ -1129,6 +1131,7 @@ class ProfileSummary:
     precompile_failed: int = 0
     precompile_s: float = 0.0
     aborted: str | None = None
+    repeats: int = 0
     gpus: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -1144,7 +1147,16 @@ class ProfileSummary:
 
     def merge(self, other: ProfileSummary) -> None:
         """Add another shard's counts (multi-GPU runs)."""
-        for name in ("points", "skipped", "measured", "failed", "not_started", "precompiled", "precompile_failed"):
+        for name in (
+            "points",
+            "skipped",
+            "measured",
+            "failed",
+            "not_started",
+            "precompiled",
+            "precompile_failed",
+            "repeats",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.precompile_s = max(self.precompile_s, other.precompile_s)
         self.stopped_by_budget = self.stopped_by_budget or other.stopped_by_budget
@@ -1154,7 +1166,9 @@ class ProfileSummary:
         """One-line summary for the log."""
         text = (
             f"{self.measured} measured, {self.failed} failed, {self.skipped} skipped (already in the file), "
-            f"{self.not_started} not started, of {self.points} points in {self.elapsed_s:.1f} s "
+            f"{self.not_started} not started, of {self.points} points"
+            + (f", {self.repeats} repeat measurements" if self.repeats else "")
+            + f" in {self.elapsed_s:.1f} s "
             f"({self.points_per_minute:.1f} points/minute"
             + (f", {self.gpus} GPUs" if self.gpus > 1 else "")
             + (
@@ -1274,10 +1288,14 @@ def _run_points(
     run_id: str,
     report: Callable[[str, Any], None],
     shard: int | None = None,
+    repeat_every: int = 0,
 ) -> ProfileSummary:
     """Measure ``points`` on one device, appending to ``out``; the body of :func:`profile` (and of each GPU worker).
 
     ``report(event, value)`` gets ``("total", n_to_measure)`` once, then ``("ok" | "failed", None)`` per record.
+    With ``repeat_every`` K > 0, after every K-th point an ``ok`` point measured about K/2
+    points earlier is measured again and written as another line of its key
+    (``meta.profiler.repeat``), for the spread of repeat measurements.
     """
     t0 = time.monotonic()
     summary = ProfileSummary(points=len(points))
@@ -1302,6 +1320,7 @@ def _run_points(
         else:
             logger.info("no CUDA device: not compiling kernels ahead")
     first = True
+    measured_ok: list[DesignPoint] = []
     try:
         with TraceWriter(out) as writer:
             batches = list(_batches(todo, batch_size))
@@ -1357,9 +1376,15 @@ def _run_points(
                         summary.failed += 1
                         logger.debug("%s failed: %s", p.describe(), record["error"])
                     report(record["status"], None)
+                    if record["status"] == "ok":
+                        measured_ok.append(p)
                     if summary.aborted:
                         logger.error("%s; stopping (rerun to resume after point %d)", summary.aborted, p.index)
                         break
+                    if repeat_every and summary.written % repeat_every == 0 and len(measured_ok) > repeat_every // 2:
+                        again = measured_ok[-1 - repeat_every // 2]
+                        if _repeat(again, writer, measure, device, env, run_id, shard, summary):
+                            break
                 if summary.stopped_by_budget or summary.aborted:
                     break
     finally:
@@ -1368,6 +1393,36 @@ def _run_points(
             _close_compiler(compiler, summary)
     summary.elapsed_s = time.monotonic() - t0
     return summary
+
+
+def _repeat(
+    point: DesignPoint,
+    writer: TraceWriter,
+    measure: Callable[..., dict[str, Any]],
+    device: Any,
+    env: dict[str, Any],
+    run_id: str,
+    shard: int | None,
+    summary: ProfileSummary,
+) -> bool:
+    """Measure ``point`` again and append the record as a repeat line; True when the device was lost."""
+    lost = False
+    try:
+        record = measure(point, device=device, check=False, env=env)
+    except DeviceLostError as exc:
+        record, lost = exc.record, True
+        summary.aborted = str(exc)
+    except Exception as exc:
+        record = failed_record(point, env, _error_text(exc))
+    _annotate(record, point, run_id, False, shard)
+    record["meta"]["profiler"]["repeat"] = True
+    try:
+        writer.append(record)
+    except TraceError as exc:
+        logger.warning("%s: invalid repeat record (%s); not written", point.describe(), exc)
+        return lost
+    summary.repeats += 1
+    return lost
 
 
 def _close_compiler(compiler: _Compiler, summary: ProfileSummary) -> None:
@@ -1533,6 +1588,7 @@ def profile(
     gpus: int | None = None,
     compile_workers: int | None = None,
     batch_size: int = 32,
+    repeat_every: int = 0,
 ) -> ProfileSummary:
     """Profile a design of ``n`` points into the trace file ``out`` (appending, resumable).
 
@@ -1587,6 +1643,10 @@ def profile(
         Compile worker processes (default ``min(16, cpu count)``; split among GPUs).
     batch_size : int
         Points per compile-then-measure batch.
+    repeat_every : int
+        After every this many points, measure an earlier ``ok`` point again and write it
+        as another line of its key (``meta.profiler.repeat``; 0: never), the data of the
+        repeat spread that ``fasttree-tune traces`` reports.
 
     Returns
     -------
@@ -1605,6 +1665,7 @@ def profile(
     seed = _check_int("seed", seed, 0)
     check_every = _check_int("check_every", check_every, 0)
     batch_size = _check_int("batch_size", batch_size, 1)
+    repeat_every = _check_int("repeat_every", repeat_every, 0)
     if budget_s is not None and (
         isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0
     ):
@@ -1645,6 +1706,7 @@ def profile(
         check_every=check_every,
         batch_size=batch_size,
         run_id=run_id,
+        repeat_every=repeat_every,
     )
     if gpus is None:
         gpu_ids = _visible_gpu_ids() if _generic_cuda(device) else []

@@ -2,7 +2,8 @@
 repeat measurements (the numbers the traces issue's closing note reports).
 
 Split: ``meta.split`` of a line (``"train"`` / ``"heldout"``, written by the profiler),
-``"unmarked"`` when absent. Rate: measurement lines per minute of each profiler run
+``"unmarked"`` when absent. Counts take each key once (its first line); later lines of a
+key (the profiler's repeat measurements) are counted apart. Rate: measurement lines per minute of each profiler run
 (``meta.profiler.run_id``) of 10 or more lines, timed from its first to its last line's
 ``time_utc``. Spread:
 for every key measured ``ok`` two or more times, the median over its measurements of
@@ -34,6 +35,8 @@ class TraceStats:
     gpus : list of str
     runs : dict
         ``run_id -> (lines, minutes from first to last line)``.
+    repeat_lines : int
+        Lines whose key an earlier line already had (not in ``counts``).
     repeated_keys : int
         Keys with two or more ``ok`` measurements.
     spread_median, spread_p90 : float or None
@@ -43,6 +46,7 @@ class TraceStats:
     counts: dict[tuple[str, str, str], int] = field(default_factory=dict)
     gpus: list[str] = field(default_factory=list)
     runs: dict[str, tuple[int, float]] = field(default_factory=dict)
+    repeat_lines: int = 0
     repeated_keys: int = 0
     spread_median: float | None = None
     spread_p90: float | None = None
@@ -76,6 +80,8 @@ class TraceStats:
             f"profiler runs: {len(self.runs)}; lines per minute: "
             + (f"{rate:.1f}" if rate is not None else "- (no run of 10 lines or more)")
         )
+        if self.repeat_lines:
+            lines.append(f"repeat lines (a key measured again; not counted above): {self.repeat_lines}")
         if self.repeated_keys:
             lines.append(
                 f"repeat measurements: {self.repeated_keys} keys; median relative deviation "
@@ -101,10 +107,15 @@ def trace_stats(ts: TraceSet) -> TraceStats:
     out = TraceStats(gpus=ts.gpus())
     counts: Counter = Counter()
     run_times: dict[str, list[datetime]] = {}
+    seen: set[str] = set()
     for r in ts.of_kind("measurement"):
         meta: dict[str, Any] = r.get("meta") if isinstance(r.get("meta"), dict) else {}
         split = meta.get("split") if isinstance(meta.get("split"), str) else "unmarked"
-        counts[(split, r["workload"]["family"], r["status"])] += 1
+        if r["key"] in seen:
+            out.repeat_lines += 1
+        else:
+            seen.add(r["key"])
+            counts[(split, r["workload"]["family"], r["status"])] += 1
         prof = meta.get("profiler")
         if isinstance(prof, dict) and isinstance(prof.get("run_id"), str):
             run_times.setdefault(prof["run_id"], []).append(parse_time_utc(r["time_utc"]))

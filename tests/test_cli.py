@@ -52,6 +52,7 @@ def test_parser_profile_defaults_and_options():
     args = build_parser().parse_args(["profile", "--out", "t.jsonl"])
     assert (args.command, args.out, args.budget, args.points, args.seed) == ("profile", "t.jsonl", None, 4096, 0)
     assert (args.families, args.precompile, args.progress, args.check_every) == (None, True, True, 10)
+    assert args.repeat_every == 20
     assert (args.verbose, args.log_level) == (0, None)
     args = build_parser().parse_args(
         [
@@ -154,7 +155,8 @@ def test_main_passes_the_options_to_profile(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(prof, "profile", fake_profile)
     out = str(tmp_path / "t.jsonl")
     argv = ["profile", "--out", out, "--budget", "1h", "-n", "12", "--seed", "5", "--families", "few_shot"]
-    rc = main([*argv, "--no-precompile", "--no-progress", "--check-every", "3", "--split", "heldout"])
+    argv += ["--no-precompile", "--no-progress", "--check-every", "3", "--split", "heldout", "--repeat-every", "0"]
+    rc = main(argv)
     assert rc == 0
     assert seen == {
         "split": "heldout",
@@ -166,6 +168,7 @@ def test_main_passes_the_options_to_profile(monkeypatch, capsys, tmp_path):
         "precompile": False,
         "progress": False,
         "check_every": 3,
+        "repeat_every": 0,
     }
     assert "12 measured" in capsys.readouterr().out
 

@@ -342,6 +342,28 @@ def test_profile_writes_valid_records_with_run_metadata(tmp_path):
     assert s.points_per_minute > 0
 
 
+def test_repeat_measurements_are_extra_lines_of_earlier_keys(tmp_path):
+    out = tmp_path / "t.jsonl"
+    s = run(out, 30, repeat_every=10)
+    recs = read_traces(out).records
+    repeats = [r for r in recs if r["meta"]["profiler"].get("repeat")]
+    assert (s.measured, s.repeats, len(recs)) == (30, 3, 33)
+    firsts = [r for r in recs if not r["meta"]["profiler"].get("repeat")]
+    assert [r["meta"]["profiler"]["design_index"] for r in firsts] == list(range(30))
+    # after the 10th, 20th and 30th point: the point measured 5 before
+    assert [r["meta"]["profiler"]["design_index"] for r in repeats] == [4, 14, 24]
+    assert all(r["key"] == firsts[r["meta"]["profiler"]["design_index"]]["key"] for r in repeats)
+    assert recs[10]["meta"]["profiler"].get("repeat") and not recs[10]["meta"]["profiler"]["checked"]
+    from fasttree.trace_stats import trace_stats
+
+    stats = trace_stats(read_traces(out))
+    assert stats.repeat_lines == 3 and stats.repeated_keys == 3 and stats.lines == 30
+    s = run(out, 40, repeat_every=10)  # resume: repeats of the new points only
+    assert (s.skipped, s.measured, s.repeats) == (30, 10, 1)
+    with pytest.raises(ValueError, match="repeat_every"):
+        run(out, 5, repeat_every=-1)
+
+
 def test_resume_skips_measured_points_and_a_larger_n_adds_only_new_ones(tmp_path):
     out = tmp_path / "t.jsonl"
     run(out, 20)

@@ -44,11 +44,11 @@ def trace_dir(tmp_path):
 def test_trace_stats_counts_rate_and_spread(trace_dir):
     stats = trace_stats(read_traces(trace_dir))
     assert stats.counts == {
-        ("train", "random_recursive", "ok"): 22,
+        ("train", "random_recursive", "ok"): 21,  # key 100's second line is a repeat, counted apart
         ("heldout", "beam_search", "failed"): 1,
         ("unmarked", "random_recursive", "ok"): 1,
     }
-    assert stats.lines == 24 and stats.gpus == ["NVIDIA H200"]
+    assert stats.lines == 23 and stats.repeat_lines == 1 and stats.gpus == ["NVIDIA H200"]
     assert stats.runs["r1"] == (20, 4.0)
     assert stats.per_minute() == pytest.approx(5.0)  # r2 and r3 are too short to time
     # key 100 measured 10 and 12 us: median 11, both 1/11 away
@@ -63,6 +63,7 @@ def test_cli_traces_prints_the_summary(trace_dir, capsys):
     assert "heldout    beam_search              0       1" in out
     assert "lines per minute: 5.0" in out
     assert "1 keys; median relative deviation 9.09%" in out
+    assert "repeat lines (a key measured again; not counted above): 1" in out
 
 
 def test_cli_traces_reports_bad_lines(tmp_path, capsys):
