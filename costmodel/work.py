@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fasttree.attention import _MERGE_HEADS
 from fasttree.tree import ragged_arange
 
 __all__ = ["ClassWork", "MergeWork", "PlanWork", "plan_work"]
@@ -23,8 +24,8 @@ __all__ = ["ClassWork", "MergeWork", "PlanWork", "plan_work"]
 _INDEX_BYTES = 4
 #: fp32 partial output and LSE bytes.
 _F32 = 4
-#: Query heads one merge program handles (``fasttree.attention._MERGE_HEADS``).
-MERGE_HEADS = 4
+#: Query heads one merge program handles (the launch's own constant).
+MERGE_HEADS = _MERGE_HEADS
 
 
 @dataclass(frozen=True)

@@ -11,27 +11,19 @@ import logging
 import time
 from typing import Any
 
+from .cli import _int_at_least
+
 __all__ = ["add_costmodel_commands"]
+
+
+def _at_least(minimum: int):
+    """An argparse ``type``: an integer >= ``minimum`` (``fasttree.cli``'s parser and messages)."""
+    return _int_at_least(minimum, f"an integer >= {minimum}")
+
 
 logger = logging.getLogger("fasttree.cli")
 
 _KEYS = ("n", "mape", "p90_ape", "mean_kendall_tau", "top1_score", "top5_score", "a_peak@1", "n_trees")
-_RANK_KEYS = ("mean_kendall_tau", "top1_score", "top5_score", "a_peak@1", "n_trees")
-
-
-def _at_least(minimum: int):
-    """An argparse ``type``: an integer >= ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _trace_inputs() -> argparse.ArgumentParser:
