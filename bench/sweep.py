@@ -80,7 +80,24 @@ def grid_pack() -> list[dict[str, Any]]:
     ]
 
 
-GRIDS = {"launch": grid, "splits": grid_splits, "pack": grid_pack}
+def grid_warps() -> list[dict[str, Any]]:
+    """Defaults first, then warps and stages per tile class (the large class spills at 4 warps on sm_90)."""
+    return [
+        {},
+        {"num_warps": (8, 4)},
+        {"num_warps": (8, 4), "num_stages": (2, 3)},
+        {"num_warps": (8, 4), "num_stages": (4, 3)},
+        {"num_stages": (2, 3)},
+        {"num_warps": (4, 8)},
+        {"num_warps": (8, 8)},
+        {"num_warps": (4, 2)},
+        {"num_warps": (8, 2)},
+        {"num_stages": (3, 2)},
+        {"num_warps": (8, 4), "kv_tile": (32, 64)},
+    ]
+
+
+GRIDS = {"launch": grid, "splits": grid_splits, "pack": grid_pack, "warps": grid_warps}
 
 
 def make_config(spec: dict[str, Any], group_size: int) -> ft.FastTreeConfig:
