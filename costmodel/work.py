@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasttree.attention import _MERGE_HEADS
+from fasttree.attention import merge_heads_per_program
 from fasttree.tree import ragged_arange
 
 __all__ = ["ClassWork", "MergeWork", "PlanWork", "plan_work"]
@@ -24,8 +24,6 @@ __all__ = ["ClassWork", "MergeWork", "PlanWork", "plan_work"]
 _INDEX_BYTES = 4
 #: fp32 partial output and LSE bytes.
 _F32 = 4
-#: Query heads one merge program handles (the launch's own constant).
-MERGE_HEADS = _MERGE_HEADS
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,8 @@ class ClassWork:
 
 @dataclass(frozen=True)
 class MergeWork:
-    """The merge pass: one program per (merged query, ``MERGE_HEADS`` heads).
+    """The merge pass: one program per (merged query, block of heads); the block is the launch's own
+    (:func:`fasttree.attention.merge_heads_per_program`).
 
     Attributes
     ----------
@@ -206,7 +205,7 @@ def plan_work(plan, *, elem_bytes: int = 2) -> PlanWork:
     merged = plan.merge_queries.astype(np.int64)
     parts = plan.query_num_partials.astype(np.int64)[merged]
     merge = MergeWork(
-        programs=int(merged.size) * -(-hq // MERGE_HEADS),
+        programs=int(merged.size) * -(-hq // merge_heads_per_program(plan)),
         queries=int(merged.size),
         partials=int(parts.sum()),
         max_partials=int(parts.max()) if parts.size else 0,

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from .config import FastTreeConfig
-from .kernels import merge_partials_kernel, tree_attention_units_kernel
+from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
@@ -185,15 +185,35 @@ def _launches(
         )
     n_merge = int(host.merge_queries.size)
     if n_merge:
-        block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
         args = (
             out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
             out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        out_launches.append(
-            (merge_partials_kernel, (n_merge, triton.cdiv(hq, block_h)), args, (hq, d, block_h, block_d), 4, 3)
-        )
+        most = merge_max_partials(host)
+        if most >= _MANY_PARTIALS:
+            block_p = min(_MERGE_PARTIALS_PER_STEP, triton.next_power_of_2(most))
+            warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
+            out_launches.append((merge_many_partials_kernel, (n_merge, hq), args, (d, block_p, block_d), warps, 1))
+        else:
+            block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
+            out_launches.append(
+                (merge_partials_kernel, (n_merge, triton.cdiv(hq, block_h)), args, (hq, d, block_h, block_d), 4, 3)
+            )
     return out_launches
+
+
+def merge_max_partials(plan: Plan) -> int:
+    """Most partial rows of one merged query of ``plan`` (0 when nothing is merged)."""
+    if plan.merge_queries.size == 0:
+        return 0
+    return int(plan.query_num_partials[plan.merge_queries].max())
+
+
+def merge_heads_per_program(plan: Plan) -> int:
+    """Query heads one program of ``plan``'s merge launch handles (the launch :func:`_launches` picks)."""
+    if merge_max_partials(plan) >= _MANY_PARTIALS:
+        return 1
+    return min(triton.next_power_of_2(plan.num_q_heads), _MERGE_HEADS)
 
 
 #: Position of ``qk_scale`` among the stage-1 kernel's arguments.
@@ -225,7 +245,7 @@ def _direct_launcher(compiled, kernel, grid: tuple[int, int], args: tuple, const
     ``args`` in which the per-call values are replaced (see :func:`_launches` for their positions)."""
     run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1 = grid
-    if kernel is merge_partials_kernel:  # only ``out`` changes
+    if kernel is merge_partials_kernel or kernel is merge_many_partials_kernel:  # only ``out`` changes
         rest = (*args[1:], *constexprs)
 
         def merge(stream, q, k_cache, v_cache, out, qk_scale):
@@ -250,8 +270,14 @@ def _current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-#: Query heads merged by one program of the merge kernel.
+#: Query heads merged by one program of :func:`merge_partials_kernel`.
 _MERGE_HEADS = 4
+#: Plans whose merged queries have up to this many partials less one use :func:`merge_partials_kernel`;
+#: from this many on, :func:`merge_many_partials_kernel` (H200, paper suite: it was 3-28% faster on the
+#: plans with 7-27 partials per query and up to 6-12% slower on those with 2-5).
+_MANY_PARTIALS = 7
+#: Partial rows :func:`merge_many_partials_kernel` reads in one step (a query with more takes several).
+_MERGE_PARTIALS_PER_STEP = 32
 
 #: Compiled kernels by (kernel, device, constexprs, launch options, argument specialisation).
 _COMPILED: dict[tuple, object] = {}

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fasttree.kernels import merge_partials_kernel, tree_attention_units_kernel
+from fasttree.kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 UNITS_POINTERS = ("Q", "K", "V", "Out", "PartO", "PartLse", "KvIndices", "KvRowMask", "UnitKvStart", "UnitKvLen",
@@ -37,20 +37,21 @@ def compile_units(dtype, head_dim, group, block_m, block_n, masked):
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
 
 
-def compile_merge(dtype):
+def compile_merge(kernel, dtype):
     signature = {"Out": f"*{dtype}", "PartO": "*fp32", "PartLse": "*fp32", "MergeQueries": "*i32",
                  "QueryPartialStart": "*i32", "QueryNumPartials": "*i32"}  # fmt: skip
-    names = merge_partials_kernel.arg_names
+    names = kernel.arg_names
     constexprs = {n: MERGE_VALUES[n] for n in names if n.isupper()}
     for name in names:
         signature.setdefault(name, "constexpr" if name in constexprs else "i32")
-    return triton.compile(ASTSource(merge_partials_kernel, signature, constexprs), target=HOPPER)
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
 
 
 def main() -> int:
     results = {}
     jobs = {name: (compile_units, args) for name, args in UNITS.items()}
-    jobs |= {f"merge_{d}": (compile_merge, (d,)) for d in ("fp16", "bf16")}
+    jobs |= {f"merge_{d}": (compile_merge, (merge_partials_kernel, d)) for d in ("fp16", "bf16")}
+    jobs |= {f"merge_many_{d}": (compile_merge, (merge_many_partials_kernel, d)) for d in ("fp16", "bf16")}
     for name, (fn, args) in jobs.items():
         try:
             k = fn(*args)

@@ -12,6 +12,7 @@ import torch
 from trees import random_tree
 
 import fasttree as ft
+from fasttree import attention
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -131,8 +132,24 @@ def test_queries_with_dozens_of_partials(chain, dtype, device):
     assert int(plan.query_num_partials.max()) >= chain
     gen = torch.Generator().manual_seed(chain)
     q, k, v = make_inputs(tree, 4, 2, 64, dtype, device, gen)
+    launches = attention._launches(plan, attention._device_plan(plan, q.device), q, k, v, q, 1.0)
+    assert launches[-1][0] is attention.merge_many_partials_kernel
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out, q, k, v, tree)
+
+
+@pytest.mark.parametrize("most", [2, 6, 7, 12])
+def test_merge_kernel_is_chosen_by_the_most_partials_of_a_query(most):
+    # a chain of `most` nodes with one query at its leaf and one at its root, kept apart
+    tree = ft.KVTree.from_lengths([-1, *range(most - 1)], [20] * most, [most - 1, 0])
+    config = ft.FastTreeConfig(alpha=0.0, beta=0.0, gamma=-10.0, pack_tokens=0)
+    plan = ft.plan(tree, config, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    assert attention.merge_max_partials(plan) == most
+    q = torch.empty(2, 8, 64, dtype=torch.float16)
+    launches = attention._launches(plan, attention._device_plan(plan, q.device), q, q, q, q, 1.0)
+    many = most >= attention._MANY_PARTIALS
+    assert launches[-1][0] is (attention.merge_many_partials_kernel if many else attention.merge_partials_kernel)
+    assert attention.merge_heads_per_program(plan) == (1 if many else 4)
 
 
 def test_launch_cache_key_tells_specialisations_apart():

@@ -14,6 +14,7 @@ from sklearn.exceptions import NotFittedError
 
 import fasttree as ft
 import fasttree.profiler as prof
+from fasttree.attention import merge_heads_per_program
 from fasttree.costmodel.dataset import load_dataset, record_features, tree_id
 from fasttree.costmodel.evaluate import (
     SimulatorBaseline,
@@ -25,7 +26,7 @@ from fasttree.costmodel.features import FEATURE_NAMES, SIM_TOTAL, features_of_pl
 from fasttree.costmodel.gpu import KNOWN_GPUS, GpuSpec, gpu_spec
 from fasttree.costmodel.model import LatencyModel
 from fasttree.costmodel.simulator import SimParams, makespan, simulate
-from fasttree.costmodel.work import MERGE_HEADS, plan_work
+from fasttree.costmodel.work import plan_work
 from fasttree.traces import TraceWriter, measurement_record, read_traces
 
 H200 = KNOWN_GPUS["NVIDIA H200"]
@@ -74,7 +75,7 @@ def test_plan_work_counts_what_the_plan_launches(pack_tokens, hq, hkv):
     assert written == int((plan.pair_out_row != -2).sum()) * g * hkv
     assert sum(c.direct_rows for c in w.classes) == int((plan.query_num_partials == 1).sum()) * hq
     assert w.merge.queries == plan.merge_queries.size
-    assert w.merge.programs == plan.merge_queries.size * math.ceil(hq / MERGE_HEADS)
+    assert w.merge.programs == plan.merge_queries.size * math.ceil(hq / merge_heads_per_program(plan))
     assert w.merge.partials == int(plan.query_num_partials[plan.merge_queries].sum())
     assert w.unique_kv_tokens == int(tree.lengths.sum()), "every node is read by some query"
     assert w.launches == sum(u > 0 for u in units) + (plan.merge_queries.size > 0)

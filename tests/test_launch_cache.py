@@ -39,6 +39,7 @@ def fakes(monkeypatch):
     log: list = []
     monkeypatch.setattr(attention, "tree_attention_units_kernel", FakeKernel("units", log))
     monkeypatch.setattr(attention, "merge_partials_kernel", FakeKernel("merge", log))
+    monkeypatch.setattr(attention, "merge_many_partials_kernel", FakeKernel("merge_many", log))
     monkeypatch.setattr(attention, "_interpreting", lambda: False)
     monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
     monkeypatch.setattr(attention, "_is_cuda", lambda t: True)

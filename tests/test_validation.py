@@ -416,6 +416,7 @@ class _NoLaunch:
 def no_launch(monkeypatch):
     monkeypatch.setattr(attention, "tree_attention_units_kernel", _NoLaunch("tree_attention_units_kernel"))
     monkeypatch.setattr(attention, "merge_partials_kernel", _NoLaunch("merge_partials_kernel"))
+    monkeypatch.setattr(attention, "merge_many_partials_kernel", _NoLaunch("merge_many_partials_kernel"))
     # the fakes are not InterpretedFunctions; keep the CPU tensors acceptable
     monkeypatch.setattr(attention, "_interpreting", lambda: True)
 
