@@ -1,7 +1,8 @@
 """Host-side cost of one ``tree_attention`` call (needs a CUDA GPU).
 
 Enqueues many calls of a tiny case back to back and reports microseconds per call for:
-input checks alone, the whole call, and the bare Triton launch of the same kernel.
+input checks alone, the whole call, the cached direct launchers alone and the slow path's
+launch list.
 The GPU work per call is far below these times, so they measure the host::
 
     python -m bench.host_overhead
@@ -43,39 +44,25 @@ def main() -> int:
     print(f"tree_attention(): {per_call_us(lambda: ft.tree_attention(q, k, v, plan)):.1f} us/call")
     print(f"torch.empty_like: {per_call_us(lambda: torch.empty_like(q)):.1f} us/call")
 
-    # the pieces of one launch, with the arguments tree_attention would pass
-    calls = []
-    real_launch = attention._launch
-
-    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
-        calls.append((kernel, grid, args, constexprs, num_warps, num_stages))
-        real_launch(kernel, grid, args, constexprs, num_warps, num_stages)
-
-    attention._launch = spy
-    ft.tree_attention(q, k, v, plan, out=out)
-    attention._launch = real_launch
-    kernel, grid, args, constexprs, warps, stages = calls[0]
-    key = (kernel, 0, constexprs, warps, stages, tuple(attention._arg_spec(x) for x in args))
-    compiled = attention._COMPILED.get(key)
-    if compiled is None:
-        print("the cached launch path was not taken (launch hooks active?)")
+    # the pieces of a cached call: the direct launchers alone, and the JIT path they replace
+    entries = [v for key, v in plan._device_cache.items() if isinstance(key, tuple) and key[0] == "direct"]
+    if not entries:
+        print("the direct launch path was not taken (launch hooks active?)")
         return 1
+    launchers = entries[0]
     stream = torch.cuda.current_stream(0).cuda_stream
-    print(f"launches per call: {len(calls)}; stage-1 arguments: {len(args)}")
-    print(f"_launch (cached path): {per_call_us(lambda: real_launch(*calls[0])):.1f} us/call")
-    print(f"arg spec key: {per_call_us(lambda: tuple(attention._arg_spec(x) for x in args)):.1f} us/call")
-    print(f"current stream: {per_call_us(lambda: torch.cuda.current_stream(0).cuda_stream):.1f} us/call")
-    run = compiled.run
-    fn, meta = compiled.function, compiled.packed_metadata
+    scale = 1.0 / 128**0.5 * 1.4426950408889634
 
     def direct() -> None:
-        run(grid[0], grid[1], 1, stream, fn, meta, None, None, None, *args, *constexprs)
+        for launch in launchers:
+            launch(stream, q, k, v, out, scale)
 
-    def jit() -> None:
-        kernel[grid](*args, *constexprs, num_warps=warps, num_stages=stages)
-
-    print(f"compiled.run only: {per_call_us(direct):.1f} us/call")
-    print(f"kernel[grid](...) JIT path: {per_call_us(jit):.1f} us/call")
+    print(f"launches per call: {len(launchers)}")
+    print(f"direct launchers only: {per_call_us(direct):.1f} us/call")
+    print(f"current stream: {per_call_us(lambda: torch.cuda.current_stream(0).cuda_stream):.1f} us/call")
+    dev = attention._device_plan(plan, q.device)
+    slow = per_call_us(lambda: attention._launches(plan, dev, q, k, v, out, scale))
+    print(f"launch list (slow path, no launch): {slow:.1f} us/call")
     return 0
 
 
