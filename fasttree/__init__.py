@@ -10,6 +10,7 @@ Quick use::
 
 from .attention import plan_query_separated, query_separated_attention, tree_attention
 from .config import FastTreeConfig
+from .export import ConfigExport, ExportEntry, read_export, write_export
 from .plan_arrays import DevicePlan, Plan
 from .planner import Groups, build_groups, greedy_edge_assignment, plan
 from .reference import max_relative_error, reference_attention
@@ -18,7 +19,9 @@ from .tree import KVTree
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigExport",
     "DevicePlan",
+    "ExportEntry",
     "FastTreeConfig",
     "Groups",
     "KVTree",
@@ -29,6 +32,8 @@ __all__ = [
     "plan",
     "plan_query_separated",
     "query_separated_attention",
+    "read_export",
     "reference_attention",
     "tree_attention",
+    "write_export",
 ]
