@@ -1,0 +1,122 @@
+"""Registers and spills of every stage-1 kernel variant on Hopper, from the compiler, without a GPU (CPU).
+
+    python -m bench.kernel_resources        # writes costmodel/data/kernel_resources_sm90.json
+
+Each variant (head dim, query-tile rows, KV tile, masked, warps, stages) is lowered by Triton's
+ahead-of-time path for sm_90 and assembled by the ptxas Triton ships, with ``-v``; its report
+gives the registers per thread and the spill stores and loads. The latency model reads the table
+(:mod:`fasttree.costmodel.resources`): register spilling is the largest error of a simulator
+that guesses registers from tile sizes. Run with ``TRITON_INTERPRET`` unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+HEAD_DIMS = (64, 128, 256)
+BLOCK_M = (16, 32, 64, 128, 256)
+BLOCK_N = (16, 32, 64, 128)
+WARPS = (2, 4, 8)
+STAGES = (1, 2, 3, 4)
+GROUP = 4
+OUT = Path("costmodel/data/kernel_resources_sm90.json")
+
+_USED = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+
+
+def measure(variant: tuple) -> tuple[tuple, dict | str]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fasttree.kernels import tree_attention_units_kernel as kernel
+
+    d, bm, bn, masked, warps, stages = variant
+    pointers = ("Q", "K", "V", "Out", "PartO", "PartLse", "KvIndices", "KvRowMask", "UnitKvStart", "UnitKvLen",
+                "UnitQStart", "UnitQLen", "PairQuery", "PairOutRow")  # fmt: skip
+    types = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32"}
+    signature = {n: types.get(n, "*i32") for n in pointers}
+    constexprs = {"HEAD_DIM": d, "BLOCK_D": d, "GROUP": GROUP, "BLOCK_M": bm, "BLOCK_N": bn, "MASKED": masked,
+                  "UPCAST_DOT": False}  # fmt: skip
+    for n in kernel.arg_names[len(pointers) :]:
+        signature[n] = "constexpr" if n in constexprs else ("fp32" if n == "qk_scale" else "i32")
+    try:
+        k = triton.compile(
+            ASTSource(kernel, signature, constexprs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps, "num_stages": stages},
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "k.ptx"
+            ptx.write_text(k.asm["ptx"])
+            arch = "sm_90a" if ".target sm_90a" in k.asm["ptx"] else "sm_90"
+            rep = subprocess.run(
+                [_ptxas(), f"-arch={arch}", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+        text = rep.stdout + rep.stderr
+        used, spill = _USED.search(text), _SPILL.search(text)
+        if used is None or spill is None:
+            return variant, f"no ptxas report: {text[-300:]}"
+        return variant, {
+            "regs": int(used.group(1)),
+            "spill_stores": int(spill.group(1)),
+            "spill_loads": int(spill.group(2)),
+            "shared": int(k.metadata.shared),
+        }
+    except Exception as exc:  # e.g. shared memory beyond the GPU's: recorded, not fatal
+        return variant, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        p.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
+    variants = [v for v in itertools.product(HEAD_DIMS, BLOCK_M, BLOCK_N, (False, True), WARPS, STAGES)
+                if v[1] * v[0] <= 256 * 256]  # fmt: skip
+    rows = []
+    with ProcessPoolExecutor(args.workers) as pool:
+        for i, (variant, result) in enumerate(pool.map(measure, variants, chunksize=4)):
+            d, bm, bn, masked, warps, stages = variant
+            row = {"head_dim": d, "block_m": bm, "block_n": bn, "masked": masked, "num_warps": warps,
+                   "num_stages": stages}  # fmt: skip
+            row.update(result if isinstance(result, dict) else {"error": result})
+            rows.append(row)
+            if i % 50 == 0:
+                print(f"{i + 1}/{len(variants)}", flush=True)
+    import triton
+
+    doc = {
+        "what": "registers per thread and spill bytes of tree_attention_units_kernel variants, from ptxas -v",
+        "target": "sm_90", "group": GROUP, "dtype": "float16", "triton": triton.__version__,
+        "command": "python -m bench.kernel_resources", "variants": rows,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    from fasttree.fileio import write_atomic
+
+    write_atomic(args.out, json.dumps(doc, indent=0) + "\n")
+    ok = sum("regs" in r for r in rows)
+    print(f"{args.out}: {ok} of {len(rows)} variants compiled; {sum(r.get('spill_stores', 0) > 0 for r in rows)} spill")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Registers and spills of the stage-1 kernel variants, from the compiler (no GPU needed).
+
+``data/kernel_resources_sm90.json`` is written by ``python -m bench.kernel_resources``: for
+every (head dim, query-tile rows, KV tile, masked, warps, stages) of the search space, the
+registers per thread and the spill stores and loads that ptxas reports for sm_90. The
+simulator and the features look variants up here; a variant the table lacks (another head
+dim, a Triton that compiles differently) gets ``None`` and the simulator falls back to its
+estimate from tile sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["KernelResources", "kernel_resources"]
+
+_TABLE = Path(__file__).with_name("data") / "kernel_resources_sm90.json"
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reported for one variant.
+
+    Attributes
+    ----------
+    regs : int
+        Registers per thread.
+    spill_bytes : int
+        Spill stores plus spill loads per thread (bytes).
+    shared : int
+        Shared memory per program (bytes).
+    """
+
+    regs: int
+    spill_bytes: int
+    shared: int
+
+
+@functools.cache
+def _table() -> dict[tuple, KernelResources]:
+    if not _TABLE.exists():
+        return {}
+    doc = json.loads(_TABLE.read_text())
+    out = {}
+    for v in doc.get("variants", []):
+        if "regs" not in v:
+            continue
+        key = (v["head_dim"], v["block_m"], v["block_n"], bool(v["masked"]), v["num_warps"], v["num_stages"])
+        out[key] = KernelResources(
+            regs=int(v["regs"]), spill_bytes=int(v["spill_stores"]) + int(v["spill_loads"]), shared=int(v["shared"])
+        )
+    return out
+
+
+def kernel_resources(
+    head_dim: int, block_m: int, block_n: int, masked: bool, num_warps: int, num_stages: int
+) -> KernelResources | None:
+    """The table's entry for a stage-1 variant (the next head dim up when its own is missing), or None."""
+    table = _table()
+    dims = sorted({k[0] for k in table})
+    for d in [head_dim] + [x for x in dims if x > head_dim]:
+        hit = table.get((d, block_m, block_n, bool(masked), num_warps, num_stages))
+        if hit is not None:
+            return hit
+    return None
