@@ -9,6 +9,10 @@ and 32 KV heads) and a Mistral-7B-shaped one (GQA 4: 32 / 8), head dim 128, fp16
 Run from the repository root::
 
     python -m fasttree.workload_traces --out traces/workloads
+    python -m fasttree.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite
+
+The second set (other arrivals, prompts and lengths of the same scenarios) is the tuner's
+held-out workloads: tune on ``traces/workloads``, judge on ``traces/workloads_heldout``.
 """
 
 from __future__ import annotations
@@ -85,12 +89,14 @@ def scenario_records(scenario: str, model: str, *, steps: int, seed: int):
         )
 
 
-def write_all(out: Path, *, steps: int = 256, seed: int = 0) -> dict[str, int]:
-    """Write ``paper_suite.jsonl.gz`` and ``<scenario>_<model>.jsonl.gz`` under ``out``.
+def write_all(out: Path, *, steps: int = 256, seed: int = 0, paper_suite: bool = True) -> dict[str, int]:
+    """Write ``<scenario>_<model>.jsonl.gz`` and (with ``paper_suite``) ``paper_suite.jsonl.gz`` under ``out``.
 
     Returns the number of lines per file name.
     """
-    written = {"paper_suite.jsonl.gz": _write_gz(out / "paper_suite.jsonl.gz", paper_suite_records())}
+    written = {}
+    if paper_suite:
+        written["paper_suite.jsonl.gz"] = _write_gz(out / "paper_suite.jsonl.gz", paper_suite_records())
     for scenario in SCENARIOS:
         for model in MODELS:
             name = f"{scenario}_{model}.jsonl.gz"
@@ -104,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("traces/workloads"), help="output folder")
     parser.add_argument("--steps", type=int, default=256, help="decode steps per scenario (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default 0)")
+    parser.add_argument(
+        "--no-paper-suite", dest="paper_suite", action="store_false", help="write only the serving scenarios"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    written = write_all(args.out, steps=args.steps, seed=args.seed)
+    written = write_all(args.out, steps=args.steps, seed=args.seed, paper_suite=args.paper_suite)
     check = read_traces(args.out, kind="workload")
     if len(check) != sum(written.values()):
         print(f"read back {len(check)} lines, wrote {sum(written.values())}", file=sys.stderr)

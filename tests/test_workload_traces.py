@@ -31,6 +31,17 @@ def test_committed_workload_traces_are_reproducible(tmp_path):
         assert (tmp_path / name).read_bytes() == (COMMITTED / name).read_bytes(), name
 
 
+def test_committed_heldout_workloads_are_reproducible_and_differ(tmp_path):
+    heldout = COMMITTED.parent / "workloads_heldout"
+    workload_traces.write_all(tmp_path, seed=1, paper_suite=False)  # as traces/README.md says
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(p.name for p in heldout.glob("*.jsonl.gz"))
+    assert "paper_suite.jsonl.gz" not in names
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (heldout / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() != (COMMITTED / name).read_bytes(), f"{name}: same as the tuning set"
+
+
 def test_committed_workloads_plan():
     records = read_traces(COMMITTED, kind="workload").records
     assert len(records) == 45 + 256 * len(SCENARIOS) * len(workload_traces.MODELS)
