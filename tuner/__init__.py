@@ -1,4 +1,69 @@
-"""Optuna tuner of fasttree configs (installed as ``fasttree.tuner``).
+"""Optuna tuner of fasttree configs against the learned latency model (installed as ``fasttree.tuner``).
 
-Not implemented yet: issue 6 (Optuna tuner, exported config, ``fasttree-tune``) builds it.
+Modules, each with one job:
+
+* :mod:`~fasttree.tuner.space` -- the search space (the profiler's ranges), buckets, the
+  shared-memory estimate that prunes invalid configs, the defaults as trial parameters.
+* :mod:`~fasttree.tuner.objective` -- a bucket's workload steps -> predicted latency of a
+  config (real planner, one batched model prediction per trial).
+* :mod:`~fasttree.tuner.storage` -- a ``--storage`` argument -> an Optuna storage (SQLite
+  file, journal file or database URL).
+* :mod:`~fasttree.tuner.study` -- create or join a bucket's study, run it to a number of
+  complete trials (resumable, many workers), best config and parameter importances.
+
+Needs Optuna and scikit-learn (the ``tune`` extra).
 """
+
+from .objective import Evaluation, LatencyObjective, PlanningError, WorkloadStep, steps_by_bucket
+from .space import (
+    Bucket,
+    config_from_params,
+    config_smem_bytes,
+    default_params,
+    invalid_reason,
+    plan_smem_bytes,
+    search_space,
+    suggest_config,
+    units_kernel_smem_bytes,
+)
+from .storage import StorageSpec, open_storage, parse_storage
+from .study import (
+    TuneResult,
+    ensure_defaults,
+    make_sampler,
+    open_study,
+    param_importances,
+    run_trials,
+    study_name,
+    tune_bucket,
+    tune_workload,
+)
+
+__all__ = [
+    "Bucket",
+    "Evaluation",
+    "LatencyObjective",
+    "PlanningError",
+    "StorageSpec",
+    "TuneResult",
+    "WorkloadStep",
+    "config_from_params",
+    "config_smem_bytes",
+    "default_params",
+    "ensure_defaults",
+    "invalid_reason",
+    "make_sampler",
+    "open_storage",
+    "open_study",
+    "param_importances",
+    "parse_storage",
+    "plan_smem_bytes",
+    "run_trials",
+    "search_space",
+    "steps_by_bucket",
+    "study_name",
+    "suggest_config",
+    "tune_bucket",
+    "tune_workload",
+    "units_kernel_smem_bytes",
+]

@@ -1,0 +1,319 @@
+"""The tuner's objective: a bucket's workload steps -> the model's predicted latency of a config.
+
+:func:`steps_by_bucket` groups workload trace records (:mod:`fasttree.traces`, kind
+``"workload"``) into :class:`WorkloadStep` lists per :class:`~fasttree.tuner.space.Bucket`.
+:class:`LatencyObjective` evaluates a config on one bucket's steps exactly as serving
+would run it: the real planner (:func:`fasttree.plan`) plans every step's tree, the
+feature rows of all plans (:func:`fasttree.costmodel.features.features_of_plan`) go to
+the latency model in ONE batched ``predict``, and the objective is the weighted total of
+the predicted step latencies (us), optionally with the worst step's as a second
+objective. Nothing config-dependent is cached: every call plans and predicts afresh. Only
+the defaults' evaluation (the baseline every trial is compared with) is computed once.
+
+Called as an Optuna objective, it suggests the trial's config
+(:func:`~fasttree.tuner.space.suggest_config`, invalid ones pruned before any planning)
+and records in the trial's user attributes the predicted latency of the trial's config
+and of the defaults, the speedup over the defaults, the config itself and the
+evaluation time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import numbers
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import optuna
+
+import fasttree as ft
+from fasttree.config import FastTreeConfig
+from fasttree.costmodel.features import features_of_plan
+from fasttree.costmodel.gpu import GpuSpec
+from fasttree.plan_arrays import check_heads
+from fasttree.traces import decode_tree, encode_tree
+from fasttree.tree import KVTree
+
+from .space import Bucket, suggest_config
+
+__all__ = ["Evaluation", "LatencyObjective", "PlanningError", "Predictor", "WorkloadStep", "steps_by_bucket"]
+
+logger = logging.getLogger(__name__)
+
+
+#: A head dim :func:`fasttree.plan_arrays.check_heads` accepts (steps are checked for their heads only).
+_ANY_HEAD_DIM = 128
+
+
+class PlanningError(ValueError):
+    """The planner rejected a config for one of the steps."""
+
+
+class Predictor(Protocol):
+    """What the objective needs of a latency model: predicted us per feature row."""
+
+    def predict(self, X: np.ndarray) -> np.ndarray:  # pragma: no cover - a protocol
+        """Predicted latency (us) of each row of ``X``."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkloadStep:
+    """One decode step of a workload: its tree, heads and weight.
+
+    Attributes
+    ----------
+    tree : KVTree
+    num_q_heads, num_kv_heads : int
+    weight : float
+        How much the step counts in the total (>= 0).
+    label : str
+        Where it came from (for logs), e.g. ``"serving/few_shot/seed0/step17"``.
+    """
+
+    tree: KVTree
+    num_q_heads: int
+    num_kv_heads: int
+    weight: float = 1.0
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tree, KVTree):
+            raise ValueError(f"a workload step needs a KVTree, got {type(self.tree).__name__}")
+        check_heads(self.num_q_heads, self.num_kv_heads, _ANY_HEAD_DIM)
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"a step weight must be a finite number >= 0, got {w!r}")
+        object.__setattr__(self, "weight", float(w))
+
+
+def _record_label(record: Mapping[str, Any]) -> str:
+    w = record["workload"]
+    parts = [str(w.get("family", "")), str(w.get("scenario", "")), f"seed{w.get('seed')}", f"step{w.get('step')}"]
+    return "/".join(p for p in parts if p)
+
+
+def steps_by_bucket(records: Iterable[Mapping[str, Any]]) -> dict[Bucket, list[WorkloadStep]]:
+    """Group workload trace records into steps per bucket (buckets sorted, steps in record order).
+
+    Parameters
+    ----------
+    records : iterable of dict
+        Workload records (``read_traces(paths, kind="workload").records``).
+
+    Returns
+    -------
+    dict of Bucket to list of WorkloadStep
+
+    Raises
+    ------
+    ValueError
+        On a record that is not a workload record, or on no records at all.
+    """
+    out: dict[Bucket, list[WorkloadStep]] = {}
+    for record in records:
+        if record.get("kind") != "workload":
+            raise ValueError(f"the tuner takes workload records, got kind {record.get('kind')!r}")
+        bucket = Bucket.of(
+            num_q_heads=record["num_q_heads"],
+            num_kv_heads=record["num_kv_heads"],
+            head_dim=record["head_dim"],
+            dtype=record["dtype"],
+        )
+        step = WorkloadStep(
+            tree=decode_tree(record["workload"]["tree"]),
+            num_q_heads=record["num_q_heads"],
+            num_kv_heads=record["num_kv_heads"],
+            weight=record.get("weight", 1.0),
+            label=_record_label(record),
+        )
+        out.setdefault(bucket, []).append(step)
+    if not out:
+        raise ValueError("no workload records")
+    return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predicted latency of one config over a bucket's steps.
+
+    Attributes
+    ----------
+    total_us : float
+        Weighted total of the steps' predicted latencies.
+    worst_us : float
+        Largest predicted latency of a step with weight > 0.
+    step_us : ndarray, float64 [n_steps]
+        Predicted latency of each step.
+    """
+
+    total_us: float
+    worst_us: float
+    step_us: np.ndarray
+
+
+class LatencyObjective:
+    """Predicted latency of configs on one bucket's workload steps (an Optuna objective).
+
+    Parameters
+    ----------
+    steps : sequence of WorkloadStep
+        The bucket's steps; each step's GQA ratio must be the bucket's.
+    model : Predictor
+        A fitted latency model (e.g. :func:`fasttree.costmodel.persist.load_model`'s), or
+        any object whose ``predict(X)`` returns one latency (us) per feature row.
+    gpu : GpuSpec
+        The GPU the model predicts for (features and search-space ranges).
+    bucket : Bucket
+    worst_step : bool
+        Also return the worst step's latency, as a second objective.
+
+    Attributes
+    ----------
+    defaults : Evaluation
+        The published defaults' evaluation (computed on first use).
+    """
+
+    def __init__(
+        self,
+        steps: Sequence[WorkloadStep],
+        model: Predictor,
+        gpu: GpuSpec,
+        bucket: Bucket,
+        *,
+        worst_step: bool = False,
+    ) -> None:
+        steps = tuple(steps)
+        if not steps:
+            raise ValueError(f"bucket {bucket.label} has no workload steps")
+        for s in steps:
+            if not isinstance(s, WorkloadStep):
+                raise ValueError(f"steps must be WorkloadStep objects, got {type(s).__name__}")
+            if s.num_q_heads // s.num_kv_heads != bucket.group_size:
+                raise ValueError(
+                    f"step {s.label or '?'} has {s.num_q_heads}/{s.num_kv_heads} heads, not GQA {bucket.group_size}"
+                )
+        weights = np.array([s.weight for s in steps], dtype=np.float64)
+        if not weights.sum() > 0:
+            raise ValueError("the steps' weights sum to 0")
+        if not callable(getattr(model, "predict", None)):
+            raise ValueError(f"the model needs a predict(X) method, got {type(model).__name__}")
+        self._steps = steps
+        self._weights = weights
+        self._model = model
+        self._gpu = gpu
+        self._bucket = bucket
+        self._worst_step = bool(worst_step)
+        self._defaults: Evaluation | None = None
+
+    @property
+    def bucket(self) -> Bucket:
+        """The bucket."""
+        return self._bucket
+
+    @property
+    def gpu(self) -> GpuSpec:
+        """The GPU."""
+        return self._gpu
+
+    @property
+    def steps(self) -> tuple[WorkloadStep, ...]:
+        """The workload steps."""
+        return self._steps
+
+    @property
+    def n_objectives(self) -> int:
+        """1, or 2 with ``worst_step``."""
+        return 2 if self._worst_step else 1
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a study's values depend on besides the model: GPU, bucket, objectives and the
+        steps (SHA-256 of their trees, heads and weights)."""
+        h = hashlib.sha256()
+        for s in self._steps:
+            item = [encode_tree(s.tree), s.num_q_heads, s.num_kv_heads, s.weight]
+            h.update(json.dumps(item, sort_keys=True, separators=(",", ":")).encode())
+        return {
+            "gpu": self._gpu.name,
+            "bucket": self._bucket.label,
+            "n_objectives": self.n_objectives,
+            "n_steps": len(self._steps),
+            "workload_sha256": h.hexdigest(),
+        }
+
+    def features(self, config: FastTreeConfig) -> np.ndarray:
+        """Feature rows (float64 [n_steps, n_features]) of every step planned with ``config``.
+
+        Raises
+        ------
+        PlanningError
+            When the planner rejects ``config`` for a step.
+        """
+        b = self._bucket
+        rows = []
+        for s in self._steps:
+            try:
+                plan = ft.plan(
+                    s.tree, config, num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=b.head_dim
+                )
+            except ValueError as exc:
+                raise PlanningError(f"step {s.label or '?'}: {exc}") from exc
+            rows.append(features_of_plan(plan, self._gpu, elem_bytes=b.elem_bytes))
+        return np.stack(rows)
+
+    def evaluate(self, config: FastTreeConfig) -> Evaluation:
+        """Plan every step with ``config``, predict all of them in one batch, and sum.
+
+        Raises
+        ------
+        PlanningError
+            When the planner rejects ``config`` for a step.
+        ValueError
+            When the model returns the wrong number of predictions, or a non-finite or
+            negative one.
+        """
+        X = self.features(config)
+        pred = np.asarray(self._model.predict(X), dtype=np.float64).reshape(-1)
+        if pred.shape != (len(self._steps),):
+            raise ValueError(f"the model returned {pred.size} predictions for {len(self._steps)} feature rows")
+        if not np.all(np.isfinite(pred)) or np.any(pred < 0):
+            raise ValueError("the model predicted a non-finite or negative latency")
+        total = float(self._weights @ pred)
+        worst = float(pred[self._weights > 0].max())
+        return Evaluation(total_us=total, worst_us=worst, step_us=pred)
+
+    @property
+    def defaults(self) -> Evaluation:
+        """The evaluation of ``FastTreeConfig()``."""
+        if self._defaults is None:
+            self._defaults = self.evaluate(FastTreeConfig())
+        return self._defaults
+
+    def __call__(self, trial: optuna.trial.BaseTrial) -> float | tuple[float, float]:
+        """Suggest the trial's config, evaluate it, record it in user attributes, return the objective(s)."""
+        config = suggest_config(trial, self._bucket, self._gpu)
+        base = self.defaults
+        t0 = time.perf_counter()
+        try:
+            result = self.evaluate(config)
+        except PlanningError as exc:  # the space should make this impossible: say so loudly
+            trial.set_user_attr("invalid", f"planning failed: {exc}")
+            logger.warning("trial %s pruned: planning failed: %s", getattr(trial, "number", "?"), exc)
+            raise optuna.TrialPruned(str(exc)) from None
+        elapsed = time.perf_counter() - t0
+        trial.set_user_attr("predicted_us", result.total_us)
+        trial.set_user_attr("worst_step_us", result.worst_us)
+        trial.set_user_attr("defaults_predicted_us", base.total_us)
+        trial.set_user_attr("defaults_worst_step_us", base.worst_us)
+        trial.set_user_attr("speedup_vs_defaults", base.total_us / result.total_us if result.total_us > 0 else None)
+        trial.set_user_attr("config", config.to_dict())
+        trial.set_user_attr("eval_s", elapsed)
+        if self._worst_step:
+            return result.total_us, result.worst_us
+        return result.total_us

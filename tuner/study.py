@@ -1,0 +1,562 @@
+"""Optuna studies of the tuner: one per bucket, created or joined, resumed, run to a trial count.
+
+A bucket's study is named ``f"{base}-g{G}-d{D}-{dtype}"`` (:func:`study_name`) in a
+storage that :func:`fasttree.tuner.storage.open_storage` opens, so any number of workers,
+on any machines that reach the storage, join one study by running the same command. The
+first worker to create the study enqueues the published defaults as its first trial; a
+worker that joins enqueues them again only when no live trial holds them (e.g. the one
+that ran them was killed). Running to ``n_trials`` counts the study's COMPLETE trials,
+whoever ran them: a killed run, resumed, runs only what is missing, and pruned (invalid)
+or failed trials never count. Concurrent workers may overshoot by the trials in flight
+when the count is reached.
+
+The sampler is a seeded multivariate, grouped TPE with the constant liar (concurrent
+workers see each other's running trials); with ``worst_step`` the study has two objectives
+(total and worst-step latency) and the same TPE samples them multi-objectively. Each
+worker gets its own seed stream (``worker``), so concurrent workers do not propose the same
+start-up trials. A study remembers what its values mean (GPU, bucket, objectives and a
+hash of the workload steps, :meth:`~fasttree.tuner.objective.LatencyObjective.fingerprint`)
+and refuses to be continued with another.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.storages import BaseStorage
+from optuna.study import MaxTrialsCallback, Study
+from optuna.trial import FrozenTrial, TrialState
+
+from fasttree.config import FastTreeConfig
+from fasttree.costmodel.gpu import GpuSpec
+
+from .objective import LatencyObjective, Predictor, WorkloadStep, steps_by_bucket
+from .space import Bucket, config_from_params, default_params
+from .storage import StorageSpec, open_storage
+
+__all__ = [
+    "MIN_TRIALS_FOR_IMPORTANCE",
+    "TuneResult",
+    "ensure_defaults",
+    "make_sampler",
+    "open_study",
+    "param_importances",
+    "run_trials",
+    "study_name",
+    "tune_bucket",
+    "tune_workload",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Completed trials below which :func:`param_importances` gives ``{}`` (too few to rank).
+MIN_TRIALS_FOR_IMPORTANCE = 4
+#: States of a trial that still holds (or will hold) a value: the defaults are not
+#: enqueued again while one of these has them.
+_LIVE_STATES = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+#: Study user attribute holding the objective's fingerprint.
+_FINGERPRINT_ATTR = "fasttree_objective"
+
+
+def study_name(base: str, bucket: Bucket) -> str:
+    """``f"{base}-g{G}-d{D}-{dtype}"``, the study of ``bucket`` (``ValueError`` on an empty base)."""
+    if not isinstance(base, str) or not base.strip():
+        raise ValueError(f"a study base name must be a non-empty string, got {base!r}")
+    return f"{base}-{bucket.label}"
+
+
+def make_sampler(seed: int | None = 0, *, worker: int = 0) -> optuna.samplers.TPESampler:
+    """The tuner's sampler: ``TPESampler(multivariate=True, group=True, constant_liar=True)``.
+
+    Parameters
+    ----------
+    seed : int or None
+        Study seed; None draws one from the OS.
+    worker : int
+        Index of this worker among concurrent workers of one study (>= 0): each gets its
+        own seed stream, derived from ``(seed, worker)``.
+    """
+    if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
+        raise ValueError(f"worker must be an integer >= 0, got {worker!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    stream = None if seed is None else int(np.random.SeedSequence([seed, worker]).generate_state(1)[0])
+    with warnings.catch_warnings():  # ``group`` is marked experimental; it is what the tuner wants
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(multivariate=True, group=True, seed=stream, constant_liar=True)
+
+
+def _directions(n_objectives: int) -> list[str]:
+    return ["minimize"] * n_objectives
+
+
+def open_study(
+    storage: BaseStorage,
+    name: str,
+    *,
+    n_objectives: int = 1,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    fingerprint: Mapping[str, Any] | None = None,
+) -> tuple[Study, bool]:
+    """Create the study ``name`` in ``storage``, or load it when it exists.
+
+    Parameters
+    ----------
+    storage : optuna.storages.BaseStorage
+    name : str
+    n_objectives : int
+        1 (total latency) or 2 (and worst-step latency).
+    sampler : optuna.samplers.BaseSampler, optional
+        Default :func:`make_sampler` ``()``.
+    fingerprint : mapping, optional
+        What the values mean; stored in a new study, compared with a loaded one's.
+
+    Returns
+    -------
+    study : optuna.study.Study
+    created : bool
+        Whether this call created it.
+
+    Raises
+    ------
+    ValueError
+        When an existing study has other objectives or another fingerprint.
+    """
+    if n_objectives not in (1, 2):
+        raise ValueError(f"n_objectives must be 1 or 2, got {n_objectives!r}")
+    sampler = make_sampler() if sampler is None else sampler
+    try:
+        study = optuna.create_study(
+            storage=storage, study_name=name, sampler=sampler, directions=_directions(n_objectives)
+        )
+        created = True
+        if fingerprint is not None:
+            study.set_user_attr(_FINGERPRINT_ATTR, dict(fingerprint))
+        logger.info("created study %s", name)
+    except optuna.exceptions.DuplicatedStudyError:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        created = False
+        if len(study.directions) != n_objectives:
+            raise ValueError(
+                f"study {name} has {len(study.directions)} objective(s), this run {n_objectives}; "
+                "use another study name (or the same --worst-step setting)"
+            ) from None
+        stored = study.user_attrs.get(_FINGERPRINT_ATTR)
+        if fingerprint is not None and stored is not None and stored != dict(fingerprint):
+            diff = sorted(k for k in set(stored) | set(fingerprint) if stored.get(k) != fingerprint.get(k))
+            raise ValueError(
+                f"study {name} was made for another objective (differs in {diff}); "
+                "its values would not compare: use another study name"
+            ) from None
+        logger.info("joined study %s (%d trials)", name, len(study.get_trials(deepcopy=False)))
+    return study, created
+
+
+def _same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, float) or isinstance(w, float):
+            if not math.isclose(float(v), float(w), rel_tol=0.0, abs_tol=1e-12):
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+def _trial_params(trial: FrozenTrial) -> Mapping[str, Any]:
+    """The parameters a trial has or (WAITING) will have."""
+    return trial.system_attrs.get("fixed_params") or trial.params
+
+
+def ensure_defaults(study: Study, params: Mapping[str, Any], *, created: bool) -> bool:
+    """Enqueue the defaults' ``params`` unless the study already holds them; True when enqueued.
+
+    The creator of a study always enqueues them. A worker that joined enqueues them
+    only when the study has trials but none in a live state (complete, running, waiting)
+    with these parameters, i.e. the trial that held them failed; it leaves an empty study
+    to its creator, which is enqueueing them. The running trial of a killed worker counts
+    as live until the storage's heartbeat marks it failed (RDB storages, after
+    :data:`~fasttree.tuner.storage.GRACE_PERIOD_S`; journal files never do).
+
+    Parameters
+    ----------
+    study : optuna.study.Study
+    params : mapping
+        :func:`~fasttree.tuner.space.default_params`.
+    created : bool
+        Whether this worker created the study.
+
+    Returns
+    -------
+    bool
+    """
+    if not created:
+        trials = study.get_trials(deepcopy=False)
+        if not trials:
+            return False
+        if any(t.state in _LIVE_STATES and _same_params(_trial_params(t), params) for t in trials):
+            return False
+    study.enqueue_trial(dict(params), user_attrs={"defaults": True})
+    logger.info("study %s: defaults enqueued", study.study_name)
+    return True
+
+
+def _count(study: Study, states: Sequence[TrialState]) -> int:
+    return len(study.get_trials(deepcopy=False, states=tuple(states)))
+
+
+class _Progress:
+    """Progress of the study's COMPLETE trials towards the target (tqdm, else log lines)."""
+
+    def __init__(self, name: str, target: int, start: int, enabled: bool) -> None:
+        self._bar = None
+        self._name = name
+        self._target = target
+        self._last = start
+        self._level = logging.INFO if enabled else logging.DEBUG
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # pragma: no cover - tqdm is an optional dependency
+            logger.info("tqdm is not installed: progress goes to the log")
+            return
+        self._bar = tqdm(total=target, initial=start, desc=name, unit="trial", dynamic_ncols=True)
+
+    def __call__(self, study: Study, trial: FrozenTrial) -> None:
+        done = _count(study, (TrialState.COMPLETE,))
+        if self._bar is not None:
+            self._bar.update(max(0, min(done, self._target) - self._bar.n))
+            best = _best_trial(study)
+            if best is not None:
+                self._bar.set_postfix(best_us=f"{best.values[0]:.1f}", refresh=False)
+        elif done != self._last:
+            logger.log(self._level, "%s: %d/%d complete trials", self._name, done, self._target)
+        self._last = done
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class _PrunedLimit:
+    """Stops the run when this worker pruned ``limit`` trials in a row (a space with no valid point)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+        self.tripped = False
+
+    def __call__(self, study: Study, trial: FrozenTrial) -> None:
+        self.in_a_row = self.in_a_row + 1 if trial.state == TrialState.PRUNED else 0
+        if self.in_a_row >= self.limit:
+            self.tripped = True
+            study.stop()
+
+
+def run_trials(
+    study: Study,
+    objective: Any,
+    *,
+    n_trials: int,
+    timeout: float | None = None,
+    progress: bool = False,
+    max_pruned_in_a_row: int = 200,
+) -> int:
+    """Run trials until the study has ``n_trials`` COMPLETE trials or ``timeout`` seconds pass.
+
+    Trials of other workers and of earlier (killed) runs count; pruned and failed ones do
+    not. Returns the COMPLETE trials of the study at the end.
+
+    Parameters
+    ----------
+    study : optuna.study.Study
+    objective : callable
+        ``objective(trial) -> value(s)``.
+    n_trials : int
+        Target number of COMPLETE trials of the study (>= 1).
+    timeout : float, optional
+        Seconds after which no new trial starts.
+    progress : bool
+        Show a progress bar (tqdm) of the study's COMPLETE trials.
+    max_pruned_in_a_row : int
+        Stop (with a warning) after this many consecutive pruned trials of this worker.
+    """
+    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+        raise ValueError(f"n_trials must be an integer >= 1, got {n_trials!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    done = _count(study, (TrialState.COMPLETE,))
+    if done >= n_trials:
+        logger.info("study %s already has %d complete trials (target %d)", study.study_name, done, n_trials)
+        return done
+    bar = _Progress(study.study_name, n_trials, done, progress)
+    guard = _PrunedLimit(max_pruned_in_a_row)
+    try:
+        study.optimize(
+            objective,
+            n_trials=None,
+            timeout=timeout,
+            callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), guard, bar],
+        )
+    finally:
+        bar.close()
+    if guard.tripped:
+        logger.warning("study %s: %d trials in a row were pruned (invalid); stopped", study.study_name, guard.limit)
+    return _count(study, (TrialState.COMPLETE,))
+
+
+def _best_trial(study: Study) -> FrozenTrial | None:
+    """The COMPLETE trial of least total latency (the first objective), or None."""
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if not trials:
+        return None
+    return min(trials, key=lambda t: (t.values[0], t.number))
+
+
+def param_importances(study: Study) -> dict[str, float]:
+    """Optuna's parameter importances (PED-ANOVA) of the total latency; ``{}`` when there are
+    fewer than :data:`MIN_TRIALS_FOR_IMPORTANCE` COMPLETE trials or they cannot be ranked."""
+    n = _count(study, (TrialState.COMPLETE,))
+    if n < MIN_TRIALS_FOR_IMPORTANCE:
+        logger.info("study %s: %d complete trials, too few for parameter importances", study.study_name, n)
+        return {}
+    try:
+        with warnings.catch_warnings():  # it reminds that low values are the good ones: they are
+            warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes", category=UserWarning)
+            # pack_min_units exists only with packing on: PED-ANOVA notes its thin regimes
+            warnings.filterwarnings("ignore", message="Some regimes for parameter", category=UserWarning)
+            scores = optuna.importance.get_param_importances(study, target=lambda t: t.values[0])
+    except (RuntimeError, ValueError, ZeroDivisionError) as exc:
+        logger.info("study %s: no parameter importances (%s)", study.study_name, exc)
+        return {}
+    return {k: float(v) for k, v in scores.items() if math.isfinite(v)}
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """Outcome of tuning one bucket.
+
+    Attributes
+    ----------
+    study_name : str
+    bucket : Bucket
+    best_config : FastTreeConfig
+        Config of the COMPLETE trial of least predicted total latency.
+    best_trial : int
+        Its trial number.
+    predicted_us, worst_step_us : float
+        Its predicted weighted total and worst-step latency.
+    defaults_predicted_us, defaults_worst_step_us : float
+        The same for ``FastTreeConfig()``.
+    n_complete, n_pruned, n_failed : int
+        Trials of the study by state.
+    importances : dict of str to float
+        :func:`param_importances`.
+    elapsed_s : float
+        Wall time of this call.
+    """
+
+    study_name: str
+    bucket: Bucket
+    best_config: FastTreeConfig
+    best_trial: int
+    predicted_us: float
+    worst_step_us: float
+    defaults_predicted_us: float
+    defaults_worst_step_us: float
+    n_complete: int
+    n_pruned: int
+    n_failed: int
+    importances: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Predicted defaults / tuned total latency."""
+        return self.defaults_predicted_us / self.predicted_us if self.predicted_us > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "study_name": self.study_name,
+            "group_size": self.bucket.group_size,
+            "head_dim": self.bucket.head_dim,
+            "dtype": self.bucket.dtype,
+            "best_config": self.best_config.to_dict(),
+            "best_trial": self.best_trial,
+            "predicted_us": self.predicted_us,
+            "worst_step_us": self.worst_step_us,
+            "defaults_predicted_us": self.defaults_predicted_us,
+            "defaults_worst_step_us": self.defaults_worst_step_us,
+            "speedup": self.speedup,
+            "n_complete": self.n_complete,
+            "n_pruned": self.n_pruned,
+            "n_failed": self.n_failed,
+            "importances": dict(self.importances),
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def tune_bucket(
+    objective: LatencyObjective,
+    *,
+    storage: str | os.PathLike | StorageSpec | BaseStorage | None = None,
+    folder: str | os.PathLike = ".",
+    base_name: str = "fasttree",
+    n_trials: int = 200,
+    timeout: float | None = None,
+    seed: int | None = 0,
+    worker: int = 0,
+    progress: bool = False,
+    importances: bool = True,
+) -> TuneResult:
+    """Create or join the bucket's study, run it to ``n_trials`` COMPLETE trials, report the best.
+
+    Parameters
+    ----------
+    objective : LatencyObjective
+        The bucket's objective (its ``bucket``, ``gpu`` and ``n_objectives`` decide the
+        study name, space and directions).
+    storage : str, PathLike, StorageSpec, optuna storage or None
+        See :func:`fasttree.tuner.storage.open_storage`; None: a SQLite file in ``folder``.
+    folder : str or PathLike
+        Folder of the default SQLite file.
+    base_name : str
+        Study base name; the study is :func:`study_name` ``(base_name, bucket)``.
+    n_trials : int
+        Target COMPLETE trials of the study (counting earlier runs and other workers).
+    timeout : float, optional
+        Seconds after which this worker starts no new trial.
+    seed : int or None
+        Sampler seed (see :func:`make_sampler`).
+    worker : int
+        This worker's index among concurrent workers of the study.
+    progress : bool
+        Show a progress bar.
+    importances : bool
+        Compute parameter importances.
+
+    Returns
+    -------
+    TuneResult
+
+    Raises
+    ------
+    ValueError
+        On bad arguments, a study made for another objective, or no COMPLETE trial.
+    """
+    t0 = time.monotonic()
+    bucket = objective.bucket
+    name = study_name(base_name, bucket)
+    store = open_storage(storage, folder=folder)
+    study, created = open_study(
+        store,
+        name,
+        n_objectives=objective.n_objectives,
+        sampler=make_sampler(seed, worker=worker),
+        fingerprint=objective.fingerprint(),
+    )
+    ensure_defaults(study, default_params(objective.gpu), created=created)
+    run_trials(study, objective, n_trials=n_trials, timeout=timeout, progress=progress)
+    best = _best_trial(study)
+    if best is None:
+        raise ValueError(f"study {name} has no complete trial")
+    config = config_from_params(best.params, bucket.group_size)
+    base = objective.defaults
+    trials = study.get_trials(deepcopy=False)
+    result = TuneResult(
+        study_name=name,
+        bucket=bucket,
+        best_config=config,
+        best_trial=best.number,
+        predicted_us=float(best.values[0]),
+        worst_step_us=float(best.user_attrs.get("worst_step_us", math.nan)),
+        defaults_predicted_us=base.total_us,
+        defaults_worst_step_us=base.worst_us,
+        n_complete=sum(t.state == TrialState.COMPLETE for t in trials),
+        n_pruned=sum(t.state == TrialState.PRUNED for t in trials),
+        n_failed=sum(t.state == TrialState.FAIL for t in trials),
+        importances=param_importances(study) if importances else {},
+        elapsed_s=time.monotonic() - t0,
+    )
+    logger.info(
+        "%s: best trial %d predicts %.1f us (defaults %.1f us, %.3fx) after %d complete trials",
+        name,
+        result.best_trial,
+        result.predicted_us,
+        result.defaults_predicted_us,
+        result.speedup,
+        result.n_complete,
+    )
+    return result
+
+
+def tune_workload(
+    records: Iterable[Mapping[str, Any]] | Mapping[Bucket, Sequence[WorkloadStep]],
+    model: Predictor,
+    gpu: GpuSpec,
+    *,
+    storage: str | os.PathLike | StorageSpec | BaseStorage | None = None,
+    folder: str | os.PathLike = ".",
+    base_name: str = "fasttree",
+    n_trials: int = 200,
+    timeout: float | None = None,
+    seed: int | None = 0,
+    worker: int = 0,
+    worst_step: bool = False,
+    progress: bool = False,
+    buckets: Iterable[Bucket] | None = None,
+) -> dict[Bucket, TuneResult]:
+    """Tune every bucket of a workload, each in its own study (see :func:`tune_bucket`).
+
+    Parameters
+    ----------
+    records : iterable of dict, or mapping of Bucket to steps
+        Workload trace records, or steps already grouped by :func:`steps_by_bucket`.
+    model : Predictor
+        The latency model.
+    gpu : GpuSpec
+        The GPU the model predicts for.
+    buckets : iterable of Bucket, optional
+        Tune only these (each must be in the workload).
+    timeout : float, optional
+        Seconds for each bucket.
+    storage, folder, base_name, n_trials, seed, worker, worst_step, progress
+        As in :func:`tune_bucket` and :class:`LatencyObjective`.
+
+    Returns
+    -------
+    dict of Bucket to TuneResult
+    """
+    grouped = dict(records) if isinstance(records, Mapping) else steps_by_bucket(records)
+    chosen = list(grouped) if buckets is None else list(buckets)
+    missing = [b.label for b in chosen if b not in grouped]
+    if missing:
+        raise ValueError(f"buckets {missing} are not in the workload (it has {[b.label for b in grouped]})")
+    store = open_storage(storage, folder=folder)
+    results: dict[Bucket, TuneResult] = {}
+    for bucket in chosen:
+        objective = LatencyObjective(grouped[bucket], model, gpu, bucket, worst_step=worst_step)
+        results[bucket] = tune_bucket(
+            objective,
+            storage=store,
+            base_name=base_name,
+            n_trials=n_trials,
+            timeout=timeout,
+            seed=seed,
+            worker=worker,
+            progress=progress,
+        )
+    return results
