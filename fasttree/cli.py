@@ -10,6 +10,10 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
   (:mod:`fasttree.costmodel`; needs scikit-learn).
 * ``evaluate`` -- held-out metrics of a saved model on other traces, or group k-fold by
   tree family on one set, side by side with the simulator and the published cost.
+* ``tune`` -- one Optuna study per (GQA ratio, head dim, dtype) bucket of workload traces,
+  minimising the latency model's prediction (:mod:`fasttree.tuner`; needs Optuna).
+* ``export`` -- the studies' best configs as a JSON export (:mod:`fasttree.export`).
+* ``run`` -- the main job: shipped model and workloads in, tuned export and report out.
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
 the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming
@@ -257,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_costmodel import add_costmodel_commands
 
     add_costmodel_commands(sub, [_common_options(suppress=True)])
+
+    from .cli_tune import add_tune_commands
+
+    add_tune_commands(sub, [_common_options(suppress=True)])
     return parser
 
 

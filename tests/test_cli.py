@@ -102,7 +102,7 @@ def test_log_level_before_the_subcommand_survives_the_subparser():
     ("argv", "message"),
     [
         ([], "SUBCOMMAND"),
-        (["tune"], "invalid choice: 'tune'"),
+        (["tuen"], "invalid choice: 'tuen'"),
         (["fit", "t.jsonl"], "--out"),
         (["evaluate"], "TRACES"),
         (["evaluate", "t.jsonl", "--folds", "1"], "argument --folds: expected an integer >= 2, got 1"),

@@ -1,0 +1,399 @@
+"""``fasttree-tune tune``, ``export`` and ``run``: the tuner's subcommands.
+
+Optuna, scikit-learn and matplotlib are imported only when one of them runs
+(``pip install -e '.[tune]'``). The options every tuning subcommand shares (model, storage,
+study name, trials, seed) come from one parent parser, :func:`_study_options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli import _duration_arg, _int_at_least
+
+__all__ = ["add_tune_commands"]
+
+logger = logging.getLogger("fasttree.cli")
+
+#: Defaults of ``fasttree-tune run`` (paths relative to the repository root).
+RUN_TRACES = "traces/h200"
+RUN_WORKLOADS = "traces/workloads"
+RUN_HELDOUT = "traces/workloads_heldout"
+RUN_MODEL = "models/h200_latency_model.json"
+RUN_OUT = "fasttree-run"
+RUN_TRIALS = 100
+#: Seconds per bucket after which ``run`` starts no new trial (keeps the main job under 10 minutes).
+RUN_TIMEOUT_S = 150.0
+
+
+def _study_options() -> argparse.ArgumentParser:
+    """Options shared by the subcommands that open tuning studies."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("study")
+    g.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL_OR_PATH",
+        help="where the studies live: a SQLite file (.db), a journal file (.log), or a database URL "
+        "(postgresql://user@host/db, mysql://..., sqlite:///path); workers on many machines join one "
+        "study through a shared database (default: fasttree-tune.db in the output folder)",
+    )
+    g.add_argument(
+        "--study",
+        default="fasttree",
+        metavar="NAME",
+        help="study base name; each (GQA ratio, head dim, dtype) bucket gets NAME-g<G>-d<D>-<dtype> (default fasttree)",
+    )
+    g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default {RUN_MODEL})")
+    g.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
+    return p
+
+
+def _trial_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("trials")
+    g.add_argument(
+        "--trials",
+        type=_int_at_least(1, "an integer >= 1"),
+        default=RUN_TRIALS,
+        metavar="N",
+        help=f"complete trials per bucket study, counting earlier runs and other workers (default {RUN_TRIALS})",
+    )
+    g.add_argument(
+        "--timeout",
+        type=_duration_arg,
+        default=None,
+        metavar="DURATION",
+        help="stop starting trials of a bucket after this time ('90s', '5m'); default: none",
+    )
+    g.add_argument("--seed", type=_int_at_least(0, "an integer >= 0"), default=0, help="sampler seed (default 0)")
+    g.add_argument(
+        "--worker",
+        type=_int_at_least(0, "an integer >= 0"),
+        default=0,
+        metavar="K",
+        help="this worker's index when several run one study (distinct seeds; default 0)",
+    )
+    g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """Add ``tune``, ``export`` and ``run`` to the ``fasttree-tune`` subparsers ``sub``."""
+    t = sub.add_parser(
+        "tune",
+        help="tune configs per bucket against the latency model on workload traces",
+        description="Group the workload steps of WORKLOADS by (GQA ratio, head dim, dtype) and run one "
+        "Optuna study per bucket (seeded multivariate TPE, the published defaults as the first trial) whose "
+        "objective is the model's predicted total latency of the steps, planned by the real planner. "
+        "Studies live in --storage and resume: rerunning the same command after a kill runs only the "
+        "missing trials, and workers started on other machines with the same --storage and --study join.",
+        parents=[*common, _study_options(), _trial_options()],
+    )
+    t.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="workload trace files or folders")
+    t.add_argument("--out", default=".", metavar="DIR", help="folder of the default storage and --json (default .)")
+    t.add_argument("--export", metavar="PATH", help="also write the tuned configs as an export file")
+    t.add_argument("--overwrite", action="store_true", help="replace --export if it exists")
+    t.add_argument("--json", metavar="PATH", help="write the per-bucket results as JSON")
+    t.set_defaults(func=_cmd_tune, subparser=t)
+
+    e = sub.add_parser(
+        "export",
+        help="write the best config of each bucket's study as an export file",
+        description="Read the studies of WORKLOADS' buckets from --storage (no new trials) and write their "
+        "best configs, with provenance (model and trace-set hashes, study names, predicted gain over the "
+        "defaults), as a schema-versioned JSON export for FastTreeConfig.from_export.",
+        parents=[*common, _study_options()],
+    )
+    e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
+    e.add_argument("-o", "--out", required=True, metavar="PATH", help="export file to write (.json)")
+    e.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
+    e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
+    e.set_defaults(func=_cmd_export, subparser=e)
+
+    r = sub.add_parser(
+        "run",
+        help="the main job: shipped traces in, tuned export and report out",
+        description="Load the shipped H200 latency model (or fit it from --traces when it is missing or "
+        "--refit is given), tune every bucket of --workloads with the embedded SQLite storage in --out, "
+        "write --out/export.json, predict the held-out workloads (--heldout) with the tuned and the "
+        "default configs, and write a report (report.md, report.json and PNG plots: optimisation "
+        "history, parameter importances, predicted latency per step). Rerunning resumes the studies.",
+        parents=[*common, _study_options(), _trial_options()],
+    )
+    r.add_argument("--traces", default=RUN_TRACES, metavar="DIR", help=f"measurement traces (default {RUN_TRACES})")
+    r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({RUN_WORKLOADS})")
+    r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({RUN_HELDOUT})")
+    r.add_argument("--out", default=RUN_OUT, metavar="DIR", help=f"output folder (default {RUN_OUT})")
+    r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
+    r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S)
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_model(args: argparse.Namespace):
+    """(model, GpuSpec, meta) of ``--model``; a usage error when it cannot be used."""
+    from fasttree.costmodel.gpu import GpuSpec
+    from fasttree.costmodel.persist import ModelFileError, load_model
+
+    try:
+        model, meta = load_model(args.model, force=args.force)
+        gpu = GpuSpec.from_dict(meta["gpu"])
+    except FileNotFoundError:
+        args.subparser.error(f"--model {args.model} does not exist (fit one with 'fasttree-tune fit')")
+    except (ModelFileError, OSError, KeyError, ValueError) as exc:
+        args.subparser.error(f"--model {args.model}: {exc}")
+    return model, gpu, meta
+
+
+def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
+    """Workload steps of ``paths`` grouped by bucket; a usage error when there are none."""
+    from fasttree.traces import TraceError, read_traces
+    from fasttree.tuner import steps_by_bucket
+
+    try:
+        records = read_traces(paths, kind="workload").records
+        grouped = steps_by_bucket(records)
+    except (TraceError, ValueError, OSError) as exc:
+        args.subparser.error(f"{what} {' '.join(paths)}: {exc}")
+    if not grouped:
+        args.subparser.error(f"{what} {' '.join(paths)}: no workload lines")
+    return grouped
+
+
+def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int):
+    import optuna
+
+    from fasttree.tuner import tune_workload
+
+    if not logging.getLogger("fasttree").isEnabledFor(logging.DEBUG):
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial only with -v
+
+    try:
+        return tune_workload(
+            grouped,
+            model,
+            gpu,
+            storage=args.storage,
+            folder=folder,
+            base_name=args.study,
+            n_trials=trials,
+            timeout=args.timeout,
+            seed=args.seed,
+            worker=args.worker,
+            worst_step=args.worst_step,
+            progress=args.progress,
+        )
+    except ValueError as exc:
+        args.subparser.error(str(exc))
+
+
+def _results_table(results) -> str:
+    head = "| bucket | study | trials (complete / pruned) | defaults (us) | tuned (us) | predicted speedup |"
+    lines = [head, "|---|---|---:|---:|---:|---:|"]
+    for b, r in results.items():
+        lines.append(
+            f"| {b.label} | {r.study_name} | {r.n_complete} / {r.n_pruned} | {r.defaults_predicted_us:.1f} "
+            f"| {r.predicted_us:.1f} | {r.speedup:.3f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _export_of(results, gpu, meta: dict[str, Any], model_path: Path):
+    from fasttree import __version__
+    from fasttree.export import ConfigExport, ExportEntry
+    from fasttree.traces import utc_now
+
+    entries = []
+    for b, r in results.items():
+        # only a config the model predicts faster than the defaults is exported; else the defaults stay
+        config = r.best_config if r.predicted_us < r.defaults_predicted_us else _defaults()
+        tuned_us = min(r.predicted_us, r.defaults_predicted_us)
+        entries.append(
+            ExportEntry(
+                gpu=gpu.name,
+                group_size=b.group_size,
+                head_dim=b.head_dim,
+                dtype=b.dtype,
+                config=config,
+                provenance={
+                    "study_name": r.study_name,
+                    "n_trials": r.n_complete,
+                    "best_trial": r.best_trial,
+                    "predicted_default_us": r.defaults_predicted_us,
+                    "predicted_tuned_us": tuned_us,
+                    "predicted_gain": 1.0 - tuned_us / r.defaults_predicted_us,
+                },
+            )
+        )
+    return ConfigExport(
+        entries=tuple(entries),
+        provenance={
+            "created_utc": utc_now(),
+            "fasttree_version": __version__,
+            "trace_set_hash": str(meta.get("trace_set", {}).get("sha256", "")),
+            "model_hash": _sha256_file(model_path),
+            "model_path": str(model_path),
+        },
+    )
+
+
+def _defaults():
+    from fasttree.config import FastTreeConfig
+
+    return FastTreeConfig()
+
+
+def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: bool) -> None:
+    from fasttree.export import write_export
+
+    try:
+        write_export(path, export, overwrite=overwrite)
+    except FileExistsError as exc:
+        args.subparser.error(f"{exc}; pass --overwrite to replace it")
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from fasttree.fileio import write_atomic
+
+    if args.export and Path(args.export).exists() and not args.overwrite:
+        args.subparser.error(f"--export {args.export} exists; pass --overwrite to replace it")
+    model, gpu, meta = _load_model(args)
+    grouped = _workload_steps(args, args.workloads, "WORKLOADS")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials)
+    print(_results_table(results))
+    if args.json:
+        write_atomic(args.json, json.dumps({b.label: r.to_dict() for b, r in results.items()}, indent=1) + "\n")
+    if args.export:
+        _write_export(args, args.export, _export_of(results, gpu, meta, Path(args.model)), overwrite=args.overwrite)
+        print(f"export: {args.export}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    if Path(args.out).exists() and not args.overwrite:
+        args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
+    if args.storage is None and not (Path(args.folder) / "fasttree-tune.db").exists():
+        args.subparser.error(f"no --storage given and no fasttree-tune.db in {args.folder}: nothing was tuned there")
+    model, gpu, meta = _load_model(args)
+    grouped = _workload_steps(args, args.workloads, "WORKLOADS")
+    args.timeout, args.seed, args.worker, args.worst_step, args.progress = None, 0, 0, False, False
+    results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1)  # runs no trial in a tuned study
+    _write_export(args, args.out, _export_of(results, gpu, meta, Path(args.model)), overwrite=args.overwrite)
+    print(_results_table(results))
+    print(f"export: {args.out}")
+    return 0
+
+
+def _fit_model(args: argparse.Namespace, path: Path) -> None:
+    from fasttree.costmodel.dataset import load_dataset
+    from fasttree.costmodel.evaluate import SimulatorBaseline
+    from fasttree.costmodel.model import LatencyModel
+    from fasttree.costmodel.persist import save_model
+
+    try:
+        data = load_dataset(args.traces)
+    except (ValueError, OSError) as exc:
+        args.subparser.error(f"--traces {args.traces}: {exc}")
+    t0 = time.perf_counter()
+    model = LatencyModel().fit(data.X, data.y_us)
+    fit_s = time.perf_counter() - t0
+    sim = SimulatorBaseline().fit(data.X, data.y_us)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(
+        path,
+        model,
+        gpu=data.gpu,
+        trace_hash=data.trace_hash,
+        trace_rows=len(data),
+        trace_paths=[str(args.traces)],
+        extra={"fit_seconds": round(fit_s, 2), "simulator_baseline": {"coef": [float(c) for c in sim.coef_]}},
+        overwrite=True,
+    )
+    print(f"fitted {path} on {len(data)} measurements in {fit_s:.0f} s")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fasttree.fileio import write_atomic
+
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_path = Path(args.model)
+    if args.refit or not model_path.exists():
+        if args.refit:
+            model_path = out / "latency_model.json"
+            args.model = str(model_path)
+        _fit_model(args, model_path)
+    model, gpu, meta = _load_model(args)
+    grouped = _workload_steps(args, [args.workloads], "--workloads")
+    heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
+    print(f"model {model_path} ({gpu.name}); {sum(map(len, grouped.values()))} tuning steps in {len(grouped)} buckets")
+    results = _tune(args, grouped, model, gpu, out, trials=args.trials)
+    export = _export_of(results, gpu, meta, model_path)
+    _write_export(args, str(out / "export.json"), export, overwrite=True)
+    judged = _heldout_predictions(heldout, export, model, gpu)
+    from fasttree.tuner.report import write_report
+
+    report = write_report(out, results, judged, storage=args.storage, folder=out)
+    summary = {
+        "gpu": gpu.name,
+        "model": str(model_path),
+        "buckets": {b.label: r.to_dict() for b, r in results.items()},
+        "heldout": judged,
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+    }
+    write_atomic(out / "report.json", json.dumps(summary, indent=1, default=float) + "\n")
+    print(_results_table(results))
+    for label, h in judged.items():
+        print(
+            f"held-out {label}: {h['steps']} steps, predicted defaults {h['defaults_us']:.0f} us, "
+            f"tuned {h['tuned_us']:.0f} us ({h['speedup']:.3f}x; worst workload {h['worst_workload_speedup']:.3f}x)"
+        )
+    print(f"export: {out / 'export.json'}; report: {report}; {summary['elapsed_s']:.0f} s")
+    return 0
+
+
+def _heldout_predictions(heldout, export, model, gpu) -> dict[str, dict[str, Any]]:
+    """Per bucket of the held-out workloads: predicted latency with the export's config and the defaults."""
+    from fasttree.tuner import LatencyObjective
+
+    judged = {}
+    for bucket, steps in heldout.items():
+        config, _ = export.lookup(
+            gpu=gpu.name,
+            num_q_heads=steps[0].num_q_heads,
+            num_kv_heads=steps[0].num_kv_heads,
+            head_dim=bucket.head_dim,
+            dtype=bucket.dtype,
+        )
+        objective = LatencyObjective(steps, model, gpu, bucket)
+        tuned, base = objective.evaluate(config), objective.defaults
+        # per workload (scenario and model shape): the target is judged per workload, not only in sum
+        by_workload: dict[str, list[int]] = {}
+        for i, s in enumerate(steps):
+            by_workload.setdefault(s.label.rsplit("/", 1)[0] if s.label else "?", []).append(i)
+        ratios = {w: float(base.step_us[idx].sum() / tuned.step_us[idx].sum()) for w, idx in by_workload.items()}
+        judged[bucket.label] = {
+            "steps": len(steps),
+            "defaults_us": base.total_us,
+            "tuned_us": tuned.total_us,
+            "speedup": base.total_us / tuned.total_us,
+            "workload_speedups": ratios,
+            "geomean_workload_speedup": math.exp(sum(math.log(v) for v in ratios.values()) / len(ratios)),
+            "worst_workload_speedup": min(ratios.values()),
+            "step_defaults_us": base.step_us.tolist(),
+            "step_tuned_us": tuned.step_us.tolist(),
+        }
+    return judged
