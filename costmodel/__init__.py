@@ -8,6 +8,7 @@ Modules, each with one job:
 * :mod:`~fasttree.costmodel.features` -- the feature row of a plan (work, GPU facts, simulator).
 * :mod:`~fasttree.costmodel.dataset` -- measurement traces -> feature matrix, tree ids, families.
 * :mod:`~fasttree.costmodel.model` -- :class:`LatencyModel`, the scikit-learn estimator.
+* :mod:`~fasttree.costmodel.predict` -- batched prediction of many plans or planning jobs (worker processes).
 * :mod:`~fasttree.costmodel.serialize` / :mod:`~fasttree.costmodel.persist` -- JSON model files (no pickle).
 * :mod:`~fasttree.costmodel.metrics` / :mod:`~fasttree.costmodel.evaluate` -- held-out metrics and protocols.
 

@@ -23,7 +23,7 @@ import numpy as np
 from fasttree.config import FastTreeConfig
 from fasttree.traces import decode_tree, read_traces
 
-from .features import FEATURE_NAMES, features_of_plan, published_cost
+from .features import FEATURE_NAMES, features_of_plan, features_of_plans, published_cost
 from .gpu import GpuSpec, gpu_spec
 
 logger = logging.getLogger(__name__)
@@ -122,14 +122,18 @@ def record_features(record: dict[str, Any], gpu: GpuSpec | None = None) -> np.nd
     return features_of_plan(record_plan(record), gpu_spec(record["env"]) if gpu is None else gpu)
 
 
+#: Records re-planned and turned into feature rows together (their plans are held at once).
+_FEATURE_BATCH = 256
+
+
 def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     spec = GpuSpec.from_dict(gpu)
     X = np.empty((len(records), len(FEATURE_NAMES)))
     cost = np.empty(len(records))
-    for i, r in enumerate(records):
-        plan = record_plan(r)
-        X[i] = features_of_plan(plan, spec)
-        cost[i] = published_cost(plan)
+    for lo in range(0, len(records), _FEATURE_BATCH):
+        plans = [record_plan(r) for r in records[lo : lo + _FEATURE_BATCH]]
+        X[lo : lo + len(plans)] = features_of_plans(plans, spec)  # = features_of_plan of each, batched
+        cost[lo : lo + len(plans)] = [published_cost(p) for p in plans]
     return X, cost
 
 

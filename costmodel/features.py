@@ -10,17 +10,20 @@ per tile class, the merge's work, launches, and the simulator's time split
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .gpu import GpuSpec
-from .simulator import SimParams, SimResult, regs_per_thread, simulate
-from .work import PlanWork, plan_work
+from .simulator import SimParams, SimResult, regs_per_thread, simulate, simulate_batch
+from .work import CLASS_FIELDS, PlanWork, plan_work, plan_work_batch
 
 __all__ = [
     "FEATURE_NAMES",
     "FEATURE_SCHEMA_VERSION",
     "SIM_TOTAL",
     "features_of_plan",
+    "features_of_plans",
     "features_of_work",
     "published_cost",
 ]
@@ -28,25 +31,7 @@ __all__ = [
 #: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it.
 FEATURE_SCHEMA_VERSION = 1
 
-_CLASS_FIELDS = (
-    "programs",
-    "block_m",
-    "block_n",
-    "num_warps",
-    "num_stages",
-    "masked",
-    "rows",
-    "padded_rows",
-    "kv_tokens",
-    "padded_kv_tokens",
-    "iterations",
-    "max_iterations",
-    "bytes",
-    "flops",
-    "useful_flops",
-    "direct_rows",
-    "partial_rows",
-)
+_CLASS_FIELDS = CLASS_FIELDS
 _TILE_MODES = ("two_classes", "all_large", "all_small")
 
 #: Column names, in order.
@@ -172,3 +157,63 @@ def published_cost(plan) -> float:
     nq = plan.groups.n_queries.astype(np.int64)
     nk = plan.groups.kv_len.astype(np.int64)
     return float((nq * g * nk).sum() + cost.cmm(nq, nk).sum() + cfg.gamma * nq.sum())
+
+
+def features_of_plans(plans, gpu: GpuSpec, *, elem_bytes: int | Sequence[int] = 2) -> np.ndarray:
+    """Feature rows of many plans at once: :func:`features_of_plan` of each, as one matrix.
+
+    The work counts and the simulator run on the whole batch
+    (:func:`~fasttree.costmodel.work.plan_work_batch`,
+    :func:`~fasttree.costmodel.simulator.simulate_batch`), with the arithmetic of
+    :func:`features_of_plan` operation for operation, so the rows are the same numbers
+    (``tests/test_costmodel_predict.py`` checks it on held-out traces).
+
+    Parameters
+    ----------
+    plans : sequence of Plan
+        At least one.
+    gpu : GpuSpec
+    elem_bytes : int or sequence of int
+        Bytes per Q/K/V element, for all plans or one per plan.
+
+    Returns
+    -------
+    ndarray, float64 [len(plans), len(FEATURE_NAMES)]
+
+    Raises
+    ------
+    ValueError
+        On no plans or a wrong number of ``elem_bytes``.
+    """
+    work = plan_work_batch(plans, elem_bytes=elem_bytes)
+    sim = simulate_batch(work, gpu, SimParams())
+    n = len(work)
+    c = work.classes
+    X = np.empty((n, len(FEATURE_NAMES)))
+    col = iter(range(len(FEATURE_NAMES)))
+
+    def put(*values) -> None:
+        for v in values:
+            X[:, next(col)] = v
+
+    put(gpu.sm_count, gpu.hbm_bytes_per_s / 1e12, gpu.tensor_flops / 1e12)
+    put(work.num_q_heads, work.num_kv_heads, work.num_q_heads // work.num_kv_heads, work.head_dim)
+    put(work.n_queries, work.unique_kv_tokens)
+    put(*(c[name][:, k] for k in (0, 1) for name in _CLASS_FIELDS))
+    regs = (c["block_m"] * work.head_dim[:, None] + c["block_m"] * c["block_n"]) / (
+        32.0 * np.maximum(1, c["num_warps"])
+    )
+    put(regs[:, 0], regs[:, 1], sim.occupancy[:, 0], sim.occupancy[:, 1], sim.waves[:, 0], sim.waves[:, 1])
+    put(work.merge_programs, work.merge_queries, work.merge_partials, work.merge_max_partials, work.merge_bytes)
+    put(work.launches)
+    mode = np.array(work.tile_mode)
+    put(*((mode == t).astype(np.float64) for t in _TILE_MODES))
+    min_bytes = work.min_bytes
+    useful = c["useful_flops"][:, 0] + c["useful_flops"][:, 1]
+    roofline = np.maximum(min_bytes / gpu.hbm_bytes_per_s, useful / gpu.tensor_flops)
+    put(c["bytes"][:, 0] + c["bytes"][:, 1] + work.merge_bytes, c["flops"][:, 0] + c["flops"][:, 1], min_bytes)
+    put(roofline * 1e6, sim.class_us[:, 0], sim.class_us[:, 1], sim.merge_us, sim.launch_us)
+    put(sim.mem_us, sim.tensor_us, sim.latency_us, sim.total_us)
+    if next(col, None) is not None:
+        raise AssertionError("internal error: features_of_plans filled fewer columns than FEATURE_NAMES")
+    return X

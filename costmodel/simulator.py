@@ -19,6 +19,9 @@ For each tile class (one launch of ``U_c x Hkv`` programs) and the merge pass:
 4. **Total.** Class times plus the merge's (one program per merged query and head block,
    fp32 partial traffic plus ``c_merge_us`` per program), plus ``c_launch_us`` per launch.
 
+:func:`simulate_batch` runs the same arithmetic for many plans at once (the batched
+feature path).
+
 The constants in :class:`SimParams` are physical guesses. Reported on its own, the
 simulator gets a two-parameter calibration on the training traces (a line in log-log
 space, :class:`fasttree.costmodel.evaluate.SimulatorBaseline`); the learned model uses its
@@ -32,9 +35,19 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .gpu import GpuSpec
-from .work import ClassWork, MergeWork, PlanWork
+from .work import ClassWork, MergeWork, PlanWork, WorkBatch
 
-__all__ = ["SimParams", "SimResult", "makespan", "occupancy", "regs_per_thread", "simulate", "spill_factor"]
+__all__ = [
+    "SimBatch",
+    "SimParams",
+    "SimResult",
+    "makespan",
+    "occupancy",
+    "regs_per_thread",
+    "simulate",
+    "simulate_batch",
+    "spill_factor",
+]
 
 #: Rounds of exact list scheduling (``sm_count`` programs each) before the rest is spread evenly.
 _EXACT_ROUNDS = 64
@@ -233,4 +246,146 @@ def simulate(work: PlanWork, gpu: GpuSpec, params: SimParams | None = None) -> S
         mem_us=float(parts[0][3] + parts[1][3]),
         tensor_us=float(parts[0][4] + parts[1][4]),
         latency_us=float(parts[0][5] + parts[1][5]),
+    )
+
+
+@dataclass(frozen=True)
+class SimBatch:
+    """:class:`SimResult` of many plans, field by field (one row per plan, ``[n, 2]`` per tile class)."""
+
+    total_us: np.ndarray
+    class_us: np.ndarray
+    merge_us: np.ndarray
+    launch_us: np.ndarray
+    occupancy: np.ndarray
+    waves: np.ndarray
+    mem_us: np.ndarray
+    tensor_us: np.ndarray
+    latency_us: np.ndarray
+
+
+def _makespans(cost: np.ndarray, seg: np.ndarray, lo: np.ndarray, programs: np.ndarray, hkv: np.ndarray, sms: int):
+    """:func:`makespan` of many classes at once.
+
+    Class ``k`` runs ``programs[k]`` programs: each of its units ``lo[k]:lo[k + 1]`` of
+    ``cost`` (unit costs, ``seg`` the class of each unit) ``hkv[k]`` times. The rounds of
+    list scheduling run for all classes together (zero-cost padding where a class has
+    fewer programs left than SMs, which leaves its loads unchanged).
+    """
+    out = np.zeros(programs.size)
+    busy = programs > 0
+    if not np.count_nonzero(busy):
+        return out
+    # longest first within every class (units are usually sorted already)
+    if np.count_nonzero((cost[1:] > cost[:-1]) & (seg[1:] == seg[:-1])):
+        cost = cost[np.lexsort((-cost, seg))]
+    out[busy] = np.maximum.reduceat(cost, lo[:-1][busy])  # one program per SM at most: the longest
+    many = (programs > sms).nonzero()[0]
+    if many.size == 0:
+        return out
+    p_many = programs[many]
+    rounds = np.minimum(-(-p_many // sms), _EXACT_ROUNDS)
+    by_rounds = np.argsort(-rounds, kind="stable")
+    many, p_many, rounds = many[by_rounds], p_many[by_rounds], rounds[by_rounds]
+    h = hkv[many][:, None]
+    first = lo[many][:, None]
+    loads = np.zeros((many.size, sms))
+    lane = np.arange(sms)
+    for r in range(int(rounds[0])):
+        a = int(np.count_nonzero(rounds > r))
+        k = r * sms + lane[None, :]  # programs of this round
+        valid = k < p_many[:a, None]
+        chunk = np.where(valid, cost[np.where(valid, first[:a] + k // h[:a], 0)], 0.0)
+        loads[:a] = np.sort(loads[:a], axis=1)
+        loads[:a] += chunk  # the longest of the round to the least loaded SM
+    loads.sort(axis=1)
+    done = rounds * sms
+    rest = p_many > done
+    span = loads[:, -1].copy()
+    for j in rest.nonzero()[0].tolist():
+        # programs past the exact rounds are spread evenly (summed as makespan() sums them)
+        k = many[j]
+        c = np.repeat(cost[lo[k] : lo[k + 1]], hkv[k])
+        total = loads[j].sum() + c[done[j] :].sum()
+        span[j] = max(span[j], total / sms)
+    out[many] = span
+    return out
+
+
+def simulate_batch(work: WorkBatch, gpu: GpuSpec, params: SimParams | None = None) -> SimBatch:
+    """:func:`simulate` of many plans at once: the same numbers (same operations, in the same order), as arrays.
+
+    Parameters
+    ----------
+    work : WorkBatch
+        :func:`fasttree.costmodel.work.plan_work_batch` of the plans.
+    gpu : GpuSpec
+    params : SimParams, optional
+        Defaults: :class:`SimParams` ``()``.
+
+    Returns
+    -------
+    SimBatch
+    """
+    p = SimParams() if params is None else params
+    n = len(work)
+    c = work.classes
+    sms = gpu.sm_count
+    programs = c["programs"].ravel()
+    busy = programs > 0
+    hkv = np.repeat(work.num_kv_heads, 2)
+    d = np.repeat(work.head_dim, 2)
+    eb = np.repeat(work.elem_bytes, 2)
+    bm, bn = c["block_m"].ravel(), c["block_n"].ravel()
+    warps = np.maximum(1, c["num_warps"].ravel())
+    # occupancy() and spill_factor() per class
+    smem = (np.maximum(1, c["num_stages"].ravel()) * bn * 2 + bm) * d * eb
+    occ = np.maximum(1, np.minimum(np.minimum(gpu.max_warps_per_sm // warps, gpu.smem_per_sm // np.maximum(1, smem)),
+                                   gpu.max_programs_per_sm))  # fmt: skip
+    occ = np.where(busy, occ, 1)
+    regs = (bm * d + bm * bn) / (32.0 * warps)
+    spill = np.minimum(p.spill_cap, 1.0 + p.spill_per_word * np.maximum(0.0, regs - p.spill_regs))
+    # per-unit program costs, as _class_time computes them per program
+    bw_share = p.eff_bw * gpu.hbm_bytes_per_s / sms
+    fl_share = p.eff_flops * gpu.tensor_flops / sms
+    boost = np.minimum(p.sm_bw_boost, sms / np.maximum(1, np.minimum(programs, sms)))
+    lo = work.unit_ptr
+    seg = np.repeat(np.arange(2 * n), np.diff(lo))
+    it = work.unit_iterations.astype(np.float64)
+    share = it / np.maximum(c["iterations"].ravel().astype(np.float64), 1.0)[seg]
+    mem = c["bytes"].ravel()[seg] * share / (bw_share * boost[seg]) * 1e6
+    tensor = c["flops"].ravel()[seg] * share / fl_share * 1e6
+    latency = p.c_prog_us / occ[seg] + p.c_iter_us * it
+    cost = np.maximum(np.maximum(mem, tensor), latency) * spill[seg]
+    class_us = _makespans(cost, seg, lo, programs, hkv, sms)
+
+    # GPU-wide memory, tensor and latency bounds: sums over every class's programs, added
+    # as _class_time adds them (numpy's pairwise sum over the programs), then over classes
+    parts = np.zeros((3, 2 * n))
+    terms = np.stack([mem, tensor, latency])
+    for k in busy.nonzero()[0].tolist():
+        units = terms[:, lo[k] : lo[k + 1]]
+        parts[:, k] = (units if hkv[k] == 1 else np.repeat(units, hkv[k], axis=1)).sum(axis=1)
+    parts = (parts / sms).reshape(3, n, 2)
+    parts = parts[:, :, 0] + parts[:, :, 1]
+
+    # the merge pass
+    m_busy = work.merge_programs > 0
+    per_prog = p.c_merge_us * (1.0 + work.merge_partials / np.maximum(work.merge_queries, 1) / 8.0)
+    m_latency = work.merge_programs * per_prog / (sms * 16)
+    merge_us = np.maximum(np.maximum(work.merge_bytes / (p.eff_bw * gpu.hbm_bytes_per_s) * 1e6, m_latency),
+                          p.c_merge_us)  # fmt: skip
+    merge_us = np.where(m_busy, merge_us, 0.0)
+    launch_us = p.c_launch_us * work.launches
+    class_us = class_us.reshape(n, 2)
+    return SimBatch(
+        total_us=class_us[:, 0] + class_us[:, 1] + merge_us + launch_us,
+        class_us=class_us,
+        merge_us=merge_us,
+        launch_us=launch_us,
+        occupancy=occ.reshape(n, 2),
+        waves=(programs / (sms * occ)).reshape(n, 2),
+        mem_us=parts[0],
+        tensor_us=parts[1],
+        latency_us=parts[2],
     )

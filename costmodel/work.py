@@ -4,6 +4,8 @@
 and counts, per tile class, the programs the launch starts, their rows and padded rows,
 KV tokens and padded tokens, inner-loop iterations, bytes and tensor-core flops, and for
 the merge pass its programs and bytes. The simulator and the features are built on it.
+:func:`plan_work_batch` counts the same for many plans at once, as arrays (the batched
+feature path, :func:`fasttree.costmodel.features.features_of_plans`).
 
 Dimension names: ``Hq``/``Hkv`` query/KV heads, ``g = Hq / Hkv``, ``D`` head dim,
 ``U_c`` units of tile class ``c``.
@@ -18,7 +20,7 @@ import numpy as np
 from fasttree.attention import merge_heads_per_program
 from fasttree.tree import ragged_arange
 
-__all__ = ["ClassWork", "MergeWork", "PlanWork", "plan_work"]
+__all__ = ["ClassWork", "MergeWork", "PlanWork", "WorkBatch", "plan_work", "plan_work_batch", "unique_count"]
 
 #: Bytes of one index (int32 ``kv_indices``) and one row-mask entry per KV token.
 _INDEX_BYTES = 4
@@ -137,6 +139,36 @@ class PlanWork:
         return kv + qo
 
 
+def unique_count(values: np.ndarray) -> int:
+    """Distinct values of a 1-D array of non-negative integers (a plan's ``kv_indices``).
+
+    KV indices are mostly runs of consecutive slots: the array is cut into maximal runs
+    ``v, v + 1, ...`` and the union of their intervals is measured, which reads the
+    array once instead of counting into a table as long as the largest value. When the
+    runs are short (few tokens per run) a table (``np.bincount``) is used instead.
+    """
+    n = int(values.size)
+    if n == 0:
+        return 0
+    breaks = np.flatnonzero(values[1:] - values[:-1] != 1)
+    n_runs = breaks.size + 1
+    if n_runs * 8 > n:
+        return int(np.count_nonzero(np.bincount(values, minlength=1)))
+    lo = np.empty(n_runs, dtype=np.int64)
+    hi = np.empty(n_runs, dtype=np.int64)
+    lo[0] = values[0]
+    lo[1:] = values[breaks + 1]
+    hi[:-1] = values[breaks]
+    hi[-1] = values[-1]
+    if n_runs > 1:
+        order = lo.argsort(kind="stable")
+        lo, hi = lo[order], hi[order]
+        # a run starts after every value the runs before it (by start) reach
+        reach = np.maximum.accumulate(hi)
+        np.maximum(lo[1:], reach[:-1] + 1, out=lo[1:])
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
 def _class_work(plan, c: int, elem: int) -> ClassWork:
     tc = plan.tile_classes[c]
     lo, hi = plan.class_unit_ptr[c], plan.class_unit_ptr[c + 1]
@@ -211,8 +243,6 @@ def plan_work(plan, *, elem_bytes: int = 2) -> PlanWork:
         max_partials=int(parts.max()) if parts.size else 0,
         bytes=int(parts.sum()) * hq * (d + 1) * _F32 + int(merged.size) * hq * d * elem_bytes,
     )
-    read = plan.kv_indices
-    unique = int(np.count_nonzero(np.bincount(read, minlength=1))) if read.size else 0
     return PlanWork(
         classes=(_class_work(plan, 0, elem_bytes), _class_work(plan, 1, elem_bytes)),
         merge=merge,
@@ -220,6 +250,228 @@ def plan_work(plan, *, elem_bytes: int = 2) -> PlanWork:
         num_kv_heads=plan.num_kv_heads,
         head_dim=d,
         n_queries=plan.n_queries,
-        unique_kv_tokens=unique,
+        unique_kv_tokens=unique_count(plan.kv_indices),
         elem_bytes=elem_bytes,
+    )
+
+
+#: Per-tile-class fields of :class:`WorkBatch` (arrays [n_plans, 2]), as in :class:`ClassWork`.
+CLASS_FIELDS = (
+    "programs",
+    "block_m",
+    "block_n",
+    "num_warps",
+    "num_stages",
+    "masked",
+    "rows",
+    "padded_rows",
+    "kv_tokens",
+    "padded_kv_tokens",
+    "iterations",
+    "max_iterations",
+    "bytes",
+    "flops",
+    "useful_flops",
+    "direct_rows",
+    "partial_rows",
+)
+
+
+@dataclass(frozen=True)
+class WorkBatch:
+    """Work of many plans as arrays: :class:`PlanWork` field by field, one row per plan.
+
+    Attributes
+    ----------
+    classes : dict of str to ndarray, int64 [n, 2]
+        Every :data:`CLASS_FIELDS` entry of both tile classes (``masked`` as 0/1).
+    unit_iterations : ndarray, int64 [total units]
+        ``prog_iterations`` of every (plan, class), back to back: plan ``i``'s class ``c``
+        is ``unit_iterations[unit_ptr[2 * i + c]:unit_ptr[2 * i + c + 1]]``.
+    unit_ptr : ndarray, int64 [2 * n + 1]
+    merge_programs, merge_queries, merge_partials, merge_max_partials, merge_bytes : ndarray, int64 [n]
+    num_q_heads, num_kv_heads, head_dim, n_queries, unique_kv_tokens, elem_bytes : ndarray, int64 [n]
+    tile_mode : tuple of str
+    """
+
+    classes: dict[str, np.ndarray]
+    unit_iterations: np.ndarray
+    unit_ptr: np.ndarray
+    merge_programs: np.ndarray
+    merge_queries: np.ndarray
+    merge_partials: np.ndarray
+    merge_max_partials: np.ndarray
+    merge_bytes: np.ndarray
+    num_q_heads: np.ndarray
+    num_kv_heads: np.ndarray
+    head_dim: np.ndarray
+    n_queries: np.ndarray
+    unique_kv_tokens: np.ndarray
+    elem_bytes: np.ndarray
+    tile_mode: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return int(self.num_q_heads.size)
+
+    @property
+    def launches(self) -> np.ndarray:
+        """Kernel launches of one call, per plan."""
+        return (self.classes["programs"] > 0).sum(axis=1) + (self.merge_programs > 0)
+
+    @property
+    def min_bytes(self) -> np.ndarray:
+        """:attr:`PlanWork.min_bytes` per plan."""
+        kv = self.unique_kv_tokens * self.num_kv_heads * 2 * self.head_dim * self.elem_bytes
+        return kv + 2 * self.n_queries * self.num_q_heads * self.head_dim * self.elem_bytes
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, dtype=np.int64)
+
+
+def _seg_sum(cumsum: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Sums over ``start[k]:end[k]`` from an exclusive cumulative sum (length + 1)."""
+    return cumsum[end] - cumsum[start]
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def plan_work_batch(plans, *, elem_bytes: int | np.ndarray | list[int] = 2) -> WorkBatch:
+    """:func:`plan_work` of many plans at once (the same numbers, as arrays).
+
+    Parameters
+    ----------
+    plans : sequence of Plan
+        At least one host plan.
+    elem_bytes : int or sequence of int
+        Bytes per Q/K/V element, for all plans or one per plan.
+
+    Returns
+    -------
+    WorkBatch
+
+    Raises
+    ------
+    ValueError
+        On no plans, a wrong number of ``elem_bytes``, or a plan whose tile classes do
+        not cover its units in order.
+    """
+    plans = list(plans)
+    n = len(plans)
+    if n == 0:
+        raise ValueError("no plans given")
+    eb = np.broadcast_to(np.asarray(elem_bytes, dtype=np.int64), (n,)) if np.ndim(elem_bytes) == 0 else None
+    if eb is None:
+        eb = np.asarray(elem_bytes, dtype=np.int64)
+        if eb.shape != (n,):
+            raise ValueError(f"elem_bytes holds {eb.size} values for {n} plans")
+    hq = np.array([p.num_q_heads for p in plans], dtype=np.int64)
+    hkv = np.array([p.num_kv_heads for p in plans], dtype=np.int64)
+    d = np.array([p.head_dim for p in plans], dtype=np.int64)
+    g = hq // hkv
+    ptr = np.array([p.class_unit_ptr for p in plans], dtype=np.int64)  # [n, 3]
+    n_units = np.array([p.unit_kv_len.size for p in plans], dtype=np.int64)
+    bad = (ptr[:, 0] != 0) | (ptr[:, 2] != n_units) | (ptr[:, 1] < 0) | (ptr[:, 1] > n_units)
+    if np.count_nonzero(bad):
+        raise ValueError("a plan's tile classes do not cover its units (class_unit_ptr)")
+    tc = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.masked) for p in plans for c in p.tile_classes]
+    shape = np.array(tc, dtype=np.int64).reshape(n, 2, 5)
+    block_m, block_n = shape[:, :, 0], shape[:, :, 1]
+
+    # units of every (plan, class) back to back: segment k = 2 * plan + class
+    unit_off = _exclusive_cumsum(n_units)
+    seg_lo = (unit_off[:-1, None] + ptr[:, :2]).ravel()
+    seg_hi = (unit_off[:-1, None] + ptr[:, 1:]).ravel()
+    seg_units = seg_hi - seg_lo
+    kv_len = _concat([p.unit_kv_len for p in plans])
+    q_len = _concat([p.unit_q_len for p in plans])
+    iters = -(-kv_len // np.repeat(block_n.ravel(), seg_units))
+    cs_kv = _exclusive_cumsum(kv_len)
+    cs_iters = _exclusive_cumsum(iters)
+    cs_pair_tokens = _exclusive_cumsum(kv_len * q_len)
+    # pairs that write something (-1: directly, >= 0: a partial row; -2: an absent row of a packed unit)
+    out_row = _concat([p.pair_out_row for p in plans])
+    pair_off = _exclusive_cumsum(np.array([p.pair_out_row.size for p in plans], dtype=np.int64))
+    q_start = _concat([p.unit_q_start for p in plans]) + np.repeat(pair_off[:-1], n_units)
+    cs_present = _exclusive_cumsum(out_row != -2)
+    cs_direct = _exclusive_cumsum(out_row == -1)
+    unit_present = _seg_sum(cs_present, q_start, q_start + q_len)
+    unit_direct = _seg_sum(cs_direct, q_start, q_start + q_len)
+    present = _seg_sum(_exclusive_cumsum(unit_present), seg_lo, seg_hi).reshape(n, 2)
+    direct = _seg_sum(_exclusive_cumsum(unit_direct), seg_lo, seg_hi).reshape(n, 2)
+    partial = present - direct
+    kv_sum = _seg_sum(cs_kv, seg_lo, seg_hi).reshape(n, 2)
+    iters_sum = _seg_sum(cs_iters, seg_lo, seg_hi).reshape(n, 2)
+    pair_tokens = _seg_sum(cs_pair_tokens, seg_lo, seg_hi).reshape(n, 2)
+    max_iters = np.zeros(2 * n, dtype=np.int64)
+    full = seg_units > 0
+    if np.count_nonzero(full):
+        max_iters[full] = np.maximum.reduceat(iters, seg_lo[full])
+    max_iters = max_iters.reshape(n, 2)
+
+    hkv2, g2, d2, eb2 = hkv[:, None], g[:, None], d[:, None], eb[:, None]
+    programs = seg_units.reshape(n, 2) * hkv2
+    kv_tokens = kv_sum * hkv2
+    padded = iters_sum * block_n * hkv2
+    rows = present * g2 * hkv2
+    index_bytes = 4 * (1 + shape[:, :, 4])  # kv_indices (and kv_row_mask) per token
+    bytes_ = (
+        kv_tokens * (2 * d2 * eb2 + index_bytes)
+        + rows * d2 * eb2
+        + direct * g2 * hkv2 * d2 * eb2
+        + partial * g2 * hkv2 * (d2 + 1) * _F32
+    )
+    classes = {
+        "programs": programs,
+        "block_m": block_m,
+        "block_n": block_n,
+        "num_warps": shape[:, :, 2],
+        "num_stages": shape[:, :, 3],
+        "masked": shape[:, :, 4],
+        "rows": rows,
+        "padded_rows": programs * block_m,
+        "kv_tokens": kv_tokens,
+        "padded_kv_tokens": padded,
+        "iterations": iters_sum * hkv2,
+        "max_iterations": max_iters,
+        "bytes": bytes_,
+        "flops": 4 * block_m * padded * d2,
+        "useful_flops": 4 * pair_tokens * g2 * hkv2 * d2,
+        "direct_rows": direct * g2 * hkv2,
+        "partial_rows": partial * g2 * hkv2,
+    }
+
+    # merge: partials of every merged query, per plan
+    n_merged = np.array([p.merge_queries.size for p in plans], dtype=np.int64)
+    q_off = _exclusive_cumsum(np.array([p.query_num_partials.size for p in plans], dtype=np.int64))
+    merged = _concat([p.merge_queries for p in plans]) + np.repeat(q_off[:-1], n_merged)
+    parts = _concat([p.query_num_partials for p in plans])[merged]
+    m_off = _exclusive_cumsum(n_merged)
+    m_partials = _seg_sum(_exclusive_cumsum(parts), m_off[:-1], m_off[1:])
+    m_max = np.zeros(n, dtype=np.int64)
+    has = n_merged > 0
+    if np.count_nonzero(has):
+        m_max[has] = np.maximum.reduceat(parts, m_off[:-1][has])
+    heads_per_prog = np.array([merge_heads_per_program(p) if p.merge_queries.size else 1 for p in plans])
+    m_programs = n_merged * -(-hq // heads_per_prog)
+    return WorkBatch(
+        classes=classes,
+        unit_iterations=iters,
+        unit_ptr=np.append(seg_lo, seg_hi[-1]),
+        merge_programs=m_programs,
+        merge_queries=n_merged,
+        merge_partials=m_partials,
+        merge_max_partials=m_max,
+        merge_bytes=m_partials * hq * (d + 1) * _F32 + n_merged * hq * d * eb,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        n_queries=np.array([p.n_queries for p in plans], dtype=np.int64),
+        unique_kv_tokens=np.array([unique_count(p.kv_indices) for p in plans], dtype=np.int64),
+        elem_bytes=np.ascontiguousarray(eb),
+        tile_mode=tuple(p.tile_mode for p in plans),
     )

@@ -215,6 +215,24 @@ def _tree_index(tree: KVTree) -> _TreeIndex:
     return ix
 
 
+def prepare(tree: KVTree) -> KVTree:
+    """Build the index of ``tree`` that :func:`plan` caches on it, ahead of the first plan.
+
+    :func:`plan` builds it on first use (edges by level and parent, DFS query ranges);
+    building it here moves that cost out of the first plan, e.g. before trees are
+    handed to worker processes, which then inherit it. Plans do not change.
+
+    Returns
+    -------
+    KVTree
+        ``tree``.
+    """
+    if not isinstance(tree, KVTree):
+        raise ValueError(f"prepare() needs a KVTree, got {type(tree).__name__}")
+    _tree_index(tree).groups(tree)
+    return tree
+
+
 # --------------------------------------------------------------------- greedy
 class _EdgeCosts:
     """Per-cost constants of the greedy over a tree's edges (see :class:`_TreeIndex`).
