@@ -1,8 +1,9 @@
-"""``fasttree-tune tune``, ``export`` and ``run``: the tuner's subcommands.
+"""``fasttree-tune tune``, ``export``, ``run`` and ``validate``: the tuner's subcommands.
 
 Optuna, scikit-learn and matplotlib are imported only when one of them runs
-(``pip install -e '.[tune]'``). The options every tuning subcommand shares (model, storage,
-study name, trials, seed) come from one parent parser, :func:`_study_options`.
+(``pip install -e '.[tune]'``); ``validate`` runs on a GPU machine and never imports
+Optuna. The options the tuning subcommands share (model, storage, study name, trials,
+seed) come from parent parsers, :func:`_study_options` and :func:`_trial_options`.
 """
 
 from __future__ import annotations
@@ -135,6 +136,26 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--out", default=RUN_OUT, metavar="DIR", help=f"output folder (default {RUN_OUT})")
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
     r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S)
+
+    v = sub.add_parser(
+        "validate",
+        help="measure a tuned export against the defaults on the GPU",
+        description="On a CUDA GPU: measure evenly spaced decode steps of each workload in WORKLOADS with "
+        "the export's config for their bucket and with the defaults (CUDA-graph replay, the first step "
+        "checked against the float64 reference), print the measured speedup per workload next to the "
+        "model's prediction and error, and append every measurement to --traces-out (closing the loop: "
+        "the next 'fasttree-tune fit' can use them).",
+        parents=[*common],
+    )
+    v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
+    v.add_argument("workloads", nargs="*", default=[RUN_HELDOUT], metavar="WORKLOADS", help=f"default {RUN_HELDOUT}")
+    v.add_argument(
+        "--steps", type=_int_at_least(1, "an integer >= 1"), default=8, metavar="K", help="steps per workload (8)"
+    )
+    v.add_argument("--model", default=None, metavar="MODEL", help="latency model for predicted speedups")
+    v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
+    v.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    v.set_defaults(func=_cmd_validate, subparser=v)
 
 
 def _sha256_file(path: Path) -> str:
@@ -397,3 +418,68 @@ def _heldout_predictions(heldout, export, model, gpu) -> dict[str, dict[str, Any
             "step_tuned_us": tuned.step_us.tolist(),
         }
     return judged
+
+
+def _predictor(args: argparse.Namespace):
+    """``[(record, config), ...] -> predicted us`` with ``--model`` (None without one)."""
+    if not args.model:
+        return None
+    import numpy as np
+
+    import fasttree as ft
+    from fasttree.costmodel.features import features_of_plans
+    from fasttree.traces import decode_tree
+
+    args.force = False
+    model, gpu, _ = _load_model(args)
+
+    def predict(pairs) -> np.ndarray:
+        plans = [
+            ft.plan(decode_tree(r["workload"]["tree"]), c, num_q_heads=r["num_q_heads"],
+                    num_kv_heads=r["num_kv_heads"], head_dim=r["head_dim"])
+            for r, c in pairs
+        ]  # fmt: skip
+        return model.predict(features_of_plans(plans, gpu))
+
+    return predict
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    import torch
+
+    from fasttree.export import read_export
+    from fasttree.fileio import write_atomic
+    from fasttree.traces import TraceError, TraceWriter, read_traces
+    from fasttree.validate import validate_export
+
+    if not torch.cuda.is_available():
+        args.subparser.error("validate measures on a CUDA GPU and none is visible")
+    try:
+        export = read_export(args.config)
+        records = read_traces(args.workloads, kind="workload").records
+    except (TraceError, ValueError, OSError) as exc:
+        args.subparser.error(str(exc))
+    if not records:
+        args.subparser.error(f"no workload lines in {' '.join(args.workloads)}")
+    predict = _predictor(args)
+    gpu_name = torch.cuda.get_device_name()
+    with TraceWriter(args.traces_out) as writer:
+        results = validate_export(export, records, gpu_name=gpu_name, steps_per_workload=args.steps, writer=writer,
+                                  predict=predict)  # fmt: skip
+    lines = ["| workload | steps | defaults (us) | tuned (us) | measured speedup | predicted | model MAPE |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for v in results:
+        pred = f"{v.predicted_speedup:.3f}x" if v.predicted_speedup else "-"
+        mape = f"{sum(v.abs_errors) / len(v.abs_errors):.3f}" if v.abs_errors else "-"
+        tag = " (defaults)" if v.tuned_is_default else ""
+        lines.append(f"| {v.workload}{tag} | {len(v.steps)} | {v.default_us:.1f} | {v.tuned_us:.1f} | "
+                     f"{v.speedup:.3f}x | {pred} | {mape} |")  # fmt: skip
+    speedups = [v.speedup for v in results]
+    geo = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
+    lines.append(f"\ngeomean measured speedup {geo:.3f}x, worst {min(speedups):.3f}x ({gpu_name})")
+    print("\n".join(lines))
+    if args.json:
+        rows = [dict(vars(v), speedup=v.speedup, predicted_speedup=v.predicted_speedup) for v in results]
+        doc = {"gpu": gpu_name, "geomean_speedup": geo, "worst_speedup": min(speedups), "workloads": rows}
+        write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
+    return 0

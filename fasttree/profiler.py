@@ -805,6 +805,7 @@ def measure_point(
     env: dict[str, Any] | None = None,
     graph_budget_s: float = GRAPH_BUDGET_S,
     eager_rep_ms: float = EAGER_REP_MS,
+    tree: KVTree | None = None,
 ) -> dict[str, Any]:
     """Measure one design point on the GPU and return its trace record.
 
@@ -834,6 +835,9 @@ def measure_point(
         Replay budget of the graph timing.
     eager_rep_ms : float
         Repetition time of the eager timing.
+    tree : KVTree, optional
+        The tree to measure instead of the point's sampled one (e.g. a workload step's,
+        with the point's ``family`` and ``seed`` naming where it came from).
 
     Returns
     -------
@@ -855,7 +859,7 @@ def measure_point(
 
     env = collect_env(device) if env is None else env
     t0 = time.perf_counter()
-    tree = point_tree(point)
+    tree = point_tree(point) if tree is None else tree
     try:
         plan = ft.plan(
             tree,

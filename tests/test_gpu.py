@@ -135,3 +135,26 @@ def test_direct_launch_path_is_correct_across_calls_layouts_and_graph_capture():
     torch.cuda.synchronize()
     assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16]
     assert attention._fast_path(plan, plan.to(q.device), q, k, v, out) is not None
+
+
+def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
+    from pathlib import Path
+
+    from fasttree.export import ConfigExport, ExportEntry
+    from fasttree.traces import TraceWriter, read_traces
+    from fasttree.validate import validate_export
+
+    root = Path(__file__).resolve().parents[1]
+    records = read_traces(root / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz", kind="workload")
+    gpu = torch.cuda.get_device_name()
+    tuned = ft.FastTreeConfig(num_warps=(4, 2))
+    export = ConfigExport(
+        entries=(ExportEntry(gpu=gpu, group_size=4, head_dim=128, dtype="float16", config=tuned, provenance={}),),
+        provenance={},
+    )
+    with TraceWriter(tmp_path / "v.jsonl") as w:
+        (v,) = validate_export(export, records.records, gpu_name=gpu, steps_per_workload=2, writer=w)
+    assert v.default_us > 0 and v.tuned_us > 0 and not v.tuned_is_default
+    lines = read_traces(tmp_path / "v.jsonl", kind="measurement").records
+    assert len(lines) == 4 and all(r["status"] == "ok" for r in lines)
+    assert lines[0]["correct"] is True  # the first step of the workload is checked against the reference

@@ -34,7 +34,7 @@ import optuna
 
 import fasttree as ft
 from fasttree.config import FastTreeConfig
-from fasttree.costmodel.features import features_of_plan
+from fasttree.costmodel.features import features_of_plans
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.plan_arrays import check_heads
 from fasttree.traces import decode_tree, encode_tree
@@ -256,16 +256,15 @@ class LatencyObjective:
             When the planner rejects ``config`` for a step.
         """
         b = self._bucket
-        rows = []
+        plans = []
         for s in self._steps:
             try:
-                plan = ft.plan(
-                    s.tree, config, num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=b.head_dim
+                plans.append(
+                    ft.plan(s.tree, config, num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=b.head_dim)
                 )
             except ValueError as exc:
                 raise PlanningError(f"step {s.label or '?'}: {exc}") from exc
-            rows.append(features_of_plan(plan, self._gpu, elem_bytes=b.elem_bytes))
-        return np.stack(rows)
+        return features_of_plans(plans, self._gpu, elem_bytes=b.elem_bytes)
 
     def evaluate(self, config: FastTreeConfig) -> Evaluation:
         """Plan every step with ``config``, predict all of them in one batch, and sum.
