@@ -14,6 +14,8 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
   minimising the latency model's prediction (:mod:`fasttree.tuner`; needs Optuna).
 * ``export`` -- the studies' best configs as a JSON export (:mod:`fasttree.export`).
 * ``run`` -- the main job: shipped model and workloads in, tuned export and report out.
+* ``validate`` -- on a GPU: measured speedup of an export over the defaults on workloads.
+* ``bench`` -- the kernel benchmark (``bench.kernel``, from a source checkout).
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
 the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming

@@ -157,6 +157,18 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     v.add_argument("--json", metavar="PATH", help="write the results as JSON")
     v.set_defaults(func=_cmd_validate, subparser=v)
 
+    b = sub.add_parser(
+        "bench",
+        help="the kernel benchmark on the paper suite (a GPU and a source checkout)",
+        description="Run 'python -m bench.kernel' (the paper suite: our kernel vs the published FastTree "
+        "times, query-separated attention, SDPA, the ablations and the roofline floor; JSON, markdown and "
+        "a plot under --out) with the arguments that follow, e.g. 'fasttree-tune bench -- --heads gqa4 "
+        "--out /tmp/b'. The benchmark lives in the repository's bench/ folder, so run it from a checkout.",
+        parents=[*common],
+    )
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of bench.kernel")
+    b.set_defaults(func=_cmd_bench, subparser=b)
+
 
 def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -483,3 +495,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         doc = {"gpu": gpu_name, "geomean_speedup": geo, "worst_speedup": min(speedups), "workloads": rows}
         write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import sys
+
+    if Path("bench", "kernel.py").is_file() and "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # a console script does not see the current folder
+    try:
+        from bench.kernel import main as bench_main
+    except ImportError as exc:
+        args.subparser.error(f"the benchmark needs a source checkout (run from the repository root): {exc}")
+    rest = list(args.bench_args)
+    return bench_main(rest[1:] if rest[:1] == ["--"] else rest)

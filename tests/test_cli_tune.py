@@ -184,3 +184,21 @@ def test_two_workers_share_a_postgres_study(tmp_path, workload):
     trials = optuna.load_study(study_name=name, storage=url).trials
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 12
     assert [t.number for t in trials] == list(range(len(trials)))
+
+
+def test_bench_forwards_to_the_kernel_benchmark(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exc:  # bench.kernel's own --help
+        main(["bench", "--", "--help"])
+    assert exc.value.code == 0
+    assert "python -m bench.kernel" in capsys.readouterr().out
+
+
+def test_bench_outside_a_checkout_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "bench.kernel", raising=False)
+    monkeypatch.delitem(sys.modules, "bench", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(ROOT))])
+    with pytest.raises(SystemExit) as exc:
+        main(["bench"])
+    assert exc.value.code == 2 and "source checkout" in capsys.readouterr().err
