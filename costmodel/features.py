@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .gpu import GpuSpec
+from .resources import COMPILED_FIELDS, compiled_features
 from .simulator import SimParams, SimResult, regs_per_thread, simulate, simulate_batch
 from .work import CLASS_FIELDS, PlanWork, plan_work, plan_work_batch
 
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 #: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it.
-FEATURE_SCHEMA_VERSION = 1
+FEATURE_SCHEMA_VERSION = 2
 
 _CLASS_FIELDS = CLASS_FIELDS
 _TILE_MODES = ("two_classes", "all_large", "all_small")
@@ -71,6 +72,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "sim_tensor_us",
     "sim_latency_us",
     "sim_total_us",
+    *(f"c{c}_{name}" for c in (0, 1) for name in COMPILED_FIELDS),
 )
 #: Column of the simulator's total time (the residual model's baseline).
 SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
@@ -131,8 +133,17 @@ def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResul
         sim.tensor_us,
         sim.latency_us,
         sim.total_us,
+        *_compiled(work, c0),
+        *_compiled(work, c1),
     ]
     return np.asarray(row, dtype=np.float64)
+
+
+def _compiled(work: PlanWork, c) -> tuple[float, ...]:
+    return compiled_features(
+        work.head_dim, c.block_m, c.block_n, c.masked, c.num_warps, c.num_stages,
+        programs=c.programs, iterations=c.iterations,
+    )  # fmt: skip
 
 
 def features_of_plan(plan, gpu: GpuSpec, *, elem_bytes: int = 2) -> np.ndarray:
@@ -214,6 +225,20 @@ def features_of_plans(plans, gpu: GpuSpec, *, elem_bytes: int | Sequence[int] = 
     put(c["bytes"][:, 0] + c["bytes"][:, 1] + work.merge_bytes, c["flops"][:, 0] + c["flops"][:, 1], min_bytes)
     put(roofline * 1e6, sim.class_us[:, 0], sim.class_us[:, 1], sim.merge_us, sim.launch_us)
     put(sim.mem_us, sim.tensor_us, sim.latency_us, sim.total_us)
+    compiled = np.array(
+        [
+            [
+                compiled_features(
+                    work.head_dim[i], c["block_m"][i, k], c["block_n"][i, k], c["masked"][i, k],
+                    c["num_warps"][i, k], c["num_stages"][i, k], programs=c["programs"][i, k],
+                    iterations=c["iterations"][i, k],
+                )
+                for k in (0, 1)
+            ]
+            for i in range(n)
+        ]
+    ).reshape(n, 2 * len(COMPILED_FIELDS))  # fmt: skip
+    put(*compiled.T)
     if next(col, None) is not None:
         raise AssertionError("internal error: features_of_plans filled fewer columns than FEATURE_NAMES")
     return X

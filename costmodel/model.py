@@ -42,6 +42,8 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         Smallest leaf.
     subsample : float
         Row fraction per boosting stage.
+    max_features : float or None
+        Feature fraction tried per split of the boosted kinds (None: all).
     random_state : int
         Seed.
 
@@ -58,10 +60,11 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         *,
         kind: str = "gbrt",
         n_estimators: int = 400,
-        learning_rate: float = 0.05,
-        max_depth: int | None = 6,
+        learning_rate: float = 0.08,
+        max_depth: int | None = 7,
         min_samples_leaf: int = 3,
-        subsample: float = 0.8,
+        subsample: float = 0.5,
+        max_features: float | None = 0.5,
         random_state: int = 0,
     ) -> None:
         self.kind = kind
@@ -70,6 +73,7 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         self.max_depth = max_depth
         self.min_samples_leaf = min_samples_leaf
         self.subsample = subsample
+        self.max_features = max_features
         self.random_state = random_state
 
     def _make_estimator(self):
@@ -89,6 +93,7 @@ class LatencyModel(RegressorMixin, BaseEstimator):
             max_depth=self.max_depth,
             min_samples_leaf=self.min_samples_leaf,
             subsample=self.subsample,
+            max_features=self.max_features,
             random_state=self.random_state,
         )
 

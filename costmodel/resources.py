@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KernelResources", "kernel_resources"]
+__all__ = ["COMPILED_FIELDS", "KernelResources", "compiled_features", "kernel_resources"]
 
 _TABLE = Path(__file__).with_name("data") / "kernel_resources_sm90.json"
 
@@ -66,3 +66,25 @@ def kernel_resources(
         if hit is not None:
             return hit
     return None
+
+
+#: Per tile class, the features :func:`compiled_features` gives (``c0_<name>``, ``c1_<name>``).
+COMPILED_FIELDS = ("ptx_regs", "ptx_spill_bytes", "ptx_shared_bytes", "spill_traffic")
+
+
+def compiled_features(
+    head_dim: int, block_m: int, block_n: int, masked: bool, num_warps: int, num_stages: int, *, programs: float,
+    iterations: float,
+) -> tuple[float, float, float, float]:  # fmt: skip
+    """One tile class's compiler facts, as features (:data:`COMPILED_FIELDS`).
+
+    Registers per thread, spill bytes per thread, shared memory per program and spill
+    traffic (spill bytes x the class's KV-tile iterations); zeros for a class without
+    programs, -1 for a variant the table lacks.
+    """
+    if programs <= 0:
+        return (0.0, 0.0, 0.0, 0.0)
+    res = kernel_resources(int(head_dim), int(block_m), int(block_n), bool(masked), int(num_warps), int(num_stages))
+    if res is None:
+        return (-1.0, -1.0, -1.0, -1.0)
+    return (float(res.regs), float(res.spill_bytes), float(res.shared), float(res.spill_bytes) * float(iterations))

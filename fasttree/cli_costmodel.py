@@ -45,11 +45,9 @@ def _trace_inputs() -> argparse.ArgumentParser:
 def _model_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model")
-    g.add_argument(
-        "--kind", choices=("gbrt", "forest", "residual"), default="residual", help="regressor (default residual)"
-    )
+    g.add_argument("--kind", choices=("gbrt", "forest", "residual"), default="gbrt", help="regressor (default gbrt)")
     g.add_argument("--n-estimators", type=_at_least(1), default=400, metavar="N", help="trees (default 400)")
-    g.add_argument("--max-depth", type=_at_least(1), default=6, metavar="D", help="tree depth (default 6)")
+    g.add_argument("--max-depth", type=_at_least(1), default=7, metavar="D", help="tree depth (default 7)")
     g.add_argument("--seed", type=_at_least(0), default=0, help="random seed (default 0)")
     return p
 

@@ -348,7 +348,7 @@ def test_cli_fit_then_evaluate_a_saved_model_and_by_folds(trace_file, tmp_path, 
     model = tmp_path / "m.json"
     fit = ["fit", str(trace_file), "-o", str(model), "--n-estimators", "20", "--max-depth", "3", "--workers", "1"]
     assert main(fit) == 0
-    assert "residual model of 160 measurements (NVIDIA H200)" in capsys.readouterr().out
+    assert "gbrt model of 160 measurements (NVIDIA H200)" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(fit)
     assert exit_info.value.code == 2 and "exists; pass --overwrite" in capsys.readouterr().err
@@ -370,3 +370,41 @@ def test_cli_fit_then_evaluate_a_saved_model_and_by_folds(trace_file, tmp_path, 
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", str(tmp_path / "nothing_here"), "-o", str(tmp_path / "x.json")])
     assert exit_info.value.code == 2
+
+
+def test_compiled_features_come_from_the_ptxas_table():
+    from fasttree.costmodel.resources import COMPILED_FIELDS, compiled_features, kernel_resources
+
+    res = kernel_resources(128, 64, 64, True, 4, 3)  # the default large class spills at 4 warps (NOTES)
+    assert res is not None and res.spill_bytes > 0 and res.regs == 255
+    got = compiled_features(128, 64, 64, True, 4, 3, programs=10, iterations=7)
+    assert got == (255.0, float(res.spill_bytes), float(res.shared), float(res.spill_bytes) * 7)
+    assert compiled_features(128, 64, 64, True, 4, 3, programs=0, iterations=0) == (0.0,) * len(COMPILED_FIELDS)
+    assert compiled_features(128, 64, 512, True, 4, 3, programs=1, iterations=1) == (-1.0,) * len(COMPILED_FIELDS)
+
+
+def test_the_ptxas_table_covers_the_profilers_kernel_space():
+    from fasttree.costmodel.resources import kernel_resources
+
+    for d in (64, 128, 256):
+        for m in (16, 32, 64, 128, 256):
+            for n in prof.KV_TILES:
+                for w in prof.NUM_WARPS:
+                    for s in prof.NUM_STAGES:
+                        for masked in (False, True):
+                            assert kernel_resources(d, m, n, masked, w, s) is not None, (d, m, n, masked, w, s)
+
+
+def test_features_name_the_compiled_facts_of_both_classes():
+    names = [n for n in FEATURE_NAMES if n.startswith(("c0_ptx", "c1_ptx", "c0_spill", "c1_spill"))]
+    assert names == [
+        f"c{c}_{f}" for c in (0, 1) for f in ("ptx_regs", "ptx_spill_bytes", "ptx_shared_bytes", "spill_traffic")
+    ]
+    tree = forest()
+    plan = plan_of(tree, ft.FastTreeConfig(), 32, 8)
+    row = dict(zip(FEATURE_NAMES, features_of_plan(plan, H200), strict=True))
+    for c in (0, 1):
+        if row[f"c{c}_programs"] > 0:
+            assert row[f"c{c}_ptx_regs"] > 0 and row[f"c{c}_ptx_shared_bytes"] > 0
+        else:
+            assert row[f"c{c}_ptx_regs"] == 0
