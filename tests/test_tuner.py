@@ -531,3 +531,22 @@ def test_sampler_arguments() -> None:
         make_sampler(0, worker=-2)
     with pytest.raises(ValueError):
         study_name("", G4)
+
+
+def test_balanced_workloads_count_each_workload_the_same(paper_steps) -> None:
+    from dataclasses import replace
+
+    from fasttree.tuner import balance_workloads, workload_of
+
+    # two workloads of one bucket: the first 3 steps relabelled as workload "a", the next 3 as "b"
+    steps = [replace(s, label=f"x/{'a' if i < 3 else 'b'}/seed0/step{i}") for i, s in enumerate(paper_steps[G4][:6])]
+    assert [workload_of(s) for s in steps] == ["x/a/seed0"] * 3 + ["x/b/seed0"] * 3
+    model = SimModel()
+    balanced = balance_workloads(steps, model, GPU, G4)
+    objective = LatencyObjective(balanced, model, GPU, G4)
+    assert objective.defaults.total_us == pytest.approx(2.0)  # one per workload
+    other = FastTreeConfig(kv_tile=(32, 32))
+    raw = LatencyObjective(steps, model, GPU, G4)
+    per = [raw.evaluate(other).step_us[k].sum() / raw.defaults.step_us[k].sum() for k in (slice(0, 3), slice(3, 6))]
+    assert objective.evaluate(other).total_us == pytest.approx(sum(per))
+    assert len({round(s.weight, 12) for s in balanced}) == 2  # the weights differ between the workloads

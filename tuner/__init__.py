@@ -14,7 +14,15 @@ Modules, each with one job:
 Needs Optuna and scikit-learn (the ``tune`` extra).
 """
 
-from .objective import Evaluation, LatencyObjective, PlanningError, WorkloadStep, steps_by_bucket
+from .objective import (
+    Evaluation,
+    LatencyObjective,
+    PlanningError,
+    WorkloadStep,
+    balance_workloads,
+    steps_by_bucket,
+    workload_of,
+)
 from .space import (
     Bucket,
     config_from_params,
@@ -47,6 +55,7 @@ __all__ = [
     "StorageSpec",
     "TuneResult",
     "WorkloadStep",
+    "balance_workloads",
     "config_from_params",
     "config_smem_bytes",
     "default_params",
@@ -66,4 +75,5 @@ __all__ = [
     "tune_bucket",
     "tune_workload",
     "units_kernel_smem_bytes",
+    "workload_of",
 ]

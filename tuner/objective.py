@@ -26,7 +26,7 @@ import math
 import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -137,6 +137,39 @@ def steps_by_bucket(records: Iterable[Mapping[str, Any]]) -> dict[Bucket, list[W
     if not out:
         raise ValueError("no workload records")
     return dict(sorted(out.items()))
+
+
+def workload_of(step: WorkloadStep) -> str:
+    """The workload a step belongs to: its label less the step (``family/scenario/seed``)."""
+    return step.label.rsplit("/", 1)[0] if "/" in step.label else step.label
+
+
+def balance_workloads(
+    steps: Sequence[WorkloadStep], model: Predictor, gpu: GpuSpec, bucket: Bucket
+) -> list[WorkloadStep]:
+    """The steps re-weighted so that every workload counts the same, relative to the defaults.
+
+    Each step's weight is divided by its workload's weighted total predicted latency with
+    ``FastTreeConfig()``, so the objective becomes the sum over workloads of (time with
+    the config / time with the defaults): the defaults score the number of workloads, and
+    a large workload cannot buy its gain with a loss on a small one.
+
+    Parameters
+    ----------
+    steps : sequence of WorkloadStep
+    model : Predictor
+    gpu : GpuSpec
+    bucket : Bucket
+
+    Returns
+    -------
+    list of WorkloadStep
+    """
+    base = LatencyObjective(steps, model, gpu, bucket).defaults.step_us
+    totals: dict[str, float] = {}
+    for s, us in zip(steps, base, strict=True):
+        totals[workload_of(s)] = totals.get(workload_of(s), 0.0) + s.weight * float(us)
+    return [replace(s, weight=s.weight / totals[workload_of(s)]) if s.weight else s for s in steps]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def _study_plots(out: Path, results, storage, folder: Path) -> list[str]:
         study = optuna.load_study(study_name=r.study_name, storage=store)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
-            ax = ovm.plot_optimization_history(study, target=lambda t: t.values[0], target_name="predicted us")
+            ax = ovm.plot_optimization_history(study, target=lambda t: t.values[0], target_name="objective")
             ax.axhline(r.defaults_predicted_us, color="k", lw=0.8, ls="--", label="defaults")
             ax.set_yscale("log")
             ax.set_title(f"{bucket.label}: optimisation history")
@@ -101,7 +101,13 @@ def write_report(out: Path, results, judged: dict[str, dict[str, Any]], *, stora
     plots = _study_plots(out, results, storage, folder) + _step_plots(out, judged)
     lines = ["# fasttree-tune run", "", "## Tuning (predicted by the latency model)", ""]
     lines += [
-        "| bucket | study | complete / pruned trials | defaults (us) | tuned (us) | speedup |",
+        "The objective is the model's predicted time over the tuning workloads: by default the sum over",
+        "workloads of (time / time with the defaults), so the defaults score the number of workloads;",
+        "with --no-balance the total predicted us of all steps.",
+        "",
+    ]
+    lines += [
+        "| bucket | study | complete / pruned trials | objective: defaults | tuned | ratio |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for bucket, r in results.items():
