@@ -82,3 +82,17 @@ def test_validate_cli_needs_a_gpu(tmp_path, monkeypatch, capsys):
         main(["validate", "--config", str(path), "--traces-out", str(tmp_path / "t.jsonl")])
     assert exc.value.code == 2 and "CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_validate_path_never_imports_optuna():
+    code = (
+        "import sys; sys.modules['optuna'] = None\n"  # an import of optuna would raise
+        "import fasttree.cli, fasttree.validate, fasttree.costmodel.features\n"
+        "args = fasttree.cli.build_parser().parse_args(['validate', '--config', 'e.json', '--traces-out', 't.jsonl'])\n"
+        "assert args.func.__name__ == '_cmd_validate'\n"
+    )
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
