@@ -29,7 +29,9 @@ RUN_WORKLOADS = "traces/workloads"
 RUN_HELDOUT = "traces/workloads_heldout"
 RUN_MODEL = "models/h200_latency_model.json"
 RUN_OUT = "fasttree-run"
-RUN_TRIALS = 100
+RUN_TRIALS = 250
+#: ``run`` tunes on every 4th step of each long workload (``--every``).
+RUN_EVERY = 4
 #: Seconds per bucket after which ``run`` starts no new trial (keeps the main job under 10 minutes).
 RUN_TIMEOUT_S = 150.0
 
@@ -60,6 +62,14 @@ def _study_options() -> argparse.ArgumentParser:
         action="store_false",
         help="minimise the predicted total time of all steps (default: every workload weighs the same: the "
         "objective is the sum over workloads of predicted time / time with the defaults)",
+    )
+    g.add_argument(
+        "--every",
+        type=_int_at_least(1, "an integer >= 1"),
+        default=1,
+        metavar="K",
+        help="tune on every K-th step of each workload of more than 64 steps, weighted K (consecutive decode "
+        "steps differ by a token; default 1: every step, 'run': 4)",
     )
     return p
 
@@ -142,7 +152,7 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({RUN_HELDOUT})")
     r.add_argument("--out", default=RUN_OUT, metavar="DIR", help=f"output folder (default {RUN_OUT})")
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
-    r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S)
+    r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S, every=RUN_EVERY, trials=RUN_TRIALS)
 
     v = sub.add_parser(
         "validate",
@@ -218,9 +228,10 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
 
     if not logging.getLogger("fasttree").isEnabledFor(logging.DEBUG):
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial only with -v
-    if args.balance:
-        from fasttree.tuner import balance_workloads
+    from fasttree.tuner import balance_workloads, thin_steps
 
+    grouped = {b: thin_steps(steps, args.every) for b, steps in grouped.items()}
+    if args.balance:
         grouped = {b: balance_workloads(steps, model, gpu, b) for b, steps in grouped.items()}
 
     try:

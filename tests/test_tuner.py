@@ -550,3 +550,39 @@ def test_balanced_workloads_count_each_workload_the_same(paper_steps) -> None:
     per = [raw.evaluate(other).step_us[k].sum() / raw.defaults.step_us[k].sum() for k in (slice(0, 3), slice(3, 6))]
     assert objective.evaluate(other).total_us == pytest.approx(sum(per))
     assert len({round(s.weight, 12) for s in balanced}) == 2  # the weights differ between the workloads
+
+
+def test_thin_steps_strides_long_workloads_only(paper_steps) -> None:
+    from dataclasses import replace
+
+    from fasttree.tuner import thin_steps
+
+    base = paper_steps[G4][0]
+    long = [replace(base, label=f"s/long/seed0/step{i}") for i in range(100)]
+    short = [replace(base, label=f"s/short/seed0/step{i}") for i in range(10)]
+    thinned = thin_steps(long + short, 4, min_steps=64)
+    assert [s.label for s in thinned[:25]] == [f"s/long/seed0/step{i}" for i in range(0, 100, 4)]
+    assert thinned[25:] == short  # a short workload is kept whole, weights unchanged
+    assert {s.weight for s in thinned[:25]} == {4.0}
+    assert sum(s.weight for s in thinned[:25]) == pytest.approx(100)  # the workload keeps its total weight
+    assert thin_steps(long, 1) == long
+    with pytest.raises(ValueError, match=">= 1"):
+        thin_steps(long, 0)
+
+
+def test_neighbours_of_the_defaults_follow_them(tmp_path: Path, paper_steps) -> None:
+    from fasttree.tuner.space import neighbour_params
+
+    result = tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
+    study = optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db"))
+    trials = study.trials
+    assert trials[0].params == default_params(GPU)
+    neighbours = neighbour_params(GPU)
+    assert [t.params for t in trials[1 : 1 + len(neighbours)]] == neighbours
+    configs = [config_from_params(p, 4) for p in neighbours]
+    assert [c.pack_tokens for c in configs] == [0, 512, 2048, 1024]
+    assert configs[-1].num_warps == (4, 2)
+    assert all(c != FastTreeConfig() for c in configs)
+    # joining the study again enqueues nothing more
+    tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
+    assert len(optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db")).trials) == 6

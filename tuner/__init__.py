@@ -21,6 +21,7 @@ from .objective import (
     WorkloadStep,
     balance_workloads,
     steps_by_bucket,
+    thin_steps,
     workload_of,
 )
 from .space import (
@@ -72,6 +73,7 @@ __all__ = [
     "steps_by_bucket",
     "study_name",
     "suggest_config",
+    "thin_steps",
     "tune_bucket",
     "tune_workload",
     "units_kernel_smem_bytes",

@@ -172,6 +172,38 @@ def balance_workloads(
     return [replace(s, weight=s.weight / totals[workload_of(s)]) if s.weight else s for s in steps]
 
 
+def thin_steps(steps: Sequence[WorkloadStep], every: int, *, min_steps: int = 64) -> list[WorkloadStep]:
+    """Every ``every``-th step of each workload with more than ``min_steps`` steps, its weight x ``every``.
+
+    Consecutive decode steps of a serving workload differ by a token per request, so a
+    stride keeps the workload's shape at a fraction of the planning cost per trial; short
+    workloads (e.g. the paper suite's distinct trees) are kept whole.
+
+    Raises
+    ------
+    ValueError
+        On ``every < 1``.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be an integer >= 1, got {every!r}")
+    if every == 1:
+        return list(steps)
+    counts: dict[str, int] = {}
+    for s in steps:
+        counts[workload_of(s)] = counts.get(workload_of(s), 0) + 1
+    seen: dict[str, int] = {}
+    out = []
+    for s in steps:
+        w = workload_of(s)
+        i = seen.get(w, 0)
+        seen[w] = i + 1
+        if counts[w] <= min_steps:
+            out.append(s)
+        elif i % every == 0:
+            out.append(replace(s, weight=s.weight * every))
+    return out
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Predicted latency of one config over a bucket's steps.
