@@ -55,13 +55,18 @@ def _table() -> dict[tuple, KernelResources]:
     return out
 
 
+@functools.cache
+def _head_dims() -> tuple[int, ...]:
+    """The table's head dims, ascending."""
+    return tuple(sorted({k[0] for k in _table()}))
+
+
 def kernel_resources(
     head_dim: int, block_m: int, block_n: int, masked: bool, num_warps: int, num_stages: int
 ) -> KernelResources | None:
     """The table's entry for a stage-1 variant (the next head dim up when its own is missing), or None."""
     table = _table()
-    dims = sorted({k[0] for k in table})
-    for d in [head_dim] + [x for x in dims if x > head_dim]:
+    for d in [head_dim] + [x for x in _head_dims() if x > head_dim]:
         hit = table.get((d, block_m, block_n, bool(masked), num_warps, num_stages))
         if hit is not None:
             return hit
