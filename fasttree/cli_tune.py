@@ -447,7 +447,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _heldout_predictions(heldout, export, model, gpu) -> dict[str, dict[str, Any]]:
     """Per bucket of the held-out workloads: predicted latency with the export's config and the defaults."""
-    from fasttree.tuner import LatencyObjective
+    from fasttree.tuner import LatencyObjective, workload_of
 
     judged = {}
     for bucket, steps in heldout.items():
@@ -463,7 +463,7 @@ def _heldout_predictions(heldout, export, model, gpu) -> dict[str, dict[str, Any
         # per workload (scenario and model shape): the target is judged per workload, not only in sum
         by_workload: dict[str, list[int]] = {}
         for i, s in enumerate(steps):
-            by_workload.setdefault(s.label.rsplit("/", 1)[0] if s.label else "?", []).append(i)
+            by_workload.setdefault(workload_of(s), []).append(i)
         ratios = {w: float(base.step_us[idx].sum() / tuned.step_us[idx].sum()) for w, idx in by_workload.items()}
         judged[bucket.label] = {
             "steps": len(steps),

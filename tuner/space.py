@@ -38,6 +38,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 
 from fasttree.config import DEFAULT_Q_TILE_ROWS, FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
+from fasttree.costmodel.predict import elem_bytes_of
 from fasttree.export import bucket_key
 from fasttree.profiler import (
     ALPHA_RANGE,
@@ -56,7 +57,6 @@ from fasttree.profiler import (
 
 __all__ = [
     "CLASSES",
-    "ELEM_BYTES",
     "PARAM_NAMES",
     "PIPELINE_BUFFERS",
     "SMEM_RESERVE_BYTES",
@@ -78,8 +78,6 @@ logger = logging.getLogger(__name__)
 
 #: Tile-class suffixes of the per-class parameters (index 0 and 1 of the config's pairs).
 CLASSES = ("large", "small")
-#: Bytes per element of each dtype the kernels take.
-ELEM_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2}
 
 # ------------------------------------------------------------------ shared memory
 #: Bytes the units kernel holds besides its tiles: the compiler's reports in
@@ -220,7 +218,7 @@ class Bucket:
     @property
     def elem_bytes(self) -> int:
         """Bytes per Q/K/V element."""
-        return ELEM_BYTES[self.dtype]
+        return elem_bytes_of(self.dtype)
 
     @property
     def label(self) -> str:
