@@ -376,29 +376,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _fit_model(args: argparse.Namespace, path: Path) -> None:
     from fasttree.costmodel.dataset import load_dataset
-    from fasttree.costmodel.evaluate import SimulatorBaseline
     from fasttree.costmodel.model import LatencyModel
-    from fasttree.costmodel.persist import save_model
+
+    from .cli_costmodel import fit_and_save
 
     try:
         data = load_dataset(args.traces)
     except (ValueError, OSError) as exc:
         args.subparser.error(f"--traces {args.traces}: {exc}")
-    t0 = time.perf_counter()
-    model = LatencyModel().fit(data.X, data.y_us)
-    fit_s = time.perf_counter() - t0
-    sim = SimulatorBaseline().fit(data.X, data.y_us)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(
-        path,
-        model,
-        gpu=data.gpu,
-        trace_hash=data.trace_hash,
-        trace_rows=len(data),
-        trace_paths=[str(args.traces)],
-        extra={"fit_seconds": round(fit_s, 2), "simulator_baseline": {"coef": [float(c) for c in sim.coef_]}},
-        overwrite=True,
-    )
+    fit_s, _ = fit_and_save(LatencyModel(), data, path, trace_paths=[str(args.traces)], overwrite=True)
     print(f"fitted {path} on {len(data)} measurements in {fit_s:.0f} s")
 
 

@@ -202,3 +202,21 @@ def test_bench_outside_a_checkout_is_a_usage_error(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exc:
         main(["bench"])
     assert exc.value.code == 2 and "source checkout" in capsys.readouterr().err
+
+
+def test_run_refit_fits_the_model_from_traces(tmp_path, workload, capsys):
+    from fasttree.costmodel.persist import load_model
+
+    wl = tmp_path / "wl"
+    wl.mkdir()
+    shutil.copy(workload, wl / "small.jsonl")
+    out = tmp_path / "out"
+    argv = ["run", "--refit", "--traces", str(ROOT / "traces" / "h200_smoke"), "--workloads", str(wl),
+            "--heldout", str(wl), "--out", str(out), "--trials", "2", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    assert "fitted" in capsys.readouterr().out
+    _, meta = load_model(out / "latency_model.json")
+    smoke = read_traces(ROOT / "traces" / "h200_smoke", kind="measurement").records
+    assert meta["trace_set"]["rows"] == len({r["key"] for r in smoke if r["status"] == "ok"})  # one row per key
+    assert "simulator_baseline" in meta["extra"] and "training_metrics" in meta["extra"]
+    assert read_export(out / "export.json").provenance["model_path"] == str(out / "latency_model.json")
