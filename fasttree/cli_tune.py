@@ -71,6 +71,7 @@ def _study_options() -> argparse.ArgumentParser:
         help="tune on every K-th step of each workload of more than 64 steps, weighted K (consecutive decode "
         "steps differ by a token; default 1: every step, 'run': 4)",
     )
+    g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     return p
 
 
@@ -99,7 +100,6 @@ def _trial_options() -> argparse.ArgumentParser:
         metavar="K",
         help="this worker's index when several run one study (distinct seeds; default 0)",
     )
-    g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -197,7 +197,7 @@ def _load_model(args: argparse.Namespace):
     from fasttree.costmodel.persist import ModelFileError, load_model
 
     try:
-        model, meta = load_model(args.model, force=args.force)
+        model, meta = load_model(args.model, force=getattr(args, "force", False))
         gpu = GpuSpec.from_dict(meta["gpu"])
     except FileNotFoundError:
         args.subparser.error(f"--model {args.model} does not exist (fit one with 'fasttree-tune fit')")
@@ -243,11 +243,11 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             folder=folder,
             base_name=args.study,
             n_trials=trials,
-            timeout=args.timeout,
-            seed=args.seed,
-            worker=args.worker,
+            timeout=getattr(args, "timeout", None),  # the trial options; 'export' runs no trial
+            seed=getattr(args, "seed", 0),
+            worker=getattr(args, "worker", 0),
             worst_step=args.worst_step,
-            progress=args.progress,
+            progress=getattr(args, "progress", False),
         )
     except ValueError as exc:
         args.subparser.error(str(exc))
@@ -365,7 +365,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
         args.subparser.error(f"no --storage given and no fasttree-tune.db in {args.folder}: nothing was tuned there")
     model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
-    args.timeout, args.seed, args.worker, args.worst_step, args.progress = None, 0, 0, False, False
     results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1)  # runs no trial in a tuned study
     totals = _predicted_totals(grouped, results, model, gpu)
     _write_export(args, args.out, _export_of(results, totals, gpu, meta, Path(args.model)), overwrite=args.overwrite)
@@ -476,7 +475,6 @@ def _predictor(args: argparse.Namespace):
     from fasttree.costmodel.features import features_of_plans
     from fasttree.traces import decode_tree
 
-    args.force = False
     model, gpu, _ = _load_model(args)
 
     def predict(pairs) -> np.ndarray:

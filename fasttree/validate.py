@@ -126,6 +126,7 @@ def validate_export(
     writer: TraceWriter | None = None,
     predict: Callable[[list[tuple[Mapping[str, Any], FastTreeConfig]]], np.ndarray] | None = None,
     device: Any = "cuda",
+    env: dict[str, Any] | None = None,
     measure: Callable[..., dict[str, Any]] = measure_point,
 ) -> list[WorkloadValidation]:
     """Measure the export's configs and the defaults on sampled workload steps.
@@ -144,6 +145,8 @@ def validate_export(
     predict : callable, optional
         ``[(record, config), ...] -> predicted us`` (e.g. the latency model through the planner).
     device : str or torch.device
+    env : dict, optional
+        :func:`fasttree.profiler.collect_env` of ``device`` (collected when None).
     measure : callable
         :func:`fasttree.profiler.measure_point` (replaceable in tests).
 
@@ -156,7 +159,7 @@ def validate_export(
     RuntimeError
         When a measurement fails (the failed record is still written).
     """
-    env = collect_env(device) if measure is measure_point else {"gpu_name": gpu_name}
+    env = collect_env(device) if env is None else env
     results = []
     index = 0
     for name, steps in workload_steps(records, steps_per_workload).items():

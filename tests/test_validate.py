@@ -56,7 +56,7 @@ def test_validate_measures_both_configs_writes_traces_and_predicts(tmp_path):
 
     with TraceWriter(tmp_path / "v.jsonl") as w:
         (v,) = validate_export(export(), RECORDS, gpu_name="NVIDIA H200", steps_per_workload=3, writer=w,
-                               predict=predict, measure=fake_measure)  # fmt: skip
+                               predict=predict, env=ENV, measure=fake_measure)  # fmt: skip
     assert v.speedup == pytest.approx(100 / 80) and not v.tuned_is_default
     assert v.predicted_speedup == pytest.approx(110 / 80)
     assert np.mean(v.abs_errors) == pytest.approx((0.1 + 0.0) / 2)
@@ -68,7 +68,7 @@ def test_validate_measures_both_configs_writes_traces_and_predicts(tmp_path):
 
 def test_validate_on_another_gpu_falls_back_to_the_defaults():
     (v,) = validate_export(export("NVIDIA H100"), RECORDS, gpu_name="NVIDIA H200", steps_per_workload=2,
-                           measure=fake_measure)  # fmt: skip
+                           env=ENV, measure=fake_measure)  # fmt: skip
     assert v.tuned_is_default and v.speedup == 1.0
 
 
