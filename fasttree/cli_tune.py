@@ -361,8 +361,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not args.overwrite:
         args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
-    if args.storage is None and not (Path(args.folder) / "fasttree-tune.db").exists():
-        args.subparser.error(f"no --storage given and no fasttree-tune.db in {args.folder}: nothing was tuned there")
+    from fasttree.tuner.storage import DEFAULT_DB_NAME
+
+    if args.storage is None and not (Path(args.folder) / DEFAULT_DB_NAME).exists():
+        args.subparser.error(f"no --storage given and no {DEFAULT_DB_NAME} in {args.folder}: nothing was tuned there")
     model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
     results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1)  # runs no trial in a tuned study
