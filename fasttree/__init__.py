@@ -8,11 +8,13 @@ Quick use::
     o = ft.tree_attention(q, k_cache, v_cache, plan)
 """
 
+from .adapter import tree_from_radix_nodes, tree_from_req_to_token, tree_from_token_slots
 from .attention import plan_query_separated, query_separated_attention, tree_attention
 from .config import FastTreeConfig
 from .export import ConfigExport, ExportEntry, read_export, write_export
 from .plan_arrays import DevicePlan, Plan
 from .planner import Groups, build_groups, greedy_edge_assignment, plan
+from .recording import WorkloadRecorder
 from .reference import max_relative_error, reference_attention
 from .tree import KVTree
 
@@ -26,6 +28,7 @@ __all__ = [
     "Groups",
     "KVTree",
     "Plan",
+    "WorkloadRecorder",
     "build_groups",
     "greedy_edge_assignment",
     "max_relative_error",
@@ -35,5 +38,8 @@ __all__ = [
     "read_export",
     "reference_attention",
     "tree_attention",
+    "tree_from_radix_nodes",
+    "tree_from_req_to_token",
+    "tree_from_token_slots",
     "write_export",
 ]

@@ -13,20 +13,29 @@ Two kernels, the host picks one per plan:
 - :func:`merge_many_partials_kernel`: one program per (merged query, query head),
   reading ``BLOCK_P`` partial rows as one ``[BLOCK_P, D]`` tile, so a query's loads are
   all in flight at once. Best when some queries have many partials (long split chains).
+
+Each has a persistent twin for :mod:`fasttree.runtime` (``*_persistent_kernel``): a fixed
+number of programs loop over the (merged query, head block) items of one range of the
+plan buffer's merge list, whose length they read from the buffer's header, so the launch
+does not depend on the plan.
 """
 
 import triton
 import triton.language as tl
 
+from .tree_attention import HDR_MERGE_COUNTS, HDR_MERGE_QUERIES, HDR_QUERY_NUM_PARTIALS, HDR_QUERY_PARTIAL_START
+
 
 @triton.jit
-def merge_partials_kernel(
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # [n_partial_rows, Hq, D], fp32
-    PartLse,  # [n_partial_rows, Hq], fp32
-    MergeQueries,  # int32 [n_merge]
-    QueryPartialStart,  # int32 [n_queries]
-    QueryNumPartials,  # int32 [n_queries]
+def _merge_head_block(
+    index,
+    head_block,
+    Out,
+    PartO,
+    PartLse,
+    MergeQueries,
+    QueryPartialStart,
+    QueryNumPartials,
     stride_on,
     stride_oh,
     stride_pn,
@@ -37,8 +46,9 @@ def merge_partials_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    qid = tl.load(MergeQueries + tl.program_id(0)).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """Merge entry ``index`` of ``MergeQueries``, heads ``head_block * BLOCK_H ...``, one partial row at a time."""
+    qid = tl.load(MergeQueries + index).to(tl.int64)
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = h < NUM_HEADS
     d = tl.arange(0, BLOCK_D)
     mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
@@ -63,13 +73,15 @@ def merge_partials_kernel(
 
 
 @triton.jit
-def merge_many_partials_kernel(
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # [n_partial_rows, Hq, D], fp32
-    PartLse,  # [n_partial_rows, Hq], fp32
-    MergeQueries,  # int32 [n_merge]
-    QueryPartialStart,  # int32 [n_queries]
-    QueryNumPartials,  # int32 [n_queries]
+def _merge_one_head(
+    index,
+    head,
+    Out,
+    PartO,
+    PartLse,
+    MergeQueries,
+    QueryPartialStart,
+    QueryNumPartials,
     stride_on,
     stride_oh,
     stride_pn,
@@ -79,8 +91,9 @@ def merge_many_partials_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    qid = tl.load(MergeQueries + tl.program_id(0)).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    """Merge entry ``index`` of ``MergeQueries``, one head, ``BLOCK_P`` partial rows at a time."""
+    qid = tl.load(MergeQueries + index).to(tl.int64)
+    h = head.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     p = tl.arange(0, BLOCK_P)
@@ -112,3 +125,110 @@ def merge_many_partials_kernel(
         acc += tl.sum(w[:, None] * o, 0)
     out = acc / tl.sum(s, 0)
     tl.store(Out + qid * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_valid)
+
+
+@triton.jit
+def merge_partials_kernel(
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [n_partial_rows, Hq, D], fp32
+    PartLse,  # [n_partial_rows, Hq], fp32
+    MergeQueries,  # int32 [n_merge]
+    QueryPartialStart,  # int32 [n_queries]
+    QueryNumPartials,  # int32 [n_queries]
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    _merge_head_block(
+        tl.program_id(0), tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+        stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def merge_many_partials_kernel(
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [n_partial_rows, Hq, D], fp32
+    PartLse,  # [n_partial_rows, Hq], fp32
+    MergeQueries,  # int32 [n_merge]
+    QueryPartialStart,  # int32 [n_queries]
+    QueryNumPartials,  # int32 [n_queries]
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    _merge_one_head(
+        tl.program_id(0), tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+        stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["stride_ln"])
+def merge_partials_persistent_kernel(
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [max_partial_rows, Hq, D], fp32
+    PartLse,  # [max_partial_rows, Hq], fp32
+    PlanBuf,  # int32 [plan_words]: header and plan arrays (see .tree_attention)
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merges the first ``header[HDR_MERGE_COUNTS]`` entries of the merge list."""
+    n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS)
+    MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
+    QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
+    QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
+    n_blocks = tl.cdiv(NUM_HEADS, BLOCK_H)
+    for item in range(tl.program_id(0), n_merge * n_blocks, tl.num_programs(0)):
+        index = item // n_blocks
+        _merge_head_block(
+            index, item - index * n_blocks, Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_heads", "stride_ln"])
+def merge_many_partials_persistent_kernel(
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [max_partial_rows, Hq, D], fp32
+    PartLse,  # [max_partial_rows, Hq], fp32
+    PlanBuf,  # int32 [plan_words]: header and plan arrays (see .tree_attention)
+    num_heads,
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merges the ``header[HDR_MERGE_COUNTS + 1]`` entries of the merge list after the first kernel's."""
+    first = tl.load(PlanBuf + HDR_MERGE_COUNTS)
+    n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
+    MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
+    QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
+    QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
+    for item in range(tl.program_id(0), n_merge * num_heads, tl.num_programs(0)):
+        index = item // num_heads
+        _merge_one_head(
+            first + index, item - index * num_heads, Out, PartO, PartLse, MergeQueries, QueryPartialStart,
+            QueryNumPartials, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
+        )  # fmt: skip

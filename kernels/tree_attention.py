@@ -1,5 +1,14 @@
 """Stage 1 of tree attention: one program per (work unit, KV head), one launch per tile class.
 
+Two entry points share the unit's code (:func:`_attend_unit`):
+
+- :func:`tree_attention_units_kernel`: a grid of (the class's units, KV heads), sized by the
+  host for each plan (:func:`fasttree.tree_attention`).
+- :func:`tree_attention_persistent_kernel`: a fixed number of programs that loop over the
+  (unit, KV head) items of one range of units, with every plan array and the range read from
+  one device buffer behind a header (:mod:`fasttree.runtime`): the launch does not depend
+  on the plan, so a CUDA graph captured once replays any later plan uploaded into the buffer.
+
 A unit is a chunk of one context-query group's KV (gathered through pool slot ids)
 and a tile of that group's queries, or (``MASKED`` classes) a packed unit: several
 small units' KV back to back, each entry with a bit mask of the rows' queries that
@@ -22,27 +31,43 @@ import triton.language as tl
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-# unit_offset (0 for the first tile class, its unit count for the second) and stride_ln (the
-# query-head count) only feed scalar address arithmetic: not specialising them on their value
-# halves the compiled variants of a config and costs nothing.
-@triton.jit(do_not_specialize=["unit_offset", "stride_ln"])
-def tree_attention_units_kernel(
-    Q,  # [n_queries, Hq, D], fp16/bf16
-    K,  # [pool_slots, Hkv, D]
-    V,  # [pool_slots, Hkv, D]
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # [n_partial_rows, Hq, D], fp32
-    PartLse,  # [n_partial_rows, Hq], fp32
-    KvIndices,  # int32 [n_kv_entries]
-    KvRowMask,  # int32 [n_kv_entries]: bit p = the unit's pair p attends the entry (MASKED only)
-    UnitKvStart,  # int32 [n_units]
-    UnitKvLen,  # int32 [n_units]
-    UnitQStart,  # int32 [n_units]
-    UnitQLen,  # int32 [n_units]
-    PairQuery,  # int32 [n_pairs]
-    PairOutRow,  # int32 [n_pairs]; -1: write Out directly, -2: write nothing
-    unit_offset,  # first unit of the launched tile class
-    qk_scale,  # sm_scale * log2(e)
+# The plan buffer's header (fasttree.runtime.PLAN_HEADER lays it out; both must agree): the
+# int32 offsets of the plan arrays in the buffer, then the unit range of each launch slot, then
+# the merge counts.
+HDR_KV_INDICES = tl.constexpr(0)
+HDR_KV_ROW_MASK = tl.constexpr(1)
+HDR_UNIT_KV_START = tl.constexpr(2)
+HDR_UNIT_KV_LEN = tl.constexpr(3)
+HDR_UNIT_Q_START = tl.constexpr(4)
+HDR_UNIT_Q_LEN = tl.constexpr(5)
+HDR_PAIR_QUERY = tl.constexpr(6)
+HDR_PAIR_OUT_ROW = tl.constexpr(7)
+HDR_QUERY_PARTIAL_START = tl.constexpr(8)
+HDR_QUERY_NUM_PARTIALS = tl.constexpr(9)
+HDR_MERGE_QUERIES = tl.constexpr(10)
+HDR_SLOT_RANGES = tl.constexpr(11)  # (first unit, end) of slot 0, then of slot 1
+HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel, then of the many-partials one
+
+
+@triton.jit
+def _attend_unit(
+    unit,
+    kv_head,
+    Q,
+    K,
+    V,
+    Out,
+    PartO,
+    PartLse,
+    KvIndices,
+    KvRowMask,
+    UnitKvStart,
+    UnitKvLen,
+    UnitQStart,
+    UnitQLen,
+    PairQuery,
+    PairOutRow,
+    qk_scale,
     stride_qn,
     stride_qh,
     stride_kn,
@@ -59,11 +84,10 @@ def tree_attention_units_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,  # the class holds packed units: apply KvRowMask
-    UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
+    MASKED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
-    unit = tl.program_id(0) + unit_offset
-    kv_head = tl.program_id(1)
+    """One (unit, KV head): attention of the unit's query tile over its KV chunk."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
@@ -141,3 +165,103 @@ def tree_attention_units_kernel(
     )
     lse = (m_i + tl.log2(l_i)) * LN2
     tl.store(PartLse + prow * stride_ln + head, lse, mask=partial)
+
+
+# unit_offset (0 for the first tile class, its unit count for the second) and stride_ln (the
+# query-head count) only feed scalar address arithmetic: not specialising them on their value
+# halves the compiled variants of a config and costs nothing.
+@triton.jit(do_not_specialize=["unit_offset", "stride_ln"])
+def tree_attention_units_kernel(
+    Q,  # [n_queries, Hq, D], fp16/bf16
+    K,  # [pool_slots, Hkv, D]
+    V,  # [pool_slots, Hkv, D]
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [n_partial_rows, Hq, D], fp32
+    PartLse,  # [n_partial_rows, Hq], fp32
+    KvIndices,  # int32 [n_kv_entries]
+    KvRowMask,  # int32 [n_kv_entries]: bit p = the unit's pair p attends the entry (MASKED only)
+    UnitKvStart,  # int32 [n_units]
+    UnitKvLen,  # int32 [n_units]
+    UnitQStart,  # int32 [n_units]
+    UnitQLen,  # int32 [n_units]
+    PairQuery,  # int32 [n_pairs]
+    PairOutRow,  # int32 [n_pairs]; -1: write Out directly, -2: write nothing
+    unit_offset,  # first unit of the launched tile class
+    qk_scale,  # sm_scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # the class holds packed units: apply KvRowMask
+    UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
+):
+    _attend_unit(
+        tl.program_id(0) + unit_offset, tl.program_id(1), Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+        UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_kv_heads", "stride_ln"])
+def tree_attention_persistent_kernel(
+    Q,  # [n_queries, Hq, D], fp16/bf16 (rows past the plan's queries are not read)
+    K,  # [pool_slots, Hkv, D]
+    V,  # [pool_slots, Hkv, D]
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [max_partial_rows, Hq, D], fp32
+    PartLse,  # [max_partial_rows, Hq], fp32
+    PlanBuf,  # int32 [plan_words]: header (HDR_*) and the plan arrays
+    num_kv_heads,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    SLOT: tl.constexpr,  # which unit range of the header this launch serves (0 or 1)
+):
+    first = tl.load(PlanBuf + HDR_SLOT_RANGES + 2 * SLOT)
+    n_units = tl.load(PlanBuf + HDR_SLOT_RANGES + 2 * SLOT + 1) - first
+    KvIndices = PlanBuf + tl.load(PlanBuf + HDR_KV_INDICES)
+    KvRowMask = PlanBuf + tl.load(PlanBuf + HDR_KV_ROW_MASK)
+    UnitKvStart = PlanBuf + tl.load(PlanBuf + HDR_UNIT_KV_START)
+    UnitKvLen = PlanBuf + tl.load(PlanBuf + HDR_UNIT_KV_LEN)
+    UnitQStart = PlanBuf + tl.load(PlanBuf + HDR_UNIT_Q_START)
+    UnitQLen = PlanBuf + tl.load(PlanBuf + HDR_UNIT_Q_LEN)
+    PairQuery = PlanBuf + tl.load(PlanBuf + HDR_PAIR_QUERY)
+    PairOutRow = PlanBuf + tl.load(PlanBuf + HDR_PAIR_OUT_ROW)
+    # items in the per-plan grid's launch order: every unit of KV head 0 (longest first), then head 1, ...
+    for item in range(tl.program_id(0), n_units * num_kv_heads, tl.num_programs(0)):
+        kv_head = item // n_units
+        _attend_unit(
+            first + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
+        )  # fmt: skip

@@ -1,0 +1,98 @@
+"""The runtime's fixed, persistent launches against ``tree_attention``'s per-plan grids, on the paper suite.
+
+For every case: GPU time by CUDA-graph replay of ``tree_attention(q, k, v, plan)`` (a graph per
+plan, as the kernel benchmark does) and of ``TreeAttentionRuntime.forward`` (one runtime per head
+shape; the case's tree uploaded with ``plan``), measured in the same run, and the runtime's
+output checked against the float64 reference on sampled queries. Needs a CUDA GPU::
+
+    python -m bench.runtime_ab [--out docs/bench] [--label runtime_ab_h200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fasttree as ft
+from bench.common import environment, write_atomic
+from fasttree.runtime import TreeAttentionRuntime
+from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.timing import graph_time_us
+
+log = logging.getLogger("bench.runtime_ab")
+HEAD_DIM = 128
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--label", default="runtime_ab_h200")
+    p.add_argument("--programs-per-sm", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    trees = {case: paper_tree(case) for case in sorted(PAPER_SUITE)}
+    pool = max(t.max_slot for t in trees.values()) + 1
+    rows_max = max(t.n_queries for t in trees.values())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for heads, (hq, hkv) in sorted(PAPER_HEADS.items()):
+        k = torch.randn(pool, hkv, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen)
+        v = torch.randn(pool, hkv, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen)
+        q_all = torch.randn(rows_max, hq, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen)
+        out_all = torch.empty_like(q_all)
+        rt = TreeAttentionRuntime(
+            None, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype=torch.float16, device="cuda",
+            max_queries=rows_max, max_kv_entries=4 * pool, max_units=1 << 16, pool_slots=pool,
+            programs_per_sm=args.programs_per_sm,
+        )  # fmt: skip
+        for case, tree in trees.items():
+            n = tree.n_queries
+            q, out = q_all[:n], out_all[:n]
+            plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
+            base = graph_time_us(functools.partial(ft.tree_attention, q, k, v, plan, out=out))
+            info = rt.plan(tree)
+            out_all.fill_(float("nan"))
+            rt.forward(q_all, k, v, out=out_all)
+            rng = np.random.default_rng(case)
+            sample = np.sort(rng.choice(n, size=min(n, 64), replace=False))
+            ref = ft.reference_attention(q, k, v, tree, queries=sample)
+            err = ft.max_relative_error(out_all[torch.as_tensor(sample, device="cuda")], ref)
+            ours = graph_time_us(functools.partial(rt.forward, q_all, k, v, out=out_all))
+            row = {
+                "case": case, "heads": heads, "tree_attention_us": base["median"], "runtime_us": ours["median"],
+                "ratio": ours["median"] / base["median"], "query_centric": info.query_centric,
+                "max_rel_err": err, "correct": err <= 2e-3, "grids": dict(rt._grids),
+            }  # fmt: skip
+            log.info("%s/%s: tree_attention %.1f us, runtime %.1f us (%.3fx), err %.2g", case, heads,
+                     base["median"], ours["median"], row["ratio"], err)  # fmt: skip
+            rows.append(row)
+    ratios = [r["ratio"] for r in rows]
+    geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    doc = {"env": environment(gpu=True), "geomean_runtime_over_tree_attention": geo, "rows": rows,
+           "all_correct": all(r["correct"] for r in rows)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / f"{args.label}.json", json.dumps(doc, indent=1) + "\n")
+    lines = [f"# Runtime vs tree_attention ({doc['env']['gpu_name']}, commit {doc['env']['git_commit']})", "",
+             "| case | heads | tree_attention (us) | runtime (us) | runtime / tree_attention | query-centric | error |",
+             "|---|---|---:|---:|---:|---|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['heads']} | {r['tree_attention_us']:.1f} | {r['runtime_us']:.1f} | "
+                     f"{r['ratio']:.3f} | {r['query_centric']} | {r['max_rel_err']:.1e} |")  # fmt: skip
+    lines.append(f"\ngeomean runtime / tree_attention: {geo:.3f}; all correct: {doc['all_correct']}")
+    write_atomic(args.out / f"{args.label}.md", "\n".join(lines) + "\n")
+    print(lines[-1].strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

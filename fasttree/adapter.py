@@ -1,0 +1,403 @@
+"""Build a :class:`~fasttree.tree.KVTree` from a serving engine's view of its batch.
+
+A serving engine knows, for each decoding request, the KV-pool slots of its context in
+order (SGLang's ``req_to_token[req_pool_idx, :seq_len]``); requests that share a prefix
+(a system prompt, few-shot examples, a document, the beams of one prompt) share the
+slots of that prefix. These functions recover the shared structure from the slot ids
+alone, without reading any KV data:
+
+* :func:`tree_from_token_slots` -- one slot sequence per request: the compressed trie
+  (radix tree) of the sequences, each node a maximal run of slots shared by exactly the
+  same requests.
+* :func:`tree_from_req_to_token` -- SGLang's ``req_to_token`` table, ``req_pool_indices``
+  and ``seq_lens`` (CPU or CUDA tensors, or numpy arrays): gathers the batch's rows on
+  the host with one device-to-host copy and builds the trie of them.
+* :func:`tree_from_radix_nodes` -- the radix cache's own nodes (parent ids, slots per
+  node, the node where each request's context ends), validated and wrapped.
+
+Only numpy and the standard library are needed; torch is used only when given tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .tree import KVTree, exclusive_sum, ragged_arange
+
+__all__ = ["tree_from_radix_nodes", "tree_from_req_to_token", "tree_from_token_slots"]
+
+logger = logging.getLogger(__name__)
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+#: Mean compared length (tokens per adjacent pair) from which the LCPs are found pair by pair.
+_LOOP_MIN_TOKENS = 128
+
+
+# ------------------------------------------------------------------ inputs
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor, recognised without importing torch."""
+    return hasattr(value, "detach") and hasattr(value, "device") and hasattr(value, "numpy")
+
+
+def _host_array(name: str, value: Any, ndim: int, *, allow_device: bool = False) -> np.ndarray:
+    """``value`` (array-like, or a torch tensor) as a host integer numpy array of ``ndim`` dims.
+
+    A CUDA tensor is copied to the host when ``allow_device``, else refused (a per-request
+    copy would synchronise the device once per request).
+    """
+    if _is_tensor(value):
+        if value.device.type != "cpu":
+            if not allow_device:
+                raise ValueError(
+                    f"{name} is a tensor on {value.device}: move the batch to the host once "
+                    "(or use tree_from_req_to_token, which copies the rows it needs in one transfer)"
+                )
+            value = value.detach().cpu()
+        arr = value.detach().numpy()
+    else:
+        arr = np.asarray(value)
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+        raise ValueError(f"{name} holds {int(arr.max())}, beyond the int64 range")
+    return arr.astype(np.int64, copy=False) if arr.size else np.zeros(arr.shape, dtype=np.int64)
+
+
+def _check_slot_range(flat: np.ndarray, indptr: np.ndarray, where: Callable[[int, int], str]) -> None:
+    """``ValueError`` naming the first slot of ``flat`` that is negative or beyond int32.
+
+    Request ``j``'s slots are ``flat[indptr[j]:indptr[j + 1]]``; ``where(j, k)`` names the
+    input entry of its ``k``-th slot.
+    """
+    if not flat.size:
+        return
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo >= 0 and hi <= _INT32_MAX:
+        return
+    at = int(np.flatnonzero((flat < 0) | (flat > _INT32_MAX))[0])
+    j = int(np.searchsorted(indptr, at, side="right")) - 1
+    what = "a negative slot id" if flat[at] < 0 else "beyond the int32 slot range of the kernels"
+    raise ValueError(f"{where(j, at - int(indptr[j]))} = {int(flat[at])} is {what}")
+
+
+# -------------------------------------------------------------------- trie
+def _sorted_order(flat: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """Requests in lexicographic order of their slot sequences (a prefix before its extensions).
+
+    Slots are in ``[0, 2**31)``, so their big-endian 4-byte images compare like the
+    numbers and byte-string order is lexicographic order; Python's sort of ``n`` byte
+    strings is stable (identical sequences keep request order) and compares with memcmp.
+    """
+    n = indptr.size - 1
+    buf = flat.astype(">u4").tobytes()
+    b = (indptr * 4).tolist()
+    keys = [buf[b[j] : b[j + 1]] for j in range(n)]
+    return np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+
+
+def _adjacent_lcp(flat: np.ndarray, indptr: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Longest common prefix of each request with its successor in ``order``.
+
+    Returns
+    -------
+    ndarray, int64 [n - 1]
+        Entry ``k`` is the LCP length of requests ``order[k]`` and ``order[k + 1]``.
+    """
+    start = indptr[:-1][order]
+    length = (indptr[1:] - indptr[:-1])[order]
+    m = np.minimum(length[:-1], length[1:])  # >= 1: every sequence is non-empty
+    if int(m.sum()) < _LOOP_MIN_TOKENS * m.size:
+        # short contexts: compare every pair position by position, all pairs at once
+        seg = exclusive_sum(m)
+        total = int(m.sum())
+        diff = np.flatnonzero(flat[ragged_arange(start[:-1], m, total)] != flat[ragged_arange(start[1:], m, total)])
+        lcp = m.copy()
+        if diff.size:
+            pair = np.searchsorted(seg, diff, side="right") - 1
+            first = np.ones(diff.size, dtype=bool)
+            first[1:] = pair[1:] != pair[:-1]
+            lcp[pair[first]] = diff[first] - seg[pair[first]]
+        return lcp
+    # long contexts: one contiguous comparison per pair beats gathering every position
+    lcp = np.empty(m.size, dtype=np.int64)
+    s, mm = start.tolist(), m.tolist()
+    for k, mk in enumerate(mm):
+        ne = flat[s[k] : s[k] + mk] != flat[s[k + 1] : s[k + 1] + mk]
+        i = int(ne.argmax())
+        lcp[k] = i if ne[i] else mk
+    return lcp
+
+
+def _trie(flat: np.ndarray, indptr: np.ndarray) -> KVTree:
+    """The compressed trie of the sequences ``flat[indptr[j]:indptr[j + 1]]`` (each non-empty,
+    slots in ``[0, 2**31)``), one query per sequence in sequence order."""
+    n = indptr.size - 1
+    lengths = indptr[1:] - indptr[:-1]
+    order = _sorted_order(flat, indptr) if n > 1 else np.zeros(1, dtype=np.int64)
+    lcp = [0, *_adjacent_lcp(flat, indptr, order).tolist()] if n > 1 else [0]
+    seq_len = lengths[order].tolist()
+
+    # One pass over the sorted requests (not over tokens) with the rightmost root path on
+    # a stack: the LCP with the predecessor says where the new sequence branches off. A
+    # node is (end depth, parent, a request through it, first sorted request below it).
+    depth: list[int] = []
+    parent: list[int] = []
+    rep: list[int] = []
+    first: list[int] = []
+    query_sorted = [0] * n
+    stack, stack_depth = [-1], [0]  # -1: the virtual root above the forest's roots
+    for k in range(n):
+        lk = lcp[k]
+        while stack_depth[-1] > lk:
+            last = stack.pop()
+            stack_depth.pop()
+            if stack_depth[-1] < lk:  # branch point inside an edge: split it with a new node
+                new = len(depth)
+                depth.append(lk)
+                parent.append(stack[-1])
+                rep.append(k)
+                first.append(first[last])
+                parent[last] = new
+                stack.append(new)
+                stack_depth.append(lk)
+        if seq_len[k] == lk:  # identical to its predecessor: its query sits at the same node
+            query_sorted[k] = stack[-1]
+            continue
+        new = len(depth)
+        depth.append(seq_len[k])
+        parent.append(stack[-1])
+        rep.append(k)
+        first.append(k)
+        stack.append(new)
+        stack_depth.append(seq_len[k])
+        query_sorted[k] = new
+
+    depth_a = np.array(depth, dtype=np.int64)
+    parent_a = np.array(parent, dtype=np.int64)
+    start_depth = np.where(parent_a >= 0, depth_a[np.maximum(parent_a, 0)], 0)
+    # Node ids in DFS preorder of the lexicographic order: by (first sorted request below
+    # the node, depth); a parent precedes its children, siblings go by their first slot.
+    perm = np.lexsort((depth_a, np.array(first, dtype=np.int64)))
+    new_id = np.empty(perm.size, dtype=np.int64)
+    new_id[perm] = np.arange(perm.size)
+    parents = parent_a[perm]
+    parents = np.where(parents >= 0, new_id[np.maximum(parents, 0)], -1)
+    node_len = depth_a[perm] - start_depth[perm]
+    node_start = indptr[order[np.array(rep, dtype=np.int64)[perm]]] + start_depth[perm]
+    slots = flat[ragged_arange(node_start, node_len)]
+    node_slots = np.split(slots, np.cumsum(node_len)[:-1])
+    query_nodes = np.empty(n, dtype=np.int64)
+    query_nodes[order] = new_id[np.array(query_sorted, dtype=np.int64)]
+    return KVTree(parents, node_slots, query_nodes)
+
+
+# ---------------------------------------------------------------- public API
+def tree_from_token_slots(slot_lists: Sequence) -> KVTree:
+    """The KV tree of a batch, from each request's context slots: shared prefixes become shared nodes.
+
+    Builds the compressed trie (radix tree) of the requests' slot sequences: each node is
+    a maximal run of slots shared by exactly the same set of requests. Requests whose
+    sequences start with different slots are in different trees (a forest). Query ``j``
+    (request ``j``) sits at the node where its sequence ends: a leaf, or an internal node
+    when another request's sequence extends it; identical sequences give several queries
+    at one node. No KV data is read, only slot ids.
+
+    Node ids are in depth-first preorder, children in increasing order of their first slot
+    (so a parent precedes its children). Every node holds at least one slot, and every
+    node either carries a query or has at least two children whose first slots differ:
+    no smaller tree represents the batch.
+
+    Parameters
+    ----------
+    slot_lists : sequence of n_requests 1-D int arrays, lists or CPU tensors
+        ``slot_lists[j]``, int [context_len_j] with ``context_len_j >= 1``: request ``j``'s
+        KV-pool slot ids in context order, its whole context including the token being
+        decoded (SGLang's ``req_to_token[req_pool_indices[j], :seq_lens[j]]``). Slots are
+        in ``[0, 2**31)``.
+
+    Returns
+    -------
+    KVTree
+        ``n_queries == n_requests``, query ``j`` for request ``j``; ``tree.query_slots()``
+        gives back ``slot_lists`` exactly.
+
+    Raises
+    ------
+    ValueError
+        When ``slot_lists`` is empty, an entry is not a 1-D integer array, is empty, is a
+        tensor on a GPU, or holds a negative slot or one beyond the int32 range.
+
+    Notes
+    -----
+    Cost: one sort of the requests' byte images, a vectorised comparison of each request
+    with its predecessor in sorted order (O(total tokens)) and a pass over the requests;
+    no Python loop runs per token.
+    """
+    if isinstance(slot_lists, (str, bytes)) or not hasattr(slot_lists, "__len__"):
+        raise ValueError(f"slot_lists must be a sequence of 1-D slot arrays, got {type(slot_lists).__name__}")
+    n = len(slot_lists)
+    if n == 0:
+        raise ValueError("slot_lists is empty: a batch needs at least one request")
+    arrays = []
+    for j, s in enumerate(slot_lists):
+        arr = _host_array(f"slot_lists[{j}]", s, 1)
+        if arr.size == 0:
+            raise ValueError(f"slot_lists[{j}] is empty: a request's context holds at least the token being decoded")
+        arrays.append(arr)
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    flat = np.concatenate(arrays)
+    _check_slot_range(flat, indptr, lambda j, k: f"slot_lists[{j}][{k}]")
+    return _trie(flat, indptr)
+
+
+def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: Any) -> KVTree:
+    """The KV tree of a batch from SGLang's request-to-token table.
+
+    Request ``j``'s context is ``req_to_token[req_pool_indices[j], :seq_lens[j]]``; the
+    result is :func:`tree_from_token_slots` of those rows. Entries past a row's length
+    are not read (they may hold anything).
+
+    The small ``req_pool_indices`` and ``seq_lens`` are copied to the host and validated
+    first (so a bad index never reaches a device gather); then the batch's rows, cut to
+    the longest context, are gathered where ``req_to_token`` lives and copied to the host
+    in one transfer, never the whole table.
+
+    Parameters
+    ----------
+    req_to_token : numpy array or torch tensor (CPU or CUDA), int [max_requests, max_context_len]
+        Each request-pool row's KV-pool slot ids in context order.
+    req_pool_indices : array-like or tensor, int [batch]
+        The table row of each request of the batch, in ``[0, max_requests)``.
+    seq_lens : array-like or tensor, int [batch]
+        Context length of each request, the token being decoded included, in
+        ``[1, max_context_len]``.
+
+    Returns
+    -------
+    KVTree
+        Query ``j`` for request ``j`` of the batch.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument: an empty batch, ``req_pool_indices`` and ``seq_lens`` of
+        different lengths, non-integer dtypes or wrong dimensions, an index outside the
+        table, a length outside ``[1, max_context_len]``, or a negative slot (or one
+        beyond int32) within a request's context.
+    """
+    idx = _host_array("req_pool_indices", req_pool_indices, 1, allow_device=True)
+    lens = _host_array("seq_lens", seq_lens, 1, allow_device=True)
+    if idx.size == 0:
+        raise ValueError("req_pool_indices is empty: a batch needs at least one request")
+    if lens.size != idx.size:
+        raise ValueError(
+            f"seq_lens has {lens.size} entries but req_pool_indices has {idx.size}: one of each per request"
+        )
+    shape = tuple(req_to_token.shape) if hasattr(req_to_token, "shape") else np.shape(req_to_token)
+    if len(shape) != 2:
+        raise ValueError(f"req_to_token must be a 2-D integer table [max_requests, max_context_len], got shape {shape}")
+    max_requests, max_context = int(shape[0]), int(shape[1])
+    bad = np.flatnonzero((idx < 0) | (idx >= max_requests))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(f"req_pool_indices[{j}] = {int(idx[j])} is out of range [0, {max_requests}) of req_to_token")
+    bad = np.flatnonzero((lens < 1) | (lens > max_context))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(f"seq_lens[{j}] = {int(lens[j])} is out of range [1, {max_context}] (req_to_token's width)")
+    width = int(lens.max())
+    if _is_tensor(req_to_token):
+        import torch  # a tensor was given, so torch is installed
+
+        if req_to_token.dtype.is_floating_point or req_to_token.dtype.is_complex or req_to_token.dtype == torch.bool:
+            raise ValueError(f"req_to_token must hold integers, got dtype {req_to_token.dtype}")
+        rows_t = req_to_token[torch.as_tensor(idx, device=req_to_token.device), :width]
+        rows = _host_array("req_to_token", rows_t, 2, allow_device=True)
+    else:
+        table = np.asarray(req_to_token)
+        rows = _host_array("req_to_token", table[idx, :width], 2)
+    mask = np.arange(width) < lens[:, None]
+    flat = rows[mask]  # row-major: request 0's context, then request 1's, ...
+    indptr = np.zeros(idx.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=indptr[1:])
+    _check_slot_range(flat, indptr, lambda j, k: f"req_to_token[{int(idx[j])}, {k}] (request {j}'s context)")
+    return _trie(flat, indptr)
+
+
+def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any, *, prune: bool = False) -> KVTree:
+    """The KV tree of a batch from a radix cache's own nodes.
+
+    A thin, validating wrapper around ``KVTree(parents, node_slots, request_nodes)`` for
+    engines that keep their prefix cache as a radix tree: request ``j``'s context is the
+    concatenation of the slots of the nodes on the root path of ``request_nodes[j]``.
+    Tokens a request holds outside the cache (a decode tail not yet inserted) must be
+    given as nodes of their own (a child of the node where its cached prefix ends).
+
+    Parameters
+    ----------
+    parents : array-like or CPU tensor, int [n_nodes]
+        Parent node id of each node, ``-1`` for a root (several roots make a forest). The
+        cache's empty root node may be passed as an empty root.
+    node_slots : sequence of n_nodes 1-D int arrays, lists or CPU tensors
+        ``node_slots[i]``, int [len_i]: node ``i``'s KV-pool slot ids in context order
+        (``len_i >= 0``; slots in ``[0, 2**31)``).
+    request_nodes : array-like or CPU tensor, int [n_requests]
+        The node where each request's context ends, in ``[0, n_nodes)``; any node,
+        internal ones included; several requests may end at one node.
+    prune : bool
+        Drop the nodes no request reads (the rest of the cache), renumbering the kept
+        nodes in increasing order of their ids. Off by default: node ids stay the cache's.
+
+    Returns
+    -------
+    KVTree
+        Query ``j`` for request ``j``.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument: empty ``parents`` or ``request_nodes``, ``node_slots`` of
+        another length than ``parents``, non-integer or non-1-D entries, tensors on a GPU,
+        ``request_nodes`` out of range, parent ids out of range or cycles, negative slots,
+        or a request whose context holds no token.
+    """
+    par = _host_array("parents", parents, 1)
+    n = par.size
+    if n == 0:
+        raise ValueError("parents is empty: the radix tree needs at least one node")
+    if isinstance(node_slots, (str, bytes)) or not hasattr(node_slots, "__len__"):
+        raise ValueError(f"node_slots must be a sequence of 1-D slot arrays, got {type(node_slots).__name__}")
+    if len(node_slots) != n:
+        raise ValueError(f"node_slots has {len(node_slots)} entries but parents has {n} nodes")
+    req = _host_array("request_nodes", request_nodes, 1)
+    if req.size == 0:
+        raise ValueError("request_nodes is empty: a batch needs at least one request")
+    bad = np.flatnonzero((req < 0) | (req >= n))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
+    arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
+    tree = KVTree(par, arrays, req)  # validates parents (range, cycles), slots and empty contexts
+    if not prune:
+        return tree
+    keep = tree.subtree_queries > 0
+    if keep.all():
+        return tree
+    kept = np.flatnonzero(keep)
+    new_id = np.cumsum(keep) - 1  # a kept node's parent is kept: it is on the same requests' paths
+    kept_parents = tree.parents[kept]
+    logger.debug("radix tree pruned from %d to %d nodes", n, kept.size)
+    return KVTree(
+        np.where(kept_parents >= 0, new_id[np.maximum(kept_parents, 0)], -1),
+        [arrays[i] for i in kept.tolist()],
+        new_id[tree.query_nodes],
+    )

@@ -1,0 +1,523 @@
+"""The production decode runtime: plan once per step on the host, run every layer from fixed buffers.
+
+:class:`TreeAttentionRuntime` preallocates every buffer a step needs (one int32 plan buffer
+on the device, two pinned staging copies of it, the fp32 partial-result workspace) once.
+:meth:`~TreeAttentionRuntime.plan` plans a step's tree on the host and ships the whole plan
+with one pinned, non-blocking copy; :meth:`~TreeAttentionRuntime.forward` launches the same
+four kernels every time (two persistent stage-1 launches, one per launch slot, and two
+persistent merges), whose grids depend on the GPU, never on the tree: they read the plan's
+array offsets and unit ranges from the buffer's header. So a whole decode step, all layers,
+can be captured once in a CUDA graph and replayed for every later step after ``plan(tree)``.
+
+Shapes use the package's vocabulary (:mod:`fasttree.plan_arrays`): ``n_queries``, ``Hq``,
+``Hkv``, ``D``, ``g = Hq // Hkv``; ``B`` is the row count of the ``q`` / ``out`` buffers the
+caller passes (at least the planned queries; rows past them are neither read nor written).
+
+Typical use (one runtime per attention shape, shared by all layers)::
+
+    rt = TreeAttentionRuntime("export.json", num_q_heads=32, num_kv_heads=8, head_dim=128,
+                              dtype=torch.float16, device="cuda", max_queries=256,
+                              max_kv_entries=1 << 20)
+    rt.plan(tree0)
+    step()                               # eager warm-up: compiles the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()                           # every layer calls rt.forward(q, k_cache[l], v_cache[l], out=o)
+    for tree in trees:                   # later steps: new trees, same buffers
+        rt.plan(tree)
+        graph.replay()
+
+Safety under replay: :meth:`plan` refuses (``ValueError``) any tree whose plan would not fit
+the capacities, or would read ``q`` rows or pool slots beyond the smallest ``q`` and KV pool
+that :meth:`forward` has been called with (so beyond any captured buffer). ``plan`` and the
+replays must run on the same CUDA stream (the upload is ordered before the next replay).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+
+from .attention import _MANY_PARTIALS, _MERGE_HEADS, _interpreting, _launch, _on_device
+from .config import FastTreeConfig
+from .costs import ALL_LARGE
+from .export import ConfigExport
+from .kernels import (
+    merge_many_partials_persistent_kernel,
+    merge_partials_persistent_kernel,
+    tree_attention_persistent_kernel,
+)
+from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
+from .planner import plan as plan_tree
+from .tree import KVTree
+
+__all__ = ["PLAN_HEADER", "RuntimePlan", "TreeAttentionRuntime"]
+
+logger = logging.getLogger(__name__)
+
+#: The plan buffer's header, in int32 words: the offset of each plan array (in
+#: :data:`~fasttree.plan_arrays.DEVICE_ARRAYS` order), the unit range of launch slot 0 and 1,
+#: and the merged-query counts of the few- and many-partials merges (kernels' ``HDR_*``).
+PLAN_HEADER = (*DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many")
+_HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
+_ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
+_LOG2E = 1.4426950408889634
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Partial rows the many-partials merge reads per step (merged queries with at least
+#: ``fasttree.attention._MANY_PARTIALS`` partials go to it, as in ``tree_attention``).
+_MERGE_BLOCK_P = 16
+#: A grouped plan must save this share of the KV a query-centric plan reads, or ``"auto"`` plans query-centric.
+_MIN_SHARING_GAIN = 0.10
+_QUERY_CENTRIC_GAMMA = 10.0
+
+
+@dataclass(frozen=True)
+class RuntimePlan:
+    """What :meth:`TreeAttentionRuntime.plan` uploaded.
+
+    Attributes
+    ----------
+    plan : Plan
+        The host plan (for inspection; the device holds its arrays).
+    query_centric : bool
+        The plan ignores sharing (planned with ``gamma = 10``), chosen by ``query_centric``.
+    slot_units : tuple of (int, int)
+        The ``[first, end)`` unit range of each launch slot.
+    merge_counts : tuple of int
+        Merged queries of the few- and of the many-partials merge.
+    words : int
+        int32 words copied to the device.
+    """
+
+    plan: Plan
+    query_centric: bool
+    slot_units: tuple[tuple[int, int], tuple[int, int]]
+    merge_counts: tuple[int, int]
+    words: int
+
+    @property
+    def n_queries(self) -> int:
+        return self.plan.n_queries
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _aligned(words: int) -> int:
+    return -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
+
+
+class TreeAttentionRuntime:
+    """Tree attention for one attention shape with preallocated, CUDA-graph-safe buffers.
+
+    Parameters
+    ----------
+    config : FastTreeConfig, ConfigExport, str, PathLike or None
+        The config, or a tuner export (object or path) whose entry for this GPU and bucket
+        is used (the defaults when it has none); ``None``: ``FastTreeConfig()``.
+    num_q_heads, num_kv_heads, head_dim : int
+        ``Hq``, ``Hkv`` (``Hq`` a multiple of it) and ``D`` in [16, 256].
+    dtype : torch.dtype or str
+        float16 or bfloat16: the dtype of ``q``, the KV pools and ``out``.
+    device : torch.device or str
+        A CUDA device (the CPU only under ``TRITON_INTERPRET=1``, for tests).
+    max_queries : int
+        Most decode queries of one step.
+    max_kv_entries : int
+        Most KV entries of one plan: the tokens its units read (shared tokens once per
+        group that reads them, packed units' tokens again); about the tree's tokens.
+    max_units : int
+        Most work units of one plan.
+    max_partial_rows : int, optional
+        Most fp32 partial rows (queries with several partials hold one per partial);
+        ``16 * max_queries`` by default. Sizes the ``[max_partial_rows, Hq, D]`` workspace.
+    max_pairs : int, optional
+        Most (unit, query) pairs; ``2 * (max_queries + max_partial_rows)`` by default.
+    pool_slots : int, optional
+        Rows of the KV pools; when given, :meth:`plan` refuses trees reading beyond them
+        and :meth:`forward` pools of another size.
+    query_centric : {"auto", "never", "always"}
+        ``"auto"`` plans a step query-centric (every query alone over its path, no
+        merges between nodes) when grouping would save less than 10% of the KV reads.
+    programs_per_sm : int, optional
+        Persistent programs per SM of the stage-1 launches; by default the kernel's
+        occupancy (from its registers and shared memory), read after its compilation.
+
+    Raises
+    ------
+    ValueError
+        On invalid shapes, dtype, device, capacities or config, before any allocation.
+    """
+
+    def __init__(
+        self,
+        config: FastTreeConfig | ConfigExport | str | os.PathLike | None = None,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+        device: torch.device | str,
+        max_queries: int,
+        max_kv_entries: int,
+        max_units: int = 16384,
+        max_partial_rows: int | None = None,
+        max_pairs: int | None = None,
+        pool_slots: int | None = None,
+        query_centric: str = "auto",
+        programs_per_sm: int | None = None,
+    ) -> None:
+        self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+            dtype = _DTYPES[dtype]
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device} requested but CUDA is not available")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        elif not _interpreting():
+            raise ValueError(f"device must be a CUDA device (or the CPU under TRITON_INTERPRET=1), got {self.device}")
+        self.max_queries = _positive_int("max_queries", max_queries)
+        self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
+        self.max_units = _positive_int("max_units", max_units)
+        self.max_partial_rows = _positive_int(
+            "max_partial_rows", 16 * self.max_queries if max_partial_rows is None else max_partial_rows
+        )
+        self.max_pairs = _positive_int(
+            "max_pairs", 2 * (self.max_queries + self.max_partial_rows) if max_pairs is None else max_pairs
+        )
+        self.pool_slots = None if pool_slots is None else _positive_int("pool_slots", pool_slots)
+        if query_centric not in ("auto", "never", "always"):
+            raise ValueError(f"query_centric must be 'auto', 'never' or 'always', got {query_centric!r}")
+        self.query_centric = query_centric
+        self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
+        self.config = self._resolve_config(config)
+
+        # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class
+        q_tiles = self.config.query_tiles(self.group_size)
+        self.slots = tuple(
+            (
+                max(16, triton.next_power_of_2(t * self.group_size)),
+                int(self.config.kv_tile[c]),
+                int(self.config.num_warps[c]),
+                int(self.config.num_stages[c]),
+            )
+            for c, t in enumerate(q_tiles)
+        )
+        if max(s[0] for s in self.slots) > MAX_BLOCK_M:
+            raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
+        self.masked = self.config.pack_tokens > 0
+        self._capacity = {
+            "kv_indices": self.max_kv_entries,
+            "kv_row_mask": self.max_kv_entries if self.masked else 1,
+            "unit_kv_start": self.max_units,
+            "unit_kv_len": self.max_units,
+            "unit_q_start": self.max_units,
+            "unit_q_len": self.max_units,
+            "pair_query": self.max_pairs,
+            "pair_out_row": self.max_pairs,
+            "query_partial_start": self.max_queries,
+            "query_num_partials": self.max_queries,
+            "merge_queries": self.max_queries,
+        }
+        self.plan_words = _HEADER_WORDS + sum(_aligned(n) for n in self._capacity.values())
+        if self.plan_words > 0x7FFFFFFF:
+            raise ValueError(f"the capacities need {self.plan_words} int32 words of plan buffer, more than 2**31 - 1")
+
+        pin = self.device.type == "cuda"
+        self._plan_buf = torch.zeros(self.plan_words, dtype=torch.int32, device=self.device)
+        self._staging = [torch.zeros(self.plan_words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._staged = [s.numpy() for s in self._staging]
+        self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._next_staging = 0
+        self._part_o = torch.empty(
+            (self.max_partial_rows, self.num_q_heads, self.head_dim), dtype=torch.float32, device=self.device
+        )
+        self._part_lse = torch.empty((self.max_partial_rows, self.num_q_heads), dtype=torch.float32, device=self.device)
+        self._current: RuntimePlan | None = None
+        self._min_rows = self.max_queries  # smallest q / out seen by forward
+        self._min_pool = self.pool_slots  # smallest KV pool seen by forward
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            self._sm_count = int(props.multi_processor_count)
+            self._props = props
+        else:
+            self._sm_count, self._props = 4, None
+        self._grids: dict[int, int] = {}  # stage-1 slot -> persistent programs
+
+    # ------------------------------------------------------------------ config
+    def _resolve_config(self, config) -> FastTreeConfig:
+        if config is None:
+            return FastTreeConfig()
+        if isinstance(config, FastTreeConfig):
+            return config
+        if isinstance(config, (str, os.PathLike)):
+            from .export import read_export
+
+            config = read_export(config)
+        if isinstance(config, ConfigExport):
+            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            tuned, entry = config.lookup(
+                gpu=gpu, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, dtype=self.dtype,
+            )  # fmt: skip
+            logger.info("runtime config for %s: %s", gpu, "tuned export entry" if entry else "defaults")
+            return tuned
+        raise ValueError(
+            f"config must be a FastTreeConfig, a ConfigExport or an export path, got {type(config).__name__}"
+        )
+
+    # -------------------------------------------------------------------- plan
+    def plan(self, tree: KVTree) -> RuntimePlan:
+        """Plan ``tree`` on the host and upload it into the runtime's buffers (one copy).
+
+        Call once per decode step, before the step's :meth:`forward` calls (or graph replay)
+        on the same stream. Returns what was uploaded.
+
+        Raises
+        ------
+        ValueError
+            When the tree has more queries than ``max_queries`` or than the smallest ``q``
+            passed to :meth:`forward`, reads a slot beyond ``pool_slots`` or the smallest
+            KV pool passed to :meth:`forward`, or its plan exceeds a capacity (named in the
+            message). Nothing is uploaded then: the previous plan stays in place.
+        """
+        if not isinstance(tree, KVTree):
+            raise ValueError(f"plan() needs a KVTree, got {type(tree).__name__}")
+        if tree.n_queries > self._min_rows:
+            which = "max_queries" if self._min_rows == self.max_queries else "the smallest q forward() was called with"
+            raise ValueError(f"the tree has {tree.n_queries} queries, more than {self._min_rows} ({which})")
+        if self._min_pool is not None and tree.max_slot >= self._min_pool:
+            raise ValueError(f"the tree reads pool slot {tree.max_slot} but the KV pool has {self._min_pool} slots")
+        heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        query_centric = self.query_centric == "always"
+        plan = plan_tree(tree, self._query_centric_config() if query_centric else self.config, **heads)
+        if self.query_centric == "auto" and plan.merge_queries.size and self._shares_tokens(tree):
+            separated = int(tree.path_lengths[tree.query_nodes].sum())
+            if int(plan.unit_kv_len.astype(np.int64).sum()) > (1 - _MIN_SHARING_GAIN) * separated:
+                plan = plan_tree(tree, self._query_centric_config(), **heads)
+                query_centric = True
+        return self._upload(plan, query_centric)
+
+    @staticmethod
+    def _shares_tokens(tree: KVTree) -> bool:
+        """Whether some token is in the context of two or more queries."""
+        return bool(np.count_nonzero((tree.subtree_queries >= 2) & (tree.lengths > 0)))
+
+    def _query_centric_config(self) -> FastTreeConfig:
+        return replace(self.config, gamma=_QUERY_CENTRIC_GAMMA)
+
+    def _upload(self, plan: Plan, query_centric: bool) -> RuntimePlan:
+        if plan.n_partial_rows > self.max_partial_rows:
+            raise ValueError(
+                f"the plan needs {plan.n_partial_rows} partial rows, more than max_partial_rows={self.max_partial_rows}"
+            )
+        n_units = plan.n_units
+        if n_units > self.max_units:
+            raise ValueError(f"the plan has {n_units} work units, more than max_units={self.max_units}")
+        if plan.pair_query.size > self.max_pairs:
+            raise ValueError(
+                f"the plan has {plan.pair_query.size} (unit, query) pairs, more than max_pairs={self.max_pairs}"
+            )
+        if plan.kv_indices.size > self.max_kv_entries:
+            raise ValueError(
+                f"the plan reads {plan.kv_indices.size} KV entries, more than max_kv_entries={self.max_kv_entries}"
+            )
+        n0 = plan.class_unit_ptr[1]
+        if plan.tile_mode == ALL_LARGE:  # every unit in class 1 has large tiles: slot 0 runs them
+            slot_units = ((0, n_units), (n_units, n_units))
+        else:
+            slot_units = ((0, n0), (n0, n_units))
+        merge = plan.merge_queries
+        many = plan.query_num_partials[merge] >= _MANY_PARTIALS
+        n_many = int(np.count_nonzero(many))
+        if n_many and n_many < merge.size:
+            merge = np.concatenate([merge[~many], merge[many]])
+
+        i = self._next_staging
+        self._next_staging ^= 1
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # the copy out of this staging buffer (two plans ago) is done
+        buf = self._staged[i]
+        header = buf[:_HEADER_WORDS]
+        off = _HEADER_WORDS
+        for h, name in enumerate(DEVICE_ARRAYS):
+            if name == "merge_queries":
+                arr = merge
+            elif name == "kv_row_mask" and self.masked and plan.kv_row_mask.size == 0:
+                arr = None  # no packed unit: every query of a unit attends every entry
+            else:
+                arr = getattr(plan, name)
+            header[h] = off
+            if arr is None:
+                buf[off : off + plan.kv_indices.size] = -1
+                off += _aligned(plan.kv_indices.size)
+            else:
+                buf[off : off + arr.size] = arr
+                off += _aligned(max(1, arr.size))
+        k = len(DEVICE_ARRAYS)
+        header[k : k + 4] = (*slot_units[0], *slot_units[1])
+        header[k + 4 : k + 6] = (merge.size - n_many, n_many)
+        if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
+            raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
+        self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)
+        if self._copied[i] is not None:
+            self._copied[i].record(torch.cuda.current_stream(self.device))
+        self._current = RuntimePlan(
+            plan=plan, query_centric=query_centric, slot_units=slot_units,
+            merge_counts=(int(merge.size - n_many), n_many), words=off,
+        )  # fmt: skip
+        return self._current
+
+    @property
+    def current_plan(self) -> RuntimePlan | None:
+        """The last plan :meth:`plan` uploaded (None before the first)."""
+        return self._current
+
+    # ----------------------------------------------------------------- forward
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        sm_scale: float | None = None,
+    ) -> torch.Tensor:
+        """Tree attention of the uploaded plan: four fixed launches, capturable in a CUDA graph.
+
+        Parameters
+        ----------
+        q : Tensor, dtype [B, Hq, D], the runtime's device
+            Row ``j`` is query ``j`` of the planned tree; ``B`` >= its queries. Rows past
+            them are not read.
+        k_cache, v_cache : Tensor, dtype [pool_slots, Hkv, D], the runtime's device
+            The token pools the tree's slot ids index.
+        out : Tensor, dtype [B, Hq, D], optional
+            Written in place (rows past the planned queries are left untouched) and returned.
+        sm_scale : float, optional
+            ``1 / sqrt(D)`` by default.
+
+        Returns
+        -------
+        Tensor, dtype [B, Hq, D]
+
+        Raises
+        ------
+        ValueError
+            Before any launch: no plan uploaded yet, or tensors whose shape, dtype, device
+            or layout do not match the runtime and the plan.
+        """
+        cur = self._current
+        if cur is None:
+            raise ValueError("forward() before plan(): upload a step's tree first")
+        self._check(q, k_cache, v_cache, cur)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif (
+            not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+        ):
+            raise ValueError(f"out must be a tensor like q ({tuple(q.shape)}, {q.dtype}, {q.device})")
+        elif out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (head_dim) dimension")
+        scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else sm_scale
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+        self._min_rows = min(self._min_rows, q.shape[0])
+        pool = k_cache.shape[0]
+        self._min_pool = pool if self._min_pool is None else min(self._min_pool, pool)
+        with _on_device(q.device):
+            self._launch_all(q, k_cache, v_cache, out, float(scale) * _LOG2E)
+        return out
+
+    __call__ = forward
+
+    def _check(self, q, k_cache, v_cache, cur: RuntimePlan) -> None:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{name} must be a 3-D torch.Tensor")
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype}, the runtime {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the runtime on {self.device}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+        b, hq, d = q.shape
+        if (hq, d) != (self.num_q_heads, self.head_dim):
+            raise ValueError(f"q has shape {tuple(q.shape)}, expected [B, Hq={self.num_q_heads}, D={self.head_dim}]")
+        if b < cur.n_queries:
+            raise ValueError(f"q has {b} rows but the uploaded plan has {cur.n_queries} queries")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} shapes differ")
+        pool, hkv, dk = k_cache.shape
+        if (hkv, dk) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"k_cache has shape {tuple(k_cache.shape)}, "
+                f"expected [pool_slots, Hkv={self.num_kv_heads}, D={self.head_dim}]"
+            )
+        if self.pool_slots is not None and pool != self.pool_slots:
+            raise ValueError(f"the KV pools have {pool} slots, the runtime was built for pool_slots={self.pool_slots}")
+        if cur.plan.max_slot >= pool:
+            raise ValueError(f"the uploaded plan reads pool slot {cur.plan.max_slot} but the KV pool has {pool} slots")
+
+    # ---------------------------------------------------------------- launches
+    def _launch_all(self, q, k_cache, v_cache, out, qk_scale: float) -> None:
+        d, hq = self.head_dim, self.num_q_heads
+        block_d = triton.next_power_of_2(d)
+        upcast = _interpreting() and q.dtype == torch.bfloat16
+        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                   out.stride(0), out.stride(1), self._part_o.stride(0), self._part_o.stride(1),
+                   self._part_lse.stride(0))  # fmt: skip
+        for s, (block_m, block_n, warps, stages) in enumerate(self.slots):
+            args = (q, k_cache, v_cache, out, self._part_o, self._part_lse, self._plan_buf, self.num_kv_heads,
+                    qk_scale, *strides)  # fmt: skip
+            constexprs = (d, block_d, self.group_size, block_m, block_n, self.masked, upcast, s)
+            grid = self._grids.get(s, self._sm_count)
+            compiled = _launch(tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages)
+            if s not in self._grids:
+                self._grids[s] = self._sm_count * self._occupancy(compiled, warps)
+        merge_strides = (out.stride(0), out.stride(1), self._part_o.stride(0), self._part_o.stride(1),
+                         self._part_lse.stride(0))  # fmt: skip
+        block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
+        merge_programs = 8 * self._sm_count
+        args = (out, self._part_o, self._part_lse, self._plan_buf, *merge_strides)
+        _launch(merge_partials_persistent_kernel, (merge_programs, 1), args, (hq, d, block_h, block_d), 4, 3)
+        warps = 1 if _MERGE_BLOCK_P * block_d <= 512 else 2 if _MERGE_BLOCK_P * block_d <= 2048 else 4
+        args = (out, self._part_o, self._part_lse, self._plan_buf, hq, *merge_strides)
+        _launch(
+            merge_many_partials_persistent_kernel, (merge_programs, 1), args, (d, _MERGE_BLOCK_P, block_d), warps, 1
+        )
+
+    def _occupancy(self, compiled, num_warps: int) -> int:
+        """Programs of ``compiled`` one SM holds at once (``programs_per_sm`` when given)."""
+        if self.programs_per_sm is not None:
+            return self.programs_per_sm
+        props = self._props
+        if compiled is None or props is None:
+            return 1
+        by_threads = int(getattr(props, "max_threads_per_multi_processor", 2048)) // (32 * num_warps)
+        regs = int(getattr(compiled, "n_regs", 0) or 0)
+        regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
+        by_regs = regs_per_sm // (regs * 32 * num_warps) if regs > 0 else by_threads
+        shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+        smem = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+        by_smem = smem // shared if shared and smem else by_threads
+        return max(1, min(by_threads, by_regs, by_smem, 32))

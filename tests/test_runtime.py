@@ -1,0 +1,182 @@
+"""TreeAttentionRuntime: plan/run buffers, capacity errors, config loading, results (CPU interpreter or GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from trees import random_tree
+
+import fasttree as ft
+from fasttree.export import ConfigExport, ExportEntry, write_export
+from fasttree.runtime import PLAN_HEADER, TreeAttentionRuntime
+
+HEADS = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+
+
+def _runtime(device, config=None, **kw) -> TreeAttentionRuntime:
+    args = {"dtype": torch.float16, "device": device, "max_queries": 64, "max_kv_entries": 4096, **HEADS, **kw}
+    return TreeAttentionRuntime(config, **args)
+
+
+def _inputs(
+    tree: ft.KVTree, device, rows: int, hq: int = 4, hkv: int = 2, d: int = 16, seed: int = 0, dtype=torch.float16
+):
+    gen = torch.Generator().manual_seed(seed)
+    pool = max(tree.max_slot + 1, 1000)  # one pool size for every step, as a server has
+    q = torch.randn(rows, hq, d, generator=gen).to(device, dtype)
+    k = torch.randn(pool + 3, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(pool + 3, hkv, d, generator=gen).to(device, dtype)
+    return q, k, v
+
+
+def test_header_matches_the_kernels():
+    from fasttree.kernels import tree_attention as kt
+
+    names = [n for n in dir(kt) if n.startswith("HDR_")]
+    values = {n: int(getattr(kt, n).value) for n in names}
+    assert values["HDR_SLOT_RANGES"] == PLAN_HEADER.index("slot0_first")
+    assert values["HDR_MERGE_COUNTS"] == PLAN_HEADER.index("merge_few")
+    for n, v in values.items():
+        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS"):
+            assert PLAN_HEADER[v] == n[4:].lower()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ft.FastTreeConfig(),
+        ft.FastTreeConfig(pack_tokens=0),
+        ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(10**6, 10**6)),
+    ],
+)
+def test_runtime_matches_reference_over_several_trees(device, config):
+    """One runtime, one q/out buffer, many trees: every step equals the float64 reference."""
+    rt = _runtime(device, config)
+    rng = np.random.default_rng(5)
+    q_rows = 64
+    for step in range(4):
+        tree = random_tree(rng, max_nodes=12, max_len=70)
+        if tree.n_queries > q_rows:
+            continue
+        q, k, v = _inputs(tree, device, q_rows, seed=step)
+        out = torch.full_like(q, float("nan"))
+        info = rt.plan(tree)
+        assert info.n_queries == tree.n_queries
+        rt.forward(q, k, v, out=out)
+        ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+        assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
+        assert torch.isnan(out[tree.n_queries :]).all()  # rows past the plan untouched
+
+
+def test_runtime_gqa_bf16_and_many_partials(device):
+    """bf16, GQA 4, and a long chain split into many partials (the many-partials merge)."""
+    heads = {"num_q_heads": 8, "num_kv_heads": 2, "head_dim": 32}
+    config = ft.FastTreeConfig(kv_split_sizes=(16, 16), para_threshs1=(10**6, 10**6), pack_tokens=0)
+    rt = TreeAttentionRuntime(config, dtype="bfloat16", device=device, max_queries=8, max_kv_entries=4096, **heads)
+    tree = ft.KVTree([-1, 0, 0], [np.arange(200), np.arange(200, 205), np.arange(205, 206)], [1, 2, 2])
+    info = rt.plan(tree)
+    assert info.merge_counts[1] > 0
+    q, k, v = _inputs(tree, device, 8, hq=8, hkv=2, d=32, dtype=torch.bfloat16)
+    out = rt.forward(q, k, v)
+    ref = ft.reference_attention(q[:3], k, v, tree)
+    assert ft.max_relative_error(out[:3], ref) < 1e-2
+
+
+def test_query_centric_modes(device):
+    rng = np.random.default_rng(0)
+    # no token shared: 'auto' keeps the plan
+    tree = ft.KVTree([-1, -1], [np.arange(40), np.arange(40, 90)], [0, 1])
+    assert not _runtime(device).plan(tree).query_centric
+    assert _runtime(device, query_centric="always").plan(tree).query_centric
+    shared = random_tree(rng, max_nodes=10, max_len=40)
+    assert not _runtime(device, query_centric="never").plan(shared).query_centric
+    with pytest.raises(ValueError, match="query_centric"):
+        _runtime(device, query_centric="sometimes")
+
+
+def test_capacity_errors_name_the_capacity_and_keep_the_previous_plan(device):
+    rt = _runtime(device, max_queries=4, max_kv_entries=64, max_units=64)
+    small = ft.KVTree([-1], [np.arange(10)], [0, 0])
+    first = rt.plan(small)
+    with pytest.raises(ValueError, match="max_queries"):
+        rt.plan(ft.KVTree([-1], [np.arange(10)], [0] * 5))
+    with pytest.raises(ValueError, match="max_kv_entries"):
+        rt.plan(ft.KVTree([-1], [np.arange(100)], [0]))
+    assert rt.current_plan is first
+
+
+def test_forward_remembers_the_smallest_buffers(device):
+    rt = _runtime(device)
+    tree = ft.KVTree([-1], [np.arange(10)], [0, 0, 0])
+    rt.plan(tree)
+    q, k, v = _inputs(tree, device, 3)
+    rt.forward(q, k, v)
+    with pytest.raises(ValueError, match="smallest q"):
+        rt.plan(ft.KVTree([-1], [np.arange(10)], [0] * 4))
+    with pytest.raises(ValueError, match="pool slot"):
+        rt.plan(ft.KVTree([-1], [np.arange(2000, 2010)], [0]))
+
+
+def test_forward_validates_before_launching(device):
+    rt = _runtime(device)
+    tree = ft.KVTree([-1], [np.arange(10)], [0, 0])
+    q, k, v = _inputs(tree, device, 2)
+    with pytest.raises(ValueError, match="before plan"):
+        rt.forward(q, k, v)
+    rt.plan(tree)
+    with pytest.raises(ValueError, match="dtype"):
+        rt.forward(q.float(), k, v)
+    with pytest.raises(ValueError, match="rows"):
+        rt.forward(q[:1], k, v)
+    with pytest.raises(ValueError, match="Hkv"):
+        rt.forward(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="pool slot"):
+        rt.forward(q, k[:5], v[:5])
+    with pytest.raises(ValueError, match="out"):
+        rt.forward(q, k, v, out=torch.empty_like(q)[:1])
+    with pytest.raises(ValueError, match="sm_scale"):
+        rt.forward(q, k, v, sm_scale=-1.0)
+    built = _runtime(device, pool_slots=64)
+    built.plan(tree)
+    with pytest.raises(ValueError, match="pool_slots"):
+        built.forward(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"max_queries": 0}, "max_queries"),
+        ({"max_kv_entries": -1}, "max_kv_entries"),
+        ({"max_units": True}, "max_units"),
+        ({"dtype": "float32"}, "dtype"),
+        ({"dtype": torch.float32}, "dtype"),
+        ({"num_q_heads": 3}, "multiple"),
+        ({"head_dim": 8}, "head_dim"),
+        ({"programs_per_sm": 0}, "programs_per_sm"),
+    ],
+)
+def test_constructor_errors(device, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _runtime(device, **kw)
+
+
+def test_config_from_export_file_and_fallback(device, tmp_path):
+    tuned = ft.FastTreeConfig(gamma=0.5, pack_tokens=0)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    entry = ExportEntry(gpu=gpu, group_size=2, head_dim=16, dtype="float16", config=tuned, provenance={})
+    path = tmp_path / "export.json"
+    write_export(path, ConfigExport(entries=(entry,), provenance={}))
+    assert _runtime(device, str(path)).config == tuned
+    assert not _runtime(device, str(path)).masked
+    other = {**HEADS, "num_kv_heads": 4}
+    rt = TreeAttentionRuntime(path, dtype="float16", device=device, max_queries=4, max_kv_entries=64, **other)
+    assert rt.config == ft.FastTreeConfig()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"entries": 3}))
+    with pytest.raises(ValueError):
+        _runtime(device, bad)
+    with pytest.raises(ValueError, match="config"):
+        _runtime(device, 42)

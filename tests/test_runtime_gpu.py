@@ -1,0 +1,98 @@
+"""TreeAttentionRuntime on the GPU (``pytest -m gpu``): CUDA-graph capture once, replay with a new tree
+every step, against a fresh eager call and the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_attention import TOL
+from trees import random_tree
+
+import fasttree as ft
+from fasttree.runtime import TreeAttentionRuntime
+from fasttree.workloads import iter_serving
+
+pytestmark = pytest.mark.gpu
+
+_SAMPLED = 64
+
+
+def _check(out, q, k, v, tree, dtype, seed) -> float:
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(tree.n_queries, size=min(tree.n_queries, _SAMPLED), replace=False))
+    ref = ft.reference_attention(q, k, v, tree, queries=rows)
+    err = ft.max_relative_error(out[torch.as_tensor(rows, device=out.device)], ref)
+    assert err <= TOL[dtype], err
+    return err
+
+
+@pytest.mark.parametrize("scenario", ["few_shot", "multi_document_qa", "chain_reasoning", "multi_level_system_prompts"])
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
+def test_graph_replay_with_a_new_tree_every_step(scenario, heads):
+    """Three layers captured once; each later step plans a new tree and replays the graph."""
+    hq, hkv = heads
+    d, dtype, layers, rows = 128, torch.float16, 3, 256
+    trees = [s.tree for s in iter_serving(scenario, seed=3, steps=40)][::8]
+    pool = max(t.max_slot for t in trees) + 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ks = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
+    vs = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
+    q = torch.empty(rows, hq, d, device="cuda", dtype=dtype)
+    outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool,
+    )  # fmt: skip
+
+    def step():
+        for layer in range(layers):
+            rt.forward(q, ks[layer], vs[layer], out=outs[layer])
+
+    q.normal_(generator=gen)
+    rt.plan(trees[0])
+    step()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i, tree in enumerate(trees[1:]):
+        info = rt.plan(tree)
+        q.normal_(generator=gen)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = tree.n_queries
+        for layer in range(layers):
+            eager = torch.full_like(outs[layer], float("nan"))
+            rt.forward(q, ks[layer], vs[layer], out=eager)
+            assert torch.equal(outs[layer][:n], eager[:n]), (i, layer)
+            fresh = ft.tree_attention(q[:n], ks[layer], vs[layer], info.plan)
+            assert ft.max_relative_error(outs[layer][:n], fresh) <= TOL[dtype]
+            _check(outs[layer][:n], q[:n], ks[layer], vs[layer], tree, dtype, seed=i * layers + layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 16, 64), (32, 8, 128), (28, 4, 128), (32, 4, 256), (16, 1, 128)])
+def test_random_forests_through_one_runtime(hq, hkv, d, dtype):
+    rng = np.random.default_rng(hq * 1000 + hkv * 10 + d)
+    rt = TreeAttentionRuntime(
+        ft.FastTreeConfig(kv_tile=(32, 32)) if d == 256 else None,
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+        max_queries=512, max_kv_entries=1 << 17, pool_slots=1 << 16,
+    )  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k = torch.randn(1 << 16, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(1 << 16, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    q = torch.randn(512, hq, d, device="cuda", dtype=dtype, generator=gen)
+    for i in range(6):
+        tree = random_tree(rng, max_nodes=60, max_len=900)
+        if tree.n_queries > 512 or tree.max_slot >= 1 << 16:
+            continue
+        rt.plan(tree)
+        out = torch.full_like(q, float("nan"))
+        rt.forward(q, k, v, out=out)
+        n = tree.n_queries
+        assert torch.isnan(out[n:]).all()
+        _check(out[:n], q[:n], k, v, tree, dtype, seed=i)
