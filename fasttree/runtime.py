@@ -4,9 +4,9 @@
 on the device, two pinned staging copies of it, the fp32 partial-result workspace) once.
 :meth:`~TreeAttentionRuntime.plan` plans a step's tree on the host and ships the whole plan
 with one pinned, non-blocking copy; :meth:`~TreeAttentionRuntime.forward` launches the same
-four kernels every time (two persistent stage-1 launches, one per launch slot, and two
-persistent merges), whose grids depend on the GPU, never on the tree: they read the plan's
-array offsets and unit ranges from the buffer's header. So a whole decode step, all layers,
+two kernels every time (a persistent stage 1 over both tile classes' units, then a
+persistent merge of both merge lists), whose grids depend on the GPU, never on the tree:
+they read the plan's array offsets and unit ranges from the buffer's header. So a whole decode step, all layers,
 can be captured once in a CUDA graph and replayed for every later step after ``plan(tree)``.
 
 Shapes use the package's vocabulary (:mod:`fasttree.plan_arrays`): ``n_queries``, ``Hq``,
@@ -50,11 +50,7 @@ from .attention import _MANY_PARTIALS, _MERGE_HEADS, _interpreting, _launch, _on
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport
-from .kernels import (
-    merge_many_partials_persistent_kernel,
-    merge_partials_persistent_kernel,
-    tree_attention_persistent_kernel,
-)
+from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .planner import plan as plan_tree
 from .tree import KVTree
@@ -74,6 +70,8 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Partial rows the many-partials merge reads per step (merged queries with at least
 #: ``fasttree.attention._MANY_PARTIALS`` partials go to it, as in ``tree_attention``).
 _MERGE_BLOCK_P = 16
+#: Programs per SM of the persistent merge (a light kernel: many fit an SM).
+_MERGE_PROGRAMS_PER_SM = 8
 #: A grouped plan must save this share of the KV a query-centric plan reads, or ``"auto"`` plans query-centric.
 _MIN_SHARING_GAIN = 0.10
 _QUERY_CENTRIC_GAMMA = 10.0
@@ -151,8 +149,11 @@ class TreeAttentionRuntime:
         ``"auto"`` plans a step query-centric (every query alone over its path, no
         merges between nodes) when grouping would save less than 10% of the KV reads.
     programs_per_sm : int, optional
-        Persistent programs per SM of the stage-1 launches; by default the kernel's
+        Persistent programs per SM of the stage-1 launch; by default the kernel's
         occupancy (from its registers and shared memory), read after its compilation.
+    waves : int
+        Persistent stage-1 programs are ``waves`` times the SMs x programs per SM (more
+        waves: finer load balance through the GPU's block scheduler, more programs).
 
     Raises
     ------
@@ -177,6 +178,7 @@ class TreeAttentionRuntime:
         pool_slots: int | None = None,
         query_centric: str = "auto",
         programs_per_sm: int | None = None,
+        waves: int = 1,
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
@@ -209,6 +211,7 @@ class TreeAttentionRuntime:
             raise ValueError(f"query_centric must be 'auto', 'never' or 'always', got {query_centric!r}")
         self.query_centric = query_centric
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
+        self.waves = _positive_int("waves", waves)
         self.config = self._resolve_config(config)
 
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class
@@ -261,7 +264,7 @@ class TreeAttentionRuntime:
             self._props = props
         else:
             self._sm_count, self._props = 4, None
-        self._grids: dict[int, int] = {}  # stage-1 slot -> persistent programs
+        self._programs = 0  # persistent stage-1 programs (sized after the kernel's compilation)
 
     # ------------------------------------------------------------------ config
     def _resolve_config(self, config) -> FastTreeConfig:
@@ -402,7 +405,7 @@ class TreeAttentionRuntime:
         *,
         sm_scale: float | None = None,
     ) -> torch.Tensor:
-        """Tree attention of the uploaded plan: four fixed launches, capturable in a CUDA graph.
+        """Tree attention of the uploaded plan: two fixed launches, capturable in a CUDA graph.
 
         Parameters
         ----------
@@ -483,28 +486,21 @@ class TreeAttentionRuntime:
         d, hq = self.head_dim, self.num_q_heads
         block_d = triton.next_power_of_2(d)
         upcast = _interpreting() and q.dtype == torch.bfloat16
-        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-                   out.stride(0), out.stride(1), self._part_o.stride(0), self._part_o.stride(1),
-                   self._part_lse.stride(0))  # fmt: skip
-        for s, (block_m, block_n, warps, stages) in enumerate(self.slots):
-            args = (q, k_cache, v_cache, out, self._part_o, self._part_lse, self._plan_buf, self.num_kv_heads,
-                    qk_scale, *strides)  # fmt: skip
-            constexprs = (d, block_d, self.group_size, block_m, block_n, self.masked, upcast, s)
-            grid = self._grids.get(s, self._sm_count)
-            compiled = _launch(tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages)
-            if s not in self._grids:
-                self._grids[s] = self._sm_count * self._occupancy(compiled, warps)
-        merge_strides = (out.stride(0), out.stride(1), self._part_o.stride(0), self._part_o.stride(1),
-                         self._part_lse.stride(0))  # fmt: skip
+        part_o, part_lse = self._part_o, self._part_lse
+        (m0, n0, warps, stages), (m1, n1, _, _) = self.slots
+        args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self.num_kv_heads, qk_scale,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
+        constexprs = (d, block_d, self.group_size, m0, n0, m1, n1, self.masked, upcast)
+        grid = self._programs or self._sm_count
+        compiled = _launch(tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages)
+        if not self._programs:
+            self._programs = self._sm_count * self._occupancy(compiled, warps) * self.waves
+        args = (out, part_o, part_lse, self._plan_buf, hq, out.stride(0), out.stride(1), part_o.stride(0),
+                part_o.stride(1), part_lse.stride(0))  # fmt: skip
         block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
-        merge_programs = 8 * self._sm_count
-        args = (out, self._part_o, self._part_lse, self._plan_buf, *merge_strides)
-        _launch(merge_partials_persistent_kernel, (merge_programs, 1), args, (hq, d, block_h, block_d), 4, 3)
-        warps = 1 if _MERGE_BLOCK_P * block_d <= 512 else 2 if _MERGE_BLOCK_P * block_d <= 2048 else 4
-        args = (out, self._part_o, self._part_lse, self._plan_buf, hq, *merge_strides)
-        _launch(
-            merge_many_partials_persistent_kernel, (merge_programs, 1), args, (d, _MERGE_BLOCK_P, block_d), warps, 1
-        )
+        constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d)
+        _launch(merge_partials_persistent_kernel, (_MERGE_PROGRAMS_PER_SM * self._sm_count, 1), args, constexprs, 4, 1)
 
     def _occupancy(self, compiled, num_warps: int) -> int:
         """Programs of ``compiled`` one SM holds at once (``programs_per_sm`` when given)."""

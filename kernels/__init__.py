@@ -4,17 +4,11 @@ Host wrappers that validate inputs, allocate outputs, size grids and launch thes
 kernels live in :mod:`fasttree.attention`.
 """
 
-from .merge import (
-    merge_many_partials_kernel,
-    merge_many_partials_persistent_kernel,
-    merge_partials_kernel,
-    merge_partials_persistent_kernel,
-)
+from .merge import merge_many_partials_kernel, merge_partials_kernel, merge_partials_persistent_kernel
 from .tree_attention import tree_attention_persistent_kernel, tree_attention_units_kernel
 
 __all__ = [
     "merge_many_partials_kernel",
-    "merge_many_partials_persistent_kernel",
     "merge_partials_kernel",
     "merge_partials_persistent_kernel",
     "tree_attention_persistent_kernel",

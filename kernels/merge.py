@@ -14,10 +14,9 @@ Two kernels, the host picks one per plan:
   reading ``BLOCK_P`` partial rows as one ``[BLOCK_P, D]`` tile, so a query's loads are
   all in flight at once. Best when some queries have many partials (long split chains).
 
-Each has a persistent twin for :mod:`fasttree.runtime` (``*_persistent_kernel``): a fixed
-number of programs loop over the (merged query, head block) items of one range of the
-plan buffer's merge list, whose length they read from the buffer's header, so the launch
-does not depend on the plan.
+:func:`merge_partials_persistent_kernel` runs both for :mod:`fasttree.runtime`: a fixed
+number of programs loop over the items of the plan buffer's merge list (its two parts'
+lengths read from the buffer's header), so the launch does not depend on the plan.
 """
 
 import triton
@@ -174,38 +173,8 @@ def merge_many_partials_kernel(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_ln"])
-def merge_partials_persistent_kernel(
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # [max_partial_rows, Hq, D], fp32
-    PartLse,  # [max_partial_rows, Hq], fp32
-    PlanBuf,  # int32 [plan_words]: header and plan arrays (see .tree_attention)
-    stride_on,
-    stride_oh,
-    stride_pn,
-    stride_ph,
-    stride_ln,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Merges the first ``header[HDR_MERGE_COUNTS]`` entries of the merge list."""
-    n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS)
-    MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
-    QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
-    QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
-    n_blocks = tl.cdiv(NUM_HEADS, BLOCK_H)
-    for item in range(tl.program_id(0), n_merge * n_blocks, tl.num_programs(0)):
-        index = item // n_blocks
-        _merge_head_block(
-            index, item - index * n_blocks, Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
-        )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["num_heads", "stride_ln"])
-def merge_many_partials_persistent_kernel(
+def merge_partials_persistent_kernel(
     Out,  # [n_queries, Hq, D], q's dtype
     PartO,  # [max_partial_rows, Hq, D], fp32
     PartLse,  # [max_partial_rows, Hq], fp32
@@ -216,19 +185,34 @@ def merge_many_partials_persistent_kernel(
     stride_pn,
     stride_ph,
     stride_ln,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merges the ``header[HDR_MERGE_COUNTS + 1]`` entries of the merge list after the first kernel's."""
-    first = tl.load(PlanBuf + HDR_MERGE_COUNTS)
-    n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
+    """Both merges in one launch: the first ``header[HDR_MERGE_COUNTS]`` entries of the merge list
+    by head blocks, one partial row at a time; the next ``header[HDR_MERGE_COUNTS + 1]`` (queries
+    with many partials) per head, ``BLOCK_P`` rows at a time."""
+    n_few = tl.load(PlanBuf + HDR_MERGE_COUNTS)
+    n_many = tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
     MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
     QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
     QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
-    for item in range(tl.program_id(0), n_merge * num_heads, tl.num_programs(0)):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    n_blocks = tl.cdiv(NUM_HEADS, BLOCK_H)
+    items_few = n_few * n_blocks
+    for item in range(pid, items_few, step):
+        index = item // n_blocks
+        _merge_head_block(
+            index, item - index * n_blocks, Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+    start = (pid - items_few % step + step) % step
+    for item in range(start, n_many * num_heads, step):
         index = item // num_heads
         _merge_one_head(
-            first + index, item - index * num_heads, Out, PartO, PartLse, MergeQueries, QueryPartialStart,
+            n_few + index, item - index * num_heads, Out, PartO, PartLse, MergeQueries, QueryPartialStart,
             QueryNumPartials, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
         )  # fmt: skip

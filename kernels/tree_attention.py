@@ -5,9 +5,10 @@ Two entry points share the unit's code (:func:`_attend_unit`):
 - :func:`tree_attention_units_kernel`: a grid of (the class's units, KV heads), sized by the
   host for each plan (:func:`fasttree.tree_attention`).
 - :func:`tree_attention_persistent_kernel`: a fixed number of programs that loop over the
-  (unit, KV head) items of one range of units, with every plan array and the range read from
-  one device buffer behind a header (:mod:`fasttree.runtime`): the launch does not depend
-  on the plan, so a CUDA graph captured once replays any later plan uploaded into the buffer.
+  (unit, KV head) items of both tile classes' unit ranges, with every plan array and the
+  ranges read from one device buffer behind a header (:mod:`fasttree.runtime`): the launch
+  does not depend on the plan, so a CUDA graph captured once replays any later plan
+  uploaded into the buffer.
 
 A unit is a chunk of one context-query group's KV (gathered through pool slot ids)
 and a tile of that group's queries, or (``MASKED`` classes) a packed unit: several
@@ -240,14 +241,19 @@ def tree_attention_persistent_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M0: tl.constexpr,  # slot 0 (large query tiles): rows and KV tokens per tile
+    BLOCK_N0: tl.constexpr,
+    BLOCK_M1: tl.constexpr,  # slot 1 (small query tiles)
+    BLOCK_N1: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    SLOT: tl.constexpr,  # which unit range of the header this launch serves (0 or 1)
 ):
-    first = tl.load(PlanBuf + HDR_SLOT_RANGES + 2 * SLOT)
-    n_units = tl.load(PlanBuf + HDR_SLOT_RANGES + 2 * SLOT + 1) - first
+    """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
+    dealt round-robin to the programs, so programs move on to slot 1 without a launch boundary."""
+    first0 = tl.load(PlanBuf + HDR_SLOT_RANGES)
+    n0 = tl.load(PlanBuf + HDR_SLOT_RANGES + 1) - first0
+    first1 = tl.load(PlanBuf + HDR_SLOT_RANGES + 2)
+    n1 = tl.load(PlanBuf + HDR_SLOT_RANGES + 3) - first1
     KvIndices = PlanBuf + tl.load(PlanBuf + HDR_KV_INDICES)
     KvRowMask = PlanBuf + tl.load(PlanBuf + HDR_KV_ROW_MASK)
     UnitKvStart = PlanBuf + tl.load(PlanBuf + HDR_UNIT_KV_START)
@@ -256,12 +262,25 @@ def tree_attention_persistent_kernel(
     UnitQLen = PlanBuf + tl.load(PlanBuf + HDR_UNIT_Q_LEN)
     PairQuery = PlanBuf + tl.load(PlanBuf + HDR_PAIR_QUERY)
     PairOutRow = PlanBuf + tl.load(PlanBuf + HDR_PAIR_OUT_ROW)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
     # items in the per-plan grid's launch order: every unit of KV head 0 (longest first), then head 1, ...
-    for item in range(tl.program_id(0), n_units * num_kv_heads, tl.num_programs(0)):
-        kv_head = item // n_units
+    items0 = n0 * num_kv_heads
+    for item in range(pid, items0, step):
+        kv_head = item // n0
         _attend_unit(
-            first + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            first0 + item - kv_head * n0, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT,
+        )  # fmt: skip
+    # the round-robin continues where slot 0 ended: item items0 + j goes to program (items0 + j) % step
+    start1 = (pid - items0 % step + step) % step
+    for item in range(start1, n1 * num_kv_heads, step):
+        kv_head = item // n1
+        _attend_unit(
+            first1 + item - kv_head * n1, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT,
         )  # fmt: skip

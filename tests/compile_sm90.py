@@ -15,7 +15,6 @@ from triton.compiler import ASTSource
 
 from fasttree.kernels import (
     merge_many_partials_kernel,
-    merge_many_partials_persistent_kernel,
     merge_partials_kernel,
     merge_partials_persistent_kernel,
     tree_attention_persistent_kernel,
@@ -45,11 +44,12 @@ def compile_units(dtype, head_dim, group, block_m, block_n, masked):
 
 
 def compile_persistent(dtype, head_dim, group, block_m, block_n, masked):
-    """The runtime's stage-1 kernel (slot 1): plan arrays behind the header of one int32 buffer."""
+    """The runtime's stage-1 kernel (both slots): plan arrays behind the header of one int32 buffer."""
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32", "PlanBuf": "*i32", "qk_scale": "fp32"}  # fmt: skip
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M": block_m,
-                  "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False, "SLOT": 1}  # fmt: skip
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M0": block_m,
+                  "BLOCK_N0": block_n, "BLOCK_M1": 16, "BLOCK_N1": 16, "MASKED": masked,
+                  "UPCAST_DOT": False}  # fmt: skip
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
                  for name in tree_attention_persistent_kernel.arg_names}  # fmt: skip
     return triton.compile(ASTSource(tree_attention_persistent_kernel, signature, constexprs), target=HOPPER)
@@ -71,8 +71,7 @@ def main() -> int:
     jobs |= {f"merge_many_{d}": (compile_merge, (merge_many_partials_kernel, d)) for d in ("fp16", "bf16")}
     jobs["persistent_fp16_d128_g4_m64_n64_masked"] = (compile_persistent, ("fp16", 128, 4, 64, 64, True))
     jobs["persistent_bf16_d256_g1_m16_n32"] = (compile_persistent, ("bf16", 256, 1, 16, 32, False))
-    jobs["merge_persistent_fp16"] = (compile_merge, (merge_partials_persistent_kernel, "fp16"))
-    jobs["merge_many_persistent_bf16"] = (compile_merge, (merge_many_partials_persistent_kernel, "bf16"))
+    jobs |= {f"merge_persistent_{d}": (compile_merge, (merge_partials_persistent_kernel, d)) for d in ("fp16", "bf16")}
     for name, (fn, args) in jobs.items():
         try:
             k = fn(*args)

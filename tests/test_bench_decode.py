@@ -1,0 +1,119 @@
+"""bench.decode with a tiny decoder: on the CPU the eager path of the GPU benchmark (no CUDA graphs),
+on a GPU machine the same run with its CUDA graphs."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bench import decode
+
+BACKENDS = ("fasttree", "query_separated", "sdpa")
+SCENARIO = "multi_level_system_prompts"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU path needs TRITON_INTERPRET=1 (conftest)
+ROW_KEYS = {
+    "model", "scenario", "backend", "steps", "tokens", "tokens_per_s", "step_ms_mean", "step_ms_p50",
+    "step_ms_p90", "plan_ms_mean", "plan_share", "noattn_step_ms_mean", "attention_share", "mode",
+    "max_rel_err", "max_rel_err_layer0", "max_rel_err_last_layer", "correct", "speedup_vs_query_separated",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One tiny run (2 layers, 1 warm-up and 2 timed steps, batches of <= 8) of three backends."""
+    out = tmp_path_factory.mktemp("decode")
+    argv = [
+        "--device", DEVICE, "--models", "tiny", "--scenarios", SCENARIO, "--max-batch", "8",
+        "--warmup", "1", "--steps", "2", "--backends", ",".join(BACKENDS), "--out", str(out), "--label", "tiny",
+    ]  # fmt: skip
+    args = decode.parse_args(argv)
+    report, logits = decode.run_benchmark(args, keep_logits=True)
+    return SimpleNamespace(args=args, out=out, report=report, logits=logits)
+
+
+def test_backends_compute_the_same_decode(run):
+    """Same model, pools and tokens: the three attentions give close logits and the same next tokens."""
+    steps = {b: run.logits[("tiny", SCENARIO, b)] for b in BACKENDS}
+    assert all(len(s) == 2 for s in steps.values())
+    compared = 0
+    for i in range(2):
+        ref_logits, ref_tokens = steps["query_separated"][i]
+        assert torch.isfinite(ref_logits).all()
+        top2 = ref_logits.topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05  # rows whose argmax no rounding can flip
+        for b in ("fasttree", "sdpa"):
+            logits, tokens = steps[b][i]
+            assert logits.shape == ref_logits.shape
+            torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=2e-2)
+            assert torch.equal(tokens[clear], ref_tokens[clear])
+            compared += int(clear.sum())
+    assert compared > 0
+
+
+def test_rows_are_well_formed(run):
+    rows = run.report["rows"]
+    assert [r["backend"] for r in rows] == list(BACKENDS)
+    workload = run.report["workloads"][0]
+    for r in rows:
+        assert not ROW_KEYS - r.keys(), ROW_KEYS - r.keys()
+        assert (r["model"], r["scenario"], r["steps"]) == ("tiny", SCENARIO, 2)
+        graphs = "full_graph" if r["backend"] == "fasttree" else "piecewise_graphs"
+        assert r["mode"] == (graphs if DEVICE == "cuda" else "eager")
+        assert r["tokens"] == round(workload["queries_mean"] * 2)
+        assert r["tokens_per_s"] > 0 and r["step_ms_p50"] > 0 and r["step_ms_p90"] >= r["step_ms_p50"]
+        assert 0 <= r["plan_share"] < 1 and r["attention_share"] < 1
+        assert r["correct"] and r["max_rel_err"] <= 2e-3
+    assert rows[1]["speedup_vs_query_separated"] == 1.0
+    assert rows[0]["backend_info"]["plans"] == 1 + 1 + 2  # warm-up, correctness check, timed steps
+    assert run.report["all_correct"] and run.report["graphs"] is (DEVICE == "cuda")
+
+
+def test_report_files(run):
+    js = json.loads((run.out / "tiny.json").read_text())
+    assert {"label", "env", "args", "models", "workloads", "rows", "all_correct"} <= js.keys()
+    assert js["args"]["backends"] == list(BACKENDS) and js["args"]["max_batch"] == 8
+    assert js["models"][0]["layers"] == 2 and js["models"][0]["hidden"] == 64
+    assert js["workloads"][0]["max_rows"] == 8
+    assert js["rows"] == json.loads(json.dumps(run.report["rows"]))
+    md = (run.out / "tiny.md").read_text()
+    assert "| model | scenario | backend | tokens/s |" in md
+    for b in BACKENDS:
+        assert f"| tiny | {SCENARIO} | {b} |" in md
+
+
+def test_workload_inputs():
+    wl = decode.make_workload(SCENARIO, seed=0, warmup=1, steps=2, max_batch=8, vocab=100)
+    assert len(wl.trees) == len(wl.inputs) == 3 and list(wl.timed) == [1, 2]
+    assert wl.pool_slots == max(t.max_slot + 1 for t in wl.trees) and wl.pool_rows == wl.pool_slots + 1
+    for tree, arr in zip(wl.trees, wl.inputs, strict=True):
+        n = tree.n_queries
+        indptr, slots = tree.query_slots()
+        assert arr.shape == (3, wl.max_rows)
+        assert np.array_equal(arr[1, :n], slots[indptr[1:] - 1])  # each query's last context slot
+        assert (arr[1, n:] == wl.pool_slots).all()  # padding rows write the sink slot
+        assert np.array_equal(arr[2, :n], np.diff(indptr) - 1)
+        assert ((arr[0] >= 0) & (arr[0] < 100)).all()
+
+
+def test_sdpa_skipped_over_budget(tmp_path):
+    args = decode.parse_args(
+        ["--device", "cpu", "--models", "tiny", "--scenarios", SCENARIO, "--max-batch", "8", "--warmup", "1",
+         "--steps", "1", "--backends", "sdpa", "--sdpa-max-gib", "0", "--out", str(tmp_path)]
+    )  # fmt: skip
+    model = decode.build_model(decode.MODELS["tiny"], layers=1, dtype=torch.float16, device=torch.device("cpu"), seed=0)
+    summary, rows = decode.bench_scenario(model, "tiny", SCENARIO, args, graphs=False)
+    assert summary["sdpa_padded_kv_gib"] > 0
+    assert rows == [{"model": "tiny", "scenario": SCENARIO, "backend": "sdpa", "skipped": rows[0]["skipped"]}]
+    assert "--sdpa-max-gib" in rows[0]["skipped"]
+    assert "skipped" in decode.results_table(rows)
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--backends", "flash"])
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--warmup", "0"])
