@@ -21,6 +21,10 @@ from CUDA graphs. Attention backends, all on the same model code (an
 * ``fasttree``: one :class:`fasttree.runtime.TreeAttentionRuntime` shared by all layers;
   per step ``plan(tree)`` on the host, then the whole step (all layers and the LM head)
   replayed from one CUDA graph captured after the first warm-up step.
+* ``fasttree_overlap``: ``fasttree`` with the host planning of step ``i + 1`` (and its
+  upload, stream-ordered after step ``i``) done while the GPU runs step ``i``, as a server
+  with an overlapping scheduler would; a step's time is then the time between two
+  consecutive device synchronisations.
 * ``fasttree_piecewise``: the same runtime run eagerly between CUDA graphs of the
   non-attention segments (what the full graph adds).
 * ``query_separated``: FlashDecoding-style split-KV per query
@@ -79,7 +83,7 @@ from fasttree.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.decode")
 
-BACKENDS = ("fasttree", "fasttree_piecewise", "query_separated", "sdpa")
+BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_piecewise", "query_separated", "sdpa")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 CHECK_QUERIES = 32
@@ -579,6 +583,7 @@ class FastTreeBackend:
     def __init__(self, model: Model, buf: StepBuffers, workload: Workload, config, *, full_graph: bool) -> None:
         spec = model.spec
         self.name = "fasttree" if full_graph else "fasttree_piecewise"
+        self.overlap = False
         self.graphs = "full" if full_graph else "piecewise"
         self.buf = buf
         rows = workload.max_rows
@@ -700,8 +705,10 @@ class SdpaBackend:
 
 def make_backend(name: str, model: Model, buf: StepBuffers, workload: Workload, config):
     """The backend ``name`` of :data:`BACKENDS` for ``model`` on ``workload``."""
-    if name in ("fasttree", "fasttree_piecewise"):
-        return FastTreeBackend(model, buf, workload, config, full_graph=name == "fasttree")
+    if name in ("fasttree", "fasttree_overlap", "fasttree_piecewise"):
+        backend = FastTreeBackend(model, buf, workload, config, full_graph=name != "fasttree_piecewise")
+        backend.name, backend.overlap = name, name == "fasttree_overlap"
+        return backend
     if name == "query_separated":
         return QuerySeparatedBackend(model, buf, workload)
     if name == "sdpa":
@@ -753,8 +760,13 @@ def time_steps(
     on_first_timed: Callable[[], None] | None = None,
     after_first_timed: Callable[[], None] | None = None,
     keep_logits: list | None = None,
+    overlap: bool = False,
 ) -> dict[str, np.ndarray]:
     """Warm up (the first step eager, then the graphs captured), then time every timed step.
+
+    Before the warm-up, every step's tree is prepared and run through layer 0's attention
+    once, untimed, so that no kernel compiles inside the timed steps (the baselines' launch
+    parameters depend on the tree).
 
     Parameters
     ----------
@@ -770,6 +782,9 @@ def time_steps(
         Called (untimed) before and after the first timed step.
     keep_logits : list, optional
         Receives each timed step's ``(logits, next_tokens)`` rows of its queries, on the CPU.
+    overlap : bool
+        Prepare step ``i + 1`` on the host while the device runs step ``i`` (the step's
+        time is then measured between consecutive synchronisations).
 
     Returns
     -------
@@ -777,6 +792,11 @@ def time_steps(
         ``step_s`` and ``plan_s`` (float64 [steps]) and ``queries`` (int64 [steps]).
     """
     buf, dev = runner.buf, runner.model.device
+    if prepare is not None:  # compile pass
+        for tree in workload.trees:
+            prepare(tree)
+            attention(0, buf.q, buf.attn_out)
+        sync(dev)
     for i in range(workload.warmup):
         upload_inputs(buf, workload, i)
         if prepare is not None:
@@ -786,6 +806,9 @@ def time_steps(
         if i == 0:
             runner.capture(attention, key)
     step_s, plan_s, queries = [], [], []
+    if overlap and prepare is not None:
+        return _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, after_first_timed,
+                                keep_logits)  # fmt: skip
     for i in workload.timed:
         tree = workload.trees[i]
         if i == workload.warmup and on_first_timed is not None:
@@ -808,6 +831,40 @@ def time_steps(
         if keep_logits is not None:
             n = tree.n_queries
             keep_logits.append((buf.logits[:n].float().cpu(), buf.next_tokens[:n].cpu()))
+    return {"step_s": np.array(step_s), "plan_s": np.array(plan_s), "queries": np.array(queries, dtype=np.int64)}
+
+
+def _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, after_first_timed, keep_logits):
+    """The timed steps of :func:`time_steps` with step ``i + 1`` prepared while step ``i`` runs."""
+    buf, dev = runner.buf, runner.model.device
+    timed = list(workload.timed)
+    if on_first_timed is not None:
+        on_first_timed()
+    upload_inputs(buf, workload, timed[0])
+    prepare(workload.trees[timed[0]])
+    sync(dev)
+    step_s, plan_s, queries = [], [], []
+    t_prev = time.perf_counter()
+    for j, i in enumerate(timed):
+        runner.run(attention, key)  # enqueued; the host goes on while the device runs it
+        p0 = time.perf_counter()
+        if j + 1 < len(timed):  # stream-ordered after this step: safe to overwrite its inputs and plan
+            upload_inputs(buf, workload, timed[j + 1])
+            prepare(workload.trees[timed[j + 1]])
+        p1 = time.perf_counter()
+        sync(dev)
+        t = time.perf_counter()
+        step_s.append(t - t_prev)
+        plan_s.append(p1 - p0)
+        queries.append(workload.trees[i].n_queries)
+        t_prev = t
+        if keep_logits is not None:
+            n = workload.trees[i].n_queries
+            keep_logits.append((buf.logits[:n].float().cpu(), buf.next_tokens[:n].cpu()))
+        if j == 0 and after_first_timed is not None:
+            after_first_timed()
+        if keep_logits is not None or j == 0:
+            t_prev = time.perf_counter()
     return {"step_s": np.array(step_s), "plan_s": np.array(plan_s), "queries": np.array(queries, dtype=np.int64)}
 
 
@@ -864,6 +921,7 @@ def run_backend(
         on_first_timed=check_first,
         after_first_timed=check_last,
         keep_logits=keep_logits,
+        overlap=getattr(backend, "overlap", False),
     )
     without = time_steps(runner, workload, copy_attention, "copy", None)
     row = summarize_times(with_attn, without)
