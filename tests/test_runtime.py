@@ -180,3 +180,37 @@ def test_config_from_export_file_and_fallback(device, tmp_path):
         _runtime(device, bad)
     with pytest.raises(ValueError, match="config"):
         _runtime(device, 42)
+
+
+def test_server_view_through_the_adapter_and_the_runtime(device):
+    """A req_to_token table with shared prefixes -> KVTree (adapter) -> runtime == reference."""
+    rng = np.random.default_rng(11)
+    pool = rng.permutation(600)
+    system, doc_a, doc_b = pool[:40], pool[40:140], pool[140:200]
+    rows = [
+        np.concatenate([system, doc_a, pool[200:203]]),
+        np.concatenate([system, doc_a, pool[203:210]]),
+        np.concatenate([system, doc_b, pool[210:211]]),
+        np.concatenate([system, doc_b]),  # a prefix of the previous request: a query at an internal node
+        pool[300:333],  # no sharing: a second root
+    ]
+    table = np.zeros((8, 256), dtype=np.int64)
+    for i, r in enumerate(rows):
+        table[i + 2, : r.size] = r
+    tree = ft.tree_from_req_to_token(
+        torch.as_tensor(table), torch.arange(2, 7), torch.as_tensor([r.size for r in rows])
+    )
+    assert tree.n_queries == 5 and tree.n_nodes >= 6
+    rt = _runtime(device, ft.FastTreeConfig(kv_split_sizes=(64, 32)))
+    rt.plan(tree)
+    q, k, v = _inputs(tree, device, 8)
+    out = rt.forward(q, k, v)
+    ref = ft.reference_attention(q[:5], k, v, tree)
+    assert ft.max_relative_error(out[:5], ref) < 2e-3
+    for j, r in enumerate(rows):  # attention over the request's own slot list, without the tree
+        idx = torch.as_tensor(r, device=k.device)
+        kj = k[idx].double().repeat_interleave(2, dim=1)  # [len, Hq, D]: query head h reads KV head h // 2
+        vj = v[idx].double().repeat_interleave(2, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[j].double(), kj) / 4.0, dim=-1)
+        direct = torch.einsum("hl,lhd->hd", p, vj)
+        assert ft.max_relative_error(out[j : j + 1], direct[None]) < 2e-3
