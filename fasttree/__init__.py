@@ -16,6 +16,7 @@ from .plan_arrays import DevicePlan, Plan
 from .planner import Groups, build_groups, greedy_edge_assignment, plan
 from .recording import WorkloadRecorder
 from .reference import max_relative_error, reference_attention
+from .runtime import RuntimePlan, TreeAttentionRuntime
 from .tree import KVTree
 
 __version__ = "0.1.0"
@@ -28,6 +29,8 @@ __all__ = [
     "Groups",
     "KVTree",
     "Plan",
+    "RuntimePlan",
+    "TreeAttentionRuntime",
     "WorkloadRecorder",
     "build_groups",
     "greedy_edge_assignment",
