@@ -78,6 +78,7 @@ from torch.nn import functional
 
 import fasttree as ft
 from bench.common import environment, write_atomic
+from fasttree.config import FastTreeConfig
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.workloads import SCENARIOS, iter_serving
 
@@ -900,7 +901,8 @@ def run_backend(
         The row's measurements (see :func:`summarize_times`).
     """
     fill_pools(buf, args.seed + 1)
-    backend = make_backend(name, model, buf, workload, args.export)
+    export = None if args.export in (None, "none") else args.export
+    backend = make_backend(name, model, buf, workload, export)
     runner = StepRunner(model, buf, backend.graphs if graphs else "none")
     errors: dict[str, float] = {}
     seed = args.seed
@@ -1052,6 +1054,20 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _config_source(report: dict[str, Any]) -> str:
+    """Where the fasttree backends' config came from, per model (the export's entry or the defaults)."""
+    export = report["args"].get("export")
+    default = FastTreeConfig().to_dict()
+    seen = {}
+    for r in report["rows"]:
+        config = (r.get("backend_info") or {}).get("config")
+        if r["backend"].startswith("fasttree") and config is not None:
+            seen[r["model"]] = "defaults" if config == default else "tuned entry"
+    if not export or export == "none":
+        return "FastTreeConfig() defaults"
+    return f"export `{export}` (" + ", ".join(f"{m}: {v}" for m, v in seen.items()) + ")"
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The markdown report: set-up, results table, workload table."""
     env, a = report["env"], report["args"]
@@ -1072,8 +1088,9 @@ def markdown(report: dict[str, Any]) -> str:
         "replaced by a copy and no planning, same graphs) / step time (planning included); max err = worst "
         f"relative error of layer 0's and the last layer's attention on <= {CHECK_QUERIES} sampled queries of "
         "the first timed step vs the float64 reference (`x`: above tolerance). "
-        "`fasttree`: the whole step in one CUDA graph; the others: attention eager between graphs of the "
-        "non-attention segments.",
+        "`fasttree`: the whole step in one CUDA graph; `fasttree_overlap`: the same with step i + 1 planned "
+        "while the GPU runs step i; the others: attention eager between graphs of the non-attention segments. "
+        f"fasttree config: {_config_source(report)}.",
         "",
         results_table(report["rows"]),
         "Workloads (timed steps):",
@@ -1135,7 +1152,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=48, help="timed steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=None, help="cap on active requests (default: the scenario's)")
-    p.add_argument("--export", default=None, help="tuned config export (default: FastTreeConfig())")
+    p.add_argument(
+        "--export",
+        default="docs/tune/export.json",
+        help="tuned config export for the fasttree backends (its entry for this GPU and bucket, else the "
+        "defaults); 'none': FastTreeConfig()",
+    )
     p.add_argument("--sdpa-max-gib", type=float, default=40.0, help="skip sdpa above this padded KV per layer")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (TRITON_INTERPRET=1)")

@@ -156,6 +156,12 @@ class WorkloadRecorder:
 
     # ------------------------------------------------------------ properties
     @property
+    def shape(self) -> tuple[int, int, int, str]:
+        """``(num_q_heads, num_kv_heads, head_dim, dtype)`` the records carry."""
+        f = self._fixed
+        return f["num_q_heads"], f["num_kv_heads"], f["head_dim"], f["dtype"]
+
+    @property
     def n_recorded(self) -> int:
         """Records written by this recorder."""
         return self._n_recorded

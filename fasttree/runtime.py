@@ -53,6 +53,7 @@ from .export import ConfigExport
 from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .planner import plan as plan_tree
+from .recording import WorkloadRecorder
 from .tree import KVTree
 
 __all__ = ["PLAN_HEADER", "RuntimePlan", "TreeAttentionRuntime"]
@@ -154,6 +155,10 @@ class TreeAttentionRuntime:
     waves : int
         Persistent stage-1 programs are ``waves`` times the SMs x programs per SM (more
         waves: finer load balance through the GPU's block scheduler, more programs).
+    recorder : WorkloadRecorder, optional
+        Receives every tree :meth:`plan` uploads (it samples and bounds what it writes), so
+        a server's own decode steps become a workload trace for ``fasttree-tune``. Its head
+        shape and dtype must be the runtime's.
 
     Raises
     ------
@@ -179,6 +184,7 @@ class TreeAttentionRuntime:
         query_centric: str = "auto",
         programs_per_sm: int | None = None,
         waves: int = 1,
+        recorder: WorkloadRecorder | None = None,
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
@@ -212,6 +218,14 @@ class TreeAttentionRuntime:
         self.query_centric = query_centric
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
         self.waves = _positive_int("waves", waves)
+        if recorder is not None:
+            if not isinstance(recorder, WorkloadRecorder):
+                raise ValueError(f"recorder must be a WorkloadRecorder, got {type(recorder).__name__}")
+            shape = (self.num_q_heads, self.num_kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."))
+            if recorder.shape != shape:
+                raise ValueError(f"the recorder records heads/head dim/dtype {recorder.shape}, the runtime has {shape}")
+        self.recorder = recorder
+        self._steps = 0
         self.config = self._resolve_config(config)
 
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class
@@ -318,7 +332,11 @@ class TreeAttentionRuntime:
             if int(plan.unit_kv_len.astype(np.int64).sum()) > (1 - _MIN_SHARING_GAIN) * separated:
                 plan = plan_tree(tree, self._query_centric_config(), **heads)
                 query_centric = True
-        return self._upload(plan, query_centric)
+        uploaded = self._upload(plan, query_centric)
+        if self.recorder is not None:
+            self.recorder.record(self._steps, tree)
+        self._steps += 1
+        return uploaded
 
     @staticmethod
     def _shares_tokens(tree: KVTree) -> bool:

@@ -214,3 +214,24 @@ def test_server_view_through_the_adapter_and_the_runtime(device):
         p = torch.softmax(torch.einsum("hd,lhd->hl", q[j].double(), kj) / 4.0, dim=-1)
         direct = torch.einsum("hl,lhd->hd", p, vj)
         assert ft.max_relative_error(out[j : j + 1], direct[None]) < 2e-3
+
+
+def test_runtime_records_the_trees_it_plans(device, tmp_path):
+    from fasttree.recording import WorkloadRecorder
+    from fasttree.traces import decode_tree, read_traces
+
+    path = tmp_path / "seen.jsonl"
+    with WorkloadRecorder(path, every=2, dtype="float16", **HEADS) as rec:
+        rt = _runtime(device, recorder=rec)
+        trees = [ft.KVTree([-1, 0], [np.arange(10 + i), np.arange(50, 52)], [0, 1, 1]) for i in range(5)]
+        for t in trees:
+            rt.plan(t)
+        assert rec.n_recorded == 3
+    records = read_traces(path, kind="workload").records
+    assert [r["workload"]["step"] for r in records] == [0, 2, 4]
+    assert decode_tree(records[1]["workload"]["tree"]).num_tokens == trees[2].num_tokens
+    other = WorkloadRecorder(tmp_path / "x.jsonl", dtype="bfloat16", **HEADS)
+    with pytest.raises(ValueError, match="recorder"):
+        _runtime(device, recorder=other)
+    with pytest.raises(ValueError, match="recorder"):
+        _runtime(device, recorder="seen.jsonl")
