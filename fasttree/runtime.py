@@ -228,7 +228,9 @@ class TreeAttentionRuntime:
         self._steps = 0
         self.config = self._resolve_config(config)
 
-        # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class
+        # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class; both
+        # run in one persistent launch, with the large class's warps and stages (the config's small-class
+        # warps and stages apply to tree_attention's per-plan launches only)
         q_tiles = self.config.query_tiles(self.group_size)
         self.slots = tuple(
             (
