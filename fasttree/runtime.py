@@ -305,25 +305,46 @@ class TreeAttentionRuntime:
         )
 
     # -------------------------------------------------------------------- plan
-    def plan(self, tree: KVTree) -> RuntimePlan:
+    def plan(self, tree: KVTree, *, rows: int | None = None) -> RuntimePlan:
         """Plan ``tree`` on the host and upload it into the runtime's buffers (one copy).
 
         Call once per decode step, before the step's :meth:`forward` calls (or graph replay)
         on the same stream. Returns what was uploaded.
 
+        Parameters
+        ----------
+        tree : KVTree
+            The step's decode batch (query ``j`` is row ``j`` of ``q``).
+        rows : int, optional
+            The rows ``B`` of the ``q`` / ``out`` buffers this step will run with: a server
+            that captured one graph per batch-size bucket passes the bucket it will replay
+            (checked: ``n_queries <= rows <= max_queries``). Without it, the tree must fit the
+            smallest ``q`` :meth:`forward` has ever been called with, which is safe for any
+            captured graph.
+
         Raises
         ------
         ValueError
-            When the tree has more queries than ``max_queries`` or than the smallest ``q``
-            passed to :meth:`forward`, reads a slot beyond ``pool_slots`` or the smallest
-            KV pool passed to :meth:`forward`, or its plan exceeds a capacity (named in the
-            message). Nothing is uploaded then: the previous plan stays in place.
+            When the tree has more queries than ``rows``, ``max_queries`` or (without
+            ``rows``) the smallest ``q`` passed to :meth:`forward`, reads a slot beyond
+            ``pool_slots`` or the smallest KV pool passed to :meth:`forward`, or its plan
+            exceeds a capacity (named in the message). Nothing is uploaded then: the
+            previous plan stays in place.
         """
         if not isinstance(tree, KVTree):
             raise ValueError(f"plan() needs a KVTree, got {type(tree).__name__}")
-        if tree.n_queries > self._min_rows:
+        if rows is not None:
+            rows = _positive_int("rows", rows)
+            if rows > self.max_queries:
+                raise ValueError(f"rows={rows} exceeds max_queries={self.max_queries}")
+            if tree.n_queries > rows:
+                raise ValueError(f"the tree has {tree.n_queries} queries, more than rows={rows}")
+        elif tree.n_queries > self._min_rows:
             which = "max_queries" if self._min_rows == self.max_queries else "the smallest q forward() was called with"
-            raise ValueError(f"the tree has {tree.n_queries} queries, more than {self._min_rows} ({which})")
+            raise ValueError(
+                f"the tree has {tree.n_queries} queries, more than {self._min_rows} ({which}); "
+                "pass rows= to plan for a larger q buffer"
+            )
         if self._min_pool is not None and tree.max_slot >= self._min_pool:
             raise ValueError(f"the tree reads pool slot {tree.max_slot} but the KV pool has {self._min_pool} slots")
         heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}

@@ -235,3 +235,25 @@ def test_runtime_records_the_trees_it_plans(device, tmp_path):
         _runtime(device, recorder=other)
     with pytest.raises(ValueError, match="recorder"):
         _runtime(device, recorder="seen.jsonl")
+
+
+def test_plan_for_a_named_batch_bucket(device):
+    """One graph per batch-size bucket: plan(rows=B) checks the tree against the bucket it will replay."""
+    rt = _runtime(device)
+    small = ft.KVTree([-1], [np.arange(10)], [0, 0])
+    rt.plan(small)
+    q2, k, v = _inputs(small, device, 2)
+    rt.forward(q2, k, v)  # e.g. captured for batch size 2
+    three = ft.KVTree([-1], [np.arange(10)], [0, 0, 0])
+    with pytest.raises(ValueError, match="rows="):
+        rt.plan(three)
+    rt.plan(three, rows=4)
+    q4 = torch.cat([q2, q2])
+    out = rt.forward(q4, k, v)
+    assert ft.max_relative_error(out[:3], ft.reference_attention(q4[:3], k, v, three)) < 2e-3
+    with pytest.raises(ValueError, match="more than rows=2"):
+        rt.plan(three, rows=2)
+    with pytest.raises(ValueError, match="max_queries"):
+        rt.plan(three, rows=65)
+    with pytest.raises(ValueError, match="rows"):
+        rt.plan(three, rows=0)
