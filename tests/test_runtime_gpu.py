@@ -96,3 +96,38 @@ def test_random_forests_through_one_runtime(hq, hkv, d, dtype):
         n = tree.n_queries
         assert torch.isnan(out[n:]).all()
         _check(out[:n], q[:n], k, v, tree, dtype, seed=i)
+
+
+def test_one_graph_per_batch_bucket():
+    """Graphs captured for batch buckets 64 and 256 on slices of one buffer; each step plans with rows=bucket."""
+    hq, hkv, d, dtype = 32, 8, 128, torch.float16
+    large = [s.tree for s in iter_serving("few_shot", seed=5, steps=30)][::10]
+    small = [s.tree for s in iter_serving("few_shot", seed=6, steps=30, max_batch=48)][::10]
+    assert max(t.n_queries for t in small) <= 64 < min(t.n_queries for t in large)
+    trees = large + small
+    pool = max(t.max_slot for t in trees) + 1
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    k = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    q = torch.randn(256, hq, d, device="cuda", dtype=dtype, generator=gen)
+    out = torch.empty_like(q)
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+        max_queries=256, max_kv_entries=4 * pool, pool_slots=pool,
+    )  # fmt: skip
+    graphs = {}
+    for bucket in (64, 256):
+        rt.plan(small[0], rows=bucket)
+        rt.forward(q[:bucket], k, v, out=out[:bucket])
+        torch.cuda.synchronize()
+        graphs[bucket] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[bucket]):
+            rt.forward(q[:bucket], k, v, out=out[:bucket])
+    for i, tree in enumerate([small[0], large[0], small[1], large[1], small[2], large[2]]):
+        bucket = 64 if tree.n_queries <= 64 else 256
+        rt.plan(tree, rows=bucket)
+        out.fill_(float("nan"))
+        graphs[bucket].replay()
+        torch.cuda.synchronize()
+        n = tree.n_queries
+        _check(out[:n], q[:n], k, v, tree, dtype, seed=100 + i)
