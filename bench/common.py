@@ -10,12 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 import fasttree
 from fasttree.fileio import write_atomic  # noqa: F401 (the bench scripts import it from here)
 from fasttree.profiler import git_commit
 
 ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
+#: ``--dtype`` choices of the GPU benchmarks.
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Worst relative error against the float64 reference the GPU benchmarks accept, per dtype.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _cpu_model() -> str | None:
@@ -43,7 +48,6 @@ def environment(*, gpu: bool = False) -> dict[str, Any]:
         "timestamp_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if gpu:
-        import torch
         import triton
 
         props = torch.cuda.get_device_properties(0)

@@ -77,7 +77,7 @@ import torch
 from torch.nn import functional
 
 import fasttree as ft
-from bench.common import environment, write_atomic
+from bench.common import DTYPES, TOL, environment, write_atomic
 from fasttree.config import FastTreeConfig
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.workloads import SCENARIOS, iter_serving
@@ -85,8 +85,6 @@ from fasttree.workloads import SCENARIOS, iter_serving
 log = logging.getLogger("bench.decode")
 
 BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_piecewise", "query_separated", "sdpa")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 CHECK_QUERIES = 32
 #: Per-layer attention callback: ``attention(layer, q [B, Hq, D], out [B, Hq, D])`` writes ``out``.
 Attention = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -830,8 +828,16 @@ def time_steps(
         if i == workload.warmup and after_first_timed is not None:
             after_first_timed()
         if keep_logits is not None:
-            n = tree.n_queries
-            keep_logits.append((buf.logits[:n].float().cpu(), buf.next_tokens[:n].cpu()))
+            keep_logits.append(_step_logits(buf, tree.n_queries))
+    return _timings(step_s, plan_s, queries)
+
+
+def _step_logits(buf: StepBuffers, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last step's logits and next tokens of its ``n`` queries, on the CPU."""
+    return buf.logits[:n].float().cpu(), buf.next_tokens[:n].cpu()
+
+
+def _timings(step_s: list[float], plan_s: list[float], queries: list[int]) -> dict[str, np.ndarray]:
     return {"step_s": np.array(step_s), "plan_s": np.array(plan_s), "queries": np.array(queries, dtype=np.int64)}
 
 
@@ -860,13 +866,12 @@ def _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, 
         queries.append(workload.trees[i].n_queries)
         t_prev = t
         if keep_logits is not None:
-            n = workload.trees[i].n_queries
-            keep_logits.append((buf.logits[:n].float().cpu(), buf.next_tokens[:n].cpu()))
+            keep_logits.append(_step_logits(buf, workload.trees[i].n_queries))
         if j == 0 and after_first_timed is not None:
             after_first_timed()
         if keep_logits is not None or j == 0:
             t_prev = time.perf_counter()
-    return {"step_s": np.array(step_s), "plan_s": np.array(plan_s), "queries": np.array(queries, dtype=np.int64)}
+    return _timings(step_s, plan_s, queries)
 
 
 def run_backend(

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import anchor_rows, environment, write_atomic
+from bench.common import DTYPES, TOL, anchor_rows, environment, write_atomic
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from fasttree.timing import eager_time_us, graph_time_us
 
@@ -45,8 +45,6 @@ log = logging.getLogger("bench.kernel")
 
 HBM_BYTES_PER_S = 4.8e12
 TENSOR_FLOPS = 700e12
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 SDPA_MAX_BYTES = 40e9
 VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa")
 

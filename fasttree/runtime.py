@@ -46,10 +46,10 @@ import numpy as np
 import torch
 import triton
 
-from .attention import _MANY_PARTIALS, _MERGE_HEADS, _interpreting, _launch, _on_device
+from .attention import _LOG2E, _MANY_PARTIALS, _MERGE_HEADS, _interpreting, _launch, _on_device
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
-from .export import ConfigExport
+from .export import ConfigExport, _dtype_name
 from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .planner import plan as plan_tree
@@ -66,8 +66,6 @@ logger = logging.getLogger(__name__)
 PLAN_HEADER = (*DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many")
 _HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
 _ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
-_LOG2E = 1.4426950408889634
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Partial rows the many-partials merge reads per step (merged queries with at least
 #: ``fasttree.attention._MANY_PARTIALS`` partials go to it, as in ``tree_attention``).
 _MERGE_BLOCK_P = 16
@@ -188,13 +186,7 @@ class TreeAttentionRuntime:
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
-            dtype = _DTYPES[dtype]
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-        self.dtype = dtype
+        self.dtype = getattr(torch, _dtype_name(dtype))
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -221,7 +213,7 @@ class TreeAttentionRuntime:
         if recorder is not None:
             if not isinstance(recorder, WorkloadRecorder):
                 raise ValueError(f"recorder must be a WorkloadRecorder, got {type(recorder).__name__}")
-            shape = (self.num_q_heads, self.num_kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."))
+            shape = (self.num_q_heads, self.num_kv_heads, self.head_dim, _dtype_name(self.dtype))
             if recorder.shape != shape:
                 raise ValueError(f"the recorder records heads/head dim/dtype {recorder.shape}, the runtime has {shape}")
         self.recorder = recorder
@@ -395,6 +387,7 @@ class TreeAttentionRuntime:
         n_many = int(np.count_nonzero(many))
         if n_many and n_many < merge.size:
             merge = np.concatenate([merge[~many], merge[many]])
+        merge_counts = (int(merge.size) - n_many, n_many)
 
         i = self._next_staging
         self._next_staging ^= 1
@@ -419,7 +412,7 @@ class TreeAttentionRuntime:
                 off += _aligned(max(1, arr.size))
         k = len(DEVICE_ARRAYS)
         header[k : k + 4] = (*slot_units[0], *slot_units[1])
-        header[k + 4 : k + 6] = (merge.size - n_many, n_many)
+        header[k + 4 : k + 6] = merge_counts
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
         self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)
@@ -427,7 +420,7 @@ class TreeAttentionRuntime:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
             plan=plan, query_centric=query_centric, slot_units=slot_units,
-            merge_counts=(int(merge.size - n_many), n_many), words=off,
+            merge_counts=merge_counts, words=off,
         )  # fmt: skip
         return self._current
 
