@@ -153,6 +153,11 @@ class TreeAttentionRuntime:
     waves : int
         Persistent stage-1 programs are ``waves`` times the SMs x programs per SM (more
         waves: finer load balance through the GPU's block scheduler, more programs).
+    stage1_launches : {1, 2}
+        1: one persistent stage-1 launch runs both tile classes (compiled for both tiles,
+        with the large class's warps and stages); 2: one persistent launch per tile class,
+        each compiled for its own tile, warps and stages (so the small class does not pay
+        the large tile's registers), the second ordered after the first.
     recorder : WorkloadRecorder, optional
         Receives every tree :meth:`plan` uploads (it samples and bounds what it writes), so
         a server's own decode steps become a workload trace for ``fasttree-tune``. Its head
@@ -182,6 +187,7 @@ class TreeAttentionRuntime:
         query_centric: str = "auto",
         programs_per_sm: int | None = None,
         waves: int = 1,
+        stage1_launches: int = 1,
         recorder: WorkloadRecorder | None = None,
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
@@ -210,6 +216,9 @@ class TreeAttentionRuntime:
         self.query_centric = query_centric
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
         self.waves = _positive_int("waves", waves)
+        if stage1_launches not in (1, 2) or isinstance(stage1_launches, bool):
+            raise ValueError(f"stage1_launches must be 1 or 2, got {stage1_launches!r}")
+        self.stage1_launches = int(stage1_launches)
         if recorder is not None:
             if not isinstance(recorder, WorkloadRecorder):
                 raise ValueError(f"recorder must be a WorkloadRecorder, got {type(recorder).__name__}")
@@ -272,7 +281,7 @@ class TreeAttentionRuntime:
             self._props = props
         else:
             self._sm_count, self._props = 4, None
-        self._programs = 0  # persistent stage-1 programs (sized after the kernel's compilation)
+        self._programs = [0, 0]  # persistent stage-1 programs per launch (sized after the kernel's compilation)
 
     # ------------------------------------------------------------------ config
     def _resolve_config(self, config) -> FastTreeConfig:
@@ -521,15 +530,20 @@ class TreeAttentionRuntime:
         block_d = triton.next_power_of_2(d)
         upcast = _interpreting() and q.dtype == torch.bfloat16
         part_o, part_lse = self._part_o, self._part_lse
-        (m0, n0, warps, stages), (m1, n1, _, _) = self.slots
+        (m0, n0, warps0, stages0), (m1, n1, warps1, stages1) = self.slots
         args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self.num_kv_heads, qk_scale,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                 out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-        constexprs = (d, block_d, self.group_size, m0, n0, m1, n1, self.masked, upcast)
-        grid = self._programs or self._sm_count
-        compiled = _launch(tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages)
-        if not self._programs:
-            self._programs = self._sm_count * self._occupancy(compiled, warps) * self.waves
+        if self.stage1_launches == 1:  # both slots, compiled for both tiles, the large class's warps and stages
+            launches = [((m0, n0, m1, n1, 2), warps0, stages0)]
+        else:  # one launch per slot, each compiled for its own tile alone
+            launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
+        for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
+            constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which)
+            grid = self._programs[i] or self._sm_count
+            compiled = _launch(tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages)
+            if not self._programs[i]:
+                self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
         args = (out, part_o, part_lse, self._plan_buf, hq, out.stride(0), out.stride(1), part_o.stride(0),
                 part_o.stride(1), part_lse.stride(0))  # fmt: skip
         block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)

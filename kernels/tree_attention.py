@@ -247,9 +247,11 @@ def tree_attention_persistent_kernel(
     BLOCK_N1: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SLOTS: tl.constexpr = 2,  # 2: both slots; 0 or 1: only that slot (its tile alone sets the registers)
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
-    dealt round-robin to the programs, so programs move on to slot 1 without a launch boundary."""
+    dealt round-robin to the programs, so programs move on to slot 1 without a launch boundary
+    (``SLOTS`` 0 or 1: one slot's items only, dealt from program 0)."""
     first0 = tl.load(PlanBuf + HDR_SLOT_RANGES)
     n0 = tl.load(PlanBuf + HDR_SLOT_RANGES + 1) - first0
     first1 = tl.load(PlanBuf + HDR_SLOT_RANGES + 2)
@@ -266,21 +268,25 @@ def tree_attention_persistent_kernel(
     step = tl.num_programs(0)
     # items in the per-plan grid's launch order: every unit of KV head 0 (longest first), then head 1, ...
     items0 = n0 * num_kv_heads
-    for item in range(pid, items0, step):
-        kv_head = item // n0
-        _attend_unit(
-            first0 + item - kv_head * n0, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT,
-        )  # fmt: skip
-    # the round-robin continues where slot 0 ended: item items0 + j goes to program (items0 + j) % step
-    start1 = (pid - items0 % step + step) % step
-    for item in range(start1, n1 * num_kv_heads, step):
-        kv_head = item // n1
-        _attend_unit(
-            first1 + item - kv_head * n1, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT,
-        )  # fmt: skip
+    if SLOTS != 1:
+        for item in range(pid, items0, step):
+            kv_head = item // n0
+            _attend_unit(
+                first0 + item - kv_head * n0, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+                UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+                stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+                HEAD_DIM, BLOCK_D, GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT,
+            )  # fmt: skip
+    if SLOTS != 0:
+        # the round-robin continues where slot 0 ended: item items0 + j goes to program (items0 + j) % step
+        start1 = pid
+        if SLOTS == 2:
+            start1 = (pid - items0 % step + step) % step
+        for item in range(start1, n1 * num_kv_heads, step):
+            kv_head = item // n1
+            _attend_unit(
+                first1 + item - kv_head * n1, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+                UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+                stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+                HEAD_DIM, BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT,
+            )  # fmt: skip

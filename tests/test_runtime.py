@@ -52,9 +52,11 @@ def test_header_matches_the_kernels():
         ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(10**6, 10**6)),
     ],
 )
-def test_runtime_matches_reference_over_several_trees(device, config):
-    """One runtime, one q/out buffer, many trees: every step equals the float64 reference."""
-    rt = _runtime(device, config)
+@pytest.mark.parametrize("launches", [1, 2])
+def test_runtime_matches_reference_over_several_trees(device, config, launches):
+    """One runtime, one q/out buffer, many trees: every step equals the float64 reference
+    (stage 1 as one launch over both tile classes, or one launch per class)."""
+    rt = _runtime(device, config, stage1_launches=launches)
     rng = np.random.default_rng(5)
     q_rows = 64
     for step in range(4):
@@ -156,6 +158,8 @@ def test_forward_validates_before_launching(device):
         ({"num_q_heads": 3}, "multiple"),
         ({"head_dim": 8}, "head_dim"),
         ({"programs_per_sm": 0}, "programs_per_sm"),
+        ({"stage1_launches": 3}, "stage1_launches"),
+        ({"stage1_launches": True}, "stage1_launches"),
     ],
 )
 def test_constructor_errors(device, kw, match):

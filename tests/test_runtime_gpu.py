@@ -29,7 +29,8 @@ def _check(out, q, k, v, tree, dtype, seed) -> float:
 
 @pytest.mark.parametrize("scenario", ["few_shot", "multi_document_qa", "chain_reasoning", "multi_level_system_prompts"])
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
-def test_graph_replay_with_a_new_tree_every_step(scenario, heads):
+@pytest.mark.parametrize("launches", [1, 2])
+def test_graph_replay_with_a_new_tree_every_step(scenario, heads, launches):
     """Three layers captured once; each later step plans a new tree and replays the graph."""
     hq, hkv = heads
     d, dtype, layers, rows = 128, torch.float16, 3, 256
@@ -42,7 +43,7 @@ def test_graph_replay_with_a_new_tree_every_step(scenario, heads):
     outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool,
+        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
     )  # fmt: skip
 
     def step():
@@ -75,12 +76,13 @@ def test_graph_replay_with_a_new_tree_every_step(scenario, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 16, 64), (32, 8, 128), (28, 4, 128), (32, 4, 256), (16, 1, 128)])
-def test_random_forests_through_one_runtime(hq, hkv, d, dtype):
+@pytest.mark.parametrize("launches", [1, 2])
+def test_random_forests_through_one_runtime(hq, hkv, d, dtype, launches):
     rng = np.random.default_rng(hq * 1000 + hkv * 10 + d)
     rt = TreeAttentionRuntime(
         ft.FastTreeConfig(kv_tile=(32, 32)) if d == 256 else None,
         num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-        max_queries=512, max_kv_entries=1 << 17, pool_slots=1 << 16,
+        max_queries=512, max_kv_entries=1 << 17, pool_slots=1 << 16, stage1_launches=launches,
     )  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(1)
     k = torch.randn(1 << 16, hkv, d, device="cuda", dtype=dtype, generator=gen)
