@@ -38,16 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--programs-per-sm", type=int, default=None)
     p.add_argument("--waves", default="1,2", help="comma list: one runtime per value (TreeAttentionRuntime waves)")
     p.add_argument(
-        "--stage1-launches", default="1", help="comma list crossed with --waves (TreeAttentionRuntime stage1_launches)"
+        "--stage1-launches",
+        default="auto",
+        help="comma list of auto/1/2, crossed with --waves (TreeAttentionRuntime stage1_launches)",
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     variants = [
-        (int(n), int(w)) for n in args.stage1_launches.split(",") for w in args.waves.split(",")
+        (n if n == "auto" else int(n), int(w)) for n in args.stage1_launches.split(",") for w in args.waves.split(",")
     ]  # (stage1_launches, waves)
-    keys = [f"l{n}w{w}" for n, w in variants]
+    keys = [f"{'auto' if n == 'auto' else f'l{n}'}w{w}" for n, w in variants]
     trees = {case: paper_tree(case) for case in sorted(PAPER_SUITE)}
     pool = max(t.max_slot for t in trees.values()) + 1
     rows_max = max(t.n_queries for t in trees.values())

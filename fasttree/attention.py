@@ -293,7 +293,15 @@ def _arg_spec(arg: object) -> object:
     return None
 
 
-def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int, num_stages: int):
+def _launch(
+    kernel,
+    grid: tuple[int, int],
+    args: tuple,
+    constexprs: tuple,
+    num_warps: int,
+    num_stages: int,
+    maxnreg: int | None = None,
+):
     """Launch ``kernel[grid](*args, *constexprs)``; returns the compiled kernel (None under the interpreter or hooks).
 
     The first launch of a specialisation goes through Triton's JIT (compiling if needed);
@@ -301,16 +309,19 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, constexprs: tuple, num_w
     argument binding. The cache key holds everything Triton specialises on (see
     :func:`_arg_spec`), so a cached kernel is only reused where the JIT would pick the
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
-    signature order.
+    signature order. ``maxnreg`` caps the registers per thread (None: the compiler's choice).
     """
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     if _interpreting() or _launch_hooks_active():
-        kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+        kernel[grid](*args, *constexprs, **options)
         return None
     device = args[0].device.index
-    key = (kernel, device, constexprs, num_warps, num_stages, tuple(_arg_spec(x) for x in args))
+    key = (kernel, device, constexprs, num_warps, num_stages, maxnreg, tuple(_arg_spec(x) for x in args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = kernel[grid](*args, *constexprs, num_warps=num_warps, num_stages=num_stages)
+        compiled = _COMPILED[key] = kernel[grid](*args, *constexprs, **options)
         return compiled
     stream = _current_stream(args[0].device)
     compiled.run(

@@ -74,6 +74,9 @@ _MERGE_PROGRAMS_PER_SM = 8
 #: A grouped plan must save this share of the KV a query-centric plan reads, or ``"auto"`` plans query-centric.
 _MIN_SHARING_GAIN = 0.10
 _QUERY_CENTRIC_GAMMA = 10.0
+#: Programs per SM that a small-tile (16-row) stage-1 launch of its own is given registers for
+#: (168 per thread at 4 warps on an H100/H200: the per-plan small-class kernel's 159 fit too).
+_SMALL_TILE_PROGRAMS_PER_SM = 3
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,15 @@ class TreeAttentionRuntime:
     waves : int
         Persistent stage-1 programs are ``waves`` times the SMs x programs per SM (more
         waves: finer load balance through the GPU's block scheduler, more programs).
-    stage1_launches : {1, 2}
+    stage1_launches : {"auto", 1, 2}
         1: one persistent stage-1 launch runs both tile classes (compiled for both tiles,
         with the large class's warps and stages); 2: one persistent launch per tile class,
-        each compiled for its own tile, warps and stages (so the small class does not pay
-        the large tile's registers), the second ordered after the first.
+        each compiled for its own tile, warps and stages, the second ordered after the
+        first, and a small-tile launch capped at the registers that let
+        :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM (what the per-plan small-class
+        kernel gets). ``"auto"``: 2 for MHA (``Hq == Hkv``) at ``D <= 128``, whose small
+        units are memory-bound and gain from the extra program per SM; 1 otherwise, where
+        the second launch costs more than it gains (``docs/bench/runtime_launches_h200.md``).
     recorder : WorkloadRecorder, optional
         Receives every tree :meth:`plan` uploads (it samples and bounds what it writes), so
         a server's own decode steps become a workload trace for ``fasttree-tune``. Its head
@@ -187,7 +194,7 @@ class TreeAttentionRuntime:
         query_centric: str = "auto",
         programs_per_sm: int | None = None,
         waves: int = 1,
-        stage1_launches: int = 1,
+        stage1_launches: int | str = "auto",
         recorder: WorkloadRecorder | None = None,
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
@@ -216,8 +223,10 @@ class TreeAttentionRuntime:
         self.query_centric = query_centric
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
         self.waves = _positive_int("waves", waves)
-        if stage1_launches not in (1, 2) or isinstance(stage1_launches, bool):
-            raise ValueError(f"stage1_launches must be 1 or 2, got {stage1_launches!r}")
+        if stage1_launches == "auto":
+            stage1_launches = 2 if self.group_size == 1 and self.head_dim <= 128 else 1
+        elif stage1_launches not in (1, 2) or isinstance(stage1_launches, bool):
+            raise ValueError(f"stage1_launches must be 'auto', 1 or 2, got {stage1_launches!r}")
         self.stage1_launches = int(stage1_launches)
         if recorder is not None:
             if not isinstance(recorder, WorkloadRecorder):
@@ -282,6 +291,14 @@ class TreeAttentionRuntime:
         else:
             self._sm_count, self._props = 4, None
         self._programs = [0, 0]  # persistent stage-1 programs per launch (sized after the kernel's compilation)
+        # register cap per stage-1 launch (None: the compiler's): small tiles alone in their launch
+        self._maxnreg: list[int | None] = [None, None]
+        if self.stage1_launches == 2 and self._props is not None:
+            regs_per_sm = int(getattr(self._props, "regs_per_multiprocessor", 65536))
+            for i, (block_m, _, warps, _) in enumerate(self.slots):
+                cap = regs_per_sm // (_SMALL_TILE_PROGRAMS_PER_SM * 32 * warps) // 8 * 8
+                if block_m <= 16 and cap < 255:
+                    self._maxnreg[i] = cap
 
     # ------------------------------------------------------------------ config
     def _resolve_config(self, config) -> FastTreeConfig:
@@ -541,7 +558,9 @@ class TreeAttentionRuntime:
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which)
             grid = self._programs[i] or self._sm_count
-            compiled = _launch(tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages)
+            compiled = _launch(
+                tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i]
+            )
             if not self._programs[i]:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
         args = (out, part_o, part_lse, self._plan_buf, hq, out.stride(0), out.stride(1), part_o.stride(0),

@@ -256,14 +256,16 @@ def tree_attention_persistent_kernel(
     n0 = tl.load(PlanBuf + HDR_SLOT_RANGES + 1) - first0
     first1 = tl.load(PlanBuf + HDR_SLOT_RANGES + 2)
     n1 = tl.load(PlanBuf + HDR_SLOT_RANGES + 3) - first1
-    KvIndices = PlanBuf + tl.load(PlanBuf + HDR_KV_INDICES)
-    KvRowMask = PlanBuf + tl.load(PlanBuf + HDR_KV_ROW_MASK)
-    UnitKvStart = PlanBuf + tl.load(PlanBuf + HDR_UNIT_KV_START)
-    UnitKvLen = PlanBuf + tl.load(PlanBuf + HDR_UNIT_KV_LEN)
-    UnitQStart = PlanBuf + tl.load(PlanBuf + HDR_UNIT_Q_START)
-    UnitQLen = PlanBuf + tl.load(PlanBuf + HDR_UNIT_Q_LEN)
-    PairQuery = PlanBuf + tl.load(PlanBuf + HDR_PAIR_QUERY)
-    PairOutRow = PlanBuf + tl.load(PlanBuf + HDR_PAIR_OUT_ROW)
+    # every array starts at a multiple of 32 words (fasttree.runtime aligns them): say so, or the
+    # compiler assumes 4-byte alignment and loads indices and masks one word at a time
+    KvIndices = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_KV_INDICES), 32)
+    KvRowMask = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_KV_ROW_MASK), 32)
+    UnitKvStart = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_KV_START), 32)
+    UnitKvLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_KV_LEN), 32)
+    UnitQStart = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_START), 32)
+    UnitQLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_LEN), 32)
+    PairQuery = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_QUERY), 32)
+    PairOutRow = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_OUT_ROW), 32)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     # items in the per-plan grid's launch order: every unit of KV head 0 (longest first), then head 1, ...

@@ -52,7 +52,7 @@ def test_header_matches_the_kernels():
         ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(10**6, 10**6)),
     ],
 )
-@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("launches", [1, 2, "auto"])
 def test_runtime_matches_reference_over_several_trees(device, config, launches):
     """One runtime, one q/out buffer, many trees: every step equals the float64 reference
     (stage 1 as one launch over both tile classes, or one launch per class)."""
@@ -159,6 +159,7 @@ def test_forward_validates_before_launching(device):
         ({"head_dim": 8}, "head_dim"),
         ({"programs_per_sm": 0}, "programs_per_sm"),
         ({"stage1_launches": 3}, "stage1_launches"),
+        ({"stage1_launches": "two"}, "stage1_launches"),
         ({"stage1_launches": True}, "stage1_launches"),
     ],
 )
@@ -261,3 +262,17 @@ def test_plan_for_a_named_batch_bucket(device):
         rt.plan(three, rows=65)
     with pytest.raises(ValueError, match="rows"):
         rt.plan(three, rows=0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "expected"),
+    [((4, 4, 16), 2), ((8, 8, 128), 2), ((8, 8, 256), 1), ((4, 2, 16), 1), ((16, 1, 64), 1)],
+)
+def test_auto_stage1_launches_splits_only_mha(device, heads, expected):
+    """'auto': one launch per tile class for MHA at D <= 128 (memory-bound small units), one launch otherwise."""
+    hq, hkv, d = heads
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float16, device=device,
+        max_queries=8, max_kv_entries=256,
+    )  # fmt: skip
+    assert rt.stage1_launches == expected
