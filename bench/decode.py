@@ -13,6 +13,13 @@ tree, O projection, residual, RMSNorm, MLP, residual; final RMSNorm, LM head, gr
 argmax. Input tokens are a hash of (request id, step): their values do not matter.
 The pools start as random N(0, 1) values, never zeros.
 
+The GEMMs are ``torch.nn.functional.linear``; the ops between them run, by default, as a
+serving engine runs them, in three fused Triton kernels (:mod:`bench.model_ops`): residual
+add + RMSNorm, RoPE of q and k + the K/V pool writes, SiLU-and-mul (the MLP's output is
+added to the residual stream by the next RMSNorm). ``--unfused`` runs the same math as
+separate torch ops instead (:func:`rms_norm`, :func:`apply_rope`, ``index_copy_``, ...:
+the reference of the fused path).
+
 Every tensor a step reads or writes has ``max_rows`` rows (the largest batch of the
 scenario): rows past the step's queries are padding, so the whole step can be replayed
 from CUDA graphs. Attention backends, all on the same model code (an
@@ -77,6 +84,7 @@ import torch
 from torch.nn import functional
 
 import fasttree as ft
+from bench import model_ops
 from bench.common import DTYPES, TOL, environment, write_atomic
 from fasttree.config import FastTreeConfig
 from fasttree.runtime import TreeAttentionRuntime
@@ -86,6 +94,8 @@ log = logging.getLogger("bench.decode")
 
 BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_piecewise", "query_separated", "sdpa")
 CHECK_QUERIES = 32
+#: How the non-attention ops ran, by ``fused`` (the report's ``non_attention_ops``).
+NON_ATTENTION_OPS = {True: "fused RMSNorm/RoPE/SiLU Triton kernels", False: "torch ops"}
 #: Per-layer attention callback: ``attention(layer, q [B, Hq, D], out [B, Hq, D])`` writes ``out``.
 Attention = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -334,6 +344,10 @@ class StepBuffers:
         The residual stream.
     q, attn_out : Tensor [max_rows, Hq, D]
         The attention's input and output of the current layer.
+    normed : Tensor [max_rows, hidden]
+        The fused path's RMSNorm output (the input of the QKV, gate/up and LM-head GEMMs).
+    mlp_act : Tensor [max_rows, intermediate]
+        The fused path's SwiGLU activation (the input of the down projection).
     k_pools, v_pools : Tensor [layers, pool_rows, Hkv, D]
     rope_cos, rope_sin : Tensor, float32 [max_position, D / 2]
         RoPE tables; ``cos``, ``sin`` [max_rows, 1, D / 2] are the step's rows of them.
@@ -346,6 +360,8 @@ class StepBuffers:
     hidden: torch.Tensor
     q: torch.Tensor
     attn_out: torch.Tensor
+    normed: torch.Tensor
+    mlp_act: torch.Tensor
     k_pools: torch.Tensor
     v_pools: torch.Tensor
     rope_cos: torch.Tensor
@@ -383,6 +399,8 @@ def allocate_buffers(model: Model, workload: Workload) -> StepBuffers:
         hidden=torch.zeros((rows, spec.hidden), dtype=dt, device=dev),
         q=torch.zeros((rows, hq, d), dtype=dt, device=dev),
         attn_out=torch.zeros((rows, hq, d), dtype=dt, device=dev),
+        normed=torch.zeros((rows, spec.hidden), dtype=dt, device=dev),
+        mlp_act=torch.zeros((rows, spec.intermediate), dtype=dt, device=dev),
         k_pools=torch.empty(pools, dtype=dt, device=dev),
         v_pools=torch.empty(pools, dtype=dt, device=dev),
         rope_cos=angles.cos().float().to(dev),
@@ -468,16 +486,66 @@ def lm_head(model: Model, buf: StepBuffers) -> None:
     buf.next_tokens.copy_(buf.logits.argmax(dim=1))
 
 
-def run_segment(model: Model, buf: StepBuffers, i: int) -> None:
-    """Non-attention segment ``i`` of a step, ``0 <= i <= layers``: what runs between two attentions."""
+def fused_pre_attention(model: Model, buf: StepBuffers, layer: int, delta: torch.Tensor | None) -> None:
+    """:func:`pre_attention` with the Triton kernels of :mod:`bench.model_ops`.
+
+    ``delta`` (the previous layer's MLP output, None for layer 0) is added to the residual
+    stream by the RMSNorm kernel; then the QKV GEMM and one RoPE + K/V write launch.
+    """
+    spec, w = model.spec, model.layers[layer]
+    model_ops.rms_norm(buf.hidden, w.attn_norm, spec.rms_eps, delta=delta, out=buf.normed)
+    qkv = functional.linear(buf.normed, w.wqkv)
+    model_ops.rope_kv_write(qkv, buf.cos, buf.sin, buf.write_slots, buf.k_pools[layer], buf.v_pools[layer], out=buf.q)
+
+
+def fused_post_attention(model: Model, buf: StepBuffers, layer: int) -> torch.Tensor:
+    """:func:`post_attention` with the Triton kernels of :mod:`bench.model_ops`.
+
+    The O projection's output is added to the residual stream by the MLP's RMSNorm kernel;
+    the MLP's output is returned, not added: the next RMSNorm (the next layer's, or the
+    final one) adds it, as a serving engine's fused add-RMSNorm does.
+    """
+    spec, w = model.spec, model.layers[layer]
+    rows = buf.hidden.shape[0]
+    attn = functional.linear(buf.attn_out.view(rows, -1), w.wo)
+    model_ops.rms_norm(buf.hidden, w.mlp_norm, spec.rms_eps, delta=attn, out=buf.normed)
+    model_ops.silu_mul(functional.linear(buf.normed, w.w_gate_up), out=buf.mlp_act)
+    return functional.linear(buf.mlp_act, w.w_down)
+
+
+def fused_lm_head(model: Model, buf: StepBuffers, delta: torch.Tensor) -> None:
+    """:func:`lm_head` after adding ``delta`` (the last MLP's output) in the fused final RMSNorm."""
+    model_ops.rms_norm(buf.hidden, model.final_norm, model.spec.rms_eps, delta=delta, out=buf.normed)
+    buf.logits.copy_(functional.linear(buf.normed, model.lm_head))
+    buf.next_tokens.copy_(buf.logits.argmax(dim=1))
+
+
+def run_segment(model: Model, buf: StepBuffers, i: int, *, fused: bool = True) -> None:
+    """Non-attention segment ``i`` of a step, ``0 <= i <= layers``: what runs between two attentions.
+
+    ``fused``: the Triton kernels of :mod:`bench.model_ops` around the GEMMs (the MLP
+    output of layer ``i - 1`` is added to the residual stream by the next RMSNorm, in the
+    same segment); else the reference torch ops.
+    """
+    if not fused:
+        if i == 0:
+            embed(model, buf)
+        else:
+            post_attention(model, buf, i - 1)
+        if i < model.n_layers:
+            pre_attention(model, buf, i)
+        else:
+            lm_head(model, buf)
+        return
     if i == 0:
         embed(model, buf)
+        delta = None
     else:
-        post_attention(model, buf, i - 1)
+        delta = fused_post_attention(model, buf, i - 1)
     if i < model.n_layers:
-        pre_attention(model, buf, i)
+        fused_pre_attention(model, buf, i, delta)
     else:
-        lm_head(model, buf)
+        fused_lm_head(model, buf, delta)
 
 
 def copy_attention(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -496,12 +564,15 @@ class StepRunner:
         ``"piecewise"``: one graph per non-attention segment, attention eager between them;
         ``"full"``: one graph per attention callback (``key``), holding the whole step.
         Until :meth:`capture` has run, steps run eagerly.
+    fused : bool
+        Run the non-attention ops with the fused Triton kernels (default), else with the
+        reference torch ops (see :func:`run_segment`).
     """
 
-    def __init__(self, model: Model, buf: StepBuffers, graphs: str) -> None:
+    def __init__(self, model: Model, buf: StepBuffers, graphs: str, *, fused: bool = True) -> None:
         if graphs not in ("none", "piecewise", "full"):
             raise ValueError(f"graphs must be 'none', 'piecewise' or 'full', got {graphs!r}")
-        self.model, self.buf, self.graphs = model, buf, graphs
+        self.model, self.buf, self.graphs, self.fused = model, buf, graphs, fused
         self._pool = torch.cuda.graph_pool_handle() if graphs != "none" else None
         self._full: dict[str, torch.cuda.CUDAGraph] = {}
         self._segments: list[torch.cuda.CUDAGraph] | None = None
@@ -510,9 +581,9 @@ class StepRunner:
         """One step, every op launched from Python."""
         m, b = self.model, self.buf
         for layer in range(m.n_layers):
-            run_segment(m, b, layer)
+            run_segment(m, b, layer, fused=self.fused)
             attention(layer, b.q, b.attn_out)
-        run_segment(m, b, m.n_layers)
+        run_segment(m, b, m.n_layers, fused=self.fused)
 
     def _side_stream_step(self, attention: Attention) -> None:
         """Rerun the current step eagerly on a side stream (what CUDA-graph capture should follow)."""
@@ -542,7 +613,7 @@ class StepRunner:
             for i in range(self.model.n_layers + 1):  # replayed in capture order: the pool may be shared
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    run_segment(self.model, self.buf, i)
+                    run_segment(self.model, self.buf, i, fused=self.fused)
                 segments.append(graph)
             self._segments = segments
 
@@ -734,15 +805,18 @@ def attention_error(buf: StepBuffers, layer: int, tree: ft.KVTree, seed: int) ->
     return ft.max_relative_error(out, ref)
 
 
-def check_layer0(model: Model, buf: StepBuffers, workload: Workload, backend, step: int, seed: int) -> float:
+def check_layer0(
+    model: Model, buf: StepBuffers, workload: Workload, backend, step: int, seed: int, *, fused: bool = True
+) -> float:
     """Layer 0's attention of step ``step``, run eagerly on NaN-poisoned outputs, vs the reference.
 
     Leaves the pools as the step itself leaves them (segment 0 writes the same K/V again).
+    ``fused`` picks the non-attention path of segment 0 (see :func:`run_segment`).
     """
     tree = workload.trees[step]
     upload_inputs(buf, workload, step)
     backend.prepare_step(tree)
-    run_segment(model, buf, 0)
+    run_segment(model, buf, 0, fused=fused)
     buf.attn_out[: tree.n_queries].fill_(float("nan"))
     backend.attention(0, buf.q, buf.attn_out)
     sync(model.device)
@@ -894,7 +968,7 @@ def run_backend(
     buf : StepBuffers
     workload : Workload
     args : argparse.Namespace
-        ``seed`` and ``export`` are read.
+        ``seed``, ``export`` and ``unfused`` are read.
     graphs : bool
         Use CUDA graphs (False: every step eager, the CPU path).
     keep_logits : list, optional
@@ -908,12 +982,13 @@ def run_backend(
     fill_pools(buf, args.seed + 1)
     export = None if args.export in (None, "none") else args.export
     backend = make_backend(name, model, buf, workload, export)
-    runner = StepRunner(model, buf, backend.graphs if graphs else "none")
+    fused = not getattr(args, "unfused", False)
+    runner = StepRunner(model, buf, backend.graphs if graphs else "none", fused=fused)
     errors: dict[str, float] = {}
     seed = args.seed
 
     def check_first() -> None:
-        errors["layer0"] = check_layer0(model, buf, workload, backend, workload.warmup, seed)
+        errors["layer0"] = check_layer0(model, buf, workload, backend, workload.warmup, seed, fused=fused)
 
     def check_last() -> None:
         tree = workload.trees[workload.warmup]
@@ -936,6 +1011,7 @@ def run_backend(
     err = max(errors.values())
     row.update(
         mode=runner.mode,
+        fused=fused,
         max_rel_err=err,
         max_rel_err_layer0=errors["layer0"],
         max_rel_err_last_layer=errors["last_layer"],
@@ -1076,6 +1152,7 @@ def _config_source(report: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """The markdown report: set-up, results table, workload table."""
     env, a = report["env"], report["args"]
+    non_attention = report.get("non_attention_ops") or NON_ATTENTION_OPS[not a.get("unfused", False)]
     layers = ", ".join(f"{m['key']} ({m['name']}, {m['layers']} layers)" for m in report["models"])
     lines = [
         f"# End-to-end decode benchmark ({report['label']})",
@@ -1084,7 +1161,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"triton {env.get('triton', '-')}, commit {(env.get('git_commit') or 'unknown')[:12]}, "
         f"{env['timestamp_utc']}.",
         "",
-        f"Random-weight {a['dtype']} decoders: {layers}; RoPE on. Each step decodes one token for every "
+        f"Random-weight {a['dtype']} decoders: {layers}; RoPE on; non-attention ops: {non_attention} "
+        "(GEMMs: torch `linear`). Each step decodes one token for every "
         f"active request of `iter_serving(scenario, seed={a['seed']})`"
         + (f" (max_batch {a['max_batch']})" if a["max_batch"] else "")
         + f"; {a['warmup']} warm-up steps, then {a['steps']} timed steps, each ended by a device synchronisation. "
@@ -1167,6 +1245,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (TRITON_INTERPRET=1)")
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly (always so on the CPU)")
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="run RMSNorm, RoPE, the K/V writes, SiLU-and-mul and the residual adds as separate torch ops "
+        "(default: the fused Triton kernels of bench.model_ops)",
+    )
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--label", default="decode_h200")
     args = p.parse_args(argv)  # fmt: skip
@@ -1231,6 +1315,8 @@ def run_benchmark(args: argparse.Namespace, *, keep_logits: bool = False) -> tup
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "device": str(device),
         "graphs": graphs,
+        "fused": not args.unfused,
+        "non_attention_ops": NON_ATTENTION_OPS[not args.unfused],
         "models": models,
         "workloads": workloads,
         "rows": rows,

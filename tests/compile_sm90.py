@@ -1,13 +1,15 @@
 """Compile the kernels for Hopper (sm_90) ahead of time, without a GPU; run by test_compile_sm90.py.
 
 Run with ``TRITON_INTERPRET`` unset (the interpreter replaces Triton's compiler). Prints one JSON
-object: variant name -> "ok" or the error text.
+object: variant name -> "ok" or the error text. ``--bench-model``: the variants of the decode
+benchmark's non-attention kernels (:mod:`bench.model_kernels`) instead of fasttree's.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -64,8 +66,60 @@ def compile_merge(kernel, dtype):
     return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
 
 
-def main() -> int:
-    results = {}
+#: (dtype, hidden, with the residual add) of the RMSNorm kernel.
+BENCH_RMS_NORM = {"rms_norm_fp16_h4096_add": ("fp16", 4096, True), "rms_norm_bf16_h4096": ("bf16", 4096, False)}
+#: (dtype, Hq, Hkv, D) of the RoPE + K/V write kernel.
+BENCH_ROPE = {"rope_kv_fp16_mistral": ("fp16", 32, 8, 128), "rope_kv_bf16_llama": ("bf16", 32, 32, 128)}
+#: (dtype, block) of the SiLU-and-mul kernel.
+BENCH_SILU = {"silu_mul_fp16": ("fp16", 1024), "silu_mul_bf16": ("bf16", 1024)}
+
+
+def _bench_kernels():
+    """bench.model_kernels (the repository root is put on the path when run as a script)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from bench import model_kernels
+
+    return model_kernels
+
+
+def _compile_bench(kernel, types: dict[str, str], constexprs: dict, num_warps: int):
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options={"num_warps": num_warps})
+
+
+def compile_rms_norm(dtype, hidden, add):
+    k = _bench_kernels().rms_norm_kernel
+    types = {"X": f"*{dtype}", "Delta": f"*{dtype}", "Weight": f"*{dtype}", "Y": f"*{dtype}", "eps": "fp32"}
+    block = triton.next_power_of_2(hidden)
+    return _compile_bench(k, types, {"HAS_DELTA": add, "BLOCK": block}, max(1, min(16, block // 512)))
+
+
+def compile_rope(dtype, hq, hkv, head_dim):
+    k = _bench_kernels().rope_kv_write_kernel
+    types = {"QKV": f"*{dtype}", "Q": f"*{dtype}", "KPool": f"*{dtype}", "VPool": f"*{dtype}",
+             "WriteSlots": "*i64", "Cos": "*fp32", "Sin": "*fp32"}  # fmt: skip
+    block_half = triton.next_power_of_2(head_dim // 2)
+    constexprs = {"NUM_Q_HEADS": hq, "NUM_KV_HEADS": hkv, "HEAD_DIM": head_dim, "BLOCK_HALF": block_half}
+    return _compile_bench(k, types, constexprs, 1 if block_half <= 64 else 2)
+
+
+def compile_silu(dtype, block):
+    k = _bench_kernels().silu_mul_kernel
+    return _compile_bench(k, {"GateUp": f"*{dtype}", "Out": f"*{dtype}"}, {"BLOCK": block}, 4 if block >= 512 else 1)
+
+
+def bench_jobs() -> dict:
+    """The variants of ``--bench-model``."""
+    jobs = {name: (compile_rms_norm, args) for name, args in BENCH_RMS_NORM.items()}
+    jobs |= {name: (compile_rope, args) for name, args in BENCH_ROPE.items()}
+    jobs |= {name: (compile_silu, args) for name, args in BENCH_SILU.items()}
+    return jobs
+
+
+def fasttree_jobs() -> dict:
+    """The tree-attention and merge variants (the default)."""
     jobs = {name: (compile_units, args) for name, args in UNITS.items()}
     jobs |= {f"merge_{d}": (compile_merge, (merge_partials_kernel, d)) for d in ("fp16", "bf16")}
     jobs |= {f"merge_many_{d}": (compile_merge, (merge_many_partials_kernel, d)) for d in ("fp16", "bf16")}
@@ -74,6 +128,15 @@ def main() -> int:
     jobs["persistent_slot0_fp16_d128_g1_m64_n64"] = (compile_persistent, ("fp16", 128, 1, 64, 64, False, 0))
     jobs["persistent_slot1_fp16_d128_g4_m16_n16_masked"] = (compile_persistent, ("fp16", 128, 4, 16, 16, True, 1))
     jobs |= {f"merge_persistent_{d}": (compile_merge, (merge_partials_persistent_kernel, d)) for d in ("fp16", "bf16")}
+    return jobs
+
+
+def main() -> int:
+    results = {}
+    if "--bench-model" in sys.argv[1:]:
+        jobs = bench_jobs()
+    else:
+        jobs = fasttree_jobs()
     for name, (fn, args) in jobs.items():
         try:
             k = fn(*args)
