@@ -164,7 +164,7 @@ class TreeAttentionRuntime:
         :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM (what the per-plan small-class
         kernel gets). ``"auto"``: 2 for MHA (``Hq == Hkv``) at ``D <= 128``, whose small
         units are memory-bound and gain from the extra program per SM; 1 otherwise, where
-        the second launch costs more than it gains (``docs/bench/runtime_launches_h200.md``).
+        the second launch costs more than it gains (``docs/runtime.md``, "Measured on the H200").
     recorder : WorkloadRecorder, optional
         Receives every tree :meth:`plan` uploads (it samples and bounds what it writes), so
         a server's own decode steps become a workload trace for ``fasttree-tune``. Its head
