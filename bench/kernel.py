@@ -8,8 +8,11 @@ measured in one run on random N(0, 1) inputs:
   eager time (``do_bench`` median): ``fasttree`` (default config), the ablations
   ``no_greedy`` (gamma = -10), ``query_centric`` (gamma = 10, split 81920) and
   ``no_split`` (no long-context split), ``query_separated`` (FlashDecoding-style split-KV
-  per query) and ``sdpa`` (torch SDPA over per-query duplicated KV; skipped when the
-  duplicated KV would not fit);
+  per query), ``sdpa`` (torch SDPA over per-query duplicated KV; skipped when the
+  duplicated KV would not fit), ``tuned`` (the ``--export`` entry for this GPU and head
+  shape; skipped when the export has none) and ``runtime`` (the serving path:
+  :class:`fasttree.runtime.TreeAttentionRuntime` with the default config, the case's tree
+  planned and uploaded, its fixed launches replayed);
 * every variant's worst per-query relative error against the float64 reference on a
   sample of queries (outputs poisoned with NaN first);
 * the roofline floor ``max(min_bytes / 4.8 TB/s, flops / 700 TFLOP/s)`` as the anchors
@@ -38,6 +41,8 @@ import torch
 
 import fasttree as ft
 from bench.common import DTYPES, TOL, anchor_rows, environment, write_atomic
+from fasttree.export import read_export
+from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from fasttree.timing import eager_time_us, graph_time_us
 
@@ -46,7 +51,7 @@ log = logging.getLogger("bench.kernel")
 HBM_BYTES_PER_S = 4.8e12
 TENSOR_FLOPS = 700e12
 SDPA_MAX_BYTES = 40e9
-VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa")
+VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
 
 
 def roofline_floor_us(tree: ft.KVTree, hq: int, hkv: int, d: int, elem_bytes: int = 2) -> dict[str, float]:
@@ -163,11 +168,32 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
         runners["query_separated"] = lambda p=p, o=outs["query_separated"]: ft.tree_attention(q, k, v, p, out=o)
     if "sdpa" in args.variants:
         runners["sdpa"] = sdpa_runner(q, k, v, tree)
+    if "tuned" in args.variants:
+        tuned, entry = (None, None) if args.export is None else args.export.lookup(
+            gpu=torch.cuda.get_device_name(0), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype
+        )  # fmt: skip
+        if entry is None:
+            runners["tuned"] = None
+        else:
+            p = ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+            outs["tuned"] = torch.empty_like(q)
+            runners["tuned"] = lambda p=p, o=outs["tuned"]: ft.tree_attention(q, k, v, p, out=o)
+            row.setdefault("variant_plans", {})["tuned"] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
+    if "runtime" in args.variants:
+        rt = TreeAttentionRuntime(
+            base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+            max_queries=tree.n_queries, max_kv_entries=8 * tree.num_tokens + 4096, max_units=1 << 16,
+            max_partial_rows=64 * tree.n_queries, pool_slots=pool,
+        )  # fmt: skip
+        rt.plan(tree)
+        outs["runtime"] = torch.empty_like(q)
+        runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
 
     results: dict[str, Any] = {}
     for name, fn in runners.items():
         if fn is None:
-            results[name] = {"skipped": "duplicated KV would not fit"}
+            why = "no export entry" if name == "tuned" else "duplicated KV would not fit"
+            results[name] = {"skipped": why}
             continue
         if name in outs:
             outs[name].fill_(float("nan"))
@@ -194,6 +220,10 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
         row["floor_over_ours"] = row["floor_us"] / ours["graph_us"]
         if "published_graph_us" in row:
             row["speedup_vs_published"] = row["published_graph_us"] / ours["graph_us"]
+    for name in ("tuned", "runtime"):
+        t = results.get(name, {}).get("graph_us")
+        if t is not None and "published_graph_us" in row:
+            row[f"speedup_vs_published_{name}"] = row["published_graph_us"] / t
     runners.clear()
     outs.clear()
     torch.cuda.empty_cache()
@@ -214,6 +244,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         s["min_speedup_vs_published"] = min(sp)
         s["min_speedup_case"] = f"{worst['case']}/{worst['heads']}"
         s["cases_slower_than_published"] = sum(x < 1 for x in sp)
+    for name in ("tuned", "runtime"):
+        sp_v = [r[f"speedup_vs_published_{name}"] for r in rows if f"speedup_vs_published_{name}" in r]
+        if sp_v:
+            s[f"geomean_speedup_vs_published_{name}"] = geomean(sp_v)
+            s[f"min_speedup_vs_published_{name}"] = min(sp_v)
+            s[f"n_cases_{name}"] = len(sp_v)
     big = [r["floor_over_ours"] for r in rows if r["floor_us"] >= 20 and "floor_over_ours" in r]
     s["n_floor_ge_20us"] = len(big)
     s["geomean_floor_over_ours_floor_ge_20us"] = geomean(big) if big else None
@@ -310,6 +346,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help="variants to run, comma separated")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--label", default="h200")
+    p.add_argument(
+        "--export",
+        default="docs/tune/export.json",
+        help="tuner export for the 'tuned' variant ('none': skip the variant)",
+    )
     args = p.parse_args(argv)
     cases: list[int] = []
     for part in args.cases.split(","):
@@ -321,6 +362,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [h for h in args.heads if h not in PAPER_HEADS] + [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown heads/variants: {bad}")
+    args.export_path = None if args.export in (None, "none") else str(args.export)
+    if args.export_path is None:
+        args.export = None
+        args.variants = [v for v in args.variants if v != "tuned"]
+    else:
+        args.export = read_export(args.export)
     return args
 
 
@@ -352,6 +399,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "tree attention kernel, paper suite",
         "label": args.label,
+        "export": args.export_path,
         "env": env,
         "summary": summary,
         "rows": rows,

@@ -1,0 +1,37 @@
+"""bench.kernel's host side on the CPU: argument parsing (the tuned export) and the summary."""
+
+from __future__ import annotations
+
+import math
+
+from bench import kernel
+from fasttree.export import ConfigExport
+
+
+def _row(case, published, ours, tuned=None, runtime=None, floor=30.0):
+    variants = {"fasttree": {"graph_us": ours, "eager_us": ours + 5, "correct": True}}
+    row = {"case": case, "heads": "mha", "floor_us": floor, "published_graph_us": published, "variants": variants,
+           "floor_over_ours": floor / ours, "speedup_vs_published": published / ours}  # fmt: skip
+    for name, t in (("tuned", tuned), ("runtime", runtime)):
+        if t is not None:
+            variants[name] = {"graph_us": t, "correct": True}
+            row[f"speedup_vs_published_{name}"] = published / t
+    return row
+
+
+def test_parse_args_reads_the_export_or_drops_the_tuned_variant():
+    args = kernel.parse_args(["--cases", "1,3", "--heads", "mha"])
+    assert isinstance(args.export, ConfigExport)
+    assert args.export_path == "docs/tune/export.json"
+    assert "tuned" in args.variants and "runtime" in args.variants
+    args = kernel.parse_args(["--export", "none"])
+    assert args.export is None and args.export_path is None and "tuned" not in args.variants
+
+
+def test_summary_has_geomeans_of_the_tuned_and_runtime_variants():
+    rows = [_row(1, 40.0, 20.0, tuned=10.0, runtime=40.0), _row(2, 90.0, 30.0, tuned=45.0)]
+    s = kernel.summarize(rows)
+    assert math.isclose(s["geomean_speedup_vs_published"], math.sqrt(2.0 * 3.0))
+    assert math.isclose(s["geomean_speedup_vs_published_tuned"], math.sqrt(4.0 * 2.0))
+    assert s["n_cases_runtime"] == 1 and math.isclose(s["geomean_speedup_vs_published_runtime"], 1.0)
+    assert s["min_speedup_vs_published_tuned"] == 2.0
