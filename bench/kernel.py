@@ -182,8 +182,8 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
     if "runtime" in args.variants:
         rt = TreeAttentionRuntime(
             base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-            max_queries=tree.n_queries, max_kv_entries=8 * tree.num_tokens + 4096, max_units=1 << 16,
-            max_partial_rows=64 * tree.n_queries, pool_slots=pool,
+            max_queries=tree.n_queries, max_kv_entries=2 * plan.kv_indices.size + 4096, max_units=2 * plan.n_units + 64,
+            max_partial_rows=2 * plan.n_partial_rows + 64, max_pairs=2 * plan.pair_query.size + 64, pool_slots=pool,
         )  # fmt: skip
         rt.plan(tree)
         outs["runtime"] = torch.empty_like(q)
