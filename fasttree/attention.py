@@ -136,12 +136,12 @@ def tree_attention(
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
     compiled = []
     with _on_device(q.device):
-        for kernel, grid, args, constexprs, warps, stages in launches:
-            compiled.append(_launch(kernel, grid, args, constexprs, warps, stages))
+        for kernel, grid, args, constexprs, warps, stages, maxnreg in launches:
+            compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg))
     if fast is not None and all(c is not None for c in compiled):
         host._device_cache[fast] = tuple(
             _direct_launcher(c, kernel, grid, args, constexprs)
-            for c, (kernel, grid, args, constexprs, _, _) in zip(compiled, launches, strict=True)
+            for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
         )
     return out
 
@@ -155,7 +155,7 @@ def _launches(
     out: torch.Tensor,
     qk_scale: float,
 ) -> list[tuple]:
-    """(kernel, grid, args, constexprs, num_warps, num_stages) of each launch of one call.
+    """(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg) of each launch of one call.
 
     Stage-1 arguments start with ``q, k_cache, v_cache, out`` and hold ``qk_scale`` at
     :data:`_QK_SCALE_ARG`; the merge's start with ``out``: :func:`_direct_launcher` relies
@@ -180,9 +180,13 @@ def _launches(
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
         constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast)
+        items = n_units * host.num_kv_heads
+        sms = _sm_count(q.device) if _is_cuda(q) and not _interpreting() else 0
+        maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, sms)
         out_launches.append(
-            (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, tc.num_warps, tc.num_stages)
-        )
+            (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, tc.num_warps, tc.num_stages,
+             maxnreg)
+        )  # fmt: skip
     n_merge = int(host.merge_queries.size)
     if n_merge:
         args = (
@@ -193,13 +197,60 @@ def _launches(
         if most >= _MANY_PARTIALS:
             block_p = min(_MERGE_PARTIALS_PER_STEP, triton.next_power_of_2(most))
             warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
-            out_launches.append((merge_many_partials_kernel, (n_merge, hq), args, (d, block_p, block_d), warps, 1))
+            out_launches.append(
+                (merge_many_partials_kernel, (n_merge, hq), args, (d, block_p, block_d), warps, 1, None)
+            )
         else:
             block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
             out_launches.append(
-                (merge_partials_kernel, (n_merge, triton.cdiv(hq, block_h)), args, (hq, d, block_h, block_d), 4, 3)
+                (
+                    merge_partials_kernel,
+                    (n_merge, triton.cdiv(hq, block_h)),
+                    args,
+                    (hq, d, block_h, block_d),
+                    4,
+                    3,
+                    None,
+                )
             )
     return out_launches
+
+
+#: Programs per SM of the 16-row stage-1 kernel at 4 warps and head dim <= 128 as compiled (159
+#: registers on sm_90), and with its registers capped at :data:`_SMALL_TILE_CAPPED_REGS`.
+_SMALL_TILE_PROGRAMS, _SMALL_TILE_CAPPED_PROGRAMS = 3, 4
+_SMALL_TILE_CAPPED_REGS = 128
+
+
+def small_tile_maxnreg(
+    group_size: int, head_dim: int, block_m: int, num_warps: int, items: int, sms: int
+) -> int | None:
+    """Register cap of a 16-row MHA tile class's launch, or None (the compiler's choice).
+
+    An MHA class of 16-row tiles (one query per row: memory-bound programs) gets
+    :data:`_SMALL_TILE_CAPPED_REGS` registers per thread, 4 programs per SM instead of 3,
+    when that puts its ``items`` (units x KV heads) into fewer waves of the GPU's ``sms``
+    SMs. On the H200 paper suite that was 16-23% faster on the MHA cases whose items fill
+    1-2 waves, 2-6% faster on those with 4-16 waves, and up to 15% slower where the items
+    already fit one wave (``bench/device/small_class_regs.py``; ``docs/bench/NOTES.md``).
+    GQA tiles (several heads per query) gained nothing, nor did 96 registers.
+    """
+    if group_size != 1 or head_dim > 128 or block_m > 16 or num_warps != 4 or sms <= 0:
+        return None
+    if -(-items // (_SMALL_TILE_CAPPED_PROGRAMS * sms)) < -(-items // (_SMALL_TILE_PROGRAMS * sms)):
+        return _SMALL_TILE_CAPPED_REGS
+    return None
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return _SM_COUNTS[index]
 
 
 def merge_max_partials(plan: Plan) -> int:

@@ -223,3 +223,20 @@ def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
     q, k, v = make_inputs(tree, 2, 2, 32, torch.bfloat16, device, gen)
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out, q, k, v, tree)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((1, 128, 16, 4, 512, 132), 128),  # 2 waves at 3 programs per SM, 1 at 4
+        ((1, 128, 16, 4, 384, 132), None),  # one wave either way
+        ((1, 128, 16, 4, 2048, 132), 128),  # 6 -> 4 waves
+        ((4, 128, 16, 4, 512, 132), None),  # GQA: several heads per query
+        ((1, 256, 16, 4, 512, 132), None),  # head dim 256 needs its registers
+        ((1, 128, 64, 4, 512, 132), None),  # large tiles
+        ((1, 128, 16, 2, 512, 132), None),  # other warps: the counts do not apply
+        ((1, 128, 16, 4, 512, 0), None),  # no GPU
+    ],
+)
+def test_small_tile_register_cap_only_where_it_saves_a_wave(args, expected):
+    assert attention.small_tile_maxnreg(*args) == expected

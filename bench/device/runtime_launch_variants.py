@@ -1,6 +1,7 @@
 """The runtime's stage-1 launch variants vs tree_attention on the paper suite (GPU machine, one-off).
 
-``python3 bench/device/runtime_launch_variants.py``: graph-replay medians, fp16, head dim 128, one run.
+``python3 bench/device/runtime_launch_variants.py [heads] [name:cap,...]``: graph-replay medians, fp16,
+head dim 128, one run.
 Variants: ``l1`` one launch for both tile classes; ``l2`` one per class; ``l2cap1`` one per class with
 the small class's launch capped at 168 registers (3 programs per SM at 4 warps); ``l2cap`` the same
 cap on slot 0 too when its tile has <= 32 rows. Output at eacd0ca (before the cap became the
@@ -11,6 +12,7 @@ import functools
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import torch
@@ -22,12 +24,16 @@ from fasttree.timing import graph_time_us
 
 D = 128
 VARIANTS = {"l1": (1, (None, None)), "l2": (2, (None, None)), "l2cap1": (2, (None, 168)), "l2cap": (2, ("small", 168))}
+if len(sys.argv) > 2:  # e.g. "l2cap1:168,l2cap128:128": one launch per class, small-tile caps
+    VARIANTS = {name: (2, (None, int(cap))) for name, _, cap in (v.partition(":") for v in sys.argv[2].split(","))}
+HEADS = sys.argv[1].split(",") if len(sys.argv) > 1 else sorted(PAPER_HEADS)
 trees = {c: paper_tree(c) for c in sorted(PAPER_SUITE)}
 pool = max(t.max_slot for t in trees.values()) + 1
 rows_max = max(t.n_queries for t in trees.values())
 gen = torch.Generator(device="cuda").manual_seed(0)
 rows = []
-for heads, (hq, hkv) in sorted(PAPER_HEADS.items()):
+for heads in HEADS:
+    hq, hkv = PAPER_HEADS[heads]
     k = torch.randn(pool, hkv, D, device="cuda", dtype=torch.float16, generator=gen)
     v = torch.randn(pool, hkv, D, device="cuda", dtype=torch.float16, generator=gen)
     q_all = torch.randn(rows_max, hq, D, device="cuda", dtype=torch.float16, generator=gen)
