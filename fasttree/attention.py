@@ -220,6 +220,8 @@ def _launches(
 #: registers on sm_90), and with its registers capped at :data:`_SMALL_TILE_CAPPED_REGS`.
 _SMALL_TILE_PROGRAMS, _SMALL_TILE_CAPPED_PROGRAMS = 3, 4
 _SMALL_TILE_CAPPED_REGS = 128
+#: Beyond this many waves the tail a cap saves is small and the cap cost 1-4% (H200, 26 waves).
+_SMALL_TILE_MAX_WAVES = 8
 
 
 def small_tile_maxnreg(
@@ -229,15 +231,18 @@ def small_tile_maxnreg(
 
     An MHA class of 16-row tiles (one query per row: memory-bound programs) gets
     :data:`_SMALL_TILE_CAPPED_REGS` registers per thread, 4 programs per SM instead of 3,
-    when that puts its ``items`` (units x KV heads) into fewer waves of the GPU's ``sms``
-    SMs. On the H200 paper suite that was 16-23% faster on the MHA cases whose items fill
-    1-2 waves, 2-6% faster on those with 4-16 waves, and up to 15% slower where the items
-    already fit one wave (``bench/device/small_class_regs.py``; ``docs/bench/NOTES.md``).
-    GQA tiles (several heads per query) gained nothing, nor did 96 registers.
+    when that puts its ``items`` (units x KV heads), at most :data:`_SMALL_TILE_MAX_WAVES`
+    waves of the GPU's ``sms`` SMs, into fewer waves. On the H200 paper suite a cap on
+    every such launch was 16-23% faster on the MHA cases whose items fill 1-2 waves, 2-6%
+    faster on those with 2-6 waves, 1-4% slower on one with 26 waves and up to 15% slower
+    where the items already fit one wave (``bench/device/small_class_regs.py``;
+    ``docs/bench/NOTES.md``). GQA tiles (several heads per query) gained nothing, nor did
+    96 registers.
     """
     if group_size != 1 or head_dim > 128 or block_m > 16 or num_warps != 4 or sms <= 0:
         return None
-    if -(-items // (_SMALL_TILE_CAPPED_PROGRAMS * sms)) < -(-items // (_SMALL_TILE_PROGRAMS * sms)):
+    waves = -(-items // (_SMALL_TILE_PROGRAMS * sms))
+    if waves <= _SMALL_TILE_MAX_WAVES and -(-items // (_SMALL_TILE_CAPPED_PROGRAMS * sms)) < waves:
         return _SMALL_TILE_CAPPED_REGS
     return None
 

@@ -75,8 +75,9 @@ _MERGE_PROGRAMS_PER_SM = 8
 _MIN_SHARING_GAIN = 0.10
 _QUERY_CENTRIC_GAMMA = 10.0
 #: Programs per SM that a small-tile (16-row) stage-1 launch of its own is given registers for
-#: (168 per thread at 4 warps on an H100/H200: the per-plan small-class kernel's 159 fit too).
-_SMALL_TILE_PROGRAMS_PER_SM = 3
+#: (128 per thread at 4 warps on an H100/H200; MHA on the H200 suite: 1.06x of tree_attention's
+#: time vs 1.16x with 168 registers, 3 programs per SM).
+_SMALL_TILE_PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,7 @@ class TreeAttentionRuntime:
         with the large class's warps and stages); 2: one persistent launch per tile class,
         each compiled for its own tile, warps and stages, the second ordered after the
         first, and a small-tile launch capped at the registers that let
-        :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM (what the per-plan small-class
-        kernel gets). ``"auto"``: 2 for MHA (``Hq == Hkv``) at ``D <= 128``, whose small
+        :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM. ``"auto"``: 2 for MHA (``Hq == Hkv``) at ``D <= 128``, whose small
         units are memory-bound and gain from the extra program per SM; 1 otherwise, where
         the second launch costs more than it gains (``docs/runtime.md``, "Measured on the H200").
     recorder : WorkloadRecorder, optional

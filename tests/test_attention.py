@@ -231,6 +231,7 @@ def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
         ((1, 128, 16, 4, 512, 132), 128),  # 2 waves at 3 programs per SM, 1 at 4
         ((1, 128, 16, 4, 384, 132), None),  # one wave either way
         ((1, 128, 16, 4, 2048, 132), 128),  # 6 -> 4 waves
+        ((1, 128, 16, 4, 10240, 132), None),  # 26 waves: the tail is small
         ((4, 128, 16, 4, 512, 132), None),  # GQA: several heads per query
         ((1, 256, 16, 4, 512, 132), None),  # head dim 256 needs its registers
         ((1, 128, 64, 4, 512, 132), None),  # large tiles
