@@ -162,9 +162,10 @@ class TreeAttentionRuntime:
         with the large class's warps and stages); 2: one persistent launch per tile class,
         each compiled for its own tile, warps and stages, the second ordered after the
         first, and a small-tile launch capped at the registers that let
-        :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM. ``"auto"``: 2 for MHA (``Hq == Hkv``) at ``D <= 128``, whose small
-        units are memory-bound and gain from the extra program per SM; 1 otherwise, where
-        the second launch costs more than it gains (``docs/runtime.md``, "Measured on the H200").
+        :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM. ``"auto"``: 2 for MHA
+        (``Hq == Hkv``) at ``D <= 128``, whose small units are memory-bound and gain from
+        the extra programs per SM; 1 otherwise, where the second launch costs more than it
+        gains (``docs/runtime.md``, "Measured on the H200").
     recorder : WorkloadRecorder, optional
         Receives every tree :meth:`plan` uploads (it samples and bounds what it writes), so
         a server's own decode steps become a workload trace for ``fasttree-tune``. Its head
