@@ -21,10 +21,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .tree import exclusive_sum, ragged_arange
+from .tree import arange_view, exclusive_sum, ragged_arange
 
 #: Bits of one KV entry's row mask (int32 on the device).
 MAX_PACK_QUERIES = 32
+
+_INT32_MAX = 0x7FFFFFFF
+
+#: ``1 << p`` for every position ``p`` of a bin.
+_POSITION_BITS = np.left_shift(np.int64(1), np.arange(MAX_PACK_QUERIES, dtype=np.int64))
+
+#: Runs beyond the identity part of the slots that packing copies one by one (more: a gather).
+_SLICE_COPIES = 32
 
 
 @dataclass(frozen=True)
@@ -45,8 +53,11 @@ class PackedUnits:
     kv_row_mask : ndarray, int32 [n_kv_entries]
         -1 (every row) for the input entries, the attending positions for bin entries.
     is_bin : ndarray, bool [n_units]
+        False for the ``n_kept`` units left alone, then True for the bins.
     n_packed : int
         Pieces of input units that went into bins.
+    n_kept : int
+        Input units left as they were (the first ``n_kept`` units).
     """
 
     kv_start: np.ndarray
@@ -59,56 +70,73 @@ class PackedUnits:
     kv_row_mask: np.ndarray
     is_bin: np.ndarray
     n_packed: int
-
-
-def _bit_index(x: np.ndarray) -> np.ndarray:
-    """Index of the highest set bit of each positive ``x`` (< 2**52)."""
-    return np.frexp(x.astype(np.float64))[1].astype(np.int64) - 1
+    n_kept: int
 
 
 class _Pieces(NamedTuple):
-    """Eligible units cut at block boundaries, sorted by (block, lowest rank)."""
+    """Eligible units cut at block boundaries, sorted by lowest rank (so by block first)."""
 
     unit: np.ndarray  # int64: the unit each piece comes from
-    block: np.ndarray  # int64: block of ``capacity`` DFS ranks
+    lowest: np.ndarray  # int64: the piece's lowest DFS rank (its block is lowest // capacity)
     bits: np.ndarray  # int64: bit p = the query at position p of the block is the piece's
-    cut: np.ndarray  # bool [n_units]: the unit became two or more pieces
+    cut: np.ndarray | None  # bool: the piece's unit became two or more pieces (None: no unit did)
 
 
-def _cut_into_pieces(cand, q_len, pair_start, pair_query, query_rank, capacity: int, n_units: int) -> _Pieces:
-    c_len = q_len[cand].astype(np.int64)
-    c_rank = query_rank[pair_query[ragged_arange(pair_start[cand], c_len)]]
-    c_block = c_rank // capacity
-    n_blocks = int(c_block.max()) + 1
-    piece_key = np.repeat(np.arange(cand.size, dtype=np.int64), c_len) * n_blocks + c_block
-    if np.count_nonzero(piece_key[1:] < piece_key[:-1]):
-        o = piece_key.argsort(kind="stable")
-        piece_key, c_rank, c_block = piece_key[o], c_rank[o], c_block[o]
-    new_piece = np.ones(piece_key.size, dtype=bool)
-    np.not_equal(piece_key[1:], piece_key[:-1], out=new_piece[1:])
+def _cut_into_pieces(
+    eligible, cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool
+) -> _Pieces:
+    n_units = q_len.size
+    if pairs_in_order and cand.size == n_units:  # every pair is a candidate's
+        c_unit = np.arange(n_units, dtype=np.int64).repeat(q_len)
+        c_query = pair_query
+    else:
+        c_len = q_len[cand]
+        c_unit = cand.repeat(c_len)
+        if pairs_in_order:
+            c_query = pair_query[eligible.repeat(q_len)]
+        else:
+            c_query = pair_query[ragged_arange(pair_start[cand], c_len)]
+    c_rank = query_rank[c_query]
+    c_block, c_pos = np.divmod(c_rank, capacity)
+    # pieces: (unit, block) keys; the key orders pieces by unit, then block
+    n_blocks = query_rank.size // capacity + 1
+    key = c_unit * n_blocks
+    key += c_block
+    if np.count_nonzero(key[1:] < key[:-1]):
+        o = key.argsort(kind="stable")
+        key, c_rank, c_pos = key[o], c_rank[o], c_pos[o]
+    new_piece = np.empty(key.size, dtype=bool)
+    new_piece[0] = True
+    np.not_equal(key[1:], key[:-1], out=new_piece[1:])
     first = new_piece.nonzero()[0]
-    unit = cand[piece_key[first] // n_blocks]
-    block = c_block[first]
+    unit = key[first] // n_blocks
     lowest = np.minimum.reduceat(c_rank, first)
-    bits = np.bitwise_or.reduceat(np.left_shift(np.int64(1), c_rank - c_block * capacity), first)
-    cut = np.zeros(n_units, dtype=bool)
-    cut[unit[1:][unit[1:] == unit[:-1]]] = True
-    order = np.lexsort((lowest, block))
-    return _Pieces(unit[order], block[order], bits[order], cut)
+    bits = np.bitwise_or.reduceat(np.left_shift(np.int64(1), c_pos), first)
+    same = unit[1:] == unit[:-1]
+    cut = None
+    if np.count_nonzero(same):
+        cut = np.zeros(unit.size, dtype=bool)
+        cut[1:] = same
+        cut[:-1] |= same
+    # by lowest rank, ties in (unit, block) order: the same as by (block, lowest rank)
+    sort_key = lowest.astype(np.uint16) if query_rank.size <= 1 << 16 else lowest
+    order = sort_key.argsort(kind="stable")
+    return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
 
 
-def _runs(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
-    """Run (bin) index of every piece: runs never cross a block and close once they
+def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
+    """Whether each piece starts a run (bin): runs never cross a block and close once they
     hold ``budget`` or more tokens (by the exclusive sum of tokens within the block)."""
-    new_block = np.ones(block.size, dtype=bool)
-    np.not_equal(block[1:], block[:-1], out=new_block[1:])
-    excl = np.add.accumulate(tokens) - tokens
-    block_first = new_block.nonzero()[0]
-    excl -= excl[block_first][np.add.accumulate(new_block) - 1]
-    run = excl // budget
-    new_run = new_block
-    new_run[1:] |= run[1:] != run[:-1]
-    return np.add.accumulate(new_run) - 1
+    new_run = np.empty(block.size, dtype=bool)
+    new_run[0] = True
+    np.not_equal(block[1:], block[:-1], out=new_run[1:])
+    excl = np.add.accumulate(tokens)
+    excl -= tokens
+    # tokens before the piece's block: excl never decreases, so the last block start's excl
+    excl -= np.maximum.accumulate(excl * new_run)
+    excl //= budget
+    new_run[1:] |= excl[1:] != excl[:-1]
+    return new_run
 
 
 def pack_units(
@@ -123,6 +151,9 @@ def pack_units(
     query_rank: np.ndarray,
     capacity: int,
     budget: int,
+    query_of_rank: np.ndarray | None = None,
+    pairs_in_order: bool = False,
+    identity_slots: int = 0,
 ) -> PackedUnits | None:
     """Pack eligible units into bins of at most ``capacity`` queries and about ``budget`` tokens.
 
@@ -150,6 +181,15 @@ def pack_units(
         Queries per bin, 1 .. :data:`MAX_PACK_QUERIES`.
     budget : int
         KV tokens per bin (>= 1).
+    query_of_rank : ndarray, int64 [n_queries], optional
+        The inverse permutation of ``query_rank`` (the query at each rank), when the
+        caller has it; computed otherwise.
+    pairs_in_order : bool
+        The units' pairs are ``0 .. n_pairs - 1`` in unit order (``pair_start`` is the
+        exclusive sum of ``q_len``), which saves gathering them; the result is the same.
+    identity_slots : int
+        ``kv_slots[:identity_slots]`` is ``arange(identity_slots)``: the bins' KV read there
+        is computed instead of gathered; the result is the same.
 
     Returns
     -------
@@ -163,19 +203,31 @@ def pack_units(
     cand = eligible.nonzero()[0]
     if cand.size < 2:
         return None
-    pieces = _cut_into_pieces(cand, q_len, pair_start, pair_query, query_rank, capacity, kv_len.size)
-    tokens = kv_len[pieces.unit].astype(np.int64)
-    run = _runs(pieces.block, tokens, budget)
-    n_runs = int(run[-1]) + 1
-    is_bin = np.bincount(run, minlength=n_runs) >= 2
-    is_bin |= np.bincount(run, weights=pieces.cut[pieces.unit], minlength=n_runs) > 0
-    member = is_bin[run]
-    if not member.any():
+    unit, lowest, bits, cut = _cut_into_pieces(
+        eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order
+    )
+    tokens = kv_len[unit].astype(np.int64, copy=False)
+    new_run = _run_starts(lowest // capacity, tokens, budget)
+    # a piece alone in its run stays a plain unit unless its unit was cut
+    lone = np.empty(new_run.size, dtype=bool)
+    lone[-1] = True
+    lone[:-1] = new_run[1:]
+    lone &= new_run
+    if cut is not None:
+        lone &= ~cut
+    n_lone = int(np.count_nonzero(lone))
+    if n_lone == lone.size:
         return None
+    if n_lone:
+        member = ~lone
+        unit, lowest, bits = unit[member], lowest[member], bits[member]
+        new_run, tokens = new_run[member], tokens[member]
+    if query_of_rank is None:
+        query_of_rank = np.empty(query_rank.size, dtype=np.int64)
+        query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
     return _assemble(
-        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_rank, capacity,
-        unit=pieces.unit[member], block=pieces.block[member], bits=pieces.bits[member],
-        run=run[member], tokens=tokens[member],
+        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity, pairs_in_order,
+        identity_slots, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,
     )  # fmt: skip
 
 
@@ -186,69 +238,119 @@ def _assemble(
     q_len,
     pair_query,
     kv_slots,
-    query_rank,
+    query_of_rank,
     capacity: int,
+    pairs_in_order: bool,
+    identity_slots: int,
     *,
     unit,
-    block,
+    lowest,
     bits,
-    run,
+    new_bin,
     tokens,
 ) -> PackedUnits:
-    """The packed units from the bins' member pieces (in bin order)."""
-    new_bin = np.ones(unit.size, dtype=bool)
-    np.not_equal(run[1:], run[:-1], out=new_bin[1:])
+    """The packed units from the bins' member pieces (in bin order; ``new_bin`` marks each
+    bin's first piece, the one of its lowest rank)."""
     first = new_bin.nonzero()[0]
+    n_bins = first.size
     b_bits = np.bitwise_or.reduceat(bits, first)
     b_tokens = np.add.reduceat(tokens, first)
-    # a bin's rows start at its lowest position: shift its bits down to row 0
-    b_base = _bit_index(b_bits & -b_bits)
-    b_first_rank = block[first] * capacity + b_base
-    bits = np.right_shift(bits, np.repeat(b_base, np.diff(np.append(first, unit.size))))
-    b_bits = np.right_shift(b_bits, b_base)
-    b_qlen = _bit_index(b_bits) + 1
-    b_total = int(b_tokens.sum())
+    # a bin's rows start at its lowest position (its first piece's): shift its bits down to row 0
+    b_first_rank = lowest[first]
+    b_base = b_first_rank % capacity
+    # every piece's bin start: the last bin start's lowest rank (ranks never decrease)
+    bits = np.right_shift(bits, np.maximum.accumulate(lowest * new_bin) % capacity)
+    np.right_shift(b_bits, b_base, out=b_bits)
+    b_qlen = np.frexp(b_bits)[1].astype(np.int64)  # the highest set bit's index + 1 (b_bits < 2**32)
+    b_total = int(np.add.reduce(b_tokens))
 
     # units left alone keep their KV; when they use less than half of the input slots,
     # their ranges are copied out so that the unused rest is not shipped to the device
-    keep = np.ones(kv_len.size, dtype=bool)
+    n_units = kv_len.size
+    keep = np.empty(n_units, dtype=bool)
+    keep.fill(True)
     keep[unit] = False
     k_idx = keep.nonzero()[0]
-    k_tokens = kv_len[k_idx].astype(np.int64)
-    k_kv_start = kv_start[k_idx].astype(np.int64)
-    old_slots = kv_slots
-    if 2 * int(k_tokens.sum()) < kv_slots.size:
-        old_slots = kv_slots[ragged_arange(k_kv_start, k_tokens)]
-        k_kv_start = exclusive_sum(k_tokens)
-    n_old = int(old_slots.size)
-    b_kv_start = exclusive_sum(b_tokens) + n_old
-    slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
-    slots[:n_old] = old_slots
-    np.take(kv_slots, ragged_arange(kv_start[unit], tokens, b_total), out=slots[n_old:])
-    mask = np.empty(n_old + b_total, dtype=np.int32)
-    mask[:n_old] = -1
+    n_kept = k_idx.size
+    k_tokens = kv_len[k_idx].astype(np.int64, copy=False)
+    k_total = int(np.add.reduce(k_tokens))
+    u_kv_len = np.concatenate([k_tokens, b_tokens])
+    if 2 * k_total < kv_slots.size:
+        n_old = k_total
+        slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
+        runs = np.concatenate([kv_start[k_idx], kv_start[unit]]) if n_kept else kv_start[unit]
+        run_len = np.concatenate([k_tokens, tokens]) if n_kept else tokens
+        _gather_runs(kv_slots, runs, run_len, slots, identity_slots)
+        u_kv_start = exclusive_sum(u_kv_len)
+    else:
+        n_old = kv_slots.size
+        slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
+        slots[:n_old] = kv_slots
+        _gather_runs(kv_slots, kv_start[unit], tokens, slots[n_old:], identity_slots)
+        u_kv_start = np.empty(n_kept + n_bins, dtype=np.int64)
+        u_kv_start[:n_kept] = kv_start[k_idx]
+        np.add(exclusive_sum(b_tokens), n_old, out=u_kv_start[n_kept:])
     # positions >= 31 set the sign bit of the int32 mask
-    mask[n_old:] = np.repeat(bits.astype(np.uint32).view(np.int32), tokens)
+    bin_mask = bits.astype(np.uint32).view(np.int32).repeat(tokens)
+    if n_old:
+        mask = np.empty(slots.size, dtype=np.int32)
+        mask[:n_old] = -1
+        mask[n_old:] = bin_mask
+    else:
+        mask = bin_mask
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
-    k_len = q_len[k_idx].astype(np.int64)
-    k_pairs = ragged_arange(pair_start[k_idx], k_len)
-    b_pos = ragged_arange(np.zeros(b_qlen.size, dtype=np.int64), b_qlen)
-    b_of_pair = np.repeat(np.arange(b_qlen.size), b_qlen)
-    rank_to_query = np.empty(query_rank.size, dtype=np.int64)
-    rank_to_query[query_rank] = np.arange(query_rank.size, dtype=np.int64)
-    b_query = rank_to_query[b_first_rank[b_of_pair] + b_pos]
-    b_present = (np.right_shift(b_bits[b_of_pair], b_pos) & 1).astype(bool)
+    k_len = q_len[k_idx]
+    if pairs_in_order:
+        k_query = pair_query[keep.repeat(q_len)]
+    else:
+        k_query = pair_query[ragged_arange(pair_start[k_idx], k_len)]
+    pos = arange_view(capacity)
+    rows = pos < b_qlen[:, None]  # [bin, position]: the bin's rows
+    b_query = query_of_rank[(b_first_rank[:, None] + pos)[rows]]
+    b_present = (np.bitwise_and(b_bits[:, None], _POSITION_BITS[:capacity]) != 0)[rows]
+    n_k_pairs = k_query.size
+    u_q_len = np.concatenate([k_len, b_qlen]).astype(np.int64, copy=False)
+    pair_present = np.empty(n_k_pairs + b_query.size, dtype=bool)
+    pair_present[:n_k_pairs] = True
+    pair_present[n_k_pairs:] = b_present
+    is_bin = np.zeros(n_kept + n_bins, dtype=bool)
+    is_bin[n_kept:] = True
 
     return PackedUnits(
-        kv_start=np.concatenate([k_kv_start, b_kv_start]),
-        kv_len=np.concatenate([k_tokens, b_tokens]),
-        pair_start=np.concatenate([exclusive_sum(k_len), exclusive_sum(b_qlen) + k_pairs.size]),
-        q_len=np.concatenate([k_len, b_qlen]),
-        pair_query=np.concatenate([pair_query[k_pairs].astype(np.int64), b_query]),
-        pair_present=np.concatenate([np.ones(k_pairs.size, dtype=bool), b_present]),
+        kv_start=u_kv_start,
+        kv_len=u_kv_len,
+        pair_start=exclusive_sum(u_q_len),
+        q_len=u_q_len,
+        pair_query=np.concatenate([k_query, b_query]).astype(np.int64, copy=False),
+        pair_present=pair_present,
         kv_slots=slots,
         kv_row_mask=mask,
-        is_bin=np.concatenate([np.zeros(k_idx.size, dtype=bool), np.ones(b_qlen.size, dtype=bool)]),
+        is_bin=is_bin,
         n_packed=int(unit.size),
+        n_kept=int(n_kept),
     )
+
+
+def _gather_runs(kv_slots: np.ndarray, start: np.ndarray, length: np.ndarray, out: np.ndarray, identity: int) -> None:
+    """``out[:] = concatenation of kv_slots[start[i]:start[i] + length[i]]`` (``out`` int32).
+
+    Entries below ``identity`` equal their position (``kv_slots[:identity]`` is an arange):
+    when at most :data:`_SLICE_COPIES` runs reach beyond it, runs are written as aranges and
+    those few copied as slices; otherwise every entry is gathered.
+    """
+    total = out.size
+    # entry k of run i is kv_slots[k + shift[i]], shift = start - (the run's offset in out)
+    shift = exclusive_sum(length)
+    np.subtract(start, shift, out=shift)
+    if identity and kv_slots.size + total <= _INT32_MAX and out.dtype == np.int32:
+        outside = (start + length > identity).nonzero()[0]
+        if outside.size <= _SLICE_COPIES:
+            np.add(arange_view(total, np.int32), shift.astype(np.int32).repeat(length), out=out)
+            if outside.size:
+                s, n = start[outside], length[outside]
+                for a, ln, f in zip(s.tolist(), n.tolist(), (s - shift[outside]).tolist(), strict=True):
+                    out[f : f + ln] = kv_slots[a : a + ln]
+            return
+    idx = np.add(arange_view(total), shift.repeat(length))
+    np.take(kv_slots, idx, out=out, mode="clip")  # idx is in range: "clip" only skips a buffer

@@ -13,6 +13,7 @@ Vocabulary (dimension names used in every docstring of the package):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .packing import MAX_PACK_QUERIES, pack_units
-from .tree import exclusive_sum
+from .tree import arange_view, exclusive_sum
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -89,7 +90,7 @@ def _pack_budget(kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int) 
     programs (units x KV heads) share the eligible tokens."""
     eligible = kv_len < config.pack_tokens
     want_units = -(-config.pack_min_units // num_kv_heads)
-    share = int(kv_len[eligible].sum()) // max(1, want_units)
+    share = int(np.add.reduce(kv_len[eligible])) // max(1, want_units)
     return eligible, min(config.pack_tokens, max(_MIN_BLOCK_N, share))
 
 
@@ -279,7 +280,7 @@ def materialize(
     *,
     q_tiles: tuple[int, int],
     kv_tiles: tuple[int, int],
-    group_split: np.ndarray,
+    group_split: np.ndarray | int,
     splits: tuple[int, int],
     config: FastTreeConfig,
     num_q_heads: int,
@@ -290,6 +291,7 @@ def materialize(
     tile_mode: str,
     edge_assignment: np.ndarray | None = None,
     query_rank: np.ndarray | None = None,
+    query_of_rank: np.ndarray | None = None,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -303,8 +305,8 @@ def materialize(
         Groups with >= 1 token and >= 1 query each.
     q_tiles, kv_tiles : tuple of int
         Queries and KV tokens per tile of tile class 0 and 1.
-    group_split : ndarray, int [n_groups]
-        KV tokens per unit of each group.
+    group_split : ndarray, int [n_groups], or int
+        KV tokens per unit of each group (an int: the same for every group).
     splits : tuple of int
         The split sizes of the two phases (recorded in the plan).
     query_rank : ndarray, int64 [n_queries], optional
@@ -314,6 +316,9 @@ def materialize(
         (:func:`fasttree.packing.pack_units`), with a token budget lowered
         until there are about ``config.pack_min_units`` packed programs; a packed unit
         whose rows fit the small tile runs in the small class.
+    query_of_rank : ndarray, int64 [n_queries], optional
+        The inverse permutation of ``query_rank``, when the caller has it (packing
+        computes it otherwise).
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -324,11 +329,15 @@ def materialize(
     kv_len = groups.kv_len
     q_indptr = groups.q_indptr
     nq = q_indptr[1:] - q_indptr[:-1]
-    split_g = np.asarray(group_split, dtype=np.int64)
     tile_q = int(q_tiles[0])
-    n_groups = groups.node.size
-    one_chunk = not np.count_nonzero((kv_len > split_g) | (kv_len < 1))
-    one_tile = not np.count_nonzero((nq > tile_q) | (nq < 1))
+    n_groups = kv_len.size
+    if isinstance(group_split, (int, np.integer)):
+        split_g = int(group_split)
+        one_chunk = not n_groups or (int(np.maximum.reduce(kv_len)) <= split_g and int(np.minimum.reduce(kv_len)) >= 1)
+    else:
+        split_g = np.asarray(group_split, dtype=np.int64)
+        one_chunk = not np.count_nonzero((kv_len > split_g) | (kv_len < 1))
+    one_tile = not n_groups or (int(np.maximum.reduce(nq)) <= tile_q and int(np.minimum.reduce(nq)) >= 1)
     tiles = 1 if one_tile else -(-nq // tile_q)
 
     if one_chunk:
@@ -348,32 +357,35 @@ def materialize(
             np.minimum(u_q_len, tile_q, out=u_q_len)
         q0 = int(q_indptr[0]) if q_indptr.size else 0
         unit_pair_start = q_first - q0
-        pair_query = groups.q_ids[q0 : q0 + int(u_q_len.sum())]
+        pair_query = groups.q_ids[q0 : q0 + int(np.add.reduce(u_q_len))]
     else:
         chunks = -(-kv_len // split_g)
-        per_group = chunks * tiles
+        per_group = chunks if one_tile else chunks * tiles
         u_group = np.arange(n_groups).repeat(per_group)
         first = exclusive_sum(per_group)
         w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
-        u_tiles = 1 if one_tile else tiles[u_group]
-        chunk = w // u_tiles
-        tile = w - chunk * u_tiles
-        u_split = split_g[u_group]
+        if one_tile:  # a group's units are its KV chunks, each with all its queries
+            chunk = w
+            q_first = q_indptr[u_group]
+            u_q_len = nq[u_group]
+        else:
+            u_tiles = tiles[u_group]
+            chunk = w // u_tiles
+            tile = w - chunk * u_tiles
+            q_first = q_indptr[u_group] + tile * tile_q
+            u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
+        u_split = split_g if isinstance(split_g, int) else split_g[u_group]
         kv_start = groups.kv_start[u_group] + chunk * u_split
         u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
-        q_first = groups.q_indptr[u_group] + tile * tile_q
-        u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
 
-        # pairs, in unit order
-        pair_unit = np.arange(u_group.size).repeat(u_q_len)
+        # pairs, in unit order: unit u's are q_ids[q_first[u]:q_first[u] + u_q_len[u]]
         unit_pair_start = exclusive_sum(u_q_len)
-        pair_i = np.arange(pair_unit.size, dtype=np.int64) - unit_pair_start[pair_unit]
-        pair_query = groups.q_ids[q_first[pair_unit] + pair_i]
+        n_pairs = int(unit_pair_start[-1] + u_q_len[-1]) if u_q_len.size else 0
+        pair_query = groups.q_ids[np.add(arange_view(n_pairs), (q_first - unit_pair_start).repeat(u_q_len))]
 
     # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
     # builds bins of up to a large tile's rows, which join the class their rows fit
-    u_small = u_q_len <= q_tiles[1]
-    block_m = tuple(max(_MIN_BLOCK_M, _next_pow2(t * g)) for t in q_tiles)
+    block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
         eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads)
@@ -381,71 +393,79 @@ def materialize(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
             query_rank=query_rank, capacity=_pack_capacity(block_m, g), budget=budget,
+            query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
         )  # fmt: skip
+    n_pairs = pair_query.size
     if packed is None:
+        u_small = u_q_len <= q_tiles[1]
         kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
-        pair_present = None
         n_present = pair_query
         masked = (False, False)
     else:
         kv_start, u_kv_len, unit_pair_start, u_q_len = packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len
         pair_query, pair_present = packed.pair_query, packed.pair_present
         kv_slots, kv_row_mask = packed.kv_slots, packed.kv_row_mask
-        fits_small = u_q_len * g <= block_m[1]
-        u_small = np.where(packed.is_bin, fits_small, u_q_len <= q_tiles[1])
-        n_present = pair_query[pair_present]
-        masked = (bool(np.count_nonzero(packed.is_bin & ~u_small)), bool(np.count_nonzero(packed.is_bin & u_small)))
+        n_pairs = pair_query.size
+        # units left alone by their query count, bins (the last ones) by their rows (u_q_len * g)
+        k = packed.n_kept
+        u_small = np.empty(u_q_len.size, dtype=bool)
+        np.less_equal(u_q_len[:k], q_tiles[1], out=u_small[:k])
+        np.less_equal(u_q_len[k:], block_m[1] // g, out=u_small[k:])
+        small_bins = int(np.count_nonzero(u_small[k:]))
+        masked = (small_bins < u_small.size - k, small_bins > 0)
+        n_present = pair_query if np.count_nonzero(pair_present) == n_pairs else pair_query[pair_present]
 
     # partial rows, contiguous per query, in pair order within a query
     n_part = np.bincount(n_present, minlength=n_queries)
-    if n_part.size != n_queries or n_part.min() < 1:
+    if n_part.size != n_queries or np.minimum.reduce(n_part) < 1:
         raise AssertionError("internal error: a query has no work unit")
     multi = n_part >= 2
     rows_per_query = n_part * multi
     part_start = exclusive_sum(rows_per_query)
     n_rows = int(part_start[-1] + rows_per_query[-1])
-    n_pairs = n_present.size
+    n_present_pairs = n_present.size
+    if n_present_pairs == n_pairs:
+        out_row = np.empty(n_pairs, dtype=np.int32)
+        rows_out = out_row
+    else:
+        out_row = np.full(n_pairs, ABSENT_ROW, dtype=np.int32)
+        rows_out = np.empty(n_present_pairs, dtype=np.int32)
     if not n_rows:
-        out_row = np.full(n_pairs, -1, dtype=np.int32)
+        rows_out.fill(-1)
     else:
         # a stable sort of the pairs by query (radix sort on 16-bit keys when they fit)
         keys = n_present.astype(np.uint16) if n_queries <= 1 << 16 else n_present
         order = keys.argsort(kind="stable")
         q_sorted = n_present[order]
-        seg_start = exclusive_sum(n_part)
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
-        row = np.arange(n_pairs, dtype=np.int64)
-        row += (part_start - seg_start)[q_sorted]
-        rows = np.empty(n_pairs, dtype=np.int64)
-        rows[order] = row if n_rows == n_pairs else np.where(multi[q_sorted], row, -1)
-        out_row = rows.astype(np.int32)
-    if pair_present is not None:
-        all_rows = np.full(pair_query.size, ABSENT_ROW, dtype=np.int32)
-        all_rows[pair_present] = out_row
-        out_row = all_rows
-    if max(kv_slots.size, pair_query.size, n_rows) > 0x7FFFFFFF:
+        row = np.add(arange_view(n_present_pairs), (part_start - exclusive_sum(n_part))[q_sorted])
+        rows_out[order] = row if n_rows == n_present_pairs else np.where(multi[q_sorted], row, -1)
+    if rows_out is not out_row:
+        out_row[pair_present] = rows_out
+    if max(kv_slots.size, n_pairs, n_rows) > 0x7FFFFFFF:
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
 
     # within a class, longest KV first (a stable sort)
-    n_large = int(u_small.size - np.count_nonzero(u_small))
-    longest = int(u_kv_len.max()) if u_kv_len.size else 0
-    if longest < 1 << 15 and u_kv_len.size and int(u_kv_len.min()) >= 0:
-        key = (u_small.view(np.uint8).astype(np.uint16) << 15) | (0x7FFF - u_kv_len).astype(np.uint16)
-        uorder = key.argsort(kind="stable")
+    n_units = u_small.size
+    n_large = int(n_units - np.count_nonzero(u_small))
+    if n_units and int(np.maximum.reduce(u_kv_len)) < 1 << 15 and int(np.minimum.reduce(u_kv_len)) >= 0:
+        # 16-bit keys (radix sort): the class bit, then 0x7FFF - kv_len
+        key = np.where(u_small, 0xFFFF, 0x7FFF) - u_kv_len
+        uorder = key.astype(np.uint16).argsort(kind="stable")
     else:
         uorder = np.lexsort((-u_kv_len, u_small))
-    ptr = (0, n_large, int(u_small.size))
+    ptr = (0, n_large, n_units)
 
     unit_kv_len = u_kv_len[uorder]
     classes = tuple(
-        TileClass(
-            queries=int(q_tiles[c]),
-            block_m=block_m[c],
-            masked=masked[c],
-            block_n=_class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
-            split=int(splits[c]),
-            num_warps=int(config.num_warps[c]),
-            num_stages=int(config.num_stages[c]),
+        _tile_class(
+            int(q_tiles[c]),
+            block_m[c],
+            _class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
+            int(splits[c]),
+            int(config.num_warps[c]),
+            int(config.num_stages[c]),
+            masked[c],
         )
         for c in (0, 1)
     )
@@ -475,3 +495,14 @@ def materialize(
         groups=groups,
         edge_assignment=edge_assignment,
     )
+
+
+@functools.lru_cache(maxsize=512)
+def _tile_class(
+    queries: int, block_m: int, block_n: int, split: int, num_warps: int, num_stages: int, masked: bool
+) -> TileClass:
+    """A :class:`TileClass` (immutable), shared by the plans that have the same one."""
+    return TileClass(
+        queries=queries, block_m=block_m, masked=masked, block_n=block_n, split=split,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

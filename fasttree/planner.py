@@ -17,12 +17,15 @@ Pipeline (all on the host, numpy only):
 Levels are processed one at a time; within a level, edges are decided either by a
 scalar loop (few edges) or vectorised: every edge is evaluated under "all earlier
 siblings concatenated" and "none concatenated", which settles the level unless a parent's
-children switch more than once (then rounds in which every parent jumps to its next
-concatenated child finish it). Every path computes exactly the floating-point costs of
+children switch more than once (then the scalar loop finishes the remaining edges when
+they are few, else rounds in which every parent jumps to its next concatenated child).
+Every path computes exactly the floating-point costs of
 :meth:`fasttree.costs.PaddingCost.cmm` (exact integer products times the float weights).
 
 What depends only on the tree (edges grouped by level and parent, the query counts the
-greedy evaluates, DFS query ranges) is built on first use and cached on the tree.
+greedy evaluates, DFS query ranges) is built on first use and cached on the tree. The
+adaptive passes count units from the greedy's group sizes alone; the groups' query lists
+and slots are built once, for the final tile mode.
 """
 
 from __future__ import annotations
@@ -35,12 +38,18 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .plan_arrays import Plan, check_heads, materialize
-from .tree import KVTree, exclusive_sum, ragged_arange
+from .tree import KVTree, arange_view, exclusive_sum, ragged_arange
 
 _DEFAULT_CONFIG = FastTreeConfig()
 
+_INT32_MAX = 0x7FFFFFFF
+
 #: Levels with at most this many edges are decided by the scalar loop.
 _SCALAR_EDGES = 16
+
+#: A vectorised level whose first pass leaves at most ``_SCALAR_REST_FACTOR * _SCALAR_EDGES``
+#: edges undecided finishes them with the scalar loop (else with rounds of vector passes).
+_SCALAR_REST_FACTOR = 8
 
 #: Chained groups' slots are filled by strided copies only when a copy averages this many tokens.
 _STRIDED_FILL_TOKENS = 8192
@@ -63,6 +72,9 @@ class Groups:
     q_indptr : ndarray, int64 [n_groups + 1]
     q_ids : ndarray, int64 [total group queries]
         Group ``i`` serves queries ``q_ids[q_indptr[i]:q_indptr[i + 1]]`` (ascending).
+    identity_slots : int
+        ``kv_slots[:identity_slots]`` is ``arange(identity_slots)`` (a tree whose slot ``i`` is
+        token ``i``), which lets packing skip gathers there; 0 when not known.
     """
 
     node: np.ndarray
@@ -71,6 +83,7 @@ class Groups:
     kv_slots: np.ndarray
     q_indptr: np.ndarray
     q_ids: np.ndarray
+    identity_slots: int = 0
 
     @property
     def n_groups(self) -> int:
@@ -87,15 +100,19 @@ class _Level:
 
     __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "size", "sstart")
 
-    def __init__(self, ix: _TreeIndex, lo: int, hi: int, lv0: np.ndarray | None) -> None:
+    def __init__(self, ix: _TreeIndex, lo: int, hi: int, lv0: np.ndarray | None, prel: np.ndarray | None) -> None:
         self.lo, self.hi, self.size = lo, hi, hi - lo
         self.lv0 = lv0  # parents' group lengths of the first level (roots: their own)
-        self.prel = None if lv0 is not None else ix.prel[lo:hi]  # parent's index in the level above
-        self.sstart = ix.sstart_rel[lo:hi]  # first sibling's index in this level
+        self.prel = prel  # parent's index in the level above (None for the first level)
+        self.sstart = ix.sstart[lo:hi] - lo if lo else ix.sstart[:hi]  # first sibling's index in this level
         self.not_last = ix.not_last[lo:hi]
         self.lnf = ix.lnf[lo:hi]
         self.a = ix.af[:, lo:hi]
         self.lists: tuple[list, list, list, list] | None = None
+
+
+#: Trees with more edges keep the greedy's integer query counts as int32 (less memory traffic).
+_INT32_COUNTS_EDGES = 4096
 
 
 class _TreeIndex:
@@ -110,62 +127,83 @@ class _TreeIndex:
         n = tree.n_nodes
         parents, sq = tree.parents, tree.subtree_queries
         lp = tree.level_ptr.tolist()
-        ch = tree.level_order[lp[1] :]
+        r = lp[1]
+        ch = tree.level_order[r:]
         cp = parents[ch]
-        if ch.size > 1:
-            key = tree.depth[ch] * n + cp
-            if np.count_nonzero(key[1:] < key[:-1]):
-                o = key.argsort(kind="stable")
-                ch, cp = ch[o], cp[o]
         e = ch.size
+        # level_order is by (depth, id): edge order needs no sort when parents already ascend
+        self.child_sorted = None  # non-root nodes by (parent, id), when computed here
+        if e > 1 and np.count_nonzero(cp[1:] < cp[:-1]):
+            # nodes by (parent, id) are in edge order when their depths ascend (parents
+            # numbered level by level); else sort by (depth, parent, id)
+            cs = _stable_argsort(parents + 1, n + 1)[r:]  # the r roots (parent -1) come first
+            self.child_sorted = cs
+            d = tree.depth[cs]
+            if np.count_nonzero(d[1:] < d[:-1]):
+                key = tree.depth[ch] * n + cp
+                o = _stable_argsort(key, (len(lp) - 1) * n)
+                ch, cp = ch[o], cp[o]
+            else:
+                ch, cp = cs, parents[cs]
         self.children = ch
         self.cp = cp
-        q = sq[ch]
-        self.q = q
-        self.qf = q.astype(np.float64)
-        self.lnf = tree.lengths[ch].astype(np.float64)
-        new_seg = np.ones(e, dtype=bool)
-        np.not_equal(cp[1:], cp[:-1], out=new_seg[1:])
-        starts = new_seg.nonzero()[0]
-        sstart = starts[np.add.accumulate(new_seg, dtype=np.int64) - 1]  # first sibling of every edge
-        self.not_last = np.append(~new_seg[1:], False)
-        incl = np.add.accumulate(q)
-        excl = incl - q
-        excl_seg = excl - excl[sstart]  # queries of earlier siblings
-        n_par = sq[cp]
-        self.n_par = n_par
-        self.excl_seg = excl_seg
         # Query counts at which the vectorised greedy evaluates Cmm: a run of 1s before
         # the edge (n1) or only 0s (n_par), each before and after taking the child, and q.
         a = np.empty((5, e), dtype=np.int64)
+        q, n_par = a[4], a[1]
+        q[:] = sq[ch]
+        n_par[:] = sq[cp]
+        self.q = q
+        self.n_par = n_par
+        self.lnf = tree.lengths[ch].astype(np.float64)
+        new_seg = np.empty(e, dtype=bool)
+        new_seg[:1] = True
+        np.not_equal(cp[1:], cp[:-1], out=new_seg[1:])
+        starts = new_seg.nonzero()[0]
+        seg_size = np.empty(starts.size, dtype=np.int64)
+        np.subtract(starts[1:], starts[:-1], out=seg_size[:-1])
+        seg_size[-1:] = e - starts[-1:]
+        sstart = starts.repeat(seg_size)  # first sibling of every edge
+        self.sstart = sstart
+        not_last = np.empty(e, dtype=bool)
+        np.logical_not(new_seg[1:], out=not_last[:-1])
+        not_last[-1:] = False
+        self.not_last = not_last
+        excl = np.add.accumulate(q)
+        excl -= q
+        excl_seg = excl - excl[sstart]  # queries of earlier siblings
+        self.excl_seg = excl_seg
         np.subtract(n_par, excl_seg, out=a[0])
-        a[1] = n_par
         np.subtract(a[0], q, out=a[2])
         np.subtract(n_par, q, out=a[3])
-        a[4] = q
-        self.af = a.astype(np.float64)
-        small = tree.n_queries < 1 << 31
-        self.a = a.astype(np.int32) if small else a
-        self.neg_a = np.negative(self.a)
+        af = a.astype(np.float64)
+        self.af = af
+        self.qf = af[4]
+        ai = a.astype(np.int32) if e > _INT32_COUNTS_EDGES and tree.n_queries < 1 << 31 else a
+        self.a = ai
+        self.neg_a = np.negative(ai)
         self.seg_starts = starts
         self.seg_par = cp[starts]
         # children in edge order are the nodes n_roots .. n - 1 (trees numbered level by level)
-        r = n - e
-        contiguous = e == 0 or (int(ch[0]) == r and not np.count_nonzero(ch[1:] - ch[:-1] - 1))
+        contiguous = e == 0 or (int(ch[0]) == r and int(ch[-1]) == n - 1 and not np.count_nonzero(ch[1:] < ch[:-1]))
         self.child_index = slice(r, n) if contiguous else ch
-        # level-relative positions
-        level_lo = np.asarray(lp[1:], dtype=np.int64) - lp[1]
-        edge_lo = level_lo[tree.depth[ch] - 1] if e else level_lo[:0]
-        pos = np.zeros(n, dtype=np.int64)
-        pos[ch] = np.arange(e) - edge_lo
-        self.prel = pos[cp]
-        self.sstart_rel = sstart - edge_lo
-        bounds = [(lo - lp[1], hi - lp[1]) for lo, hi in itertools.pairwise(lp[1:])]
-        self.roots = tree.level_order[: lp[1]]
-        self.levels = [
-            _Level(self, lo, hi, tree.lengths[cp[lo:hi]].astype(np.float64) if i == 0 else None)
-            for i, (lo, hi) in enumerate(bounds)
-        ]
+        self.roots = tree.level_order[:r]
+        self.levels = []
+        self.max_level = 0
+        pos = None
+        for i in range(len(lp) - 2):
+            lo, hi = lp[i + 1] - r, lp[i + 2] - r
+            if i == 0:
+                lvl = _Level(self, lo, hi, tree.lengths[cp[lo:hi]].astype(np.float64), None)
+            else:
+                if pos is None:  # every child's index in edge order
+                    pos = np.empty(n, dtype=np.int64)
+                    pos[ch] = np.arange(e, dtype=np.int64)
+                prel = pos[cp[lo:hi]]
+                prel -= lp[i] - r
+                lvl = _Level(self, lo, hi, None, prel)
+            self.levels.append(lvl)
+            self.max_level = max(self.max_level, hi - lo)
         self._groups: _GroupIndex | None = None
 
     def groups(self, tree: KVTree) -> _GroupIndex:
@@ -178,33 +216,52 @@ class _GroupIndex:
     """Query ranges of the tree in DFS order (own queries first, then children in id order).
 
     ``qlo[v]:qlo[v] + subtree_queries[v]`` are the DFS positions of the queries at or below
-    ``v``; ``perm[pos]`` is the query at a position (``None`` when that is the identity).
+    ``v``; ``perm[pos]`` is the query at a position (``None`` when that is the identity),
+    ``rank`` its inverse (every query's position) and ``query_of_rank`` is ``perm`` or, for
+    the identity, ``rank``.
     """
 
     def __init__(self, tree: KVTree, ix: _TreeIndex) -> None:
         n = tree.n_nodes
         parents, sq = tree.parents, tree.subtree_queries
         # non-root nodes sorted by (parent, id)
-        if ix.cp.size > 1 and np.count_nonzero(ix.cp[1:] < ix.cp[:-1]):
-            cs = parents.argsort(kind="stable")
-            self.child_sorted = cs[n - ix.children.size :]
+        if ix.child_sorted is not None:
+            self.child_sorted = ix.child_sorted
+        elif ix.cp.size > 1 and np.count_nonzero(ix.cp[1:] < ix.cp[:-1]):
+            self.child_sorted = _stable_argsort(parents + 1, n + 1)[n - ix.children.size :]
         else:
             self.child_sorted = ix.children
         own = np.bincount(tree.query_nodes, minlength=n)
-        qlo = np.zeros(n, dtype=np.int64)
+        qlo = np.empty(n, dtype=np.int64)
         r_sq = sq[ix.roots]
         qlo[ix.roots] = np.add.accumulate(r_sq) - r_sq
         for lvl in ix.levels:
             sl = slice(lvl.lo, lvl.hi)
             ch, cp = ix.children[sl], ix.cp[sl]
-            qlo[ch] = qlo[cp] + own[cp] + ix.excl_seg[sl]
+            x = qlo[cp]
+            x += own[cp]
+            x += ix.excl_seg[sl]
+            qlo[ch] = x
         self.qlo = qlo
         self.qhi = qlo + sq
         key = qlo[tree.query_nodes]
         if key.size > 1 and np.count_nonzero(key[1:] < key[:-1]):
-            self.perm: np.ndarray | None = key.argsort(kind="stable")
+            self.perm: np.ndarray | None = _stable_argsort(key, key.size)
+            rank = np.empty(key.size, dtype=np.int64)
+            rank[self.perm] = np.arange(key.size, dtype=np.int64)
+            self.rank = rank
         else:
             self.perm = None
+            self.rank = np.arange(key.size, dtype=np.int64)
+        # rank: the DFS rank of every query (queries of one node in id order);
+        # query_of_rank: the query at each DFS rank (the inverse permutation)
+        self.query_of_rank = self.rank if self.perm is None else self.perm
+
+
+def _stable_argsort(key: np.ndarray, bound: int) -> np.ndarray:
+    """``key.argsort(kind="stable")`` for non-negative keys below ``bound`` (a radix sort
+    on 16-bit keys when they fit)."""
+    return key.astype(np.uint16).argsort(kind="stable") if bound <= 1 << 16 else key.argsort(kind="stable")
 
 
 def _tree_index(tree: KVTree) -> _TreeIndex:
@@ -250,16 +307,19 @@ class _EdgeCosts:
         self.tiles = (tq0, tq1, tk0, tk1)
         a, neg_a = (ix.a, ix.neg_a) if vector else (ix.a[4:], ix.neg_a[4:])
         pow2 = _pow2(tq0) and _pow2(tq1)
-        large = a > tq1 if tq0 != tq1 or tk0 != tk1 else None
         it = a.dtype.type
         if tq0 == tq1:
             pad_q = neg_a & it(tq0 - 1) if pow2 else neg_a % it(tq0)
+        elif pow2 and tq0 % tq1 == 0:
+            # (-n) mod tq0, then mod tq1 (a divisor of tq0) where the small tile applies
+            pad_q = neg_a & it(tq0 - 1)
+            np.bitwise_and(pad_q, it(tq1 - 1), out=pad_q, where=a <= tq1)
         elif pow2:
-            pad_q = neg_a & np.where(large, it(tq0 - 1), it(tq1 - 1))
+            pad_q = neg_a & np.where(a > tq1, it(tq0 - 1), it(tq1 - 1))
         else:
-            pad_q = neg_a % np.where(large, it(tq0), it(tq1))
+            pad_q = neg_a % np.where(a > tq1, it(tq0), it(tq1))
         self.pad_q = pad_q.astype(np.float64)
-        self.ts_k = float(tk0) if tk0 == tk1 else np.where(large, float(tk0), float(tk1))
+        self.ts_k = float(tk0) if tk0 == tk1 else np.where(a > tq1, float(tk0), float(tk1))
         tk_q = self.ts_k if tk0 == tk1 else self.ts_k[-1]
         c_child = self.pad_q[-1] * ix.lnf
         c_child *= self.ag
@@ -301,7 +361,7 @@ def greedy_edge_assignment(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray,
     if not ix.levels:
         return assign, n_cur, eff_len
     threshold = _SCALAR_EDGES
-    ec = _EdgeCosts(ix, cost, any(lvl.size > threshold for lvl in ix.levels))
+    ec = _EdgeCosts(ix, cost, ix.max_level > threshold)
     decided, group_len = [], []
     eff = None  # group lengths of the level above, in its edge order
     for lvl in ix.levels:
@@ -320,35 +380,74 @@ def greedy_edge_assignment(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray,
 
 
 def _decide_level_scalar(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, lv: np.ndarray):
-    # The plain sequential greedy; Cmm(n, lv) of the parent's current count is carried
-    # from one child to the next. Same arithmetic as PaddingCost.cmm_scalar.
-    ag, bg = ec.ag, ec.bg
-    tq0, tq1, tk0, tk1 = ec.tiles
+    # The plain sequential greedy over the whole level.
     lo, hi = lvl.lo, lvl.hi
     if lvl.lists is None:
         sl = slice(lo, hi)
         lvl.lists = (ix.cp[sl].tolist(), ix.q[sl].tolist(), ix.lnf[sl].tolist(), ix.n_par[sl].tolist())
     pars, qs, lns, n_pars = lvl.lists
+    dec, effs = _greedy_scalar(
+        ec, pars, qs, lns, n_pars, lv.tolist(), ec.c_child[lo:hi].tolist(), ec.g_q[lo:hi].tolist()
+    )
+    return np.array(dec, dtype=bool), np.array(effs, dtype=np.float64)
+
+
+def _greedy_scalar(ec: _EdgeCosts, pars, qs, lns, n_starts, lvs, ccs, gqs, ccats=None) -> tuple[list, list]:
+    """The sequential greedy over edges given as lists, the edges of one parent consecutive.
+
+    ``pars`` names each edge's parent, ``n_starts`` the parent's query count when its first
+    listed edge is decided; ``qs``, ``lns``, ``lvs``, ``ccs``, ``gqs`` are the child's queries
+    and length, the parent's group length, ``Cmm(q, len)`` and ``gamma * q`` per edge, and
+    ``ccats`` (optional) ``Cmm(q, len + lv)``. Cmm(n, lv) of the parent's current count is
+    carried from one child to the next; the arithmetic is that of PaddingCost.cmm_scalar.
+    Returns the decisions and group lengths (the latter only without ``ccats``).
+    """
+    ag, bg = ec.ag, ec.bg
+    tq0, tq1, tk0, tk1 = ec.tiles
     dec = []
     effs = []
-    prev = -1
+    prev = None
     n = 0
     cn = 0.0
-    for p, q, ln, n_p, lv_, cc, gq in zip(
-        pars, qs, lns, n_pars, lv.tolist(), ec.c_child[lo:hi].tolist(), ec.g_q[lo:hi].tolist(), strict=True
-    ):
+    pk0 = pk1 = 0
+    if ccats is not None:
+        for p, q, n_p, lv_, cc, gq, ccat in zip(pars, qs, n_starts, lvs, ccs, gqs, ccats, strict=True):
+            if p != prev:
+                prev = p
+                n = n_p
+                pk0 = tk0 - lv_ if lv_ < tk0 else 0  # KV padding of the parent's group per tile
+                pk1 = tk1 - lv_ if lv_ < tk1 else 0
+                if n > tq1:
+                    cn = ag * (((-n) % tq0) * lv_) + bg * (pk0 * n)
+                else:
+                    cn = ag * (((-n) % tq1) * lv_) + bg * (pk1 * n)
+            m = n - q
+            if m > tq1:
+                cm = ag * (((-m) % tq0) * lv_) + bg * (pk0 * m)
+            else:
+                cm = ag * (((-m) % tq1) * lv_) + bg * (pk1 * m)
+            if cn + cc + gq > cm + ccat:
+                dec.append(True)
+                n = m
+                cn = cm
+            else:
+                dec.append(False)
+        return dec, effs
+    for p, q, ln, n_p, lv_, cc, gq in zip(pars, qs, lns, n_starts, lvs, ccs, gqs, strict=True):
         if p != prev:
             prev = p
             n = n_p
+            pk0 = tk0 - lv_ if lv_ < tk0 else 0
+            pk1 = tk1 - lv_ if lv_ < tk1 else 0
             if n > tq1:
-                cn = ag * (((-n) % tq0) * lv_) + bg * ((tk0 - lv_ if lv_ < tk0 else 0) * n)
+                cn = ag * (((-n) % tq0) * lv_) + bg * (pk0 * n)
             else:
-                cn = ag * (((-n) % tq1) * lv_) + bg * ((tk1 - lv_ if lv_ < tk1 else 0) * n)
+                cn = ag * (((-n) % tq1) * lv_) + bg * (pk1 * n)
         m = n - q
         if m > tq1:
-            cm = ag * (((-m) % tq0) * lv_) + bg * ((tk0 - lv_ if lv_ < tk0 else 0) * m)
+            cm = ag * (((-m) % tq0) * lv_) + bg * (pk0 * m)
         else:
-            cm = ag * (((-m) % tq1) * lv_) + bg * ((tk1 - lv_ if lv_ < tk1 else 0) * m)
+            cm = ag * (((-m) % tq1) * lv_) + bg * (pk1 * m)
         t = ln + lv_
         if q > tq1:
             ccat = ag * (((-q) % tq0) * t) + bg * ((tk0 - t if t < tk0 else 0) * q)
@@ -362,7 +461,7 @@ def _decide_level_scalar(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, lv: np.nda
         else:
             dec.append(False)
             effs.append(ln)
-    return np.array(dec, dtype=bool), np.array(effs, dtype=np.float64)
+    return dec, effs
 
 
 def _decide_level_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv: np.ndarray):
@@ -394,10 +493,32 @@ def _decide_level_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: Padd
     brk &= lvl.not_last  # a break at a parent's last child decides nothing after it
     if not np.count_nonzero(brk):
         return use, np.where(use, kv[4], lvl.lnf)
-    return _decide_rest_vector(ix, lvl, ec, cost, lv, c[4], use, brk)
+    # decisions of the first pass stand up to and including each parent's first break
+    before = np.add.accumulate(brk, dtype=np.int64)
+    before -= brk
+    resolved = before == before[lvl.sstart]
+    n_rest = lvl.size - int(np.count_nonzero(resolved))
+    if n_rest > _SCALAR_EDGES * _SCALAR_REST_FACTOR:
+        return _decide_rest_vector(ix, lvl, ec, cost, lv, c[4], use, resolved)
+    # few edges left: the sequential greedy finishes every parent from its count there
+    sl = slice(lo, hi)
+    q = ix.q[sl]
+    decided = use & resolved
+    n_state = ix.n_par[sl].copy()  # indexed by the parent's first child
+    seg_starts = (lvl.sstart == np.arange(lvl.size)).nonzero()[0]
+    n_state[seg_starts] -= np.add.reduceat(q * decided, seg_starts)
+    rem = (~resolved).nonzero()[0]
+    p = lvl.sstart[rem]
+    rem_lo = rem + lo
+    dec, _ = _greedy_scalar(
+        ec, p.tolist(), q[rem].tolist(), None, n_state[p].tolist(), lv[rem].tolist(),
+        ec.c_child[rem_lo].tolist(), ec.g_q[rem_lo].tolist(), c[4][rem].tolist(),
+    )  # fmt: skip
+    decided[rem] = dec
+    return decided, np.where(decided, kv[4], lvl.lnf)
 
 
-def _decide_rest_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv, c_concat, use, brk):
+def _decide_rest_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv, c_concat, use, resolved):
     # Children are sorted by parent. A round resolves, for every parent with undecided
     # children, a run of 1s (evaluated with the count dropping by each child taken),
     # the 0 that ends it, the 0s that follow under the now-fixed count, and the next 1;
@@ -407,10 +528,7 @@ def _decide_rest_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: Paddi
     q = ix.q[sl]
     c_child, g_q = ec.c_child[sl], ec.g_q[sl]
     sstart = lvl.sstart
-    # decisions of the first pass stand up to and including each parent's first break
-    before = np.add.accumulate(brk, dtype=np.int64) - brk
-    resolved = before == before[sstart]
-    decided = (use & resolved).astype(np.int8)
+    decided = (use & resolved).astype(np.int8)  # resolved: the first pass's decisions that stand
     n_state = ix.n_par[sl].copy()  # indexed by the parent's first child
     seg_starts = (sstart == np.arange(lvl.size)).nonzero()[0]
     n_state[seg_starts] -= np.add.reduceat(np.where(decided == 1, q, 0), seg_starts)
@@ -473,12 +591,28 @@ def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, gr
     return _build_groups(tree, assign, group_queries, group_kv_len, check=True)
 
 
-def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: bool) -> Groups:
+class _Kept:
+    """The groups an edge assignment keeps (>= 1 query and >= 1 token), before their query
+    lists and slots are built: enough to count their work units."""
+
+    __slots__ = ("count", "keep", "kv_len", "node")
+
+    def __init__(self, group_queries: np.ndarray, group_kv_len: np.ndarray) -> None:
+        self.keep = (group_queries > 0) & (group_kv_len > 0)
+        self.node = self.keep.nonzero()[0]
+        self.count = group_queries[self.node]  # queries per kept group
+        self.kv_len = group_kv_len[self.node]
+
+
+def _build_groups(
+    tree: KVTree, assign, group_queries, group_kv_len, *, check: bool, kept: _Kept | None = None
+) -> Groups:
     # A query belongs to the group of its own node and to the parent of every 0-edge on
     # its path: node v's group holds the queries below v except those below a child of
     # v whose edge is not 0. In DFS order those are v's query range minus the ranges of
     # such children ("holes"), so every group's list is a few runs of DFS positions.
-    # check=False trusts group_queries (the greedy's own counts, as in plan()).
+    # check=False trusts group_queries and assign (the greedy's own, as in plan()), and then
+    # ``kept`` may hold what _Kept computes from them.
     gx = _tree_index(tree).groups(tree)
     cs = gx.child_sorted
     holes = cs[assign[cs] != 0]
@@ -489,9 +623,9 @@ def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: b
         counts = sq - np.bincount(hole_par, weights=sq[holes], minlength=tree.n_nodes).astype(np.int64)
         if counts.shape != np.shape(group_queries) or np.count_nonzero(counts != group_queries):
             raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
-    keep = (counts > 0) & (group_kv_len > 0)
-    node = keep.nonzero()[0]
-    g_count = counts[node]
+    if kept is None or check:
+        kept = _Kept(counts, group_kv_len)
+    keep, node, g_count = kept.keep, kept.node, kept.count
     q_indptr = np.zeros(node.size + 1, dtype=np.int64)
     np.add.accumulate(g_count, out=q_indptr[1:])
     inner = keep[hole_par]
@@ -523,17 +657,22 @@ def _build_groups(tree: KVTree, assign, group_queries, group_kv_len, *, check: b
         key = gx.perm[q_pos] + gid
         key.sort()
         q_ids = key - gid
-    kv_start, kv_slots = _chain_slots(tree, assign, node)
+    kv_start, kv_slots = _chain_slots(tree, assign, node, roots_unmarked=not check)
+    identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
     return Groups(
-        node=node, kv_start=kv_start, kv_len=group_kv_len[node], kv_slots=kv_slots, q_indptr=q_indptr, q_ids=q_ids
-    )
+        node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=kv_slots, q_indptr=q_indptr, q_ids=q_ids,
+        identity_slots=identity,
+    )  # fmt: skip
 
 
-def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _chain_slots(
+    tree: KVTree, assign: np.ndarray, nodes: np.ndarray, *, roots_unmarked: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """KV of each group node's 1-chain (top of the chain first).
 
     Returns ``(kv_start, kv_slots)``: a group that is a single node reads its run of the
-    tree's own slot array; longer chains are concatenated after it.
+    tree's own slot array; longer chains are concatenated after it. ``roots_unmarked``
+    promises that ``assign`` is 0 at every root (as the greedy's is), which skips a check.
     """
     parents = tree.parents
     kv_start = tree.slot_indptr[nodes]
@@ -544,7 +683,8 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
     # Walk every chain up from its group node: step s holds the s-th node above it (and
     # which chains it belongs to, None for all); a chain ends at its first node not
     # marked 1, or at a root.
-    roots_marked = np.count_nonzero(assign[_tree_index(tree).roots] == 1)
+    # (the greedy never marks a root: roots_unmarked says the assignment is its)
+    roots_marked = not roots_unmarked and np.count_nonzero(assign[_tree_index(tree).roots] == 1)
     cur, ids = nodes[chained], None
     steps = [(cur, ids)]
     while True:
@@ -576,7 +716,7 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
         else:
             run_start[ids, col] = tree.slot_indptr[nd]
             run_len[ids, col] = tree.lengths[nd]
-    chain_total = run_len.sum(axis=1)
+    chain_total = np.add.reduce(run_len, axis=1)
     chain_first = exclusive_sum(chain_total)
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
@@ -588,25 +728,17 @@ def _chain_slots(tree: KVTree, assign: np.ndarray, nodes: np.ndarray) -> tuple[n
     tail = out[n_slots:]
     if _fill_strided(tail, tree.slots, run_start, run_len, chain_first):
         return kv_start, out
-    # every run as a jump in a cumulative sum of ones
+    # every run as an arange of positions in the tree's slot array: position i of the tail
+    # reads slot array entry i + (start - first) of its run
     flat_len = run_len.ravel()
-    pos = exclusive_sum(flat_len)
-    nonempty = flat_len > 0
-    s, ln = run_start.ravel()[nonempty], flat_len[nonempty]
-    jumps = np.empty_like(s)
-    jumps[0] = s[0]
-    jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
-    first = pos[nonempty]
-    if getattr(tree, "_slots_are_arange", False):
-        # slot i of the tree is i: the gather indices are the slots themselves
-        tail.fill(1)
-        tail[first] = jumps
-        np.add.accumulate(tail, out=tail)
+    shift = exclusive_sum(flat_len)
+    np.subtract(run_start.ravel(), shift, out=shift)
+    if getattr(tree, "_slots_are_arange", False) and n_slots + total <= _INT32_MAX:
+        # slot i of the tree is i: the positions are the slots themselves
+        np.add(arange_view(total, np.int32), shift.astype(np.int32).repeat(flat_len), out=tail)
     else:
-        idx = np.ones(total, dtype=np.int64)
-        idx[first] = jumps
-        np.add.accumulate(idx, out=idx)
-        tree.slots.take(idx, out=tail)
+        idx = np.add(arange_view(total), shift.repeat(flat_len))
+        np.take(tree.slots, idx, out=tail, mode="clip")  # idx is in range: "clip" only skips a buffer
     return kv_start, out
 
 
@@ -620,10 +752,13 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
     the runs are irregular or the copies would be too short to pay.
     """
     n_chains, k = run_len.shape
-    if n_chains == 1 or not np.count_nonzero(run_len[1:] != run_len[:-1]):
+    row_changes = None if n_chains == 1 else run_len[1:] != run_len[:-1]
+    if row_changes is None or not np.count_nonzero(row_changes):
         bounds = [0, n_chains]
+    elif 2 * k * _STRIDED_FILL_TOKENS > tail.size:
+        return False  # two blocks or more: already too many copies for the tokens
     else:
-        bounds = [0, *((run_len[1:] != run_len[:-1]).any(axis=1).nonzero()[0] + 1).tolist(), n_chains]
+        bounds = [0, *(row_changes.any(axis=1).nonzero()[0] + 1).tolist(), n_chains]
     if (len(bounds) - 1) * k * _STRIDED_FILL_TOKENS > tail.size:
         return False
     copies = []
@@ -703,30 +838,37 @@ def plan(
         tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
         cost = PaddingCost(config.alpha, config.beta, config.gamma, g, tq, tk)
         assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
-        return cost, assign, _build_groups(tree, assign, group_q, group_kv, check=False)
+        return cost, assign, group_q, group_kv, _Kept(group_q, group_kv)
 
+    # the groups' query lists and slots are built once the tile mode is settled: the
+    # adaptive passes only count units
     mode = TWO_CLASSES
-    cost, assign, groups = run_greedy(mode)
+    cost, assign, group_q, group_kv, kept = run_greedy(mode)
     big, small = config.kv_split_sizes
     splits = [big, big]
-    units = _units_per_phase(groups, cost, splits, num_kv_heads)
+    units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
+    units = units_for(splits)
     changed = False
     for c in (0, 1):
         if 0 < units[c] < config.para_threshs1[c]:
             splits[c] = small
             changed = True
     if changed:
-        units = _units_per_phase(groups, cost, splits, num_kv_heads)
+        units = units_for(splits)
         if 0 < units[0] < config.para_threshs2[0]:
             mode = ALL_SMALL
         elif 0 < units[1] < config.para_threshs2[1]:
             mode = ALL_LARGE
         if mode != TWO_CLASSES:
-            cost, assign, groups = run_greedy(mode)
+            cost, assign, group_q, group_kv, kept = run_greedy(mode)
+            units_for = None
+    groups = _build_groups(tree, assign, group_q, group_kv, check=False, kept=kept)
     if splits[0] == splits[1]:
-        group_split = np.full(groups.node.size, splits[0], dtype=np.int64)
+        group_split = splits[0]
     else:  # phase 1: groups of at most q_tiles[1] queries
-        group_split = np.where(groups.q_indptr[1:] - groups.q_indptr[:-1] <= cost.q_tiles[1], splits[1], splits[0])
+        small_groups = units_for.small if units_for is not None else kept.count <= cost.q_tiles[1]
+        group_split = np.where(small_groups, splits[1], splits[0])
+    gx = _tree_index(tree).groups(tree)
     return materialize(
         groups,
         q_tiles=cost.q_tiles,
@@ -741,35 +883,41 @@ def plan(
         max_slot=tree.max_slot,
         tile_mode=mode,
         edge_assignment=assign,
-        query_rank=_query_rank(tree),
+        query_rank=gx.rank,
+        query_of_rank=gx.query_of_rank,
     )
 
 
-def _query_rank(tree: KVTree) -> np.ndarray:
-    """DFS rank of every query (queries of one node in id order)."""
-    perm = _tree_index(tree).groups(tree).perm
-    if perm is None:
-        return np.arange(tree.n_queries, dtype=np.int64)
-    rank = np.empty(tree.n_queries, dtype=np.int64)
-    rank[perm] = np.arange(tree.n_queries, dtype=np.int64)
-    return rank
+class _PhaseUnits:
+    """Work units x KV heads per group phase, as a function of the split sizes.
 
+    Built from the groups' query counts and KV lengths; calling it with ``splits`` (KV
+    tokens per unit of phase 0 and 1) returns ``[units of phase 0, units of phase 1]``, each
+    times ``num_kv_heads``. ``small`` holds whether each group is in phase 1 (at most
+    ``q_tiles[1]`` queries).
+    """
 
-def _units_per_phase(groups: Groups, cost: PaddingCost, splits, num_kv_heads: int) -> list[int]:
-    """Work units x KV heads per group phase, for the given split sizes."""
-    # Every group has >= 1 query and q_tiles[1] <= q_tiles[0], so a phase-1 group (at most
-    # q_tiles[1] queries) is one query tile under either tile size.
-    nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
-    small = nq <= cost.q_tiles[1]
-    kv_len = groups.kv_len
-    if splits[0] == splits[1]:
-        chunks = 1 if int(kv_len.max()) <= splits[0] else -(-kv_len // splits[0])
-    else:
-        chunks = -(-kv_len // np.where(small, splits[1], splits[0]))
-    tq = cost.q_tiles[0]
-    units = chunks if int(nq.max()) <= tq else chunks * -(-nq // tq)
-    if isinstance(units, int):
-        total, in_small = nq.size, np.count_nonzero(small)
-    else:
-        total, in_small = int(units.sum()), int(units[small].sum())
-    return [(total - in_small) * num_kv_heads, in_small * num_kv_heads]
+    def __init__(self, nq: np.ndarray, kv_len: np.ndarray, q_tiles: tuple[int, int], num_kv_heads: int) -> None:
+        # Every group has >= 1 query and q_tiles[1] <= q_tiles[0], so a phase-1 group (at most
+        # q_tiles[1] queries) is one query tile under either tile size.
+        self.small = nq <= q_tiles[1]
+        self.kv_len = kv_len
+        self.longest = int(np.maximum.reduce(kv_len))
+        tq = q_tiles[0]
+        self.q_tiles = None if int(np.maximum.reduce(nq)) <= tq else (nq + (tq - 1)) // tq  # nq >= 1
+        self.n_groups = nq.size
+        self.num_kv_heads = num_kv_heads
+
+    def __call__(self, splits) -> list[int]:
+        kv_len, small = self.kv_len, self.small
+        if splits[0] == splits[1]:
+            chunks = 1 if self.longest <= splits[0] else -(-kv_len // splits[0])
+        else:
+            chunks = -(-kv_len // np.where(small, splits[1], splits[0]))
+        units = chunks if self.q_tiles is None else chunks * self.q_tiles
+        if isinstance(units, int):
+            total, in_small = self.n_groups, int(np.count_nonzero(small))
+        else:
+            total, in_small = int(np.add.reduce(units)), int(np.add.reduce(units[small]))
+        h = self.num_kv_heads
+        return [(total - in_small) * h, in_small * h]

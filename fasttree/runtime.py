@@ -369,11 +369,17 @@ class TreeAttentionRuntime:
         heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
         query_centric = self.query_centric == "always"
         plan = plan_tree(tree, self._query_centric_config() if query_centric else self.config, **heads)
-        if self.query_centric == "auto" and plan.merge_queries.size and self._shares_tokens(tree):
-            separated = int(tree.path_lengths[tree.query_nodes].sum())
-            if int(plan.unit_kv_len.astype(np.int64).sum()) > (1 - _MIN_SHARING_GAIN) * separated:
-                plan = plan_tree(tree, self._query_centric_config(), **heads)
-                query_centric = True
+        # grouping must save _MIN_SHARING_GAIN of a query-centric plan's KV reads (tested first:
+        # it is cheaper than _shares_tokens and usually decides)
+        if (
+            self.query_centric == "auto"
+            and plan.merge_queries.size
+            and int(np.add.reduce(plan.unit_kv_len, dtype=np.int64))
+            > (1 - _MIN_SHARING_GAIN) * int(np.add.reduce(tree.path_lengths[tree.query_nodes]))
+            and self._shares_tokens(tree)
+        ):
+            plan = plan_tree(tree, self._query_centric_config(), **heads)
+            query_centric = True
         uploaded = self._upload(plan, query_centric)
         if self.recorder is not None:
             self.recorder.record(self._steps, tree)
@@ -421,25 +427,24 @@ class TreeAttentionRuntime:
         if self._copied[i] is not None:
             self._copied[i].synchronize()  # the copy out of this staging buffer (two plans ago) is done
         buf = self._staged[i]
-        header = buf[:_HEADER_WORDS]
+        n_kv = plan.kv_indices.size
+        no_mask = self.masked and plan.kv_row_mask.size == 0  # no packed unit: every query attends every entry
+        offsets = []
         off = _HEADER_WORDS
-        for h, name in enumerate(DEVICE_ARRAYS):
+        for name in DEVICE_ARRAYS:
+            offsets.append(off)
             if name == "merge_queries":
                 arr = merge
-            elif name == "kv_row_mask" and self.masked and plan.kv_row_mask.size == 0:
-                arr = None  # no packed unit: every query of a unit attends every entry
+            elif name == "kv_row_mask" and no_mask:
+                buf[off : off + n_kv] = -1
+                off += -(-n_kv // _ALIGN_WORDS) * _ALIGN_WORDS
+                continue
             else:
                 arr = getattr(plan, name)
-            header[h] = off
-            if arr is None:
-                buf[off : off + plan.kv_indices.size] = -1
-                off += _aligned(plan.kv_indices.size)
-            else:
-                buf[off : off + arr.size] = arr
-                off += _aligned(max(1, arr.size))
-        k = len(DEVICE_ARRAYS)
-        header[k : k + 4] = (*slot_units[0], *slot_units[1])
-        header[k + 4 : k + 6] = merge_counts
+            n = arr.size
+            buf[off : off + n] = arr
+            off += -(-max(1, n) // _ALIGN_WORDS) * _ALIGN_WORDS
+        buf[: len(offsets) + 6] = (*offsets, *slot_units[0], *slot_units[1], *merge_counts)
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
         self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)

@@ -37,29 +37,44 @@ def exclusive_sum(x: np.ndarray) -> np.ndarray:
     return out
 
 
+#: Longest cached arange behind :func:`arange_view` (longer ones are made on each call).
+_ARANGE_CACHE_MAX = 1 << 20
+_aranges: dict = {}
+
+
+def arange_view(n: int, dtype=np.int64) -> np.ndarray:
+    """A read-only ``arange(n)`` of ``dtype`` (``np.int32`` or ``np.int64``).
+
+    A view of a cached arange (up to :data:`_ARANGE_CACHE_MAX` entries): an operand that
+    saves filling a new arange when only arithmetic on it is needed.
+    """
+    cached = _aranges.get(dtype)
+    if cached is None or cached.size < n:
+        if n > _ARANGE_CACHE_MAX:
+            return np.arange(n, dtype=dtype)
+        size = min(_ARANGE_CACHE_MAX, max(n, 4096, 2 * (0 if cached is None else cached.size)))
+        cached = np.arange(size, dtype=dtype)
+        cached.flags.writeable = False
+        _aranges[dtype] = cached
+    return cached[:n]
+
+
 def ragged_arange(start: np.ndarray, length: np.ndarray, total: int | None = None) -> np.ndarray:
     """Concatenation of ``arange(start[i], start[i] + length[i])`` (int64; lengths >= 0).
 
     ``total`` is ``length.sum()`` when the caller already knows it.
     """
+    n = length.size
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    # entry k of run i is k + (start[i] - first[i]), first[i] the run's offset in the output
+    shift = np.empty(n, dtype=np.int64)
+    shift[0] = 0
+    np.add.accumulate(length[:-1], out=shift[1:])
     if total is None:
-        total = int(length.sum())
-    out = np.ones(total, dtype=np.int64)
-    if total == 0:
-        return out
-    if np.count_nonzero(length) == length.size:
-        s, ln = start, length
-    else:
-        nonempty = length > 0
-        s, ln = start[nonempty], length[nonempty]
-    # a cumulative sum of steps: +1 inside a run, a jump at each run's first entry
-    first = exclusive_sum(ln)
-    jumps = np.empty(s.size, dtype=np.int64)
-    jumps[0] = s[0]
-    jumps[1:] = s[1:] - (s[:-1] + ln[:-1] - 1)
-    out[first] = jumps
-    np.add.accumulate(out, out=out)
-    return out
+        total = int(shift[-1] + length[-1])
+    np.subtract(start, shift, out=shift)
+    return np.add(arange_view(total), shift.repeat(length))
 
 
 def ragged_gather(indptr: np.ndarray, data: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
