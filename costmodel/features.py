@@ -29,8 +29,10 @@ __all__ = [
     "published_cost",
 ]
 
-#: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it.
-FEATURE_SCHEMA_VERSION = 2
+#: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it. 3: the register
+#: and spill features come from kernels compiled with the JIT's launch-time specialisation
+#: (``bench.kernel_resources``), no longer from unspecialised ones.
+FEATURE_SCHEMA_VERSION = 3
 
 _CLASS_FIELDS = CLASS_FIELDS
 _TILE_MODES = ("two_classes", "all_large", "all_small")
