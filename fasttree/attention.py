@@ -180,9 +180,10 @@ def _launches(
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
         constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast)
-        items = n_units * host.num_kv_heads
-        sms = _sm_count(q.device) if _is_cuda(q) and not _interpreting() else 0
-        maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, sms)
+        maxnreg = None
+        if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
+            items = n_units * host.num_kv_heads
+            maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
         out_launches.append(
             (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, tc.num_warps, tc.num_stages,
              maxnreg)
