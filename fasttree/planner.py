@@ -410,6 +410,8 @@ def _greedy_scalar(ec: _EdgeCosts, pars, qs, lns, n_starts, lvs, ccs, gqs, ccats
     n = 0
     cn = 0.0
     pk0 = pk1 = 0
+    # two copies of the loop on purpose: this is the planner's hottest Python, and a branch
+    # per edge on ``ccats`` costs more than the repetition (keep their arithmetic identical)
     if ccats is not None:
         for p, q, n_p, lv_, cc, gq, ccat in zip(pars, qs, n_starts, lvs, ccs, gqs, ccats, strict=True):
             if p != prev:
