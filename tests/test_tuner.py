@@ -47,6 +47,7 @@ from fasttree.tuner import (
     param_importances,
     parse_storage,
     plan_smem_bytes,
+    run_trials,
     search_space,
     steps_by_bucket,
     study_name,
@@ -586,3 +587,32 @@ def test_neighbours_of_the_defaults_follow_them(tmp_path: Path, paper_steps) -> 
     # joining the study again enqueues nothing more
     tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
     assert len(optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db")).trials) == 6
+
+
+def test_run_trials_goes_on_when_another_worker_told_the_same_trial(caplog) -> None:
+    """The SQLite race of optuna/optuna#4621 (two workers popped one enqueued trial; the second
+    cannot tell it) costs that worker its trial, not its run; other errors still raise."""
+    study = optuna.create_study(storage=None, study_name="race")
+    real = study.optimize
+    calls = []
+
+    def racing_optimize(*args, **kwargs):
+        calls.append(kwargs["timeout"])
+        if len(calls) == 1:
+            real(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+            raise ValueError("Cannot tell a COMPLETE trial.")
+        return real(*args, **kwargs)
+
+    study.optimize = racing_optimize
+    with caplog.at_level("WARNING"):
+        done = run_trials(study, lambda t: t.suggest_float("x", 0, 1), n_trials=4, timeout=60.0)
+    assert done == 4 and len(calls) == 2
+    assert calls[1] is not None and 0 < calls[1] <= calls[0] <= 60.0  # the second call gets what is left
+    assert "another worker finished the same trial first" in caplog.text
+
+    def broken_optimize(*args, **kwargs):
+        raise ValueError("something else")
+
+    study.optimize = broken_optimize
+    with pytest.raises(ValueError, match="something else"):
+        run_trials(study, lambda t: 0.0, n_trials=10)

@@ -313,13 +313,27 @@ def run_trials(
         return done
     bar = _Progress(study.study_name, n_trials, done, progress)
     guard = _PrunedLimit(max_pruned_in_a_row)
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        study.optimize(
-            objective,
-            n_trials=None,
-            timeout=timeout,
-            callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), guard, bar],
-        )
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            try:
+                study.optimize(
+                    objective,
+                    n_trials=None,
+                    timeout=left,
+                    callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), guard, bar],
+                )
+                break
+            except ValueError as exc:
+                # Two workers on SQLite (no row locks) can pop the same enqueued trial: the
+                # second to finish it cannot tell it (optuna/optuna#4621). Its result is the
+                # first one's; this worker goes on with the next trial.
+                if not str(exc).startswith("Cannot tell a "):
+                    raise
+                logger.warning("study %s: another worker finished the same trial first (%s)", study.study_name, exc)
     finally:
         bar.close()
     if guard.tripped:
