@@ -437,13 +437,13 @@ class TreeAttentionRuntime:
                 arr = merge
             elif name == "kv_row_mask" and no_mask:
                 buf[off : off + n_kv] = -1
-                off += -(-n_kv // _ALIGN_WORDS) * _ALIGN_WORDS
+                off += _aligned(n_kv)
                 continue
             else:
                 arr = getattr(plan, name)
             n = arr.size
             buf[off : off + n] = arr
-            off += -(-max(1, n) // _ALIGN_WORDS) * _ALIGN_WORDS
+            off += _aligned(max(1, n))
         buf[: len(offsets) + 6] = (*offsets, *slot_units[0], *slot_units[1], *merge_counts)
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
