@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .tree import arange_view, exclusive_sum, ragged_arange
+from .tree import arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 #: Bits of one KV entry's row mask (int32 on the device).
 MAX_PACK_QUERIES = 32
@@ -119,8 +119,7 @@ def _cut_into_pieces(
         cut[1:] = same
         cut[:-1] |= same
     # by lowest rank, ties in (unit, block) order: the same as by (block, lowest rank)
-    sort_key = lowest.astype(np.uint16) if query_rank.size <= 1 << 16 else lowest
-    order = sort_key.argsort(kind="stable")
+    order = stable_argsort(lowest, query_rank.size)
     return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .packing import MAX_PACK_QUERIES, pack_units
-from .tree import arange_view, exclusive_sum
+from .tree import arange_view, exclusive_sum, stable_argsort
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -434,8 +434,7 @@ def materialize(
         rows_out.fill(-1)
     else:
         # a stable sort of the pairs by query (radix sort on 16-bit keys when they fit)
-        keys = n_present.astype(np.uint16) if n_queries <= 1 << 16 else n_present
-        order = keys.argsort(kind="stable")
+        order = stable_argsort(n_present, n_queries)
         q_sorted = n_present[order]
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
         row = np.add(arange_view(n_present_pairs), (part_start - exclusive_sum(n_part))[q_sorted])

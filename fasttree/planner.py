@@ -38,7 +38,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .plan_arrays import Plan, check_heads, materialize
-from .tree import KVTree, arange_view, exclusive_sum, ragged_arange
+from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
 
@@ -136,12 +136,12 @@ class _TreeIndex:
         if e > 1 and np.count_nonzero(cp[1:] < cp[:-1]):
             # nodes by (parent, id) are in edge order when their depths ascend (parents
             # numbered level by level); else sort by (depth, parent, id)
-            cs = _stable_argsort(parents + 1, n + 1)[r:]  # the r roots (parent -1) come first
+            cs = stable_argsort(parents + 1, n + 1)[r:]  # the r roots (parent -1) come first
             self.child_sorted = cs
             d = tree.depth[cs]
             if np.count_nonzero(d[1:] < d[:-1]):
                 key = tree.depth[ch] * n + cp
-                o = _stable_argsort(key, (len(lp) - 1) * n)
+                o = stable_argsort(key, (len(lp) - 1) * n)
                 ch, cp = ch[o], cp[o]
             else:
                 ch, cp = cs, parents[cs]
@@ -228,7 +228,7 @@ class _GroupIndex:
         if ix.child_sorted is not None:
             self.child_sorted = ix.child_sorted
         elif ix.cp.size > 1 and np.count_nonzero(ix.cp[1:] < ix.cp[:-1]):
-            self.child_sorted = _stable_argsort(parents + 1, n + 1)[n - ix.children.size :]
+            self.child_sorted = stable_argsort(parents + 1, n + 1)[n - ix.children.size :]
         else:
             self.child_sorted = ix.children
         own = np.bincount(tree.query_nodes, minlength=n)
@@ -246,7 +246,7 @@ class _GroupIndex:
         self.qhi = qlo + sq
         key = qlo[tree.query_nodes]
         if key.size > 1 and np.count_nonzero(key[1:] < key[:-1]):
-            self.perm: np.ndarray | None = _stable_argsort(key, key.size)
+            self.perm: np.ndarray | None = stable_argsort(key, key.size)
             rank = np.empty(key.size, dtype=np.int64)
             rank[self.perm] = np.arange(key.size, dtype=np.int64)
             self.rank = rank
@@ -256,12 +256,6 @@ class _GroupIndex:
         # rank: the DFS rank of every query (queries of one node in id order);
         # query_of_rank: the query at each DFS rank (the inverse permutation)
         self.query_of_rank = self.rank if self.perm is None else self.perm
-
-
-def _stable_argsort(key: np.ndarray, bound: int) -> np.ndarray:
-    """``key.argsort(kind="stable")`` for non-negative keys below ``bound`` (a radix sort
-    on 16-bit keys when they fit)."""
-    return key.astype(np.uint16).argsort(kind="stable") if bound <= 1 << 16 else key.argsort(kind="stable")
 
 
 def _tree_index(tree: KVTree) -> _TreeIndex:

@@ -59,6 +59,12 @@ def arange_view(n: int, dtype=np.int64) -> np.ndarray:
     return cached[:n]
 
 
+def stable_argsort(key: np.ndarray, bound: int) -> np.ndarray:
+    """``key.argsort(kind="stable")`` for non-negative keys below ``bound`` (a radix sort
+    on 16-bit keys when they fit)."""
+    return key.astype(np.uint16).argsort(kind="stable") if bound <= 1 << 16 else key.argsort(kind="stable")
+
+
 def ragged_arange(start: np.ndarray, length: np.ndarray, total: int | None = None) -> np.ndarray:
     """Concatenation of ``arange(start[i], start[i] + length[i])`` (int64; lengths >= 0).
 
