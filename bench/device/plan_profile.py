@@ -3,6 +3,8 @@
 Run as ``python3 bench/device/plan_profile.py`` from the repository root; its output at f2481ad is
 ``docs/bench/h200/plan_profile_f2481ad.log``. ``rt.plan`` runs first on fresh trees (paying the trees'
 first-use indexes), then ``ft.plan`` on the same trees; then a cProfile of ``rt.plan`` on few-shot trees.
+Kept as the record of that log; ``python -m bench.plan_host`` is the maintained measurement (fresh trees
+for both, best of several passes, JSON output).
 """
 
 import cProfile
