@@ -78,6 +78,8 @@ _QUERY_CENTRIC_GAMMA = 10.0
 #: (128 per thread at 4 warps on an H100/H200; MHA on the H200 suite: 1.06x of tree_attention's
 #: time vs 1.16x with 168 registers, 3 programs per SM).
 _SMALL_TILE_PROGRAMS_PER_SM = 4
+#: int32 words of each stage-1 launch's item counters (slot 0, slot 1, padding).
+_COUNTER_WORDS = 4
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,9 @@ class TreeAttentionRuntime:
             (self.max_partial_rows, self.num_q_heads, self.head_dim), dtype=torch.float32, device=self.device
         )
         self._part_lse = torch.empty((self.max_partial_rows, self.num_q_heads), dtype=torch.float32, device=self.device)
+        # per stage-1 launch: the items of slot 0 and 1 its programs claimed past their first (the merge
+        # launch zeroes them for the next call)
+        self._counters = torch.zeros((2, _COUNTER_WORDS), dtype=torch.int32, device=self.device)
         self._current: RuntimePlan | None = None
         self._min_rows = self.max_queries  # smallest q / out seen by forward
         self._min_pool = self.pool_slots  # smallest KV pool seen by forward
@@ -554,25 +559,26 @@ class TreeAttentionRuntime:
         upcast = _interpreting() and q.dtype == torch.bfloat16
         part_o, part_lse = self._part_o, self._part_lse
         (m0, n0, warps0, stages0), (m1, n1, warps1, stages1) = self.slots
-        args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self.num_kv_heads, qk_scale,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-                out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
+        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                   out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
         if self.stage1_launches == 1:  # both slots, compiled for both tiles, the large class's warps and stages
             launches = [((m0, n0, m1, n1, 2), warps0, stages0)]
         else:  # one launch per slot, each compiled for its own tile alone
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which)
+            args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._counters[i], self.num_kv_heads,
+                    qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count
             compiled = _launch(
                 tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i]
             )
             if not self._programs[i]:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
-        args = (out, part_o, part_lse, self._plan_buf, hq, out.stride(0), out.stride(1), part_o.stride(0),
-                part_o.stride(1), part_lse.stride(0))  # fmt: skip
+        args = (out, part_o, part_lse, self._plan_buf, self._counters, hq, out.stride(0), out.stride(1),
+                part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
         block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
-        constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d)
+        constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel())
         _launch(merge_partials_persistent_kernel, (_MERGE_PROGRAMS_PER_SM * self._sm_count, 1), args, constexprs, 4, 1)
 
     def _occupancy(self, compiled, num_warps: int) -> int:

@@ -179,6 +179,7 @@ def merge_partials_persistent_kernel(
     PartO,  # [max_partial_rows, Hq, D], fp32
     PartLse,  # [max_partial_rows, Hq], fp32
     PlanBuf,  # int32 [plan_words]: header and plan arrays (see .tree_attention)
+    Counters,  # int32 [N_COUNTERS]: the stage-1 launches' item counters, zeroed here for the next call
     num_heads,
     stride_on,
     stride_oh,
@@ -190,6 +191,7 @@ def merge_partials_persistent_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    N_COUNTERS: tl.constexpr,
 ):
     """Both merges in one launch: the first ``header[HDR_MERGE_COUNTS]`` entries of the merge list
     by head blocks, one partial row at a time; the next ``header[HDR_MERGE_COUNTS + 1]`` (queries
@@ -201,6 +203,8 @@ def merge_partials_persistent_kernel(
     QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
+    if pid == 0:  # stage 1 is done (stream order): its counters can start over
+        tl.store(Counters + tl.arange(0, N_COUNTERS), tl.zeros((N_COUNTERS,), tl.int32))
     n_blocks = tl.cdiv(NUM_HEADS, BLOCK_H)
     items_few = n_few * n_blocks
     for item in range(pid, items_few, step):

@@ -31,7 +31,7 @@ UNITS = {
     "units_bf16_d128_g1_m16_n32": ("bf16", 128, 1, 16, 32, False),
     "units_fp16_d256_g16_m32_n16_masked": ("fp16", 256, 16, 32, 16, True),
 }
-MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16}
+MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16, "N_COUNTERS": 8}
 
 
 def compile_units(dtype, head_dim, group, block_m, block_n, masked):
@@ -48,7 +48,7 @@ def compile_units(dtype, head_dim, group, block_m, block_n, masked):
 def compile_persistent(dtype, head_dim, group, block_m, block_n, masked, slots=2):
     """The runtime's stage-1 kernel (both slots): plan arrays behind the header of one int32 buffer."""
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
-             "PartLse": "*fp32", "PlanBuf": "*i32", "qk_scale": "fp32"}  # fmt: skip
+             "PartLse": "*fp32", "PlanBuf": "*i32", "Counters": "*i32", "qk_scale": "fp32"}  # fmt: skip
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M0": block_m,
                   "BLOCK_N0": block_n, "BLOCK_M1": 16, "BLOCK_N1": 16, "MASKED": masked,
                   "UPCAST_DOT": False, "SLOTS": slots}  # fmt: skip
@@ -59,7 +59,8 @@ def compile_persistent(dtype, head_dim, group, block_m, block_n, masked, slots=2
 
 def compile_merge(kernel, dtype):
     signature = {"Out": f"*{dtype}", "PartO": "*fp32", "PartLse": "*fp32", "MergeQueries": "*i32",
-                 "QueryPartialStart": "*i32", "QueryNumPartials": "*i32", "PlanBuf": "*i32"}  # fmt: skip
+                 "QueryPartialStart": "*i32", "QueryNumPartials": "*i32", "PlanBuf": "*i32",
+                 "Counters": "*i32"}  # fmt: skip
     names = kernel.arg_names
     constexprs = {n: MERGE_VALUES[n] for n in names if n.isupper()}
     signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32") for name in names}

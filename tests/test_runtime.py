@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -71,6 +72,7 @@ def test_runtime_matches_reference_over_several_trees(device, config, launches):
         ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
         assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
         assert torch.isnan(out[tree.n_queries :]).all()  # rows past the plan untouched
+        assert not rt._counters.any()  # the merge launch zeroed stage 1's item counters for the next call
 
 
 def test_runtime_gqa_bf16_and_many_partials(device):
@@ -276,3 +278,26 @@ def test_auto_stage1_launches_splits_only_mha(device, heads, expected):
         max_queries=8, max_kv_entries=256,
     )  # fmt: skip
     assert rt.stage1_launches == expected
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+def test_programs_claim_items_past_the_first_wave(device, launches):
+    """Far more (unit, KV head) items than persistent programs, of uneven lengths: programs claim
+    them from the launch's counters, every item runs once (the reference, twice in a row), and
+    the merge launch leaves the counters at zero."""
+    config = ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(10**6, 10**6), pack_tokens=0)
+    rt = _runtime(device, config, stage1_launches=launches)
+    lengths = [300] + [1 + (7 * i) % 45 for i in range(40)]
+    starts = np.cumsum([0, *lengths])
+    slots = [np.arange(a, b) for a, b in itertools.pairwise(starts)]
+    tree = ft.KVTree([-1] + [0] * 40, slots, list(range(1, 41)))
+    info = rt.plan(tree)
+    q, k, v = _inputs(tree, device, 64)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        rt.forward(q, k, v, out=out)
+        ref = ft.reference_attention(q[:40], k, v, tree)
+        assert ft.max_relative_error(out[:40], ref) < 2e-3
+        assert not rt._counters.any()
+    items = [(b - a) * rt.num_kv_heads for a, b in info.slot_units]
+    assert max(items) > max(rt._programs)  # the claims ran
