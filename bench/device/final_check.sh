@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call on a 2-GPU host (repo root, after `pip install -e .`). GPU 1: the GPU tests (the
-# gpu-marked ones and the CUDA paths of the attention/planner/packing/launch-cache/validate tests;
-# the optuna test files are skipped: the device has no optuna), then the kernel benchmark.
-# GPU 0: the runtime A/B (auto vs one launch), the decode benchmark for llama and mistral, and the
-# planner's host time on this host. Results to $OUT/final.tgz.
+# One device call on a 2-GPU host (repo root, after `pip install -e .`). Phase 1, in parallel:
+# GPU 1 runs the GPU tests (the gpu-marked ones and the CUDA paths of the attention/planner/
+# packing/launch-cache/validate tests; the optuna test files are skipped: the device has no
+# optuna), then the kernel benchmark; GPU 0 runs the runtime A/B (auto vs one launch).
+# Phase 2, alone on the host: the decode benchmark for llama and mistral (host contention from
+# the tests' 8 pytest workers distorted it by up to 2.7x at ece6f56) and the planner's host time.
+# Results to $OUT/final.tgz.
 # Usage: LABEL=h200_<commit> bash bench/device/final_check.sh
 set -u
 : "${LABEL:?}"
@@ -20,13 +22,16 @@ res=/root/fasttree_final; mkdir -p "$res"
   export CUDA_VISIBLE_DEVICES=0
   timeout 150 python3 -m bench.runtime_ab --stage1-launches auto,1 --waves 1 --out "$res" \
     --label "runtime_ab_$LABEL" >"$res/runtime_ab.log" 2>&1
+) &
+wait
+(
+  export CUDA_VISIBLE_DEVICES=0
   for model in llama mistral; do
     timeout 150 python3 -m bench.decode --models $model --warmup 3 --steps 48 --out "$res" \
       --label "decode_${LABEL}_$model" >"$res/decode_$model.log" 2>&1
   done
   timeout 120 python3 -m bench.plan_host --json "$res/plan_host_$LABEL.json" >"$res/plan_host.log" 2>&1
-) &
-wait
+)
 tail -n 2 "$res"/gpu_tests*.log "$res/runtime_ab.log"; grep -A9 "^Summary" "$res"/kernel_*.md
 tail -n 21 "$res"/decode_*.log | cut -c1-160; cat "$res/plan_host.log"
 tar czf "$OUT/final.tgz" -C "$res" .
