@@ -30,7 +30,9 @@ Typical use (one runtime per attention shape, shared by all layers)::
 Safety under replay: :meth:`plan` refuses (``ValueError``) any tree whose plan would not fit
 the capacities, or would read ``q`` rows or pool slots beyond the smallest ``q`` and KV pool
 that :meth:`forward` has been called with (so beyond any captured buffer). ``plan`` and the
-replays must run on the same CUDA stream (the upload is ordered before the next replay).
+replays must run on the same CUDA stream (the upload is ordered before the next replay), and one
+runtime's :meth:`forward` calls must not run concurrently on different streams: they share the
+partial-result buffers and stage 1's item counters (one runtime per stream otherwise).
 """
 
 from __future__ import annotations
