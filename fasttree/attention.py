@@ -218,11 +218,16 @@ def _launches(
 
 
 #: Programs per SM of the 16-row stage-1 kernel at 4 warps and head dim <= 128 as compiled (159
-#: registers on sm_90), and with its registers capped at :data:`_SMALL_TILE_CAPPED_REGS`.
-_SMALL_TILE_PROGRAMS, _SMALL_TILE_CAPPED_PROGRAMS = 3, 4
-_SMALL_TILE_CAPPED_REGS = 128
+#: registers on sm_90), and with its registers capped by :func:`capped_registers`.
+_SMALL_TILE_PROGRAMS, SMALL_TILE_CAPPED_PROGRAMS = 3, 4
 #: Beyond this many waves the tail a cap saves is small and the cap cost 1-4% (H200, 26 waves).
 _SMALL_TILE_MAX_WAVES = 8
+
+
+def capped_registers(num_warps: int, regs_per_sm: int = 65536, programs: int = SMALL_TILE_CAPPED_PROGRAMS) -> int:
+    """Registers per thread (a multiple of 8) that let ``programs`` programs of ``num_warps``
+    warps share an SM of ``regs_per_sm`` registers (128 for 4 programs of 4 warps on an H100/H200)."""
+    return regs_per_sm // (programs * 32 * num_warps) // 8 * 8
 
 
 def small_tile_maxnreg(
@@ -231,7 +236,7 @@ def small_tile_maxnreg(
     """Register cap of a 16-row MHA tile class's launch, or None (the compiler's choice).
 
     An MHA class of 16-row tiles (one query per row: memory-bound programs) gets
-    :data:`_SMALL_TILE_CAPPED_REGS` registers per thread, 4 programs per SM instead of 3,
+    :func:`capped_registers` (128 per thread), 4 programs per SM instead of 3,
     when that puts its ``items`` (units x KV heads), at most :data:`_SMALL_TILE_MAX_WAVES`
     waves of the GPU's ``sms`` SMs, into fewer waves. On the H200 paper suite a cap on
     every such launch was 16-23% faster on the MHA cases whose items fill 1-2 waves, 2-6%
@@ -243,8 +248,8 @@ def small_tile_maxnreg(
     if group_size != 1 or head_dim > 128 or block_m > 16 or num_warps != 4 or sms <= 0:
         return None
     waves = -(-items // (_SMALL_TILE_PROGRAMS * sms))
-    if waves <= _SMALL_TILE_MAX_WAVES and -(-items // (_SMALL_TILE_CAPPED_PROGRAMS * sms)) < waves:
-        return _SMALL_TILE_CAPPED_REGS
+    if waves <= _SMALL_TILE_MAX_WAVES and -(-items // (SMALL_TILE_CAPPED_PROGRAMS * sms)) < waves:
+        return capped_registers(num_warps)
     return None
 
 

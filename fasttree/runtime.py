@@ -48,7 +48,16 @@ import numpy as np
 import torch
 import triton
 
-from .attention import _LOG2E, _MANY_PARTIALS, _MERGE_HEADS, _interpreting, _launch, _on_device
+from .attention import (
+    _LOG2E,
+    _MANY_PARTIALS,
+    _MERGE_HEADS,
+    SMALL_TILE_CAPPED_PROGRAMS,
+    _interpreting,
+    _launch,
+    _on_device,
+    capped_registers,
+)
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
@@ -76,10 +85,6 @@ _MERGE_PROGRAMS_PER_SM = 8
 #: A grouped plan must save this share of the KV a query-centric plan reads, or ``"auto"`` plans query-centric.
 _MIN_SHARING_GAIN = 0.10
 _QUERY_CENTRIC_GAMMA = 10.0
-#: Programs per SM that a small-tile (16-row) stage-1 launch of its own is given registers for
-#: (128 per thread at 4 warps on an H100/H200; MHA on the H200 suite: 1.06x of tree_attention's
-#: time vs 1.16x with 168 registers, 3 programs per SM).
-_SMALL_TILE_PROGRAMS_PER_SM = 4
 #: int32 words of each stage-1 launch's item counters (slot 0, slot 1, padding).
 _COUNTER_WORDS = 4
 
@@ -166,7 +171,8 @@ class TreeAttentionRuntime:
         with the large class's warps and stages); 2: one persistent launch per tile class,
         each compiled for its own tile, warps and stages, the second ordered after the
         first, and a small-tile launch capped at the registers that let
-        :data:`_SMALL_TILE_PROGRAMS_PER_SM` programs share an SM. ``"auto"``: 2 for MHA
+        ``fasttree.attention.SMALL_TILE_CAPPED_PROGRAMS`` (4) programs share an SM (MHA on the
+        H200 suite: 1.06x of tree_attention's time vs 1.16x with 3 per SM). ``"auto"``: 2 for MHA
         (``Hq == Hkv``) at ``D <= 128``, whose small units are memory-bound and gain from
         the extra programs per SM; 1 otherwise, where the second launch costs more than it
         gains (``docs/runtime.md``, "Measured on the H200").
@@ -299,14 +305,22 @@ class TreeAttentionRuntime:
         else:
             self._sm_count, self._props = 4, None
         self._programs = [0, 0]  # persistent stage-1 programs per launch (sized after the kernel's compilation)
-        # register cap per stage-1 launch (None: the compiler's): small tiles alone in their launch
-        self._maxnreg: list[int | None] = [None, None]
+        self._maxnreg = self._register_caps()
+
+    def _register_caps(self) -> list[int | None]:
+        """Register cap per stage-1 launch (None: the compiler's choice).
+
+        A small-tile (16-row) class in a launch of its own at 4 warps, as measured, gets the
+        registers that let ``SMALL_TILE_CAPPED_PROGRAMS`` programs share an SM (128 on an
+        H100/H200); other warp counts keep the compiler's (8 warps would get 64: spills).
+        """
+        caps: list[int | None] = [None, None]
         if self.stage1_launches == 2 and self._props is not None:
             regs_per_sm = int(getattr(self._props, "regs_per_multiprocessor", 65536))
             for i, (block_m, _, warps, _) in enumerate(self.slots):
-                cap = regs_per_sm // (_SMALL_TILE_PROGRAMS_PER_SM * 32 * warps) // 8 * 8
-                if block_m <= 16 and cap < 255:
-                    self._maxnreg[i] = cap
+                if block_m <= 16 and warps == 4:
+                    caps[i] = capped_registers(warps, regs_per_sm, SMALL_TILE_CAPPED_PROGRAMS)
+        return caps
 
     # ------------------------------------------------------------------ config
     def _resolve_config(self, config) -> FastTreeConfig:

@@ -301,3 +301,22 @@ def test_programs_claim_items_past_the_first_wave(device, launches):
         assert not rt._counters.any()
     items = [(b - a) * rt.num_kv_heads for a, b in info.slot_units]
     assert max(items) > max(rt._programs)  # the claims ran
+
+
+def test_register_caps_only_for_small_tiles_at_four_warps(device):
+    """The small-tile launch's register cap (as measured: 16-row tiles, 4 warps, own launch) is
+    derived from the GPU's registers per SM; 8 warps, large tiles and a fused launch keep the
+    compiler's choice."""
+    from types import SimpleNamespace
+
+    four = _runtime(device, ft.FastTreeConfig(num_warps=(4, 4)), stage1_launches=2)
+    eight = _runtime(device, ft.FastTreeConfig(num_warps=(4, 8)), stage1_launches=2)
+    fused = _runtime(device, ft.FastTreeConfig(num_warps=(4, 4)), stage1_launches=1)
+    for rt in (four, eight, fused):
+        rt._props = SimpleNamespace(regs_per_multiprocessor=65536)
+    assert [s[0] for s in four.slots] == [64, 16]  # HEADS: GQA 2, so the small tile has 16 rows
+    assert four._register_caps() == [None, 128]
+    assert eight._register_caps() == [None, None]
+    assert fused._register_caps() == [None, None]
+    four._props = SimpleNamespace(regs_per_multiprocessor=32768)
+    assert four._register_caps() == [None, 64]
