@@ -4,6 +4,9 @@
   median replay time divided by ``calls`` (the method of the project's H200 anchors).
 * :func:`eager_time_us` -- the plain call through ``triton.testing.do_bench`` (median; it
   clears the L2 cache between calls), launch gaps and host work included.
+* :func:`eager_loop_time_us` -- ``calls`` plain calls back to back, timed like the graph
+  replay (same call count, caches as warm): what launching eagerly costs over the graph
+  when one call follows another, as a model's layers do.
 """
 
 from __future__ import annotations
@@ -83,3 +86,28 @@ def graph_time_us(
 def eager_time_us(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time (us) of the plain call, by ``triton.testing.do_bench``."""
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def eager_loop_time_us(fn: Callable[[], object], *, calls: int = 20, replays: int = 30, warmup: int = 3) -> dict:
+    """Median, p20 and p80 of one call's time (us) over ``calls`` eager calls issued back to back.
+
+    The counterpart of :func:`graph_time_us` without the graph: the same number of calls
+    between two events, so the caches are as warm and the difference is what the host's
+    launches and per-call work add (launch gaps the GPU waits through). Unlike
+    :func:`eager_time_us` it does not clear the L2 cache, and the host's work before a
+    call's first launch overlaps the previous call's kernels.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for s, e in zip(start, end, strict=True):
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = np.array([s.elapsed_time(e) for s, e in zip(start, end, strict=True)]) * 1e3 / calls
+    return {"median": float(np.median(times)), "p20": float(np.percentile(times, 20)),
+            "p80": float(np.percentile(times, 80))}  # fmt: skip

@@ -35,3 +35,27 @@ def test_summary_has_geomeans_of_the_tuned_and_runtime_variants():
     assert math.isclose(s["geomean_speedup_vs_published_tuned"], math.sqrt(4.0 * 2.0))
     assert s["n_cases_runtime"] == 1 and math.isclose(s["geomean_speedup_vs_published_runtime"], 1.0)
     assert s["min_speedup_vs_published_tuned"] == 2.0
+
+
+def test_summary_and_table_report_the_back_to_back_eager_gap():
+    rows = [_row(1, 40.0, 20.0), _row(2, 90.0, 30.0)]
+    rows[0]["variants"]["fasttree"]["eager_loop_us"] = 23.0
+    rows[1]["variants"]["fasttree"]["eager_loop_us"] = 31.0
+    s = kernel.summarize(rows)
+    assert math.isclose(s["max_eager_minus_graph_us"], 5.0)
+    assert math.isclose(s["max_eager_loop_minus_graph_us"], 3.0)
+    assert math.isclose(s["median_eager_loop_minus_graph_us"], 2.0)
+    env = {
+        "gpu_name": "GPU",
+        "gpu_sm_count": 1,
+        "torch": "t",
+        "triton": "t",
+        "git_commit": "abc",
+        "timestamp_utc": "now",
+    }
+    table = kernel.markdown(rows, s, env, "label")
+    assert "| eager | eager loop |" in table and "| 25.0 | 23.0 |" in table
+    assert "max_eager_loop_minus_graph_us: 3.0" in table
+    # rows without the loop time (older results) leave it out of the summary
+    del rows[0]["variants"]["fasttree"]["eager_loop_us"], rows[1]["variants"]["fasttree"]["eager_loop_us"]
+    assert "max_eager_loop_minus_graph_us" not in kernel.summarize(rows)

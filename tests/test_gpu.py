@@ -103,6 +103,31 @@ def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
     assert abs(capped["median"] / 1e3 - one) < 0.3 * one, "fewer calls per graph must not change the time per call"
 
 
+def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
+    """A call whose GPU time dwarfs its launch: back-to-back eager calls time as the graph does,
+    and a call that waits on the host (a sync) shows its gap."""
+    from fasttree.timing import eager_loop_time_us, graph_time_us
+
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+
+    def slow():
+        return x @ x
+
+    graph = graph_time_us(slow, calls=10, replays=5)["median"]
+    loop = eager_loop_time_us(slow, calls=10, replays=5)
+    assert loop["p20"] <= loop["median"] <= loop["p80"]
+    assert abs(loop["median"] - graph) < 0.1 * graph, (loop, graph)
+
+    def synced():
+        y = x[:64, :64] @ x[:64, :64]
+        torch.cuda.synchronize()  # the GPU idles while the host returns and launches again
+        return y
+
+    assert (
+        eager_loop_time_us(synced, calls=10, replays=5)["median"] > graph_time_us(synced, calls=1, replays=5)["median"]
+    )
+
+
 def test_direct_launch_path_is_correct_across_calls_layouts_and_graph_capture():
     from fasttree import attention
 
