@@ -216,6 +216,33 @@ def tree_attention_units_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _attend_slot_items(
+    start, items, n_units, first_unit, Counter, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+    UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
+    stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One program's items of one launch slot: item ``start``, then (more items than programs) the
+    next unstarted one claimed from ``Counter`` as each ends, or else every ``step``-th. Item ``i``
+    is unit ``first_unit + i % n_units`` of KV head ``i // n_units``."""
+    claim = items > step
+    item = start
+    while item < items:
+        kv_head = item // n_units
+        _attend_unit(
+            first_unit + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
+        )  # fmt: skip
+        if claim:
+            item = step + tl.atomic_add(Counter, 1, sem="relaxed")
+        else:
+            item += step
+
+
 @triton.jit(do_not_specialize=["num_kv_heads", "stride_ln"])
 def tree_attention_persistent_kernel(
     Q,  # [n_queries, Hq, D], fp16/bf16 (rows past the plan's queries are not read)
@@ -280,34 +307,19 @@ def tree_attention_persistent_kernel(
     items0 = n0 * num_kv_heads
     items1 = n1 * num_kv_heads
     if SLOTS != 1:
-        claim0 = items0 > step
-        item = pid
-        while item < items0:
-            kv_head = item // n0
-            _attend_unit(
-                first0 + item - kv_head * n0, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-                UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-                stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-                HEAD_DIM, BLOCK_D, GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT,
-            )  # fmt: skip
-            if claim0:
-                item = step + tl.atomic_add(Counters, 1, sem="relaxed")
-            else:
-                item += step
+        _attend_slot_items(
+            pid, items0, n0, first0, Counters, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, UnitKvStart,
+            UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
+            stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_D,
+            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT,
+        )  # fmt: skip
     if SLOTS != 0:
-        claim1 = items1 > step
-        item = pid
+        start1 = pid
         if SLOTS == 2:
-            item = (pid - items0 % step + step) % step
-        while item < items1:
-            kv_head = item // n1
-            _attend_unit(
-                first1 + item - kv_head * n1, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-                UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-                stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-                HEAD_DIM, BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT,
-            )  # fmt: skip
-            if claim1:
-                item = step + tl.atomic_add(Counters + 1, 1, sem="relaxed")
-            else:
-                item += step
+            start1 = (pid - items0 % step + step) % step
+        _attend_slot_items(
+            start1, items1, n1, first1, Counters + 1, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM,
+            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT,
+        )  # fmt: skip
