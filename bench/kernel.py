@@ -238,6 +238,16 @@ def geomean(x) -> float:
     return float(np.exp(np.log(x).mean())) if x.size else float("nan")
 
 
+def _eager_gaps(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """Our default call's eager time ``key`` minus its graph time, over the rows that have both (us)."""
+    out = []
+    for r in rows:
+        ours = r["variants"].get("fasttree", {})
+        if key in ours and "graph_us" in ours:
+            out.append(ours[key] - ours["graph_us"])
+    return out
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {"n_cases": len(rows)}
     sp = [r["speedup_vs_published"] for r in rows if "speedup_vs_published" in r]
@@ -256,17 +266,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     big = [r["floor_over_ours"] for r in rows if r["floor_us"] >= 20 and "floor_over_ours" in r]
     s["n_floor_ge_20us"] = len(big)
     s["geomean_floor_over_ours_floor_ge_20us"] = geomean(big) if big else None
-    gaps = [
-        r["variants"]["fasttree"]["eager_us"] - r["variants"]["fasttree"]["graph_us"]
-        for r in rows
-        if "graph_us" in r["variants"].get("fasttree", {})
-    ]
+    gaps = _eager_gaps(rows, "eager_us")
     s["max_eager_minus_graph_us"] = max(gaps) if gaps else None
-    loop_gaps = [
-        r["variants"]["fasttree"]["eager_loop_us"] - r["variants"]["fasttree"]["graph_us"]
-        for r in rows
-        if "eager_loop_us" in r["variants"].get("fasttree", {})
-    ]
+    loop_gaps = _eager_gaps(rows, "eager_loop_us")
     if loop_gaps:
         s["max_eager_loop_minus_graph_us"] = max(loop_gaps)
         s["median_eager_loop_minus_graph_us"] = float(np.median(loop_gaps))

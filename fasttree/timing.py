@@ -65,21 +65,28 @@ def graph_time_us(
     torch.cuda.synchronize()
     one = t0.elapsed_time(t1) * 1e-3
     replays = int(max(5, min(replays, budget_s / max(one, 1e-9))))
+    times = _per_call_us(graph.replay, replays, calls)
+    del graph
+    return {**_spread(times), "replays": replays, "calls_per_graph": calls}
+
+
+def _per_call_us(run: Callable[[], object], replays: int, calls: int) -> np.ndarray:
+    """One call's time (us) in each of ``replays`` event-timed runs of ``run``, which issues ``calls`` calls."""
     start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for s, e in zip(start, end, strict=True):
         s.record()
-        graph.replay()
+        run()
         e.record()
     torch.cuda.synchronize()
-    times = np.array([s.elapsed_time(e) for s, e in zip(start, end, strict=True)]) * 1e3 / calls
-    del graph
+    return np.array([s.elapsed_time(e) for s, e in zip(start, end, strict=True)]) * 1e3 / calls
+
+
+def _spread(times: np.ndarray) -> dict:
     return {
         "median": float(np.median(times)),
         "p20": float(np.percentile(times, 20)),
         "p80": float(np.percentile(times, 80)),
-        "replays": replays,
-        "calls_per_graph": calls,
     }
 
 
@@ -100,14 +107,9 @@ def eager_loop_time_us(fn: Callable[[], object], *, calls: int = 20, replays: in
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for s, e in zip(start, end, strict=True):
-        s.record()
+
+    def back_to_back() -> None:
         for _ in range(calls):
             fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = np.array([s.elapsed_time(e) for s, e in zip(start, end, strict=True)]) * 1e3 / calls
-    return {"median": float(np.median(times)), "p20": float(np.percentile(times, 20)),
-            "p80": float(np.percentile(times, 80))}  # fmt: skip
+
+    return _spread(_per_call_us(back_to_back, replays, calls))
