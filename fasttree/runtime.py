@@ -295,6 +295,7 @@ class TreeAttentionRuntime:
         # per stage-1 launch: the items of slot 0 and 1 its programs claimed past their first (the merge
         # launch zeroes them for the next call)
         self._counters = torch.zeros((2, _COUNTER_WORDS), dtype=torch.int32, device=self.device)
+        self._launch_counters = tuple(self._counters.unbind(0))  # each launch's row, viewed once
         self._current: RuntimePlan | None = None
         self._min_rows = self.max_queries  # smallest q / out seen by forward
         self._min_pool = self.pool_slots  # smallest KV pool seen by forward
@@ -583,8 +584,8 @@ class TreeAttentionRuntime:
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which)
-            args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._counters[i], self.num_kv_heads,
-                    qk_scale, *strides)  # fmt: skip
+            args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._launch_counters[i],
+                    self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count
             compiled = _launch(
                 tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i]
