@@ -294,11 +294,11 @@ def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple |
         return None
     if host._device_cache.get(q.device) is not dev:
         return None
+    sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()  # one call per tensor
     return (
         "direct", q.device, q.dtype,
         q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
     )  # fmt: skip
 
 
@@ -327,9 +327,17 @@ def _is_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+#: torch's raw current-stream getter (CUDA builds; what Triton's launcher uses): an int handle
+#: without building a ``torch.cuda.Stream`` object (about 8 us less per launch on a GPU host).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device: torch.device) -> int:
     """Raw handle of the current CUDA stream of ``device``."""
-    return torch.cuda.current_stream(device).cuda_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 #: Query heads merged by one program of :func:`merge_partials_kernel`.

@@ -53,8 +53,10 @@ from .attention import (
     _MANY_PARTIALS,
     _MERGE_HEADS,
     SMALL_TILE_CAPPED_PROGRAMS,
+    _current_stream,
     _interpreting,
     _launch,
+    _launch_hooks_active,
     _on_device,
     capped_registers,
 )
@@ -126,6 +128,31 @@ def _positive_int(name: str, value: Any) -> int:
 
 def _aligned(words: int) -> int:
     return -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
+
+
+def _bound_launcher(compiled, grid: int, args: tuple, constexprs: tuple):
+    """``(stream, q, k_cache, v_cache, out, qk_scale)`` -> a direct call of ``compiled``'s launcher with
+    ``args`` in which the per-call values are replaced: stage 1's arguments start with ``q, k_cache,
+    v_cache, out`` and hold ``qk_scale`` at index 9; the merge's start with ``out``."""
+    run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
+    if len(args) == _MERGE_ARGS:
+        rest = (*args[1:], *constexprs)
+
+        def merge(stream, q, k_cache, v_cache, out, qk_scale):
+            run(grid, 1, 1, stream, fn, meta, None, None, None, out, *rest)
+
+        return merge
+    mid = args[4:9]
+    tail = (*args[10:], *constexprs)
+
+    def stage1(stream, q, k_cache, v_cache, out, qk_scale):
+        run(grid, 1, 1, stream, fn, meta, None, None, None, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
+
+    return stage1
+
+
+#: Arguments of ``merge_partials_persistent_kernel`` before its constexprs.
+_MERGE_ARGS = 11
 
 
 class TreeAttentionRuntime:
@@ -306,6 +333,7 @@ class TreeAttentionRuntime:
         else:
             self._sm_count, self._props = 4, None
         self._programs = [0, 0]  # persistent stage-1 programs per launch (sized after the kernel's compilation)
+        self._launchers: dict[tuple, tuple] = {}  # direct launchers by the tensors' layout (see _layout_key)
         self._maxnreg = self._register_caps()
 
     def _register_caps(self) -> list[int | None]:
@@ -570,7 +598,39 @@ class TreeAttentionRuntime:
             raise ValueError(f"the uploaded plan reads pool slot {cur.plan.max_slot} but the KV pool has {pool} slots")
 
     # ---------------------------------------------------------------- launches
+    def _layout_key(self, q, k_cache, v_cache, out) -> tuple | None:
+        """What the launches' compiled kernels and fixed arguments depend on besides the tensors'
+        addresses and ``qk_scale`` (dtype, 16-byte alignment, strides), or None when the call must
+        go through Triton (the interpreter, launch hooks)."""
+        if _interpreting() or q.device.type != "cuda" or _launch_hooks_active():
+            return None
+        sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
+        return (
+            q.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
+            out.data_ptr() % 16 == 0, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
+        )  # fmt: skip
+
     def _launch_all(self, q, k_cache, v_cache, out, qk_scale: float) -> None:
+        key = self._layout_key(q, k_cache, v_cache, out)
+        cached = self._launchers.get(key) if key is not None else None
+        if cached is not None:  # every kernel compiled for this layout: call the launchers directly
+            stream = _current_stream(q.device)
+            for launch in cached:
+                launch(stream, q, k_cache, v_cache, out, qk_scale)
+            return
+        launched = self._launch_through_triton(q, k_cache, v_cache, out, qk_scale)
+        # cache once the stage-1 grids are final (the first call sizes them after compiling)
+        if (
+            key is not None
+            and all(c is not None for c, *_ in launched)
+            and all(self._programs[i] == grid for i, (_, grid, *_) in enumerate(launched[:-1]))
+        ):
+            self._launchers[key] = tuple(_bound_launcher(*entry) for entry in launched)
+
+    def _launch_through_triton(self, q, k_cache, v_cache, out, qk_scale: float) -> list[tuple]:
+        """Launch through :func:`fasttree.attention._launch`; returns ``(compiled, grid, args, constexprs)``
+        of each launch, stage 1 first, the merge last."""
+        launched = []
         d, hq = self.head_dim, self.num_q_heads
         block_d = triton.next_power_of_2(d)
         upcast = _interpreting() and q.dtype == torch.bfloat16
@@ -590,13 +650,17 @@ class TreeAttentionRuntime:
             compiled = _launch(
                 tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i]
             )
+            launched.append((compiled, grid, args, constexprs))
             if not self._programs[i]:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
         args = (out, part_o, part_lse, self._plan_buf, self._counters, hq, out.stride(0), out.stride(1),
                 part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
         block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
         constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel())
-        _launch(merge_partials_persistent_kernel, (_MERGE_PROGRAMS_PER_SM * self._sm_count, 1), args, constexprs, 4, 1)
+        grid = _MERGE_PROGRAMS_PER_SM * self._sm_count
+        compiled = _launch(merge_partials_persistent_kernel, (grid, 1), args, constexprs, 4, 1)
+        launched.append((compiled, grid, args, constexprs))
+        return launched
 
     def _occupancy(self, compiled, num_warps: int) -> int:
         """Programs of ``compiled`` one SM holds at once (``programs_per_sm`` when given)."""

@@ -292,28 +292,30 @@ def test_auto_stage1_launches_splits_only_mha(device, heads, expected):
 )
 def test_programs_claim_items_past_the_first_wave(device, launches, hq, hkv, d, dtype):
     """Far more (unit, KV head) items than persistent programs, of uneven lengths, in both tile
-    classes (a 300-token root read by 40 queries, 40 short leaves): programs claim them from the
+    classes (a 300-token root read by every query, at least 40 short leaves, more than one
+    program per SM can take): programs claim them from the
     launch's counters, every item runs once (the reference, twice in a row), and the merge
     launch leaves the counters at zero. GQA 2, MHA and GQA 8, fp16 and bf16."""
     config = ft.FastTreeConfig(
         kv_split_sizes=(64, 16), para_threshs1=(1, 1), para_threshs2=(1, 1), pack_tokens=0, gamma=0.0
     )  # two tile classes: the root's 64-token chunks (40 queries) and the leaves
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
-    rt = TreeAttentionRuntime(config, dtype=dtype, device=device, max_queries=64, max_kv_entries=4096,
-                              stage1_launches=launches, **heads)  # fmt: skip
-    lengths = [300] + [1 + (7 * i) % 45 for i in range(40)]
+    rt = TreeAttentionRuntime(config, dtype=dtype, device=device, max_queries=512, max_kv_entries=32768,
+                              stage1_launches=launches, programs_per_sm=1, **heads)  # fmt: skip
+    n = max(40, rt._sm_count // hkv + 8)  # leaves: more small-class items than one program per SM
+    lengths = [300] + [1 + (7 * i) % 45 for i in range(n)]
     starts = np.cumsum([0, *lengths])
     slots = [np.arange(a, b) for a, b in itertools.pairwise(starts)]
-    tree = ft.KVTree([-1] + [0] * 40, slots, list(range(1, 41)))
+    tree = ft.KVTree([-1] + [0] * n, slots, list(range(1, n + 1)))
     info = rt.plan(tree)
     assert min(b - a for a, b in info.slot_units) > 0  # both tile classes have items
-    q, k, v = _inputs(tree, device, 64, hq=hq, hkv=hkv, d=d, dtype=dtype)
+    q, k, v = _inputs(tree, device, n, hq=hq, hkv=hkv, d=d, dtype=dtype)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         rt.forward(q, k, v, out=out)
-        ref = ft.reference_attention(q[:40], k, v, tree)
-        assert ft.max_relative_error(out[:40], ref) < tol
+        ref = ft.reference_attention(q, k, v, tree)
+        assert ft.max_relative_error(out, ref) < tol
         assert not rt._counters.any()
     items = [(b - a) * rt.num_kv_heads for a, b in info.slot_units]
     assert max(items) > max(rt._programs)  # the claims ran
