@@ -1238,9 +1238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=None, help="cap on active requests (default: the scenario's)")
     p.add_argument(
         "--export",
-        default="docs/tune/export.json",
+        default="docs/tune/export_measured.json",
         help="tuned config export for the fasttree backends (its entry for this GPU and bucket, else the "
-        "defaults); 'none': FastTreeConfig()",
+        "defaults; default: the tuner's export refined on the GPU by bench.tune_measured, "
+        "docs/tune/export.json is the tuner's own); 'none': FastTreeConfig()",
     )
     p.add_argument("--sdpa-max-gib", type=float, default=40.0, help="skip sdpa above this padded KV per layer")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
