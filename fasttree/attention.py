@@ -128,22 +128,87 @@ def tree_attention(
     if fast is not None:
         entry = host._device_cache.get(fast)
         if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
+            forked, launchers = entry
             stream = _current_stream(q.device)
             with _on_device(q.device):
-                for launch in entry:
-                    launch(stream, q, k_cache, v_cache, out, qk_scale)
+                if forked:  # the two tile classes' stage-1 launches run side by side
+                    main, side, side_raw, fork, join = _side_stream(q.device, stream)
+                    fork.record(main)
+                    side.wait_event(fork)
+                    launchers[0](side_raw, q, k_cache, v_cache, out, qk_scale)
+                    join.record(side)
+                    launchers[1](stream, q, k_cache, v_cache, out, qk_scale)
+                    main.wait_event(join)
+                    for launch in launchers[2:]:
+                        launch(stream, q, k_cache, v_cache, out, qk_scale)
+                else:
+                    for launch in launchers:
+                        launch(stream, q, k_cache, v_cache, out, qk_scale)
             return out
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
+    forked = _is_cuda(q) and not _interpreting() and _stage1_launches(launches) == 2
     compiled = []
     with _on_device(q.device):
-        for kernel, grid, args, constexprs, warps, stages, maxnreg in launches:
+        if forked:
+            main, side, _, fork, join = _side_stream(q.device, _current_stream(q.device))
+            fork.record(main)
+            side.wait_event(fork)
+        for i, (kernel, grid, args, constexprs, warps, stages, maxnreg) in enumerate(launches):
+            if forked and i == 0:
+                with _stream_context(side):
+                    compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg))
+                join.record(side)
+                continue
             compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg))
+            if forked and i == 1:
+                main.wait_event(join)
     if fast is not None and all(c is not None for c in compiled):
-        host._device_cache[fast] = tuple(
-            _direct_launcher(c, kernel, grid, args, constexprs)
-            for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
+        host._device_cache[fast] = (
+            forked,
+            tuple(
+                _direct_launcher(c, kernel, grid, args, constexprs)
+                for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
+            ),
         )
     return out
+
+
+def _stage1_launches(launches: list[tuple]) -> int:
+    """How many of ``launches`` (from :func:`_launches`) are stage-1 launches (they come first)."""
+    return sum(1 for kernel, *_ in launches if kernel is tree_attention_units_kernel)
+
+
+#: Makes a ``torch.cuda.Stream`` current (what Triton's JIT and :func:`_launch` launch on).
+_stream_context = torch.cuda.stream
+
+#: Per (device index, raw handle of the launching stream): that stream, a side stream, the side
+#: stream's raw handle, and the fork and join events (see :func:`_side_stream`).
+_SIDE_STREAMS: dict[tuple[int, int], tuple] = {}
+
+
+def _side_stream(device: torch.device, stream: int) -> tuple:
+    """``(main, side, side_raw, fork, join)`` for running a plan's two stage-1 launches side by side.
+
+    A plan with two tile classes launches one stage-1 kernel per class; they write disjoint
+    partial rows and output rows, so the first runs on a side stream forked from the
+    launching stream (``fork`` recorded there, waited by the side stream) while the second
+    runs on the launching stream, which waits for ``join`` (recorded on the side stream after
+    its launch) before the merge. The long, compute-bound class and the short, memory-bound
+    one then share the GPU instead of running one after the other (H200, paper suite: 0.68-0.98x
+    of the one-stream time on the 11 two-class plans; bit-identical results). Under CUDA-graph
+    capture the fork and join become the graph's edges. One side stream per launching stream,
+    so calls on different streams do not wait for each other.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, stream)
+    entry = _SIDE_STREAMS.get(key)
+    if entry is None:
+        main = torch.cuda.current_stream(index)
+        if main.cuda_stream != stream:
+            raise RuntimeError("the launching stream is not the current stream")  # callers pass the current one
+        side = torch.cuda.Stream(device=torch.device("cuda", index))
+        entry = _SIDE_STREAMS[key] = (main, side, side.cuda_stream, torch.cuda.Event(), torch.cuda.Event())
+    return entry
 
 
 def _launches(

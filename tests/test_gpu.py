@@ -166,6 +166,45 @@ def test_direct_launch_path_is_correct_across_calls_layouts_and_graph_capture():
     assert attention._fast_path(plan, plan.to(q.device), q, k, v, out) is not None
 
 
+def test_two_class_plans_run_their_stage1_launches_side_by_side_and_stay_correct():
+    """A two-class plan (9/gqa4) forks its first stage-1 launch onto a side stream: every call
+    (through Triton, through the direct launchers, on another stream, replayed from a CUDA
+    graph with new data) matches the reference, and the direct entry records the fork."""
+    tree = paper_tree(9)
+    hq, hkv = PAPER_HEADS["gqa4"]
+    plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    assert all(u > 0 for u in plan.units_per_class()), "needs both tile classes"
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = make_inputs(tree, hq, hkv, 128, torch.float16, "cuda", gen)
+    rows = _sample(tree.n_queries, np.random.default_rng(9))
+    out = torch.empty_like(q)
+    for call in range(3):
+        for t in (q, k, v):
+            t.normal_()
+        out.fill_(float("nan"))
+        ft.tree_attention(q, k, v, plan, out=out)
+        assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16], call
+    entries = [e for key, e in plan._device_cache.items() if isinstance(key, tuple) and key[0] == "direct"]
+    assert len(entries) == 1 and entries[0][0] is True, "the direct entry forks"
+    other = torch.cuda.Stream()
+    other.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(other):
+        out.fill_(float("nan"))
+        ft.tree_attention(q, k, v, plan, out=out)
+    torch.cuda.current_stream().wait_stream(other)
+    assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16], "on another stream"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ft.tree_attention(q, k, v, plan, out=out)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _max_rel_error(out, q, k, v, tree, rows) < TOL[torch.float16], "graph replay"
+
+
 def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
     from pathlib import Path
 

@@ -4,6 +4,8 @@ tensors and nothing else changed; another layout goes through Triton again."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -34,9 +36,28 @@ class FakeKernel:
         return launch
 
 
+class FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event.name))
+
+
+class FakeEvent:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def record(self, stream):
+        self.log.append(("record", stream.name, self.name))
+
+
 @pytest.fixture
 def fakes(monkeypatch):
     log: list = []
+    side = (FakeStream("main", log), FakeStream("side", log), 5678, FakeEvent("fork", log), FakeEvent("join", log))
+    monkeypatch.setattr(attention, "_side_stream", lambda device, stream: side)
+    monkeypatch.setattr(attention, "_stream_context", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(attention, "tree_attention_units_kernel", FakeKernel("units", log))
     monkeypatch.setattr(attention, "merge_partials_kernel", FakeKernel("merge", log))
     monkeypatch.setattr(attention, "merge_many_partials_kernel", FakeKernel("merge_many", log))
@@ -48,6 +69,11 @@ def fakes(monkeypatch):
     real_check = attention._check_inputs
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)  # CPU tensors stand in for CUDA ones
     return log, real_check
+
+
+def _launches(log: list) -> list:
+    """The kernel launches of ``log`` (without the fork and join events)."""
+    return [e for e in log if e[0] in ("jit", "run")]
 
 
 def setup(gen):
@@ -68,14 +94,27 @@ def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes):
     plan, q, k, v = setup(gen)
     out = torch.empty_like(q)
     ft.tree_attention(q, k, v, plan, out=out)
-    first = list(log)
-    assert [e[0] for e in first] == ["jit", "jit", "jit"] and [e[1] for e in first] == ["units", "units", "merge"]
+    fork_join = [
+        ("record", "main", "fork"),
+        ("wait", "side", "fork"),
+        ("record", "side", "join"),
+        ("wait", "main", "join"),
+    ]
+    assert [e for e in log if e[0] in ("record", "wait")] == fork_join
+    first = [e for e in log if e[0] == "jit"]
+    assert [e[0] for e in log] == ["record", "wait", "jit", "record", "jit", "wait", "jit"]
+    assert [e[1] for e in first] == ["units", "units", "merge"]
     log.clear()
     q2, k2, v2, out2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), torch.empty_like(q)
     ft.tree_attention(q2, k2, v2, plan, 0.5, out=out2)
-    assert [e[:2] for e in log] == [("run", "units"), ("run", "units"), ("run", "merge")]
-    for (_, _, grid1, _, args1), (_, name, grid2, stream, args2) in zip(first, log, strict=True):
-        assert grid1 == grid2 and stream == 1234 and len(args1) == len(args2)
+    assert [e[:2] for e in log] == [
+        ("record", "main"), ("wait", "side"), ("run", "units"), ("record", "side"), ("run", "units"),
+        ("wait", "main"), ("run", "merge"),
+    ], "class 0 on the side stream, class 1 on the launching one, which waits for both before the merge"  # fmt: skip
+    runs = [e for e in log if e[0] == "run"]
+    assert [e[3] for e in runs] == [5678, 1234, 1234], "the side stream's raw handle for the first launch"
+    for (_, _, grid1, _, args1), (_, name, grid2, _, args2) in zip(first, runs, strict=True):
+        assert grid1 == grid2 and len(args1) == len(args2)
         if name == "merge":
             assert args2[0] is out2 and all(a is b for a, b in zip(args1[1:], args2[1:], strict=True))
             continue
@@ -96,17 +135,21 @@ def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
     assert len(direct()) == 1
     wide = torch.randn(k.shape[0], 4, 64, generator=gen, dtype=torch.float16)[:, 1:3]  # another stride(0)
     ft.tree_attention(q, wide, v, plan)
-    assert [e[0] for e in log] == ["run"] * 3, "Triton's kernels fit (same specialisation): its cached launch path"
-    assert log[0][4][1] is wide and log[0][4][18] == wide.stride(0) == 256
+    assert [e[0] for e in _launches(log)] == ["run"] * 3, (
+        "Triton's kernels fit (same specialisation): its cached launch path"
+    )
+    assert _launches(log)[0][4][1] is wide and _launches(log)[0][4][18] == wide.stride(0) == 256
     assert len(direct()) == 2, "a direct entry for the new layout"
     log.clear()
     ft.tree_attention(q, wide, v, plan)
-    assert [e[0] for e in log] == ["run"] * 3 and log[0][4][18] == 256
+    assert [e[0] for e in _launches(log)] == ["run"] * 3 and _launches(log)[0][4][18] == 256
     log.clear()
     flat = torch.randn(k.numel() + 1, generator=gen, dtype=torch.float16)
     odd = flat[1:].view(k.shape)  # 2-byte offset: not 16-byte aligned, which Triton specialises on
     ft.tree_attention(q, odd, v, plan)
-    assert [e[0] for e in log] == ["jit", "jit", "run"], "stage 1 compiles for the unaligned pool; the merge is cached"
+    assert [e[0] for e in _launches(log)] == ["jit", "jit", "run"], (
+        "stage 1 compiles for the unaligned pool; the merge is cached"
+    )
     assert len(direct()) == 3
     log.clear()
     uploaded = attention.DevicePlan.upload(plan, q.device)  # not the plan's cached copy: no direct path
@@ -114,6 +157,10 @@ def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
     keys = direct()
     out = torch.empty_like(q)
     ft.tree_attention(q, k, v, uploaded, out=out)
-    assert [e[:2] for e in log] == [("run", "units"), ("run", "units"), ("run", "merge")]  # Triton's cached kernels
-    assert log[0][4][6] is uploaded.arrays["kv_indices"] and log[0][4][3] is out
+    assert [e[:2] for e in _launches(log)] == [
+        ("run", "units"),
+        ("run", "units"),
+        ("run", "merge"),
+    ]  # Triton's cached kernels
+    assert _launches(log)[0][4][6] is uploaded.arrays["kv_indices"] and _launches(log)[0][4][3] is out
     assert direct() == keys
