@@ -146,7 +146,7 @@ def tree_attention(
                         launch(stream, q, k_cache, v_cache, out, qk_scale)
             return out
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
-    forked = _is_cuda(q) and not _interpreting() and _stage1_launches(launches) == 2
+    forked = _FORK_STAGE1 and _is_cuda(q) and not _interpreting() and _stage1_launches(launches) == 2
     compiled = []
     with _on_device(q.device):
         if forked:
@@ -177,6 +177,10 @@ def _stage1_launches(launches: list[tuple]) -> int:
     """How many of ``launches`` (from :func:`_launches`) are stage-1 launches (they come first)."""
     return sum(1 for kernel, *_ in launches if kernel is tree_attention_units_kernel)
 
+
+#: Whether two-class plans run their stage-1 launches side by side (:func:`_side_stream`); read when
+#: a plan's launches for a tensor layout are first built (an A/B switch for benchmarks).
+_FORK_STAGE1 = True
 
 #: Makes a ``torch.cuda.Stream`` current (what Triton's JIT and :func:`_launch` launch on).
 _stream_context = torch.cuda.stream
