@@ -128,10 +128,10 @@ def tree_attention(
     if fast is not None:
         entry = host._device_cache.get(fast)
         if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
-            forked, launchers = entry
+            fork_mode, launchers = entry
             stream = _current_stream(q.device)
             with _on_device(q.device):
-                if forked:  # the two tile classes' stage-1 launches run side by side
+                if _forks(fork_mode):  # the two tile classes' stage-1 launches run side by side
                     main, side, side_raw, fork, join = _side_stream(q.device, stream)
                     fork.record(main)
                     side.wait_event(fork)
@@ -146,7 +146,8 @@ def tree_attention(
                         launch(stream, q, k_cache, v_cache, out, qk_scale)
             return out
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
-    forked = _FORK_STAGE1 and _is_cuda(q) and not _interpreting() and _stage1_launches(launches) == 2
+    fork_mode = _fork_mode(host, q, launches)
+    forked = _forks(fork_mode)
     compiled = []
     with _on_device(q.device):
         if forked:
@@ -164,7 +165,7 @@ def tree_attention(
                 main.wait_event(join)
     if fast is not None and all(c is not None for c in compiled):
         host._device_cache[fast] = (
-            forked,
+            fork_mode,
             tuple(
                 _direct_launcher(c, kernel, grid, args, constexprs)
                 for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
@@ -176,6 +177,34 @@ def tree_attention(
 def _stage1_launches(launches: list[tuple]) -> int:
     """How many of ``launches`` (from :func:`_launches`) are stage-1 launches (they come first)."""
     return sum(1 for kernel, *_ in launches if kernel is tree_attention_units_kernel)
+
+
+#: A plan's stage-1 launches run side by side: never, only under CUDA-graph capture, always.
+_FORK_NEVER, _FORK_CAPTURED, _FORK_ALWAYS = 0, 1, 2
+#: Plans reading at least this many (KV entry, KV head) pairs fork in eager calls too. The fork's
+#: events cost 5-8 us of host time per call. On the H200 (one A/B run), back-to-back eager calls
+#: of the smaller two-class suite plans (6/gqa4, 9/gqa4, 11/gqa16, 13/gqa16: 64-152k pairs,
+#: 18-26 us of GPU time forked) took 5-8 us longer forked and those of 7/mha and 8/gqa4 (1.2 and
+#: 2.5M pairs) 4-11 us shorter (5/mha, 2.2M: 4 us longer, within its spread), while one call at a
+#: time (do_bench) was 1-5 us shorter forked on all of them.
+_FORK_EAGER_MIN_PAIRS = 1 << 19
+
+
+def _fork_mode(host: Plan, q: torch.Tensor, launches: list[tuple]) -> int:
+    """When a call of ``host`` with these launches runs its two stage-1 launches side by side."""
+    if not (_FORK_STAGE1 and _is_cuda(q) and not _interpreting() and _stage1_launches(launches) == 2):
+        return _FORK_NEVER
+    return _FORK_ALWAYS if host.kv_indices.size * host.num_kv_heads >= _FORK_EAGER_MIN_PAIRS else _FORK_CAPTURED
+
+
+def _forks(mode: int) -> bool:
+    """Whether this call forks (``mode`` from :func:`_fork_mode`)."""
+    return mode == _FORK_ALWAYS or (mode == _FORK_CAPTURED and _capturing())
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_current_stream_capturing()
 
 
 #: Whether two-class plans run their stage-1 launches side by side (:func:`_side_stream`); read when

@@ -58,6 +58,7 @@ def fakes(monkeypatch):
     side = (FakeStream("main", log), FakeStream("side", log), 5678, FakeEvent("fork", log), FakeEvent("join", log))
     monkeypatch.setattr(attention, "_side_stream", lambda device, stream: side)
     monkeypatch.setattr(attention, "_stream_context", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(attention, "_capturing", lambda: True)  # the small test plan forks only when captured
     monkeypatch.setattr(attention, "tree_attention_units_kernel", FakeKernel("units", log))
     monkeypatch.setattr(attention, "merge_partials_kernel", FakeKernel("merge", log))
     monkeypatch.setattr(attention, "merge_many_partials_kernel", FakeKernel("merge_many", log))
@@ -164,3 +165,22 @@ def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
     ]  # Triton's cached kernels
     assert _launches(log)[0][4][6] is uploaded.arrays["kv_indices"] and _launches(log)[0][4][3] is out
     assert direct() == keys
+
+
+@pytest.mark.parametrize(
+    ("capturing", "min_pairs", "forks"), [(False, None, False), (False, 0, True), (True, None, True)]
+)
+def test_small_two_class_plans_fork_only_under_capture(fakes, monkeypatch, capturing, min_pairs, forks):
+    """The fork's events cost host time: a plan reading few KV entries forks only under graph
+    capture, one reading at least ``_FORK_EAGER_MIN_PAIRS`` (KV entry, KV head) pairs always."""
+    log, _ = fakes
+    monkeypatch.setattr(attention, "_capturing", lambda: capturing)
+    if min_pairs is not None:
+        monkeypatch.setattr(attention, "_FORK_EAGER_MIN_PAIRS", min_pairs)
+    plan, q, k, v = setup(torch.Generator().manual_seed(2))
+    for _ in range(2):  # through Triton, then the direct launchers
+        log.clear()
+        ft.tree_attention(q, k, v, plan)
+        events = [e for e in log if e[0] in ("record", "wait")]
+        assert bool(events) == forks
+        assert [e[1] for e in _launches(log)] == ["units", "units", "merge"]
