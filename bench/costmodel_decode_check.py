@@ -1,0 +1,362 @@
+"""How well the committed H200 latency model ranks runtime configs on decode-serving trees (CPU).
+
+    TRITON_INTERPRET=1 python -m bench.costmodel_decode_check    # writes docs/bench/costmodel_decode_check.md
+
+Input: the H200 decode config sweeps (``docs/bench/h200/decode_config_sweep*_f18595e.json``,
+made by ``bench.decode_config_sweep`` ``--grid one`` and ``--grid combos``): per (model, scenario),
+configs (the export's tuned one and variations of it) timed by CUDA-graph replay of
+``TreeAttentionRuntime.forward`` on three ``iter_serving(scenario, seed=0, steps=40)``
+trees (steps 10, 25 and 39). The configs are rebuilt here with the sweeps' own code and
+matched to the rows by position (their names are checked too).
+
+Each (tree, config) is planned as the runtime plans it (a ``TreeAttentionRuntime`` on the
+CPU, hence ``TRITON_INTERPRET=1``: it may re-plan a step query-centric), then predicted by
+``models/h200_latency_model.json`` (``predict_plans``' feature rows and model call), by
+the model file's calibrated simulator, and scored by the published planner's cost (ranks
+only). Per (model, scenario), the predictions of a config are summed over the three trees
+and compared with the measured sum: Kendall tau-b over configs, the fraction of config
+pairs measured more than 2% apart that are ordered right, MAPE of the per-tree
+predictions, top-1 score (measured best / measured time of the predictor's pick) and the
+measured and predicted ratio of the best-measured config to the tuned one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.stats import kendalltau
+
+from bench.common import write_atomic
+from bench.decode_config_sweep import variants_combinations, variants_one_at_a_time
+from fasttree.costmodel.evaluate import SimulatorBaseline
+from fasttree.costmodel.features import features_of_plans, published_cost
+from fasttree.costmodel.gpu import GpuSpec
+from fasttree.costmodel.persist import load_model
+from fasttree.export import read_export
+from fasttree.runtime import TreeAttentionRuntime
+from fasttree.workloads import iter_serving
+
+log = logging.getLogger("bench.costmodel_decode_check")
+
+GPU = "NVIDIA H200"
+MODELS = {"llama": (32, 32), "mistral": (32, 8)}
+HEAD_DIM = 128
+STEPS = (10, 25, 39)
+SWEEPS = {
+    "docs/bench/h200/decode_config_sweep_f18595e.json": "sweep1",
+    "docs/bench/h200/decode_config_sweep2_f18595e.json": "sweep2",
+}
+#: Config pairs whose measured sums differ by more than this (relative) count in ``pairs_ok``.
+PAIR_GAP = 0.02
+PREDICTORS = ("learned", "simulator", "published cost")
+
+
+VARIANTS = {"sweep1": variants_one_at_a_time, "sweep2": variants_combinations}
+
+
+def runtime_plans(trees, configs, hq: int, hkv: int) -> tuple[list, int]:
+    """The plan a CPU runtime (the sweeps' capacities) uploads for every (config, tree).
+
+    Also returns how many of those plans the runtime made query-centric.
+    """
+    slots = max(t.max_slot + 1 for t in trees)
+    nq = max(t.n_queries for t in trees)
+    plans, qc = [], 0
+    for cfg in configs:
+        rt = TreeAttentionRuntime(
+            cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype=torch.float16, device="cpu",
+            max_queries=nq, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * nq, pool_slots=slots,
+        )  # fmt: skip
+        for tree in trees:
+            up = rt.plan(tree)
+            plans.append(up.plan)
+            qc += bool(up.query_centric)
+        del rt
+    return plans, qc
+
+
+def rank_metrics(score: np.ndarray, meas: np.ndarray) -> dict:
+    """Rank metrics of per-config scores (float [n], lower = faster) against measured sums (us, float [n])."""
+    pick = int(np.argmin(score))  # first of ties
+    i, j = np.triu_indices(meas.size, 1)
+    far = np.abs(meas[i] - meas[j]) > PAIR_GAP * np.minimum(meas[i], meas[j])
+    agree = np.sign(score[i] - score[j]) * np.sign(meas[i] - meas[j])
+    ok = float(np.mean(np.where(agree[far] == 0, 0.5, agree[far] > 0))) if far.any() else float("nan")
+    return {
+        "tau": float(kendalltau(score, meas).statistic),
+        "pairs_ok": ok,
+        "n_pairs": int(far.sum()),
+        "pick": pick,
+        "top1": float(meas.min() / meas[pick]),
+        "pick_vs_tuned": float(meas[pick] / meas[0]),
+    }
+
+
+def check_group(rows: list[dict], pred: dict[str, np.ndarray], names: list[str]) -> dict:
+    """Metrics of one (model, scenario): ``pred`` maps predictor -> float [n_configs, n_trees]."""
+    meas_tree = np.array([r["times_us"] for r in rows], dtype=np.float64)
+    meas = np.array([r["sum_us"] for r in rows], dtype=np.float64)
+    best = int(np.argmin(meas))
+    out = {
+        "n": len(rows),
+        "best": best,
+        "names": names,
+        "meas": meas,
+        "best_vs_tuned_meas": float(meas[best] / meas[0]),
+    }
+    for name, p in pred.items():
+        s = p.sum(axis=1)
+        m = rank_metrics(s, meas)
+        m["sum"] = s
+        if name != "published cost":  # arbitrary units: ranks only
+            m["mape"] = float(np.mean(np.abs(p - meas_tree) / meas_tree))
+            m["ratio"] = float(np.median(p / meas_tree))
+            m["best_vs_tuned_pred"] = float(s[best] / s[0])
+        out[name] = m
+    return out
+
+
+def run_sweep(path: str, kind: str, model, sim: SimulatorBaseline, gpu: GpuSpec, export) -> list[dict]:
+    doc = json.loads(Path(path).read_text())
+    if doc["gpu"] != GPU:
+        raise ValueError(f"{path}: measured on {doc['gpu']!r}, the model is for {GPU!r}")
+    groups = []
+    for model_name, (hq, hkv) in MODELS.items():
+        base, _ = export.lookup(gpu=GPU, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype="float16")
+        for scenario in dict.fromkeys(r["scenario"] for r in doc["results"]):
+            rows = [r for r in doc["results"] if r["model"] == model_name and r["scenario"] == scenario]
+            if not rows:
+                continue
+            variants = VARIANTS[kind](base, model_name)
+            names = [n for n, _ in variants]
+            if names != [r["variant"] for r in rows]:
+                raise ValueError(f"{path} {model_name}/{scenario}: rows do not match the regenerated variants")
+            steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
+            trees = [steps[i].tree for i in STEPS]
+            plans, qc = runtime_plans(trees, [c for _, c in variants], hq, hkv)
+            X = features_of_plans(plans, gpu)  # what predict_plans feeds the model
+            shape = (len(variants), len(trees))
+            pred = {
+                "learned": model.predict(X).reshape(shape),
+                "simulator": sim.predict(X).reshape(shape),
+                "published cost": np.array([published_cost(p) for p in plans]).reshape(shape),
+            }
+            g = check_group(rows, pred, names)
+            g.update(
+                configs=[c for _, c in variants],
+                file=path,
+                sweep=kind,
+                model=model_name,
+                scenario=scenario,
+                query_centric=qc,
+                plans=len(plans),
+            )
+            groups.append(g)
+    return groups
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "—" if x is None or not np.isfinite(x) else f"{x:.{digits}f}"
+
+
+def summary_table(groups: list[dict]) -> list[str]:
+    lines = [
+        "| model | scenario | configs | predictor | tau | pairs >2% ok | MAPE | pred/meas | top-1 | pick "
+        "| pick/tuned (meas) | best/tuned meas | best/tuned pred |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for g in groups:
+        for name in PREDICTORS:
+            m = g[name]
+            lines.append(
+                f"| {g['model']} | {g['scenario']} | {g['n']} | {name} | {_f(m['tau'])} "
+                f"| {_f(m['pairs_ok'])} ({m['n_pairs']}) | {_f(m.get('mape', np.nan))} | {_f(m.get('ratio', np.nan))} "
+                f"| {_f(m['top1'])} | `{g['names'][m['pick']]}` | {_f(m['pick_vs_tuned'])} "
+                f"| {_f(g['best_vs_tuned_meas'])} | {_f(m.get('best_vs_tuned_pred', np.nan))} |"
+            )
+    return lines
+
+
+def detail_table(g: dict, k: int = 3) -> list[str]:
+    """Measured best ``k``, the tuned config and the learned model's top ``k``, with measured and predicted sums."""
+    meas, pred = g["meas"], g["learned"]["sum"]
+    meas_rank = np.argsort(meas, kind="stable")
+    pred_rank = np.argsort(pred, kind="stable")
+    mr = np.empty_like(meas_rank)
+    mr[meas_rank] = np.arange(meas.size)
+    pr = np.empty_like(pred_rank)
+    pr[pred_rank] = np.arange(pred.size)
+    show = list(dict.fromkeys([*meas_rank[:k].tolist(), 0, *pred_rank[:k].tolist()]))
+    lines = [
+        f"**{g['model']} / {g['scenario']}**",
+        "",
+        "| config | measured sum (us) | rank | learned sum (us) | rank | pred/meas |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for i in show:
+        lines.append(
+            f"| `{g['names'][i]}` | {meas[i]:.1f} | {mr[i] + 1} | {pred[i]:.1f} | {pr[i] + 1} "
+            f"| {pred[i] / meas[i]:.2f} |"
+        )
+    return [*lines, ""]
+
+
+def _mean_ranks(g: dict, mask: np.ndarray) -> tuple[float, float]:
+    """Mean measured and mean learned-model rank (1 = fastest) of the configs ``mask`` selects."""
+    ranks = []
+    for v in (g["meas"], g["learned"]["sum"]):
+        r = np.empty(v.size)
+        r[np.argsort(v, kind="stable")] = np.arange(1, v.size + 1)
+        ranks.append(float(r[mask].mean()))
+    return ranks[0], ranks[1]
+
+
+def findings(groups: list[dict], noise: list[float]) -> list[str]:
+    lm = [g["learned"] for g in groups]
+    taus = [m["tau"] for m in lm]
+    pub = [g["published cost"]["tau"] for g in groups]
+
+    def mean_tau(name: str) -> float:
+        return float(np.nanmean([g[name]["tau"] for g in groups]))
+
+    by_model = {mn: [m["ratio"] for g, m in zip(groups, lm, strict=True) if g["model"] == mn] for mn in MODELS}
+    tile = []
+    for g in groups:
+        mask = np.array([c.kv_tile == (64, 128) for c in g["configs"]])
+        if mask.any() and not mask.all():
+            mr, pr = _mean_ranks(g, mask)
+            tile.append(f"{g['model']}/{g['scenario']} ({g['sweep']}) {mr:.0f} vs {pr:.0f}")
+    return [
+        f"- Ranking: Kendall tau of the learned model {min(taus):.2f} to {max(taus):.2f} over the {len(groups)} "
+        f"(file, model, scenario) groups (mean {np.mean(taus):.2f}; calibrated simulator {mean_tau('simulator'):.2f}, "
+        f"published cost {mean_tau('published cost'):.2f}"
+        + (
+            f", undefined in {int(np.isnan(pub).sum())} group(s) where it scores every config the same"
+            if np.isnan(pub).any()
+            else ""
+        )
+        + f"); pairs of configs measured >2% apart ordered right: {np.mean([m['pairs_ok'] for m in lm]):.2f} on "
+        f"average, {min(m['pairs_ok'] for m in lm):.2f} at worst. The tuned config's repeat spread between the two "
+        f"files is {min(noise):.2%} to {max(noise):.2%}.",
+        f"- Picking: top-1 score {min(m['top1'] for m in lm):.3f} to {max(m['top1'] for m in lm):.3f} (mean "
+        f"{np.mean([m['top1'] for m in lm]):.3f}); the model's pick measured {min(m['pick_vs_tuned'] for m in lm):.3f}"
+        f" to {max(m['pick_vs_tuned'] for m in lm):.3f}x the tuned config's time. The best measured config is "
+        f"{min(g['best_vs_tuned_meas'] for g in groups):.3f} to {max(g['best_vs_tuned_meas'] for g in groups):.3f}x "
+        f"the tuned one; the model predicts {min(m['best_vs_tuned_pred'] for m in lm):.3f} to "
+        f"{max(m['best_vs_tuned_pred'] for m in lm):.3f}x for that config (less headroom than measured in "
+        f"{sum(m['best_vs_tuned_pred'] > g['best_vs_tuned_meas'] for g, m in zip(groups, lm, strict=True))} of "
+        f"{len(groups)} groups).",
+        f"- Absolute error: per-tree MAPE {min(m['mape'] for m in lm):.2f} to {max(m['mape'] for m in lm):.2f}; median "
+        "pred/meas " + ", ".join(f"{mn} {min(v):.2f}-{max(v):.2f}" for mn, v in by_model.items() if v) + ".",
+        "- kv_tile (64, 128) configs, mean measured rank vs the model's: " + "; ".join(tile) + ".",
+    ]
+
+
+def small_class_only(groups: list[dict]) -> str:
+    """Measured and predicted time / tuned of GQA configs that change only the small class's warps or stages."""
+    parts = []
+    for g in groups:
+        if MODELS[g["model"]][0] == MODELS[g["model"]][1]:
+            continue  # MHA: the runtime launches each tile class with its own warps and stages
+        base = g["configs"][0]
+        for i, c in enumerate(g["configs"]):
+            same_large = (c.num_warps[0], c.num_stages[0]) == (base.num_warps[0], base.num_stages[0])
+            rest = dataclasses.replace(c, num_warps=base.num_warps, num_stages=base.num_stages)
+            if i and c != base and same_large and rest == base:
+                m, p = g["meas"][i] / g["meas"][0], g["learned"]["sum"][i] / g["learned"]["sum"][0]
+                parts.append(f"{g['model']}/{g['scenario']} `{g['names'][i]}` {m:.3f} / {p:.3f}")
+    return "; ".join(parts)
+
+
+def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
+    lines = [
+        "# Latency model vs measured runtime configs on decode-serving trees (H200)",
+        "",
+        "Generated by `TRITON_INTERPRET=1 python -m bench.costmodel_decode_check` (CPU); do not edit by hand.",
+        "",
+        "Measured: configs of the runtime (the export's tuned config for the shape, `docs/tune/export.json`, and "
+        "variations of it) timed on the H200 by CUDA-graph replay of `TreeAttentionRuntime.forward` (median), "
+        "on the trees of steps 10, 25 and 39 of `iter_serving(scenario, seed=0, steps=40)`; Llama 32/32 and "
+        "Mistral 32/8 heads, head dim 128, fp16, at f18595e (`bench.decode_config_sweep`, `--grid one` and "
+        "`--grid combos`).",
+        f"Predicted: `models/h200_latency_model.json` ({meta['model_params']['kind']}, fitted on "
+        f"{meta['trace_set']['rows']} measurements of `{' '.join(meta['trace_set']['paths'])}`) for the plan the "
+        "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included), its "
+        "calibrated simulator (`extra.simulator_baseline`) and the published planner's cost (ranks only).",
+        "",
+        "Columns: `tau` Kendall tau-b of the per-config sums (3 trees) against the measured sums; `pairs >2% ok` "
+        "fraction of config pairs measured more than 2% apart that the predictor orders right (ties count half; "
+        "pair count in brackets); `MAPE` over the per-tree predictions; `pred/meas` their median ratio; `top-1` "
+        "measured best / measured time of the predictor's pick; `pick/tuned` the pick's measured time over the tuned "
+        "config's; `best/tuned` the best-measured config's time over the tuned config's, measured and predicted.",
+        "",
+        "## Findings",
+        "",
+        *findings(groups, noise),
+        "",
+        "Caveat: the model was fitted on traces of the per-plan `fasttree.tree_attention` kernels "
+        "(`fasttree/profiler.py` `measure_point`: a grid of one program per unit and KV head per tile class, then "
+        "the merge), measured at c072d8c-6ad7bd2, not on the runtime's persistent stage-1 and merge launches "
+        "(`fasttree/runtime.py`: SM-sized grids, one stage-1 launch for both tile classes with the large class's "
+        "warps and stages unless MHA at D <= 128) timed here at f18595e. Knobs the runtime handles differently "
+        "(small-class warps/stages for GQA, grid and occupancy) are predicted for the per-plan kernels: configs "
+        "of the GQA shape that change only the small class's warps or stages, measured / predicted time relative "
+        f"to tuned: {small_class_only(groups) or 'none'}.",
+        "",
+    ]
+    for path in SWEEPS:
+        sub = [g for g in groups if g["file"] == path]
+        if not sub:
+            continue
+        lines += [f"## `{path}`", "", *summary_table(sub), ""]
+        lines += [
+            "Measured best 3, tuned and the learned model's top 3 (sums over the 3 trees; configs with the same "
+            "plan get the same prediction, and tied predictions rank in list order):",
+            "",
+        ]
+        for g in sub:
+            lines += detail_table(g)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=Path("models/h200_latency_model.json"))
+    p.add_argument("--export", type=Path, default=Path("docs/tune/export.json"))
+    p.add_argument("--out", type=Path, default=Path("docs/bench/costmodel_decode_check.md"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("set TRITON_INTERPRET=1: the runtime plans on the CPU only under the interpreter")
+    model, meta = load_model(args.model, gpu_name=GPU)
+    gpu = GpuSpec.from_dict(meta["gpu"])
+    sim = SimulatorBaseline.from_coef(meta["extra"]["simulator_baseline"]["coef"])
+    export = read_export(args.export)
+    groups = []
+    for path, kind in SWEEPS.items():
+        groups += run_sweep(path, kind, model, sim, gpu, export)
+    for g in groups:
+        m = g["learned"]
+        log.info("%s %s/%s: %d configs, %d plans (%d query-centric), tau %.3f, MAPE %.3f, top-1 %.3f",
+                 g["sweep"], g["model"], g["scenario"], g["n"], g["plans"], g["query_centric"], m["tau"], m["mape"],
+                 m["top1"])  # fmt: skip
+    # the tuned config is in both files: its repeat spread gauges the measurement noise
+    tuned = {}
+    for g in groups:
+        tuned.setdefault((g["model"], g["scenario"]), []).append(g["meas"][0])
+    noise = [abs(a - b) / min(a, b) for a, b in (v for v in tuned.values() if len(v) == 2)]
+    text = markdown(groups, meta, noise or [float("nan")])
+    write_atomic(args.out, text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
