@@ -7,6 +7,8 @@ each model shape it starts from the export's entry for that bucket and runs a co
 search over the config fields, timing :class:`fasttree.runtime.TreeAttentionRuntime` by
 CUDA-graph replay on trees of the serving scenarios, and writes a new export whose entries
 carry the measured gain in their provenance. Entries of other buckets are copied unchanged.
+The search and the measurement are :mod:`fasttree.refine`'s (``fasttree-tune refine`` runs
+them on workload traces); this script feeds them the serving scenarios' trees.
 
 The trees come from :func:`fasttree.workloads.iter_serving` with ``--seed`` (default 1),
 so a search does not see the trees of the decode benchmark (``bench.decode`` uses seed 0).
@@ -21,197 +23,32 @@ than ``--min-gain``; the search stops after ``--passes`` passes or a pass withou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import math
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 import fasttree as ft
 from bench.common import environment
-from bench.decode import MODELS, ModelSpec
+from bench.decode import MODELS
 from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
-from fasttree.runtime import TreeAttentionRuntime
+from fasttree.refine import RuntimeBench, Timer, coordinate_search, parse_fields
 from fasttree.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.tune_measured")
 
-#: Options tried for each coordinate: a scalar field, or one side ``(field, index)`` of a pair.
-COORDINATES: dict[str | tuple[str, int], tuple[Any, ...]] = {
-    ("kv_split_sizes", 0): (256, 384, 512, 768, 1024, 2048),
-    ("kv_split_sizes", 1): (32, 64, 128, 256),
-    "pack_tokens": (0, 256, 512, 768, 1024, 2048),
-    "pack_min_units": (132, 264, 528),
-    ("num_warps", 0): (4, 8),
-    ("num_warps", 1): (2, 4, 8),
-    ("num_stages", 0): (2, 3, 4),
-    ("num_stages", 1): (2, 3, 4),
-    ("kv_tile", 0): (32, 64, 128),
-    ("kv_tile", 1): (32, 64, 128),
-    "gamma": (-10.0, 0.1, 0.5, 2.0, 10.0),
-    "para_threshs1": ((66, 264), (132, 528), (264, 1056)),
-}
 
-#: A timer: ``(runtime, q, k, v, out) -> us`` for one planned forward call.
-Timer = Callable[[TreeAttentionRuntime, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], float]
-
-
-def coordinate_name(coord: str | tuple[str, int]) -> str:
-    """``"gamma"`` or ``"kv_split_sizes[0]"``."""
-    return coord if isinstance(coord, str) else f"{coord[0]}[{coord[1]}]"
-
-
-def with_value(config: ft.FastTreeConfig, coord: str | tuple[str, int], value: Any) -> ft.FastTreeConfig:
-    """``config`` with one coordinate set (``ValueError`` when the result is not a valid config)."""
-    if isinstance(coord, str):
-        return dataclasses.replace(config, **{coord: value})
-    name, i = coord
-    pair = list(getattr(config, name))
-    pair[i] = value
-    return dataclasses.replace(config, **{name: tuple(pair)})
-
-
-def graph_timer(rt: TreeAttentionRuntime, q, k, v, out) -> float:
-    """GPU time (us) of one ``rt.forward`` call by CUDA-graph replay (median)."""
-    from fasttree.timing import graph_time_us
-
-    return graph_time_us(lambda: rt.forward(q, k, v, out=out), budget_s=0.1)["median"]
-
-
-@dataclasses.dataclass
-class Workload:
-    """The search trees of one model shape, by scenario, with inputs sized for all of them."""
-
-    spec: ModelSpec
-    trees: dict[str, list[ft.KVTree]]
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        return self.q.shape[0]
-
-
-def make_workload(
-    spec: ModelSpec, scenarios: list[str], *, seed: int, steps: int, trees: int, dtype, device
-) -> Workload:
-    """``trees`` evenly spaced steps of each scenario's first ``steps`` and random q/K/V."""
+def serving_trees(scenarios: list[str], *, seed: int, steps: int, trees: int) -> dict[str, list[ft.KVTree]]:
+    """``trees`` evenly spaced steps of each scenario's first ``steps`` (from the second quarter on)."""
     by_scenario = {}
     for name in scenarios:
         served = list(iter_serving(name, seed=seed, steps=steps))
         picks = np.unique(np.linspace(len(served) // 4, len(served) - 1, trees).round().astype(int))
         by_scenario[name] = [served[i].tree for i in picks]
-    every = [t for ts in by_scenario.values() for t in ts]
-    rows = max(t.n_queries for t in every)
-    slots = max(t.max_slot + 1 for t in every)
-    gen = torch.Generator().manual_seed(seed)
-    hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device, dtype)
-
-    return Workload(spec, by_scenario, rand(rows, hq, d), rand(slots, hkv, d), rand(slots, hkv, d))
-
-
-def measure(config: ft.FastTreeConfig, work: Workload, timer: Timer) -> dict[str, float]:
-    """Summed time (us) of each scenario's trees under ``config``."""
-    spec = work.spec
-    rt = TreeAttentionRuntime(
-        config,
-        num_q_heads=spec.num_q_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype=work.q.dtype,
-        device=work.q.device,
-        max_queries=work.rows,
-        max_kv_entries=8 * work.k.shape[0],
-        max_units=1 << 16,
-        max_partial_rows=64 * work.rows,
-        pool_slots=work.k.shape[0],
-    )
-    out = torch.empty_like(work.q)
-    sums = {}
-    for name, trees in work.trees.items():
-        total = 0.0
-        for tree in trees:
-            rt.plan(tree)
-            total += timer(rt, work.q, work.k, work.v, out)
-        sums[name] = total
-    return sums
-
-
-def objective(sums: dict[str, float], base: dict[str, float]) -> float:
-    """Geometric mean over scenarios of the time ratio to ``base``."""
-    return math.exp(sum(math.log(sums[s] / base[s]) for s in base) / len(base))
-
-
-def candidates(config: ft.FastTreeConfig, coord, options) -> Iterator[tuple[Any, ft.FastTreeConfig]]:
-    """The valid configs one coordinate away from ``config``, skipping its current value."""
-    current = getattr(config, coord) if isinstance(coord, str) else getattr(config, coord[0])[coord[1]]
-    for value in options:
-        if value == current:
-            continue
-        try:
-            yield value, with_value(config, coord, value)
-        except ValueError as exc:
-            log.debug("skip %s = %r: %s", coordinate_name(coord), value, exc)
-
-
-def search(
-    start: ft.FastTreeConfig,
-    work: Workload,
-    *,
-    timer: Timer,
-    coordinates: dict | None = None,
-    passes: int = 2,
-    min_gain: float = 0.015,
-) -> dict[str, Any]:
-    """Coordinate search from ``start``; returns the best config and the search record.
-
-    Returns
-    -------
-    dict
-        ``config`` (FastTreeConfig), ``base`` and ``best`` (summed us per scenario),
-        ``objective`` (best / base geomean), ``evaluations`` and ``moves``
-        (``[coordinate, value, objective]`` in order).
-    """
-    coordinates = COORDINATES if coordinates is None else coordinates
-    base = measure(start, work, timer)
-    best, best_sums, best_obj = start, base, 1.0
-    evaluations, moves = 1, []
-    for p in range(passes):
-        moved = False
-        for coord, options in coordinates.items():
-            for value, config in candidates(best, coord, options):
-                try:
-                    sums = measure(config, work, timer)
-                except Exception as exc:  # a launch the GPU cannot run (shared memory, registers)
-                    log.info("  %s = %r failed: %s", coordinate_name(coord), value, str(exc).splitlines()[0])
-                    continue
-                evaluations += 1
-                obj = objective(sums, base)
-                log.info("  pass %d %s = %r: %.4f (best %.4f)", p, coordinate_name(coord), value, obj, best_obj)
-                if obj < best_obj * (1 - min_gain):
-                    best, best_sums, best_obj, moved = config, sums, obj, True
-                    moves.append([coordinate_name(coord), value, obj])
-                    log.info("  -> keep %s = %r", coordinate_name(coord), value)
-        if not moved:
-            break
-    return {
-        "config": best,
-        "base": base,
-        "best": best_sums,
-        "objective": best_obj,
-        "evaluations": evaluations,
-        "moves": moves,
-    }
+    return by_scenario
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -243,23 +80,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{args.out} exists; choose another path")
     if min(args.trees, args.passes, args.steps) < 1:
         p.error("--trees, --passes and --steps must be >= 1")
-    names = {coordinate_name(c): c for c in COORDINATES}
     if args.fields is not None:
-        unknown = [f for f in args.fields.split(",") if f not in names]
-        if unknown:
-            p.error(f"unknown fields {unknown}; choose from {', '.join(names)}")
-        args.fields = {names[f]: COORDINATES[names[f]] for f in args.fields.split(",")}
+        try:
+            args.fields = parse_fields(args.fields)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
 
 
 def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
+    """Entry point; ``timer`` replaces the graph-replay timer (tests)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    timer = timer or graph_timer
     dtype = getattr(torch, args.dtype)
     start_export = read_export(args.export)
     entries = {(e.gpu, *e.bucket): e for e in start_export.entries}
@@ -269,11 +105,11 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
             gpu=gpu, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype
         )
         t0 = time.perf_counter()
-        work = make_workload(
-            spec, args.scenarios, seed=args.seed, steps=args.steps, trees=args.trees, dtype=dtype, device=device
-        )
+        trees = serving_trees(args.scenarios, seed=args.seed, steps=args.steps, trees=args.trees)
+        heads = {"num_q_heads": spec.num_q_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
+        bench = RuntimeBench(trees, **heads, dtype=dtype, device=device, timer=timer, seed=args.seed)
         log.info("%s: %s trees per scenario from %s", name, args.trees, "its export entry" if entry else "defaults")
-        found = search(start, work, timer=timer, coordinates=args.fields, passes=args.passes, min_gain=args.min_gain)
+        found = coordinate_search(start, bench, coordinates=args.fields, passes=args.passes, min_gain=args.min_gain)
         seconds = time.perf_counter() - t0
         group = spec.num_q_heads // spec.num_kv_heads
         provenance = {
@@ -285,18 +121,18 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
             "scenarios": args.scenarios,
             "seed": args.seed,
             "trees_per_scenario": args.trees,
-            "measured_start_us": found["base"],
-            "measured_tuned_us": found["best"],
-            "measured_objective": found["objective"],
-            "evaluations": found["evaluations"],
-            "moves": found["moves"],
+            "measured_start_us": found.start_us,
+            "measured_tuned_us": found.best_us,
+            "measured_objective": found.objective,
+            "evaluations": found.evaluations,
+            "moves": found.moves,
             "search_seconds": round(seconds, 1),
         }
-        new = ExportEntry(gpu, group, spec.head_dim, args.dtype, found["config"], provenance)
+        new = ExportEntry(gpu, group, spec.head_dim, args.dtype, found.config, provenance)
         entries[(gpu, *new.bucket)] = new
         log.info(
             "%s: objective %.4f after %d evaluations in %.0f s; moves %s",
-            name, found["objective"], found["evaluations"], seconds, found["moves"],
+            name, found.objective, found.evaluations, seconds, found.moves,
         )  # fmt: skip
     env = environment(gpu=device.type == "cuda")
     export = ConfigExport(

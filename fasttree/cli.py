@@ -15,6 +15,7 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
 * ``export`` -- the studies' best configs as a JSON export (:mod:`fasttree.export`).
 * ``run`` -- the main job: shipped model and workloads in, tuned export and report out.
 * ``validate`` -- on a GPU: measured speedup of an export over the defaults on workloads.
+* ``refine`` -- on a GPU: a coordinate search from an export's configs, timed on workloads.
 * ``bench`` -- the kernel benchmark (``bench.kernel``, from a source checkout).
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after

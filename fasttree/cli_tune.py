@@ -1,8 +1,8 @@
-"""``fasttree-tune tune``, ``export``, ``run`` and ``validate``: the tuner's subcommands.
+"""``fasttree-tune tune``, ``export``, ``run``, ``validate`` and ``refine``: the tuner's subcommands.
 
 Optuna, scikit-learn and matplotlib are imported only when one of them runs
-(``pip install -e '.[tune]'``); ``validate`` runs on a GPU machine and never imports
-Optuna. The options the tuning subcommands share (model, storage, study name, trials,
+(``pip install -e '.[tune]'``); ``validate`` and ``refine`` run on a GPU machine and never
+import Optuna. The options the tuning subcommands share (model, storage, study name, trials,
 seed) come from parent parsers, :func:`_study_options` and :func:`_trial_options`.
 """
 
@@ -173,6 +173,32 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
     v.add_argument("--json", metavar="PATH", help="write the results as JSON")
     v.set_defaults(func=_cmd_validate, subparser=v)
+
+    f = sub.add_parser(
+        "refine",
+        help="refine an export's configs by timing them on the GPU",
+        description="On a CUDA GPU: for every bucket of WORKLOADS, start from the export's config and run a "
+        "coordinate search over the config fields, timing the serving runtime (TreeAttentionRuntime) by "
+        "CUDA-graph replay on K evenly spaced steps of each workload; keep a move when it lowers the geometric "
+        "mean over workloads of the time ratio to the start by more than --min-gain. Writes a new export "
+        "(other entries copied) whose refined entries record the search in their provenance. No Optuna, no model.",
+        parents=[*common],
+    )
+    f.add_argument("--config", required=True, metavar="EXPORT", help="the export to start from")
+    f.add_argument("--out", required=True, metavar="PATH", help="the refined export to write (must not exist)")
+    f.add_argument(
+        "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default {RUN_WORKLOADS}"
+    )
+    f.add_argument(
+        "--steps", type=_int_at_least(1, "an integer >= 1"), default=3, metavar="K", help="steps per workload (3)"
+    )
+    f.add_argument("--passes", type=_int_at_least(1, "an integer >= 1"), default=2, help="search passes (2)")
+    f.add_argument("--min-gain", type=float, default=0.015, help="relative gain a move must bring (0.015)")
+    f.add_argument("--fields", default=None, help="comma list of coordinates to search (default: all)")
+    f.add_argument(
+        "--device", default="cuda", help="cuda (default); cpu only for a smoke test under TRITON_INTERPRET=1"
+    )
+    f.set_defaults(func=_cmd_refine, subparser=f)
 
     b = sub.add_parser(
         "bench",
@@ -528,6 +554,80 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         rows = [dict(vars(v), speedup=v.speedup, predicted_speedup=v.predicted_speedup) for v in results]
         doc = {"gpu": gpu_name, "geomean_speedup": geo, "worst_speedup": min(speedups), "workloads": rows}
         write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def _cmd_refine(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
+    from fasttree.refine import RuntimeBench, coordinate_search, parse_fields
+    from fasttree.traces import TraceError, decode_tree, read_traces
+    from fasttree.validate import workload_steps
+
+    if args.device.split(":")[0] not in ("cuda", "cpu"):
+        args.subparser.error(f"--device must be cuda or cpu, got {args.device!r}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        args.subparser.error("refine measures on a CUDA GPU and none is visible")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        args.subparser.error("--device cpu needs TRITON_INTERPRET=1 (a smoke test: its times mean nothing)")
+    if Path(args.out).exists():
+        args.subparser.error(f"{args.out} exists; choose another path")
+    if not 0 <= args.min_gain < 1:
+        args.subparser.error(f"--min-gain must be in [0, 1), got {args.min_gain}")
+    try:
+        coordinates = None if args.fields is None else parse_fields(args.fields)
+        export = read_export(args.config)
+        records = read_traces(args.workloads, kind="workload").records
+        steps = workload_steps(records, args.steps)
+    except (TraceError, ValueError, OSError) as exc:
+        args.subparser.error(str(exc))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    buckets: dict[tuple, dict[str, list]] = {}
+    for name, rs in steps.items():
+        r = rs[0]
+        key = (int(r["num_q_heads"]), int(r["num_kv_heads"]), int(r["head_dim"]), str(r["dtype"]))
+        buckets.setdefault(key, {})[name] = [decode_tree(x["workload"]["tree"]) for x in rs]
+    entries = {(e.gpu, *e.bucket): e for e in export.entries}
+    lines = ["| bucket | workload | start (us) | refined (us) | ratio |", "|---|---|---:|---:|---:|"]
+    for (hq, hkv, d, dtype), trees in buckets.items():
+        start, entry = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+        logger.info("bucket %d/%d D %d %s: %d workloads, start from %s", hq, hkv, d, dtype, len(trees),
+                 "the export's entry" if entry else "the defaults")  # fmt: skip
+        t0 = time.perf_counter()
+        bench = RuntimeBench(trees, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=getattr(torch, dtype),
+                             device=device)  # fmt: skip
+        found = coordinate_search(start, bench, coordinates=coordinates, passes=args.passes, min_gain=args.min_gain)
+        seconds = time.perf_counter() - t0
+        provenance = {
+            "method": "fasttree-tune refine: coordinate search timed by CUDA-graph replay of the runtime",
+            "started_from": "export entry" if entry else "FastTreeConfig defaults",
+            "start_provenance": dict(entry.provenance) if entry else {},
+            "start_config": start.to_dict(),
+            "workloads": sorted(trees),
+            "steps_per_workload": args.steps,
+            "measured_start_us": found.start_us,
+            "measured_tuned_us": found.best_us,
+            "measured_objective": found.objective,
+            "evaluations": found.evaluations,
+            "moves": found.moves,
+            "failed": found.failed,
+            "search_seconds": round(seconds, 1),
+        }
+        new = ExportEntry(gpu, hq // hkv, d, dtype, found.config, provenance)
+        entries[(gpu, *new.bucket)] = new
+        for w in sorted(trees):
+            a, b = found.start_us[w], found.best_us[w]
+            lines.append(f"| g{hq // hkv} D{d} {dtype} | {w} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+        lines.append(f"| g{hq // hkv} D{d} {dtype} | geomean ({found.evaluations} configs, {seconds:.0f} s) | | | "
+                     f"{found.objective:.3f} |")  # fmt: skip
+    provenance = {**export.provenance, "refined_by": "fasttree-tune refine", "refined_from": str(args.config)}
+    write_export(args.out, ConfigExport(tuple(entries.values()), provenance))
+    print("\n".join(lines))
+    print(f"wrote {args.out} ({gpu})")
     return 0
 
 

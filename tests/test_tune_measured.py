@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import tune_measured
+from fasttree import FastTreeConfig, refine
 from fasttree.export import read_export
 
 
@@ -55,14 +56,14 @@ def test_min_gain_keeps_the_start_config(tmp_path):
     assert tune_measured.main(args, timer=_fake_timer(calls)) == 0
     entry = next(e for e in read_export(tmp_path / "refined.json").entries if e.gpu == "cpu")
     assert entry.provenance["moves"] == []
-    assert entry.config == tune_measured.ft.FastTreeConfig()
-    assert len(calls) == 1 + len(tune_measured.COORDINATES["pack_min_units"]) - 1  # the default's value skipped
+    assert entry.config == FastTreeConfig()
+    assert len(calls) == 1 + len(refine.COORDINATES["pack_min_units"]) - 1  # the default's value skipped
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--fields", "nope"], "unknown fields"),
+        (["--fields", "nope"], "unknown or no fields"),
         (["--models", "gpt"], "unknown model"),
         (["--trees", "0"], "must be >= 1"),
     ],

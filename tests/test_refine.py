@@ -1,0 +1,105 @@
+"""``fasttree-tune refine`` and :mod:`fasttree.refine` on the CPU, with a stand-in timer (no kernel runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from triton.runtime.errors import OutOfResources
+
+from fasttree import FastTreeConfig, refine
+from fasttree.cli import main
+from fasttree.export import read_export
+from fasttree.traces import read_traces
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPORT = ROOT / "docs" / "tune" / "export.json"
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory) -> Path:
+    """Two workloads of one bucket (GQA 4): three few-shot and three multi-document serving steps."""
+    keep = []
+    for name in ("few_shot_mistral_7b", "multi_document_qa_mistral_7b"):
+        records = read_traces(ROOT / "traces" / "workloads" / f"{name}.jsonl.gz", kind="workload").records
+        keep += records[40:43]
+    path = tmp_path_factory.mktemp("wl") / "serving.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return path
+
+
+def _bowl(calls: list):
+    """A stand-in timer with its minimum at pack_tokens 768 and the smallest split size."""
+
+    def timer(rt, q, k, v, out):
+        calls.append(rt.config)
+        c = rt.config
+        return 100.0 + abs(c.pack_tokens - 768) / 10 + c.kv_split_sizes[0] / 100
+
+    return timer
+
+
+def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(tmp_path, workload, monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr(refine, "graph_timer", _bowl(calls))
+    out = tmp_path / "refined.json"
+    argv = ["refine", str(workload), "--config", str(EXPORT), "--out", str(out), "--device", "cpu", "--steps", "2",
+            "--fields", "pack_tokens,kv_split_sizes[0]", "--passes", "3"]  # fmt: skip
+    assert main(argv) == 0
+    refined, start = read_export(out), read_export(EXPORT)
+    (entry,) = [e for e in refined.entries if e.gpu == "cpu"]
+    assert entry.bucket == (4, 128, "float16")
+    assert entry.config.pack_tokens == 768 and entry.config.kv_split_sizes[0] == 256
+    prov = entry.provenance
+    assert prov["measured_objective"] < 1 and prov["evaluations"] * 4 == len(calls)  # 2 workloads x 2 steps
+    assert [m[0] for m in prov["moves"]][:2] == ["pack_tokens", "kv_split_sizes[0]"]
+    assert sorted(prov["measured_start_us"]) == prov["workloads"] and len(prov["workloads"]) == 2
+    assert [e.to_dict() for e in refined.entries if e.gpu != "cpu"] == [e.to_dict() for e in start.entries]
+    assert "geomean" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fields", "nope"], "unknown or no fields"),
+        (["--min-gain", "1.5"], "--min-gain must be in [0, 1)"),
+        (["--device", "tpu"], "--device must be cuda or cpu"),
+    ],
+)
+def test_refine_usage_errors(tmp_path, workload, capsys, extra, message):
+    argv = ["refine", str(workload), "--config", str(EXPORT), "--out", str(tmp_path / "r.json"), "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        main([*argv, *extra])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_refine_never_overwrites_and_needs_the_interpreter_on_cpu(tmp_path, workload, capsys, monkeypatch):
+    out = tmp_path / "mine.json"
+    out.write_text("mine")
+    with pytest.raises(SystemExit):
+        main(["refine", str(workload), "--config", str(EXPORT), "--out", str(out), "--device", "cpu"])
+    assert "exists" in capsys.readouterr().err and out.read_text() == "mine"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(SystemExit):
+        main(["refine", str(workload), "--config", str(EXPORT), "--out", str(tmp_path / "n.json"), "--device", "cpu"])
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def test_search_skips_configs_the_gpu_cannot_run_and_stops_without_a_move():
+    seen: list = []
+
+    def measure(config):
+        seen.append(config)
+        if config.kv_tile[1] == 128:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return {"a": 100.0 + config.kv_tile[1], "b": 50.0}
+
+    coords = {("kv_tile", 1): (32, 64, 128)}
+    found = refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords, passes=5, min_gain=0.0)
+    assert found.config.kv_tile[1] == 32 and found.moves == [["kv_tile[1]", 32, pytest.approx((132 / 164) ** 0.5)]]
+    assert [f[:2] for f in found.failed] == [["kv_tile[1]", 128], ["kv_tile[1]", 128]]
+    assert len(seen) == 1 + 2 + 2  # start; pass 0: 32, 128; pass 1: 64, 128 (no move: stop)
+    with pytest.raises(ValueError, match="passes"):
+        refine.coordinate_search(FastTreeConfig(), measure, passes=0)
