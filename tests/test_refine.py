@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from triton.runtime.errors import OutOfResources
 
 from fasttree import FastTreeConfig, refine
@@ -40,22 +41,25 @@ def _bowl(calls: list):
     return timer
 
 
-def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(tmp_path, workload, monkeypatch, capsys):
+def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(
+    tmp_path, workload, monkeypatch, capsys, device
+):
     calls: list = []
     monkeypatch.setattr(refine, "graph_timer", _bowl(calls))
     out = tmp_path / "refined.json"
-    argv = ["refine", str(workload), "--config", str(EXPORT), "--out", str(out), "--device", "cpu", "--steps", "2",
-            "--fields", "pack_tokens,kv_split_sizes[0]", "--passes", "3"]  # fmt: skip
+    argv = ["refine", str(workload), "--config", str(EXPORT), "--out", str(out), "--device", device.type,
+            "--steps", "2", "--fields", "pack_tokens,kv_split_sizes[0]", "--passes", "3"]  # fmt: skip
     assert main(argv) == 0
     refined, start = read_export(out), read_export(EXPORT)
-    (entry,) = [e for e in refined.entries if e.gpu == "cpu"]
-    assert entry.bucket == (4, 128, "float16")
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    (entry,) = [e for e in refined.entries if e.gpu == gpu and e.bucket == (4, 128, "float16")]
     assert entry.config.pack_tokens == 768 and entry.config.kv_split_sizes[0] == 256
     prov = entry.provenance
     assert prov["measured_objective"] < 1 and prov["evaluations"] * 4 == len(calls)  # 2 workloads x 2 steps
     assert [m[0] for m in prov["moves"]][:2] == ["pack_tokens", "kv_split_sizes[0]"]
     assert sorted(prov["measured_start_us"]) == prov["workloads"] and len(prov["workloads"]) == 2
-    assert [e.to_dict() for e in refined.entries if e.gpu != "cpu"] == [e.to_dict() for e in start.entries]
+    others = [e.to_dict() for e in refined.entries if e is not entry]
+    assert others == [e.to_dict() for e in start.entries if (e.gpu, *e.bucket) != (gpu, *entry.bucket)]
     assert "geomean" in capsys.readouterr().out
 
 
@@ -67,21 +71,30 @@ def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(tmp_pa
         (["--device", "tpu"], "--device must be cuda or cpu"),
     ],
 )
-def test_refine_usage_errors(tmp_path, workload, capsys, extra, message):
-    argv = ["refine", str(workload), "--config", str(EXPORT), "--out", str(tmp_path / "r.json"), "--device", "cpu"]
+def test_refine_usage_errors(tmp_path, workload, capsys, device, extra, message):
+    argv = [
+        "refine",
+        str(workload),
+        "--config",
+        str(EXPORT),
+        "--out",
+        str(tmp_path / "r.json"),
+        "--device",
+        device.type,
+    ]
     with pytest.raises(SystemExit):
         main([*argv, *extra])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
 
 
-def test_refine_never_overwrites_and_needs_the_interpreter_on_cpu(tmp_path, workload, capsys, monkeypatch):
+def test_refine_never_overwrites_and_needs_the_interpreter_on_cpu(tmp_path, workload, capsys, monkeypatch, device):
     out = tmp_path / "mine.json"
     out.write_text("mine")
     with pytest.raises(SystemExit):
-        main(["refine", str(workload), "--config", str(EXPORT), "--out", str(out), "--device", "cpu"])
+        main(["refine", str(workload), "--config", str(EXPORT), "--out", str(out), "--device", device.type])
     assert "exists" in capsys.readouterr().err and out.read_text() == "mine"
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit):
         main(["refine", str(workload), "--config", str(EXPORT), "--out", str(tmp_path / "n.json"), "--device", "cpu"])
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err

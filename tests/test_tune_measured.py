@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import tune_measured
 from fasttree import FastTreeConfig, refine
@@ -22,22 +23,24 @@ def _fake_timer(calls):
     return timer
 
 
-def _args(tmp_path, *extra):
+def _args(tmp_path, *extra, device="cpu"):
     return [
         "--export", "docs/tune/export.json", "--out", str(tmp_path / "refined.json"), "--models", "tiny",
-        "--scenarios", "few_shot", "--trees", "1", "--steps", "6", "--device", "cpu", *extra,
+        "--scenarios", "few_shot", "--trees", "1", "--steps", "6", "--device", str(device), *extra,
     ]  # fmt: skip
 
 
-def test_search_finds_the_fastest_config_and_keeps_other_entries(tmp_path):
+def _gpu(device) -> str:
+    return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+
+
+def test_search_finds_the_fastest_config_and_keeps_other_entries(tmp_path, device):
     calls = []
-    fields = "pack_tokens,kv_split_sizes[0]"
-    assert tune_measured.main(_args(tmp_path, "--fields", fields, "--passes", "3"), timer=_fake_timer(calls)) == 0
+    args = _args(tmp_path, "--fields", "pack_tokens,kv_split_sizes[0]", "--passes", "3", device=device)
+    assert tune_measured.main(args, timer=_fake_timer(calls)) == 0
     refined = read_export(tmp_path / "refined.json")
     start = read_export("docs/tune/export.json")
-    by_gpu = {e.gpu: e for e in refined.entries}
-    entry = by_gpu["cpu"]
-    assert (entry.group_size, entry.head_dim, entry.dtype) == (2, 16, "float16")
+    (entry,) = [e for e in refined.entries if e.gpu == _gpu(device) and e.bucket == (2, 16, "float16")]
     assert entry.config.pack_tokens == 768
     assert entry.config.kv_split_sizes[0] == 256
     prov = entry.provenance
@@ -45,16 +48,17 @@ def test_search_finds_the_fastest_config_and_keeps_other_entries(tmp_path):
     assert [m[0] for m in prov["moves"]] == ["pack_tokens", "kv_split_sizes[0]"]
     assert prov["evaluations"] == len(calls)  # one tree per scenario, one scenario: one call per evaluation
     assert prov["seed"] == 1
-    # every start entry (other GPU) is kept unchanged
-    assert [e.to_dict() for e in refined.entries if e.gpu != "cpu"] == [e.to_dict() for e in start.entries]
+    # every start entry (other buckets) is kept unchanged
+    assert [e.to_dict() for e in refined.entries if e is not entry] == [e.to_dict() for e in start.entries]
     json.loads((tmp_path / "refined.json").read_text())
 
 
-def test_min_gain_keeps_the_start_config(tmp_path):
+def test_min_gain_keeps_the_start_config(tmp_path, device):
     calls = []
-    args = _args(tmp_path, "--fields", "pack_min_units", "--min-gain", "0.5")
+    args = _args(tmp_path, "--fields", "pack_min_units", "--min-gain", "0.5", device=device)
     assert tune_measured.main(args, timer=_fake_timer(calls)) == 0
-    entry = next(e for e in read_export(tmp_path / "refined.json").entries if e.gpu == "cpu")
+    entries = read_export(tmp_path / "refined.json").entries
+    (entry,) = [e for e in entries if e.gpu == _gpu(device) and e.bucket == (2, 16, "float16")]
     assert entry.provenance["moves"] == []
     assert entry.config == FastTreeConfig()
     assert len(calls) == 1 + len(refine.COORDINATES["pack_min_units"]) - 1  # the default's value skipped
