@@ -56,7 +56,7 @@ def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(
     assert entry.config.pack_tokens == 768 and entry.config.kv_split_sizes[0] == 256
     prov = entry.provenance
     assert prov["measured_objective"] < 1 and prov["evaluations"] * 4 == len(calls)  # 2 workloads x 2 steps
-    assert [m[0] for m in prov["moves"]][:2] == ["pack_tokens", "kv_split_sizes[0]"]
+    assert {m[0] for m in prov["moves"]} == {"pack_tokens", "kv_split_sizes[0]"}  # the start differs by GPU
     assert sorted(prov["measured_start_us"]) == prov["workloads"] and len(prov["workloads"]) == 2
     others = [e.to_dict() for e in refined.entries if e is not entry]
     assert others == [e.to_dict() for e in start.entries if (e.gpu, *e.bucket) != (gpu, *entry.bucket)]
