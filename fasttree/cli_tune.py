@@ -32,6 +32,8 @@ RUN_OUT = "fasttree-run"
 RUN_TRIALS = 250
 #: ``run`` tunes on every 4th step of each long workload (``--every``).
 RUN_EVERY = 4
+#: Passes of the polish after each study (``fasttree.tuner.polish``); ``export`` uses it too.
+POLISH_PASSES = 2
 #: Seconds per bucket after which ``run`` starts no new trial (keeps the main job under 10 minutes).
 RUN_TIMEOUT_S = 150.0
 
@@ -99,6 +101,14 @@ def _trial_options() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="this worker's index when several run one study (distinct seeds; default 0)",
+    )
+    g.add_argument(
+        "--polish-passes",
+        type=_int_at_least(0, "an integer >= 0"),
+        default=POLISH_PASSES,
+        metavar="N",
+        help="passes of the coordinate search on the model that polishes each study's best config "
+        f"(0: none; default {POLISH_PASSES})",
     )
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -274,6 +284,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             worker=getattr(args, "worker", 0),
             worst_step=args.worst_step,
             progress=getattr(args, "progress", False),
+            polish_passes=getattr(args, "polish_passes", POLISH_PASSES),
         )
     except ValueError as exc:
         args.subparser.error(str(exc))
@@ -329,6 +340,9 @@ def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path):
                     "study_name": r.study_name,
                     "n_trials": r.n_complete,
                     "best_trial": r.best_trial,
+                    "best_trial_objective": r.trial_predicted_us,
+                    "polish_moves": r.polish_moves,
+                    "polish_evaluations": r.polish_evaluations,
                     "predicted_default_us": default_us,
                     "predicted_tuned_us": tuned_us,
                     "predicted_gain": 1.0 - tuned_us / default_us,

@@ -148,6 +148,7 @@ def coordinate_search(
     coordinates: Mapping | None = None,
     passes: int = 2,
     min_gain: float = 0.015,
+    skip_errors: tuple[type[BaseException], ...] = (OutOfResources, RuntimeError),
 ) -> SearchResult:
     """Coordinate search from ``start``.
 
@@ -162,6 +163,9 @@ def coordinate_search(
         At most this many passes (>= 1).
     min_gain : float
         A move is kept when it lowers the objective by more than this fraction (in [0, 1)).
+    skip_errors : tuple of exception types
+        Errors of ``measure`` that mean "this config cannot run here" (recorded in ``failed``
+        and skipped); the default covers launches the GPU refuses. Other errors propagate.
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
@@ -179,7 +183,7 @@ def coordinate_search(
             for value, config in _candidates(result.config, coord, options):
                 try:
                     sums = dict(measure(config))
-                except (OutOfResources, RuntimeError) as exc:  # a launch the GPU cannot run (shared memory, registers)
+                except skip_errors as exc:  # e.g. a launch the GPU cannot run (shared memory, registers)
                     first = (str(exc).splitlines() or [type(exc).__name__])[0]
                     logger.info("  %s = %r failed: %s", name, value, first)
                     result.failed.append([name, value, first])

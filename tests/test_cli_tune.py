@@ -60,6 +60,10 @@ def test_tune_writes_studies_export_and_resumes(tmp_path, workload, capsys):
     assert {e.bucket for e in ex.entries} == {(1, 128, "float16"), (4, 128, "float16"), (16, 128, "float16")}
     for e in ex.entries:
         assert e.provenance["predicted_tuned_us"] <= e.provenance["predicted_default_us"]
+        assert e.provenance["polish_evaluations"] > 1  # the best trial's config was polished (2 passes)
+        moves = e.provenance["polish_moves"]
+        assert all(isinstance(m[0], str) and 0 < m[2] < 1 for m in moves)
+    assert any(e.provenance["polish_moves"] for e in ex.entries), "3 trials leave room to polish somewhere"
     assert len(ex.provenance["model_hash"]) == 64
     summary = json.loads((tmp_path / "r.json").read_text())
     assert set(summary) == {"g1-d128-float16", "g4-d128-float16", "g16-d128-float16"}

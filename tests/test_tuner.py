@@ -18,6 +18,7 @@ import textwrap
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import optuna
@@ -47,6 +48,7 @@ from fasttree.tuner import (
     param_importances,
     parse_storage,
     plan_smem_bytes,
+    polish_config,
     run_trials,
     search_space,
     steps_by_bucket,
@@ -616,3 +618,48 @@ def test_run_trials_goes_on_when_another_worker_told_the_same_trial(caplog) -> N
     study.optimize = broken_optimize
     with pytest.raises(ValueError, match="something else"):
         run_trials(study, lambda t: 0.0, n_trials=10)
+
+
+class _BowlObjective:
+    """A stand-in single objective: a bowl with its minimum at kv_tile (128, 64) and 2 small-class warps."""
+
+    n_objectives = 1
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket, self.gpu, self.calls = bucket, GPU, 0
+
+    def evaluate(self, config: FastTreeConfig):
+        self.calls += 1
+        total = 100.0 + abs(config.kv_tile[0] - 128) / 8 + 5.0 * (config.num_warps[1] != 2)
+        return SimpleNamespace(total_us=total, worst_us=total)
+
+
+def test_polish_moves_downhill_and_skips_what_the_kernel_cannot_run() -> None:
+    coords = {("kv_tile", 0): (32, 64, 128), ("num_warps", 1): (2, 4, 8)}
+    fits = _BowlObjective(Bucket(1, 128, "float16"))
+    found = polish_config(fits, FastTreeConfig(), passes=3, coordinates=coords)
+    assert found.config.kv_tile[0] == 128 and found.config.num_warps[1] == 2 and found.failed == []
+    assert found.best_us["total"] == 100.0 and found.evaluations == fits.calls
+    # head dim 256: a 64-row tile with 128-token KV tiles in 3 stages needs more shared memory than an SM has
+    wide = _BowlObjective(Bucket(1, 256, "float16"))
+    found = polish_config(wide, FastTreeConfig(), passes=3, coordinates=coords)
+    assert found.config.kv_tile[0] == 64 and found.config.num_warps[1] == 2
+    assert [f[:2] for f in found.failed][:1] == [["kv_tile[0]", 128]] and "shared memory" in found.failed[0][2]
+    with pytest.raises(ValueError, match="single-objective"):
+        polish_config(SimpleNamespace(n_objectives=2), FastTreeConfig())
+
+
+@pytest.mark.parametrize("passes", [0, 1])
+def test_tune_bucket_polishes_the_best_trial(tmp_path: Path, paper_steps, passes: int) -> None:
+    objective = _objective(paper_steps)
+    result = tune_bucket(objective, storage=tmp_path / "p.db", base_name="p", n_trials=3, polish_passes=passes)
+    assert result.predicted_us == pytest.approx(objective.evaluate(result.best_config).total_us)
+    if passes == 0:
+        assert result.polish_evaluations == 0 and result.polish_moves == []
+        assert result.predicted_us == result.trial_predicted_us
+    else:
+        assert result.polish_evaluations > 1
+        assert result.predicted_us <= result.trial_predicted_us
+        assert bool(result.polish_moves) == (result.predicted_us < result.trial_predicted_us)
+    with pytest.raises(ValueError, match="polish_passes"):
+        tune_bucket(objective, storage=tmp_path / "p.db", base_name="p", n_trials=3, polish_passes=-1)

@@ -10,6 +10,8 @@ Modules, each with one job:
   file, journal file or database URL).
 * :mod:`~fasttree.tuner.study` -- create or join a bucket's study, run it to a number of
   complete trials (resumable, many workers), best config and parameter importances.
+* :mod:`~fasttree.tuner.polish` -- a coordinate search on the same objective from the best
+  trial's config (what TPE's sampling can step over).
 
 Needs Optuna and scikit-learn (the ``tune`` extra).
 """
@@ -24,6 +26,7 @@ from .objective import (
     thin_steps,
     workload_of,
 )
+from .polish import polish_config
 from .space import (
     Bucket,
     config_from_params,
@@ -68,6 +71,7 @@ __all__ = [
     "param_importances",
     "parse_storage",
     "plan_smem_bytes",
+    "polish_config",
     "run_trials",
     "search_space",
     "steps_by_bucket",

@@ -40,6 +40,7 @@ from fasttree.config import FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
 
 from .objective import LatencyObjective, Predictor, WorkloadStep, steps_by_bucket
+from .polish import polish_config
 from .space import Bucket, config_from_params, default_params, neighbour_params
 from .storage import StorageSpec, open_storage
 
@@ -377,11 +378,12 @@ class TuneResult:
     study_name : str
     bucket : Bucket
     best_config : FastTreeConfig
-        Config of the COMPLETE trial of least predicted total latency.
+        Config of the COMPLETE trial of least predicted total latency, polished by
+        :func:`~fasttree.tuner.polish.polish_config` when ``polish_moves`` is not empty.
     best_trial : int
-        Its trial number.
+        That trial's number.
     predicted_us, worst_step_us : float
-        Its predicted weighted total and worst-step latency.
+        ``best_config``'s predicted weighted total and worst-step latency.
     defaults_predicted_us, defaults_worst_step_us : float
         The same for ``FastTreeConfig()``.
     n_complete, n_pruned, n_failed : int
@@ -390,6 +392,12 @@ class TuneResult:
         :func:`param_importances`.
     elapsed_s : float
         Wall time of this call.
+    trial_predicted_us : float
+        The best trial's own predicted total (before the polish; NaN when not recorded).
+    polish_moves : list
+        ``[coordinate, value, objective ratio]`` of the polish's kept moves.
+    polish_evaluations : int
+        Configs the polish evaluated (0: no polish).
     """
 
     study_name: str
@@ -405,6 +413,9 @@ class TuneResult:
     n_failed: int
     importances: dict[str, float] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    trial_predicted_us: float = math.nan
+    polish_moves: list = field(default_factory=list)
+    polish_evaluations: int = 0
 
     @property
     def speedup(self) -> float:
@@ -445,8 +456,12 @@ def tune_bucket(
     worker: int = 0,
     progress: bool = False,
     importances: bool = True,
+    polish_passes: int = 2,
 ) -> TuneResult:
     """Create or join the bucket's study, run it to ``n_trials`` COMPLETE trials, report the best.
+
+    With one objective and ``polish_passes > 0``, the best trial's config is then polished by a
+    coordinate search on the same objective (:func:`~fasttree.tuner.polish.polish_config`).
 
     Parameters
     ----------
@@ -471,6 +486,8 @@ def tune_bucket(
         Show a progress bar.
     importances : bool
         Compute parameter importances.
+    polish_passes : int
+        Passes of the polish (>= 0; 0: none). Ignored with two objectives.
 
     Returns
     -------
@@ -481,6 +498,8 @@ def tune_bucket(
     ValueError
         On bad arguments, a study made for another objective, or no COMPLETE trial.
     """
+    if isinstance(polish_passes, bool) or not isinstance(polish_passes, int) or polish_passes < 0:
+        raise ValueError(f"polish_passes must be an integer >= 0, got {polish_passes!r}")
     t0 = time.monotonic()
     bucket = objective.bucket
     name = study_name(base_name, bucket)
@@ -501,6 +520,15 @@ def tune_bucket(
     if best is None:
         raise ValueError(f"study {name} has no complete trial")
     config = config_from_params(best.params, bucket.group_size)
+    trial_us = predicted = float(best.values[0])
+    worst = float(best.user_attrs.get("worst_step_us", math.nan))
+    polish = None
+    if polish_passes and objective.n_objectives == 1:
+        polish = polish_config(objective, config, passes=polish_passes)
+        if polish.moves:
+            config = polish.config
+            evaluation = objective.evaluate(config)
+            predicted, worst = evaluation.total_us, evaluation.worst_us
     base = objective.defaults
     trials = study.get_trials(deepcopy=False)
     result = TuneResult(
@@ -508,8 +536,8 @@ def tune_bucket(
         bucket=bucket,
         best_config=config,
         best_trial=best.number,
-        predicted_us=float(best.values[0]),
-        worst_step_us=float(best.user_attrs.get("worst_step_us", math.nan)),
+        predicted_us=predicted,
+        worst_step_us=worst,
         defaults_predicted_us=base.total_us,
         defaults_worst_step_us=base.worst_us,
         n_complete=sum(t.state == TrialState.COMPLETE for t in trials),
@@ -517,11 +545,15 @@ def tune_bucket(
         n_failed=sum(t.state == TrialState.FAIL for t in trials),
         importances=param_importances(study) if importances else {},
         elapsed_s=time.monotonic() - t0,
+        trial_predicted_us=trial_us,
+        polish_moves=[] if polish is None else polish.moves,
+        polish_evaluations=0 if polish is None else polish.evaluations,
     )
     logger.info(
-        "%s: best trial %d scores %.4g (defaults %.4g, %.3fx) after %d complete trials",
+        "%s: best trial %d scores %.4g, %.4g polished (defaults %.4g, %.3fx) after %d complete trials",
         name,
         result.best_trial,
+        result.trial_predicted_us,
         result.predicted_us,
         result.defaults_predicted_us,
         result.speedup,
@@ -545,6 +577,7 @@ def tune_workload(
     worst_step: bool = False,
     progress: bool = False,
     buckets: Iterable[Bucket] | None = None,
+    polish_passes: int = 2,
 ) -> dict[Bucket, TuneResult]:
     """Tune every bucket of a workload, each in its own study (see :func:`tune_bucket`).
 
@@ -560,7 +593,7 @@ def tune_workload(
         Tune only these (each must be in the workload).
     timeout : float, optional
         Seconds for each bucket.
-    storage, folder, base_name, n_trials, seed, worker, worst_step, progress
+    storage, folder, base_name, n_trials, seed, worker, worst_step, progress, polish_passes
         As in :func:`tune_bucket` and :class:`LatencyObjective`.
 
     Returns
@@ -585,5 +618,6 @@ def tune_workload(
             seed=seed,
             worker=worker,
             progress=progress,
+            polish_passes=polish_passes,
         )
     return results
