@@ -3,10 +3,12 @@
 The study's TPE sampler can stay next to a good trial without trying its one-knob
 neighbours: on the committed H200 workloads, starting from the exported configs, a
 coordinate search over :data:`fasttree.refine.COORDINATES` on the same objective (the
-latency model's weighted total) found configs predicted 0.968x (GQA 1), 0.885x (GQA 4) and
-0.972x (GQA 16) of the tuned totals in 71-97 evaluations (1-16 s on one core). Several of
-its moves match what the GPU search of ``fasttree-tune refine`` measured (MHA: 2 warps for
-the small class; GQA 4: shorter splits and 128-token KV tiles for the small class).
+latency model's weighted total) found configs predicted 0.968x (GQA 1), 0.883x (GQA 4) and
+0.972x (GQA 16) of the tuned totals in 65-71 evaluations (1-10 s on one core;
+``docs/tune/polish_check.md``, ``python -m bench.tune_polish_check``). Several of its moves
+match what the GPU search of ``fasttree-tune refine`` measured (MHA: 2 warps for the small
+class; GQA 4: shorter splits and 128-token KV tiles for the small class). Not yet measured on
+a GPU: a polished export has not been validated there.
 """
 
 from __future__ import annotations
