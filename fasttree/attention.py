@@ -217,6 +217,8 @@ _stream_context = torch.cuda.stream
 #: Per (device index, raw handle of the launching stream): that stream, a side stream, the side
 #: stream's raw handle, and the fork and join events (see :func:`_side_stream`).
 _SIDE_STREAMS: dict[tuple[int, int], tuple] = {}
+#: Entries kept at most (torch's stream pool recycles a few dozen handles per device).
+_MAX_SIDE_STREAMS = 64
 
 
 def _side_stream(device: torch.device, stream: int) -> tuple:
@@ -236,6 +238,8 @@ def _side_stream(device: torch.device, stream: int) -> tuple:
     key = (index, stream)
     entry = _SIDE_STREAMS.get(key)
     if entry is None:
+        if len(_SIDE_STREAMS) >= _MAX_SIDE_STREAMS:  # streams made per call would grow it without end
+            _SIDE_STREAMS.clear()
         main = torch.cuda.current_stream(index)
         if main.cuda_stream != stream:
             raise RuntimeError("the launching stream is not the current stream")  # callers pass the current one
