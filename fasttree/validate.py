@@ -87,7 +87,7 @@ def workload_steps(records: Iterable[Mapping[str, Any]], per_workload: int) -> d
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         if r.get("kind") != "workload":
-            raise ValueError(f"validate takes workload records, got kind {r.get('kind')!r}")
+            raise ValueError(f"expected workload records, got kind {r.get('kind')!r}")
         w = r["workload"]
         name = f"{w['family']}/{w['scenario']}/seed{w['seed']} {r['num_q_heads']}/{r['num_kv_heads']}"
         groups.setdefault(name, []).append(r)
