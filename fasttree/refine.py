@@ -185,16 +185,16 @@ def coordinate_search(
                     sums = dict(measure(config))
                 except skip_errors as exc:  # e.g. a launch the GPU cannot run (shared memory, registers)
                     first = (str(exc).splitlines() or [type(exc).__name__])[0]
-                    logger.info("  %s = %r failed: %s", name, value, first)
+                    logger.debug("  %s = %r failed: %s", name, value, first)
                     result.failed.append([name, value, first])
                     continue
                 result.evaluations += 1
                 obj = _objective(sums, base)
-                logger.info("  pass %d %s = %r: %.4f (best %.4f)", p, name, value, obj, result.objective)
+                logger.debug("  pass %d %s = %r: %.4f (best %.4f)", p, name, value, obj, result.objective)
                 if obj < result.objective * (1 - min_gain):
                     result.config, result.best_us, result.objective, moved = config, sums, obj, True
                     result.moves.append([name, value, obj])
-                    logger.info("  -> keep %s = %r", name, value)
+                    logger.info("  pass %d: keep %s = %r (objective %.4f)", p, name, value, obj)
         if not moved:
             break
     return result
