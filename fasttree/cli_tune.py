@@ -342,6 +342,7 @@ def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path):
                     "best_trial": r.best_trial,
                     "best_trial_objective": r.trial_predicted_us,
                     "polish_moves": r.polish_moves,
+                    "polish_start": r.polish_start,
                     "polish_evaluations": r.polish_evaluations,
                     "predicted_default_us": default_us,
                     "predicted_tuned_us": tuned_us,

@@ -661,5 +661,7 @@ def test_tune_bucket_polishes_the_best_trial(tmp_path: Path, paper_steps, passes
         assert result.polish_evaluations > 1
         assert result.predicted_us <= result.trial_predicted_us
         assert bool(result.polish_moves) == (result.predicted_us < result.trial_predicted_us)
+        assert result.polish_start in ("best trial", "defaults", "")
+        assert bool(result.polish_start) == bool(result.polish_moves)
     with pytest.raises(ValueError, match="polish_passes"):
         tune_bucket(objective, storage=tmp_path / "p.db", base_name="p", n_trials=3, polish_passes=-1)
