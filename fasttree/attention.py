@@ -167,7 +167,7 @@ def tree_attention(
         host._device_cache[fast] = (
             fork_mode,
             tuple(
-                _direct_launcher(c, kernel, grid, args, constexprs)
+                _direct_launcher(c, grid, args, constexprs, None if _is_merge(kernel) else _QK_SCALE_ARG)
                 for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
             ),
         )
@@ -396,33 +396,48 @@ def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple |
         return None
     if host._device_cache.get(q.device) is not dev:
         return None
+    return ("direct", q.device, *tensor_layout(q, k_cache, v_cache, out))
+
+
+def tensor_layout(q, k_cache, v_cache, out) -> tuple:
+    """What compiled launches depend on in ``q, k_cache, v_cache, out`` besides their addresses: the
+    dtype, each tensor's 16-byte alignment (Triton specialises on it) and the strides of dims 0 and 1."""
     sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()  # one call per tensor
     return (
-        "direct", q.device, q.dtype,
+        q.dtype,
         q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
         sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
     )  # fmt: skip
 
 
-def _direct_launcher(compiled, kernel, grid: tuple[int, int], args: tuple, constexprs: tuple):
+def _direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: tuple, qk_scale_arg: int | None):
     """A function ``(stream, q, k_cache, v_cache, out, qk_scale)`` calling ``compiled``'s launcher with
-    ``args`` in which the per-call values are replaced (see :func:`_launches` for their positions)."""
+    ``args`` in which the per-call values are replaced.
+
+    A stage-1 launch's ``args`` start with ``q, k_cache, v_cache, out`` and hold ``qk_scale`` at
+    ``qk_scale_arg``; ``qk_scale_arg=None`` is a merge launch, whose ``args`` start with ``out``
+    (the only value that changes). Serves :func:`tree_attention` and the runtime.
+    """
     run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1 = grid
-    if kernel is merge_partials_kernel or kernel is merge_many_partials_kernel:  # only ``out`` changes
+    if qk_scale_arg is None:
         rest = (*args[1:], *constexprs)
 
         def merge(stream, q, k_cache, v_cache, out, qk_scale):
             run(g0, g1, 1, stream, fn, meta, None, None, None, out, *rest)
 
         return merge
-    mid = args[4:_QK_SCALE_ARG]
-    tail = (*args[_QK_SCALE_ARG + 1 :], *constexprs)
+    mid = args[4:qk_scale_arg]
+    tail = (*args[qk_scale_arg + 1 :], *constexprs)
 
     def stage1(stream, q, k_cache, v_cache, out, qk_scale):
         run(g0, g1, 1, stream, fn, meta, None, None, None, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
 
     return stage1
+
+
+def _is_merge(kernel) -> bool:
+    return kernel is merge_partials_kernel or kernel is merge_many_partials_kernel
 
 
 def _is_cuda(t: torch.Tensor) -> bool:

@@ -54,11 +54,13 @@ from .attention import (
     _MERGE_HEADS,
     SMALL_TILE_CAPPED_PROGRAMS,
     _current_stream,
+    _direct_launcher,
     _interpreting,
     _launch,
     _launch_hooks_active,
     _on_device,
     capped_registers,
+    tensor_layout,
 )
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
@@ -130,29 +132,10 @@ def _aligned(words: int) -> int:
     return -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
 
 
-def _bound_launcher(compiled, grid: int, args: tuple, constexprs: tuple):
-    """``(stream, q, k_cache, v_cache, out, qk_scale)`` -> a direct call of ``compiled``'s launcher with
-    ``args`` in which the per-call values are replaced: stage 1's arguments start with ``q, k_cache,
-    v_cache, out`` and hold ``qk_scale`` at index 9; the merge's start with ``out``."""
-    run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
-    if len(args) == _MERGE_ARGS:
-        rest = (*args[1:], *constexprs)
-
-        def merge(stream, q, k_cache, v_cache, out, qk_scale):
-            run(grid, 1, 1, stream, fn, meta, None, None, None, out, *rest)
-
-        return merge
-    mid = args[4:9]
-    tail = (*args[10:], *constexprs)
-
-    def stage1(stream, q, k_cache, v_cache, out, qk_scale):
-        run(grid, 1, 1, stream, fn, meta, None, None, None, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
-
-    return stage1
-
-
 #: Arguments of ``merge_partials_persistent_kernel`` before its constexprs.
 _MERGE_ARGS = 11
+#: Position of ``qk_scale`` among ``tree_attention_persistent_kernel``'s arguments.
+_STAGE1_QK_ARG = 9
 
 
 class TreeAttentionRuntime:
@@ -604,11 +587,7 @@ class TreeAttentionRuntime:
         go through Triton (the interpreter, launch hooks)."""
         if _interpreting() or q.device.type != "cuda" or _launch_hooks_active():
             return None
-        sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
-        return (
-            q.dtype, q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
-            out.data_ptr() % 16 == 0, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
-        )  # fmt: skip
+        return tensor_layout(q, k_cache, v_cache, out)
 
     def _launch_all(self, q, k_cache, v_cache, out, qk_scale: float) -> None:
         key = self._layout_key(q, k_cache, v_cache, out)
@@ -625,7 +604,10 @@ class TreeAttentionRuntime:
             and all(c is not None for c, *_ in launched)
             and all(self._programs[i] == grid for i, (_, grid, *_) in enumerate(launched[:-1]))
         ):
-            self._launchers[key] = tuple(_bound_launcher(*entry) for entry in launched)
+            self._launchers[key] = tuple(
+                _direct_launcher(c, (grid, 1), args, constexprs, None if len(args) == _MERGE_ARGS else _STAGE1_QK_ARG)
+                for c, grid, args, constexprs in launched
+            )
 
     def _launch_through_triton(self, q, k_cache, v_cache, out, qk_scale: float) -> list[tuple]:
         """Launch through :func:`fasttree.attention._launch`; returns ``(compiled, grid, args, constexprs)``
