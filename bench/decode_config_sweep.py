@@ -28,7 +28,7 @@ import torch
 import fasttree as ft
 from bench.common import write_atomic
 from fasttree.export import read_export
-from fasttree.runtime import TreeAttentionRuntime
+from fasttree.refine import RuntimeBench
 from fasttree.timing import graph_time_us
 from fasttree.workloads import iter_serving
 
@@ -80,6 +80,11 @@ def variants_combinations(base: ft.FastTreeConfig, model: str) -> list[tuple[str
 GRIDS = {"one": variants_one_at_a_time, "combos": variants_combinations}
 
 
+def _timer(rt, q, k_cache, v_cache, out) -> float:
+    """The sweeps' timing: median of CUDA-graph replays within 0.15 s."""
+    return graph_time_us(lambda: rt.forward(q, k_cache, v_cache, out=out), budget_s=0.15)["median"]
+
+
 def sweep_trees(scenario: str) -> list[ft.KVTree]:
     """The trees a sweep times for ``scenario``."""
     steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
@@ -101,33 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     export = read_export(args.export)
     results = []
-    torch.manual_seed(0)
     for model, (hq, hkv) in MODELS.items():
         base, _ = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype="float16")
         for scenario in args.scenarios.split(","):
             trees = sweep_trees(scenario)
-            slots = max(t.max_slot + 1 for t in trees)
-            nq = max(t.n_queries for t in trees)
-            k = torch.randn(slots, hkv, HEAD_DIM, device=dev, dtype=torch.float16)
-            v = torch.randn(slots, hkv, HEAD_DIM, device=dev, dtype=torch.float16)
-            q = torch.randn(nq, hq, HEAD_DIM, device=dev, dtype=torch.float16)
-            out = torch.empty_like(q)
+            bench = RuntimeBench({scenario: trees}, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
+                                 dtype=torch.float16, device=dev, timer=_timer)  # fmt: skip
+            floors = [roofline_floor_us(tree, hq, hkv, HEAD_DIM)["floor_us"] for tree in trees]
             for name, cfg in GRIDS[args.grid](base, model):
                 t0 = time.time()
-                rt = TreeAttentionRuntime(
-                    cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype=torch.float16, device=dev,
-                    max_queries=nq, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * nq,
-                    pool_slots=slots,
-                )  # fmt: skip
-                times, floors = [], []
-
-                def call(rt=rt, q=q, k=k, v=v, out=out):
-                    rt.forward(q, k, v, out=out)
-
-                for tree in trees:
-                    rt.plan(tree)
-                    times.append(graph_time_us(call, budget_s=0.15)["median"])
-                    floors.append(roofline_floor_us(tree, hq, hkv, HEAD_DIM)["floor_us"])
+                times = bench.times(cfg)[scenario]
                 row = {
                     "model": model, "scenario": scenario, "variant": name, "times_us": times, "floors_us": floors,
                     "sum_us": sum(times), "floor_frac": sum(floors) / sum(times), "secs": time.time() - t0,

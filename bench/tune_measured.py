@@ -35,7 +35,7 @@ import fasttree as ft
 from bench.common import environment
 from bench.decode import MODELS
 from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
-from fasttree.refine import RuntimeBench, Timer, coordinate_search, parse_fields
+from fasttree.refine import RuntimeBench, Timer, coordinate_search, parse_fields, search_provenance
 from fasttree.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.tune_measured")
@@ -112,21 +112,13 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
         found = coordinate_search(start, bench, coordinates=args.fields, passes=args.passes, min_gain=args.min_gain)
         seconds = time.perf_counter() - t0
         group = spec.num_q_heads // spec.num_kv_heads
+        method = "bench.tune_measured: coordinate search timed by CUDA-graph replay"
         provenance = {
-            "method": "bench.tune_measured: coordinate search timed by CUDA-graph replay",
-            "started_from": "export entry" if entry else "FastTreeConfig defaults",
-            "start_provenance": dict(entry.provenance) if entry else {},
-            "start_config": start.to_dict(),
+            **search_provenance(method, start, entry, found, seconds),
             "model": spec.name,
             "scenarios": args.scenarios,
             "seed": args.seed,
             "trees_per_scenario": args.trees,
-            "measured_start_us": found.start_us,
-            "measured_tuned_us": found.best_us,
-            "measured_objective": found.objective,
-            "evaluations": found.evaluations,
-            "moves": found.moves,
-            "search_seconds": round(seconds, 1),
         }
         new = ExportEntry(gpu, group, spec.head_dim, args.dtype, found.config, provenance)
         entries[(gpu, *new.bucket)] = new

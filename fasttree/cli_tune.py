@@ -578,7 +578,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     import torch
 
     from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
-    from fasttree.refine import RuntimeBench, coordinate_search, parse_fields
+    from fasttree.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
     from fasttree.traces import TraceError, decode_tree, read_traces
     from fasttree.validate import workload_steps
 
@@ -617,20 +617,12 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                              device=device)  # fmt: skip
         found = coordinate_search(start, bench, coordinates=coordinates, passes=args.passes, min_gain=args.min_gain)
         seconds = time.perf_counter() - t0
+        method = "fasttree-tune refine: coordinate search timed by CUDA-graph replay of the runtime"
         provenance = {
-            "method": "fasttree-tune refine: coordinate search timed by CUDA-graph replay of the runtime",
-            "started_from": "export entry" if entry else "FastTreeConfig defaults",
-            "start_provenance": dict(entry.provenance) if entry else {},
-            "start_config": start.to_dict(),
+            **search_provenance(method, start, entry, found, seconds),
             "workloads": sorted(trees),
             "steps_per_workload": args.steps,
-            "measured_start_us": found.start_us,
-            "measured_tuned_us": found.best_us,
-            "measured_objective": found.objective,
-            "evaluations": found.evaluations,
-            "moves": found.moves,
             "failed": found.failed,
-            "search_seconds": round(seconds, 1),
         }
         new = ExportEntry(gpu, hq // hkv, d, dtype, found.config, provenance)
         entries[(gpu, *new.bucket)] = new

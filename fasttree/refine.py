@@ -40,6 +40,7 @@ __all__ = [
     "coordinate_search",
     "graph_timer",
     "parse_fields",
+    "search_provenance",
 ]
 
 logger = logging.getLogger(__name__)
@@ -255,6 +256,10 @@ class RuntimeBench:
 
     def __call__(self, config: FastTreeConfig) -> dict[str, float]:
         """Summed time (us) of each workload's trees under ``config``."""
+        return {name: sum(times) for name, times in self.times(config).items()}
+
+    def times(self, config: FastTreeConfig) -> dict[str, list[float]]:
+        """Time (us) of each workload's trees, in order, under ``config``."""
         rt = TreeAttentionRuntime(
             config,
             **self.heads,
@@ -266,11 +271,31 @@ class RuntimeBench:
             max_partial_rows=64 * self.rows,
             pool_slots=self.slots,
         )
-        sums = {}
+        out = {}
         for name, trees in self.trees.items():
-            total = 0.0
+            out[name] = []
             for tree in trees:
                 rt.plan(tree)
-                total += self.timer(rt, self.q, self.k, self.v, self.out)
-            sums[name] = total
-        return sums
+                out[name].append(self.timer(rt, self.q, self.k, self.v, self.out))
+        return out
+
+
+def search_provenance(
+    method: str, start: FastTreeConfig, entry: Any, found: SearchResult, seconds: float
+) -> dict[str, Any]:
+    """The provenance of an export entry written from a search: where it started and what it measured.
+
+    ``entry`` is the export entry the search started from (None: the defaults).
+    """
+    return {
+        "method": method,
+        "started_from": "export entry" if entry else "FastTreeConfig defaults",
+        "start_provenance": dict(entry.provenance) if entry else {},
+        "start_config": start.to_dict(),
+        "measured_start_us": found.start_us,
+        "measured_tuned_us": found.best_us,
+        "measured_objective": found.objective,
+        "evaluations": found.evaluations,
+        "moves": found.moves,
+        "search_seconds": round(seconds, 1),
+    }
