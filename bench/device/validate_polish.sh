@@ -8,25 +8,30 @@
 #    docs/bench/decode_h200_f94a221_{tuned,measured}_*.md (run on another host: compare ratios to
 #    query_separated, or rerun those two exports in the same call when time allows).
 # Results to $OUT/validate_polish.tgz.
-# Usage: LABEL=h200_<commit> bash bench/device/validate_polish.sh
+# Usage: LABEL=h200_<commit> [PARTS="validate decode"] bash bench/device/validate_polish.sh
 set -u
 : "${LABEL:?}"
 res=/root/validate_polish; mkdir -p "$res"
 export CUDA_VISIBLE_DEVICES=0
-cli() { python3 -c "import sys; from fasttree.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+cli=(python3 -c "import sys; from fasttree.cli import main; sys.exit(main(sys.argv[1:]))")  # an array: timeout cannot run a shell function
+PARTS=${PARTS:-validate decode}
+if [[ " $PARTS " == *" validate "* ]]; then
 for name in tuned polished measured; do
   case $name in
     tuned) export_path=docs/tune/export.json ;;
     polished) export_path=docs/tune/polished/export.json ;;
     measured) export_path=docs/tune/export_measured.json ;;
   esac
-  timeout 150 cli validate --config "$export_path" --steps 4 --model models/h200_latency_model.json \
+  timeout 110 "${cli[@]}" validate --config "$export_path" --steps 4 --model models/h200_latency_model.json \
     --traces-out "$res/validate_$name.jsonl" --json "$res/validate_$name.json" >"$res/validate_$name.log" 2>&1
   tail -n 2 "$res/validate_$name.log"
 done
+fi
+if [[ " $PARTS " == *" decode "* ]]; then
 for model in llama mistral; do
   timeout 150 python3 -m bench.decode --models $model --warmup 3 --steps 48 --export docs/tune/polished/export.json \
     --out "$res" --label "decode_${LABEL}_polished_$model" >"$res/decode_$model.log" 2>&1
 done
+fi
 grep -h "fasttree " "$res"/decode_*.md | cut -c1-120
 tar czf "$OUT/validate_polish.tgz" -C "$res" .
