@@ -84,11 +84,30 @@ def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
     return large if large <= MAX_PACK_QUERIES else min(block_m[1] // g, MAX_PACK_QUERIES)
 
 
-def _pack_budget(kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int) -> tuple[np.ndarray, int]:
-    """Units that may be packed (shorter than ``pack_tokens``) and the tokens per packed
-    unit: ``pack_tokens``, lowered (to >= 16) so that about ``pack_min_units`` packed
-    programs (units x KV heads) share the eligible tokens."""
+#: KV tokens from which a unit whose rows fit the small tile stays out of large-tile bins
+#: (None: no such rule). In a bin every KV entry costs the bin's full tile of rows; a
+#: unit that fits the small tile alone would do ``block_m[0] / block_m[1]`` times its
+#: matrix work there, which a long unit does not repay with saved per-program overhead.
+_SOLO_MIN_TOKENS: int | None = 128
+
+
+def _solo_units(kv_len: np.ndarray, q_len: np.ndarray, block_m: tuple[int, int], g: int) -> np.ndarray | None:
+    """Units kept out of packing by :data:`_SOLO_MIN_TOKENS` (None: none), given that bins
+    fill the large tile (:func:`_pack_capacity`)."""
+    if _SOLO_MIN_TOKENS is None or block_m[0] // g > MAX_PACK_QUERIES or block_m[0] <= block_m[1]:
+        return None
+    return (kv_len >= _SOLO_MIN_TOKENS) & (q_len * g <= block_m[1])
+
+
+def _pack_budget(
+    kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, solo: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """Units that may be packed (shorter than ``pack_tokens``, not in ``solo``) and the
+    tokens per packed unit: ``pack_tokens``, lowered (to >= 16) so that about
+    ``pack_min_units`` packed programs (units x KV heads) share the eligible tokens."""
     eligible = kv_len < config.pack_tokens
+    if solo is not None:
+        eligible &= ~solo
     want_units = -(-config.pack_min_units // num_kv_heads)
     share = int(np.add.reduce(kv_len[eligible])) // max(1, want_units)
     return eligible, min(config.pack_tokens, max(_MIN_BLOCK_N, share))
@@ -388,7 +407,7 @@ def materialize(
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads)
+        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, _solo_units(u_kv_len, u_q_len, block_m, g))
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
