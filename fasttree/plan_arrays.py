@@ -84,19 +84,32 @@ def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
     return large if large <= MAX_PACK_QUERIES else min(block_m[1] // g, MAX_PACK_QUERIES)
 
 
-#: KV tokens from which a unit whose rows fit the small tile stays out of large-tile bins
-#: (None: no such rule). In a bin every KV entry costs the bin's full tile of rows; a
-#: unit that fits the small tile alone would do ``block_m[0] / block_m[1]`` times its
-#: matrix work there, which a long unit does not repay with saved per-program overhead.
+#: KV tokens from which a unit whose rows fit the small tile may stay out of large-tile
+#: bins (None: never). In a bin every KV entry costs the bin's full tile of rows, so such a
+#: unit does ``block_m[0] / block_m[1]`` times its own tile's matrix work there.
 _SOLO_MIN_TOKENS: int | None = 128
 
+#: ... and only when the matrix work those units would waste in bins, over all KV heads,
+#: is at least this many flops (about 10 us of tensor-core time on an H200). Below it, the
+#: bins' fewer programs and partials pay for the waste: on the H200 (A/B in
+#: ``docs/bench/h200/solo_ab_8cf1b1c.json``) keeping them out saved 42 us on 8/gqa4 (51.5
+#: GFLOP wasted) and 11 us on 8/gqa16 (6.4) but cost 5-7 us on 6/gqa4, 9/gqa4 and serving
+#: trees (0.5-2.9).
+_SOLO_MIN_WASTE_FLOPS = 4e9
 
-def _solo_units(kv_len: np.ndarray, q_len: np.ndarray, block_m: tuple[int, int], g: int) -> np.ndarray | None:
-    """Units kept out of packing by :data:`_SOLO_MIN_TOKENS` (None: none), given that bins
-    fill the large tile (:func:`_pack_capacity`)."""
+
+def _solo_units(
+    kv_len: np.ndarray, q_len: np.ndarray, block_m: tuple[int, int], g: int, num_kv_heads: int, head_dim: int
+) -> np.ndarray | None:
+    """Units kept out of packing (None: none): at least :data:`_SOLO_MIN_TOKENS` long, rows
+    that fit the small tile, bins that fill the large tile (:func:`_pack_capacity`), and
+    together worth :data:`_SOLO_MIN_WASTE_FLOPS` of wasted matrix work."""
     if _SOLO_MIN_TOKENS is None or block_m[0] // g > MAX_PACK_QUERIES or block_m[0] <= block_m[1]:
         return None
-    return (kv_len >= _SOLO_MIN_TOKENS) & (q_len * g <= block_m[1])
+    solo = (kv_len >= _SOLO_MIN_TOKENS) & (q_len * g <= block_m[1])
+    tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
+    waste = 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim
+    return solo if waste >= _SOLO_MIN_WASTE_FLOPS else None
 
 
 def _pack_budget(
@@ -407,7 +420,9 @@ def materialize(
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, _solo_units(u_kv_len, u_q_len, block_m, g))
+        eligible, budget = _pack_budget(
+            u_kv_len, config, num_kv_heads, _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim)
+        )
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,

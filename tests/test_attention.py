@@ -241,3 +241,28 @@ def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
 )
 def test_small_tile_register_cap_only_where_it_saves_a_wave(args, expected):
     assert attention.small_tile_maxnreg(*args) == expected
+
+
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[3], SHAPES[4]])
+def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, monkeypatch):
+    # the solo rule forced on (no waste floor): long one-query leaves run unpacked next to bins
+    from fasttree import plan_arrays
+
+    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_WASTE_FLOPS", 0)
+    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", 24)
+    gen = torch.Generator().manual_seed(g + d)
+    # a forest: root 0 (9 tokens) -> 3 nodes (5) -> 12 leaves of 30 tokens (solo); root 16 (7) ->
+    # 4 nodes (3) -> 16 leaves of 2 tokens (still binned); one query at an internal node
+    parents = [-1, 0, 0, 0, *[1 + i // 4 for i in range(12)], -1, 16, 16, 16, 16, *[17 + i // 4 for i in range(16)]]
+    lengths = [9, 5, 5, 5, *[30] * 12, 7, 3, 3, 3, 3, *[2] * 16]
+    queries = [*range(4, 16), *range(21, 37), 2]
+    forest = ft.KVTree.from_lengths(parents, lengths, queries)
+    cfg = ft.FastTreeConfig(
+        pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), kv_split_sizes=(64, 32), para_threshs1=(0, 0)
+    )
+    plan = ft.plan(forest, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+    small = plan.unit_kv_len[plan.class_unit_ptr[1] : plan.class_unit_ptr[2]]
+    assert int(np.count_nonzero(small >= 30)) >= 10  # a leaf may be joined to its parent edge
+    q, k, v = make_inputs(forest, g * hkv, hkv, d, dtype, device, gen)
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, forest)

@@ -151,3 +151,43 @@ def test_random_packed_plans_cover_contexts_once():
         check_plan(tree, plan)
         masked += plan.tile_classes[1].masked
     assert masked >= 20
+
+
+def _matrix_work(plan) -> int:
+    """Padded matrix rows x KV tokens of the plan's stage-1 units, all KV heads."""
+    ptr, work = plan.class_unit_ptr, 0
+    for c in (0, 1):
+        work += int(plan.unit_kv_len[ptr[c] : ptr[c + 1]].astype(np.int64).sum()) * plan.tile_classes[c].block_m
+    return work * plan.num_kv_heads
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (16, 1)])
+def test_long_one_query_leaves_stay_out_of_large_bins(heads, monkeypatch):
+    # case 8: 1024 private 256-token leaves; in 64-row bins each would do 4x its 16-row tile's work
+    from fasttree import plan_arrays
+
+    tree = paper_tree(8)
+    hq, hkv = heads
+    solo = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", None)
+    binned = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    check_plan(tree, solo)
+    leaves = tree.n_queries
+    small = solo.class_unit_ptr[2] - solo.class_unit_ptr[1]
+    assert small >= leaves and not solo.tile_classes[1].masked
+    assert _matrix_work(solo) * 1.8 < _matrix_work(binned)  # 8/gqa4: 0.39x, 8/gqa16: 0.53x
+    assert solo.stats()["kv_tokens_read"] == binned.stats()["kv_tokens_read"]
+
+
+@pytest.mark.parametrize("case", [6, 9, 10])
+def test_little_waste_keeps_long_units_in_bins(case, monkeypatch):
+    # below _SOLO_MIN_WASTE_FLOPS the bins' fewer programs and partials pay (measured, 6/gqa4 and 9/gqa4)
+    from fasttree import plan_arrays
+
+    tree = paper_tree(case)
+    plans = []
+    for tokens in (128, None):
+        monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", tokens)
+        plans.append(ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128))
+    assert plans[0].units_per_class() == plans[1].units_per_class()
+    assert np.array_equal(plans[0].unit_kv_len, plans[1].unit_kv_len)
