@@ -324,6 +324,7 @@ def materialize(
     edge_assignment: np.ndarray | None = None,
     query_rank: np.ndarray | None = None,
     query_of_rank: np.ndarray | None = None,
+    solo_units: bool = True,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -351,6 +352,9 @@ def materialize(
     query_of_rank : ndarray, int64 [n_queries], optional
         The inverse permutation of ``query_rank``, when the caller has it (packing
         computes it otherwise).
+    solo_units : bool
+        Keep long units that fit the small tile out of large-tile bins where the bins would
+        waste enough matrix work (:data:`_SOLO_MIN_TOKENS`, :data:`_SOLO_MIN_WASTE_FLOPS`).
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -420,9 +424,8 @@ def materialize(
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        eligible, budget = _pack_budget(
-            u_kv_len, config, num_kv_heads, _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim)
-        )
+        solo = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim) if solo_units else None
+        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, solo)
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,

@@ -338,3 +338,25 @@ def test_register_caps_only_for_small_tiles_at_four_warps(device):
     assert fused._register_caps() == [None, None]
     four._props = SimpleNamespace(regs_per_multiprocessor=32768)
     assert four._register_caps() == [None, 64]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "launches"), [(32, 8, 1), (32, 8, 2)])
+def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches):
+    # paper case 8's 256-token private leaves leave the bins for per-plan launches; a one-launch
+    # stage 1 would run them with the large tile's registers, so there they stay packed
+    from fasttree.suite import paper_tree
+
+    tree = paper_tree(8)
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype="float16", device="cpu",
+        max_queries=tree.n_queries, max_kv_entries=1 << 20, max_units=1 << 14, max_partial_rows=1 << 14,
+        pool_slots=tree.max_slot + 1, stage1_launches=launches,
+    )  # fmt: skip
+    got = rt.plan(tree).plan
+    heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
+    shared = ft.plan(tree, **heads, classes_share_launch=True)
+    separate = ft.plan(tree, **heads)
+    assert shared.units_per_class() != separate.units_per_class()
+    expected = shared if launches == 1 else separate
+    assert got.units_per_class() == expected.units_per_class()
+    assert np.array_equal(got.unit_kv_len, expected.unit_kv_len)
