@@ -341,14 +341,14 @@ def test_register_caps_only_for_small_tiles_at_four_warps(device):
 
 
 @pytest.mark.parametrize(("hq", "hkv", "launches"), [(32, 8, 1), (32, 8, 2)])
-def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches):
+def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches, device):
     # paper case 8's 256-token private leaves leave the bins for per-plan launches; a one-launch
     # stage 1 would run them with the large tile's registers, so there they stay packed
     from fasttree.suite import paper_tree
 
     tree = paper_tree(8)
     rt = TreeAttentionRuntime(
-        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype="float16", device="cpu",
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype="float16", device=device,
         max_queries=tree.n_queries, max_kv_entries=1 << 20, max_units=1 << 14, max_partial_rows=1 << 14,
         pool_slots=tree.max_slot + 1, stage1_launches=launches,
     )  # fmt: skip
