@@ -97,15 +97,36 @@ def tree_id(record: dict[str, Any]) -> str:
 
 
 def record_plan(record: dict[str, Any]):
-    """Re-plan one measurement record with the library's planner (its tree, heads and config)."""
+    """Re-plan one measurement record with the library's planner (its tree, heads and config).
+
+    The plan must be the one that was measured. When the record's plan summary (units per
+    tile class, KV tokens read, partial rows) differs from the re-planned one, the record
+    is planned again as before the planner's newest rule (``solo_units=False``, the rule
+    added at e2e3a4b) and that plan is kept if it matches; otherwise the re-planned one is
+    returned (logged at DEBUG).
+    """
     import fasttree as ft
 
-    return ft.plan(
-        decode_tree(record["workload"]["tree"]),
-        FastTreeConfig.from_dict(record["config"]),
-        num_q_heads=record["num_q_heads"],
-        num_kv_heads=record["num_kv_heads"],
-        head_dim=record["head_dim"],
+    args = (decode_tree(record["workload"]["tree"]), FastTreeConfig.from_dict(record["config"]))
+    heads = {k: record[k] for k in ("num_q_heads", "num_kv_heads", "head_dim")}
+    plan = ft.plan(*args, **heads)
+    measured = record.get("plan")
+    if measured is None or _same_plan(plan, measured):
+        return plan
+    legacy = ft.plan(*args, **heads, solo_units=False)
+    if _same_plan(legacy, measured):
+        return legacy
+    logger.debug("record %s: no planner rule set reproduces its measured plan", record.get("key"))
+    return plan
+
+
+def _same_plan(plan, summary: dict[str, Any]) -> bool:
+    """``plan`` has the recorded summary's units per class, KV tokens read and partial rows."""
+    units = plan.units_per_class()
+    return (
+        list(units) == list(summary.get("units", units))
+        and int(np.add.reduce(plan.unit_kv_len, dtype=np.int64)) == summary.get("kv_tokens_read")
+        and plan.n_partial_rows == summary.get("partial_rows")
     )
 
 

@@ -797,7 +797,7 @@ def plan(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    classes_share_launch: bool = False,
+    solo_units: bool = True,
 ) -> Plan:
     """Plan tree attention for one tree on the host.
 
@@ -817,11 +817,13 @@ def plan(
         ``Hq`` and ``Hkv``; ``Hq`` must be a multiple of ``Hkv``.
     head_dim : int
         ``D``, in [16, 256].
-    classes_share_launch : bool
-        The two tile classes will run in one launch compiled for the large tile (the
-        runtime's one-launch stage 1). Packing then keeps long small-tile units in bins:
-        unpacked, they would run with the large tile's registers (see
-        :data:`fasttree.plan_arrays._SOLO_MIN_TOKENS`).
+    solo_units : bool
+        Keep long units that fit the small tile out of bins that fill the large tile,
+        where the bins would waste enough matrix work (see
+        :data:`fasttree.plan_arrays._SOLO_MIN_TOKENS`; added at e2e3a4b). False plans as
+        before that rule: what the runtime's one-launch stage 1 wants (unpacked, those
+        units would run with the large tile's registers), and how the traces measured
+        before it were planned.
 
     Returns
     -------
@@ -887,7 +889,7 @@ def plan(
         edge_assignment=assign,
         query_rank=gx.rank,
         query_of_rank=gx.query_of_rank,
-        solo_units=not classes_share_launch,
+        solo_units=solo_units,
     )
 
 

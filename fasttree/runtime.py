@@ -400,7 +400,7 @@ class TreeAttentionRuntime:
         if self._min_pool is not None and tree.max_slot >= self._min_pool:
             raise ValueError(f"the tree reads pool slot {tree.max_slot} but the KV pool has {self._min_pool} slots")
         heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                 "classes_share_launch": self.stage1_launches == 1}  # fmt: skip
+                 "solo_units": self.stage1_launches == 2}  # fmt: skip
         query_centric = self.query_centric == "always"
         plan = plan_tree(tree, self._query_centric_config() if query_centric else self.config, **heads)
         # grouping must save _MIN_SHARING_GAIN of a query-centric plan's KV reads (tested first:

@@ -413,3 +413,25 @@ def test_features_name_the_compiled_facts_of_both_classes():
             assert row[f"c{c}_ptx_regs"] > 0 and row[f"c{c}_ptx_shared_bytes"] > 0
         else:
             assert row[f"c{c}_ptx_regs"] == 0
+
+
+@pytest.mark.parametrize("solo", [True, False])
+def test_record_plan_reproduces_the_measured_plan(solo):
+    # paper case 8 (GQA 4) plans differently since the solo rule (e2e3a4b): a record measured
+    # before it must be re-planned as it was measured, a newer one as today
+    from fasttree.costmodel.dataset import record_plan
+    from fasttree.suite import paper_tree
+    from fasttree.traces import encode_tree, plan_summary
+
+    tree, heads = paper_tree(8), {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    measured = ft.plan(tree, **heads, solo_units=solo)
+    record = {
+        "workload": {"tree": encode_tree(tree)},
+        "config": ft.FastTreeConfig().to_dict(),
+        **heads,
+        "plan": plan_summary(measured),
+    }
+    got = record_plan(record)
+    assert got.units_per_class() == measured.units_per_class()
+    assert np.array_equal(got.unit_kv_len, measured.unit_kv_len)
+    assert ft.plan(tree, **heads, solo_units=not solo).units_per_class() != measured.units_per_class()

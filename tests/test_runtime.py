@@ -354,7 +354,7 @@ def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches, device):
     )  # fmt: skip
     got = rt.plan(tree).plan
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
-    shared = ft.plan(tree, **heads, classes_share_launch=True)
+    shared = ft.plan(tree, **heads, solo_units=False)
     separate = ft.plan(tree, **heads)
     assert shared.units_per_class() != separate.units_per_class()
     expected = shared if launches == 1 else separate
