@@ -197,7 +197,7 @@ def test_bucket_validation() -> None:
 # ---------------------------------------------------------------------- shared memory
 def test_smem_estimate_matches_the_h200_failures() -> None:
     """On the held-out H200 traces (the only ones with head dim 256): the config-level
-    estimate rejects all 27 failed records and 49 of the 2061 ok ones; per launched tile class
+    estimate rejects every failed record and a few percent of the ok ones; per launched tile class
     of the re-planned records it rejects all failed and no ok one, and lies within 1 KiB above
     the bytes the compiler reported."""
     records = read_traces(HELDOUT, kind="measurement").records
@@ -224,9 +224,10 @@ def test_smem_estimate_matches_the_h200_failures() -> None:
         if r["status"] == "failed":
             required = int(re.search(r"Required: (\d+)", r["error"]).group(1))
             assert required <= need <= required + 1024
-    assert counts["failed"] == [27, 27]
-    assert counts["ok"] == [49, 2061]
-    assert launch_rejects == {"failed": 27, "ok": 0}
+    # heldout1/2 had 27 failed and 2061 ok (49 rejected by the config-level estimate), heldout3 9 and 599
+    assert counts["failed"][1] >= 36 and counts["failed"][0] == counts["failed"][1]
+    assert counts["ok"][1] >= 2660 and 49 <= counts["ok"][0] <= 0.05 * counts["ok"][1]
+    assert launch_rejects == {"failed": counts["failed"][1], "ok": 0}
 
 
 # -------------------------------------------------------------------------- objective
