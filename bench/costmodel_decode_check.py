@@ -303,7 +303,7 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         "",
         "Caveat: the model was fitted on traces of the per-plan `fasttree.tree_attention` kernels "
         "(`fasttree/profiler.py` `measure_point`: a grid of one program per unit and KV head per tile class, then "
-        "the merge), measured at c072d8c-6ad7bd2, not on the runtime's persistent stage-1 and merge launches "
+        "the merge), measured at c072d8c-cfea378, not on the runtime's persistent stage-1 and merge launches "
         "(`fasttree/runtime.py`: SM-sized grids, one stage-1 launch for both tile classes with the large class's "
         "warps and stages unless MHA at D <= 128) timed here at f18595e. Knobs the runtime handles differently "
         "(small-class warps/stages for GQA, grid and occupancy) are predicted for the per-plan kernels: configs "
