@@ -266,3 +266,26 @@ def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, m
     q, k, v = make_inputs(forest, g * hkv, hkv, d, dtype, device, gen)
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out, q, k, v, forest)
+
+
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[2], SHAPES[3]])
+def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, monkeypatch):
+    # random forests (queries at internal nodes, scattered slots) with the solo rule forced on
+    from fasttree import plan_arrays
+
+    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_WASTE_FLOPS", 0)
+    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", 16)
+    rng = np.random.default_rng(900 + g)
+    gen = torch.Generator().manual_seed(900 + g)
+    changed = 0
+    for _ in range(4):
+        tree = random_tree(rng, max_nodes=24, max_len=48)
+        cfg = ft.FastTreeConfig(pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), kv_split_sizes=(64, 32),
+                                para_threshs1=(0, 0))  # fmt: skip
+        heads = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d}
+        plan = ft.plan(tree, cfg, **heads)
+        changed += plan.units_per_class() != ft.plan(tree, cfg, **heads, solo_units=False).units_per_class()
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+    assert changed >= 1, "no random plan used the solo rule; the test would not cover it"
