@@ -23,7 +23,7 @@ import numpy as np
 from fasttree.config import FastTreeConfig
 from fasttree.traces import decode_tree, read_traces
 
-from .features import FEATURE_NAMES, features_of_plan, features_of_plans, published_cost
+from .features import FEATURE_NAMES, STAGE1_OVERLAP, features_of_plan, features_of_plans, published_cost
 from .gpu import GpuSpec, gpu_spec
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,9 @@ def record_features(record: dict[str, Any], gpu: GpuSpec | None = None) -> np.nd
     gpu : GpuSpec, optional
         Default: :func:`gpu_spec` of the record's ``env``.
     """
-    return features_of_plan(record_plan(record), gpu_spec(record["env"]) if gpu is None else gpu)
+    row = features_of_plan(record_plan(record), gpu_spec(record["env"]) if gpu is None else gpu)
+    row[STAGE1_OVERLAP] *= measured_with_overlap(record)
+    return row
 
 
 #: Records re-planned and turned into feature rows together (their plans are held at once).
@@ -155,7 +157,26 @@ def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple
         plans = [record_plan(r) for r in records[lo : lo + _FEATURE_BATCH]]
         X[lo : lo + len(plans)] = features_of_plans(plans, spec)  # = features_of_plan of each, batched
         cost[lo : lo + len(plans)] = [published_cost(p) for p in plans]
+    X[:, STAGE1_OVERLAP] *= [measured_with_overlap(r) for r in records]
     return X, cost
+
+
+#: Commits (7-character prefixes) of the shipped traces measured before ``tree_attention`` ran a
+#: plan's two stage-1 launches side by side (7ada9e2); later traces say so in
+#: ``meta.profiler.stage1_overlap``.
+PRE_OVERLAP_COMMITS = frozenset({"c072d8c", "d3140ff", "51c6972", "0b92d40", "c9aa805", "6ad7bd2"})
+
+
+def measured_with_overlap(record: dict[str, Any]) -> bool:
+    """Whether the record's two-class plan ran its stage-1 launches side by side.
+
+    ``meta.profiler.stage1_overlap`` when the profiler wrote it, else whether the record's
+    commit is not one of :data:`PRE_OVERLAP_COMMITS`.
+    """
+    info = (record.get("meta") or {}).get("profiler") or {}
+    if isinstance(info.get("stage1_overlap"), bool):
+        return info["stage1_overlap"]
+    return str(record.get("env", {}).get("git_commit") or "")[:7] not in PRE_OVERLAP_COMMITS
 
 
 def _is_default(record: dict[str, Any]) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "FEATURE_NAMES",
     "FEATURE_SCHEMA_VERSION",
     "SIM_TOTAL",
+    "STAGE1_OVERLAP",
     "features_of_plan",
     "features_of_plans",
     "features_of_work",
@@ -31,8 +32,8 @@ __all__ = [
 
 #: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it. 3: the register
 #: and spill features come from kernels compiled with the JIT's launch-time specialisation
-#: (``bench.kernel_resources``), no longer from unspecialised ones.
-FEATURE_SCHEMA_VERSION = 3
+#: (``bench.kernel_resources``), no longer from unspecialised ones. 4: ``stage1_overlap``.
+FEATURE_SCHEMA_VERSION = 4
 
 _CLASS_FIELDS = CLASS_FIELDS
 _TILE_MODES = ("two_classes", "all_large", "all_small")
@@ -75,9 +76,14 @@ FEATURE_NAMES: tuple[str, ...] = (
     "sim_latency_us",
     "sim_total_us",
     *(f"c{c}_{name}" for c in (0, 1) for name in COMPILED_FIELDS),
+    "stage1_overlap",
 )
 #: Column of the simulator's total time (the residual model's baseline).
 SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
+#: Column that says the two tile classes' stage-1 launches run side by side: 1 when both have
+#: programs, as ``fasttree.tree_attention`` runs them since 7ada9e2 (v17); the dataset sets it
+#: to 0 for traces measured before (:func:`fasttree.costmodel.dataset.measured_with_overlap`).
+STAGE1_OVERLAP = FEATURE_NAMES.index("stage1_overlap")
 
 
 def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResult | None = None) -> np.ndarray:
@@ -137,6 +143,7 @@ def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResul
         sim.total_us,
         *_compiled(work, c0),
         *_compiled(work, c1),
+        float(c0.programs > 0 and c1.programs > 0),
     ]
     return np.asarray(row, dtype=np.float64)
 
@@ -241,6 +248,7 @@ def features_of_plans(plans, gpu: GpuSpec, *, elem_bytes: int | Sequence[int] = 
         ]
     ).reshape(n, 2 * len(COMPILED_FIELDS))  # fmt: skip
     put(*compiled.T)
+    put(((c["programs"][:, 0] > 0) & (c["programs"][:, 1] > 0)).astype(np.float64))
     if next(col, None) is not None:
         raise AssertionError("internal error: features_of_plans filled fewer columns than FEATURE_NAMES")
     return X

@@ -435,3 +435,30 @@ def test_record_plan_reproduces_the_measured_plan(solo):
     assert got.units_per_class() == measured.units_per_class()
     assert np.array_equal(got.unit_kv_len, measured.unit_kv_len)
     assert ft.plan(tree, **heads, solo_units=not solo).units_per_class() != measured.units_per_class()
+
+
+def test_stage1_overlap_feature_marks_two_class_plans_measured_side_by_side():
+    # v17 (7ada9e2) runs a two-class plan's stage-1 launches side by side; older traces did not
+    from fasttree.costmodel.dataset import measured_with_overlap, record_features
+    from fasttree.costmodel.features import STAGE1_OVERLAP, features_of_plan
+    from fasttree.suite import paper_tree
+    from fasttree.traces import encode_tree, plan_summary
+
+    heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    two = ft.plan(paper_tree(6), **heads)  # 6/gqa4: both tile classes
+    one = ft.plan(paper_tree(10), **heads)
+    assert min(two.units_per_class()) > 0 and min(one.units_per_class()) == 0
+    gpu = H200
+    assert features_of_plan(two, gpu)[STAGE1_OVERLAP] == 1.0
+    assert features_of_plan(one, gpu)[STAGE1_OVERLAP] == 0.0
+
+    record = {
+        "workload": {"tree": encode_tree(paper_tree(6))}, "config": ft.FastTreeConfig().to_dict(), **heads,
+        "plan": plan_summary(two), "env": {"git_commit": "6ad7bd2", "gpu_name": "NVIDIA H200", "gpu_sm_count": 132},
+    }  # fmt: skip
+    assert not measured_with_overlap(record)
+    assert record_features(record, gpu)[STAGE1_OVERLAP] == 0.0
+    record["env"]["git_commit"] = "cfea378"
+    assert measured_with_overlap(record) and record_features(record, gpu)[STAGE1_OVERLAP] == 1.0
+    record["meta"] = {"profiler": {"stage1_overlap": False}}  # what the profiler writes wins
+    assert not measured_with_overlap(record)

@@ -601,6 +601,7 @@ def test_measure_point_records_timings_plan_and_check(cpu_measure, tmp_path, dev
         "eager_us": {"median": 33.0},
     }
     assert rec["plan"]["units"] and rec["plan"]["kv_tokens_read"] > 0
+    assert rec["meta"]["profiler"]["stage1_overlap"] is True  # the latency model's stage1_overlap reads it
     assert rec["key"] == measurement_key(
         SMALL_TREE,
         family=p.family,
