@@ -16,10 +16,11 @@ export CUDA_VISIBLE_DEVICES=0
 cli=(python3 -c "import sys; from fasttree.cli import main; sys.exit(main(sys.argv[1:]))")  # an array: timeout cannot run a shell function
 PARTS=${PARTS:-validate decode}
 if [[ " $PARTS " == *" validate "* ]]; then
-for name in tuned polished measured; do
+for name in tuned polished schema4 measured; do
   case $name in
     tuned) export_path=docs/tune/export.json ;;
     polished) export_path=docs/tune/polished/export.json ;;
+    schema4) export_path=docs/tune/schema4/export.json ;;
     measured) export_path=docs/tune/export_measured.json ;;
   esac
   timeout 110 "${cli[@]}" validate --config "$export_path" --steps 4 --model models/h200_latency_model.json \
