@@ -121,12 +121,13 @@ def record_plan(record: dict[str, Any]):
 
 
 def _same_plan(plan, summary: dict[str, Any]) -> bool:
-    """``plan`` has the recorded summary's units per class, KV tokens read and partial rows."""
-    units = plan.units_per_class()
+    """``plan`` has the recorded summary's (``Plan.stats()`` as the profiler stored it) units per
+    class, KV tokens read and partial rows."""
+    stats = plan.stats()
     return (
-        list(units) == list(summary.get("units", units))
-        and int(np.add.reduce(plan.unit_kv_len, dtype=np.int64)) == summary.get("kv_tokens_read")
-        and plan.n_partial_rows == summary.get("partial_rows")
+        list(stats["units"]) == list(summary.get("units", stats["units"]))
+        and stats["kv_tokens_read"] == summary.get("kv_tokens_read")
+        and stats["partial_rows"] == summary.get("partial_rows")
     )
 
 
