@@ -7,11 +7,17 @@ RoPE, decode the batches of :func:`fasttree.workloads.iter_serving`: every step'
 is one decode batch (its queries are the active requests, one new token each). One step:
 embed the tokens; per layer RMSNorm, fused QKV projection, RoPE, write the new token's K
 and V into the layer's pools ``[pool_slots + 1, Hkv, D]`` at each request's write slot
-(the last slot of its context: the workload lays every step's tree out anew in slots
-``0..tokens-1``; the extra last slot takes the padding rows' writes), attention over the
+(the last slot of its context; the extra last slot of the pools takes the padding rows'
+writes), attention over the
 tree, O projection, residual, RMSNorm, MLP, residual; final RMSNorm, LM head, greedy
 argmax. Input tokens are a hash of (request id, step): their values do not matter.
 The pools start as random N(0, 1) values, never zeros.
+
+Pool slots (``--slots``): ``stable`` (default) keeps every node's tokens at the slots they
+were given, as a server's token allocator does: a node keeps its slots while it is in the
+trees, a new token takes a free slot (the lowest freed one first, else a new one), and a
+node that leaves the trees frees its slots. ``contiguous`` lays each step's tree out anew in
+slots ``0..tokens-1`` (the layout of the serving simulator's trees).
 
 The GEMMs are ``torch.nn.functional.linear``; the ops between them run, by default, as a
 serving engine runs them, in three fused Triton kernels (:mod:`bench.model_ops`): residual
@@ -34,6 +40,8 @@ from CUDA graphs. Attention backends, all on the same model code (an
   consecutive device synchronisations.
 * ``fasttree_piecewise``: the same runtime run eagerly between CUDA graphs of the
   non-attention segments (what the full graph adds).
+* ``fasttree_fresh``: ``fasttree`` with every step planned afresh (``extend_steps=0``: no
+  step's plan is the previous one extended to the new tokens).
 * ``query_separated``: FlashDecoding-style split-KV per query
   (:func:`fasttree.plan_query_separated`, planned and uploaded once per step), eager
   between the segment graphs.
@@ -68,6 +76,7 @@ under ``--out``. Run from the repository root on the GPU::
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import logging
 import math
@@ -92,7 +101,9 @@ from fasttree.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.decode")
 
-BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_piecewise", "query_separated", "sdpa")
+BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_piecewise", "fasttree_fresh", "query_separated", "sdpa")
+#: Pool-slot layouts of the workloads' trees (``--slots``).
+SLOT_LAYOUTS = ("stable", "contiguous")
 CHECK_QUERIES = 32
 #: How the non-attention ops ran, by ``fused`` (the report's ``non_attention_ops``).
 NON_ATTENTION_OPS = {True: "fused RMSNorm/RoPE/SiLU Triton kernels", False: "torch ops"}
@@ -289,7 +300,43 @@ def last_context_slots(tree: ft.KVTree) -> np.ndarray:
     return tree.slots[tree.slot_indptr[node + 1] - 1].astype(np.int64)
 
 
-def make_workload(scenario: str, *, seed: int, warmup: int, steps: int, max_batch: int | None, vocab: int) -> Workload:
+def stable_slot_trees(served: list) -> list[ft.KVTree]:
+    """The trees of ``served`` (:class:`fasttree.workloads.ServingStep`) with every node's tokens
+    kept at fixed pool slots across steps, as a server's token allocator keeps them.
+
+    A node (by ``node_ids``) keeps the slots it was given while it appears in the trees; its new
+    tokens take free slots, the lowest freed one first, else the next unused one; a node
+    that no longer appears frees its slots (a node that comes back gets new ones).
+    """
+    slots_of: dict[int, np.ndarray] = {}
+    free: list[int] = []  # a min-heap of freed slots
+    fresh = 0
+    trees = []
+    for s in served:
+        live = set(s.node_ids.tolist())
+        for nid in [n for n in slots_of if n not in live]:
+            for slot in slots_of.pop(nid).tolist():
+                heapq.heappush(free, slot)
+        node_slots = []
+        for nid, length in zip(s.node_ids.tolist(), s.tree.lengths.tolist(), strict=True):
+            have = slots_of.get(nid, np.zeros(0, dtype=np.int64))
+            need = length - have.size
+            if need < 0:
+                raise AssertionError(f"node {nid} shrank from {have.size} to {length} tokens")
+            if need:
+                reuse = [heapq.heappop(free) for _ in range(min(need, len(free)))]
+                new = np.arange(fresh, fresh + need - len(reuse), dtype=np.int64)
+                fresh += new.size
+                have = np.concatenate([have, np.asarray(reuse, dtype=np.int64), new])
+                slots_of[nid] = have
+            node_slots.append(have)
+        trees.append(ft.KVTree(s.tree.parents, node_slots, s.tree.query_nodes))
+    return trees
+
+
+def make_workload(
+    scenario: str, *, seed: int, warmup: int, steps: int, max_batch: int | None, vocab: int, slots: str = "stable"
+) -> Workload:
     """Simulate ``warmup + steps`` decode steps of ``scenario`` and build each step's inputs.
 
     Parameters
@@ -302,6 +349,8 @@ def make_workload(scenario: str, *, seed: int, warmup: int, steps: int, max_batc
         Cap on active requests (the scenario's default when None).
     vocab : int
         Input tokens are drawn below it.
+    slots : {"stable", "contiguous"}
+        Pool-slot layout (:data:`SLOT_LAYOUTS`; module docstring).
 
     Returns
     -------
@@ -310,12 +359,13 @@ def make_workload(scenario: str, *, seed: int, warmup: int, steps: int, max_batc
     served = list(iter_serving(scenario, seed=seed, steps=warmup + steps, max_batch=max_batch))
     if len(served) < warmup + steps:
         raise ValueError(f"scenario {scenario} yielded {len(served)} steps, fewer than {warmup + steps}")
-    trees = [s.tree for s in served]
+    if slots not in SLOT_LAYOUTS:
+        raise ValueError(f"slots must be one of {SLOT_LAYOUTS}, got {slots!r}")
+    trees = stable_slot_trees(served) if slots == "stable" else [s.tree for s in served]
     max_rows = max(t.n_queries for t in trees)
     pool_slots = max(t.max_slot + 1 for t in trees)
     inputs = []
-    for s in served:
-        t = s.tree
+    for s, t in zip(served, trees, strict=True):
         n = t.n_queries
         arr = np.zeros((3, max_rows), dtype=np.int64)
         arr[0, :n] = (s.request_ids * 1_000_003 + s.step * 7919) % vocab
@@ -650,7 +700,9 @@ class FastTreeBackend:
         ``fasttree`` (True: the whole step is one graph) or ``fasttree_piecewise``.
     """
 
-    def __init__(self, model: Model, buf: StepBuffers, workload: Workload, config, *, full_graph: bool) -> None:
+    def __init__(
+        self, model: Model, buf: StepBuffers, workload: Workload, config, *, full_graph: bool, extend_steps: int = 8
+    ) -> None:
         spec = model.spec
         self.name = "fasttree" if full_graph else "fasttree_piecewise"
         self.overlap = False
@@ -669,12 +721,15 @@ class FastTreeBackend:
             max_units=1 << 16,
             max_partial_rows=32 * rows,
             pool_slots=workload.pool_rows,
+            extend_steps=extend_steps,
         )
-        self.plans = self.query_centric_plans = 0
+        self.plans = self.query_centric_plans = self.extended_plans = 0
 
     def prepare_step(self, tree: ft.KVTree) -> None:
         """Plan ``tree`` on the host and upload the plan into the runtime's buffer."""
-        self.query_centric_plans += int(self.rt.plan(tree).query_centric)
+        uploaded = self.rt.plan(tree)
+        self.query_centric_plans += int(uploaded.query_centric)
+        self.extended_plans += int(uploaded.extended)
         self.plans += 1
 
     def attention(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -684,6 +739,8 @@ class FastTreeBackend:
         return {
             "plans": self.plans,
             "query_centric_plans": self.query_centric_plans,
+            "extended_plans": self.extended_plans,
+            "extend_steps": self.rt.extend_steps,
             "config": self.rt.config.to_dict(),
         }
 
@@ -775,8 +832,11 @@ class SdpaBackend:
 
 def make_backend(name: str, model: Model, buf: StepBuffers, workload: Workload, config):
     """The backend ``name`` of :data:`BACKENDS` for ``model`` on ``workload``."""
-    if name in ("fasttree", "fasttree_overlap", "fasttree_piecewise"):
-        backend = FastTreeBackend(model, buf, workload, config, full_graph=name != "fasttree_piecewise")
+    if name in ("fasttree", "fasttree_overlap", "fasttree_piecewise", "fasttree_fresh"):
+        backend = FastTreeBackend(
+            model, buf, workload, config, full_graph=name != "fasttree_piecewise",
+            extend_steps=0 if name == "fasttree_fresh" else 8,
+        )  # fmt: skip
         backend.name, backend.overlap = name, name == "fasttree_overlap"
         return backend
     if name == "query_separated":
@@ -1065,9 +1125,9 @@ def bench_scenario(
     """
     workload = make_workload(
         scenario, seed=args.seed, warmup=args.warmup, steps=args.steps, max_batch=args.max_batch,
-        vocab=model.spec.vocab,
+        vocab=model.spec.vocab, slots=args.slots,
     )  # fmt: skip
-    summary = {"model": model_key, **workload.summary()}
+    summary = {"model": model_key, "slots": args.slots, **workload.summary()}
     elem = torch.tensor([], dtype=model.dtype).element_size()
     sdpa_bytes = sdpa_kv_bytes(workload, model.spec, elem)
     summary["sdpa_padded_kv_gib"] = sdpa_bytes / 2**30
@@ -1172,9 +1232,11 @@ def markdown(report: dict[str, Any]) -> str:
         "replaced by a copy and no planning, same graphs) / step time (planning included); max err = worst "
         f"relative error of layer 0's and the last layer's attention on <= {CHECK_QUERIES} sampled queries of "
         "the first timed step vs the float64 reference (`x`: above tolerance). "
-        "`fasttree`: the whole step in one CUDA graph; `fasttree_overlap`: the same with step i + 1 planned "
-        "while the GPU runs step i; the others: attention eager between graphs of the non-attention segments. "
-        f"fasttree config: {_config_source(report)}.",
+        "`fasttree`: the whole step in one CUDA graph, a step's plan extended from the previous one when only "
+        "private nodes grew (at most 8 steps in a row); `fasttree_fresh`: the same with every step planned "
+        "afresh; `fasttree_overlap`: `fasttree` with step i + 1 planned while the GPU runs step i; the others: "
+        "attention eager between graphs of the non-attention segments. "
+        f"Pool slots: {a.get('slots', 'contiguous')}. fasttree config: {_config_source(report)}.",
         "",
         results_table(report["rows"]),
         "Workloads (timed steps):",
@@ -1236,6 +1298,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=48, help="timed steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=None, help="cap on active requests (default: the scenario's)")
+    p.add_argument(
+        "--slots", choices=SLOT_LAYOUTS, default="stable",
+        help="pool slots: stable per node across steps, as a server allocates them (default), or each "
+        "step's tree laid out anew in contiguous slots",
+    )  # fmt: skip
     p.add_argument(
         "--export",
         default="docs/tune/export_measured.json",

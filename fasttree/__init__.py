@@ -13,6 +13,7 @@ from .attention import plan_query_separated, query_separated_attention, tree_att
 from .config import FastTreeConfig
 from .export import ConfigExport, ExportEntry, read_export, write_export
 from .plan_arrays import DevicePlan, Plan
+from .plan_extend import PlanExtender
 from .planner import Groups, build_groups, greedy_edge_assignment, plan
 from .recording import WorkloadRecorder
 from .reference import max_relative_error, reference_attention
@@ -29,6 +30,7 @@ __all__ = [
     "Groups",
     "KVTree",
     "Plan",
+    "PlanExtender",
     "RuntimePlan",
     "TreeAttentionRuntime",
     "WorkloadRecorder",

@@ -90,16 +90,13 @@ def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
 _SOLO_MIN_TOKENS: int | None = 128
 
 #: ... only when the matrix work those units would waste in bins, over all KV heads, is at
-#: least this many flops (about 10 us of tensor-core time on an H200) ...
+#: least this many flops (about 10 us of tensor-core time on an H200). Below it the bins' fewer
+#: programs and partials pay for the waste. On the H200, keeping such units out saved 42 us on
+#: 8/gqa4 (51.5 GFLOP wasted) and 11 us on 8/gqa16 (6.4 GFLOP), but cost 5-7 us on 6/gqa4,
+#: 9/gqa4 and GQA-4 serving trees with 0.5-2.9 GFLOP (``docs/bench/h200/solo_ab_8cf1b1c.json``);
+#: on 20 later GQA-4 serving steps of the tuner's workloads (4-8.5 GFLOP, 36-58% of the tokens)
+#: it saved 3-12% (``docs/bench/h200/solo_share_85069fd.json``).
 _SOLO_MIN_WASTE_FLOPS = 4e9
-
-#: ... and those units hold at least this share of the units' KV tokens (they dominate the
-#: plan). Otherwise the bins' fewer programs and partials pay for the waste. On the H200 (A/B
-#: in ``docs/bench/h200/solo_ab_8cf1b1c.json``) keeping them out saved 42 us on 8/gqa4 (51.5
-#: GFLOP wasted, 85% of the tokens) and 11 us on 8/gqa16 (6.4 GFLOP, 62%) but cost 5-7 us on
-#: 6/gqa4, 9/gqa4 and GQA-4 serving trees (0.5-2.9 GFLOP, 6-48%). Later serving steps of the
-#: tuner's workloads reach 4-8.5 GFLOP at 36-58%: not measured, so left in bins.
-_SOLO_MIN_TOKEN_SHARE = 0.6
 
 
 def _solo_units(
@@ -107,14 +104,13 @@ def _solo_units(
 ) -> np.ndarray | None:
     """Units kept out of packing (None: none): at least :data:`_SOLO_MIN_TOKENS` long, rows
     that fit the small tile, bins that fill the large tile (:func:`_pack_capacity`), and
-    together worth :data:`_SOLO_MIN_WASTE_FLOPS` of wasted matrix work and
-    :data:`_SOLO_MIN_TOKEN_SHARE` of the units' KV tokens."""
+    together worth :data:`_SOLO_MIN_WASTE_FLOPS` of wasted matrix work."""
     if _SOLO_MIN_TOKENS is None or block_m[0] // g > MAX_PACK_QUERIES or block_m[0] <= block_m[1]:
         return None
     solo = (kv_len >= _SOLO_MIN_TOKENS) & (q_len * g <= block_m[1])
     tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
     waste = 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim
-    if waste < _SOLO_MIN_WASTE_FLOPS or tokens < _SOLO_MIN_TOKEN_SHARE * int(np.add.reduce(kv_len, dtype=np.int64)):
+    if waste < _SOLO_MIN_WASTE_FLOPS:
         return None
     return solo
 

@@ -67,6 +67,7 @@ from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
 from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
+from .plan_extend import PlanExtender
 from .planner import plan as plan_tree
 from .recording import WorkloadRecorder
 from .tree import KVTree
@@ -109,6 +110,9 @@ class RuntimePlan:
         Merged queries of the few- and of the many-partials merge.
     words : int
         int32 words copied to the device.
+    extended : bool
+        The plan is the previous step's, extended to this tree's new tokens
+        (``extend_steps``), not planned afresh.
     """
 
     plan: Plan
@@ -116,6 +120,7 @@ class RuntimePlan:
     slot_units: tuple[tuple[int, int], tuple[int, int]]
     merge_counts: tuple[int, int]
     words: int
+    extended: bool = False
 
     @property
     def n_queries(self) -> int:
@@ -190,6 +195,13 @@ class TreeAttentionRuntime:
         Receives every tree :meth:`plan` uploads (it samples and bounds what it writes), so
         a server's own decode steps become a workload trace for ``fasttree-tune``. Its head
         shape and dtype must be the runtime's.
+    extend_steps : int
+        When a step's tree only appends tokens to nodes that one query reads (same nodes,
+        queries and older slots as the last uploaded tree: a decode step without arrivals
+        or finishes), :meth:`plan` inserts the new slots into the last plan instead of
+        planning afresh (:class:`fasttree.plan_extend.PlanExtender`: the same tokens read
+        exactly once, in O(KV entries) numpy work), for at most ``extend_steps`` steps in a
+        row; the cost decisions are redone at the next fresh plan. 0: plan every tree.
 
     Raises
     ------
@@ -217,6 +229,7 @@ class TreeAttentionRuntime:
         waves: int = 1,
         stage1_launches: int | str = "auto",
         recorder: WorkloadRecorder | None = None,
+        extend_steps: int = 8,
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
@@ -256,6 +269,10 @@ class TreeAttentionRuntime:
             if recorder.shape != shape:
                 raise ValueError(f"the recorder records heads/head dim/dtype {recorder.shape}, the runtime has {shape}")
         self.recorder = recorder
+        if isinstance(extend_steps, bool) or not isinstance(extend_steps, numbers.Integral) or extend_steps < 0:
+            raise ValueError(f"extend_steps must be a non-negative integer, got {extend_steps!r}")
+        self.extend_steps = int(extend_steps)
+        self._extender = PlanExtender(max_steps=self.extend_steps) if self.extend_steps else None
         self._steps = 0
         self.config = self._resolve_config(config)
 
@@ -361,7 +378,8 @@ class TreeAttentionRuntime:
         """Plan ``tree`` on the host and upload it into the runtime's buffers (one copy).
 
         Call once per decode step, before the step's :meth:`forward` calls (or graph replay)
-        on the same stream. Returns what was uploaded.
+        on the same stream. Returns what was uploaded. A tree that only appends tokens to
+        nodes one query reads is served by extending the last plan (``extend_steps``).
 
         Parameters
         ----------
@@ -399,6 +417,25 @@ class TreeAttentionRuntime:
             )
         if self._min_pool is not None and tree.max_slot >= self._min_pool:
             raise ValueError(f"the tree reads pool slot {tree.max_slot} but the KV pool has {self._min_pool} slots")
+        extender = self._extender
+        plan = None if extender is None else extender.extend(tree)
+        uploaded = None
+        if plan is not None:  # the extender only holds uploaded plans: _current is the one extended
+            try:
+                uploaded = self._upload(plan, self._current.query_centric, extended=True)
+            except ValueError:  # over a capacity (checked before anything is written): plan afresh
+                uploaded = None
+        if uploaded is None:
+            uploaded = self._upload(*self._plan_afresh(tree))
+        if extender is not None:
+            extender.remember(tree, uploaded.plan)
+        if self.recorder is not None:
+            self.recorder.record(self._steps, tree)
+        self._steps += 1
+        return uploaded
+
+    def _plan_afresh(self, tree: KVTree) -> tuple[Plan, bool]:
+        """Plan ``tree`` with the runtime's config; whether the plan is query-centric."""
         heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                  "solo_units": self.stage1_launches == 2}  # fmt: skip
         query_centric = self.query_centric == "always"
@@ -414,11 +451,7 @@ class TreeAttentionRuntime:
         ):
             plan = plan_tree(tree, self._query_centric_config(), **heads)
             query_centric = True
-        uploaded = self._upload(plan, query_centric)
-        if self.recorder is not None:
-            self.recorder.record(self._steps, tree)
-        self._steps += 1
-        return uploaded
+        return plan, query_centric
 
     @staticmethod
     def _shares_tokens(tree: KVTree) -> bool:
@@ -428,7 +461,7 @@ class TreeAttentionRuntime:
     def _query_centric_config(self) -> FastTreeConfig:
         return replace(self.config, gamma=_QUERY_CENTRIC_GAMMA)
 
-    def _upload(self, plan: Plan, query_centric: bool) -> RuntimePlan:
+    def _upload(self, plan: Plan, query_centric: bool, *, extended: bool = False) -> RuntimePlan:
         if plan.n_partial_rows > self.max_partial_rows:
             raise ValueError(
                 f"the plan needs {plan.n_partial_rows} partial rows, more than max_partial_rows={self.max_partial_rows}"
@@ -486,7 +519,7 @@ class TreeAttentionRuntime:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
             plan=plan, query_centric=query_centric, slot_units=slot_units,
-            merge_counts=merge_counts, words=off,
+            merge_counts=merge_counts, words=off, extended=extended,
         )  # fmt: skip
         return self._current
 

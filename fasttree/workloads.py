@@ -642,12 +642,17 @@ class ServingStep:
         Identity of each query's request; a fork is a new request.
     prefix_ids : ndarray, int64 [n_queries]
         Index of each request's static prefix (last-level shared node, 0-based in level order).
+    node_ids : ndarray, int64 [n_nodes]
+        The simulator's identity of each tree node: the same for a node in every step it
+        appears in, so a caller can keep its KV at fixed pool slots across steps (the trees
+        themselves number slots contiguously, step by step).
     """
 
     step: int
     tree: KVTree
     request_ids: np.ndarray
     prefix_ids: np.ndarray
+    node_ids: np.ndarray
 
 
 class _Request:
@@ -826,7 +831,7 @@ def _emit(step: int, active: dict[int, _Request], node_parent: list[int], node_l
     tree = KVTree.from_lengths(parents, lengths, [index[q] for q in query_old])
     request_ids = np.fromiter(active, dtype=np.int64, count=len(active))
     prefix_ids = np.fromiter((r.prefix for r in active.values()), dtype=np.int64, count=len(active))
-    return ServingStep(step, tree, request_ids, prefix_ids)
+    return ServingStep(step, tree, request_ids, prefix_ids, np.array(nodes, dtype=np.int64))
 
 
 def simulate_serving(

@@ -245,11 +245,10 @@ def test_small_tile_register_cap_only_where_it_saves_a_wave(args, expected):
 
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[3], SHAPES[4]])
 def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, monkeypatch):
-    # the solo rule forced on (no waste or token-share floor): long one-query leaves run unpacked next to bins
+    # the solo rule forced on (no waste floor): long one-query leaves run unpacked next to bins
     from fasttree import plan_arrays
 
     monkeypatch.setattr(plan_arrays, "_SOLO_MIN_WASTE_FLOPS", 0)
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKEN_SHARE", 0)
     monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", 24)
     gen = torch.Generator().manual_seed(g + d)
     # a forest: root 0 (9 tokens) -> 3 nodes (5) -> 12 leaves of 30 tokens (solo); root 16 (7) ->
@@ -275,7 +274,6 @@ def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, 
     from fasttree import plan_arrays
 
     monkeypatch.setattr(plan_arrays, "_SOLO_MIN_WASTE_FLOPS", 0)
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKEN_SHARE", 0)
     monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", 16)
     rng = np.random.default_rng(900 + g)
     gen = torch.Generator().manual_seed(900 + g)

@@ -12,7 +12,7 @@ import torch
 
 from bench import decode
 
-BACKENDS = ("fasttree", "fasttree_overlap", "query_separated", "sdpa")
+BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_fresh", "query_separated", "sdpa")
 SCENARIO = "multi_level_system_prompts"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU path needs TRITON_INTERPRET=1 (conftest)
 ROW_KEYS = {
@@ -24,7 +24,7 @@ ROW_KEYS = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One tiny run (2 layers, 1 warm-up and 2 timed steps, batches of <= 8) of three backends."""
+    """One tiny run (2 layers, 1 warm-up and 2 timed steps, batches of <= 8) of the backends."""
     out = tmp_path_factory.mktemp("decode")
     argv = [
         "--device", DEVICE, "--models", "tiny", "--scenarios", SCENARIO, "--max-batch", "8",
@@ -36,7 +36,7 @@ def run(tmp_path_factory):
 
 
 def test_backends_compute_the_same_decode(run):
-    """Same model, pools and tokens: the three attentions give close logits and the same next tokens."""
+    """Same model, pools and tokens: the attentions give close logits and the same next tokens."""
     steps = {b: run.logits[("tiny", SCENARIO, b)] for b in BACKENDS}
     assert all(len(s) == 2 for s in steps.values())
     compared = 0
@@ -61,15 +61,19 @@ def test_rows_are_well_formed(run):
     for r in rows:
         assert not ROW_KEYS - r.keys(), ROW_KEYS - r.keys()
         assert (r["model"], r["scenario"], r["steps"]) == ("tiny", SCENARIO, 2)
-        graphs = "full_graph" if r["backend"] in ("fasttree", "fasttree_overlap") else "piecewise_graphs"
+        graphs = (
+            "full_graph" if r["backend"] in ("fasttree", "fasttree_overlap", "fasttree_fresh") else "piecewise_graphs"
+        )
         assert r["mode"] == (graphs if DEVICE == "cuda" else "eager")
         assert r["tokens"] == round(workload["queries_mean"] * 2)
         assert r["tokens_per_s"] > 0 and r["step_ms_p50"] > 0 and r["step_ms_p90"] >= r["step_ms_p50"]
         assert 0 <= r["plan_share"] < 1 and r["attention_share"] < 1
         assert r["correct"] and r["max_rel_err"] <= 2e-3
-    assert rows[2]["speedup_vs_query_separated"] == 1.0
+    assert rows[BACKENDS.index("query_separated")]["speedup_vs_query_separated"] == 1.0
     # compile pass (every step), warm-up, correctness check, timed steps
-    assert rows[0]["backend_info"]["plans"] == rows[1]["backend_info"]["plans"] == 3 + 1 + 1 + 2
+    info = [r["backend_info"] for r in rows[:3]]
+    assert info[0]["plans"] == info[1]["plans"] == info[2]["plans"] == 3 + 1 + 1 + 2
+    assert info[2]["extended_plans"] == 0 and info[2]["extend_steps"] == 0 and info[0]["extend_steps"] == 8
     assert run.report["all_correct"] and run.report["graphs"] is (DEVICE == "cuda")
 
 
@@ -118,3 +122,33 @@ def test_bad_arguments():
         decode.parse_args(["--backends", "flash"])
     with pytest.raises(SystemExit):
         decode.parse_args(["--warmup", "0"])
+
+
+def test_stable_slots_keep_every_node_at_its_slots():
+    """--slots stable: the trees of the contiguous layout, with a node's old tokens at the same
+    slots in every later step, no slot used twice in a step, and freed slots reused."""
+    from fasttree.plan_extend import PlanExtender
+    from fasttree.workloads import iter_serving
+
+    served = list(iter_serving("chain_reasoning", seed=0, steps=40))
+    trees = decode.stable_slot_trees(served)
+    where: dict[int, np.ndarray] = {}
+    ext, extended = PlanExtender(), 0
+    for s, t in zip(served, trees, strict=True):
+        for attr in ("parents", "lengths", "query_nodes"):
+            assert np.array_equal(getattr(t, attr), getattr(s.tree, attr))
+        assert np.unique(t.slots).size == t.slots.size
+        for i, nid in enumerate(s.node_ids.tolist()):
+            mine = t.slots[t.slot_indptr[i] : t.slot_indptr[i + 1]]
+            if nid in where:
+                assert np.array_equal(mine[: where[nid].size], where[nid])
+            where[nid] = mine
+        plan = ext.extend(t)
+        extended += plan is not None
+        ext.remember(t, plan if plan is not None else decode.ft.plan(t, num_q_heads=4, num_kv_heads=4, head_dim=16))
+    assert extended >= len(trees) // 2  # most decode steps only grow private nodes
+    assert max(t.max_slot for t in trees) < sum(t.num_tokens for t in trees[-3:])  # freed slots are reused
+    wl = decode.make_workload("chain_reasoning", seed=0, warmup=1, steps=4, max_batch=None, vocab=10)
+    assert all(np.array_equal(a.slots, b.slots) for a, b in zip(wl.trees, trees, strict=False))
+    with pytest.raises(ValueError, match="slots"):
+        decode.make_workload("chain_reasoning", seed=0, warmup=1, steps=4, max_batch=None, vocab=10, slots="x")

@@ -360,3 +360,63 @@ def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches, device):
     expected = shared if launches == 1 else separate
     assert got.units_per_class() == expected.units_per_class()
     assert np.array_equal(got.unit_kv_len, expected.unit_kv_len)
+
+
+def _decode_steps(rng: np.random.Generator, steps: int) -> list[ft.KVTree]:
+    """Decode steps of one batch: a shared prefix, private leaves that each gain a token per
+    step (new slots from a free pool), and one request arriving midway (a new node)."""
+    free = list(rng.permutation(np.arange(60, 900)))
+    shared = np.arange(60)
+    leaves = [np.array([free.pop() for _ in range(int(rng.integers(1, 20)))]) for _ in range(5)]
+    trees = []
+    for step in range(steps):
+        if step == steps // 2:
+            leaves.append(np.array([free.pop() for _ in range(3)]))
+        parents = [-1, *[0] * len(leaves)]
+        trees.append(ft.KVTree(parents, [shared, *leaves], list(range(1, len(leaves) + 1))))
+        leaves = [np.append(leaf, free.pop()) for leaf in leaves]
+    return trees
+
+
+@pytest.mark.parametrize("extend_steps", [0, 2, 8])
+def test_runtime_extends_plans_of_growing_trees(device, extend_steps):
+    """Steps that only grow private leaves reuse the last plan (up to extend_steps in a row),
+    a new request plans afresh, and every step equals the float64 reference."""
+    rt = _runtime(device, ft.FastTreeConfig(pack_tokens=64, pack_min_units=0), extend_steps=extend_steps)
+    rng = np.random.default_rng(9)
+    trees = _decode_steps(rng, 8)
+    q, k, v = _inputs(trees[-1], device, 64, seed=3)
+    flags = []
+    for tree in trees:
+        out = torch.full_like(q, float("nan"))
+        flags.append(rt.plan(tree).extended)
+        rt.forward(q, k, v, out=out)
+        n = tree.n_queries
+        assert ft.max_relative_error(out[:n], ft.reference_attention(q[:n], k, v, tree)) < 2e-3
+    if extend_steps == 0:
+        assert not any(flags)
+    elif extend_steps == 2:  # fresh, 2 extended, fresh (the chain is full), arrival at step 4: fresh, ...
+        assert flags == [False, True, True, False, False, True, True, False]
+    else:
+        assert flags == [False, True, True, True, False, True, True, True]
+
+
+@pytest.mark.parametrize("extend_steps", [-1, 1.0, True, "8"])
+def test_extend_steps_is_validated(device, extend_steps):
+    with pytest.raises(ValueError, match="extend_steps"):
+        _runtime(device, extend_steps=extend_steps)
+
+
+def test_extension_over_a_capacity_plans_afresh(device):
+    """An extended plan over max_kv_entries is replaced by a fresh plan, which then must fit or
+    fail with the capacity's name, leaving the previous plan in place."""
+    rt = _runtime(device, ft.FastTreeConfig(pack_tokens=0), max_kv_entries=70)
+    tree = ft.KVTree([-1, 0, 0], [np.arange(60), np.arange(60, 64), np.arange(64, 66)], [1, 2])
+    first = rt.plan(tree)
+    assert first.plan.kv_indices.size <= 70
+    grown = np.concatenate([np.arange(60, 64), np.arange(100, 110)])  # leaf 1 grows by 10 tokens: 76 entries
+    big = ft.KVTree([-1, 0, 0], [np.arange(60), grown, np.arange(64, 66)], [1, 2])
+    assert rt._extender.extend(big) is not None
+    with pytest.raises(ValueError, match="max_kv_entries"):
+        rt.plan(big)
+    assert rt.current_plan is first

@@ -380,3 +380,21 @@ def test_serving_rejects_bad_arguments():
         ServingScenario("x", "x", ((1, 10, 10),), 1, (1, 1), forks=(1,))
     with pytest.raises(ValueError, match="prefix_levels"):
         ServingScenario("x", "x", (), 1, (1, 1))
+
+
+def test_serving_node_ids_follow_nodes_across_steps():
+    """node_ids name each tree node: unique in a step, and a node seen again has the same parent
+    (by id) and at least its tokens."""
+    run = list(iter_serving("chain_reasoning", seed=2, steps=60))
+    seen: dict[int, tuple[int, int]] = {}
+    kept = 0
+    for s in run:
+        ids = s.node_ids
+        assert ids.dtype == np.int64 and ids.size == s.tree.n_nodes and np.unique(ids).size == ids.size
+        parent_ids = np.where(s.tree.parents >= 0, ids[np.maximum(s.tree.parents, 0)], -1)
+        for nid, pid, length in zip(ids.tolist(), parent_ids.tolist(), s.tree.lengths.tolist(), strict=True):
+            if nid in seen:
+                assert seen[nid][0] == pid and seen[nid][1] <= length
+                kept += 1
+            seen[nid] = (pid, length)
+    assert kept > 20 * len(run)

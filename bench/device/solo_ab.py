@@ -10,12 +10,10 @@ time of ``tree_attention`` per threshold (None = off), twice in alternation (bes
 the largest difference of the output from the threshold-off plan's.
 
     python bench/device/solo_ab.py OUT.json
-    python bench/device/solo_ab.py --share OUT.json
 
-With ``--share``: the token-share floor (``_SOLO_MIN_TOKEN_SHARE``, added after the first A/B)
-at its value and at 0, on the GQA-4 serving trees of the tuner's workloads (``traces/workloads``,
-every 20th) that the rule would change without it (4-8.5 GFLOP of waste at 36-58% of the tokens:
-not measured when the floor was set), plus 8/gqa4 and 8/gqa16 as controls.
+(A second mode, ``--share`` at 85069fd, measured a token-share floor that the rule then had:
+``docs/bench/h200/solo_share_85069fd.json``; dropping it saved 3-12% on 20 GQA-4 serving trees,
+so it was removed.)
 """
 
 from __future__ import annotations
@@ -52,26 +50,6 @@ def trees():
                 yield f"{scenario}[{i}]/gqa4/{name}", steps[i].tree, 32, 8, cfg
 
 
-def share_trees():
-    from fasttree.traces import decode_tree, read_traces
-
-    for case, heads in CASES[:2]:
-        hq, hkv = PAPER_HEADS[heads]
-        yield f"{case}/{heads}", paper_tree(case), hq, hkv, None
-    records = read_traces(["traces/workloads"], kind="workload").records[::20]
-    for r in records:
-        w = r["workload"]
-        if w["family"] != "serving":
-            continue
-        tree = decode_tree(w["tree"])
-        plans = []
-        for share in (plan_arrays._SOLO_MIN_TOKEN_SHARE, 0.0):
-            with _setting("_SOLO_MIN_TOKEN_SHARE", share):
-                plans.append(ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128).units_per_class())
-        if plans[0] != plans[1]:
-            yield f"{w['scenario']}[seed {w['seed']} step {w['step']}]/gqa4", tree, 32, 8, None
-
-
 @contextlib.contextmanager
 def _setting(name, value):
     """Set a module constant of :mod:`fasttree.plan_arrays` for a ``with`` block."""
@@ -83,11 +61,11 @@ def _setting(name, value):
         setattr(plan_arrays, name, old)
 
 
-def main(out_path: str, share: bool = False) -> None:
+def main(out_path: str) -> None:
     dev = torch.device("cuda")
     rows = []
-    settings = ("share", (plan_arrays._SOLO_MIN_TOKEN_SHARE, 0.0)) if share else ("tokens", THRESHOLDS)
-    for label, tree, hq, hkv, cfg in share_trees() if share else trees():
+    settings = ("tokens", THRESHOLDS)
+    for label, tree, hq, hkv, cfg in trees():
         torch.manual_seed(0)
         q = torch.randn(tree.n_queries, hq, 128, device=dev, dtype=torch.float16)
         k = torch.randn(tree.max_slot + 1, hkv, 128, device=dev, dtype=torch.float16)
@@ -97,7 +75,7 @@ def main(out_path: str, share: bool = False) -> None:
         ref = None
         for _rep in range(2):
             for th in settings[1]:
-                with _setting("_SOLO_MIN_TOKEN_SHARE" if share else "_SOLO_MIN_TOKENS", th):
+                with _setting("_SOLO_MIN_TOKENS", th):
                     plan = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
                 out.fill_(float("nan"))
 
@@ -120,4 +98,4 @@ def main(out_path: str, share: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[-1], share="--share" in sys.argv)
+    main(sys.argv[-1])

@@ -1,0 +1,221 @@
+"""Extending a plan to the next decode step's tree instead of planning it again.
+
+Between two decode steps a serving batch usually changes in one way only: every running
+request appends its new token to its *private* node (a node whose tokens one query alone
+reads), while the shared prefixes, the requests and their order stay as they were. The plan
+of the previous step then needs only those tokens added: a private token is read by its query
+alone, through exactly one KV entry of the plan, so inserting the new slots next to that entry
+(in the same work unit, with the same row mask) gives a plan that reads every query's context
+exactly once, as a fresh plan does. Only the cost decisions (groups, splits, packing) were
+made for slightly shorter nodes, which is why :class:`PlanExtender` extends a plan for a
+bounded number of steps before the caller plans afresh.
+
+Vocabulary as in :mod:`fasttree.plan_arrays`; the *anchor* of a private node is the plan's
+KV entry of its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .plan_arrays import Plan
+from .tree import KVTree, ragged_arange
+
+_INT32_MAX = 0x7FFFFFFF
+
+
+class _TreeCopy:
+    """The arrays of a :class:`KVTree` that decide whether a later tree extends it (copies,
+    so a caller reusing its arrays cannot change what the plan was made for)."""
+
+    __slots__ = ("lengths", "parents", "private", "query_nodes", "read", "slot_indptr", "slots")
+
+    def __init__(self, tree: KVTree, private: np.ndarray | None = None, read: np.ndarray | None = None) -> None:
+        self.parents = tree.parents.copy()
+        self.query_nodes = tree.query_nodes.copy()
+        self.lengths = tree.lengths.copy()
+        self.slot_indptr = tree.slot_indptr.copy()
+        self.slots = tree.slots.copy()
+        sq = tree.subtree_queries
+        self.private = sq == 1 if private is None else private  # read by one query
+        self.read = sq > 0 if read is None else read  # read by some query
+
+
+class PlanExtender:
+    """Extends the last plan it was given to later trees that only grew private nodes.
+
+    A tree *extends* the remembered one when it has the same nodes, parents and queries
+    (same ids, same order), every node's slots start with the slots it had, and only nodes
+    that one query reads (or none) grew. Then :meth:`extend` inserts the new tokens' slots
+    into the remembered plan (O(KV entries) numpy work, no planning) and returns the
+    extended plan; otherwise it returns None and the caller plans the tree afresh.
+
+    Parameters
+    ----------
+    max_steps : int
+        Consecutive extensions of one fresh plan; afterwards :meth:`extend` returns None,
+        so the cost decisions are redone at least every ``max_steps + 1`` steps.
+
+    Examples
+    --------
+    >>> ext = PlanExtender(max_steps=8)
+    >>> plan = ext.extend(tree)                                # doctest: +SKIP
+    >>> if plan is None:
+    ...     plan = ft.plan(tree, config, **heads)              # doctest: +SKIP
+    >>> ext.remember(tree, plan)                               # doctest: +SKIP
+    """
+
+    def __init__(self, *, max_steps: int = 8) -> None:
+        if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        self.max_steps = int(max_steps)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the remembered plan (the next :meth:`extend` returns None)."""
+        self._tree: _TreeCopy | None = None
+        self._plan: Plan | None = None
+        self._steps = 0
+        self._anchor: np.ndarray | None = None  # int64 [n_nodes]: entry of the node's last token, -1: none
+        self._anchor_unit: np.ndarray | None = None  # int64 [n_nodes]: the unit holding that entry
+        self._pending: tuple | None = None  # (plan, tree copy, anchors, anchor units) of the last extend
+        self._table = np.zeros(0, dtype=np.int64)  # slot -> candidate lookup, all -1 between uses
+
+    @property
+    def steps(self) -> int:
+        """Extensions since the remembered fresh plan."""
+        return self._steps
+
+    def remember(self, tree: KVTree, plan: Plan) -> None:
+        """Base later extensions on ``plan``, the plan now in use for ``tree``.
+
+        Pass the plan :meth:`extend` returned for ``tree`` (the extension is then adopted)
+        or a fresh plan of ``tree`` (extensions restart from it).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is plan:
+            self._plan, self._tree, self._anchor, self._anchor_unit = pending
+            self._steps += 1
+            return
+        self._plan, self._tree = plan, _TreeCopy(tree)
+        self._anchor = self._anchor_unit = None  # found on the first extension
+        self._steps = 0
+
+    def extend(self, tree: KVTree) -> Plan | None:
+        """The remembered plan extended to ``tree``, or None when ``tree`` does not extend
+        the remembered tree (or ``max_steps`` extensions were made).
+
+        The returned plan is not adopted until :meth:`remember` is called with it.
+        """
+        self._pending = None
+        old, plan = self._tree, self._plan
+        if old is None or plan is None or self._steps >= self.max_steps:
+            return None
+        n = old.parents.size
+        if (
+            tree.parents.size != n
+            or tree.query_nodes.size != old.query_nodes.size
+            or not np.array_equal(tree.parents, old.parents)
+            or not np.array_equal(tree.query_nodes, old.query_nodes)
+        ):
+            return None
+        grow = tree.lengths - old.lengths
+        grown = np.flatnonzero(grow)
+        if grown.size == 0:
+            if not np.array_equal(tree.slots, old.slots):
+                return None
+            self._pending = (plan, old, self._anchor, self._anchor_unit)
+            return plan
+        d = grow[grown]
+        if np.minimum.reduce(d) < 0:
+            return None
+        read = old.read[grown]
+        if not np.all(old.private[grown[read]]):
+            return None  # a node several queries read grew
+        # the old tokens keep their slots: the new array without the appended runs is the old one
+        new_pos = ragged_arange(tree.slot_indptr[grown] + old.lengths[grown], d)
+        kept = np.ones(tree.slots.size, dtype=bool)
+        kept[new_pos] = False
+        if not np.array_equal(tree.slots[kept], old.slots):
+            return None
+        nodes, d = grown[read], d[read]
+        if self._anchor is None:
+            self._anchor, self._anchor_unit = self._find_anchors(plan, old)
+        anchor = self._anchor[nodes]
+        if nodes.size and np.minimum.reduce(anchor) < 0:
+            return None  # an empty private node grew, or its last token was not found once
+        new_entries = plan.kv_indices.size + int(np.add.reduce(d))
+        if new_entries > _INT32_MAX:
+            return None
+        order = anchor.argsort()
+        nodes, d, anchor = nodes[order], d[order], anchor[order]
+        at = np.repeat(anchor + 1, d)  # each node's new slots go right after its last token's entry
+        slots = tree.slots[ragged_arange(tree.slot_indptr[nodes] + old.lengths[nodes], d)]
+        kv_indices = np.insert(plan.kv_indices, at, slots.astype(np.int32, copy=False))
+        kv_row_mask = plan.kv_row_mask
+        if kv_row_mask.size:
+            kv_row_mask = np.insert(kv_row_mask, at, np.repeat(kv_row_mask[anchor], d))
+        # entries inserted before position x: those of the anchors below x
+        before = np.zeros(nodes.size + 1, dtype=np.int64)
+        np.cumsum(d, out=before[1:])
+        unit_kv_start = plan.unit_kv_start + before[np.searchsorted(anchor, plan.unit_kv_start, side="left")]
+        unit_kv_len = plan.unit_kv_len.astype(np.int64)
+        np.add.at(unit_kv_len, self._anchor_unit[nodes], d)
+        new_anchor = self._anchor.copy()
+        has = new_anchor >= 0
+        new_anchor[has] += before[np.searchsorted(anchor, new_anchor[has], side="left")]
+        new_anchor[nodes] += d  # the node's last token is now its last new slot
+        extended = replace(
+            plan,
+            max_slot=tree.max_slot,
+            kv_indices=kv_indices,
+            kv_row_mask=kv_row_mask,
+            unit_kv_start=unit_kv_start.astype(np.int32),
+            unit_kv_len=unit_kv_len.astype(np.int32),
+            _device_cache={},
+        )
+        self._pending = (extended, _TreeCopy(tree, old.private, old.read), new_anchor, self._anchor_unit)
+        return extended
+
+    def _find_anchors(self, plan: Plan, old: _TreeCopy) -> tuple[np.ndarray, np.ndarray]:
+        """Entry (and unit) of every private node's last token, -1 where there is no token
+        or where that slot is not read by exactly one of the plan's entries."""
+        n = old.parents.size
+        anchor = np.full(n, -1, dtype=np.int64)
+        anchor_unit = np.full(n, -1, dtype=np.int64)
+        cand = np.flatnonzero(old.private & (old.lengths > 0))
+        if cand.size == 0:
+            return anchor, anchor_unit
+        last = old.slots[old.slot_indptr[cand + 1] - 1].astype(np.int64)
+        unit_len = plan.unit_kv_len.astype(np.int64)
+        entries = ragged_arange(plan.unit_kv_start.astype(np.int64), unit_len)
+        values = plan.kv_indices[entries].astype(np.int64)
+        size = max(int(np.maximum.reduce(last)), int(np.maximum.reduce(values)) if values.size else 0) + 1
+        if self._table.size < size:
+            self._table = np.full(max(size, 2 * self._table.size), -1, dtype=np.int64)
+        table = self._table
+        table[last] = np.arange(cand.size)
+        try:
+            unique = table[last] == np.arange(cand.size)  # two private nodes ending in one slot: neither
+            hit = table[values]
+        finally:
+            table[last] = -1
+        found = np.flatnonzero(hit >= 0)
+        which = hit[found]
+        ok = unique & (np.bincount(which, minlength=cand.size) == 1)
+        found, which = found[ok[which]], which[ok[which]]
+        unit = np.repeat(np.arange(unit_len.size), unit_len)[found]
+        # the entry must serve one row: a one-query unit, or a bin entry with one mask bit
+        mask = plan.kv_row_mask
+        if mask.size:
+            m = mask[entries[found]].astype(np.int64) & 0xFFFFFFFF
+            single = (m != 0) & ((m & (m - 1)) == 0)
+            single |= (m == 0xFFFFFFFF) & (plan.unit_q_len[unit] == 1)
+        else:
+            single = plan.unit_q_len[unit] == 1
+        found, which, unit = found[single], which[single], unit[single]
+        anchor[cand[which]] = entries[found]
+        anchor_unit[cand[which]] = unit
+        return anchor, anchor_unit
