@@ -81,7 +81,7 @@ class PlanExtender:
         self._anchor: np.ndarray | None = None  # int64 [n_nodes]: entry of the node's last token, -1: none
         self._anchor_unit: np.ndarray | None = None  # int64 [n_nodes]: the unit holding that entry
         self._pending: tuple | None = None  # (plan, tree copy, anchors, anchor units) of the last extend
-        self._table = np.zeros(0, dtype=np.int64)  # slot -> candidate lookup, all -1 between uses
+        self._table = np.zeros(0, dtype=np.int32)  # slot -> candidate lookup, all -1 between uses
 
     @property
     def steps(self) -> int:
@@ -151,12 +151,20 @@ class PlanExtender:
             return None
         order = anchor.argsort()
         nodes, d, anchor = nodes[order], d[order], anchor[order]
-        at = np.repeat(anchor + 1, d)  # each node's new slots go right after its last token's entry
-        slots = tree.slots[ragged_arange(tree.slot_indptr[nodes] + old.lengths[nodes], d)]
-        kv_indices = np.insert(plan.kv_indices, at, slots.astype(np.int32, copy=False))
+        # each node's new slots go right after its last token's entry: new positions, in order
+        n_new = int(np.add.reduce(d))
+        at = np.repeat(anchor + 1, d)
+        at += np.arange(n_new)
+        old_at = np.ones(new_entries, dtype=bool)
+        old_at[at] = False
+        kv_indices = np.empty(new_entries, dtype=np.int32)
+        kv_indices[old_at] = plan.kv_indices
+        kv_indices[at] = tree.slots[ragged_arange(tree.slot_indptr[nodes] + old.lengths[nodes], d)]
         kv_row_mask = plan.kv_row_mask
         if kv_row_mask.size:
-            kv_row_mask = np.insert(kv_row_mask, at, np.repeat(kv_row_mask[anchor], d))
+            kv_row_mask = np.empty(new_entries, dtype=np.int32)
+            kv_row_mask[old_at] = plan.kv_row_mask
+            kv_row_mask[at] = np.repeat(plan.kv_row_mask[anchor], d)
         # entries inserted before position x: those of the anchors below x
         before = np.zeros(nodes.size + 1, dtype=np.int64)
         np.cumsum(d, out=before[1:])
@@ -186,36 +194,41 @@ class PlanExtender:
         anchor = np.full(n, -1, dtype=np.int64)
         anchor_unit = np.full(n, -1, dtype=np.int64)
         cand = np.flatnonzero(old.private & (old.lengths > 0))
-        if cand.size == 0:
+        kv = plan.kv_indices
+        if cand.size == 0 or kv.size == 0:
             return anchor, anchor_unit
         last = old.slots[old.slot_indptr[cand + 1] - 1].astype(np.int64)
-        unit_len = plan.unit_kv_len.astype(np.int64)
-        entries = ragged_arange(plan.unit_kv_start.astype(np.int64), unit_len)
-        values = plan.kv_indices[entries].astype(np.int64)
-        size = max(int(np.maximum.reduce(last)), int(np.maximum.reduce(values)) if values.size else 0) + 1
+        size = max(int(np.maximum.reduce(last)), int(np.maximum.reduce(kv))) + 1
         if self._table.size < size:
-            self._table = np.full(max(size, 2 * self._table.size), -1, dtype=np.int64)
+            self._table = np.full(max(size, 2 * self._table.size), -1, dtype=np.int32)
         table = self._table
-        table[last] = np.arange(cand.size)
+        table[last] = np.arange(cand.size, dtype=np.int32)
         try:
             unique = table[last] == np.arange(cand.size)  # two private nodes ending in one slot: neither
-            hit = table[values]
+            hit = table.take(kv)  # every entry, read by a unit or not (packing leaves copied runs behind)
         finally:
             table[last] = -1
         found = np.flatnonzero(hit >= 0)
-        which = hit[found]
+        # the unit whose KV range holds each found entry (ranges are disjoint), if any
+        start = plan.unit_kv_start.astype(np.int64)
+        by_start = start.argsort()
+        k = np.searchsorted(start[by_start], found, side="right") - 1
+        unit = by_start[np.maximum(k, 0)]
+        inside = (k >= 0) & (found < start[unit] + plan.unit_kv_len[unit])
+        found, unit = found[inside], unit[inside]
+        which = hit[found].astype(np.int64)
         ok = unique & (np.bincount(which, minlength=cand.size) == 1)
-        found, which = found[ok[which]], which[ok[which]]
-        unit = np.repeat(np.arange(unit_len.size), unit_len)[found]
+        keep = ok[which]
+        found, which, unit = found[keep], which[keep], unit[keep]
         # the entry must serve one row: a one-query unit, or a bin entry with one mask bit
         mask = plan.kv_row_mask
         if mask.size:
-            m = mask[entries[found]].astype(np.int64) & 0xFFFFFFFF
+            m = mask[found].astype(np.int64) & 0xFFFFFFFF
             single = (m != 0) & ((m & (m - 1)) == 0)
             single |= (m == 0xFFFFFFFF) & (plan.unit_q_len[unit] == 1)
         else:
             single = plan.unit_q_len[unit] == 1
         found, which, unit = found[single], which[single], unit[single]
-        anchor[cand[which]] = entries[found]
+        anchor[cand[which]] = found
         anchor_unit[cand[which]] = unit
         return anchor, anchor_unit
