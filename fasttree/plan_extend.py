@@ -16,7 +16,7 @@ KV entry of its last token.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import copy
 
 import numpy as np
 
@@ -175,8 +175,8 @@ class PlanExtender:
         has = new_anchor >= 0
         new_anchor[has] += before[np.searchsorted(anchor, new_anchor[has], side="left")]
         new_anchor[nodes] += d  # the node's last token is now its last new slot
-        extended = replace(
-            plan,
+        extended = copy.copy(plan)  # a shallow copy (dataclasses.replace re-runs __init__: slower)
+        extended.__dict__.update(
             max_slot=tree.max_slot,
             kv_indices=kv_indices,
             kv_row_mask=kv_row_mask,
