@@ -237,3 +237,27 @@ def test_extended_plans_match_reference(g, hkv, d, dtype, config, device):
         ext.remember(nxt, got)
         tree = nxt
     assert runs >= 1
+
+
+def test_adapter_trees_of_consecutive_decode_steps_extend():
+    """A server's view through the adapter: requests sharing prefixes each append one token per
+    step at a new slot; the trie keeps its node ids, so every step after the first extends."""
+    rng = np.random.default_rng(4)
+    prefix = rng.permutation(1000)[:300]
+    free = iter(rng.permutation(np.arange(1000, 5000)).tolist())
+    requests = [
+        np.concatenate([prefix[: int(rng.integers(50, 300))], [next(free) for _ in range(5)]]) for _ in range(9)
+    ]
+    ext = PlanExtender(max_steps=6)
+    extended = 0
+    for _step in range(6):
+        tree = ft.tree_from_token_slots(requests)
+        plan = ext.extend(tree)
+        if plan is None:
+            plan = ft.plan(tree, num_q_heads=16, num_kv_heads=4, head_dim=64)
+        else:
+            extended += 1
+        check(tree, plan)
+        ext.remember(tree, plan)
+        requests = [np.append(r, next(free)) for r in requests]
+    assert extended == 5
