@@ -32,15 +32,20 @@ class _TreeCopy:
 
     __slots__ = ("lengths", "parents", "private", "query_nodes", "read", "slot_indptr", "slots")
 
-    def __init__(self, tree: KVTree, private: np.ndarray | None = None, read: np.ndarray | None = None) -> None:
-        self.parents = tree.parents.copy()
-        self.query_nodes = tree.query_nodes.copy()
+    def __init__(self, tree: KVTree, same_shape: _TreeCopy | None = None) -> None:
+        # same_shape: a copy of a tree with the same parents and queries, whose arrays are shared
+        if same_shape is None:
+            self.parents = tree.parents.copy()
+            self.query_nodes = tree.query_nodes.copy()
+            sq = tree.subtree_queries
+            self.private = sq == 1  # read by one query
+            self.read = sq > 0  # read by some query
+        else:
+            self.parents, self.query_nodes = same_shape.parents, same_shape.query_nodes
+            self.private, self.read = same_shape.private, same_shape.read
         self.lengths = tree.lengths.copy()
         self.slot_indptr = tree.slot_indptr.copy()
         self.slots = tree.slots.copy()
-        sq = tree.subtree_queries
-        self.private = sq == 1 if private is None else private  # read by one query
-        self.read = sq > 0 if read is None else read  # read by some query
 
 
 class PlanExtender:
@@ -184,7 +189,7 @@ class PlanExtender:
             unit_kv_len=unit_kv_len.astype(np.int32),
             _device_cache={},
         )
-        self._pending = (extended, _TreeCopy(tree, old.private, old.read), new_anchor, self._anchor_unit)
+        self._pending = (extended, _TreeCopy(tree, old), new_anchor, self._anchor_unit)
         return extended
 
     def _find_anchors(self, plan: Plan, old: _TreeCopy) -> tuple[np.ndarray, np.ndarray]:
