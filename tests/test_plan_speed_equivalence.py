@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from trees import random_tree
 
 import fasttree as ft
@@ -29,6 +30,8 @@ from fasttree.tree import ragged_arange
 from fasttree.workloads import iter_serving
 
 DIGESTS = Path(__file__).parent / "data" / "plan_digests.json"
+#: The runtime's device for the staged-words digest: the CPU only runs it under TRITON_INTERPRET=1 (conftest).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 SCENARIOS = ("few_shot", "chain_reasoning", "multi_document_qa", "multi_level_system_prompts")
 SERVING_STEPS = (3, 10, 25, 50)
@@ -116,7 +119,7 @@ def staged_digests() -> dict[str, str]:
             trees = corpus()
             pool = max(t.max_slot for _, t in trees) + 2
             rt = TreeAttentionRuntime(
-                CONFIGS[cname], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16", device="cpu",
+                CONFIGS[cname], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16", device=DEVICE,
                 max_queries=1024, max_kv_entries=8 * pool, max_units=1 << 16, max_partial_rows=32 * 1024,
                 pool_slots=pool,
             )  # fmt: skip
