@@ -53,6 +53,7 @@ def make_runtime(trees: list[fasttree.KVTree], hq: int, hkv: int, d: int, device
     return TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16", device=device,
         max_queries=512, max_kv_entries=4 * pool, max_units=1 << 16, max_partial_rows=32 * 512, pool_slots=pool,
+        extend_steps=0,  # the planner's time (no step extends the last plan)
     )  # fmt: skip
 
 

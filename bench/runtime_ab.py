@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 programs_per_sm=args.programs_per_sm,
                 waves=w,
                 stage1_launches=n,
+                extend_steps=0,  # the same fresh plans as tree_attention's
             )
             for key, (n, w) in zip(keys, variants, strict=True)
         }

@@ -270,6 +270,7 @@ class RuntimeBench:
             max_units=1 << 16,
             max_partial_rows=64 * self.rows,
             pool_slots=self.slots,
+            extend_steps=0,  # every tree planned with the config under test
         )
         out = {}
         for name, trees in self.trees.items():

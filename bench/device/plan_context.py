@@ -74,7 +74,7 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     rows = []
     for scenario in ("multi_document_qa", "chain_reasoning", "few_shot"):
-        w = make_workload(scenario, seed=0, warmup=3, steps=48, max_batch=None, vocab=32000)
+        w = make_workload(scenario, seed=0, warmup=3, steps=48, max_batch=None, vocab=32000, slots="contiguous")
         rt = TreeAttentionRuntime(
             "docs/tune/export_measured.json", num_q_heads=32, num_kv_heads=32, head_dim=128, dtype=torch.float16,
             device=dev, max_queries=w.max_rows, max_kv_entries=4 * w.pool_rows, max_units=1 << 16,
