@@ -112,7 +112,11 @@ class PlanExtender:
         """The remembered plan extended to ``tree``, or None when ``tree`` does not extend
         the remembered tree (or ``max_steps`` extensions were made).
 
-        The returned plan is not adopted until :meth:`remember` is called with it.
+        The returned plan is not adopted until :meth:`remember` is called with it. It has the
+        fresh plan's units, pairs, partial rows and tile classes, and its ``groups`` and
+        ``edge_assignment`` (the decisions made for the shorter nodes); only ``kv_indices``,
+        ``kv_row_mask``, ``unit_kv_start``, ``unit_kv_len`` and ``max_slot`` change, so units
+        within a class need no longer be in decreasing KV length.
         """
         self._pending = None
         old, plan = self._tree, self._plan
