@@ -123,12 +123,9 @@ class PlanExtender:
         if old is None or plan is None or self._steps >= self.max_steps:
             return None
         n = old.parents.size
-        if (
-            tree.parents.size != n
-            or tree.query_nodes.size != old.query_nodes.size
-            or not np.array_equal(tree.parents, old.parents)
-            or not np.array_equal(tree.query_nodes, old.query_nodes)
-        ):
+        if tree.parents.size != n or tree.query_nodes.size != old.query_nodes.size:
+            return None
+        if np.any(tree.parents != old.parents) or np.any(tree.query_nodes != old.query_nodes):
             return None
         grow = tree.lengths - old.lengths
         grown = np.flatnonzero(grow)
@@ -140,49 +137,70 @@ class PlanExtender:
         d = grow[grown]
         if np.minimum.reduce(d) < 0:
             return None
+        one = int(np.maximum.reduce(d)) == 1  # one new token per grown node: the decode step's case
         read = old.read[grown]
-        if not np.all(old.private[grown[read]]):
+        all_read = bool(np.all(read))
+        if not all_read:
+            grown_read = grown[read]
+        if not np.all(old.private[grown if all_read else grown_read]):
             return None  # a node several queries read grew
         # the old tokens keep their slots: the new array without the appended runs is the old one
-        new_pos = ragged_arange(tree.slot_indptr[grown] + old.lengths[grown], d)
+        first_new = tree.slot_indptr[grown] + old.lengths[grown]
+        new_pos = first_new if one else ragged_arange(first_new, d)
         kept = np.ones(tree.slots.size, dtype=bool)
         kept[new_pos] = False
         if not np.array_equal(tree.slots[kept], old.slots):
             return None
-        nodes, d = grown[read], d[read]
+        if all_read:
+            nodes = grown
+        else:
+            nodes, d, first_new = grown_read, d[read], first_new[read]
         if self._anchor is None:
             self._anchor, self._anchor_unit = self._find_anchors(plan, old)
         anchor = self._anchor[nodes]
         if nodes.size and np.minimum.reduce(anchor) < 0:
             return None  # an empty private node grew, or its last token was not found once
-        new_entries = plan.kv_indices.size + int(np.add.reduce(d))
+        n_new = nodes.size if one else int(np.add.reduce(d))
+        new_entries = plan.kv_indices.size + n_new
         if new_entries > _INT32_MAX:
             return None
         order = anchor.argsort()
-        nodes, d, anchor = nodes[order], d[order], anchor[order]
+        nodes, d, anchor, first_new = nodes[order], d[order], anchor[order], first_new[order]
         # each node's new slots go right after its last token's entry: new positions, in order
-        n_new = int(np.add.reduce(d))
-        at = np.repeat(anchor + 1, d)
-        at += np.arange(n_new)
+        if one:
+            at = anchor + np.arange(1, n_new + 1)
+            slots = tree.slots[first_new]
+        else:
+            at = np.repeat(anchor + 1, d)
+            at += np.arange(n_new)
+            slots = tree.slots[ragged_arange(first_new, d)]
         old_at = np.ones(new_entries, dtype=bool)
         old_at[at] = False
         kv_indices = np.empty(new_entries, dtype=np.int32)
         kv_indices[old_at] = plan.kv_indices
-        kv_indices[at] = tree.slots[ragged_arange(tree.slot_indptr[nodes] + old.lengths[nodes], d)]
+        kv_indices[at] = slots
         kv_row_mask = plan.kv_row_mask
         if kv_row_mask.size:
             kv_row_mask = np.empty(new_entries, dtype=np.int32)
             kv_row_mask[old_at] = plan.kv_row_mask
-            kv_row_mask[at] = np.repeat(plan.kv_row_mask[anchor], d)
-        # entries inserted before position x: those of the anchors below x
-        before = np.zeros(nodes.size + 1, dtype=np.int64)
-        np.cumsum(d, out=before[1:])
-        unit_kv_start = plan.unit_kv_start + before[np.searchsorted(anchor, plan.unit_kv_start, side="left")]
+            kv_row_mask[at] = plan.kv_row_mask[anchor] if one else np.repeat(plan.kv_row_mask[anchor], d)
+        # entries inserted before position x: those of the anchors below x (one per anchor when one)
+        if one:
+            before = None
+        else:
+            before = np.zeros(nodes.size + 1, dtype=np.int64)
+            np.cumsum(d, out=before[1:])
+
+        def shift(x: np.ndarray) -> np.ndarray:
+            below = np.searchsorted(anchor, x, side="left")
+            return below if before is None else before[below]
+
+        unit_kv_start = plan.unit_kv_start + shift(plan.unit_kv_start)
         unit_kv_len = plan.unit_kv_len.astype(np.int64)
         np.add.at(unit_kv_len, self._anchor_unit[nodes], d)
         new_anchor = self._anchor.copy()
         has = new_anchor >= 0
-        new_anchor[has] += before[np.searchsorted(anchor, new_anchor[has], side="left")]
+        new_anchor[has] += shift(new_anchor[has])
         new_anchor[nodes] += d  # the node's last token is now its last new slot
         extended = copy.copy(plan)  # a shallow copy (dataclasses.replace re-runs __init__: slower)
         extended.__dict__.update(

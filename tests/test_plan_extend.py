@@ -57,11 +57,12 @@ def check(tree: ft.KVTree, plan: ft.Plan) -> None:
     assert plan.max_slot == tree.max_slot
 
 
+@pytest.mark.parametrize("max_new", [1, 3])  # 1: every grown node gains one token (a decode step)
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("heads", HEADS)
-def test_extended_plans_read_every_context_once(config, heads):
+def test_extended_plans_read_every_context_once(config, heads, max_new):
     hq, hkv, d = heads
-    rng = np.random.default_rng(hq + 7 * hkv + 13 * d + 101 * CONFIGS.index(config))
+    rng = np.random.default_rng(hq + 7 * hkv + 13 * d + 101 * CONFIGS.index(config) + max_new)
     extended = 0
     for _ in range(12):
         tree = random_tree(rng, max_nodes=30, max_len=80)
@@ -69,7 +70,7 @@ def test_extended_plans_read_every_context_once(config, heads):
         plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
         ext.remember(tree, plan)
         for _step in range(4):
-            nxt = grow(tree, rng)
+            nxt = grow(tree, rng, max_new=max_new)
             got = ext.extend(nxt)
             growable = (tree.subtree_queries == 1) & (tree.lengths > 0)
             changed = (nxt.lengths != tree.lengths)[tree.subtree_queries > 0]
