@@ -152,3 +152,18 @@ def test_stable_slots_keep_every_node_at_its_slots():
     assert all(np.array_equal(a.slots, b.slots) for a, b in zip(wl.trees, trees, strict=False))
     with pytest.raises(ValueError, match="slots"):
         decode.make_workload("chain_reasoning", seed=0, warmup=1, steps=4, max_batch=None, vocab=10, slots="x")
+
+
+def test_timed_trees_are_new_objects_without_the_planner_index():
+    import fasttree.planner as planner
+    from fasttree.workloads import iter_serving
+
+    tree = decode.stable_slot_trees(list(iter_serving("few_shot", seed=0, steps=2)))[1]
+    first = decode.ft.plan(tree, num_q_heads=4, num_kv_heads=4, head_dim=16)
+    assert getattr(tree, "_planner_index", None) is not None
+    new = decode.as_new_tree(tree)
+    assert new is not tree and getattr(new, "_planner_index", None) is None
+    assert tree._planner_index is planner._tree_index(tree)  # the original keeps its index
+    again = decode.ft.plan(new, num_q_heads=4, num_kv_heads=4, head_dim=16)
+    for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query", "pair_out_row"):
+        assert np.array_equal(getattr(first, name), getattr(again, name))

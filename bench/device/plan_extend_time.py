@@ -4,8 +4,9 @@ For the Llama (32/32) and Mistral (32/8) shapes and the four serving scenarios o
 ``bench.decode`` (stable pool slots, export ``docs/tune/export_measured.json``), the workload's
 trees go through two runtimes in step order: ``extend_steps=8`` (the default) and ``0`` (every
 step planned afresh). Before each ``plan`` the GPU runs ~8 ms of work and the host synchronises,
-as in the decode loop. Per step: the plan time, whether it was extended, and for extended steps
-the time of ``PlanExtender.extend`` and of the upload.
+as in the decode loop, and each tree is planned as a new object (no planner index cached on
+it by the warm pass: ``bench.decode.as_new_tree``). Per step: the plan time, whether it was
+extended, and for extended steps the time of ``PlanExtender.extend`` and of the upload.
 
 Usage (repository root, after ``pip install -e .``)::
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from bench.common import environment
-from bench.decode import make_workload
+from bench.decode import as_new_tree, make_workload
 from fasttree.runtime import TreeAttentionRuntime
 
 CYCLES = 16_000_000  # ~8 ms at ~2 GHz
@@ -69,6 +70,7 @@ def main() -> None:
                 _timed(rt, "_upload", upload_s)
                 total, extended = [], []
                 for t in w.trees:
+                    t = as_new_tree(t)  # no planner index cached by the warm pass, as a server's new tree
                     torch.cuda._sleep(CYCLES)
                     torch.cuda.synchronize(dev)
                     t0 = time.perf_counter()
