@@ -44,8 +44,11 @@ def _is_tensor(value: Any) -> bool:
     return hasattr(value, "detach") and hasattr(value, "device") and hasattr(value, "numpy")
 
 
-def _host_array(name: str, value: Any, ndim: int, *, allow_device: bool = False) -> np.ndarray:
-    """``value`` (array-like, or a torch tensor) as a host integer numpy array of ``ndim`` dims.
+def _host_array(
+    name: str, value: Any, ndim: int, *, allow_device: bool = False, keep_dtype: bool = False
+) -> np.ndarray:
+    """``value`` (array-like, or a torch tensor) as a host integer numpy array of ``ndim`` dims,
+    int64 unless ``keep_dtype`` (then any integer dtype but uint64, which becomes int64).
 
     A CUDA tensor is copied to the host when ``allow_device``, else refused (a per-request
     copy would synchronise the device once per request).
@@ -67,7 +70,11 @@ def _host_array(name: str, value: Any, ndim: int, *, allow_device: bool = False)
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
         raise ValueError(f"{name} holds {int(arr.max())}, beyond the int64 range")
-    return arr.astype(np.int64, copy=False) if arr.size else np.zeros(arr.shape, dtype=np.int64)
+    if not arr.size:
+        return np.zeros(arr.shape, dtype=np.int64)
+    if keep_dtype and arr.dtype != np.uint64:
+        return arr
+    return arr.astype(np.int64, copy=False)
 
 
 def _check_slot_range(flat: np.ndarray, indptr: np.ndarray, where: Callable[[int, int], str]) -> None:
@@ -88,30 +95,34 @@ def _check_slot_range(flat: np.ndarray, indptr: np.ndarray, where: Callable[[int
 
 
 # -------------------------------------------------------------------- trie
-def _sorted_order(flat: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+def _sorted_order(data: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """Requests in lexicographic order of their slot sequences (a prefix before its extensions).
 
-    Slots are in ``[0, 2**31)``, so their big-endian 4-byte images compare like the
-    numbers and byte-string order is lexicographic order; Python's sort of ``n`` byte
-    strings is stable (identical sequences keep request order) and compares with memcmp.
+    Request ``j``'s sequence is ``data[start[j]:start[j] + length[j]]``. Slots are in
+    ``[0, 2**31)``, so their big-endian 4-byte images compare like the numbers and
+    byte-string order is lexicographic order; Python's sort of ``n`` byte strings is stable
+    (identical sequences keep request order) and compares with memcmp.
     """
-    n = indptr.size - 1
-    buf = flat.astype(">u4").tobytes()
-    b = (indptr * 4).tolist()
-    keys = [buf[b[j] : b[j + 1]] for j in range(n)]
+    n = start.size
+    buf = data.astype(">u4").tobytes()  # entries outside the sequences are converted but never compared
+    b = (start * 4).tolist()
+    e = ((start + length) * 4).tolist()
+    keys = [buf[b[j] : e[j]] for j in range(n)]
     return np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
 
 
-def _adjacent_lcp(flat: np.ndarray, indptr: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Longest common prefix of each request with its successor in ``order``.
+def _adjacent_lcp(data: np.ndarray, start: np.ndarray, length: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Longest common prefix of each request with its successor in ``order`` (sequences as
+    in :func:`_sorted_order`).
 
     Returns
     -------
     ndarray, int64 [n - 1]
         Entry ``k`` is the LCP length of requests ``order[k]`` and ``order[k + 1]``.
     """
-    start = indptr[:-1][order]
-    length = (indptr[1:] - indptr[:-1])[order]
+    flat = data
+    start = start[order]
+    length = length[order]
     m = np.minimum(length[:-1], length[1:])  # >= 1: every sequence is non-empty
     if int(m.sum()) < _LOOP_MIN_TOKENS * m.size:
         # short contexts: compare every pair position by position, all pairs at once
@@ -135,13 +146,13 @@ def _adjacent_lcp(flat: np.ndarray, indptr: np.ndarray, order: np.ndarray) -> np
     return lcp
 
 
-def _trie(flat: np.ndarray, indptr: np.ndarray) -> KVTree:
-    """The compressed trie of the sequences ``flat[indptr[j]:indptr[j + 1]]`` (each non-empty,
-    slots in ``[0, 2**31)``), one query per sequence in sequence order."""
-    n = indptr.size - 1
-    lengths = indptr[1:] - indptr[:-1]
-    order = _sorted_order(flat, indptr) if n > 1 else np.zeros(1, dtype=np.int64)
-    lcp = [0, *_adjacent_lcp(flat, indptr, order).tolist()] if n > 1 else [0]
+def _trie(data: np.ndarray, start: np.ndarray, lengths: np.ndarray) -> KVTree:
+    """The compressed trie of the sequences ``data[start[j]:start[j] + lengths[j]]`` (each
+    non-empty, slots in ``[0, 2**31)``; int64 ``start`` and ``lengths``), one query per
+    sequence in sequence order."""
+    n = start.size
+    order = _sorted_order(data, start, lengths) if n > 1 else np.zeros(1, dtype=np.int64)
+    lcp = [0, *_adjacent_lcp(data, start, lengths, order).tolist()] if n > 1 else [0]
     seq_len = lengths[order].tolist()
 
     # One pass over the sorted requests (not over tokens) with the rightmost root path on
@@ -190,12 +201,11 @@ def _trie(flat: np.ndarray, indptr: np.ndarray) -> KVTree:
     parents = parent_a[perm]
     parents = np.where(parents >= 0, new_id[np.maximum(parents, 0)], -1)
     node_len = depth_a[perm] - start_depth[perm]
-    node_start = indptr[order[np.array(rep, dtype=np.int64)[perm]]] + start_depth[perm]
-    slots = flat[ragged_arange(node_start, node_len)]
-    node_slots = np.split(slots, np.cumsum(node_len)[:-1])
+    node_start = start[order[np.array(rep, dtype=np.int64)[perm]]] + start_depth[perm]
+    slots = data[ragged_arange(node_start, node_len)]
     query_nodes = np.empty(n, dtype=np.int64)
     query_nodes[order] = new_id[np.array(query_sorted, dtype=np.int64)]
-    return KVTree(parents, node_slots, query_nodes)
+    return KVTree.from_flat(parents, node_len, slots, query_nodes)
 
 
 # ---------------------------------------------------------------- public API
@@ -256,7 +266,7 @@ def tree_from_token_slots(slot_lists: Sequence) -> KVTree:
     np.cumsum(lengths, out=indptr[1:])
     flat = np.concatenate(arrays)
     _check_slot_range(flat, indptr, lambda j, k: f"slot_lists[{j}][{k}]")
-    return _trie(flat, indptr)
+    return _trie(flat, indptr[:-1], lengths)
 
 
 def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: Any) -> KVTree:
@@ -321,16 +331,21 @@ def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: A
         if req_to_token.dtype.is_floating_point or req_to_token.dtype.is_complex or req_to_token.dtype == torch.bool:
             raise ValueError(f"req_to_token must hold integers, got dtype {req_to_token.dtype}")
         rows_t = req_to_token[torch.as_tensor(idx, device=req_to_token.device), :width]
-        rows = _host_array("req_to_token", rows_t, 2, allow_device=True)
+        rows = _host_array("req_to_token", rows_t, 2, allow_device=True, keep_dtype=True)
     else:
         table = np.asarray(req_to_token)
-        rows = _host_array("req_to_token", table[idx, :width], 2)
+        rows = _host_array("req_to_token", table[idx, :width], 2, keep_dtype=True)
+    # the trie reads each row's context in place (no compacted copy): row j starts at j * width
     mask = np.arange(width) < lens[:, None]
-    flat = rows[mask]  # row-major: request 0's context, then request 1's, ...
-    indptr = np.zeros(idx.size + 1, dtype=np.int64)
-    np.cumsum(lens, out=indptr[1:])
-    _check_slot_range(flat, indptr, lambda j, k: f"req_to_token[{int(idx[j])}, {k}] (request {j}'s context)")
-    return _trie(flat, indptr)
+    info = np.iinfo(rows.dtype)
+    lo = int(np.min(rows, where=mask, initial=info.max)) if rows.size else 0
+    hi = int(np.max(rows, where=mask, initial=info.min)) if rows.size else 0
+    if lo < 0 or hi > _INT32_MAX:
+        flat = rows[mask].astype(np.int64)  # only to name the bad entry
+        indptr = np.zeros(idx.size + 1, dtype=np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        _check_slot_range(flat, indptr, lambda j, k: f"req_to_token[{int(idx[j])}, {k}] (request {j}'s context)")
+    return _trie(rows.reshape(-1), np.arange(idx.size, dtype=np.int64) * width, lens)
 
 
 def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any, *, prune: bool = False) -> KVTree:
@@ -386,7 +401,9 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
         j = int(bad[0])
         raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
     arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
-    tree = KVTree(par, arrays, req)  # validates parents (range, cycles), slots and empty contexts
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
+    flat = np.concatenate(arrays) if n > 1 else arrays[0]
+    tree = KVTree.from_flat(par, lengths, flat, req)  # validates parents (range, cycles), slots, empty contexts
     if not prune:
         return tree
     keep = tree.subtree_queries > 0
@@ -396,8 +413,9 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
     new_id = np.cumsum(keep) - 1  # a kept node's parent is kept: it is on the same requests' paths
     kept_parents = tree.parents[kept]
     logger.debug("radix tree pruned from %d to %d nodes", n, kept.size)
-    return KVTree(
+    return KVTree.from_flat(
         np.where(kept_parents >= 0, new_id[np.maximum(kept_parents, 0)], -1),
-        [arrays[i] for i in kept.tolist()],
+        tree.lengths[kept],
+        tree.slots[ragged_arange(tree.slot_indptr[kept], tree.lengths[kept])],
         new_id[tree.query_nodes],
     )

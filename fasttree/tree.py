@@ -189,6 +189,41 @@ class KVTree:
         return obj
 
     @classmethod
+    def from_flat(cls, parents, lengths, slots, query_nodes) -> KVTree:
+        """Tree whose node slots are given back to back: node ``i``'s are
+        ``slots[sum(lengths[:i]):sum(lengths[:i + 1])]`` (no per-node arrays to build).
+
+        Parameters
+        ----------
+        parents : array-like of int, shape [n_nodes]
+        lengths : array-like of int, shape [n_nodes]
+            Tokens per node (>= 0).
+        slots : array-like of int, shape [sum(lengths)]
+            KV-pool slot ids, node after node.
+        query_nodes : array-like of int, shape [n_queries]
+
+        Raises
+        ------
+        ValueError
+            As the constructor, and when ``lengths`` and ``parents`` differ in size, a length
+            is negative, or ``slots`` does not hold ``sum(lengths)`` entries.
+        """
+        lengths_arr = _as_int_array("lengths", lengths)
+        parents_arr = _as_int_array("parents", parents)
+        if lengths_arr.size != parents_arr.size:
+            raise ValueError(f"lengths has {lengths_arr.size} entries but parents has {parents_arr.size} nodes")
+        if lengths_arr.size and lengths_arr.min() < 0:
+            bad = int(np.flatnonzero(lengths_arr < 0)[0])
+            raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
+        slots_arr = _as_int_array("slots", slots)
+        total = int(lengths_arr.sum())
+        if slots_arr.size != total:
+            raise ValueError(f"slots has {slots_arr.size} entries but the lengths add up to {total}")
+        obj = cls.__new__(cls)
+        obj._init(parents_arr, lengths_arr, slots_arr, _as_int_array("query_nodes", query_nodes))
+        return obj
+
+    @classmethod
     def from_levels(cls, nodes_per_level: Sequence[int], tokens_per_level: Sequence[int]) -> KVTree:
         """The paper-suite tree: level 0 nodes are roots, child ``j`` of a level of ``n_l``
         nodes hangs under node ``j * n_prev // n_l`` of the previous level, every node of

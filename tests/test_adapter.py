@@ -395,3 +395,13 @@ def test_req_to_token_ignores_junk_past_lengths():
 def test_radix_nodes_errors(args, match):
     with pytest.raises(ValueError, match=match):
         tree_from_radix_nodes(*args)
+
+
+def test_req_to_token_keeps_small_integer_tables_and_checks_uint32():
+    table16 = np.array([[1, 2, 3, -1], [1, 2, 4, 5]], dtype=np.int16)
+    tree = tree_from_req_to_token(table16, [0, 1], [3, 4])
+    assert context_slots(tree) == [[1, 2, 3], [1, 2, 4, 5]]
+    big = np.array([[1, 2**31], [1, 2]], dtype=np.uint32)
+    with pytest.raises(ValueError, match=r"req_to_token\[0, 1\] \(request 0's context\) = 2147483648 is beyond"):
+        tree_from_req_to_token(big, [0, 1], [2, 2])
+    assert context_slots(tree_from_req_to_token(big, [0, 1], [1, 2])) == [[1], [1, 2]]

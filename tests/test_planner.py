@@ -400,3 +400,20 @@ def test_class_kv_tile_shrinks_only_for_short_units():
     # never above the configured tile
     plan = ft.plan(long, ft.FastTreeConfig(kv_tile=(16, 16)), num_q_heads=4, num_kv_heads=4, head_dim=64)
     assert {tc.block_n for tc in plan.tile_classes} == {16}
+
+
+def test_from_flat_matches_the_per_node_constructor_and_validates():
+    rng = np.random.default_rng(12)
+    for _ in range(5):
+        tree = random_tree(rng, max_nodes=20)
+        flat = ft.KVTree.from_flat(tree.parents, tree.lengths, tree.slots, tree.query_nodes)
+        for name in ("parents", "lengths", "slot_indptr", "slots", "query_nodes", "subtree_queries", "path_lengths"):
+            np.testing.assert_array_equal(getattr(flat, name), getattr(tree, name))
+    with pytest.raises(ValueError, match="slots has 3 entries but the lengths add up to 4"):
+        ft.KVTree.from_flat([-1, 0], [2, 2], [0, 1, 2], [1])
+    with pytest.raises(ValueError, match=r"lengths\[1\] = -1 is negative"):
+        ft.KVTree.from_flat([-1, 0], [2, -1], [0, 1], [1])
+    with pytest.raises(ValueError, match="lengths has 1 entries but parents has 2 nodes"):
+        ft.KVTree.from_flat([-1, 0], [2], [0, 1], [1])
+    with pytest.raises(ValueError, match="negative slot id"):
+        ft.KVTree.from_flat([-1, 0], [1, 1], [0, -5], [1])
