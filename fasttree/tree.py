@@ -321,6 +321,57 @@ class KVTree:
         self.path_lengths = path_lengths
         self._max_slot = hi
 
+    def append_tokens(self, slots) -> KVTree:
+        """The next decode step's tree: every query's node gains one token, at ``slots[j]``.
+
+        For a batch whose requests stay the same: each request appended the token it just
+        decoded to its own node. The new tree has the same nodes, parents and queries (so a
+        :class:`~fasttree.plan_extend.PlanExtender` can extend the plan of this one), built
+        in O(tokens) numpy work, without rebuilding the trie from the requests' contexts.
+
+        Parameters
+        ----------
+        slots : array-like of int, shape [n_queries]
+            Pool slot of query ``j``'s new token, in ``[0, 2**31)``.
+
+        Raises
+        ------
+        ValueError
+            When ``slots`` has another length than the queries, holds a slot out of range,
+            or a query's node is read by other queries too (a request sitting on a shared
+            node, e.g. a fresh fork: its new token starts a node of its own, so the tree
+            must be rebuilt).
+        """
+        new = _as_int_array("slots", slots)
+        qn = self.query_nodes
+        if new.size != qn.size:
+            raise ValueError(f"slots has {new.size} entries but the tree has {qn.size} queries: one new token each")
+        if new.size and (new.min() < 0 or new.max() > _INT32_MAX):
+            j = int(np.flatnonzero((new < 0) | (new > _INT32_MAX))[0])
+            raise ValueError(f"slots[{j}] = {new[j]} is outside the pool slot range [0, 2**31)")
+        shared = np.flatnonzero(self.subtree_queries[qn] != 1)
+        if shared.size:
+            j = int(shared[0])
+            raise ValueError(
+                f"query {j} sits at node {qn[j]}, which other queries read too: its new token needs a node "
+                "of its own, so build the tree afresh"
+            )
+        # query j's token goes at the end of its node: before the first slot of the node after it
+        order = np.argsort(qn, kind="stable")
+        end = self.slot_indptr[qn[order] + 1]
+        at = end + np.arange(qn.size)
+        total = self.slots.size + qn.size
+        old_at = np.ones(total, dtype=bool)
+        old_at[at] = False
+        out = np.empty(total, dtype=np.int32)
+        out[old_at] = self.slots
+        out[at] = new[order]
+        lengths = self.lengths.copy()
+        lengths[qn] += 1
+        obj = KVTree.__new__(KVTree)
+        obj._init(self.parents, lengths, out, qn, depth=self.depth)
+        return obj
+
     # ------------------------------------------------------------ properties
     @property
     def n_nodes(self) -> int:

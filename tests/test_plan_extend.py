@@ -262,3 +262,45 @@ def test_adapter_trees_of_consecutive_decode_steps_extend():
         ext.remember(tree, plan)
         requests = [np.append(r, next(free)) for r in requests]
     assert extended == 5
+
+
+def test_append_tokens_is_the_next_steps_tree_and_extends():
+    """KVTree.append_tokens: the tree of the requests' contexts with one new token each, with the
+    same nodes and queries, so the extender extends it."""
+    rng = np.random.default_rng(8)
+    prefix = rng.permutation(2000)[:200]
+    free = iter(rng.permutation(np.arange(2000, 9000)).tolist())
+    contexts = [
+        np.concatenate([prefix[: int(rng.integers(1, 200))], [next(free) for _ in range(int(rng.integers(1, 9)))]])
+        for _ in range(12)
+    ]
+    tree = ft.tree_from_token_slots(contexts)
+    ext = PlanExtender()
+    ext.remember(tree, ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=64))
+    for _step in range(3):
+        new = np.array([next(free) for _ in contexts])
+        nxt = tree.append_tokens(new)
+        contexts = [np.append(c, s) for c, s in zip(contexts, new, strict=True)]
+        indptr, slots = nxt.query_slots()
+        got = [slots[indptr[j] : indptr[j + 1]].tolist() for j in range(len(contexts))]
+        assert got == [c.tolist() for c in contexts]
+        rebuilt = ft.tree_from_token_slots(contexts)
+        for name in ("parents", "lengths", "slots", "query_nodes"):
+            np.testing.assert_array_equal(getattr(nxt, name), getattr(rebuilt, name))
+        plan = ext.extend(nxt)
+        assert plan is not None
+        check(nxt, plan)
+        ext.remember(nxt, plan)
+        tree = nxt
+
+
+def test_append_tokens_errors():
+    tree = ft.KVTree([-1, 0, 0], [np.arange(4), np.arange(4, 6), np.arange(6, 7)], [1, 2])
+    with pytest.raises(ValueError, match="slots has 1 entries but the tree has 2 queries"):
+        tree.append_tokens([9])
+    with pytest.raises(ValueError, match=r"slots\[1\] = -3 is outside the pool slot range"):
+        tree.append_tokens([9, -3])
+    shared = ft.KVTree([-1, 0], [np.arange(4), np.arange(4, 6)], [1, 1])  # a fork: two queries at one node
+    with pytest.raises(ValueError, match="query 0 sits at node 1, which other queries read too"):
+        shared.append_tokens([9, 10])
+    assert tree.append_tokens([9, 10]).lengths.tolist() == [4, 3, 2]
