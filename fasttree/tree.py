@@ -30,6 +30,18 @@ def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _parents_and_lengths(parents, lengths) -> tuple[np.ndarray, np.ndarray]:
+    """``parents`` and per-node token ``lengths`` as int64 arrays of one size, lengths >= 0."""
+    lengths_arr = _as_int_array("lengths", lengths)
+    parents_arr = _as_int_array("parents", parents)
+    if lengths_arr.size != parents_arr.size:
+        raise ValueError(f"lengths has {lengths_arr.size} entries but parents has {parents_arr.size} nodes")
+    if lengths_arr.size and lengths_arr.min() < 0:
+        bad = int(np.flatnonzero(lengths_arr < 0)[0])
+        raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
+    return parents_arr, lengths_arr
+
+
 def exclusive_sum(x: np.ndarray) -> np.ndarray:
     """``[0, x[0], x[0] + x[1], ...]``: the int64 start of each run of lengths ``x``."""
     out = np.zeros(x.size, dtype=np.int64)
@@ -166,13 +178,7 @@ class KVTree:
 
     @classmethod
     def _from_lengths(cls, parents, lengths, query_nodes, depth: np.ndarray | None = None) -> KVTree:
-        lengths_arr = _as_int_array("lengths", lengths)
-        parents_arr = _as_int_array("parents", parents)
-        if lengths_arr.size != parents_arr.size:
-            raise ValueError(f"lengths has {lengths_arr.size} entries but parents has {parents_arr.size} nodes")
-        if lengths_arr.size and lengths_arr.min() < 0:
-            bad = int(np.flatnonzero(lengths_arr < 0)[0])
-            raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
+        parents_arr, lengths_arr = _parents_and_lengths(parents, lengths)
         total = int(lengths_arr.sum())
         if total > _INT32_MAX + 1:
             raise ValueError(f"the tree holds {total} tokens, more than a 2**31 slot pool")
@@ -208,13 +214,7 @@ class KVTree:
             As the constructor, and when ``lengths`` and ``parents`` differ in size, a length
             is negative, or ``slots`` does not hold ``sum(lengths)`` entries.
         """
-        lengths_arr = _as_int_array("lengths", lengths)
-        parents_arr = _as_int_array("parents", parents)
-        if lengths_arr.size != parents_arr.size:
-            raise ValueError(f"lengths has {lengths_arr.size} entries but parents has {parents_arr.size} nodes")
-        if lengths_arr.size and lengths_arr.min() < 0:
-            bad = int(np.flatnonzero(lengths_arr < 0)[0])
-            raise ValueError(f"lengths[{bad}] = {lengths_arr[bad]} is negative")
+        parents_arr, lengths_arr = _parents_and_lengths(parents, lengths)
         slots_arr = _as_int_array("slots", slots)
         total = int(lengths_arr.sum())
         if slots_arr.size != total:
