@@ -111,7 +111,7 @@ def _sorted_order(data: np.ndarray, start: np.ndarray, length: np.ndarray) -> np
     return np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
 
 
-def _adjacent_lcp(data: np.ndarray, start: np.ndarray, length: np.ndarray, order: np.ndarray) -> np.ndarray:
+def _adjacent_lcp(flat: np.ndarray, start: np.ndarray, length: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Longest common prefix of each request with its successor in ``order`` (sequences as
     in :func:`_sorted_order`).
 
@@ -120,7 +120,6 @@ def _adjacent_lcp(data: np.ndarray, start: np.ndarray, length: np.ndarray, order
     ndarray, int64 [n - 1]
         Entry ``k`` is the LCP length of requests ``order[k]`` and ``order[k + 1]``.
     """
-    flat = data
     start = start[order]
     length = length[order]
     m = np.minimum(length[:-1], length[1:])  # >= 1: every sequence is non-empty
@@ -402,8 +401,8 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
         raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
     arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
     lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
-    flat = np.concatenate(arrays) if n > 1 else arrays[0]
-    tree = KVTree.from_flat(par, lengths, flat, req)  # validates parents (range, cycles), slots, empty contexts
+    # validates parents (range, cycles), slots and empty contexts
+    tree = KVTree.from_flat(par, lengths, np.concatenate(arrays), req)
     if not prune:
         return tree
     keep = tree.subtree_queries > 0

@@ -21,7 +21,7 @@ import copy
 import numpy as np
 
 from .plan_arrays import Plan
-from .tree import KVTree, ragged_arange
+from .tree import KVTree, kept_mask, ragged_arange, splice
 
 _INT32_MAX = 0x7FFFFFFF
 
@@ -147,9 +147,7 @@ class PlanExtender:
         # the old tokens keep their slots: the new array without the appended runs is the old one
         first_new = tree.slot_indptr[grown] + old.lengths[grown]
         new_pos = first_new if one else ragged_arange(first_new, d)
-        kept = np.ones(tree.slots.size, dtype=bool)
-        kept[new_pos] = False
-        if not np.array_equal(tree.slots[kept], old.slots):
+        if not np.array_equal(tree.slots[kept_mask(tree.slots.size, new_pos)], old.slots):
             return None
         if all_read:
             nodes = grown
@@ -174,16 +172,12 @@ class PlanExtender:
             at = np.repeat(anchor + 1, d)
             at += np.arange(n_new)
             slots = tree.slots[ragged_arange(first_new, d)]
-        old_at = np.ones(new_entries, dtype=bool)
-        old_at[at] = False
-        kv_indices = np.empty(new_entries, dtype=np.int32)
-        kv_indices[old_at] = plan.kv_indices
-        kv_indices[at] = slots
+        keep = kept_mask(new_entries, at)  # shared by the two entry arrays
+        kv_indices = splice(plan.kv_indices, at, slots, keep)
         kv_row_mask = plan.kv_row_mask
         if kv_row_mask.size:
-            kv_row_mask = np.empty(new_entries, dtype=np.int32)
-            kv_row_mask[old_at] = plan.kv_row_mask
-            kv_row_mask[at] = plan.kv_row_mask[anchor] if one else np.repeat(plan.kv_row_mask[anchor], d)
+            new_masks = kv_row_mask[anchor] if one else np.repeat(kv_row_mask[anchor], d)
+            kv_row_mask = splice(kv_row_mask, at, new_masks, keep)
         # entries inserted before position x: those of the anchors below x (one per anchor when one)
         if one:
             before = None

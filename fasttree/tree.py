@@ -42,6 +42,28 @@ def _parents_and_lengths(parents, lengths) -> tuple[np.ndarray, np.ndarray]:
     return parents_arr, lengths_arr
 
 
+def kept_mask(total: int, at: np.ndarray) -> np.ndarray:
+    """bool [total]: False at the indices ``at``, True at every other index."""
+    keep = np.ones(total, dtype=bool)
+    keep[at] = False
+    return keep
+
+
+def splice(old: np.ndarray, at: np.ndarray, new, keep: np.ndarray | None = None) -> np.ndarray:
+    """``old`` with entries inserted: ``new[k]`` lands at index ``at[k]`` of the result (``at``
+    increasing), ``old``'s entries fill the other indices in order; dtype of ``old``.
+
+    ``keep`` is ``kept_mask(old.size + at.size, at)`` when the caller already has it.
+    """
+    total = old.size + at.size
+    if keep is None:
+        keep = kept_mask(total, at)
+    out = np.empty(total, dtype=old.dtype)
+    out[keep] = old
+    out[at] = new
+    return out
+
+
 def exclusive_sum(x: np.ndarray) -> np.ndarray:
     """``[0, x[0], x[0] + x[1], ...]``: the int64 start of each run of lengths ``x``."""
     out = np.zeros(x.size, dtype=np.int64)
@@ -311,7 +333,8 @@ class KVTree:
         self.parents = parents
         self.lengths = lengths
         self.slot_indptr = indptr
-        self.slots = slots if slots_are_arange else slots.astype(np.int32)
+        # an int32 array here is always a fresh one (append_tokens); int64 ones are converted (a copy)
+        self.slots = slots if slots_are_arange else slots.astype(np.int32, copy=False)
         self.query_nodes = query_nodes
         self.depth = depth
         self.level_order = level_order
@@ -358,14 +381,8 @@ class KVTree:
             )
         # query j's token goes at the end of its node: before the first slot of the node after it
         order = np.argsort(qn, kind="stable")
-        end = self.slot_indptr[qn[order] + 1]
-        at = end + np.arange(qn.size)
-        total = self.slots.size + qn.size
-        old_at = np.ones(total, dtype=bool)
-        old_at[at] = False
-        out = np.empty(total, dtype=np.int32)
-        out[old_at] = self.slots
-        out[at] = new[order]
+        at = self.slot_indptr[qn[order] + 1] + np.arange(qn.size)
+        out = splice(self.slots, at, new[order])
         lengths = self.lengths.copy()
         lengths[qn] += 1
         obj = KVTree.__new__(KVTree)
