@@ -78,7 +78,6 @@ under ``--out``. Run from the repository root on the GPU::
 from __future__ import annotations
 
 import argparse
-import copy
 import heapq
 import json
 import logging
@@ -99,6 +98,7 @@ import fasttree as ft
 from bench import model_ops
 from bench.common import DTYPES, TOL, environment, write_atomic
 from fasttree.config import FastTreeConfig
+from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.workloads import SCENARIOS, iter_serving
 
@@ -304,15 +304,14 @@ def last_context_slots(tree: ft.KVTree) -> np.ndarray:
 
 
 def as_new_tree(tree: ft.KVTree) -> ft.KVTree:
-    """``tree`` as a new object, without the index the planner caches on a tree it planned.
+    """``tree`` as a new object, without the index the planner caches on a tree it planned
+    (:func:`fasttree.planner.unprepared`).
 
     The benchmark plans each step's tree several times (compile pass, warm-up, check, timed
     steps); a server builds a new tree every step, so the timed steps plan new objects and pay
     for that index as a server would.
     """
-    new = copy.copy(tree)
-    new.__dict__.pop("_planner_index", None)
-    return new
+    return unprepared(tree)
 
 
 def stable_slot_trees(served: list) -> list[ft.KVTree]:
@@ -371,11 +370,11 @@ def make_workload(
     -------
     Workload
     """
+    if slots not in SLOT_LAYOUTS:
+        raise ValueError(f"slots must be one of {SLOT_LAYOUTS}, got {slots!r}")
     served = list(iter_serving(scenario, seed=seed, steps=warmup + steps, max_batch=max_batch))
     if len(served) < warmup + steps:
         raise ValueError(f"scenario {scenario} yielded {len(served)} steps, fewer than {warmup + steps}")
-    if slots not in SLOT_LAYOUTS:
-        raise ValueError(f"slots must be one of {SLOT_LAYOUTS}, got {slots!r}")
     trees = stable_slot_trees(served) if slots == "stable" else [s.tree for s in served]
     max_rows = max(t.n_queries for t in trees)
     pool_slots = max(t.max_slot + 1 for t in trees)

@@ -30,6 +30,7 @@ and slots are built once, for the final tile mode.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 
@@ -258,11 +259,15 @@ class _GroupIndex:
         self.query_of_rank = self.rank if self.perm is None else self.perm
 
 
+#: Attribute of a planned tree that holds its cached :class:`_TreeIndex`.
+_INDEX_ATTR = "_planner_index"
+
+
 def _tree_index(tree: KVTree) -> _TreeIndex:
-    ix = getattr(tree, "_planner_index", None)
+    ix = getattr(tree, _INDEX_ATTR, None)
     if ix is None:
         ix = _TreeIndex(tree)
-        tree._planner_index = ix
+        setattr(tree, _INDEX_ATTR, ix)
     return ix
 
 
@@ -282,6 +287,18 @@ def prepare(tree: KVTree) -> KVTree:
         raise ValueError(f"prepare() needs a KVTree, got {type(tree).__name__}")
     _tree_index(tree).groups(tree)
     return tree
+
+
+def unprepared(tree: KVTree) -> KVTree:
+    """A new tree object with ``tree``'s arrays and without the index :func:`plan` caches on
+    a tree it planned: what a caller gets that builds a new tree every decode step (e.g. to
+    time planning as a server pays it). Plans do not change.
+    """
+    if not isinstance(tree, KVTree):
+        raise ValueError(f"unprepared() needs a KVTree, got {type(tree).__name__}")
+    new = copy.copy(tree)
+    new.__dict__.pop(_INDEX_ATTR, None)
+    return new
 
 
 # --------------------------------------------------------------------- greedy
