@@ -357,7 +357,7 @@ def materialize(
         computes it otherwise).
     solo_units : bool
         Keep long units that fit the small tile out of large-tile bins where the bins would
-        waste enough matrix work on units that dominate the plan (:func:`_solo_units`).
+        waste enough matrix work on them (:func:`_solo_units`).
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
