@@ -126,24 +126,25 @@ def tree_attention(
     qk_scale = float(sm_scale) * _LOG2E
     fast = _fast_path(host, dev, q, k_cache, v_cache, out)
     if fast is not None:
-        entry = host._device_cache.get(fast)
+        entry = host._device_cache.get(fast[0])
         if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
             fork_mode, launchers = entry
+            ptrs = fast[1]
             stream = _current_stream(q.device)
             with _on_device(q.device):
                 if _forks(fork_mode):  # the two tile classes' stage-1 launches run side by side
                     main, side, side_raw, fork, join = _side_stream(q.device, stream)
                     fork.record(main)
                     side.wait_event(fork)
-                    launchers[0](side_raw, q, k_cache, v_cache, out, qk_scale)
+                    launchers[0](side_raw, *ptrs, qk_scale)
                     join.record(side)
-                    launchers[1](stream, q, k_cache, v_cache, out, qk_scale)
+                    launchers[1](stream, *ptrs, qk_scale)
                     main.wait_event(join)
                     for launch in launchers[2:]:
-                        launch(stream, q, k_cache, v_cache, out, qk_scale)
+                        launch(stream, *ptrs, qk_scale)
                 else:
                     for launch in launchers:
-                        launch(stream, q, k_cache, v_cache, out, qk_scale)
+                        launch(stream, *ptrs, qk_scale)
             return out
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
     fork_mode = _fork_mode(host, q, launches)
@@ -164,7 +165,7 @@ def tree_attention(
             if forked and i == 1:
                 main.wait_event(join)
     if fast is not None and all(c is not None for c in compiled):
-        host._device_cache[fast] = (
+        host._device_cache[fast[0]] = (
             fork_mode,
             tuple(
                 _direct_launcher(c, grid, args, constexprs, None if _is_merge(kernel) else _QK_SCALE_ARG)
@@ -385,7 +386,9 @@ _QK_SCALE_ARG = 15
 
 
 def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple | None:
-    """Cache key of the direct launchers of this call, or None when the call must go through Triton.
+    """``(key, pointers)``: the cache key of the direct launchers of this call and what they take
+    for ``q, k_cache, v_cache, out`` (:func:`launch_pointers`), or None when the call must go
+    through Triton.
 
     The key holds everything the launches' arguments differ by from one call to another
     besides the tensors' addresses and ``qk_scale``: the dtype, each tensor's 16-byte
@@ -396,16 +399,36 @@ def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple |
         return None
     if host._device_cache.get(q.device) is not dev:
         return None
-    return ("direct", q.device, *tensor_layout(q, k_cache, v_cache, out))
+    ptrs = launch_pointers(q, k_cache, v_cache, out)
+    return ("direct", q.device, *tensor_layout(q, k_cache, v_cache, out, ptrs)), ptrs
 
 
-def tensor_layout(q, k_cache, v_cache, out) -> tuple:
+#: Whether direct launchers pass device addresses as ints, which Triton's launcher takes as they
+#: are, rather than tensors, for each of which it calls ``data_ptr()`` and asks the driver to check
+#: the address (``cuPointerGetAttribute``) on every launch. Read when a launcher is built and by
+#: :func:`launch_pointers` (an A/B switch for benchmarks: clear the cached launchers after a change).
+_INT_POINTERS = True
+
+
+def launch_pointers(q, k_cache, v_cache, out) -> tuple:
+    """What direct launchers take for ``q, k_cache, v_cache, out``: their addresses as ints (the
+    tensors themselves when :data:`_INT_POINTERS` is off). The caller has checked that they are
+    CUDA tensors of one device."""
+    if _INT_POINTERS:
+        return q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+    return q, k_cache, v_cache, out
+
+
+def tensor_layout(q, k_cache, v_cache, out, ptrs: tuple | None = None) -> tuple:
     """What compiled launches depend on in ``q, k_cache, v_cache, out`` besides their addresses: the
-    dtype, each tensor's 16-byte alignment (Triton specialises on it) and the strides of dims 0 and 1."""
+    dtype, each tensor's 16-byte alignment (Triton specialises on it) and the strides of dims 0 and 1
+    (``ptrs``: :func:`launch_pointers` of the four, when the caller has it)."""
     sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()  # one call per tensor
+    if ptrs is None or not isinstance(ptrs[0], int):
+        ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
+    aq, ak, av, ao = ptrs
     return (
-        q.dtype,
-        q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+        q.dtype, aq % 16 == 0, ak % 16 == 0, av % 16 == 0, ao % 16 == 0,
         sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
     )  # fmt: skip
 
@@ -416,16 +439,23 @@ def _direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: t
 
     A stage-1 launch's ``args`` start with ``q, k_cache, v_cache, out`` and hold ``qk_scale`` at
     ``qk_scale_arg``; ``qk_scale_arg=None`` is a merge launch, whose ``args`` start with ``out``
-    (the only value that changes). Serves :func:`tree_attention` and the runtime.
+    (the only value that changes). The other tensors (plan arrays, workspace) are fixed: with
+    :data:`_INT_POINTERS` the launcher passes their addresses and holds the tensors (``held``) so
+    that the addresses stay valid. ``q, k_cache, v_cache, out`` come as :func:`launch_pointers`
+    gives them. Serves :func:`tree_attention` and the runtime.
     """
     run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
     g0, g1 = grid
+    held = args
+    if _INT_POINTERS:
+        args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     if qk_scale_arg is None:
         rest = (*args[1:], *constexprs)
 
         def merge(stream, q, k_cache, v_cache, out, qk_scale):
             run(g0, g1, 1, stream, fn, meta, None, None, None, out, *rest)
 
+        merge.held = held
         return merge
     mid = args[4:qk_scale_arg]
     tail = (*args[qk_scale_arg + 1 :], *constexprs)
@@ -433,6 +463,7 @@ def _direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: t
     def stage1(stream, q, k_cache, v_cache, out, qk_scale):
         run(g0, g1, 1, stream, fn, meta, None, None, None, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
 
+    stage1.held = held
     return stage1
 
 

@@ -60,6 +60,7 @@ from .attention import (
     _launch_hooks_active,
     _on_device,
     capped_registers,
+    launch_pointers,
     tensor_layout,
 )
 from .config import FastTreeConfig
@@ -628,8 +629,9 @@ class TreeAttentionRuntime:
         cached = self._launchers.get(key) if key is not None else None
         if cached is not None:  # every kernel compiled for this layout: call the launchers directly
             stream = _current_stream(q.device)
+            ptrs = launch_pointers(q, k_cache, v_cache, out)
             for launch in cached:
-                launch(stream, q, k_cache, v_cache, out, qk_scale)
+                launch(stream, *ptrs, qk_scale)
             return
         launched = self._launch_through_triton(q, k_cache, v_cache, out, qk_scale)
         # cache once the stage-1 grids are final (the first call sizes them after compiling)

@@ -89,7 +89,25 @@ def setup(gen):
     return plan, q, k, torch.randn_like(k)
 
 
-def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes):
+def _as_passed(t):
+    """What a direct launcher passes for a tensor argument: its address (``_INT_POINTERS``) or itself."""
+    if isinstance(t, torch.Tensor) and attention._INT_POINTERS:
+        return t.data_ptr()
+    return t
+
+
+def _passed_as(arg, passed) -> bool:
+    """Whether ``passed`` is what a direct launcher passes for ``arg``."""
+    want = _as_passed(arg)
+    return want is passed if isinstance(want, torch.Tensor) else want == passed
+
+
+@pytest.mark.parametrize("int_pointers", [True, False])
+def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes, monkeypatch, int_pointers):
+    """Later calls pass the new q, k, v, out and scale and the plan's fixed arguments; with
+    ``_INT_POINTERS`` every tensor goes to Triton's launcher as its address (no per-launch
+    ``data_ptr()`` and driver check there), and the launcher holds the fixed tensors."""
+    monkeypatch.setattr(attention, "_INT_POINTERS", int_pointers)
     log, _ = fakes
     gen = torch.Generator().manual_seed(0)
     plan, q, k, v = setup(gen)
@@ -116,14 +134,20 @@ def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes):
     assert [e[3] for e in runs] == [5678, 1234, 1234], "the side stream's raw handle for the first launch"
     for (_, _, grid1, _, args1), (_, name, grid2, _, args2) in zip(first, runs, strict=True):
         assert grid1 == grid2 and len(args1) == len(args2)
+        assert not int_pointers or not any(isinstance(a, torch.Tensor) for a in args2), "addresses only"
         if name == "merge":
-            assert args2[0] is out2 and all(a is b for a, b in zip(args1[1:], args2[1:], strict=True))
+            assert _passed_as(out2, args2[0])
+            assert all(_passed_as(a, b) for a, b in zip(args1[1:], args2[1:], strict=True))
             continue
-        assert args2[:4] == (q2, k2, v2, out2)
+        assert all(_passed_as(t, a) for t, a in zip((q2, k2, v2, out2), args2[:4], strict=True))
         qk = attention._QK_SCALE_ARG
         assert args1[qk] == pytest.approx(1 / np.sqrt(64) * attention._LOG2E) and args2[qk] == 0.5 * attention._LOG2E
         same = [i for i in range(4, len(args1)) if i != qk]
-        assert all(args1[i] is args2[i] or args1[i] == args2[i] for i in same), "plan arrays, strides, constexprs"
+        assert all(_passed_as(args1[i], args2[i]) for i in same), "plan arrays, strides, constexprs"
+    (launchers,) = [e[1] for key, e in plan._device_cache.items() if isinstance(key, tuple) and key[0] == "direct"]
+    for launch, (_, _, _, _, args1) in zip(launchers, first, strict=True):
+        held = launch.held  # the launch's arguments; the logged ones end with the constexprs
+        assert all(a is b for a, b in zip(held, args1[: len(held)], strict=True)), "the launcher holds the tensors"
 
 
 def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
