@@ -29,7 +29,11 @@ def _interpreting() -> bool:
     return type(tree_attention_units_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> None:
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> torch.device:
+    """Raise ValueError naming what is wrong with the tensors of a call of ``plan``; return q's device.
+
+    (Called on every eager call: ``is_cuda`` and one ``device`` per tensor, not ``device.type``,
+    which costs several times more.)"""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -41,11 +45,12 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    if k_cache.device != q.device or v_cache.device != q.device:
-        raise ValueError(f"devices differ: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}")
-    if q.device.type != "cuda" and not _interpreting():
+    device = q.device
+    if k_cache.device != device or v_cache.device != device:
+        raise ValueError(f"devices differ: q {device}, k_cache {k_cache.device}, v_cache {v_cache.device}")
+    if not q.is_cuda and not _interpreting():
         raise ValueError(
-            f"tensors are on {q.device}; tree attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+            f"tensors are on {device}; tree attention needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
         )
     nq, hq, d = q.shape
     if (nq, hq, d) != (plan.n_queries, plan.num_q_heads, plan.head_dim):
@@ -63,6 +68,17 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         )
     if plan.max_slot >= pool:
         raise ValueError(f"the tree reads pool slot {plan.max_slot} but the KV pool has only {pool} slots")
+    return device
+
+
+def _check_sm_scale(sm_scale: object) -> None:
+    if (
+        isinstance(sm_scale, bool)
+        or not isinstance(sm_scale, numbers.Real)
+        or not math.isfinite(sm_scale)
+        or sm_scale <= 0
+    ):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
 
 
 def _device_plan(plan: Plan | DevicePlan, device: torch.device) -> DevicePlan:
@@ -72,7 +88,8 @@ def _device_plan(plan: Plan | DevicePlan, device: torch.device) -> DevicePlan:
         return plan
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a fasttree Plan, got {type(plan).__name__}")
-    return plan.to(device)
+    cached = plan._device_cache.get(device)  # what plan.to(device) returns once uploaded, without its checks
+    return cached if cached is not None else plan.to(device)
 
 
 def tree_attention(
@@ -106,45 +123,29 @@ def tree_attention(
     host = plan.plan if isinstance(plan, DevicePlan) else plan
     if not isinstance(host, Plan):
         raise ValueError(f"plan must be a fasttree Plan, got {type(plan).__name__}")
-    _check_inputs(q, k_cache, v_cache, host)
+    device = _check_inputs(q, k_cache, v_cache, host)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(host.head_dim)
-    if (
-        isinstance(sm_scale, bool)
-        or not isinstance(sm_scale, numbers.Real)
-        or not math.isfinite(sm_scale)
-        or sm_scale <= 0
-    ):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    elif type(sm_scale) is not float or not 0.0 < sm_scale < math.inf:  # a positive finite float passes at once
+        _check_sm_scale(sm_scale)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
     elif not isinstance(out, torch.Tensor):
         raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
-    dev = _device_plan(plan, q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {device}) with a contiguous last dim")
+    dev = _device_plan(plan, device)
     qk_scale = float(sm_scale) * _LOG2E
     fast = _fast_path(host, dev, q, k_cache, v_cache, out)
     if fast is not None:
         entry = host._device_cache.get(fast[0])
         if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
-            fork_mode, launchers = entry
-            ptrs = fast[1]
-            stream = _current_stream(q.device)
-            with _on_device(q.device):
-                if _forks(fork_mode):  # the two tile classes' stage-1 launches run side by side
-                    main, side, side_raw, fork, join = _side_stream(q.device, stream)
-                    fork.record(main)
-                    side.wait_event(fork)
-                    launchers[0](side_raw, *ptrs, qk_scale)
-                    join.record(side)
-                    launchers[1](stream, *ptrs, qk_scale)
-                    main.wait_event(join)
-                    for launch in launchers[2:]:
-                        launch(stream, *ptrs, qk_scale)
-                else:
-                    for launch in launchers:
-                        launch(stream, *ptrs, qk_scale)
+            index = device.index
+            if index is None or index == _current_device_index():  # (None: CPU stand-ins in tests)
+                _run_direct(entry, fast[1], device, qk_scale)
+            else:
+                with torch.cuda.device(index):
+                    _run_direct(entry, fast[1], device, qk_scale)
             return out
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
     fork_mode = _fork_mode(host, q, launches)
@@ -173,6 +174,25 @@ def tree_attention(
             ),
         )
     return out
+
+
+def _run_direct(entry: tuple, ptrs: tuple, device: torch.device, qk_scale: float) -> None:
+    """Call a plan's cached direct launchers (``entry``: fork mode and launchers) on the current stream."""
+    fork_mode, launchers = entry
+    stream = _current_stream(device)
+    if _forks(fork_mode):  # the two tile classes' stage-1 launches run side by side
+        main, side, side_raw, fork, join = _side_stream(device, stream)
+        fork.record(main)
+        side.wait_event(fork)
+        launchers[0](side_raw, *ptrs, qk_scale)
+        join.record(side)
+        launchers[1](stream, *ptrs, qk_scale)
+        main.wait_event(join)
+        for launch in launchers[2:]:
+            launch(stream, *ptrs, qk_scale)
+    else:
+        for launch in launchers:
+            launch(stream, *ptrs, qk_scale)
 
 
 def _stage1_launches(launches: list[tuple]) -> int:
@@ -397,7 +417,7 @@ def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple |
     """
     if _interpreting() or not _is_cuda(q) or _launch_hooks_active():
         return None
-    if host._device_cache.get(q.device) is not dev:
+    if host._device_cache.get(dev.device) is not dev:
         return None
     ptrs = launch_pointers(q, k_cache, v_cache, out)
     return ("direct", q.device, *tensor_layout(q, k_cache, v_cache, out, ptrs)), ptrs
@@ -444,7 +464,8 @@ def _direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: t
     that the addresses stay valid. ``q, k_cache, v_cache, out`` come as :func:`launch_pointers`
     gives them. Serves :func:`tree_attention` and the runtime.
     """
-    run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
+    run, head = _launch_entry(compiled)
+    fn = compiled.function
     g0, g1 = grid
     held = args
     if _INT_POINTERS:
@@ -453,7 +474,7 @@ def _direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: t
         rest = (*args[1:], *constexprs)
 
         def merge(stream, q, k_cache, v_cache, out, qk_scale):
-            run(g0, g1, 1, stream, fn, meta, None, None, None, out, *rest)
+            run(g0, g1, 1, stream, fn, *head, out, *rest)
 
         merge.held = held
         return merge
@@ -461,10 +482,37 @@ def _direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: t
     tail = (*args[qk_scale_arg + 1 :], *constexprs)
 
     def stage1(stream, q, k_cache, v_cache, out, qk_scale):
-        run(g0, g1, 1, stream, fn, meta, None, None, None, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
+        run(g0, g1, 1, stream, fn, *head, q, k_cache, v_cache, out, *mid, qk_scale, *tail)
 
     stage1.held = held
     return stage1
+
+
+#: Whether direct launchers call the C launch function of Triton's ``CudaLauncher`` themselves
+#: (with the arguments its ``__call__`` adds: the cooperative-grid and PDL flags, no scratch
+#: buffers) instead of going through that Python ``__call__`` on every launch. Its argument order
+#: is Triton's internal: checked against Triton 3.6 only, other versions use ``__call__``. Read
+#: when a launcher is built (an A/B switch for benchmarks).
+_C_LAUNCH = True
+_C_LAUNCH_TRITON = (3, 6)
+
+
+def _triton_version() -> tuple[int, ...]:
+    return tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+
+
+def _launch_entry(compiled) -> tuple:
+    """``(run, head)``: what to call to launch ``compiled`` and the arguments that go between
+    ``(grid_x, grid_y, grid_z, stream, function)`` and the kernel's own."""
+    launcher = compiled.run
+    meta = compiled.packed_metadata
+    if _C_LAUNCH and type(launcher).__name__ == "CudaLauncher" and _triton_version() == _C_LAUNCH_TRITON:
+        launch = getattr(launcher, "launch", None)
+        scratch = getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+        if callable(launch) and not scratch:
+            coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+            return launch, (coop, pdl, None, None, meta, None, None, None)
+    return launcher, (meta, None, None, None)
 
 
 def _is_merge(kernel) -> bool:
@@ -472,7 +520,17 @@ def _is_merge(kernel) -> bool:
 
 
 def _is_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return t.is_cuda
+
+
+#: torch's raw current-device getter (CUDA builds): ``torch.cuda.current_device()`` without its
+#: lazy-init check, which an eager call pays on every launch otherwise.
+_RAW_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _current_device_index() -> int:
+    """Index of the current CUDA device."""
+    return _RAW_DEVICE() if _RAW_DEVICE is not None else torch.cuda.current_device()
 
 
 #: torch's raw current-stream getter (CUDA builds; what Triton's launcher uses): an int handle
@@ -559,7 +617,8 @@ def _launch_hooks_active() -> bool:
 
 def _on_device(device: torch.device):
     """Make ``device`` current for the launches (a no-op when it already is, or on the CPU)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
+    index = device.index  # None on the CPU (and ``device.type`` costs several times more)
+    if index is not None and device.type == "cuda" and index != _current_device_index():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 

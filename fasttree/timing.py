@@ -4,6 +4,9 @@
   median replay time divided by ``calls`` (the method of the project's H200 anchors).
 * :func:`eager_time_us` -- the plain call through ``triton.testing.do_bench`` (median; it
   clears the L2 cache between calls), launch gaps and host work included.
+* :func:`graph_cold_time_us` -- one call replayed from a CUDA graph, timed as
+  :func:`eager_time_us` times the plain call (L2 cleared before each replay): what the eager
+  call costs over it is launching, at the same cache state.
 * :func:`eager_loop_time_us` -- ``calls`` plain calls back to back, timed like the graph
   replay (same call count, caches as warm): what launching eagerly costs over the graph
   when one call follows another, as a model's layers do.
@@ -93,6 +96,30 @@ def _spread(times: np.ndarray) -> dict:
 def eager_time_us(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time (us) of the plain call, by ``triton.testing.do_bench``."""
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def graph_cold_time_us(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time (us) of one call replayed from a CUDA graph, by ``triton.testing.do_bench``.
+
+    The counterpart of :func:`eager_time_us` without the host's launches: ``do_bench`` clears
+    the L2 cache before each replay as it does before each eager call, whereas
+    :func:`graph_time_us` replays many calls back to back, whose data a small call finds in L2.
+    ``fn`` must be capturable (see :func:`graph_time_us`).
+    """
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    t = float(triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+    del graph
+    return t
 
 
 def eager_loop_time_us(fn: Callable[[], object], *, calls: int = 20, replays: int = 30, warmup: int = 3) -> dict:

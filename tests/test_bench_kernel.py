@@ -53,9 +53,17 @@ def test_summary_and_table_report_the_back_to_back_eager_gap():
         "git_commit": "abc",
         "timestamp_utc": "now",
     }
+    assert "max_eager_minus_graph_cold_us" not in s, "no cold graph time measured"
     table = kernel.markdown(rows, s, env, "label")
-    assert "| eager | eager loop |" in table and "| 25.0 | 23.0 |" in table
+    assert "| eager | graph cold | eager loop |" in table and "| 25.0 | - | 23.0 |" in table
     assert "max_eager_loop_minus_graph_us: 3.0" in table
+    # the cold graph time (one replay at a time, L2 cleared, as eager is timed) gives its own gap
+    rows[0]["variants"]["fasttree"]["graph_cold_us"] = 21.0
+    rows[1]["variants"]["fasttree"]["graph_cold_us"] = 34.0
+    s = kernel.summarize(rows)
+    assert math.isclose(s["max_eager_minus_graph_cold_us"], 4.0)
+    assert math.isclose(s["median_eager_minus_graph_cold_us"], 2.5)
+    assert "| 25.0 | 21.0 | 23.0 |" in kernel.markdown(rows, s, env, "label")
     # rows without the loop time (older results) leave it out of the summary
     del rows[0]["variants"]["fasttree"]["eager_loop_us"], rows[1]["variants"]["fasttree"]["eager_loop_us"]
     assert "max_eager_loop_minus_graph_us" not in kernel.summarize(rows)

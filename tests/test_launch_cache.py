@@ -68,7 +68,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(attention, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(attention, "_COMPILED", {})
     real_check = attention._check_inputs
-    monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(attention, "_check_inputs", lambda q, *a: q.device)  # CPU tensors stand in for CUDA ones
     return log, real_check
 
 
@@ -208,3 +208,39 @@ def test_small_two_class_plans_fork_only_under_capture(fakes, monkeypatch, captu
         events = [e for e in log if e[0] in ("record", "wait")]
         assert bool(events) == forks
         assert [e[1] for e in _launches(log)] == ["units", "units", "merge"]
+
+
+class CudaLauncher:
+    """Stands in for Triton's ``CudaLauncher`` (the class name :func:`attention._launch_entry` checks)."""
+
+    def __init__(self, log, scratch=0):
+        self.log = log
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, *args):  # Triton's C launch function
+        self.log.append(("c", args))
+
+    def __call__(self, *args):  # its Python wrapper
+        self.log.append(("py", args))
+
+
+@pytest.mark.parametrize(("scratch", "same_triton", "path"), [(0, True, "c"), (16, True, "py"), (0, False, "py")])
+def test_direct_launchers_call_tritons_c_launch_with_what_its_wrapper_adds(monkeypatch, scratch, same_triton, path):
+    """A direct launcher calls the C launch function with the arguments ``CudaLauncher.__call__``
+    would add (flags, no scratch buffers, then the metadata and hooks), except for a kernel that
+    needs scratch memory or under another Triton version than the one checked, which go through
+    ``__call__``; both get the kernel's arguments with the plan's tensors as addresses."""
+    from types import SimpleNamespace
+
+    version = attention._triton_version()
+    monkeypatch.setattr(attention, "_C_LAUNCH_TRITON", version if same_triton else (*version, 99))
+    log: list = []
+    compiled = SimpleNamespace(run=CudaLauncher(log, scratch), function=7, packed_metadata=(4, 1, 0))
+    fixed = torch.arange(6, dtype=torch.int32)
+    launcher = attention._direct_launcher(compiled, (3, 2), ("q", "k", "v", "o", fixed, 0.25, 16), (64,), 5)
+    launcher(99, 11, 12, 13, 14, 0.5)
+    ((kind, args),) = log
+    assert kind == path
+    head = (False, True, None, None) if path == "c" else ()
+    assert args == (3, 2, 1, 99, 7, *head, (4, 1, 0), None, None, None, 11, 12, 13, 14, fixed.data_ptr(), 0.5, 16, 64)

@@ -1,10 +1,12 @@
-"""Eager host cost of the direct launchers, addresses as ints vs tensors (one device call).
+"""Eager host cost of the direct launchers: addresses as ints, and Triton's C launch called directly.
 
 ``fasttree.attention._INT_POINTERS`` makes the cached direct launchers of ``tree_attention``
 and of the runtime's eager ``forward`` pass every tensor argument to Triton's launcher as its
 address: the launcher then neither calls ``data_ptr()`` nor asks the driver to check the address
-(``cuPointerGetAttribute``) per pointer argument and launch. For paper-suite cases whose eager
-calls are host-bound, both settings in one run, alternated per case:
+(``cuPointerGetAttribute``) per pointer argument and launch. ``_C_LAUNCH`` makes them call the
+C launch function of Triton's ``CudaLauncher`` without its Python ``__call__``. For paper-suite
+cases whose eager calls are host-bound, three settings in one run, alternated per case
+(``int_c``: both; ``int``: ints through ``__call__``; ``tensor``: neither):
 
 * ``host_us``: per-call host time of 2,000 calls back to back (GPU work per call is below it);
 * ``launchers_us``: the cached launchers alone, per call;
@@ -34,7 +36,7 @@ from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import eager_loop_time_us, eager_time_us, graph_time_us
 
-CASES = ("1/gqa16", "6/gqa4", "6/gqa16", "9/gqa4", "11/gqa16", "13/gqa16", "1/mha", "10/mha")
+CASES = ("1/gqa16", "6/gqa4", "9/gqa4", "11/gqa16", "13/gqa16", "1/mha", "12/gqa16")
 
 
 def per_call_us(fn, n: int = 2000) -> float:
@@ -82,8 +84,9 @@ def run_case(name: str, seed: int) -> dict:
     row = {"case": name, "n_launches": None}
     call = lambda: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
     call_rt = lambda: rt.forward(q, k, v, out=out_rt)  # noqa: E731
-    for mode in (True, False, True, False):  # alternated: host drift hits both
-        attention._INT_POINTERS = mode
+    modes = {"int_c": (True, True), "int": (True, False), "tensor": (False, False)}
+    for mode in (*modes, *modes):  # alternated: host drift hits every setting
+        attention._INT_POINTERS, attention._C_LAUNCH = modes[mode]
         _clear_direct(plan, rt)
         out.fill_(float("nan"))
         out_rt.fill_(float("nan"))
@@ -114,14 +117,14 @@ def run_case(name: str, seed: int) -> dict:
             "eager_loop_us": eager_loop_time_us(call)["median"],
             "runtime_eager_loop_us": eager_loop_time_us(call_rt)["median"],
         }
-        if mode:  # the pieces of a call besides the launchers
+        if mode == "int_c":  # the pieces of a call besides the launchers
             dev = plan._device_cache[q.device]
             res["checks_us"] = per_call_us(lambda: attention._check_inputs(q, k, v, plan))
-            res["fast_path_us"] = per_call_us(lambda: attention._fast_path(plan, dev, q, k, v, out))
+            res["fast_path_us"] = per_call_us(lambda dev=dev: attention._fast_path(plan, dev, q, k, v, out))
             res["stream_us"] = per_call_us(lambda: attention._current_stream(q.device))
         for key, val in res.items():
-            row.setdefault(f"{'int' if mode else 'tensor'}_{key}", []).append(val)
-    attention._INT_POINTERS = True
+            row.setdefault(f"{mode}_{key}", []).append(val)
+    attention._INT_POINTERS = attention._C_LAUNCH = True
     return row
 
 
