@@ -289,3 +289,46 @@ def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, 
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
         check_against_reference(out, q, k, v, tree)
     assert changed >= 1, "no random plan used the solo rule; the test would not cover it"
+
+
+# 16-row tiles stacked KV_SPLIT times (each copy over a part of every KV tile, states combined at
+# the end): plain and packed small classes, GQA 1/4/7/16, KV tiles of 32-64 tokens, units longer
+# and shorter than a tile, rows that see nothing of a part
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype", "kv_split"), [
+    (1, 2, 64, torch.float16, 4), (4, 1, 64, torch.bfloat16, 2), (7, 1, 64, torch.float16, 4),
+    (16, 1, 64, torch.bfloat16, 2), (1, 1, 128, torch.float16, 2),
+])  # fmt: skip
+def test_small_tiles_split_over_kv_parts_match_reference(g, hkv, d, dtype, kv_split, device, monkeypatch):
+    monkeypatch.setattr(attention, "SMALL_TILE_KV_SPLIT", kv_split)
+    rng = np.random.default_rng(703 + 10 * g + kv_split)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    split = 0
+    for packing in (False, True, False, True):
+        tree = random_tree(rng, max_nodes=24, max_len=int(rng.choice([150, 300])))
+        cfg = ft.FastTreeConfig(
+            pack_tokens=200 if packing else 0,
+            pack_min_units=0,
+            kv_tile=(16, 64),
+            kv_split_sizes=(64, int(rng.choice([96, 200]))),
+            gamma=float(rng.choice([0.1, -10.0])),
+            para_threshs1=(0, 0),  # two tile classes even for these small trees
+            para_threshs2=(0, 0),
+        )
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        split += any(
+            n and attention.small_tile_kv_split(tc.block_m, tc.block_n) > 1
+            for tc, n in zip(plan.tile_classes, plan.units_per_class(), strict=True)
+        )
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+    assert split >= 2, "too few plans had a 16-row class to split; the test would not cover KV_SPLIT"
+
+
+def test_small_tile_kv_split_only_splits_16_row_tiles_into_parts_of_16_tokens(monkeypatch):
+    monkeypatch.setattr(attention, "SMALL_TILE_KV_SPLIT", 4)
+    assert attention.small_tile_kv_split(16, 64) == 4
+    assert attention.small_tile_kv_split(16, 32) == 1  # parts of 8 tokens
+    assert attention.small_tile_kv_split(64, 64) == 1
+    monkeypatch.setattr(attention, "SMALL_TILE_KV_SPLIT", 1)
+    assert attention.small_tile_kv_split(16, 64) == 1
