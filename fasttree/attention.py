@@ -302,15 +302,14 @@ def _launches(
             ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        kv_split = small_tile_kv_split(tc.block_m, tc.block_n)
-        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, kv_split)
-        warps = tc.num_warps if kv_split == 1 else max(4, tc.num_warps)  # a warpgroup for the 64-row matrix
+        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast)
         maxnreg = None
-        if host.group_size == 1 and tc.block_m <= 16 and kv_split == 1 and _is_cuda(q) and not _interpreting():
+        if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
         out_launches.append(
-            (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, warps, tc.num_stages, maxnreg)
+            (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, tc.num_warps, tc.num_stages,
+             maxnreg)
         )  # fmt: skip
     n_merge = int(host.merge_queries.size)
     if n_merge:
@@ -339,20 +338,6 @@ def _launches(
                 )
             )
     return out_launches
-
-
-#: KV parts of a 16-row tile's program (the stage-1 kernel's ``KV_SPLIT``): its rows are stacked
-#: this many times into a 64-row matrix, each copy over one part of every KV tile (1: off).
-SMALL_TILE_KV_SPLIT = 1
-
-
-def small_tile_kv_split(block_m: int, block_n: int) -> int:
-    """``KV_SPLIT`` of a tile class's launch: :data:`SMALL_TILE_KV_SPLIT` for 16-row tiles whose KV
-    tile it divides into parts of at least 16 tokens, else 1."""
-    k = SMALL_TILE_KV_SPLIT
-    if k > 1 and block_m == 16 and block_n % k == 0 and block_n // k >= 16:
-        return k
-    return 1
 
 
 #: Programs per SM of the 16-row stage-1 kernel at 4 warps and head dim <= 128 as compiled (159

@@ -87,28 +87,19 @@ def _attend_unit(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    KV_SPLIT: tl.constexpr = 1,
 ):
-    """One (unit, KV head): attention of the unit's query tile over its KV chunk.
-
-    ``KV_SPLIT`` > 1: the ``BLOCK_M`` tile rows are stacked ``KV_SPLIT`` times into one matrix,
-    copy ``c`` seeing only part ``c`` of every ``BLOCK_N``-token KV tile, and the copies' online
-    softmax states are combined at the end. The matrix work grows ``KV_SPLIT``-fold, but a 16-row
-    tile becomes a 64-row one, which Hopper runs as warpgroup MMAs reading K and V from shared
-    memory, with no cross-warp exchange per KV tile.
-    """
+    """One (unit, KV head): attention of the unit's query tile over its KV chunk."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
     q_len = tl.load(UnitQLen + unit)
 
-    ROWS: tl.constexpr = BLOCK_M * KV_SPLIT  # matrix rows: the tile's rows, once per KV part
-    rows = tl.arange(0, ROWS) % BLOCK_M
-    part = tl.arange(0, ROWS) // BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
     row_query = rows // GROUP
     row_valid = row_query < q_len
     head = kv_head * GROUP + rows % GROUP
     qid = tl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(tl.int64)
+    out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=-2)
 
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
@@ -120,16 +111,15 @@ def _attend_unit(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    if MASKED or KV_SPLIT > 1:
+    if MASKED:
         # finite: a row may see no entry of a whole tile (or of the unit), and
         # exp2(-inf - -inf) would poison it
-        m_i = tl.full([ROWS], -1.0e30, tl.float32)
-    else:
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    if MASKED:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         row_bit = tl.minimum(row_query, 31)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     for start in range(0, kv_len, BLOCK_N):
@@ -143,12 +133,9 @@ def _attend_unit(
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
-            seen = ((bits[None, :] >> row_bit[:, None]) & 1) != 0
+            s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
         else:
-            seen = n_valid[None, :]
-        if KV_SPLIT > 1:  # copy c of the rows sees part c of the tile
-            seen = seen & ((tl.arange(0, BLOCK_N) // (BLOCK_N // KV_SPLIT))[None, :] == part[:, None])
-        s = tl.where(seen, s, float("-inf"))
+            s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -161,20 +148,7 @@ def _attend_unit(
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
 
-    if KV_SPLIT > 1:  # combine the copies' states: rows of the tile again
-        m3 = tl.reshape(m_i, [KV_SPLIT, BLOCK_M])
-        m_tile = tl.max(m3, 0)
-        w = tl.exp2(m3 - m_tile[None, :])
-        l_i = tl.sum(tl.reshape(l_i, [KV_SPLIT, BLOCK_M]) * w, 0)
-        acc = tl.sum(tl.reshape(acc, [KV_SPLIT, BLOCK_M, BLOCK_D]) * w[:, :, None], 0)
-        m_i = m_tile
-        rows = tl.arange(0, BLOCK_M)
-        row_query = rows // GROUP
-        row_valid = row_query < q_len
-        head = kv_head * GROUP + rows % GROUP
-        qid = tl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(tl.int64)
-    out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=-2)
-    if MASKED or KV_SPLIT > 1:
+    if MASKED:
         l_i = tl.maximum(l_i, 1.0e-30)  # rows that saw nothing (never stored): no 0 / 0
     o = acc / l_i[:, None]
     direct = row_valid & (out_row == -1)
@@ -233,13 +207,12 @@ def tree_attention_units_kernel(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # the class holds packed units: apply KvRowMask
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
-    KV_SPLIT: tl.constexpr = 1,  # copies of the tile's rows, each over a part of every KV tile
 ):
     _attend_unit(
         tl.program_id(0) + unit_offset, tl.program_id(1), Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, KV_SPLIT,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
     )  # fmt: skip
 
 
