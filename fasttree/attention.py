@@ -202,13 +202,15 @@ def _stage1_launches(launches: list[tuple]) -> int:
 
 #: A plan's stage-1 launches run side by side: never, only under CUDA-graph capture, always.
 _FORK_NEVER, _FORK_CAPTURED, _FORK_ALWAYS = 0, 1, 2
-#: Plans reading at least this many (KV entry, KV head) pairs fork in eager calls too. The fork's
-#: events cost 5-8 us of host time per call. On the H200 (one A/B run), back-to-back eager calls
-#: of the smaller two-class suite plans (6/gqa4, 9/gqa4, 11/gqa16, 13/gqa16: 64-152k pairs,
-#: 18-26 us of GPU time forked) took 5-8 us longer forked and those of 7/mha and 8/gqa4 (1.2 and
-#: 2.5M pairs) 4-11 us shorter (5/mha, 2.2M: 4 us longer, within its spread), while one call at a
-#: time (do_bench) was 1-5 us shorter forked on all of them.
-_FORK_EAGER_MIN_PAIRS = 1 << 19
+#: Plans reading at least this many (KV entry, KV head) pairs fork in eager calls too (below it:
+#: only under graph capture). The fork's events cost host time. When a launch cost ~10 us of host
+#: time, back-to-back eager calls of the smaller two-class suite plans (6/gqa4, 9/gqa4, 11/gqa16,
+#: 13/gqa16) took 5-8 us longer forked, hence a threshold of 2^19 pairs. With the direct launchers'
+#: int addresses and C launch (H200, `docs/bench/h200/eager_fork_ab_3957674.json`), forking every
+#: two-class plan made one call at a time (do_bench) 2-6 us shorter on all of them (6/gqa4 45.8 ->
+#: 40.0 us, within 8 us of the same call replayed from a graph with L2 cleared), and back-to-back
+#: calls moved -5.6 to +7.6 us (no better or worse on the whole): every two-class plan forks.
+_FORK_EAGER_MIN_PAIRS = 0
 
 
 def _fork_mode(host: Plan, q: torch.Tensor, launches: list[tuple]) -> int:

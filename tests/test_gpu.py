@@ -175,13 +175,14 @@ def test_direct_launch_path_is_correct_across_calls_layouts_and_graph_capture():
 @pytest.mark.parametrize("eager_fork", [False, True])
 def test_two_class_plans_run_their_stage1_launches_side_by_side_and_stay_correct(monkeypatch, eager_fork):
     """A two-class plan (9/gqa4) forks its first stage-1 launch onto a side stream under graph
-    capture (and in eager calls when it reads enough KV; forced here by a zero threshold): every
-    call (through Triton, through the direct launchers, on another stream, replayed from a CUDA
-    graph with new data) matches the reference, and the direct entry records the fork mode."""
+    capture and in eager calls (only under capture when it reads fewer KV pairs than the eager
+    threshold, forced here by a huge one): every call (through Triton, through the direct
+    launchers, on another stream, replayed from a CUDA graph with new data) matches the
+    reference, and the direct entry records the fork mode."""
     from fasttree import attention
 
-    if eager_fork:
-        monkeypatch.setattr(attention, "_FORK_EAGER_MIN_PAIRS", 0)
+    if not eager_fork:
+        monkeypatch.setattr(attention, "_FORK_EAGER_MIN_PAIRS", 1 << 62)
     tree = paper_tree(9)
     hq, hkv = PAPER_HEADS["gqa4"]
     plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)

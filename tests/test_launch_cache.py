@@ -192,11 +192,11 @@ def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
 
 
 @pytest.mark.parametrize(
-    ("capturing", "min_pairs", "forks"), [(False, None, False), (False, 0, True), (True, None, True)]
+    ("capturing", "min_pairs", "forks"), [(False, None, True), (False, 1 << 40, False), (True, 1 << 40, True)]
 )
-def test_small_two_class_plans_fork_only_under_capture(fakes, monkeypatch, capturing, min_pairs, forks):
-    """The fork's events cost host time: a plan reading few KV entries forks only under graph
-    capture, one reading at least ``_FORK_EAGER_MIN_PAIRS`` (KV entry, KV head) pairs always."""
+def test_two_class_plans_fork_in_eager_calls_from_the_threshold_on(fakes, monkeypatch, capturing, min_pairs, forks):
+    """A plan reading at least ``_FORK_EAGER_MIN_PAIRS`` (KV entry, KV head) pairs (by default every
+    two-class plan) forks in eager calls too; one reading fewer forks only under graph capture."""
     log, _ = fakes
     monkeypatch.setattr(attention, "_capturing", lambda: capturing)
     if min_pairs is not None:
