@@ -1,0 +1,73 @@
+"""Small paper cases: the default plan vs one unit per query over its whole path (no merge launch).
+
+For trees whose KV is tiny (L2-resident) the grouping saves little and a plan's second launch
+(the merge of partial rows) is a large part of its time; torch SDPA on duplicated KV wins
+1/2/4/9 at GQA 16 (v20). This times, by CUDA-graph replay, the default plan, the
+query-separated plan cut for four waves (the bench's ``query_separated``) and the
+query-separated plan with every query's path in one unit (one launch, direct output), each
+checked against the float64 reference::
+
+    python3 bench/device/no_merge_ab.py --out $OUT/no_merge_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+import fasttree as ft
+from bench.common import environment
+from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.timing import graph_time_us
+
+CASES = ("1/gqa16", "2/gqa16", "4/gqa16", "9/gqa16", "6/gqa16", "1/gqa4", "1/mha", "6/gqa4", "9/gqa4", "3/gqa16")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name in CASES:
+        case, heads = name.split("/")
+        tree = paper_tree(int(case))
+        hq, hkv = PAPER_HEADS[heads]
+        gen = torch.Generator(device="cuda").manual_seed(int(case))
+        q = torch.randn(tree.n_queries, hq, 128, device="cuda", dtype=torch.float16, generator=gen)
+        k = torch.randn(tree.max_slot + 1, hkv, 128, device="cuda", dtype=torch.float16, generator=gen)
+        v = torch.randn(k.shape, device="cuda", dtype=torch.float16, generator=gen)
+        sample = np.sort(
+            np.random.default_rng(int(case)).choice(tree.n_queries, min(16, tree.n_queries), replace=False)
+        )
+        ref = ft.reference_attention(q, k, v, tree, queries=sample)
+        longest = int(tree.path_lengths[tree.query_nodes].max())
+        plans = {
+            "default": ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128),
+            "query_separated": ft.plan_query_separated(
+                tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, num_sms=sms
+            ),
+            "whole_path": ft.plan_query_separated(
+                tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, kv_split_size=longest, num_sms=sms
+            ),
+        }
+        row = {"case": name}
+        for label, plan in plans.items():
+            out = torch.full_like(q, float("nan"))
+            call = lambda plan=plan, out=out, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
+            call()
+            torch.cuda.synchronize()
+            err = ft.max_relative_error(out[torch.as_tensor(sample, device="cuda")], ref)
+            row[label] = {"graph_us": graph_time_us(call)["median"], "err": err, "merged": int(plan.merge_queries.size)}
+        rows.append(row)
+        print(name, " ".join(f"{lb}:{row[lb]['graph_us']:.1f}" for lb in plans), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
