@@ -51,15 +51,7 @@ def graph_time_us(
         b.record()
         b.synchronize()
         calls = int(max(1, min(calls, max_graph_ms // max(a.elapsed_time(b), 1e-6))))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = _captured(fn, calls)
     t0 = torch.cuda.Event(enable_timing=True)
     t1 = torch.cuda.Event(enable_timing=True)
     t0.record()
@@ -71,6 +63,21 @@ def graph_time_us(
     times = _per_call_us(graph.replay, replays, calls)
     del graph
     return {**_spread(times), "replays": replays, "calls_per_graph": calls}
+
+
+def _captured(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, captured after one call on a side stream (as
+    torch advises before a capture: lazy initialisations then happen outside it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
 
 
 def _per_call_us(run: Callable[[], object], replays: int, calls: int) -> np.ndarray:
@@ -109,14 +116,7 @@ def graph_cold_time_us(fn: Callable[[], object], *, warmup_ms: float = 25, rep_m
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = _captured(fn, 1)
     t = float(triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
     del graph
     return t

@@ -24,30 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
 
 import fasttree as ft
 from bench.common import environment
+from bench.host_overhead import per_call_us
 from fasttree import attention
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import eager_loop_time_us, eager_time_us, graph_time_us
 
 CASES = ("1/gqa16", "6/gqa4", "9/gqa4", "11/gqa16", "13/gqa16", "1/mha", "12/gqa16")
-
-
-def per_call_us(fn, n: int = 2000) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def _clear_direct(plan, rt) -> None:
