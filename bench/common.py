@@ -71,3 +71,18 @@ def load_anchors() -> dict[str, Any]:
 def anchor_rows() -> dict[tuple[int, str], dict[str, Any]]:
     """Anchor rows keyed by (case, heads name)."""
     return {(c["case"], c["heads"]): c for c in load_anchors()["cases"]}
+
+
+def random_case(
+    tree: fasttree.KVTree, num_q_heads: int, num_kv_heads: int, head_dim: int, seed: int, samples: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray, torch.Tensor]:
+    """``(q, k, v, sample, ref)`` of one device benchmark case: fp16 N(0, 1) inputs on the GPU
+    (one generator seeded ``seed``, drawn in that order), up to ``samples`` sorted query rows
+    drawn with numpy's ``seed``, and their float64 reference outputs."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(tree.n_queries, num_q_heads, head_dim, device="cuda", dtype=torch.float16, generator=gen)
+    k = torch.randn(tree.max_slot + 1, num_kv_heads, head_dim, device="cuda", dtype=torch.float16, generator=gen)
+    v = torch.randn(k.shape, device="cuda", dtype=torch.float16, generator=gen)
+    n = min(samples, tree.n_queries)
+    sample = np.sort(np.random.default_rng(seed).choice(tree.n_queries, n, replace=False))
+    return q, k, v, sample, fasttree.reference_attention(q, k, v, tree, queries=sample)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import environment
+from bench.common import environment, random_case
 from fasttree import attention
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from fasttree.timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us
@@ -38,12 +38,7 @@ def main() -> int:
             plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
             if not all(plan.units_per_class()):
                 continue
-            gen = torch.Generator(device="cuda").manual_seed(case)
-            q = torch.randn(tree.n_queries, hq, 128, device="cuda", dtype=torch.float16, generator=gen)
-            k = torch.randn(tree.max_slot + 1, hkv, 128, device="cuda", dtype=torch.float16, generator=gen)
-            v = torch.randn(k.shape, device="cuda", dtype=torch.float16, generator=gen)
-            sample = np.sort(np.random.default_rng(case).choice(tree.n_queries, min(16, tree.n_queries), replace=False))
-            ref = ft.reference_attention(q, k, v, tree, queries=sample)
+            q, k, v, sample, ref = random_case(tree, hq, hkv, 128, seed=case, samples=16)
             row = {"case": f"{case}/{heads}", "pairs": int(plan.kv_indices.size * hkv), "default_forks": None}
             for mode in ("default", "fork", "default", "fork"):
                 attention._FORK_EAGER_MIN_PAIRS = default if mode == "default" else 0

@@ -14,11 +14,10 @@ import argparse
 import json
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import environment
+from bench.common import environment, random_case
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import graph_time_us
 
@@ -44,12 +43,7 @@ def main() -> int:
     rows = []
     for case in (int(c) for c in args.cases.split(",")):
         tree = paper_tree(case)
-        gen = torch.Generator(device="cuda").manual_seed(case)
-        q = torch.randn(tree.n_queries, hq, 128, device="cuda", dtype=torch.float16, generator=gen)
-        k = torch.randn(tree.max_slot + 1, hkv, 128, device="cuda", dtype=torch.float16, generator=gen)
-        v = torch.randn(k.shape, device="cuda", dtype=torch.float16, generator=gen)
-        sample = np.sort(np.random.default_rng(case).choice(tree.n_queries, min(32, tree.n_queries), replace=False))
-        ref = ft.reference_attention(q, k, v, tree, queries=sample)
+        q, k, v, sample, ref = random_case(tree, hq, hkv, 128, seed=case, samples=32)
         row = {"case": case}
         for name, cfg in VARIANTS.items():
             plan = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)

@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import environment
+from bench.common import environment, random_case
 from bench.host_overhead import per_call_us
 from fasttree import attention
 from fasttree.runtime import TreeAttentionRuntime
@@ -54,10 +53,7 @@ def run_case(name: str, seed: int) -> dict:
     tree = paper_tree(int(case))
     hq, hkv = PAPER_HEADS[heads]
     d = 128
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(tree.n_queries, hq, d, device="cuda", dtype=torch.float16, generator=gen)
-    k = torch.randn(tree.max_slot + 1, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
-    v = torch.randn(k.shape, device="cuda", dtype=torch.float16, generator=gen)
+    q, k, v, rows, ref = random_case(tree, hq, hkv, d, seed=seed, samples=16)
     plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float16, device="cuda",
@@ -68,8 +64,6 @@ def run_case(name: str, seed: int) -> dict:
     rt.plan(tree)
     out = torch.empty_like(q)
     out_rt = torch.empty_like(q)
-    rows = np.sort(np.random.default_rng(seed).choice(tree.n_queries, size=min(16, tree.n_queries), replace=False))
-    ref = ft.reference_attention(q, k, v, tree, queries=rows)
     row = {"case": name, "n_launches": None}
     call = lambda: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
     call_rt = lambda: rt.forward(q, k, v, out=out_rt)  # noqa: E731

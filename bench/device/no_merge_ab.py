@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import environment
+from bench.common import environment, random_case
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import graph_time_us
 
@@ -36,14 +35,7 @@ def main() -> int:
         case, heads = name.split("/")
         tree = paper_tree(int(case))
         hq, hkv = PAPER_HEADS[heads]
-        gen = torch.Generator(device="cuda").manual_seed(int(case))
-        q = torch.randn(tree.n_queries, hq, 128, device="cuda", dtype=torch.float16, generator=gen)
-        k = torch.randn(tree.max_slot + 1, hkv, 128, device="cuda", dtype=torch.float16, generator=gen)
-        v = torch.randn(k.shape, device="cuda", dtype=torch.float16, generator=gen)
-        sample = np.sort(
-            np.random.default_rng(int(case)).choice(tree.n_queries, min(16, tree.n_queries), replace=False)
-        )
-        ref = ft.reference_attention(q, k, v, tree, queries=sample)
+        q, k, v, sample, ref = random_case(tree, hq, hkv, 128, seed=int(case), samples=16)
         longest = int(tree.path_lengths[tree.query_nodes].max())
         plans = {
             "default": ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128),
