@@ -140,20 +140,16 @@ def tree_attention(
     if fast is not None:
         entry = host._device_cache.get(fast[0])
         if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
-            index = device.index
-            if index is None or index == _current_device_index():  # (None: CPU stand-ins in tests)
+            with _on_device(device):
                 _run_direct(entry, fast[1], device, qk_scale)
-            else:
-                with torch.cuda.device(index):
-                    _run_direct(entry, fast[1], device, qk_scale)
             return out
     launches = _launches(host, dev, q, k_cache, v_cache, out, qk_scale)
     fork_mode = _fork_mode(host, q, launches)
     forked = _forks(fork_mode)
     compiled = []
-    with _on_device(q.device):
+    with _on_device(device):
         if forked:
-            main, side, _, fork, join = _side_stream(q.device, _current_stream(q.device))
+            main, side, _, fork, join = _side_stream(device, _current_stream(device))
             fork.record(main)
             side.wait_event(fork)
         for i, (kernel, grid, args, constexprs, warps, stages, maxnreg) in enumerate(launches):
@@ -422,7 +418,7 @@ def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple |
     if host._device_cache.get(dev.device) is not dev:
         return None
     ptrs = launch_pointers(q, k_cache, v_cache, out)
-    return ("direct", q.device, *tensor_layout(q, k_cache, v_cache, out, ptrs)), ptrs
+    return ("direct", dev.device, *tensor_layout(q, k_cache, v_cache, out, ptrs)), ptrs
 
 
 #: Whether direct launchers pass device addresses as ints, which Triton's launcher takes as they
@@ -619,8 +615,7 @@ def _launch_hooks_active() -> bool:
 
 def _on_device(device: torch.device):
     """Make ``device`` current for the launches (a no-op when it already is, or on the CPU)."""
-    index = device.index  # None on the CPU (and ``device.type`` costs several times more)
-    if index is not None and device.type == "cuda" and index != _current_device_index():
+    if device.type == "cuda" and device.index != _current_device_index():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
