@@ -53,8 +53,9 @@ def measure(variant: tuple) -> tuple[tuple, dict | str]:
                 "UnitQStart", "UnitQLen", "PairQuery", "PairOutRow")  # fmt: skip
     types = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32"}
     signature = {n: types.get(n, "*i32") for n in pointers}
+    # int64 K/V offsets (OFFSETS_32 off): the kernel the committed traces ran
     constexprs = {"HEAD_DIM": d, "BLOCK_D": d, "GROUP": GROUP, "BLOCK_M": bm, "BLOCK_N": bn, "MASKED": masked,
-                  "UPCAST_DOT": False}  # fmt: skip
+                  "UPCAST_DOT": False, "OFFSETS_32": False}  # fmt: skip
     for n in kernel.arg_names[len(pointers) :]:
         signature[n] = "constexpr" if n in constexprs else ("fp32" if n == "qk_scale" else "i32")
     # what the JIT assumes at a real launch: pointers 16-byte aligned and integer arguments

@@ -288,6 +288,7 @@ def _launches(
     hq, d = host.num_q_heads, host.head_dim
     block_d = triton.next_power_of_2(d)
     upcast = _interpreting() and q.dtype == torch.bfloat16
+    offsets_32 = kv_offsets_fit_int32(host.max_slot, k_cache, v_cache)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     out_launches = []
     for c, tc in enumerate(host.tile_classes):
@@ -300,7 +301,7 @@ def _launches(
             ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast)
+        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32)
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads
@@ -336,6 +337,25 @@ def _launches(
                 )
             )
     return out_launches
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def kv_offsets_fit_int32(max_slot: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the stage-1 kernels may form K/V addresses from int32 offsets (``OFFSETS_32``).
+
+    True when, in both pools, the element offset of every (slot, KV head, dim) with slot <=
+    ``max_slot`` (``slot * stride(0) + head * stride(1) + dim``) is at most ``2**31 - 1``.
+    The answer depends only on ``max_slot``, the pools' strides and their head and dim
+    sizes, so launchers cached by plan and tensor layout stay valid.
+    """
+    _, hkv, d = k_cache.shape
+    for t in (k_cache, v_cache):
+        s0, s1 = t.stride(0), t.stride(1)
+        if max_slot * s0 + (hkv - 1) * s1 + d - 1 > _INT32_MAX:
+            return False
+    return True
 
 
 #: Programs per SM of the 16-row stage-1 kernel at 4 warps and head dim <= 128 as compiled (159

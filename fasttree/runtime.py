@@ -60,6 +60,7 @@ from .attention import (
     _launch_hooks_active,
     _on_device,
     capped_registers,
+    kv_offsets_fit_int32,
     launch_pointers,
     tensor_layout,
 )
@@ -652,6 +653,9 @@ class TreeAttentionRuntime:
         d, hq = self.head_dim, self.num_q_heads
         block_d = triton.next_power_of_2(d)
         upcast = _interpreting() and q.dtype == torch.bfloat16
+        # int32 K/V offsets only when every slot a later plan may read is known to fit (pool_slots
+        # fixed): the launches, and graphs captured from them, serve every later plan
+        offsets_32 = self.pool_slots is not None and kv_offsets_fit_int32(self.pool_slots - 1, k_cache, v_cache)
         part_o, part_lse = self._part_o, self._part_lse
         (m0, n0, warps0, stages0), (m1, n1, warps1, stages1) = self.slots
         strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -661,7 +665,7 @@ class TreeAttentionRuntime:
         else:  # one launch per slot, each compiled for its own tile alone
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
-            constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which)
+            constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which, offsets_32)
             args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._launch_counters[i],
                     self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count

@@ -87,8 +87,14 @@ def _attend_unit(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
-    """One (unit, KV head): attention of the unit's query tile over its KV chunk."""
+    """One (unit, KV head): attention of the unit's query tile over its KV chunk.
+
+    ``OFFSETS_32``: every K/V element offset of the pools' slots the plan reads fits in int32
+    (the host checks), so the gathered tiles' addresses are formed from 32-bit offsets, not
+    64-bit ones (fewer registers and instructions per gathered row; H200 serving trees: 1-3%
+    less stage-1 time, ``bench/device/small_tile_variants.py``)."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
@@ -125,7 +131,9 @@ def _attend_unit(
     for start in range(0, kv_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_len
-        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0).to(tl.int64)
+        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
+        if not OFFSETS_32:
+            slot = slot.to(tl.int64)
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST_DOT:
@@ -207,12 +215,13 @@ def tree_attention_units_kernel(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # the class holds packed units: apply KvRowMask
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
+    OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
 ):
     _attend_unit(
         tl.program_id(0) + unit_offset, tl.program_id(1), Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
     )  # fmt: skip
 
 
@@ -222,7 +231,7 @@ def _attend_slot_items(
     UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
     stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr,
 ):  # fmt: skip
     """One program's items of one launch slot: item ``start``, then (more items than programs) the
     next unstarted one claimed from ``Counter`` as each ends, or else every ``step``-th. Item ``i``
@@ -235,7 +244,7 @@ def _attend_slot_items(
             first_unit + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
         )  # fmt: skip
         if claim:
             item = step + tl.atomic_add(Counter, 1, sem="relaxed")
@@ -276,6 +285,7 @@ def tree_attention_persistent_kernel(
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SLOTS: tl.constexpr = 2,  # 2: both slots; 0 or 1: only that slot (its tile alone sets the registers)
+    OFFSETS_32: tl.constexpr = False,  # K/V offsets of every pool slot fit in int32 (see _attend_unit)
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
     so programs move on to slot 1 without a launch boundary (``SLOTS`` 0 or 1: one slot's items
@@ -311,7 +321,7 @@ def tree_attention_persistent_kernel(
             pid, items0, n0, first0, Counters, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, UnitKvStart,
             UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_D,
-            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT,
+            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32,
         )  # fmt: skip
     if SLOTS != 0:
         start1 = pid
@@ -321,5 +331,5 @@ def tree_attention_persistent_kernel(
             start1, items1, n1, first1, Counters + 1, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM,
-            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT,
+            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32,
         )  # fmt: skip

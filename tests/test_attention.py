@@ -289,3 +289,41 @@ def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, 
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
         check_against_reference(out, q, k, v, tree)
     assert changed >= 1, "no random plan used the solo rule; the test would not cover it"
+
+
+@pytest.mark.parametrize(
+    ("max_slot", "stride0", "fits"),
+    [
+        (0, 2**40, True),  # slot 0 alone: offsets head * stride(1) + dim
+        (2**31 // 256 - 1, 256, True),  # last element at 2**31 - 1
+        (2**31 // 256, 256, False),  # one slot further: 2**31 + ...
+        (1, 2**31, False),
+        (2**20, 4096, False),  # a 1M-slot MHA-32 x 128 pool
+        (2**18, 4096, True),
+    ],
+)
+def test_int32_kv_offsets_only_where_every_read_offset_fits(max_slot, stride0, fits):
+    # meta tensors: any strides without storage; K and V decide together
+    k = torch.empty_strided((max_slot + 1, 2, 128), (stride0, 128, 1), device="meta")
+    small = torch.empty_strided((max_slot + 1, 2, 128), (256, 128, 1), device="meta")
+    assert attention.kv_offsets_fit_int32(max_slot, k, k) is fits
+    assert attention.kv_offsets_fit_int32(max_slot, small, k) is fits
+    assert attention.kv_offsets_fit_int32(max_slot, k, small) is fits
+
+
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [(1, 2, 64, torch.float16), (4, 2, 128, torch.bfloat16)])
+def test_int32_and_int64_kv_offsets_give_identical_outputs(g, hkv, d, dtype, device, monkeypatch):
+    rng = np.random.default_rng(31)
+    gen = torch.Generator().manual_seed(31)
+    tree = random_tree(rng, max_nodes=12, max_len=80)
+    plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+    q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+    assert attention.kv_offsets_fit_int32(plan.max_slot, k, v)
+    out32 = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out32, q, k, v, tree)
+    decided = []
+    monkeypatch.setattr(attention, "kv_offsets_fit_int32", lambda *a: decided.append(a) or False)
+    plan64 = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)  # no cached launchers
+    out64 = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan64, out=o), q)
+    assert decided, "the launches did not ask whether the offsets fit"
+    torch.testing.assert_close(out64, out32, rtol=0, atol=0)

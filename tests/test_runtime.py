@@ -420,3 +420,29 @@ def test_extension_over_a_capacity_plans_afresh(device):
     with pytest.raises(ValueError, match="max_kv_entries"):
         rt.plan(big)
     assert rt.current_plan is first
+
+
+@pytest.mark.parametrize(("pool_slots", "expected"), [(None, False), (1003, True)])
+def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots, expected):
+    """The persistent stage 1 uses int32 K/V offsets only when the runtime knows every slot a
+    later plan may read (pool_slots): its launches, and graphs of them, serve every later plan."""
+    import fasttree.runtime as runtime_module
+
+    seen = []
+    real = runtime_module._launch
+
+    def recording(kernel, grid, args, constexprs, *rest):
+        if kernel is runtime_module.tree_attention_persistent_kernel:
+            seen.append(constexprs[-1])
+        return real(kernel, grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(runtime_module, "_launch", recording)
+    rt = _runtime(device, pool_slots=pool_slots)
+    tree = random_tree(np.random.default_rng(8), max_nodes=10, max_len=60)
+    q, k, v = _inputs(tree, device, 64)
+    assert k.shape[0] == 1003
+    rt.plan(tree)
+    out = rt.forward(q, k, v)
+    assert seen and all(flag is expected for flag in seen)
+    ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+    assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3

@@ -191,7 +191,7 @@ def run_variant(launches, flags):
         kw = {"num_warps": warps, "num_stages": stages}
         if maxnreg is not None:
             kw["maxnreg"] = maxnreg
-        variant_units_kernel[grid](*args, *constexprs, *flags, **kw)
+        variant_units_kernel[grid](*args, *constexprs[:7], *flags, **kw)
 
 
 def snapshot(out, part_o, part_lse, rows):
