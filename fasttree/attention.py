@@ -301,7 +301,8 @@ def _launches(
             ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32)
+        peel = peel_tiles(tc.block_m)
+        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel)
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads
@@ -340,6 +341,23 @@ def _launches(
 
 
 _INT32_MAX = 2**31 - 1
+
+#: Which stage-1 tile classes run a unit's whole KV tiles without masks, then one masked tail
+#: tile (the kernels' ``PEEL``): ``"none"``, ``"large"`` (tiles of more than 16 rows), ``"small"``
+#: (16 rows) or ``"all"``. Read at each launch's set-up (an A/B switch for benchmarks: plans
+#: made before a change keep their cached launchers).
+_PEEL_TILES = "none"
+
+
+def peel_tiles(block_m: int) -> bool:
+    """Whether a stage-1 launch of ``block_m``-row tiles peels its units' tail tile (``PEEL``)."""
+    if _PEEL_TILES == "all":
+        return True
+    if _PEEL_TILES == "large":
+        return block_m > 16
+    if _PEEL_TILES == "small":
+        return block_m <= 16
+    return False
 
 
 def kv_offsets_fit_int32(max_slot: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -51,6 +51,59 @@ HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel
 
 
 @triton.jit
+def _kv_tile(
+    start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale,
+    row_bit, d, d_valid,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, BOUNDED: tl.constexpr,
+):  # fmt: skip
+    """The online-softmax update of one KV tile (entries ``start:start + BLOCK_N`` of the unit):
+    returns the new ``(m_i, l_i, acc)``. ``BOUNDED``: the tile may reach past the unit's
+    ``kv_len`` entries (masked loads and scores); else it lies wholly inside."""
+    n = start + tl.arange(0, BLOCK_N)
+    if BOUNDED:
+        n_valid = n < kv_len
+        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+    else:
+        slot = tl.load(KvIndices + kv_start + n)
+        kv_mask = d_valid[None, :]
+    if not OFFSETS_32:
+        slot = slot.to(tl.int64)
+    k_ptrs = k_base + slot[:, None] * stride_kn + d[None, :]
+    v_ptrs = v_base + slot[:, None] * stride_vn + d[None, :]
+    if BOUNDED or HEAD_DIM != BLOCK_D:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        if BOUNDED:
+            bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
+        else:
+            bits = tl.load(KvRowMask + kv_start + n)
+        s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
+    elif BOUNDED:
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if BOUNDED or HEAD_DIM != BLOCK_D:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    p = p.to(v.dtype)
+    if UPCAST_DOT:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_unit(
     unit,
     kv_head,
@@ -88,13 +141,15 @@ def _attend_unit(
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     OFFSETS_32: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
     ``OFFSETS_32``: every K/V element offset of the pools' slots the plan reads fits in int32
     (the host checks), so the gathered tiles' addresses are formed from 32-bit offsets, not
     64-bit ones (fewer registers and instructions per gathered row; H200 serving trees: 1-3%
-    less stage-1 time, ``bench/device/small_tile_variants.py``)."""
+    less stage-1 time, ``bench/device/small_tile_variants.py``). ``PEEL``: the unit's whole KV tiles
+    run without masks, then one masked tail tile (see :func:`_kv_tile`)."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
@@ -121,40 +176,36 @@ def _attend_unit(
         # finite: a row may see no entry of a whole tile (or of the unit), and
         # exp2(-inf - -inf) would poison it
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        row_bit = tl.minimum(row_query, 31)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
-    for start in range(0, kv_len, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < kv_len
-        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
-        if not OFFSETS_32:
-            slot = slot.to(tl.int64)
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if MASKED:
-            bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
-            s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
-        else:
-            s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
-        p = p.to(v.dtype)
-        if UPCAST_DOT:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+    row_bit = tl.minimum(row_query, 31)  # MASKED: the row's bit in an entry's mask
+    # PEEL: the unit's whole BLOCK_N tiles without masks (index, K/V and row-mask loads
+    # unpredicated, no bound on the scores), then one masked tail tile; else every tile masked
+    if PEEL:
+        full = kv_len - kv_len % BLOCK_N
+        for start in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(
+                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                False,
+            )  # fmt: skip
+        if full < kv_len:
+            m_i, l_i, acc = _kv_tile(
+                full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                True,
+            )  # fmt: skip
+    else:
+        for start in range(0, kv_len, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(
+                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                True,
+            )  # fmt: skip
 
     if MASKED:
         l_i = tl.maximum(l_i, 1.0e-30)  # rows that saw nothing (never stored): no 0 / 0
@@ -216,12 +267,13 @@ def tree_attention_units_kernel(
     MASKED: tl.constexpr,  # the class holds packed units: apply KvRowMask
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
+    PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
 ):
     _attend_unit(
         tl.program_id(0) + unit_offset, tl.program_id(1), Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
     )  # fmt: skip
 
 
@@ -231,7 +283,7 @@ def _attend_slot_items(
     UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
     stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, PEEL: tl.constexpr,
 ):  # fmt: skip
     """One program's items of one launch slot: item ``start``, then (more items than programs) the
     next unstarted one claimed from ``Counter`` as each ends, or else every ``step``-th. Item ``i``
@@ -244,7 +296,7 @@ def _attend_slot_items(
             first_unit + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
         )  # fmt: skip
         if claim:
             item = step + tl.atomic_add(Counter, 1, sem="relaxed")
@@ -286,6 +338,8 @@ def tree_attention_persistent_kernel(
     UPCAST_DOT: tl.constexpr,
     SLOTS: tl.constexpr = 2,  # 2: both slots; 0 or 1: only that slot (its tile alone sets the registers)
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of every pool slot fit in int32 (see _attend_unit)
+    PEEL0: tl.constexpr = False,  # slot 0's / slot 1's units: whole KV tiles unmasked (see _attend_unit)
+    PEEL1: tl.constexpr = False,
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
     so programs move on to slot 1 without a launch boundary (``SLOTS`` 0 or 1: one slot's items
@@ -321,7 +375,7 @@ def tree_attention_persistent_kernel(
             pid, items0, n0, first0, Counters, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, UnitKvStart,
             UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_D,
-            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32,
+            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32, PEEL0,
         )  # fmt: skip
     if SLOTS != 0:
         start1 = pid
@@ -331,5 +385,5 @@ def tree_attention_persistent_kernel(
             start1, items1, n1, first1, Counters + 1, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM,
-            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32,
+            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32, PEEL1,
         )  # fmt: skip

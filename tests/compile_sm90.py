@@ -27,32 +27,36 @@ HOPPER = GPUTarget("cuda", 90, 32)
 UNITS_POINTERS = ("Q", "K", "V", "Out", "PartO", "PartLse", "KvIndices", "KvRowMask", "UnitKvStart", "UnitKvLen",
                   "UnitQStart", "UnitQLen", "PairQuery", "PairOutRow")  # fmt: skip
 UNITS = {
-    "units_fp16_d128_g4_m64_n64_masked": ("fp16", 128, 4, 64, 64, True, False),
-    "units_bf16_d128_g1_m16_n32": ("bf16", 128, 1, 16, 32, False, False),
-    "units_fp16_d128_g1_m16_n64_masked_offsets32": ("fp16", 128, 1, 16, 64, True, True),
-    "units_fp16_d256_g16_m32_n16_masked": ("fp16", 256, 16, 32, 16, True, False),
+    "units_fp16_d128_g4_m64_n64_masked": ("fp16", 128, 4, 64, 64, True, False, False),
+    "units_bf16_d128_g1_m16_n32": ("bf16", 128, 1, 16, 32, False, False, False),
+    "units_fp16_d128_g1_m16_n64_masked_offsets32": ("fp16", 128, 1, 16, 64, True, True, False),
+    "units_fp16_d96_g4_m64_n64_masked_offsets32_peel": ("fp16", 96, 4, 64, 64, True, True, True),
+    "units_bf16_d128_g8_m64_n32_peel": ("bf16", 128, 8, 64, 32, False, False, True),
+    "units_fp16_d256_g16_m32_n16_masked": ("fp16", 256, 16, 32, 16, True, False, False),
 }
 MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16, "N_COUNTERS": 8}
 
 
-def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False):
+def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False):
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32"}  # fmt: skip
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M": block_m,
-                  "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False, "OFFSETS_32": offsets_32}  # fmt: skip
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
+                  "BLOCK_M": block_m, "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False,
+                  "OFFSETS_32": offsets_32, "PEEL": peel}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
         signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
 
 
-def compile_persistent(dtype, head_dim, group, block_m, block_n, masked, slots=2, offsets_32=True):
+def compile_persistent(dtype, head_dim, group, block_m, block_n, masked, slots=2, offsets_32=True, peel=True):
     """The runtime's stage-1 kernel (both slots): plan arrays behind the header of one int32 buffer."""
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32", "PlanBuf": "*i32", "Counters": "*i32", "qk_scale": "fp32"}  # fmt: skip
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M0": block_m,
                   "BLOCK_N0": block_n, "BLOCK_M1": 16, "BLOCK_N1": 16, "MASKED": masked,
-                  "UPCAST_DOT": False, "SLOTS": slots, "OFFSETS_32": offsets_32}  # fmt: skip
+                  "UPCAST_DOT": False, "SLOTS": slots, "OFFSETS_32": offsets_32, "PEEL0": peel,
+                  "PEEL1": not peel}  # fmt: skip
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
                  for name in tree_attention_persistent_kernel.arg_names}  # fmt: skip
     return triton.compile(ASTSource(tree_attention_persistent_kernel, signature, constexprs), target=HOPPER)
@@ -127,7 +131,9 @@ def fasttree_jobs() -> dict:
     jobs |= {f"merge_many_{d}": (compile_merge, (merge_many_partials_kernel, d)) for d in ("fp16", "bf16")}
     jobs["persistent_fp16_d128_g4_m64_n64_masked"] = (compile_persistent, ("fp16", 128, 4, 64, 64, True))
     jobs["persistent_bf16_d256_g1_m16_n32"] = (compile_persistent, ("bf16", 256, 1, 16, 32, False))
-    jobs["persistent_slot0_fp16_d128_g1_m64_n64"] = (compile_persistent, ("fp16", 128, 1, 64, 64, False, 0, False))
+    jobs["persistent_slot0_fp16_d128_g1_m64_n64"] = (
+        compile_persistent, ("fp16", 128, 1, 64, 64, False, 0, False, False)
+    )  # fmt: skip
     jobs["persistent_slot1_fp16_d128_g4_m16_n16_masked"] = (compile_persistent, ("fp16", 128, 4, 16, 16, True, 1))
     jobs |= {f"merge_persistent_{d}": (compile_merge, (merge_partials_persistent_kernel, d)) for d in ("fp16", "bf16")}
     return jobs

@@ -327,3 +327,35 @@ def test_int32_and_int64_kv_offsets_give_identical_outputs(g, hkv, d, dtype, dev
     out64 = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan64, out=o), q)
     assert decided, "the launches did not ask whether the offsets fit"
     torch.testing.assert_close(out64, out32, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("g", "hkv", "d", "dtype"), [(1, 2, 64, torch.float16), (4, 2, 128, torch.bfloat16), (2, 1, 96, torch.float16)]
+)
+@pytest.mark.parametrize("tiles", ["all", "large", "small"])
+def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, tiles, device, monkeypatch):
+    # whole KV tiles unmasked + one masked tail tile computes exactly what masking every tile does
+    # (head dim 96: the unmasked tiles still mask the padded columns)
+    rng = np.random.default_rng(41)
+    gen = torch.Generator().manual_seed(41)
+    for _ in range(2):
+        tree = random_tree(rng, max_nodes=14, max_len=150)
+        plans = [ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d) for _ in range(2)]
+        block_n = min(tc.block_n for tc in plans[0].tile_classes)
+        assert (plans[0].unit_kv_len > block_n).any() and (plans[0].unit_kv_len % block_n != 0).any()
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+        monkeypatch.setattr(attention, "_PEEL_TILES", "none")
+        masked = run_poisoned(lambda o, p=plans[0], q=q, k=k, v=v: ft.tree_attention(q, k, v, p, out=o), q)
+        monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
+        peeled = run_poisoned(lambda o, p=plans[1], q=q, k=k, v=v: ft.tree_attention(q, k, v, p, out=o), q)
+        check_against_reference(peeled, q, k, v, tree)
+        torch.testing.assert_close(peeled, masked, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("block_m", "tiles", "expected"), [
+    (16, "none", False), (64, "none", False), (16, "small", True), (64, "small", False),
+    (16, "large", False), (32, "large", True), (16, "all", True), (64, "all", True),
+])  # fmt: skip
+def test_peel_rule_by_tile_rows(block_m, tiles, expected, monkeypatch):
+    monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
+    assert attention.peel_tiles(block_m) is expected

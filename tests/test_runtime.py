@@ -433,7 +433,7 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
 
     def recording(kernel, grid, args, constexprs, *rest):
         if kernel is runtime_module.tree_attention_persistent_kernel:
-            seen.append(constexprs[-1])
+            seen.append(constexprs[10])  # OFFSETS_32
         return real(kernel, grid, args, constexprs, *rest)
 
     monkeypatch.setattr(runtime_module, "_launch", recording)
@@ -446,3 +446,21 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     assert seen and all(flag is expected for flag in seen)
     ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
     assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+def test_peeled_tail_tiles_give_identical_runtime_outputs(device, monkeypatch, launches):
+    from fasttree import attention
+
+    rng = np.random.default_rng(12)
+    tree = random_tree(rng, max_nodes=12, max_len=120)
+    q, k, v = _inputs(tree, device, 64)
+    outs = []
+    for tiles in ("none", "all"):
+        monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
+        rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
+        rt.plan(tree)
+        outs.append(rt.forward(q, k, v, out=torch.full_like(q, float("nan")))[: tree.n_queries])
+    ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+    assert ft.max_relative_error(outs[1], ref) < 2e-3
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

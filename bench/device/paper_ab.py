@@ -140,7 +140,7 @@ def run_peeled(launches):
         kw = {"num_warps": warps, "num_stages": stages}
         if maxnreg is not None:
             kw["maxnreg"] = maxnreg
-        peeled_units_kernel[grid](*args, *constexprs, **kw)
+        peeled_units_kernel[grid](*args, *constexprs[:8], **kw)
 
 
 def body_ab(plan, q, k, v) -> dict:
