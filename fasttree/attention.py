@@ -301,7 +301,8 @@ def _launches(
             ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        peel = peel_tiles(tc.block_m)
+        lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
+        peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // tc.block_n))))
         constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel)
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
@@ -342,20 +343,34 @@ def _launches(
 
 _INT32_MAX = 2**31 - 1
 
-#: Which stage-1 tile classes run a unit's whole KV tiles without masks, then one masked tail
-#: tile (the kernels' ``PEEL``): ``"none"``, ``"large"`` (tiles of more than 16 rows), ``"small"``
-#: (16 rows) or ``"all"``. Read at each launch's set-up (an A/B switch for benchmarks: plans
-#: made before a change keep their cached launchers).
-_PEEL_TILES = "none"
+#: Which stage-1 launches run a unit's whole KV tiles without masks, then one masked tail tile
+#: (the kernels' ``PEEL``): ``"auto"`` (:func:`peel_tiles`' rule), ``"none"``, ``"large"`` (tiles of
+#: more than 16 rows), ``"small"`` (16 rows) or ``"all"``. Read at each launch's set-up (an A/B
+#: switch for benchmarks: plans made before a change keep their cached launchers).
+_PEEL_TILES = "auto"
+#: Fewest KV tiles per unit, on average over a launch's units, for ``"auto"`` to peel: the tail
+#: tile outside the pipelined loop costs about what the unmasked tiles save on units of 1.75-1.9
+#: tiles (H200: 2/gqa16 and 6/gqa16 +4-5%), while units of 2.75 and more gained 1-12%.
+_PEEL_MIN_TILES = 2.5
 
 
-def peel_tiles(block_m: int) -> bool:
-    """Whether a stage-1 launch of ``block_m``-row tiles peels its units' tail tile (``PEEL``)."""
-    if _PEEL_TILES == "all":
+def peel_tiles(block_m: int, mean_tiles: float | None = None) -> bool:
+    """Whether a stage-1 launch of ``block_m``-row tiles peels its units' tail tile (``PEEL``).
+
+    ``"auto"``: tiles of more than 16 rows whose units average at least :data:`_PEEL_MIN_TILES`
+    KV tiles (``mean_tiles``; None, as for the runtime's launches, which serve every later
+    plan: not checked). On the H200 paper suite (``bench/device/peel_ab.py``) peeling the
+    64-row launches took 0.977x the time on geomean (GQA 4 down to 0.89x) and left the serving
+    runtime's decode trees unchanged (0.998x); peeling 16-row launches cost up to 9% there.
+    """
+    rule = _PEEL_TILES
+    if rule == "auto":
+        return block_m > 16 and (mean_tiles is None or mean_tiles >= _PEEL_MIN_TILES)
+    if rule == "all":
         return True
-    if _PEEL_TILES == "large":
+    if rule == "large":
         return block_m > 16
-    if _PEEL_TILES == "small":
+    if rule == "small":
         return block_m <= 16
     return False
 

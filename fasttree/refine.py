@@ -53,7 +53,7 @@ COORDINATES: dict[str | tuple[str, int], tuple[Any, ...]] = {
     "pack_min_units": (132, 264, 528),
     ("num_warps", 0): (4, 8),
     ("num_warps", 1): (2, 4, 8),
-    ("num_stages", 0): (2, 3, 4),
+    ("num_stages", 0): (2, 3, 4, 5),  # 64-row tiles: a second K/V buffer from 5 stages (82 -> 115 KB)
     # 16-row tiles pipeline their gathered K/V through shared memory only from 5 stages on
     # (Triton 3.6 on sm_90 gives the indirect loads one buffer at 2-4 stages, two at 5-6, three at 7-8): on the
     # H200's Llama serving trees 6 stages took 4-8% off stage 1 (bench/device/small_tile_variants.py)

@@ -332,7 +332,7 @@ def test_int32_and_int64_kv_offsets_give_identical_outputs(g, hkv, d, dtype, dev
 @pytest.mark.parametrize(
     ("g", "hkv", "d", "dtype"), [(1, 2, 64, torch.float16), (4, 2, 128, torch.bfloat16), (2, 1, 96, torch.float16)]
 )
-@pytest.mark.parametrize("tiles", ["all", "large", "small"])
+@pytest.mark.parametrize("tiles", ["all", "large", "small", "auto"])
 def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, tiles, device, monkeypatch):
     # whole KV tiles unmasked + one masked tail tile computes exactly what masking every tile does
     # (head dim 96: the unmasked tiles still mask the padded columns)
@@ -352,10 +352,12 @@ def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, tiles, devic
         torch.testing.assert_close(peeled, masked, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("block_m", "tiles", "expected"), [
-    (16, "none", False), (64, "none", False), (16, "small", True), (64, "small", False),
-    (16, "large", False), (32, "large", True), (16, "all", True), (64, "all", True),
+@pytest.mark.parametrize(("block_m", "mean_tiles", "tiles", "expected"), [
+    (16, 9.0, "none", False), (64, 9.0, "none", False), (16, 9.0, "small", True), (64, 9.0, "small", False),
+    (16, 9.0, "large", False), (32, 1.0, "large", True), (16, 1.0, "all", True), (64, 1.0, "all", True),
+    (16, 9.0, "auto", False), (64, 1.9, "auto", False), (64, 2.5, "auto", True), (64, None, "auto", True),
+    (32, 12.0, "auto", True),
 ])  # fmt: skip
-def test_peel_rule_by_tile_rows(block_m, tiles, expected, monkeypatch):
+def test_peel_rule_by_tile_rows_and_unit_tiles(block_m, mean_tiles, tiles, expected, monkeypatch):
     monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
-    assert attention.peel_tiles(block_m) is expected
+    assert attention.peel_tiles(block_m, mean_tiles) is expected
