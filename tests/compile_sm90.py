@@ -139,8 +139,39 @@ def fasttree_jobs() -> dict:
     return jobs
 
 
+#: (block_m, block_n, head_dim, num_warps) x stages of ``--smem``: the units kernel's shared memory
+#: as a real launch compiles it (16-byte aligned pointers, strides divisible by 16).
+SMEM_TILES = ((16, 64, 128, 2), (16, 32, 256, 4), (64, 64, 128, 4), (64, 32, 128, 8), (64, 128, 64, 4))
+SMEM_STAGES = (2, 3, 4, 5, 6, 7, 8)
+
+
+def units_shared_bytes(block_m, block_n, head_dim, num_warps, num_stages) -> int:
+    types = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32"}
+    signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": 1, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "MASKED": True, "UPCAST_DOT": False, "OFFSETS_32": True, "PEEL": False}  # fmt: skip
+    for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
+        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(tree_attention_units_kernel.arg_names)
+        if signature[name] not in ("constexpr", "fp32") and name not in ("unit_offset", "stride_ln")
+    }
+    k = triton.compile(
+        ASTSource(tree_attention_units_kernel, signature, constexprs, attrs), target=HOPPER,
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )  # fmt: skip
+    return int(k.metadata.shared)
+
+
 def main() -> int:
     results = {}
+    if "--smem" in sys.argv[1:]:
+        for tile in SMEM_TILES:
+            for stages in SMEM_STAGES:
+                results[",".join(map(str, (*tile, stages)))] = units_shared_bytes(*tile, stages)
+        json.dump(results, sys.stdout)
+        return 0
     if "--bench-model" in sys.argv[1:]:
         jobs = bench_jobs()
     else:

@@ -86,6 +86,9 @@ SMEM_RESERVE_BYTES = 1024
 #: Most K (and V) tile buffers of the pipelined loop: the H200 reports show two for
 #: ``num_stages`` 2, 3 and 4 alike.
 PIPELINE_BUFFERS = 2
+#: Stages past which every two more add a K/V buffer (both paths; the tuner's space stops at 4,
+#: the measured refinement of :mod:`fasttree.refine` goes to 8).
+EXTRA_BUFFER_STAGES = 3
 #: Triton pipelines the KV loop through shared memory on the Hopper (wgmma) path only,
 #: which needs a warp group (4 warps) and 64 matrix rows; with fewer, one buffer.
 _PIPELINED_MIN_WARPS = 4
@@ -106,7 +109,9 @@ def units_kernel_smem_bytes(
     The Q tile (``block_m`` rows) plus the K and V tiles (``block_n`` tokens each) times the
     pipeline's buffers, at ``next_pow2(head_dim)`` columns, plus :data:`SMEM_RESERVE_BYTES`.
     Buffers: ``min(num_stages, PIPELINE_BUFFERS)`` when Triton pipelines the loop (at least
-    4 warps and 64 rows, ``num_stages >= 2``), else one.
+    4 warps and 64 rows, ``num_stages >= 2``), else one; plus one more for every two stages
+    past 4 (:data:`EXTRA_BUFFER_STAGES`: Triton 3.6 on sm_90 reports the same bytes for 2-4
+    stages, then a buffer more at 5 and at 7, on both paths; ``tests/test_compile_sm90.py``).
 
     Against the H200 measurements (``traces/h200`` and ``traces/h200_heldout``, 31,208
     records, 27 of them failed for shared memory), the limit of 227 KiB applied to every
@@ -135,7 +140,7 @@ def units_kernel_smem_bytes(
     """
     block_d = _next_pow2(head_dim)
     pipelined = num_stages >= 2 and num_warps >= _PIPELINED_MIN_WARPS and block_m >= _PIPELINED_MIN_ROWS
-    buffers = min(num_stages, PIPELINE_BUFFERS) if pipelined else 1
+    buffers = (min(num_stages, PIPELINE_BUFFERS) if pipelined else 1) + max(0, num_stages - EXTRA_BUFFER_STAGES) // 2
     return elem_bytes * block_d * (block_m + 2 * buffers * block_n) + SMEM_RESERVE_BYTES
 
 
