@@ -14,18 +14,23 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
+def run_compile_script(*args: str) -> dict:
+    """The JSON that ``compile_sm90.py`` prints with ``args`` (skips where Triton cannot compile for sm_90)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(HERE / "compile_sm90.py")], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, str(HERE / "compile_sm90.py"), *args], capture_output=True, text=True, env=env, timeout=900
     )
     if proc.returncode != 0 or not proc.stdout.strip():
         if "ptxas" in proc.stderr.lower() or "No module named 'triton.backends" in proc.stderr:
             pytest.skip(f"this Triton cannot compile for sm_90 here: {proc.stderr[-300:]}")
-        raise AssertionError(f"compile_sm90.py failed:\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"compile_sm90.py {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    return run_compile_script()
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
@@ -39,17 +44,7 @@ def test_tuner_shared_memory_model_follows_the_compiler_to_eight_stages():
     (a second K/V buffer from 5 stages, a third from 7: refine's options reach 8)."""
     from fasttree.tuner import units_kernel_smem_bytes
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "compile_sm90.py"), "--smem"], capture_output=True, text=True, env=env,
-        timeout=900,
-    )  # fmt: skip
-    if proc.returncode != 0 or not proc.stdout.strip():
-        if "ptxas" in proc.stderr.lower() or "No module named 'triton.backends" in proc.stderr:
-            pytest.skip(f"this Triton cannot compile for sm_90 here: {proc.stderr[-300:]}")
-        raise AssertionError(f"compile_sm90.py --smem failed:\n{proc.stderr[-3000:]}")
-    reported = json.loads(proc.stdout)
+    reported = run_compile_script("--smem")
     assert len(reported) == 35
     for key, shared in reported.items():
         block_m, block_n, head_dim, warps, stages = map(int, key.split(","))
