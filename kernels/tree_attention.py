@@ -20,6 +20,11 @@ chunk in ``BLOCK_N``-token tiles with fp32 accumulators, and writes, per row, ei
 final output (queries with a single partial) or a normalised fp32 partial output and
 its natural-log LSE; :mod:`.merge` combines the partials.
 
+Two launch-time switches the host sets per launch (:mod:`fasttree.attention`):
+``OFFSETS_32`` forms the gathered K/V addresses from int32 offsets where every offset of
+the slots read fits, and ``PEEL`` runs a unit's whole KV tiles without masks, then one
+masked tail tile (:func:`_kv_tile` holds the online-softmax update of one tile).
+
 (A variant that merged partials in stage 1 through per-(query, head) atomic counters
 removed the merge launch but was 1.2-1.4x slower on plans with many small units on the
 H200: the barrier, acquire-release atomics and extra registers lengthen every program;
