@@ -2,8 +2,9 @@
 
 Run: ``compute-sanitizer --tool memcheck --error-exitcode 99 python tests/memcheck_sample.py``.
 Covers both tile classes, merge and direct writes, GQA 7, D 256, bf16, KV tiles of 64
-and 128 (masked index loads), a pool exactly as large as the tree, and the
-query-separated plan.
+and 128 (masked index loads), a pool exactly as large as the tree, the query-separated
+plan, every tile class peeled (unmasked whole KV tiles, head dim 96 padded to 128), and the
+runtime's persistent kernels (int32 offsets, peeled 64-row slot).
 """
 
 from __future__ import annotations
@@ -38,6 +39,38 @@ def run(tree, hq, hkv, d, dtype, config=None, query_separated=False) -> float:
     return float((out[: rows.size].double() - ref).norm() / ref.norm())
 
 
+def run_peeled(tree, hq, hkv, d, dtype) -> float:
+    """Every launch peels its tail tile (``fasttree.attention._PEEL_TILES = "all"``)."""
+    from fasttree import attention
+
+    saved = attention._PEEL_TILES
+    attention._PEEL_TILES = "all"
+    try:
+        return run(tree, hq, hkv, d, dtype)
+    finally:
+        attention._PEEL_TILES = saved
+
+
+def run_runtime(tree, hq, hkv, d, dtype) -> float:
+    """The runtime's launches on a pool exactly as large as the tree."""
+    gen = torch.Generator().manual_seed(0)
+    pool = tree.max_slot + 1
+    q = torch.randn(tree.n_queries, hq, d, generator=gen).to(dtype).cuda()
+    k = torch.randn(pool, hkv, d, generator=gen).to(dtype).cuda()
+    v = torch.randn(pool, hkv, d, generator=gen).to(dtype).cuda()
+    rt = ft.TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device=q.device, max_queries=tree.n_queries,
+        max_kv_entries=8 * pool + int(tree.path_lengths[tree.query_nodes].sum()), max_units=1 << 14,
+        max_partial_rows=64 * tree.n_queries, pool_slots=pool,
+    )  # fmt: skip
+    rt.plan(tree)
+    out = rt.forward(q, k, v)
+    torch.cuda.synchronize()
+    rows = np.arange(min(tree.n_queries, 16))
+    ref = ft.reference_attention(q, k, v, tree, queries=rows)
+    return float((out[: rows.size].double() - ref).norm() / ref.norm())
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     cases = [
@@ -50,6 +83,16 @@ def main() -> int:
         ("suite 6 query-separated", lambda: run(paper_tree(6), 16, 1, 128, torch.float16, query_separated=True)),
         ("forest gqa7 d256 bf16", lambda: run(random_tree(rng, max_nodes=80, max_len=700), 14, 2, 256, torch.bfloat16)),
         ("forest gqa1 d64", lambda: run(random_tree(rng, max_nodes=80, max_len=700), 4, 4, 64, torch.float16)),
+        (
+            "forest gqa4 d96 every class peeled",
+            lambda: run_peeled(random_tree(rng, max_nodes=80, max_len=700), 8, 2, 96, torch.float16),
+        ),
+        (
+            "forest gqa1 d128 peeled MHA",
+            lambda: run_peeled(random_tree(rng, max_nodes=60, max_len=500), 4, 4, 128, torch.bfloat16),
+        ),
+        ("runtime gqa4 d128", lambda: run_runtime(random_tree(rng, max_nodes=80, max_len=700), 8, 2, 128, torch.half)),
+        ("runtime gqa1 d64", lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 4, 4, 64, torch.half)),
     ]
     worst = 0.0
     for name, fn in cases:
