@@ -15,6 +15,7 @@ import torch
 import fasttree
 from fasttree.fileio import write_atomic  # noqa: F401 (the bench scripts import it from here)
 from fasttree.profiler import git_commit
+from fasttree.timing import graph_time_us
 
 ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
 #: ``--dtype`` choices of the GPU benchmarks.
@@ -71,6 +72,30 @@ def load_anchors() -> dict[str, Any]:
 def anchor_rows() -> dict[tuple[int, str], dict[str, Any]]:
     """Anchor rows keyed by (case, heads name)."""
     return {(c["case"], c["heads"]): c for c in load_anchors()["cases"]}
+
+
+def geomean(x) -> float:
+    """Geometric mean of the positive values ``x`` (NaN when there are none)."""
+    x = np.asarray(list(x), dtype=np.float64)
+    return float(np.exp(np.log(x).mean())) if x.size else float("nan")
+
+
+def checked_graph_time(
+    plan: fasttree.Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sample: np.ndarray, ref: torch.Tensor
+) -> dict[str, float]:
+    """``{"graph_us", "err"}`` of ``fasttree.tree_attention`` on ``plan``: one call's median GPU
+    time by CUDA-graph replay, and the worst relative error of the query rows ``sample`` against
+    their float64 reference ``ref`` (as :func:`random_case` gives them), the output poisoned
+    with NaN before the first call."""
+    out = torch.full_like(q, float("nan"))
+
+    def call() -> torch.Tensor:
+        return fasttree.tree_attention(q, k, v, plan, out=out)
+
+    call()
+    torch.cuda.synchronize()
+    err = fasttree.max_relative_error(out[torch.as_tensor(sample, device=out.device)], ref)
+    return {"graph_us": graph_time_us(call)["median"], "err": err}
 
 
 def random_case(

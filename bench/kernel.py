@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import DTYPES, TOL, anchor_rows, environment, write_atomic
+from bench.common import DTYPES, TOL, anchor_rows, environment, geomean, write_atomic
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
@@ -233,11 +233,6 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
     outs.clear()
     torch.cuda.empty_cache()
     return row
-
-
-def geomean(x) -> float:
-    x = np.asarray(list(x), dtype=np.float64)
-    return float(np.exp(np.log(x).mean())) if x.size else float("nan")
 
 
 def _eager_gaps(rows: list[dict[str, Any]], key: str) -> list[float]:

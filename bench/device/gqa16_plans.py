@@ -14,12 +14,9 @@ import argparse
 import json
 from dataclasses import replace
 
-import torch
-
 import fasttree as ft
-from bench.common import environment, random_case
+from bench.common import checked_graph_time, environment, random_case
 from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
 
 BASE = ft.FastTreeConfig()
 VARIANTS = {
@@ -47,17 +44,12 @@ def main() -> int:
         row = {"case": case}
         for name, cfg in VARIANTS.items():
             plan = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
-            out = torch.full_like(q, float("nan"))
-            ft.tree_attention(q, k, v, plan, out=out)
-            torch.cuda.synchronize()
-            err = ft.max_relative_error(out[torch.as_tensor(sample, device="cuda")], ref)
-            call = lambda q=q, k=k, v=v, plan=plan, out=out: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
-            t = graph_time_us(call)["median"]
             s = plan.stats()
-            row[name] = {"graph_us": t, "err": err, "units": s["units"], "partial_rows": s["partial_rows"],
+            timed = checked_graph_time(plan, q, k, v, sample, ref)
+            row[name] = {**timed, "units": s["units"], "partial_rows": s["partial_rows"],
                          "tile_mode": s["tile_mode"], "q_tiles": s["q_tiles"]}  # fmt: skip
-            brief = (s["tile_mode"], s["units"], s["partial_rows"], f"err {err:.1e}")
-            print(case, name, f"{t:.1f} us", *brief, flush=True)
+            brief = (s["tile_mode"], s["units"], s["partial_rows"], f"err {timed['err']:.1e}")
+            print(case, name, f"{timed['graph_us']:.1f} us", *brief, flush=True)
         rows.append(row)
     with open(args.out, "w") as f:
         json.dump({"env": environment(), "rows": rows}, f, indent=1)

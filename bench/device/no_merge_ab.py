@@ -18,9 +18,8 @@ import json
 import torch
 
 import fasttree as ft
-from bench.common import environment, random_case
+from bench.common import checked_graph_time, environment, random_case
 from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
 
 CASES = ("1/gqa16", "2/gqa16", "4/gqa16", "9/gqa16", "6/gqa16", "1/gqa4", "1/mha", "6/gqa4", "9/gqa4", "3/gqa16")
 
@@ -48,12 +47,7 @@ def main() -> int:
         }
         row = {"case": name}
         for label, plan in plans.items():
-            out = torch.full_like(q, float("nan"))
-            call = lambda plan=plan, out=out, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
-            call()
-            torch.cuda.synchronize()
-            err = ft.max_relative_error(out[torch.as_tensor(sample, device="cuda")], ref)
-            row[label] = {"graph_us": graph_time_us(call)["median"], "err": err, "merged": int(plan.merge_queries.size)}
+            row[label] = {**checked_graph_time(plan, q, k, v, sample, ref), "merged": int(plan.merge_queries.size)}
         rows.append(row)
         print(name, " ".join(f"{lb}:{row[lb]['graph_us']:.1f}" for lb in plans), flush=True)
     with open(args.out, "w") as f:

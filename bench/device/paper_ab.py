@@ -6,10 +6,12 @@ Two questions, one run, every one of the 45 paper cases (head dim 128, fp16):
    (5, 5). Triton 3.6 on sm_90 gives a tile's gathered K/V a second shared-memory buffer only
    from 5 stages on (64-row tiles: 82 -> 115 KB; 16-row: 39 -> 73 KB). Whole calls
    (``tree_attention``) by CUDA-graph replay, each checked against the float64 reference.
-2. Kernel body: the default plan's stage-1 launches with the library's kernel against a copy
-   whose KV loop runs the unit's full ``BLOCK_N`` tiles without masks (index, K, V and
-   row-mask loads unpredicated, no ``where`` on the scores of a non-masked class) and one
-   masked tail tile. Outputs compared with the library's on the same inputs.
+2. Kernel body: the default plan's stage-1 launches with every KV tile masked against the
+   same launches with ``PEEL`` (the unit's full ``BLOCK_N`` tiles without masks: index, K, V
+   and row-mask loads unpredicated, no ``where`` on the scores of a non-masked class; then one
+   masked tail tile). Outputs compared on the same inputs. The committed
+   ``docs/bench/h200/paper_ab_ebdc5ba.json`` ran a copy of that body in this script, before it
+   became the library's ``PEEL``.
 
 Also the peeled body on the serving decode trees of ``small_tile_variants.py`` (step 25).
 
@@ -23,13 +25,10 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 import fasttree as ft
-from bench.common import environment, random_case
+from bench.common import checked_graph_time, environment, geomean, random_case
 from bench.device.small_tile_variants import diff, run_production, snapshot, stage1_launches
 from fasttree import attention as att
 from fasttree.export import read_export
@@ -41,130 +40,37 @@ D = 128
 STAGES = {"s33": (3, 3), "s35": (3, 5), "s53": (5, 3), "s55": (5, 5)}
 
 
-@triton.jit
-def _tile(
-    start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale,
-    row_bit, d, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TAIL: tl.constexpr,
-):  # fmt: skip
-    n = start + tl.arange(0, BLOCK_N)
-    if TAIL:
-        n_valid = n < kv_len
-        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
-        k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=n_valid[:, None], other=0.0)
-    else:
-        slot = tl.load(KvIndices + kv_start + n)
-        k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :])
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    if MASKED:
-        if TAIL:
-            bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
-        else:
-            bits = tl.load(KvRowMask + kv_start + n)
-        s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
-    elif TAIL:
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if TAIL:
-        v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :], mask=n_valid[:, None], other=0.0)
-    else:
-        v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+#: Positions of ``OFFSETS_32`` and ``PEEL`` among the units kernel's constexprs (``fasttree.attention._launches``).
+_OFFSETS_32, _PEEL = 7, 8
 
 
-@triton.jit(do_not_specialize=["unit_offset", "stride_ln"])
-def peeled_units_kernel(
-    Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery,
-    PairOutRow, unit_offset, qk_scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on,
-    stride_oh, stride_pn, stride_ph, stride_ln,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr,
-):  # fmt: skip
-    # HEAD_DIM == BLOCK_D and OFFSETS_32 assumed (the cases here)
-    unit = tl.program_id(0) + unit_offset
-    kv_head = tl.program_id(1)
-    kv_start = tl.load(UnitKvStart + unit)
-    kv_len = tl.load(UnitKvLen + unit)
-    q_start = tl.load(UnitQStart + unit)
-    q_len = tl.load(UnitQLen + unit)
-    rows = tl.arange(0, BLOCK_M)
-    row_query = rows // GROUP
-    row_valid = row_query < q_len
-    head = kv_head * GROUP + rows % GROUP
-    qid = tl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(tl.int64)
-    out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=-2)
-    d = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        Q + qid[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :], mask=row_valid[:, None], other=0.0
-    )
-    if MASKED:
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_bit = tl.minimum(row_query, 31)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = K + kv_head * stride_kh
-    v_base = V + kv_head * stride_vh
-    full = kv_len - kv_len % BLOCK_N
-    for start in range(0, full, BLOCK_N):
-        m_i, l_i, acc = _tile(
-            start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn,
-            qk_scale, row_bit, d, BLOCK_N, MASKED, False,
-        )  # fmt: skip
-    if full < kv_len:
-        m_i, l_i, acc = _tile(
-            full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn,
-            qk_scale, row_bit, d, BLOCK_N, MASKED, True,
-        )  # fmt: skip
-    if MASKED:
-        l_i = tl.maximum(l_i, 1.0e-30)
-    o = acc / l_i[:, None]
-    direct = row_valid & (out_row == -1)
-    partial = row_valid & (out_row >= 0)
-    tl.store(
-        Out + qid[:, None] * stride_on + head[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
-        mask=direct[:, None],
-    )  # fmt: skip
-    prow = tl.maximum(out_row, 0).to(tl.int64)
-    tl.store(PartO + prow[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o, mask=partial[:, None])
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(PartLse + prow * stride_ln + head, lse, mask=partial)
-
-
-def run_peeled(launches):
-    for _, grid, args, constexprs, warps, stages, maxnreg in launches:
-        kw = {"num_warps": warps, "num_stages": stages}
-        if maxnreg is not None:
-            kw["maxnreg"] = maxnreg
-        peeled_units_kernel[grid](*args, *constexprs[:8], **kw)
+def with_peel(launches, peel: bool):
+    """``launches`` with the kernel's ``PEEL`` set to ``peel`` in every one."""
+    return [
+        (kernel, grid, args, (*constexprs[:_PEEL], peel, *constexprs[_PEEL + 1 :]), *rest)
+        for kernel, grid, args, constexprs, *rest in launches
+    ]
 
 
 def body_ab(plan, q, k, v) -> dict:
-    """Stage-1 time (us) of the library's body and the peeled one on ``plan``, and their max difference."""
+    """Stage-1 time (us) of every launch masked ("production") and peeled on ``plan``, and their max difference."""
     out = torch.full_like(q, float("nan"))
     launches = stage1_launches(plan, q, k, v, out)
-    assert all(c[-1] for _, _, _, c, *_ in launches), "the pools here give int32 offsets"
+    assert all(c[_OFFSETS_32] for _, _, _, c, *_ in launches), "the pools here give int32 offsets"
+    variants = {"production": with_peel(launches, False), "peeled": with_peel(launches, True)}
     part_o, part_lse = att._workspace(plan, q.device)
     rows = plan.n_partial_rows
     results = {}
     snaps = {}
-    for name, run in (("production", run_production), ("peeled", run_peeled)):
+    for name, variant in variants.items():
         for buf in (out, part_o, part_lse):
             buf.fill_(float("nan"))
-        run(launches)
+        run_production(variant)
         torch.cuda.synchronize()
         snaps[name] = snapshot(out, part_o, part_lse, rows)
-        results[name] = graph_time_us(lambda run=run: run(launches))["median"]
+        results[name] = graph_time_us(lambda variant=variant: run_production(variant))["median"]
     results["max_abs_diff"] = diff(snaps["production"], snaps["peeled"])
     return results
-
-
-def geomean(xs) -> float:
-    return float(np.exp(np.mean(np.log(xs))))
 
 
 def main() -> int:
@@ -176,18 +82,12 @@ def main() -> int:
         tree = paper_tree(case)
         for heads, (hq, hkv) in PAPER_HEADS.items():
             q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
-            sample_t = torch.as_tensor(sample, device="cuda")
             row = {"case": case, "heads": heads, "configs": {}}
             for label, stages in STAGES.items():
                 config = dataclasses.replace(ft.FastTreeConfig(), num_stages=stages)
                 plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-                out = torch.full_like(q, float("nan"))
-                call = lambda plan=plan, out=out, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
                 try:
-                    call()
-                    torch.cuda.synchronize()
-                    err = ft.max_relative_error(out[sample_t], ref)
-                    row["configs"][label] = {"graph_us": graph_time_us(call)["median"], "err": err}
+                    row["configs"][label] = checked_graph_time(plan, q, k, v, sample, ref)
                 except Exception as exc:  # a config the GPU cannot launch: recorded
                     row["configs"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)

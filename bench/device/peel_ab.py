@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import environment, random_case
+from bench.common import checked_graph_time, environment, geomean, random_case
 from fasttree import attention as att
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
@@ -35,10 +34,6 @@ D = 128
 RULES = ("none", "large", "small", "all")
 
 
-def geomean(xs) -> float:
-    return float(np.exp(np.mean(np.log(xs))))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -48,19 +43,11 @@ def main() -> int:
         tree = paper_tree(case)
         for heads, (hq, hkv) in PAPER_HEADS.items():
             q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
-            sample_t = torch.as_tensor(sample, device="cuda")
             row = {"case": case, "heads": heads}
             for rule in RULES:
                 att._PEEL_TILES = rule
                 plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)  # fresh launchers
-                out = torch.full_like(q, float("nan"))
-                call = lambda plan=plan, out=out, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=out)  # noqa: E731
-                call()
-                torch.cuda.synchronize()
-                row[rule] = {
-                    "graph_us": graph_time_us(call)["median"],
-                    "err": ft.max_relative_error(out[sample_t], ref),
-                }
+                row[rule] = checked_graph_time(plan, q, k, v, sample, ref)
             paper.append(row)
             ratios = " ".join(f"{r}:{row[r]['graph_us'] / row['none']['graph_us']:.3f}" for r in RULES)
             print(f"{case}/{heads}: {ratios}", flush=True)
