@@ -77,8 +77,12 @@ def _launches(log: list) -> list:
     return [e for e in log if e[0] in ("jit", "run")]
 
 
+def _setup_tree() -> ft.KVTree:
+    return ft.KVTree.from_lengths([-1] + [0] * 20, [300] + [10 + i for i in range(20)], list(range(1, 21)))
+
+
 def setup(gen):
-    tree = ft.KVTree.from_lengths([-1] + [0] * 20, [300] + [10 + i for i in range(20)], list(range(1, 21)))
+    tree = _setup_tree()
     config = ft.FastTreeConfig(
         q_tile_queries=(8, 2), kv_split_sizes=(128, 32), pack_tokens=0, para_threshs1=(0, 0), para_threshs2=(0, 0)
     )
@@ -244,3 +248,34 @@ def test_direct_launchers_call_tritons_c_launch_with_what_its_wrapper_adds(monke
     assert kind == path
     head = (False, True, None, None) if path == "c" else ()
     assert args == (3, 2, 1, 99, 7, *head, (4, 1, 0), None, None, None, 11, 12, 13, 14, fixed.data_ptr(), 0.5, 16, 64)
+
+
+def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch):
+    """A compiled kernel's launcher takes every parameter positionally, constexprs included,
+    and knows no defaults: the direct launchers of ``tree_attention`` and of the runtime pass
+    exactly one value per parameter of the real kernels (a new constexpr with a default
+    would otherwise pass under the interpreter and fail on the GPU)."""
+    from fasttree import runtime as runtime_module
+
+    calls = []
+    for module in (attention, runtime_module):
+        real = module._launch
+
+        def recording(kernel, grid, args, constexprs, *rest, real=real):
+            calls.append((kernel, len(args) + len(constexprs)))
+            return real(kernel, grid, args, constexprs, *rest)
+
+        monkeypatch.setattr(module, "_launch", recording)
+    gen = torch.Generator().manual_seed(3)
+    plan, q, k, v = setup(gen)
+    ft.tree_attention(q, k, v, plan)
+    rt = runtime_module.TreeAttentionRuntime(
+        None, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu", max_queries=32,
+        max_kv_entries=2048,
+    )  # fmt: skip
+    rt.plan(_setup_tree())
+    rt.forward(q, k, v)
+    kernels = {kernel for kernel, _ in calls}
+    assert {attention.tree_attention_units_kernel, runtime_module.tree_attention_persistent_kernel} <= kernels
+    for kernel, passed in calls:
+        assert passed == len(kernel.arg_names), f"{kernel.fn.__name__}: {passed} values for {len(kernel.arg_names)}"

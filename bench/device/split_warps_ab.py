@@ -66,11 +66,10 @@ def split_launches(launches, warps, stages, block_n):
     """The 16-row launches with KV_SPLIT = warps (BLOCK_N at least 16 per split), the rest unchanged."""
     out = []
     for kernel, grid, args, cx, w, s, maxnreg in launches:
-        split = 1
-        if cx[3] <= 16:
+        if cx[3] <= 16:  # constexprs: (d, block_d, group, block_m, block_n, ..., KV_SPLIT last)
             bn = max(block_n or cx[4], 16 * warps)
-            cx, w, s, maxnreg, split = (*cx[:4], bn, *cx[5:]), warps, stages or s, None, warps
-        out.append((kernel, grid, args, (*cx, split), w, s, maxnreg))
+            cx, w, s, maxnreg = (*cx[:4], bn, *cx[5:-1], warps), warps, stages or s, None
+        out.append((kernel, grid, args, cx, w, s, maxnreg))
     return out
 
 
