@@ -55,7 +55,7 @@ def measure(variant: tuple) -> tuple[tuple, dict | str]:
     signature = {n: types.get(n, "*i32") for n in pointers}
     # int64 K/V offsets (OFFSETS_32 off): the kernel the committed traces ran
     constexprs = {"HEAD_DIM": d, "BLOCK_D": d, "GROUP": GROUP, "BLOCK_M": bm, "BLOCK_N": bn, "MASKED": masked,
-                  "UPCAST_DOT": False, "OFFSETS_32": False, "PEEL": False, "KV_SPLIT": 1}  # fmt: skip
+                  "UPCAST_DOT": False, "OFFSETS_32": False, "PEEL": False}  # fmt: skip
     for n in kernel.arg_names[len(pointers) :]:
         signature[n] = "constexpr" if n in constexprs else ("fp32" if n == "qk_scale" else "i32")
     # what the JIT assumes at a real launch: pointers 16-byte aligned and integer arguments

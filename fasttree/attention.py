@@ -303,7 +303,7 @@ def _launches(
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // tc.block_n))))
-        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel, 1)
+        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel)
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads

@@ -109,149 +109,6 @@ def _kv_tile(
 
 
 @triton.jit
-def _attend_one_state(
-    q, kv_start, kv_len, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale, row_bit, d, d_valid,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, PEEL: tl.constexpr,
-):  # fmt: skip
-    """A unit's online softmax over its KV tiles in one state: returns ``(m, l, acc)``
-    ([BLOCK_M], [BLOCK_M], [BLOCK_M, BLOCK_D]; ``MASKED``: ``l`` at least 1e-30)."""
-    if MASKED:
-        # finite: a row may see no entry of a whole tile (or of the unit), and
-        # exp2(-inf - -inf) would poison it
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # PEEL: the unit's whole BLOCK_N tiles without masks (index, K/V and row-mask loads
-    # unpredicated, no bound on the scores), then one masked tail tile; else every tile masked
-    if PEEL:
-        full = kv_len - kv_len % BLOCK_N
-        for start in range(0, full, BLOCK_N):
-            m_i, l_i, acc = _kv_tile(
-                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
-                False,
-            )  # fmt: skip
-        if full < kv_len:
-            m_i, l_i, acc = _kv_tile(
-                full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
-                True,
-            )  # fmt: skip
-    else:
-        for start in range(0, kv_len, BLOCK_N):
-            m_i, l_i, acc = _kv_tile(
-                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
-                True,
-            )  # fmt: skip
-    if MASKED:
-        l_i = tl.maximum(l_i, 1.0e-30)  # rows that saw nothing (never stored): no 0 / 0
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _kv_tile_split(
-    start, kv_start, kv_len, q3, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale,
-    row_bit, d, d_valid,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_NS: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, BOUNDED: tl.constexpr,
-):  # fmt: skip
-    """:func:`_kv_tile` with the tile's ``KV_SPLIT * BLOCK_NS`` entries split in ``KV_SPLIT``
-    runs of ``BLOCK_NS``, one per batch of a batched (3-D) dot: split ``s`` reads entries
-    ``start + s * BLOCK_NS ...`` into its own softmax state (``m_i``, ``l_i`` [KV_SPLIT, BLOCK_M],
-    ``acc`` [KV_SPLIT, BLOCK_M, BLOCK_D]). Triton gives each batch its own warps, so the row
-    maxima, sums and the P operand stay inside a warp: no cross-warp exchange per tile."""
-    n = start + tl.arange(0, KV_SPLIT)[:, None] * BLOCK_NS + tl.arange(0, BLOCK_NS)[None, :]
-    d3 = d[None, None, :]
-    if BOUNDED:
-        n_valid = n < kv_len
-        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
-        kv_mask = n_valid[:, :, None] & d_valid[None, None, :]
-    else:
-        slot = tl.load(KvIndices + kv_start + n)
-        kv_mask = d_valid[None, None, :]
-    if not OFFSETS_32:
-        slot = slot.to(tl.int64)
-    k_ptrs = k_base + slot[:, :, None] * stride_kn + d3
-    v_ptrs = v_base + slot[:, :, None] * stride_vn + d3
-    if BOUNDED or HEAD_DIM != BLOCK_D:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    if UPCAST_DOT:
-        k = k.to(tl.float32)
-    s = tl.dot(q3, tl.permute(k, (0, 2, 1))) * qk_scale
-    if MASKED:
-        if BOUNDED:
-            bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
-        else:
-            bits = tl.load(KvRowMask + kv_start + n)
-        s = tl.where(((bits[:, None, :] >> row_bit[None, :, None]) & 1) != 0, s, float("-inf"))
-    elif BOUNDED:
-        s = tl.where(n_valid[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 2))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, :, None])
-    l_i = l_i * alpha + tl.sum(p, 2)
-    if BOUNDED or HEAD_DIM != BLOCK_D:
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-    p = p.to(v.dtype)
-    if UPCAST_DOT:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, :, None] + tl.dot(p, v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_split(
-    q, kv_start, kv_len, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale, row_bit, d, d_valid,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_SPLIT: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr,
-    PEEL: tl.constexpr,
-):  # fmt: skip
-    """A unit's online softmax with each KV tile split across ``KV_SPLIT`` softmax states
-    (:func:`_kv_tile_split`), combined at the end: returns ``(m, l, acc)`` of the unit, as
-    the one-state loop of :func:`_attend_unit` leaves them (``l`` at least 1e-30)."""
-    BLOCK_NS: tl.constexpr = BLOCK_N // KV_SPLIT
-    q3 = tl.broadcast_to(q[None, :, :], (KV_SPLIT, BLOCK_M, BLOCK_D))
-    # finite: a split may see no entry of a tile (or of the unit)
-    m_i = tl.full([KV_SPLIT, BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([KV_SPLIT, BLOCK_M], tl.float32)
-    acc = tl.zeros([KV_SPLIT, BLOCK_M, BLOCK_D], tl.float32)
-    if PEEL:
-        full = kv_len - kv_len % BLOCK_N
-        for start in range(0, full, BLOCK_N):
-            m_i, l_i, acc = _kv_tile_split(
-                start, kv_start, kv_len, q3, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, KV_SPLIT, BLOCK_NS, MASKED, UPCAST_DOT,
-                OFFSETS_32, False,
-            )  # fmt: skip
-        if full < kv_len:
-            m_i, l_i, acc = _kv_tile_split(
-                full, kv_start, kv_len, q3, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, KV_SPLIT, BLOCK_NS, MASKED, UPCAST_DOT,
-                OFFSETS_32, True,
-            )  # fmt: skip
-    else:
-        for start in range(0, kv_len, BLOCK_N):
-            m_i, l_i, acc = _kv_tile_split(
-                start, kv_start, kv_len, q3, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, KV_SPLIT, BLOCK_NS, MASKED, UPCAST_DOT,
-                OFFSETS_32, True,
-            )  # fmt: skip
-    m = tl.max(m_i, 0)
-    w = tl.exp2(m_i - m[None, :])
-    l_tot = tl.maximum(tl.sum(l_i * w, 0), 1.0e-30)
-    return m, l_tot, tl.sum(acc * w[:, :, None], 0)
-
-
-@triton.jit
 def _attend_unit(
     unit,
     kv_head,
@@ -290,7 +147,6 @@ def _attend_unit(
     UPCAST_DOT: tl.constexpr,
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
-    KV_SPLIT: tl.constexpr = 1,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -321,20 +177,43 @@ def _attend_unit(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
+    if MASKED:
+        # finite: a row may see no entry of a whole tile (or of the unit), and
+        # exp2(-inf - -inf) would poison it
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     row_bit = tl.minimum(row_query, 31)  # MASKED: the row's bit in an entry's mask
-    if KV_SPLIT > 1:
-        m_i, l_i, acc = _attend_split(
-            q, kv_start, kv_len, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale, row_bit, d,
-            d_valid, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_SPLIT, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
-        )  # fmt: skip
+    # PEEL: the unit's whole BLOCK_N tiles without masks (index, K/V and row-mask loads
+    # unpredicated, no bound on the scores), then one masked tail tile; else every tile masked
+    if PEEL:
+        full = kv_len - kv_len % BLOCK_N
+        for start in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(
+                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                False,
+            )  # fmt: skip
+        if full < kv_len:
+            m_i, l_i, acc = _kv_tile(
+                full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                True,
+            )  # fmt: skip
     else:
-        m_i, l_i, acc = _attend_one_state(
-            q, kv_start, kv_len, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale, row_bit, d,
-            d_valid, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
-        )  # fmt: skip
+        for start in range(0, kv_len, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(
+                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                True,
+            )  # fmt: skip
 
+    if MASKED:
+        l_i = tl.maximum(l_i, 1.0e-30)  # rows that saw nothing (never stored): no 0 / 0
     o = acc / l_i[:, None]
     direct = row_valid & (out_row == -1)
     partial = row_valid & (out_row >= 0)
@@ -394,13 +273,12 @@ def tree_attention_units_kernel(
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
-    KV_SPLIT: tl.constexpr = 1,  # > 1: each KV tile split across that many warps' softmax states (_attend_split)
 ):
     _attend_unit(
         tl.program_id(0) + unit_offset, tl.program_id(1), Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, KV_SPLIT,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
     )  # fmt: skip
 
 
@@ -411,7 +289,6 @@ def _attend_slot_items(
     stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, PEEL: tl.constexpr,
-    KV_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """One program's items of one launch slot: item ``start``, then (more items than programs) the
     next unstarted one claimed from ``Counter`` as each ends, or else every ``step``-th. Item ``i``
@@ -424,7 +301,7 @@ def _attend_slot_items(
             first_unit + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, KV_SPLIT,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
         )  # fmt: skip
         if claim:
             item = step + tl.atomic_add(Counter, 1, sem="relaxed")
@@ -468,8 +345,6 @@ def tree_attention_persistent_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of every pool slot fit in int32 (see _attend_unit)
     PEEL0: tl.constexpr = False,  # slot 0's / slot 1's units: whole KV tiles unmasked (see _attend_unit)
     PEEL1: tl.constexpr = False,
-    KV_SPLIT0: tl.constexpr = 1,  # slot 0's / slot 1's KV tiles split across warps (see _attend_split)
-    KV_SPLIT1: tl.constexpr = 1,
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
     so programs move on to slot 1 without a launch boundary (``SLOTS`` 0 or 1: one slot's items
@@ -505,7 +380,7 @@ def tree_attention_persistent_kernel(
             pid, items0, n0, first0, Counters, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, UnitKvStart,
             UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_D,
-            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32, PEEL0, KV_SPLIT0,
+            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32, PEEL0,
         )  # fmt: skip
     if SLOTS != 0:
         start1 = pid
@@ -515,5 +390,5 @@ def tree_attention_persistent_kernel(
             start1, items1, n1, first1, Counters + 1, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM,
-            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32, PEEL1, KV_SPLIT1,
+            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32, PEEL1,
         )  # fmt: skip

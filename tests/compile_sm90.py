@@ -43,7 +43,7 @@ def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=F
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False,
-                  "OFFSETS_32": offsets_32, "PEEL": peel, "KV_SPLIT": 1}  # fmt: skip
+                  "OFFSETS_32": offsets_32, "PEEL": peel}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
         signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
@@ -56,7 +56,7 @@ def compile_persistent(dtype, head_dim, group, block_m, block_n, masked, slots=2
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M0": block_m,
                   "BLOCK_N0": block_n, "BLOCK_M1": 16, "BLOCK_N1": 16, "MASKED": masked,
                   "UPCAST_DOT": False, "SLOTS": slots, "OFFSETS_32": offsets_32, "PEEL0": peel,
-                  "PEEL1": not peel, "KV_SPLIT0": 1, "KV_SPLIT1": 1}  # fmt: skip
+                  "PEEL1": not peel}  # fmt: skip
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
                  for name in tree_attention_persistent_kernel.arg_names}  # fmt: skip
     return triton.compile(ASTSource(tree_attention_persistent_kernel, signature, constexprs), target=HOPPER)
@@ -149,8 +149,7 @@ def units_shared_bytes(block_m, block_n, head_dim, num_warps, num_stages) -> int
     types = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32"}
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": 1, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "MASKED": True, "UPCAST_DOT": False, "OFFSETS_32": True, "PEEL": False,
-                  "KV_SPLIT": 1}  # fmt: skip
+                  "MASKED": True, "UPCAST_DOT": False, "OFFSETS_32": True, "PEEL": False}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
         signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     attrs = {

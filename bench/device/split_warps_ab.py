@@ -21,6 +21,13 @@ Outputs (direct rows, partial rows and LSEs) of every variant are compared with 
 on the same inputs (poisoned with NaN before each run)::
 
     python3 bench/device/split_warps_ab.py --out $OUT/split_warps_ab.json
+
+Result (``docs/bench/h200/split_warps_ab_fbd7fef.json``): slower. The decode trees' stage 1
+took 1.22x production's time at 2 warps (Llama 1.06-1.26x, Mistral 1.23-1.57x) and 1.52x at
+4; the paper suite 1.06x at 2 warps (MHA 11-15 0.90-0.94x, where the v10 sweep found plain
+2-warp tiles 0.80-0.87x) and 1.35x at 4. Each warp holding the whole 16-row accumulator and
+query tile costs more than the per-tile exchange saved. The kernel's ``KV_SPLIT`` was removed
+after this run: rerun it at commit fbd7fef.
 """
 
 from __future__ import annotations
