@@ -115,6 +115,12 @@ def _solo_units(
     return solo
 
 
+#: Whether units with more queries than a packed unit holds (:func:`_pack_capacity`; MHA's
+#: large-tile units of up to 64 queries against 16-query bins) may be packed: cut into one
+#: piece per block of that many queries, each piece reading the unit's whole KV.
+_PACK_WIDE_UNITS = True
+
+
 def _pack_budget(
     kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, solo: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
@@ -428,11 +434,15 @@ def materialize(
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
         solo = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim) if solo_units else None
+        capacity = _pack_capacity(block_m, g)
+        if not _PACK_WIDE_UNITS:
+            wide = u_q_len > capacity
+            solo = wide if solo is None else solo | wide
         eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, solo)
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-            query_rank=query_rank, capacity=_pack_capacity(block_m, g), budget=budget,
+            query_rank=query_rank, capacity=capacity, budget=budget,
             query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
         )  # fmt: skip
     n_pairs = pair_query.size

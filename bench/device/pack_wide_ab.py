@@ -1,0 +1,150 @@
+"""Should MHA's large-tile units be packed into 16-query bins (``plan_arrays._PACK_WIDE_UNITS``)?
+
+Packing cuts a unit into one piece per block of a bin's queries, and every piece reads the
+unit's whole KV. For GQA a bin holds a large tile's queries, so no unit is cut for its width;
+for MHA a bin holds 16 queries (a 16-row tile) while a large-tile unit has up to 64, so a
+short shared node read by 64 queries is read up to 4 times instead of once: 11/mha reads
+51,200 KV tokens per head for 21,120 unique (its top 448 tokens in each of 64 bins). Keeping
+such units whole (in the 64-row class, merged with the bins' partials) reads 28,160 there, and
+10-45% fewer on the 13 MHA paper cases and 8-18% fewer on Llama's few-shot, multi-level and
+chain decode trees, at the price of a merge.
+
+This times both settings by CUDA-graph replay, on the plans the setting changes:
+
+* ``tree_attention`` on the paper cases (default config), checked against the float64
+  reference;
+* ``tree_attention`` and ``TreeAttentionRuntime.forward`` (the serving path, the refined
+  export's configs) on the Llama and Mistral trees of the four serving scenarios (steps 10,
+  25, 39).
+
+    python3 bench/device/pack_wide_ab.py --out $OUT/pack_wide_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import fasttree as ft
+from bench.common import checked_graph_time, environment, geomean, random_case
+from fasttree import plan_arrays
+from fasttree.export import read_export
+from fasttree.runtime import TreeAttentionRuntime
+from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.timing import graph_time_us
+from fasttree.workloads import iter_serving
+
+D = 128
+SETTINGS = {"packed": True, "whole": False}
+SCENARIOS = ("multi_document_qa", "few_shot", "multi_level_system_prompts", "chain_reasoning")
+STEPS = (10, 25, 39)
+
+
+def plans(tree, config, hq, hkv) -> dict[str, ft.Plan]:
+    out = {}
+    for name, wide in SETTINGS.items():
+        plan_arrays._PACK_WIDE_UNITS = wide
+        out[name] = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
+    plan_arrays._PACK_WIDE_UNITS = True
+    return out
+
+
+def differ(a: ft.Plan, b: ft.Plan) -> bool:
+    return a.stats() != b.stats() or a.n_partial_rows != b.n_partial_rows
+
+
+def describe(plan: ft.Plan) -> dict:
+    s = plan.stats()
+    return {"kv_tokens_read": int(s["kv_tokens_read"]), "units": [int(u) for u in s["units"]],
+            "partial_rows": int(plan.n_partial_rows)}  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    paper = []
+    for case in range(1, 16):
+        tree = paper_tree(case)
+        for heads, (hq, hkv) in PAPER_HEADS.items():
+            ps = plans(tree, None, hq, hkv)
+            if not differ(ps["packed"], ps["whole"]):
+                continue
+            q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
+            row = {"case": case, "heads": heads}
+            for name, plan in ps.items():
+                row[name] = {**checked_graph_time(plan, q, k, v, sample, ref), **describe(plan)}
+            paper.append(row)
+            print(f"{case}/{heads}: packed {row['packed']['graph_us']:.1f} whole {row['whole']['graph_us']:.1f} "
+                  f"({row['whole']['graph_us'] / row['packed']['graph_us']:.3f}) err "
+                  f"{row['packed']['err']:.1e}/{row['whole']['err']:.1e}", flush=True)  # fmt: skip
+    decode = []
+    export = read_export("docs/tune/export_measured.json")
+    gpu = torch.cuda.get_device_name(0)
+    for model, (hq, hkv) in {"llama": (32, 32), "mistral": (32, 8)}.items():
+        config, _ = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16)
+        for scenario in SCENARIOS:
+            steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
+            trees = [steps[i].tree for i in STEPS]
+            if not any(differ(*plans(t, config, hq, hkv).values()) for t in trees):
+                continue
+            slots = max(t.max_slot for t in trees) + 1
+            rows = max(t.n_queries for t in trees)
+            gen = torch.Generator(device="cuda").manual_seed(7)
+            q = torch.randn(rows, hq, D, generator=gen, device="cuda", dtype=torch.float16)
+            k = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
+            v = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
+            out = torch.empty_like(q)
+            row = {"model": model, "scenario": scenario}
+            for name, wide in SETTINGS.items():
+                plan_arrays._PACK_WIDE_UNITS = wide
+                rt = TreeAttentionRuntime(
+                    config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
+                    max_queries=rows, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * rows,
+                    pool_slots=slots, extend_steps=0,
+                )  # fmt: skip
+                runtime_us = per_plan_us = 0.0
+                errs = []
+                for tree in trees:
+                    n = tree.n_queries
+                    rt.plan(tree)
+                    runtime_us += graph_time_us(lambda rt=rt, q=q, k=k, v=v, out=out: rt.forward(q, k, v, out=out))[
+                        "median"
+                    ]
+                    ref = ft.reference_attention(q[:n], k, v, tree)
+                    out.fill_(float("nan"))
+                    rt.forward(q, k, v, out=out)
+                    errs.append(ft.max_relative_error(out[:n], ref))
+                    plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
+                    qn = q[:n].contiguous()
+                    o2 = torch.empty_like(qn)
+                    per_plan_us += graph_time_us(
+                        lambda plan=plan, qn=qn, k=k, v=v, o2=o2: ft.tree_attention(qn, k, v, plan, out=o2)
+                    )["median"]
+                row[name] = {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
+            plan_arrays._PACK_WIDE_UNITS = True
+            decode.append(row)
+            print(f"{model} {scenario}: runtime {row['whole']['runtime_us'] / row['packed']['runtime_us']:.3f} "
+                  f"tree_attention {row['whole']['tree_attention_us'] / row['packed']['tree_attention_us']:.3f} "
+                  f"err {row['packed']['max_err']:.1e}/{row['whole']['max_err']:.1e}", flush=True)  # fmt: skip
+    summary = {
+        "paper_whole_over_packed": geomean([r["whole"]["graph_us"] / r["packed"]["graph_us"] for r in paper]),
+        "paper_worst": max((r["whole"]["graph_us"] / r["packed"]["graph_us"] for r in paper), default=None),
+        "paper_best": min((r["whole"]["graph_us"] / r["packed"]["graph_us"] for r in paper), default=None),
+        "decode_runtime_whole_over_packed": geomean(
+            [r["whole"]["runtime_us"] / r["packed"]["runtime_us"] for r in decode]
+        ),
+        "decode_tree_attention_whole_over_packed": geomean(
+            [r["whole"]["tree_attention_us"] / r["packed"]["tree_attention_us"] for r in decode]
+        ),
+    }
+    print(json.dumps(summary, indent=1))
+    with open(args.out, "w") as f:
+        json.dump({"env": environment(gpu=True), "paper": paper, "decode": decode, "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
