@@ -267,10 +267,12 @@ def small_class_only(groups: list[dict]) -> str:
         if MODELS[g["model"]][0] == MODELS[g["model"]][1]:
             continue  # MHA: the runtime launches each tile class with its own warps and stages
         base = g["configs"][0]
+        ratio = MODELS[g["model"]][0] // MODELS[g["model"]][1]
+        base_warps = base.launch_warps(ratio)
         for i, c in enumerate(g["configs"]):
-            same_large = (c.num_warps[0], c.num_stages[0]) == (base.num_warps[0], base.num_stages[0])
-            rest = dataclasses.replace(c, num_warps=base.num_warps, num_stages=base.num_stages)
-            if i and c != base and same_large and rest == base:
+            same_large = (c.launch_warps(ratio)[0], c.num_stages[0]) == (base_warps[0], base.num_stages[0])
+            rest = dataclasses.replace(c, num_warps=base_warps, num_stages=base.num_stages)
+            if i and c != base and same_large and rest == dataclasses.replace(base, num_warps=base_warps):
                 m, p = g["meas"][i] / g["meas"][0], g["learned"]["sum"][i] / g["learned"]["sum"][0]
                 parts.append(f"{g['model']}/{g['scenario']} `{g['names'][i]}` {m:.3f} / {p:.3f}")
     return "; ".join(parts)

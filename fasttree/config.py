@@ -28,6 +28,13 @@ _V1_DEFAULTS = {"pack_tokens": 0, "kv_tile": (32, 32)}
 
 #: Published query tiles in matrix rows (queries x g): (64, 16) for MHA, GQA 4 and GQA 16 alike.
 DEFAULT_Q_TILE_ROWS = (64, 16)
+#: Warps per tile class of ``num_warps=None``: Triton's default 4 (the published kernel's),
+#: except MHA's 16-row tiles, which run at 2. On the H200 paper suite 2 warps took 0.86-0.985x
+#: the time on all 15 MHA cases (geomean 0.912) and 1.00-1.10x on GQA 4
+#: (``docs/bench/h200/mha_small_warps_ab_d92176c.json``); 6/gqa16 ran 1.35x slower at 2 in the
+#: v10 sweep.
+DEFAULT_NUM_WARPS = (4, 4)
+DEFAULT_NUM_WARPS_MHA = (4, 2)
 _MAX_Q_TILE_ROWS = 256  # == fasttree.plan_arrays.MAX_BLOCK_M
 _PAIR_FIELDS = (
     "q_tile_queries",
@@ -78,9 +85,12 @@ class FastTreeConfig:
         (large, small): when both classes have work and the large one has fewer units x
         KV heads than the first value, every group uses the small tile; else, when the
         small one has fewer than the second, every group uses the large tile.
-    num_warps, num_stages : tuple of int
-        Triton launch settings per tile class; (4, 3) is Triton's default, which the
-        published kernel used.
+    num_warps : tuple of int or None
+        Triton warps per tile class. ``None`` derives them from the GQA ratio
+        (:meth:`launch_warps`): ``DEFAULT_NUM_WARPS_MHA`` (4, 2) for MHA, else
+        ``DEFAULT_NUM_WARPS`` (4, 4), Triton's default, which the published kernel used.
+    num_stages : tuple of int
+        Triton software-pipelining stages per tile class; 3 is Triton's default.
     pack_tokens : int
         Work units shorter than this many KV tokens are packed, in DFS order, into masked
         units of about this many tokens that fill a tile's rows (one program, one partial
@@ -99,7 +109,7 @@ class FastTreeConfig:
     kv_split_sizes: tuple[int, int] = (1024, 128)
     para_threshs1: tuple[int, int] = (132, 528)
     para_threshs2: tuple[int, int] = (132, 132)
-    num_warps: tuple[int, int] = (4, 4)
+    num_warps: tuple[int, int] | None = None
     num_stages: tuple[int, int] = (3, 3)
     pack_tokens: int = 1024
     pack_min_units: int = 264
@@ -112,7 +122,7 @@ class FastTreeConfig:
             object.__setattr__(self, name, float(value))
         for name in _PAIR_FIELDS:
             value = getattr(self, name)
-            if value is None and name == "q_tile_queries":
+            if value is None and name in ("q_tile_queries", "num_warps"):
                 continue
             object.__setattr__(self, name, _int_pair(name, value))
         if self.q_tile_queries is not None:
@@ -132,7 +142,7 @@ class FastTreeConfig:
         for name in ("para_threshs1", "para_threshs2"):
             if min(getattr(self, name)) < 0:
                 raise ValueError(f"FastTreeConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if any(not _is_pow2(w) or w > 16 for w in self.num_warps):
+        if self.num_warps is not None and any(not _is_pow2(w) or w > 16 for w in self.num_warps):
             raise ValueError(f"FastTreeConfig.num_warps must be powers of two <= 16, got {self.num_warps}")
         if min(self.num_stages) < 1 or max(self.num_stages) > 8:
             raise ValueError(f"FastTreeConfig.num_stages must be in [1, 8], got {self.num_stages}")
@@ -161,6 +171,15 @@ class FastTreeConfig:
                     f"exceeds the kernel limit of {_MAX_Q_TILE_ROWS} rows; lower q_tile_queries"
                 )
         return tiles[0], tiles[1]
+
+    def launch_warps(self, group_size: int) -> tuple[int, int]:
+        """Warps per tile class (large, small) for a GQA group size ``g``: ``num_warps``, or
+        when it is None ``DEFAULT_NUM_WARPS_MHA`` for ``g == 1`` and ``DEFAULT_NUM_WARPS`` else."""
+        if group_size < 1:
+            raise ValueError(f"GQA group size must be >= 1, got {group_size}")
+        if self.num_warps is not None:
+            return self.num_warps
+        return DEFAULT_NUM_WARPS_MHA if group_size == 1 else DEFAULT_NUM_WARPS
 
     def with_(self, **changes: Any) -> FastTreeConfig:
         """Return a validated copy with some fields changed."""

@@ -506,13 +506,14 @@ def materialize(
     ptr = (0, n_large, n_units)
 
     unit_kv_len = u_kv_len[uorder]
+    warps = config.launch_warps(g)
     classes = tuple(
         _tile_class(
             int(q_tiles[c]),
             block_m[c],
             _class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
             int(splits[c]),
-            int(config.num_warps[c]),
+            int(warps[c]),
             int(config.num_stages[c]),
             masked[c],
         )

@@ -89,6 +89,11 @@ def parse_fields(text: str) -> dict[str | tuple[str, int], tuple[Any, ...]]:
     return {names[f]: COORDINATES[names[f]] for f in fields}
 
 
+def _field(coord: str | tuple[str, int]) -> str:
+    """The config field a coordinate sets."""
+    return coord if isinstance(coord, str) else coord[0]
+
+
 def _with_value(config: FastTreeConfig, coord: str | tuple[str, int], value: Any) -> FastTreeConfig:
     """``config`` with one coordinate set (``ValueError`` when that is not a valid config)."""
     if isinstance(coord, str):
@@ -153,14 +158,18 @@ def coordinate_search(
     passes: int = 2,
     min_gain: float = 0.015,
     skip_errors: tuple[type[BaseException], ...] = (OutOfResources, RuntimeError),
+    group_size: int | None = None,
 ) -> SearchResult:
     """Coordinate search from ``start``.
 
     Parameters
     ----------
     start : FastTreeConfig
+        A ``num_warps=None`` start (warps derived from the GQA ratio) searches warps from its
+        :meth:`~fasttree.FastTreeConfig.launch_warps` for ``group_size``.
     measure : callable
-        ``config -> {workload: summed us}``; the same workloads on every call.
+        ``config -> {workload: summed us}``; the same workloads on every call. A
+        :class:`RuntimeBench` also gives the GQA ratio when ``group_size`` is None.
     coordinates : mapping, optional
         Coordinate -> options (default :data:`COORDINATES`), tried in this order every pass.
     passes : int
@@ -170,12 +179,19 @@ def coordinate_search(
     skip_errors : tuple of exception types
         Errors of ``measure`` that mean "this config cannot run here" (recorded in ``failed``
         and skipped); the default covers launches the GPU refuses. Other errors propagate.
+    group_size : int, optional
+        GQA ratio of the workloads (``num_q_heads // num_kv_heads``).
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     coordinates = COORDINATES if coordinates is None else coordinates
+    if start.num_warps is None and any(_field(c) == "num_warps" for c in coordinates):
+        g = group_size if group_size is not None else getattr(measure, "group_size", None)
+        if g is None:
+            raise ValueError("start has num_warps=None (derived from the GQA ratio): pass group_size")
+        start = dataclasses.replace(start, num_warps=start.launch_warps(g))
     base = dict(measure(start))
     if not base or min(base.values()) <= 0:
         raise ValueError(f"measure(start) must give positive times per workload, got {base}")
@@ -243,6 +259,7 @@ class RuntimeBench:
         if not self.trees or any(not ts for ts in self.trees.values()):
             raise ValueError("RuntimeBench needs at least one workload, each with at least one tree")
         self.heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        self.group_size = num_q_heads // num_kv_heads
         every = [t for ts in self.trees.values() for t in ts]
         self.rows = max(t.n_queries for t in every)
         self.slots = max(t.max_slot + 1 for t in every)

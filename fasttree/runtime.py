@@ -284,11 +284,12 @@ class TreeAttentionRuntime:
         # run in one persistent launch, with the large class's warps and stages (the config's small-class
         # warps and stages apply to tree_attention's per-plan launches only)
         q_tiles = self.config.query_tiles(self.group_size)
+        warps = self.config.launch_warps(self.group_size)
         self.slots = tuple(
             (
                 max(16, triton.next_power_of_2(t * self.group_size)),
                 int(self.config.kv_tile[c]),
-                int(self.config.num_warps[c]),
+                int(warps[c]),
                 int(self.config.num_stages[c]),
             )
             for c, t in enumerate(q_tiles)

@@ -20,8 +20,18 @@ def test_defaults_are_the_published_values():
     assert c.kv_split_sizes == (1024, 128)
     assert c.para_threshs1 == (132, 528)
     assert c.para_threshs2 == (132, 132)
-    assert c.num_warps == (4, 4)
+    assert c.num_warps is None  # derived from the GQA ratio: 2 warps for MHA's 16-row tiles (H200)
+    assert c.launch_warps(1) == (4, 2)
+    assert c.launch_warps(4) == c.launch_warps(16) == (4, 4)
     assert c.num_stages == (3, 3)
+
+
+def test_explicit_warps_hold_for_every_ratio_and_bad_ratios_are_refused():
+    c = FastTreeConfig(num_warps=(8, 4))
+    assert c.launch_warps(1) == c.launch_warps(8) == (8, 4)
+    assert FastTreeConfig.from_dict(FastTreeConfig().to_dict()) == FastTreeConfig()
+    with pytest.raises(ValueError, match="group size"):
+        FastTreeConfig().launch_warps(0)
 
 
 def test_weights_are_stored_as_floats():

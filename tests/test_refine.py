@@ -116,3 +116,19 @@ def test_search_skips_configs_the_gpu_cannot_run_and_stops_without_a_move():
     assert len(seen) == 1 + 2 + 2  # start; pass 0: 32, 128; pass 1: 64, 128 (no move: stop)
     with pytest.raises(ValueError, match="passes"):
         refine.coordinate_search(FastTreeConfig(), measure, passes=0)
+
+
+def test_search_over_warps_starts_from_the_ratios_default_warps():
+    """A default start (num_warps=None) searches warps from the GQA ratio's defaults: MHA's
+    small class at 2 warps, so 4 is a move away; without a ratio it cannot know them."""
+    seen = []
+
+    def measure(config):
+        seen.append(config.num_warps)
+        return {"a": 100.0 - config.num_warps[1]}
+
+    coords = {("num_warps", 1): (2, 4)}
+    found = refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords, passes=1, group_size=1)
+    assert seen == [(4, 2), (4, 4)] and found.config.num_warps == (4, 4)
+    with pytest.raises(ValueError, match="group_size"):
+        refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords)

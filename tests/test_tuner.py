@@ -138,7 +138,7 @@ def test_space_yields_only_valid_configs(g: int, head_dim: int) -> None:
 
 
 def test_space_prunes_shared_memory_overflow() -> None:
-    params = default_params(GPU) | {
+    params = default_params(GPU, 1) | {
         "log2_q_rows_large": 7,
         "log2_kv_tile_large": 7,
         "log2_num_warps_large": 2,
@@ -167,15 +167,15 @@ def test_space_ranges_are_the_profilers() -> None:
 
 @pytest.mark.parametrize("g", [1, 4, 8, 16, 32])
 def test_default_params_are_the_defaults(g: int) -> None:
-    params = default_params(GPU)
+    params = default_params(GPU, g)
     assert config_from_params(params, g) == FastTreeConfig()
     check_params(params, GPU)
     small = dataclasses.replace(GPU, sm_count=100)  # the defaults stay in the space on a smaller GPU
-    check_params(default_params(small), small)
+    check_params(default_params(small, g), small)
 
 
 def test_check_params_refuses_bad_params() -> None:
-    params = default_params(GPU)
+    params = default_params(GPU, 4)
     with pytest.raises(ValueError, match="lack"):
         check_params({k: v for k, v in params.items() if k != "alpha"}, GPU)
     with pytest.raises(ValueError, match="outside"):
@@ -266,7 +266,7 @@ def test_objective_equals_hand_computation(paper_steps) -> None:
 def test_objective_records_defaults_vs_tuned(paper_steps) -> None:
     objective = _objective(paper_steps)
     study = optuna.create_study()
-    study.enqueue_trial(default_params(GPU))
+    study.enqueue_trial(default_params(GPU, 4))
     study.optimize(objective, n_trials=3)
     first, *rest = study.trials
     assert first.user_attrs["predicted_us"] == pytest.approx(first.user_attrs["defaults_predicted_us"])
@@ -352,7 +352,7 @@ def test_first_trial_is_the_defaults(tmp_path: Path, paper_steps) -> None:
     result = tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="t", n_trials=3)
     study = optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db"))
     first = study.trials[0]
-    assert first.params == default_params(GPU)
+    assert first.params == default_params(GPU, 4)
     assert first.user_attrs["defaults"] is True
     assert config_from_params(first.params, 4) == FastTreeConfig()
     assert result.defaults_predicted_us == pytest.approx(first.values[0])
@@ -455,7 +455,7 @@ def test_two_processes_share_one_study(tmp_path: Path, name: str) -> None:
 
 
 def test_defaults_enqueued_again_only_when_lost(paper_steps) -> None:
-    params = default_params(GPU)
+    params = default_params(GPU, 4)
     study, created = open_study(optuna.storages.InMemoryStorage(), "e")
     assert created
     joined, again = open_study(study._storage, "e")
@@ -580,13 +580,15 @@ def test_neighbours_of_the_defaults_follow_them(tmp_path: Path, paper_steps) -> 
     result = tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
     study = optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db"))
     trials = study.trials
-    assert trials[0].params == default_params(GPU)
-    neighbours = neighbour_params(GPU)
+    assert trials[0].params == default_params(GPU, 4)
+    neighbours = neighbour_params(GPU, 4)
     assert [t.params for t in trials[1 : 1 + len(neighbours)]] == neighbours
     configs = [config_from_params(p, 4) for p in neighbours]
     assert [c.pack_tokens for c in configs] == [0, 512, 2048, 1024]
-    assert configs[-1].num_warps == (4, 2)
+    assert configs[-1].num_warps == (4, 2)  # GQA's small class at MHA's 2 warps
     assert all(c != FastTreeConfig() for c in configs)
+    mha = [config_from_params(p, 1) for p in neighbour_params(GPU, 1)]
+    assert mha[-1].num_warps == (4, 4) and all(c != FastTreeConfig() for c in mha)
     # joining the study again enqueues nothing more
     tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
     assert len(optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db")).trials) == 6

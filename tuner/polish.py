@@ -76,4 +76,5 @@ def polish_config(
         passes=passes,
         min_gain=min_gain,
         skip_errors=(_InvalidConfigError, PlanningError),
+        group_size=objective.bucket.group_size,
     )

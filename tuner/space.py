@@ -153,13 +153,14 @@ def config_smem_bytes(config: FastTreeConfig, group_size: int, head_dim: int, el
     config's. Raises ``ValueError`` when the query tiles exceed the kernel's rows.
     """
     queries = config.query_tiles(group_size)
+    warps = config.launch_warps(group_size)
     block_m = [max(_MIN_BLOCK_M, _next_pow2(q * group_size)) for q in queries]
     return max(
         units_kernel_smem_bytes(
             block_m=block_m[tiles],
             block_n=config.kv_tile[tiles],
             head_dim=head_dim,
-            num_warps=config.num_warps[launch],
+            num_warps=warps[launch],
             num_stages=config.num_stages[launch],
             elem_bytes=elem_bytes,
         )
@@ -391,7 +392,8 @@ def config_from_params(params: Mapping[str, Any], group_size: int) -> FastTreeCo
     """The config of a trial's parameters for GQA ratio ``group_size``.
 
     Query-tile rows equal to the published ``(64, 16)`` give ``q_tile_queries=None`` (the
-    published tiles), so the defaults' parameters give exactly ``FastTreeConfig()``.
+    published tiles) and warps equal to the ratio's defaults ``num_warps=None``, so the
+    defaults' parameters give exactly ``FastTreeConfig()``.
     Without packing, ``pack_min_units`` (not suggested) keeps its default.
 
     Raises
@@ -407,6 +409,7 @@ def config_from_params(params: Mapping[str, Any], group_size: int) -> FastTreeCo
         queries = None
     else:
         queries = (max(1, rows[0] // group_size), max(1, rows[1] // group_size))
+    warps = _pair(params, "log2_num_warps_{}", log2=True)
     pack_tokens = _int_param(params, "pack_tokens")
     for name in ("alpha", "beta", "gamma"):
         if name not in params:
@@ -420,19 +423,21 @@ def config_from_params(params: Mapping[str, Any], group_size: int) -> FastTreeCo
         kv_split_sizes=_pair(params, "log2_kv_split_{}", log2=True),
         para_threshs1=_pair(params, "para_thresh1_{}"),
         para_threshs2=_pair(params, "para_thresh2_{}"),
-        num_warps=_pair(params, "log2_num_warps_{}", log2=True),
+        num_warps=None if warps == FastTreeConfig().launch_warps(group_size) else warps,
         num_stages=_pair(params, "num_stages_{}"),
         pack_tokens=pack_tokens,
         pack_min_units=_int_param(params, "pack_min_units") if pack_tokens > 0 else FastTreeConfig.pack_min_units,
     )
 
 
-def default_params(gpu: GpuSpec) -> dict[str, Any]:
-    """The published defaults (``FastTreeConfig()``) as trial parameters, for ``enqueue_trial``.
+def default_params(gpu: GpuSpec, group_size: int) -> dict[str, Any]:
+    """The defaults (``FastTreeConfig()``) for GQA ratio ``group_size`` as trial parameters, for
+    ``enqueue_trial`` (only the warps depend on the ratio: :meth:`FastTreeConfig.launch_warps`).
 
     Raises ``ValueError`` if the defaults left the space (a profiler range changed).
     """
     d = FastTreeConfig()
+    warps = d.launch_warps(group_size)
     p: dict[str, Any] = {
         "log2_q_rows_large": DEFAULT_Q_TILE_ROWS[0].bit_length() - 1,
         "log2_q_rows_small": DEFAULT_Q_TILE_ROWS[1].bit_length() - 1,
@@ -447,26 +452,27 @@ def default_params(gpu: GpuSpec) -> dict[str, Any]:
         p[f"para_thresh2_{c}"] = d.para_threshs2[i]
     p.update(alpha=d.alpha, beta=d.beta, gamma=d.gamma)
     for i, c in enumerate(CLASSES):
-        p[f"log2_num_warps_{c}"] = d.num_warps[i].bit_length() - 1
+        p[f"log2_num_warps_{c}"] = warps[i].bit_length() - 1
     for i, c in enumerate(CLASSES):
         p[f"num_stages_{c}"] = d.num_stages[i]
     p["pack_tokens"] = d.pack_tokens
     if d.pack_tokens > 0:
         p["pack_min_units"] = d.pack_min_units
     check_params(p, gpu)
-    if config_from_params(p, 1) != d:
+    if config_from_params(p, group_size) != d:
         raise ValueError("the published defaults do not map back to FastTreeConfig()")  # pragma: no cover
     return p
 
 
-def neighbour_params(gpu: GpuSpec) -> list[dict[str, Any]]:
+def neighbour_params(gpu: GpuSpec, group_size: int) -> list[dict[str, Any]]:
     """The defaults with one knob changed, enqueued after them so TPE starts from each basin.
 
     Packing off and at other budgets (``pack_tokens`` splits the space into regions with
-    different plans; a random start-up may never try them), and two warps for the small
-    tile class (the H200 warps sweep: 0.80-0.87x on MHA deep trees).
+    different plans; a random start-up may never try them), and the small tile class at the
+    other of 2 and 4 warps (its default is 2 for MHA, 4 for GQA; on the H200 each ratio has
+    cases where the other count wins).
     """
-    base = default_params(gpu)
+    base = default_params(gpu, group_size)
     out = []
     for tokens in (0, 512, 2048):
         p = {k: v for k, v in base.items() if k != "pack_min_units"}
@@ -474,7 +480,8 @@ def neighbour_params(gpu: GpuSpec) -> list[dict[str, Any]]:
         if tokens > 0:
             p["pack_min_units"] = base.get("pack_min_units", FastTreeConfig().pack_min_units)
         out.append(p)
-    out.append({**base, f"log2_num_warps_{CLASSES[1]}": 1})
+    small_warps = f"log2_num_warps_{CLASSES[1]}"
+    out.append({**base, small_warps: 2 if base[small_warps] == 1 else 1})
     for p in out:
         check_params(p, gpu)
     return out

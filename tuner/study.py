@@ -516,9 +516,9 @@ def tune_bucket(
         sampler=make_sampler(seed, worker=worker),
         fingerprint=objective.fingerprint(),
     )
-    ensure_defaults(study, default_params(objective.gpu), created=created)
+    ensure_defaults(study, default_params(objective.gpu, bucket.group_size), created=created)
     if created:  # then one-knob neighbours of the defaults (see neighbour_params)
-        for params in neighbour_params(objective.gpu):
+        for params in neighbour_params(objective.gpu, bucket.group_size):
             study.enqueue_trial(params, user_attrs={"neighbour": True})
     run_trials(study, objective, n_trials=n_trials, timeout=timeout, progress=progress)
     best = _best_trial(study)
