@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import fasttree
-from fasttree.fileio import write_atomic  # noqa: F401 (the bench scripts import it from here)
+from fasttree.fileio import write_atomic
 from fasttree.profiler import git_commit
 from fasttree.timing import graph_time_us
 
@@ -72,6 +72,13 @@ def load_anchors() -> dict[str, Any]:
 def anchor_rows() -> dict[tuple[int, str], dict[str, Any]]:
     """Anchor rows keyed by (case, heads name)."""
     return {(c["case"], c["heads"]): c for c in load_anchors()["cases"]}
+
+
+def write_device_result(path: str | os.PathLike, summary: dict[str, Any], **data: Any) -> None:
+    """Print a device A/B's ``summary`` and write ``{"env", **data, "summary"}`` to ``path`` as JSON
+    (atomically; ``env`` is :func:`environment` with the GPU)."""
+    print(json.dumps(summary, indent=1))
+    write_atomic(path, json.dumps({"env": environment(gpu=True), **data, "summary": summary}, indent=1))
 
 
 def geomean(x) -> float:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import fasttree as ft
-from bench.common import checked_graph_time, environment, geomean, random_case
+from bench.common import checked_graph_time, geomean, random_case, write_device_result
 from fasttree.suite import PAPER_HEADS, paper_tree
 
 D = 128
@@ -56,9 +55,7 @@ def main() -> int:
             ratios = [r[n]["graph_us"] / r["default"]["graph_us"] for r in sel]
             summary[f"{heads}/{n}"] = {"geomean": geomean(ratios), "min": min(ratios), "max": max(ratios),
                                        "max_err": max(r[n]["err"] for r in sel)}  # fmt: skip
-    print(json.dumps(summary, indent=1))
-    with open(args.out, "w") as f:
-        json.dump({"env": environment(gpu=True), "rows": rows, "summary": summary}, f, indent=1)
+    write_device_result(args.out, summary, rows=rows)
     return 0
 
 

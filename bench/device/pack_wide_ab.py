@@ -23,12 +23,11 @@ This times both settings by CUDA-graph replay, on the plans the setting changes:
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, environment, geomean, random_case
+from bench.common import checked_graph_time, geomean, random_case, write_device_result
 from fasttree import plan_arrays
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
@@ -140,9 +139,7 @@ def main() -> int:
             [r["whole"]["tree_attention_us"] / r["packed"]["tree_attention_us"] for r in decode]
         ),
     }
-    print(json.dumps(summary, indent=1))
-    with open(args.out, "w") as f:
-        json.dump({"env": environment(gpu=True), "paper": paper, "decode": decode, "summary": summary}, f, indent=1)
+    write_device_result(args.out, summary, paper=paper, decode=decode)
     return 0
 
 

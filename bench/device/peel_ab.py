@@ -17,12 +17,11 @@ more than 16 rows, ``small``: 16-row tiles, ``all``) by CUDA-graph replay of who
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, environment, geomean, random_case
+from bench.common import checked_graph_time, geomean, random_case, write_device_result
 from fasttree import attention as att
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
@@ -89,9 +88,7 @@ def main() -> int:
         "decode_time_ratio": {r: geomean([x[r] / x["none"] for x in decode]) for r in RULES},
         "decode_worst_ratio": {r: max(x[r] / x["none"] for x in decode) for r in RULES},
     }
-    print(json.dumps(summary, indent=1))
-    with open(args.out, "w") as f:
-        json.dump({"env": environment(gpu=True), "paper": paper, "decode": decode, "summary": summary}, f, indent=1)
+    write_device_result(args.out, summary, paper=paper, decode=decode)
     return 0
 
 

@@ -24,7 +24,6 @@ bytes the plan reads::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import numpy as np
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 
 import fasttree as ft
-from bench.common import environment
+from bench.common import write_device_result
 from fasttree import attention as att
 from fasttree.export import read_export
 from fasttree.timing import graph_time_us
@@ -302,9 +301,7 @@ def main() -> int:
         ratios = [r["stage1_us"][name] / r["stage1_us"]["production"] for r in rows]
         summary[name] = {"geomean_ratio": float(np.exp(np.mean(np.log(ratios)))), "max_ratio": max(ratios),
                          "min_ratio": min(ratios)}  # fmt: skip
-    print(json.dumps(summary, indent=1))
-    with open(args.out, "w") as f:
-        json.dump({"env": environment(gpu=True), "rows": rows, "summary": summary}, f, indent=1)
+    write_device_result(args.out, summary, rows=rows)
     return 0
 
 

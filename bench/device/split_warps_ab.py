@@ -33,13 +33,12 @@ after this run: rerun it at commit fbd7fef.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 
 import fasttree as ft
-from bench.common import environment, geomean
+from bench.common import geomean, write_device_result
 from fasttree import attention as att
 from fasttree.export import read_export
 from fasttree.suite import PAPER_HEADS, paper_tree
@@ -181,9 +180,7 @@ def main() -> int:
                 "geomean_ratio": geomean(ratios), "min_ratio": min(ratios, default=None),
                 "max_ratio": max(ratios, default=None), "n": len(ratios), "max_diff": max(errs, default=None),
             }  # fmt: skip
-    print(json.dumps(summary, indent=1))
-    with open(args.out, "w") as f:
-        json.dump({"env": environment(gpu=True), "rows": rows, "summary": summary}, f, indent=1)
+    write_device_result(args.out, summary, rows=rows)
     return 0
 
 
