@@ -31,7 +31,7 @@ import numbers
 import os
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -198,10 +198,15 @@ def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _config_dict(config: FastTreeConfig | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(config, FastTreeConfig):
-        return config.to_dict()
-    return FastTreeConfig.from_dict(config).to_dict()
+def _config_dict(config: FastTreeConfig | dict[str, Any], num_q_heads: Any, num_kv_heads: Any) -> dict[str, Any]:
+    """The config as records store and keys hash it: warps derived from the GQA ratio
+    (``num_warps=None``) written out as the launches ran them, so one measurement has one key
+    whatever the defaults are when it is written or read."""
+    cfg = config if isinstance(config, FastTreeConfig) else FastTreeConfig.from_dict(config)
+    heads = [h for h in (num_q_heads, num_kv_heads) if isinstance(h, numbers.Integral) and not isinstance(h, bool)]
+    if cfg.num_warps is None and len(heads) == 2 and min(heads) > 0 and heads[0] % heads[1] == 0:
+        cfg = replace(cfg, num_warps=cfg.launch_warps(int(heads[0]) // int(heads[1])))
+    return cfg.to_dict()
 
 
 def _key_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -299,7 +304,7 @@ def measurement_key(
         num_kv_heads,
         head_dim,
         _normalise_dtype(dtype),
-        _config_dict(config),
+        _config_dict(config, num_q_heads, num_kv_heads),
         str(gpu_name),
     )
 
@@ -394,7 +399,7 @@ def measurement_record(
     dict
     """
     enc = encode_tree(tree if isinstance(tree, KVTree) else decode_tree(tree))
-    cfg = _config_dict(config)
+    cfg = _config_dict(config, num_q_heads, num_kv_heads)
     dtype = _normalise_dtype(dtype)
     workload: dict[str, Any] = {"family": family, "seed": seed, "tree": enc}
     if params is not None:
@@ -735,7 +740,7 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
             record["num_kv_heads"],
             record["head_dim"],
             record["dtype"],
-            config.to_dict(),
+            _config_dict(config, record["num_q_heads"], record["num_kv_heads"]),
             record["env"]["gpu_name"],
         )
         if key != expected:

@@ -192,12 +192,30 @@ def test_measurement_key_golden_value():
     # Changing the key derivation orphans every collected trace for resume: bump KEY_VERSION deliberately.
     # Packing off is the configuration every trace before config schema 2 measured: same key as then.
     tree = ft.KVTree.from_lengths([-1, 0], [64, 8], [1])
-    published = ft.FastTreeConfig(pack_tokens=0, kv_tile=(32, 32))  # the defaults of config schema 1
+    # the defaults of config schema 1 (then every ratio ran (4, 4) warps)
+    published = ft.FastTreeConfig(pack_tokens=0, kv_tile=(32, 32), num_warps=(4, 4))
     assert measurement_key(tree, **{**KEY_ARGS, "config": published}) == GOLDEN_KEY
     v1 = {k: v for k, v in published.to_dict().items() if not k.startswith("pack_")}
     assert measurement_key(tree, **{**KEY_ARGS, "config": v1 | {"schema_version": 1}}) == GOLDEN_KEY
-    packed = ft.FastTreeConfig(pack_tokens=256, pack_min_units=528, kv_tile=(32, 32))  # explicit: defaults move
+    packed = ft.FastTreeConfig(pack_tokens=256, pack_min_units=528, kv_tile=(32, 32), num_warps=(4, 4))
     assert measurement_key(tree, **{**KEY_ARGS, "config": packed}) == GOLDEN_KEY_PACKED
+
+
+def test_warps_from_the_ratio_are_keyed_and_stored_as_launched():
+    """num_warps=None (the default) resolves to the ratio's warps in keys and records: the same
+    measurement keeps one key whether its config says None or the warps it ran."""
+    tree = ft.KVTree.from_lengths([-1, 0], [64, 8], [1])
+    for hq, hkv in ((32, 32), (32, 8)):
+        args = {**KEY_ARGS, "num_q_heads": hq, "num_kv_heads": hkv}
+        auto = ft.FastTreeConfig()
+        explicit = ft.FastTreeConfig(num_warps=auto.launch_warps(hq // hkv))
+        key = measurement_key(tree, **{**args, "config": auto})
+        assert key == measurement_key(tree, **{**args, "config": explicit})
+    mha = {**KEY_ARGS, "num_q_heads": 32, "num_kv_heads": 32}
+    four = ft.FastTreeConfig(num_warps=(4, 4))
+    assert measurement_key(tree, **{**mha, "config": ft.FastTreeConfig()}) != measurement_key(
+        tree, **{**mha, "config": four}
+    )
 
 
 GOLDEN_KEY_PACKED = "77bf0321e937a4fda229deadafac86a95afe472bbda3a9cd286145c2dd32fb05"
@@ -291,7 +309,8 @@ def test_round_trip_both_kinds(tmp_path):
     assert [r["workload"]["seed"] for r in read_traces(path, kind="measurement")] == [0, 1]
     assert [r["weight"] for r in read_traces(path, kind="workload")] == [2.0, 0.5]
     assert same_tree(decode_tree(ts.records[2]["workload"]["tree"]), small_tree(1))
-    assert ft.FastTreeConfig.from_dict(ts.records[0]["config"]) == ft.FastTreeConfig()
+    # stored with the warps the GQA-4 launches ran (the default derives them from the ratio)
+    assert ft.FastTreeConfig.from_dict(ts.records[0]["config"]) == ft.FastTreeConfig(num_warps=(4, 4))
 
 
 def test_writer_stores_numpy_values_as_plain_json(tmp_path):
