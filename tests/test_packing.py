@@ -191,3 +191,25 @@ def test_little_waste_keeps_long_units_in_bins(case, monkeypatch):
         plans.append(ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128))
     assert plans[0].units_per_class() == plans[1].units_per_class()
     assert np.array_equal(plans[0].unit_kv_len, plans[1].unit_kv_len)
+
+
+@pytest.mark.parametrize("case", [11, 13])
+def test_wide_units_kept_whole_read_their_kv_once_per_tile(case, monkeypatch):
+    """MHA's large-tile units (up to 64 queries) against 16-query bins: packed (the default) each
+    bin re-reads their KV; kept whole (``_PACK_WIDE_UNITS`` off, the A/B's other arm) they read it
+    once per 64-query tile, and the plans still cover every context once."""
+    from fasttree import plan_arrays
+
+    tree = paper_tree(case)
+    packed = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
+    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", False)
+    whole = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
+    for plan in (packed, whole):
+        check_plan(tree, plan)
+    assert packed.units_per_class()[0] == 0 < whole.units_per_class()[0]
+    assert whole.stats()["kv_tokens_read"] < 0.6 * packed.stats()["kv_tokens_read"]  # 11/mha: 28,160 vs 51,200
+    gqa = [ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128) for _ in range(2)]
+    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", True)
+    assert (
+        gqa[0].stats() == ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128).stats()
+    )  # GQA bins hold a large tile
