@@ -13,13 +13,12 @@ launches alone, the outputs compared with the planned launches' (poisoned with N
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 import fasttree as ft
 from bench.common import geomean, write_device_result
-from fasttree import attention as att
+from bench.stage1_ab import max_abs_diff, poisoned_outputs, run_launches, stage1_launches
 from fasttree.export import read_export
 from fasttree.suite import paper_tree
 from fasttree.timing import graph_time_us
@@ -39,11 +38,6 @@ VARIANTS = {
 }
 
 
-def stage1(plan, q, k, v, out):
-    launches = att._launches(plan, plan.to(q.device), q, k, v, out, 1.0 / math.sqrt(D) * 1.4426950408889634)
-    return [e for e in launches if e[0] is att.tree_attention_units_kernel]
-
-
 def override(launches, block_n, stages, maxnreg):
     out = []
     for kernel, grid, args, cx, w, s, cap in launches:
@@ -54,42 +48,18 @@ def override(launches, block_n, stages, maxnreg):
     return out
 
 
-def run(launches):
-    for kernel, grid, args, cx, w, s, cap in launches:
-        att._launch(kernel, grid, args, cx, w, s, cap)
-
-
 def measure(plan, q, k, v) -> dict | None:
     out = torch.full_like(q, float("nan"))
-    launches = stage1(plan, q, k, v, out)
+    launches = stage1_launches(plan, q, k, v, out)
     if not any(cx[3] <= 16 for _, _, _, cx, _, _, _ in launches):
         return None
-    part_o, part_lse = att._workspace(plan, q.device)
-    rows = plan.n_partial_rows
-
-    def poisoned(ls):
-        for b in (out, part_o, part_lse):
-            b.fill_(float("nan"))
-        run(ls)
-        torch.cuda.synchronize()
-        return out.clone(), part_o[:rows].clone(), part_lse[:rows].clone()
-
-    ref = poisoned(launches)
-    res = {"planned": graph_time_us(lambda: run(launches))["median"], "diff": {},
+    ref = poisoned_outputs(lambda: run_launches(launches), plan, out)
+    res = {"planned": graph_time_us(lambda: run_launches(launches))["median"], "diff": {},
            "classes": [(cx[3], cx[4], w, s, cap) for _, _, _, cx, w, s, cap in launches]}  # fmt: skip
     for name, (bn, st, cap) in VARIANTS.items():
         ls = override(launches, bn, st, cap)
-        got = poisoned(ls)
-        worst = 0.0
-        for a, b in zip(ref, got, strict=True):
-            fin = torch.isfinite(a)
-            if not bool((fin == torch.isfinite(b)).all()):
-                worst = float("inf")
-                break
-            if fin.any():
-                worst = max(worst, float((a[fin] - b[fin]).abs().max()))
-        res["diff"][name] = worst
-        res[name] = graph_time_us(lambda ls=ls: run(ls))["median"]
+        res["diff"][name] = max_abs_diff(ref, poisoned_outputs(lambda ls=ls: run_launches(ls), plan, out))
+        res[name] = graph_time_us(lambda ls=ls: run_launches(ls))["median"]
     return res
 
 

@@ -24,7 +24,6 @@ bytes the plan reads::
 from __future__ import annotations
 
 import argparse
-import math
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ import triton.language as tl
 
 import fasttree as ft
 from bench.common import write_device_result
-from fasttree import attention as att
+from bench.stage1_ab import max_abs_diff, poisoned_outputs, run_launches, stage1_launches
 from fasttree.export import read_export
 from fasttree.timing import graph_time_us
 from fasttree.workloads import iter_serving
@@ -174,38 +173,12 @@ def with_override(launches, override):
     return out
 
 
-def stage1_launches(plan, q, k, v, out):
-    dev = plan.to(q.device)
-    launches = att._launches(plan, dev, q, k, v, out, 1.0 / math.sqrt(D) * 1.4426950408889634)
-    return [entry for entry in launches if entry[0] is att.tree_attention_units_kernel]
-
-
-def run_production(launches):
-    for kernel, grid, args, constexprs, warps, stages, maxnreg in launches:
-        att._launch(kernel, grid, args, constexprs, warps, stages, maxnreg)
-
-
 def run_variant(launches, flags):
     for _, grid, args, constexprs, warps, stages, maxnreg in launches:
         kw = {"num_warps": warps, "num_stages": stages}
         if maxnreg is not None:
             kw["maxnreg"] = maxnreg
         variant_units_kernel[grid](*args, *constexprs[:7], *flags, **kw)
-
-
-def snapshot(out, part_o, part_lse, rows):
-    return out.clone(), part_o[:rows].clone(), part_lse[:rows].clone()
-
-
-def diff(a, b):
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        both = torch.isfinite(x) & torch.isfinite(y)
-        if not bool((torch.isfinite(x) == torch.isfinite(y)).all()):
-            return float("inf")
-        if both.any():
-            worst = max(worst, float((x[both].float() - y[both].float()).abs().max()))
-    return worst
 
 
 def profile_split(fn):
@@ -261,32 +234,20 @@ def main() -> int:
                 }  # fmt: skip
                 row["profiled_stage1_us"], row["profiled_merge_us"] = profile_split(full)
                 launches = stage1_launches(plan, q, k, v, out)
-                part_o, part_lse = att._workspace(plan, q.device)
-                n_rows = plan.n_partial_rows
-                for buf in (out, part_o, part_lse):
-                    buf.fill_(float("nan"))
-                run_production(launches)
-                torch.cuda.synchronize()
-                ref = snapshot(out, part_o, part_lse, n_rows)
-                base_us = graph_time_us(lambda launches=launches: run_production(launches))["median"]
+                ref = poisoned_outputs(lambda launches=launches: run_launches(launches), plan, out)
+                base_us = graph_time_us(lambda launches=launches: run_launches(launches))["median"]
                 row["stage1_us"] = {"production": base_us}
                 row["max_abs_diff"] = {}
                 for name, flags in VARIANTS.items():
-                    for buf in (out, part_o, part_lse):
-                        buf.fill_(float("nan"))
-                    run_variant(launches, flags)
-                    torch.cuda.synchronize()
-                    row["max_abs_diff"][name] = diff(ref, snapshot(out, part_o, part_lse, n_rows))
+                    got = poisoned_outputs(lambda launches=launches, f=flags: run_variant(launches, f), plan, out)
+                    row["max_abs_diff"][name] = max_abs_diff(ref, got)
                     timed = graph_time_us(lambda launches=launches, f=flags: run_variant(launches, f))
                     row["stage1_us"][name] = timed["median"]
                 for name, override in OVERRIDES.items():
                     changed = with_override(launches, override)
-                    for buf in (out, part_o, part_lse):
-                        buf.fill_(float("nan"))
-                    run_production(changed)
-                    torch.cuda.synchronize()
-                    row["max_abs_diff"][name] = diff(ref, snapshot(out, part_o, part_lse, n_rows))
-                    row["stage1_us"][name] = graph_time_us(lambda c=changed: run_production(c))["median"]
+                    got = poisoned_outputs(lambda c=changed: run_launches(c), plan, out)
+                    row["max_abs_diff"][name] = max_abs_diff(ref, got)
+                    row["stage1_us"][name] = graph_time_us(lambda c=changed: run_launches(c))["median"]
                 rows.append(row)
                 base = row["stage1_us"]["production"]
                 print(
