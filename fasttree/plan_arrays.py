@@ -122,14 +122,15 @@ _PACK_WIDE_UNITS = True
 
 
 def _pack_budget(
-    kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, solo: np.ndarray | None = None
+    kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, kept_out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
-    """Units that may be packed (shorter than ``pack_tokens``, not in ``solo``) and the
+    """Units that may be packed (shorter than ``pack_tokens``, not in ``kept_out``: the solo
+    units and, with ``_PACK_WIDE_UNITS`` off, the wide ones) and the
     tokens per packed unit: ``pack_tokens``, lowered (to >= 16) so that about
     ``pack_min_units`` packed programs (units x KV heads) share the eligible tokens."""
     eligible = kv_len < config.pack_tokens
-    if solo is not None:
-        eligible &= ~solo
+    if kept_out is not None:
+        eligible &= ~kept_out
     want_units = -(-config.pack_min_units // num_kv_heads)
     share = int(np.add.reduce(kv_len[eligible])) // max(1, want_units)
     return eligible, min(config.pack_tokens, max(_MIN_BLOCK_N, share))
@@ -433,12 +434,12 @@ def materialize(
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        solo = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim) if solo_units else None
+        kept_out = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim) if solo_units else None
         capacity = _pack_capacity(block_m, g)
         if not _PACK_WIDE_UNITS:
             wide = u_q_len > capacity
-            solo = wide if solo is None else solo | wide
-        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, solo)
+            kept_out = wide if kept_out is None else kept_out | wide
+        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, kept_out)
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,

@@ -203,9 +203,9 @@ def _config_dict(config: FastTreeConfig | dict[str, Any], num_q_heads: Any, num_
     (``num_warps=None``) written out as the launches ran them, so one measurement has one key
     whatever the defaults are when it is written or read."""
     cfg = config if isinstance(config, FastTreeConfig) else FastTreeConfig.from_dict(config)
-    heads = [h for h in (num_q_heads, num_kv_heads) if isinstance(h, numbers.Integral) and not isinstance(h, bool)]
-    if cfg.num_warps is None and len(heads) == 2 and min(heads) > 0 and heads[0] % heads[1] == 0:
-        cfg = replace(cfg, num_warps=cfg.launch_warps(int(heads[0]) // int(heads[1])))
+    ratio_known = _is_int(num_q_heads) and _is_int(num_kv_heads) and min(num_q_heads, num_kv_heads) > 0
+    if cfg.num_warps is None and ratio_known and num_q_heads % num_kv_heads == 0:
+        cfg = replace(cfg, num_warps=cfg.launch_warps(int(num_q_heads) // int(num_kv_heads)))
     return cfg.to_dict()
 
 
