@@ -303,14 +303,16 @@ def _launches(
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // tc.block_n))))
-        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel)
+        heads_fastest = _HEADS_FASTEST
+        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel,
+                      heads_fastest)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
         out_launches.append(
-            (tree_attention_units_kernel, (n_units, host.num_kv_heads), args, constexprs, tc.num_warps, tc.num_stages,
-             maxnreg)
+            (tree_attention_units_kernel, units_grid(n_units, host.num_kv_heads, heads_fastest), args, constexprs,
+             tc.num_warps, tc.num_stages, maxnreg)
         )  # fmt: skip
     n_merge = int(host.merge_queries.size)
     if n_merge:
@@ -342,6 +344,27 @@ def _launches(
 
 
 _INT32_MAX = 2**31 - 1
+
+#: Whether stage 1 hands out its (unit, KV head) items with the KV heads fastest (the kernels'
+#: ``HEADS_FASTEST``): a unit's heads then run together and read each gathered slot's K and V
+#: rows of every head, which are contiguous in the pools, at about the same time. Otherwise the
+#: units are fastest (every unit of KV head 0, then of head 1, ...). Read at each launch's
+#: set-up (an A/B switch for benchmarks: plans made before a change keep their cached launchers).
+_HEADS_FASTEST = False
+#: The largest second grid dimension a CUDA launch takes.
+_MAX_GRID_Y = 65535
+
+
+def units_grid(n_units: int, num_kv_heads: int, heads_fastest: bool) -> tuple[int, int]:
+    """The per-plan stage-1 grid of ``n_units`` units and ``num_kv_heads`` KV heads:
+    ``(units, heads)``, or ``(heads, units)`` when ``heads_fastest`` (programs launch in
+    order of the first dimension fastest)."""
+    if not heads_fastest:
+        return n_units, num_kv_heads
+    if n_units > _MAX_GRID_Y:
+        raise ValueError(f"a launch of {n_units} units with the heads fastest exceeds the grid's {_MAX_GRID_Y}")
+    return num_kv_heads, n_units
+
 
 #: Which stage-1 launches run a unit's whole KV tiles without masks, then one masked tail tile
 #: (the kernels' ``PEEL``): ``"auto"`` (:func:`peel_tiles`' rule), ``"none"``, ``"large"`` (tiles of

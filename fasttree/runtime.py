@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import triton
 
+from . import attention as _attention
 from .attention import (
     _LOG2E,
     _MANY_PARTIALS,
@@ -669,7 +670,7 @@ class TreeAttentionRuntime:
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which, offsets_32,
-                          peel_tiles(bm0), peel_tiles(bm1))  # fmt: skip
+                          peel_tiles(bm0), peel_tiles(bm1), _attention._HEADS_FASTEST)  # fmt: skip
             args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._launch_counters[i],
                     self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count

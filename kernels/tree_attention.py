@@ -273,9 +273,14 @@ def tree_attention_units_kernel(
     UPCAST_DOT: tl.constexpr,  # only under the Triton interpreter, whose bf16 tl.dot is wrong
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
+    HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
 ):
+    if HEADS_FASTEST:
+        unit, kv_head = tl.program_id(1), tl.program_id(0)
+    else:
+        unit, kv_head = tl.program_id(0), tl.program_id(1)
     _attend_unit(
-        tl.program_id(0) + unit_offset, tl.program_id(1), Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+        unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
@@ -289,6 +294,7 @@ def _attend_slot_items(
     stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, PEEL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, num_kv_heads,
 ):  # fmt: skip
     """One program's items of one launch slot: item ``start``, then (more items than programs) the
     next unstarted one claimed from ``Counter`` as each ends, or else every ``step``-th. Item ``i``
@@ -296,9 +302,14 @@ def _attend_slot_items(
     claim = items > step
     item = start
     while item < items:
-        kv_head = item // n_units
+        if HEADS_FASTEST:
+            unit = item // num_kv_heads
+            kv_head = item - unit * num_kv_heads
+        else:
+            kv_head = item // n_units
+            unit = item - kv_head * n_units
         _attend_unit(
-            first_unit + item - kv_head * n_units, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            first_unit + unit, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
             HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
@@ -345,6 +356,7 @@ def tree_attention_persistent_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of every pool slot fit in int32 (see _attend_unit)
     PEEL0: tl.constexpr = False,  # slot 0's / slot 1's units: whole KV tiles unmasked (see _attend_unit)
     PEEL1: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False,  # item i is unit i // num_kv_heads (else KV head i // units)
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
     so programs move on to slot 1 without a launch boundary (``SLOTS`` 0 or 1: one slot's items
@@ -380,7 +392,7 @@ def tree_attention_persistent_kernel(
             pid, items0, n0, first0, Counters, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, UnitKvStart,
             UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_D,
-            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32, PEEL0,
+            GROUP, BLOCK_M0, BLOCK_N0, MASKED, UPCAST_DOT, OFFSETS_32, PEEL0, HEADS_FASTEST, num_kv_heads,
         )  # fmt: skip
     if SLOTS != 0:
         start1 = pid
@@ -390,5 +402,5 @@ def tree_attention_persistent_kernel(
             start1, items1, n1, first1, Counters + 1, step, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM,
-            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32, PEEL1,
+            BLOCK_D, GROUP, BLOCK_M1, BLOCK_N1, MASKED, UPCAST_DOT, OFFSETS_32, PEEL1, HEADS_FASTEST, num_kv_heads,
         )  # fmt: skip

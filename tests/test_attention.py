@@ -352,6 +352,40 @@ def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, tiles, devic
         torch.testing.assert_close(peeled, masked, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [(1, 3, 64, torch.float16), (4, 2, 128, torch.bfloat16)])
+def test_heads_fastest_item_order_gives_identical_outputs(g, hkv, d, dtype, device, monkeypatch):
+    # the per-plan grid as (KV heads, units) runs the same programs in another order
+    rng = np.random.default_rng(43)
+    gen = torch.Generator().manual_seed(43)
+    tree = random_tree(rng, max_nodes=14, max_len=150)
+    q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+    grids = []
+    real = attention._launch
+
+    def recording(kernel, grid, *rest):
+        if kernel is attention.tree_attention_units_kernel:
+            grids.append(grid)
+        return real(kernel, grid, *rest)
+
+    monkeypatch.setattr(attention, "_launch", recording)
+    outs = []
+    for fastest in (False, True):
+        monkeypatch.setattr(attention, "_HEADS_FASTEST", fastest)
+        plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)  # no cached launchers
+        outs.append(run_poisoned(lambda o, p=plan: ft.tree_attention(q, k, v, p, out=o), q))
+    half = len(grids) // 2
+    assert half and [gr[::-1] for gr in grids[:half]] == grids[half:] and all(gr[1] == hkv for gr in grids[:half])
+    check_against_reference(outs[1], q, k, v, tree)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+def test_heads_fastest_grid_names_the_grid_limit():
+    assert attention.units_grid(70000, 8, False) == (70000, 8)
+    assert attention.units_grid(500, 8, True) == (8, 500)
+    with pytest.raises(ValueError, match="70000 units"):
+        attention.units_grid(70000, 8, True)
+
+
 @pytest.mark.parametrize(("block_m", "mean_tiles", "tiles", "expected"), [
     (16, 9.0, "none", False), (64, 9.0, "none", False), (16, 9.0, "small", True), (64, 9.0, "small", False),
     (16, 9.0, "large", False), (32, 1.0, "large", True), (16, 1.0, "all", True), (64, 1.0, "all", True),

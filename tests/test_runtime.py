@@ -464,3 +464,21 @@ def test_peeled_tail_tiles_give_identical_runtime_outputs(device, monkeypatch, l
     ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
     assert ft.max_relative_error(outs[1], ref) < 2e-3
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+def test_heads_fastest_item_order_gives_identical_runtime_outputs(device, monkeypatch, launches):
+    from fasttree import attention
+
+    rng = np.random.default_rng(13)
+    tree = random_tree(rng, max_nodes=12, max_len=120)
+    q, k, v = _inputs(tree, device, 64)
+    outs = []
+    for fastest in (False, True):
+        monkeypatch.setattr(attention, "_HEADS_FASTEST", fastest)
+        rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
+        rt.plan(tree)
+        outs.append(rt.forward(q, k, v, out=torch.full_like(q, float("nan")))[: tree.n_queries])
+    ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+    assert ft.max_relative_error(outs[1], ref) < 2e-3
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
