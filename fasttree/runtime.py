@@ -298,6 +298,7 @@ class TreeAttentionRuntime:
         if max(s[0] for s in self.slots) > MAX_BLOCK_M:
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
         self.masked = self.config.pack_tokens > 0
+        self._heads_fastest = _attention._HEADS_FASTEST  # the stage-1 item order (an A/B switch)
         self._capacity = {
             "kv_indices": self.max_kv_entries,
             "kv_row_mask": self.max_kv_entries if self.masked else 1,
@@ -670,7 +671,7 @@ class TreeAttentionRuntime:
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which, offsets_32,
-                          peel_tiles(bm0), peel_tiles(bm1), _attention._HEADS_FASTEST)  # fmt: skip
+                          peel_tiles(bm0), peel_tiles(bm1), self._heads_fastest)  # fmt: skip
             args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._launch_counters[i],
                     self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count

@@ -469,16 +469,31 @@ def test_peeled_tail_tiles_give_identical_runtime_outputs(device, monkeypatch, l
 @pytest.mark.parametrize("launches", [1, 2])
 def test_heads_fastest_item_order_gives_identical_runtime_outputs(device, monkeypatch, launches):
     from fasttree import attention
+    from fasttree import runtime as runtime_module
 
     rng = np.random.default_rng(13)
     tree = random_tree(rng, max_nodes=12, max_len=120)
     q, k, v = _inputs(tree, device, 64)
+    seen = []
+    real = runtime_module._launch
+
+    def recording(kernel, grid, args, constexprs, *rest):
+        if kernel is runtime_module.tree_attention_persistent_kernel:
+            seen.append(constexprs[-1])  # HEADS_FASTEST
+        return real(kernel, grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(runtime_module, "_launch", recording)
     outs = []
     for fastest in (False, True):
         monkeypatch.setattr(attention, "_HEADS_FASTEST", fastest)
         rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
+        monkeypatch.setattr(attention, "_HEADS_FASTEST", not fastest)  # read when the runtime is built
+        del seen[:]
         rt.plan(tree)
-        outs.append(rt.forward(q, k, v, out=torch.full_like(q, float("nan")))[: tree.n_queries])
+        for _ in range(2):
+            out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+        outs.append(out[: tree.n_queries].clone())
+        assert seen and all(flag is fastest for flag in seen)
     ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
     assert ft.max_relative_error(outs[1], ref) < 2e-3
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

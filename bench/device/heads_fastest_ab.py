@@ -75,7 +75,7 @@ def runtime_pair(trees, config, hq, hkv, gen) -> list[dict]:
     out = torch.empty_like(q)
     rts = {}
     for name, flag in (("units", False), ("heads", True)):
-        attention._HEADS_FASTEST = flag  # read when the runtime sets up its launches (first forward)
+        attention._HEADS_FASTEST = flag  # read when a runtime is built
         rts[name] = TreeAttentionRuntime(
             config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
             max_queries=nq, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * nq, pool_slots=slots,
