@@ -303,7 +303,7 @@ def _launches(
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // tc.block_n))))
-        heads_fastest = _HEADS_FASTEST
+        grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
         constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel,
                       heads_fastest)  # fmt: skip
         maxnreg = None
@@ -311,8 +311,7 @@ def _launches(
             items = n_units * host.num_kv_heads
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
         out_launches.append(
-            (tree_attention_units_kernel, units_grid(n_units, host.num_kv_heads, heads_fastest), args, constexprs,
-             tc.num_warps, tc.num_stages, maxnreg)
+            (tree_attention_units_kernel, grid, args, constexprs, tc.num_warps, tc.num_stages, maxnreg)
         )  # fmt: skip
     n_merge = int(host.merge_queries.size)
     if n_merge:
@@ -348,22 +347,26 @@ _INT32_MAX = 2**31 - 1
 #: Whether stage 1 hands out its (unit, KV head) items with the KV heads fastest (the kernels'
 #: ``HEADS_FASTEST``): a unit's heads then run together and read each gathered slot's K and V
 #: rows of every head, which are contiguous in the pools, at about the same time. Otherwise the
-#: units are fastest (every unit of KV head 0, then of head 1, ...). Read at each launch's
-#: set-up (an A/B switch for benchmarks: plans made before a change keep their cached launchers).
-_HEADS_FASTEST = False
+#: units are fastest (every unit of KV head 0, then of head 1, ...), and the programs running at
+#: one time read one or a few heads' rows of many slots, ``Hkv * D`` elements apart. On the H200
+#: (``bench/device/heads_fastest_ab.py``) heads fastest took 0.95x the runtime's time on Llama
+#: decode trees (0.83-1.01x), 0.98x on Mistral's, and 0.997x on the paper suite's MHA and GQA-4
+#: stage-1 launches. Read when launches are set up, and by :class:`fasttree.runtime.TreeAttentionRuntime`
+#: when it is built (an A/B switch for benchmarks: plans made before a change keep their cached
+#: launchers).
+_HEADS_FASTEST = True
 #: The largest second grid dimension a CUDA launch takes.
 _MAX_GRID_Y = 65535
 
 
-def units_grid(n_units: int, num_kv_heads: int, heads_fastest: bool) -> tuple[int, int]:
-    """The per-plan stage-1 grid of ``n_units`` units and ``num_kv_heads`` KV heads:
-    ``(units, heads)``, or ``(heads, units)`` when ``heads_fastest`` (programs launch in
-    order of the first dimension fastest)."""
-    if not heads_fastest:
-        return n_units, num_kv_heads
-    if n_units > _MAX_GRID_Y:
-        raise ValueError(f"a launch of {n_units} units with the heads fastest exceeds the grid's {_MAX_GRID_Y}")
-    return num_kv_heads, n_units
+def units_grid(n_units: int, num_kv_heads: int) -> tuple[tuple[int, int], bool]:
+    """The per-plan stage-1 grid of ``n_units`` units and ``num_kv_heads`` KV heads, and its
+    ``HEADS_FASTEST``: ``(heads, units)`` with :data:`_HEADS_FASTEST` (programs launch with
+    the first dimension fastest) when the units fit the grid's second dimension, else
+    ``(units, heads)``."""
+    if _HEADS_FASTEST and n_units <= _MAX_GRID_Y:
+        return (num_kv_heads, n_units), True
+    return (n_units, num_kv_heads), False
 
 
 #: Which stage-1 launches run a unit's whole KV tiles without masks, then one masked tail tile

@@ -379,11 +379,13 @@ def test_heads_fastest_item_order_gives_identical_outputs(g, hkv, d, dtype, devi
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
 
 
-def test_heads_fastest_grid_names_the_grid_limit():
-    assert attention.units_grid(70000, 8, False) == (70000, 8)
-    assert attention.units_grid(500, 8, True) == (8, 500)
-    with pytest.raises(ValueError, match="70000 units"):
-        attention.units_grid(70000, 8, True)
+@pytest.mark.parametrize(("flag", "n_units", "expected"), [
+    (True, 500, ((8, 500), True)), (True, 65535, ((8, 65535), True)), (True, 65536, ((65536, 8), False)),
+    (False, 500, ((500, 8), False)),
+])  # fmt: skip
+def test_heads_fastest_grid_keeps_the_units_within_the_grid_limit(flag, n_units, expected, monkeypatch):
+    monkeypatch.setattr(attention, "_HEADS_FASTEST", flag)
+    assert attention.units_grid(n_units, 8) == expected
 
 
 @pytest.mark.parametrize(("block_m", "mean_tiles", "tiles", "expected"), [
