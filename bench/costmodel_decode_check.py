@@ -268,11 +268,13 @@ def small_class_only(groups: list[dict]) -> str:
             continue  # MHA: the runtime launches each tile class with its own warps and stages
         base = g["configs"][0]
         ratio = MODELS[g["model"]][0] // MODELS[g["model"]][1]
-        base_warps = base.launch_warps(ratio)
+        base_warps, base_stages = base.launch_warps(ratio), base.launch_stages(ratio, HEAD_DIM)
+        resolved = dataclasses.replace(base, num_warps=base_warps, num_stages=base_stages)
         for i, c in enumerate(g["configs"]):
-            same_large = (c.launch_warps(ratio)[0], c.num_stages[0]) == (base_warps[0], base.num_stages[0])
-            rest = dataclasses.replace(c, num_warps=base_warps, num_stages=base.num_stages)
-            if i and c != base and same_large and rest == dataclasses.replace(base, num_warps=base_warps):
+            large = (c.launch_warps(ratio)[0], c.launch_stages(ratio, HEAD_DIM)[0])
+            same_large = large == (base_warps[0], base_stages[0])
+            rest = dataclasses.replace(c, num_warps=base_warps, num_stages=base_stages)
+            if i and c != base and same_large and rest == resolved:
                 m, p = g["meas"][i] / g["meas"][0], g["learned"]["sum"][i] / g["learned"]["sum"][0]
                 parts.append(f"{g['model']}/{g['scenario']} `{g['names'][i]}` {m:.3f} / {p:.3f}")
     return "; ".join(parts)

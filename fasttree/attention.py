@@ -8,18 +8,22 @@ outputs are ``[n_queries, Hq, D]`` in ``q``'s dtype. fp16 and bf16 are supported
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 
 import numpy as np
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from .config import FastTreeConfig
 from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
+
+logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -663,6 +667,10 @@ def _launch(
     :func:`_arg_spec`), so a cached kernel is only reused where the JIT would pick the
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order. ``maxnreg`` caps the registers per thread (None: the compiler's choice).
+
+    A kernel whose pipeline needs more shared memory than the GPU gives a program is compiled
+    with fewer stages, each try one stage less (logged once per specialisation): the default
+    stages of :meth:`fasttree.FastTreeConfig.launch_stages` fit an H100 or H200 but not every GPU.
     """
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
@@ -674,13 +682,33 @@ def _launch(
     key = (kernel, device, constexprs, num_warps, num_stages, maxnreg, tuple(_arg_spec(x) for x in args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = kernel[grid](*args, *constexprs, **options)
+        compiled = _COMPILED[key] = _compile_within_shared_memory(kernel, grid, args, constexprs, options)
         return compiled
     stream = _current_stream(args[0].device)
     compiled.run(
         grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs
     )
     return compiled
+
+
+def _compile_within_shared_memory(kernel, grid, args: tuple, constexprs: tuple, options: dict):
+    """``kernel[grid](*args, *constexprs, **options)`` (compiling and launching it), retried with one
+    pipeline stage less while the compiler reports too little shared memory; returns the compiled kernel."""
+    stages = options["num_stages"]
+    while True:
+        try:
+            compiled = kernel[grid](*args, *constexprs, **{**options, "num_stages": stages})
+        except OutOfResources as err:
+            if getattr(err, "name", None) != "shared memory" or stages <= 1:
+                raise
+            stages -= 1
+            continue
+        if stages != options["num_stages"]:
+            logger.warning(
+                "%s at %d pipeline stages needs more shared memory than this GPU gives a program: "
+                "compiled with %d stages", getattr(kernel, "__name__", kernel), options["num_stages"], stages,
+            )  # fmt: skip
+        return compiled
 
 
 def _launch_hooks_active() -> bool:

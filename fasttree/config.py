@@ -35,6 +35,18 @@ DEFAULT_Q_TILE_ROWS = (64, 16)
 #: v10 sweep.
 DEFAULT_NUM_WARPS = (4, 4)
 DEFAULT_NUM_WARPS_MHA = (4, 2)
+#: Pipeline stages per tile class of ``num_stages=None``: Triton's default 3, except the large
+#: class at 5 (Triton 3.6 on sm_90 then gives its gathered K/V a second shared-memory buffer:
+#: 82 -> 115 KB for 64-row tiles at head dim 128) for GQA ratios up to
+#: :data:`_DEEP_STAGES_MAX_GROUP` and head dims up to :data:`_DEEP_STAGES_MAX_HEAD_DIM`. On the H200
+#: paper suite 5 stages took 0.917-0.929x the time on GQA 2, 4 and 8 (geomean per ratio; every
+#: case 0.86-1.02x), 0.993x on MHA and 1.003x on GQA 16, in whole calls and in the runtime
+#: (``docs/bench/h200/stages_ratio_ab_745dd63.json``). A GPU with less shared memory per block
+#: compiles the launch with fewer stages (:func:`fasttree.attention._launch`).
+DEFAULT_NUM_STAGES = (3, 3)
+DEFAULT_NUM_STAGES_DEEP = (5, 3)
+_DEEP_STAGES_MAX_GROUP = 8
+_DEEP_STAGES_MAX_HEAD_DIM = 128
 _MAX_Q_TILE_ROWS = 256  # == fasttree.plan_arrays.MAX_BLOCK_M
 _PAIR_FIELDS = (
     "q_tile_queries",
@@ -89,8 +101,11 @@ class FastTreeConfig:
         Triton warps per tile class. ``None`` derives them from the GQA ratio
         (:meth:`launch_warps`): ``DEFAULT_NUM_WARPS_MHA`` (4, 2) for MHA, else
         ``DEFAULT_NUM_WARPS`` (4, 4), Triton's default, which the published kernel used.
-    num_stages : tuple of int
-        Triton software-pipelining stages per tile class; 3 is Triton's default.
+    num_stages : tuple of int or None
+        Triton software-pipelining stages per tile class. ``None`` derives them from the GQA
+        ratio and head dim (:meth:`launch_stages`): ``DEFAULT_NUM_STAGES_DEEP`` (5, 3) for
+        ratios up to 8 at head dims up to 128, else ``DEFAULT_NUM_STAGES`` (3, 3), Triton's
+        default.
     pack_tokens : int
         Work units shorter than this many KV tokens are packed, in DFS order, into masked
         units of about this many tokens that fill a tile's rows (one program, one partial
@@ -110,7 +125,7 @@ class FastTreeConfig:
     para_threshs1: tuple[int, int] = (132, 528)
     para_threshs2: tuple[int, int] = (132, 132)
     num_warps: tuple[int, int] | None = None
-    num_stages: tuple[int, int] = (3, 3)
+    num_stages: tuple[int, int] | None = None
     pack_tokens: int = 1024
     pack_min_units: int = 264
 
@@ -122,7 +137,7 @@ class FastTreeConfig:
             object.__setattr__(self, name, float(value))
         for name in _PAIR_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("q_tile_queries", "num_warps"):
+            if value is None and name in ("q_tile_queries", "num_warps", "num_stages"):
                 continue
             object.__setattr__(self, name, _int_pair(name, value))
         if self.q_tile_queries is not None:
@@ -144,7 +159,7 @@ class FastTreeConfig:
                 raise ValueError(f"FastTreeConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.num_warps is not None and any(not _is_pow2(w) or w > 16 for w in self.num_warps):
             raise ValueError(f"FastTreeConfig.num_warps must be powers of two <= 16, got {self.num_warps}")
-        if min(self.num_stages) < 1 or max(self.num_stages) > 8:
+        if self.num_stages is not None and (min(self.num_stages) < 1 or max(self.num_stages) > 8):
             raise ValueError(f"FastTreeConfig.num_stages must be in [1, 8], got {self.num_stages}")
         for name in ("pack_tokens", "pack_min_units"):
             value = getattr(self, name)
@@ -180,6 +195,20 @@ class FastTreeConfig:
         if self.num_warps is not None:
             return self.num_warps
         return DEFAULT_NUM_WARPS_MHA if group_size == 1 else DEFAULT_NUM_WARPS
+
+    def launch_stages(self, group_size: int, head_dim: int) -> tuple[int, int]:
+        """Pipeline stages per tile class (large, small) for a GQA group size ``g`` and head
+        dim: ``num_stages``, or when it is None ``DEFAULT_NUM_STAGES_DEEP`` for ``g <= 8`` at
+        head dims up to 128 and ``DEFAULT_NUM_STAGES`` else."""
+        if group_size < 1:
+            raise ValueError(f"GQA group size must be >= 1, got {group_size}")
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        if self.num_stages is not None:
+            return self.num_stages
+        if group_size <= _DEEP_STAGES_MAX_GROUP and head_dim <= _DEEP_STAGES_MAX_HEAD_DIM:
+            return DEFAULT_NUM_STAGES_DEEP
+        return DEFAULT_NUM_STAGES
 
     def with_(self, **changes: Any) -> FastTreeConfig:
         """Return a validated copy with some fields changed."""

@@ -508,6 +508,7 @@ def materialize(
 
     unit_kv_len = u_kv_len[uorder]
     warps = config.launch_warps(g)
+    stages = config.launch_stages(g, head_dim)
     classes = tuple(
         _tile_class(
             int(q_tiles[c]),
@@ -515,7 +516,7 @@ def materialize(
             _class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
             int(splits[c]),
             int(warps[c]),
-            int(config.num_stages[c]),
+            int(stages[c]),
             masked[c],
         )
         for c in (0, 1)

@@ -159,6 +159,7 @@ def coordinate_search(
     min_gain: float = 0.015,
     skip_errors: tuple[type[BaseException], ...] = (OutOfResources, RuntimeError),
     group_size: int | None = None,
+    head_dim: int | None = None,
 ) -> SearchResult:
     """Coordinate search from ``start``.
 
@@ -166,10 +167,13 @@ def coordinate_search(
     ----------
     start : FastTreeConfig
         A ``num_warps=None`` start (warps derived from the GQA ratio) searches warps from its
-        :meth:`~fasttree.FastTreeConfig.launch_warps` for ``group_size``.
+        :meth:`~fasttree.FastTreeConfig.launch_warps` for ``group_size``; a ``num_stages=None``
+        one searches stages from its :meth:`~fasttree.FastTreeConfig.launch_stages` for
+        ``group_size`` and ``head_dim``.
     measure : callable
         ``config -> {workload: summed us}``; the same workloads on every call. A
-        :class:`RuntimeBench` also gives the GQA ratio when ``group_size`` is None.
+        :class:`RuntimeBench` also gives the GQA ratio and head dim when ``group_size`` or
+        ``head_dim`` is None.
     coordinates : mapping, optional
         Coordinate -> options (default :data:`COORDINATES`), tried in this order every pass.
     passes : int
@@ -181,6 +185,8 @@ def coordinate_search(
         and skipped); the default covers launches the GPU refuses. Other errors propagate.
     group_size : int, optional
         GQA ratio of the workloads (``num_q_heads // num_kv_heads``).
+    head_dim : int, optional
+        Head dim of the workloads.
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
@@ -192,6 +198,13 @@ def coordinate_search(
         if g is None:
             raise ValueError("start has num_warps=None (derived from the GQA ratio): pass group_size")
         start = dataclasses.replace(start, num_warps=start.launch_warps(g))
+    if start.num_stages is None and any(_field(c) == "num_stages" for c in coordinates):
+        g = group_size if group_size is not None else getattr(measure, "group_size", None)
+        d = head_dim if head_dim is not None else getattr(measure, "head_dim", None)
+        if g is None or d is None:
+            raise ValueError("start has num_stages=None (derived from the GQA ratio and head dim): pass "
+                             "group_size and head_dim")  # fmt: skip
+        start = dataclasses.replace(start, num_stages=start.launch_stages(g, d))
     base = dict(measure(start))
     if not base or min(base.values()) <= 0:
         raise ValueError(f"measure(start) must give positive times per workload, got {base}")
@@ -260,6 +273,7 @@ class RuntimeBench:
             raise ValueError("RuntimeBench needs at least one workload, each with at least one tree")
         self.heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
         self.group_size = num_q_heads // num_kv_heads
+        self.head_dim = head_dim
         every = [t for ts in self.trees.values() for t in ts]
         self.rows = max(t.n_queries for t in every)
         self.slots = max(t.max_slot + 1 for t in every)

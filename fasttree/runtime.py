@@ -286,12 +286,13 @@ class TreeAttentionRuntime:
         # warps and stages apply to tree_attention's per-plan launches only)
         q_tiles = self.config.query_tiles(self.group_size)
         warps = self.config.launch_warps(self.group_size)
+        stages = self.config.launch_stages(self.group_size, self.head_dim)
         self.slots = tuple(
             (
                 max(16, triton.next_power_of_2(t * self.group_size)),
                 int(self.config.kv_tile[c]),
                 int(warps[c]),
-                int(self.config.num_stages[c]),
+                int(stages[c]),
             )
             for c, t in enumerate(q_tiles)
         )

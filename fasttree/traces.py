@@ -198,14 +198,21 @@ def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _config_dict(config: FastTreeConfig | dict[str, Any], num_q_heads: Any, num_kv_heads: Any) -> dict[str, Any]:
-    """The config as records store and keys hash it: warps derived from the GQA ratio
-    (``num_warps=None``) written out as the launches ran them, so one measurement has one key
-    whatever the defaults are when it is written or read."""
+def _config_dict(
+    config: FastTreeConfig | dict[str, Any], num_q_heads: Any, num_kv_heads: Any, head_dim: Any
+) -> dict[str, Any]:
+    """The config as records store and keys hash it: warps and stages derived from the GQA
+    ratio and head dim (``num_warps=None``, ``num_stages=None``) written out as the launches
+    ran them, so one measurement has one key whatever the defaults are when it is written or read."""
     cfg = config if isinstance(config, FastTreeConfig) else FastTreeConfig.from_dict(config)
     ratio_known = _is_int(num_q_heads) and _is_int(num_kv_heads) and min(num_q_heads, num_kv_heads) > 0
-    if cfg.num_warps is None and ratio_known and num_q_heads % num_kv_heads == 0:
-        cfg = replace(cfg, num_warps=cfg.launch_warps(int(num_q_heads) // int(num_kv_heads)))
+    if not ratio_known or num_q_heads % num_kv_heads:
+        return cfg.to_dict()
+    g = int(num_q_heads) // int(num_kv_heads)
+    if cfg.num_warps is None:
+        cfg = replace(cfg, num_warps=cfg.launch_warps(g))
+    if cfg.num_stages is None and _is_int(head_dim) and head_dim > 0:
+        cfg = replace(cfg, num_stages=cfg.launch_stages(g, int(head_dim)))
     return cfg.to_dict()
 
 
@@ -304,7 +311,7 @@ def measurement_key(
         num_kv_heads,
         head_dim,
         _normalise_dtype(dtype),
-        _config_dict(config, num_q_heads, num_kv_heads),
+        _config_dict(config, num_q_heads, num_kv_heads, head_dim),
         str(gpu_name),
     )
 
@@ -399,7 +406,7 @@ def measurement_record(
     dict
     """
     enc = encode_tree(tree if isinstance(tree, KVTree) else decode_tree(tree))
-    cfg = _config_dict(config, num_q_heads, num_kv_heads)
+    cfg = _config_dict(config, num_q_heads, num_kv_heads, head_dim)
     dtype = _normalise_dtype(dtype)
     workload: dict[str, Any] = {"family": family, "seed": seed, "tree": enc}
     if params is not None:
@@ -740,7 +747,7 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
             record["num_kv_heads"],
             record["head_dim"],
             record["dtype"],
-            _config_dict(config, record["num_q_heads"], record["num_kv_heads"]),
+            _config_dict(config, record["num_q_heads"], record["num_kv_heads"], record["head_dim"]),
             record["env"]["gpu_name"],
         )
         if key != expected:

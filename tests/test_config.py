@@ -23,7 +23,12 @@ def test_defaults_are_the_published_values():
     assert c.num_warps is None  # derived from the GQA ratio: 2 warps for MHA's 16-row tiles (H200)
     assert c.launch_warps(1) == (4, 2)
     assert c.launch_warps(4) == c.launch_warps(16) == (4, 4)
-    assert c.num_stages == (3, 3)
+    assert c.num_stages is None  # derived from the ratio and head dim: the 64-row class at 5 up to GQA 8 (H200)
+    assert c.launch_stages(1, 128) == c.launch_stages(8, 64) == (5, 3)
+    assert c.launch_stages(16, 128) == c.launch_stages(4, 256) == (3, 3)
+    assert FastTreeConfig(num_stages=(2, 4)).launch_stages(4, 128) == (2, 4)
+    with pytest.raises(ValueError, match="group size"):
+        c.launch_stages(0, 128)
 
 
 def test_explicit_warps_hold_for_every_ratio_and_bad_ratios_are_refused():

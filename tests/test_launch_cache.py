@@ -9,6 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 import fasttree as ft
 from fasttree import attention
@@ -279,3 +280,39 @@ def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch):
     assert {attention.tree_attention_units_kernel, runtime_module.tree_attention_persistent_kernel} <= kernels
     for kernel, passed in calls:
         assert passed == len(kernel.arg_names), f"{kernel.fn.__name__}: {passed} values for {len(kernel.arg_names)}"
+
+
+class ShortOfSharedMemory:
+    """A stand-in kernel whose launches above ``fits`` stages fail as Triton's do for shared memory."""
+
+    def __init__(self, fits: int, what: str = "shared memory"):
+        self.fits, self.what, self.tried = fits, what, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages):
+            self.tried.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(1000 * num_stages, 1000 * self.fits, self.what)
+            return ("compiled", num_stages)
+
+        return launch
+
+
+class _Arg:
+    class device:  # noqa: N801 - stands in for a tensor's device
+        index = 0
+
+
+def test_a_launch_short_of_shared_memory_compiles_with_fewer_stages(monkeypatch, caplog):
+    monkeypatch.setattr(attention, "_interpreting", lambda: False)
+    monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
+    kernel = ShortOfSharedMemory(fits=3)
+    with caplog.at_level("WARNING", logger="fasttree.attention"):
+        got = attention._launch(kernel, (1, 1), (_Arg(),), ("fallback-test",), 4, 5)
+    assert got == ("compiled", 3) and kernel.tried == [5, 4, 3]
+    assert "compiled with 3 stages" in caplog.text
+    # other resources, or no stage left to drop, still raise
+    with pytest.raises(OutOfResources):
+        attention._launch(ShortOfSharedMemory(fits=3, what="registers"), (1, 1), (_Arg(),), ("regs-test",), 4, 5)
+    with pytest.raises(OutOfResources):
+        attention._launch(ShortOfSharedMemory(fits=0), (1, 1), (_Arg(),), ("none-fits",), 4, 2)

@@ -132,3 +132,23 @@ def test_search_over_warps_starts_from_the_ratios_default_warps():
     assert seen == [(4, 2), (4, 4)] and found.config.num_warps == (4, 4)
     with pytest.raises(ValueError, match="group_size"):
         refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords)
+
+
+def test_search_over_stages_starts_from_the_buckets_default_stages():
+    """A default start (num_stages=None) searches stages from the bucket's defaults: the large
+    class at 5 for GQA 4 at head dim 128, at 3 for GQA 16; without the bucket it cannot know them."""
+    seen = []
+
+    def measure(config):
+        seen.append(config.num_stages)
+        return {"a": 100.0 + config.num_stages[0]}
+
+    coords = {("num_stages", 0): (3, 5)}
+    found = refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords, passes=1, group_size=4,
+                                     head_dim=128)  # fmt: skip
+    assert seen == [(5, 3), (3, 3)] and found.config.num_stages == (3, 3)
+    seen.clear()
+    refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords, passes=1, group_size=16, head_dim=128)
+    assert seen[0] == (3, 3)
+    with pytest.raises(ValueError, match="head_dim"):
+        refine.coordinate_search(FastTreeConfig(), measure, coordinates=coords, group_size=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gzip
 import json
 import math
@@ -192,25 +193,31 @@ def test_measurement_key_golden_value():
     # Changing the key derivation orphans every collected trace for resume: bump KEY_VERSION deliberately.
     # Packing off is the configuration every trace before config schema 2 measured: same key as then.
     tree = ft.KVTree.from_lengths([-1, 0], [64, 8], [1])
-    # the defaults of config schema 1 (then every ratio ran (4, 4) warps)
-    published = ft.FastTreeConfig(pack_tokens=0, kv_tile=(32, 32), num_warps=(4, 4))
+    # the defaults of config schema 1 (then every ratio ran (4, 4) warps and (3, 3) stages)
+    published = ft.FastTreeConfig(pack_tokens=0, kv_tile=(32, 32), num_warps=(4, 4), num_stages=(3, 3))
     assert measurement_key(tree, **{**KEY_ARGS, "config": published}) == GOLDEN_KEY
     v1 = {k: v for k, v in published.to_dict().items() if not k.startswith("pack_")}
     assert measurement_key(tree, **{**KEY_ARGS, "config": v1 | {"schema_version": 1}}) == GOLDEN_KEY
-    packed = ft.FastTreeConfig(pack_tokens=256, pack_min_units=528, kv_tile=(32, 32), num_warps=(4, 4))
+    packed = ft.FastTreeConfig(
+        pack_tokens=256, pack_min_units=528, kv_tile=(32, 32), num_warps=(4, 4), num_stages=(3, 3)
+    )
     assert measurement_key(tree, **{**KEY_ARGS, "config": packed}) == GOLDEN_KEY_PACKED
 
 
 def test_warps_from_the_ratio_are_keyed_and_stored_as_launched():
-    """num_warps=None (the default) resolves to the ratio's warps in keys and records: the same
-    measurement keeps one key whether its config says None or the warps it ran."""
+    """num_warps=None and num_stages=None (the defaults) resolve to the bucket's warps and stages
+    in keys and records: the same measurement keeps one key whether its config says None or
+    what it ran."""
     tree = ft.KVTree.from_lengths([-1, 0], [64, 8], [1])
-    for hq, hkv in ((32, 32), (32, 8)):
-        args = {**KEY_ARGS, "num_q_heads": hq, "num_kv_heads": hkv}
+    for hq, hkv, d in ((32, 32, 128), (32, 8, 128), (16, 1, 128), (32, 8, 256)):
+        args = {**KEY_ARGS, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
         auto = ft.FastTreeConfig()
-        explicit = ft.FastTreeConfig(num_warps=auto.launch_warps(hq // hkv))
+        g = hq // hkv
+        explicit = ft.FastTreeConfig(num_warps=auto.launch_warps(g), num_stages=auto.launch_stages(g, d))
         key = measurement_key(tree, **{**args, "config": auto})
         assert key == measurement_key(tree, **{**args, "config": explicit})
+        three = dataclasses.replace(explicit, num_stages=(3, 3))
+        assert (key == measurement_key(tree, **{**args, "config": three})) == (g > 8 or d > 128)
     mha = {**KEY_ARGS, "num_q_heads": 32, "num_kv_heads": 32}
     four = ft.FastTreeConfig(num_warps=(4, 4))
     assert measurement_key(tree, **{**mha, "config": ft.FastTreeConfig()}) != measurement_key(
@@ -309,8 +316,9 @@ def test_round_trip_both_kinds(tmp_path):
     assert [r["workload"]["seed"] for r in read_traces(path, kind="measurement")] == [0, 1]
     assert [r["weight"] for r in read_traces(path, kind="workload")] == [2.0, 0.5]
     assert same_tree(decode_tree(ts.records[2]["workload"]["tree"]), small_tree(1))
-    # stored with the warps the GQA-4 launches ran (the default derives them from the ratio)
-    assert ft.FastTreeConfig.from_dict(ts.records[0]["config"]) == ft.FastTreeConfig(num_warps=(4, 4))
+    # stored with the warps and stages the GQA-4 launches ran (the defaults derive them from the bucket)
+    stored = ft.FastTreeConfig.from_dict(ts.records[0]["config"])
+    assert stored == ft.FastTreeConfig(num_warps=(4, 4), num_stages=(5, 3))
 
 
 def test_writer_stores_numpy_values_as_plain_json(tmp_path):

@@ -130,7 +130,7 @@ def test_space_yields_only_valid_configs(g: int, head_dim: int) -> None:
             continue
         assert FastTreeConfig.from_dict(config.to_dict()) == config
         check_params(trial.params, GPU)
-        assert config_from_params(trial.params, g) == config
+        assert config_from_params(trial.params, g, head_dim) == config
         assert config_smem_bytes(config, g, head_dim) <= GPU.smem_per_sm
         plan = ft.plan(tree, config, num_q_heads=2 * g, num_kv_heads=2, head_dim=head_dim)
         assert plan_smem_bytes(plan) <= GPU.smem_per_sm
@@ -138,7 +138,7 @@ def test_space_yields_only_valid_configs(g: int, head_dim: int) -> None:
 
 
 def test_space_prunes_shared_memory_overflow() -> None:
-    params = default_params(GPU, 1) | {
+    params = default_params(GPU, 1, 128) | {
         "log2_q_rows_large": 7,
         "log2_kv_tile_large": 7,
         "log2_num_warps_large": 2,
@@ -166,16 +166,19 @@ def test_space_ranges_are_the_profilers() -> None:
 
 
 @pytest.mark.parametrize("g", [1, 4, 8, 16, 32])
-def test_default_params_are_the_defaults(g: int) -> None:
-    params = default_params(GPU, g)
-    assert config_from_params(params, g) == FastTreeConfig()
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_params_are_the_defaults(g: int, head_dim: int) -> None:
+    params = default_params(GPU, g, head_dim)
+    assert config_from_params(params, g, head_dim) == FastTreeConfig()
+    assert params["num_stages_large"] == (5 if g <= 8 and head_dim <= 128 else 3)
     check_params(params, GPU)
     small = dataclasses.replace(GPU, sm_count=100)  # the defaults stay in the space on a smaller GPU
-    check_params(default_params(small, g), small)
+    check_params(default_params(small, g, head_dim), small)
+    assert invalid_reason(FastTreeConfig(), Bucket(g, head_dim, "float16"), GPU) is None  # they fit its shared memory
 
 
 def test_check_params_refuses_bad_params() -> None:
-    params = default_params(GPU, 4)
+    params = default_params(GPU, 4, 128)
     with pytest.raises(ValueError, match="lack"):
         check_params({k: v for k, v in params.items() if k != "alpha"}, GPU)
     with pytest.raises(ValueError, match="outside"):
@@ -183,7 +186,7 @@ def test_check_params_refuses_bad_params() -> None:
     with pytest.raises(ValueError, match="inactive"):
         check_params(params | {"pack_tokens": 0}, GPU)
     with pytest.raises(ValueError, match="unknown"):
-        config_from_params(params | {"bogus": 1}, 4)
+        config_from_params(params | {"bogus": 1}, 4, 128)
 
 
 def test_bucket_validation() -> None:
@@ -266,7 +269,7 @@ def test_objective_equals_hand_computation(paper_steps) -> None:
 def test_objective_records_defaults_vs_tuned(paper_steps) -> None:
     objective = _objective(paper_steps)
     study = optuna.create_study()
-    study.enqueue_trial(default_params(GPU, 4))
+    study.enqueue_trial(default_params(GPU, 4, 128))
     study.optimize(objective, n_trials=3)
     first, *rest = study.trials
     assert first.user_attrs["predicted_us"] == pytest.approx(first.user_attrs["defaults_predicted_us"])
@@ -274,7 +277,7 @@ def test_objective_records_defaults_vs_tuned(paper_steps) -> None:
     assert first.user_attrs["config"] == FastTreeConfig().to_dict()
     for t in rest:
         assert t.user_attrs["speedup_vs_defaults"] == pytest.approx(t.user_attrs["defaults_predicted_us"] / t.values[0])
-        assert FastTreeConfig.from_dict(t.user_attrs["config"]) == config_from_params(t.params, 4)
+        assert FastTreeConfig.from_dict(t.user_attrs["config"]) == config_from_params(t.params, 4, 128)
 
 
 def test_objective_refuses_bad_input(paper_steps) -> None:
@@ -352,9 +355,9 @@ def test_first_trial_is_the_defaults(tmp_path: Path, paper_steps) -> None:
     result = tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="t", n_trials=3)
     study = optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db"))
     first = study.trials[0]
-    assert first.params == default_params(GPU, 4)
+    assert first.params == default_params(GPU, 4, 128)
     assert first.user_attrs["defaults"] is True
-    assert config_from_params(first.params, 4) == FastTreeConfig()
+    assert config_from_params(first.params, 4, 128) == FastTreeConfig()
     assert result.defaults_predicted_us == pytest.approx(first.values[0])
     assert result.predicted_us <= result.defaults_predicted_us
 
@@ -455,7 +458,7 @@ def test_two_processes_share_one_study(tmp_path: Path, name: str) -> None:
 
 
 def test_defaults_enqueued_again_only_when_lost(paper_steps) -> None:
-    params = default_params(GPU, 4)
+    params = default_params(GPU, 4, 128)
     study, created = open_study(optuna.storages.InMemoryStorage(), "e")
     assert created
     joined, again = open_study(study._storage, "e")
@@ -580,15 +583,18 @@ def test_neighbours_of_the_defaults_follow_them(tmp_path: Path, paper_steps) -> 
     result = tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
     study = optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db"))
     trials = study.trials
-    assert trials[0].params == default_params(GPU, 4)
-    neighbours = neighbour_params(GPU, 4)
+    assert trials[0].params == default_params(GPU, 4, 128)
+    neighbours = neighbour_params(GPU, 4, 128)
     assert [t.params for t in trials[1 : 1 + len(neighbours)]] == neighbours
-    configs = [config_from_params(p, 4) for p in neighbours]
-    assert [c.pack_tokens for c in configs] == [0, 512, 2048, 1024]
-    assert configs[-1].num_warps == (4, 2)  # GQA's small class at MHA's 2 warps
+    configs = [config_from_params(p, 4, 128) for p in neighbours]
+    assert [c.pack_tokens for c in configs] == [0, 512, 2048, 1024, 1024]
+    assert configs[-2].num_warps == (4, 2)  # GQA's small class at MHA's 2 warps
+    assert configs[-1].num_stages == (3, 3)  # the large class at 3 stages
     assert all(c != FastTreeConfig() for c in configs)
-    mha = [config_from_params(p, 1) for p in neighbour_params(GPU, 1)]
-    assert mha[-1].num_warps == (4, 4) and all(c != FastTreeConfig() for c in mha)
+    mha = [config_from_params(p, 1, 128) for p in neighbour_params(GPU, 1, 128)]
+    assert mha[-2].num_warps == (4, 4) and all(c != FastTreeConfig() for c in mha)
+    wide = [config_from_params(p, 16, 256) for p in neighbour_params(GPU, 16, 256)]
+    assert wide[-1].num_stages == (5, 3)
     # joining the study again enqueues nothing more
     tune_bucket(_objective(paper_steps), storage=tmp_path / "s.db", base_name="n", n_trials=6)
     assert len(optuna.load_study(study_name=result.study_name, storage=open_storage(tmp_path / "s.db")).trials) == 6

@@ -77,4 +77,5 @@ def polish_config(
         min_gain=min_gain,
         skip_errors=(_InvalidConfigError, PlanningError),
         group_size=objective.bucket.group_size,
+        head_dim=objective.bucket.head_dim,
     )

@@ -21,7 +21,7 @@ Invalid combinations never reach the objective:
 
 :func:`default_params` gives the published defaults as trial parameters (the study
 enqueues them as its first trial); :func:`config_from_params` turns any trial's
-parameters back into a config, so ``config_from_params(default_params(...)) ==
+parameters back into a config, so ``config_from_params(default_params(gpu, g, d), g, d) ==
 FastTreeConfig()``.
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
-from fasttree.config import DEFAULT_Q_TILE_ROWS, FastTreeConfig
+from fasttree.config import DEFAULT_NUM_STAGES_DEEP, DEFAULT_Q_TILE_ROWS, FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.predict import elem_bytes_of
 from fasttree.export import bucket_key
@@ -54,6 +54,11 @@ from fasttree.profiler import (
     SPLITS_LARGE,
     SPLITS_SMALL,
 )
+
+#: Pipeline stages the tuner searches: the profiler's and the defaults' 5 for the large class
+#: (:data:`fasttree.config.DEFAULT_NUM_STAGES_DEEP`). The traces behind the shipped latency
+#: model hold no 5-stage launches, so its predictions there extrapolate.
+TUNER_NUM_STAGES = tuple(sorted(set(NUM_STAGES) | set(DEFAULT_NUM_STAGES_DEEP)))
 
 __all__ = [
     "CLASSES",
@@ -154,6 +159,7 @@ def config_smem_bytes(config: FastTreeConfig, group_size: int, head_dim: int, el
     """
     queries = config.query_tiles(group_size)
     warps = config.launch_warps(group_size)
+    stages = config.launch_stages(group_size, head_dim)
     block_m = [max(_MIN_BLOCK_M, _next_pow2(q * group_size)) for q in queries]
     return max(
         units_kernel_smem_bytes(
@@ -161,7 +167,7 @@ def config_smem_bytes(config: FastTreeConfig, group_size: int, head_dim: int, el
             block_n=config.kv_tile[tiles],
             head_dim=head_dim,
             num_warps=warps[launch],
-            num_stages=config.num_stages[launch],
+            num_stages=stages[launch],
             elem_bytes=elem_bytes,
         )
         for tiles in (0, 1)
@@ -306,7 +312,7 @@ def search_space(gpu: GpuSpec) -> dict[str, BaseDistribution]:
     for c in CLASSES:
         space[f"log2_num_warps_{c}"] = IntDistribution(*_LOG2["num_warps"])
     for c in CLASSES:
-        space[f"num_stages_{c}"] = IntDistribution(min(NUM_STAGES), max(NUM_STAGES))
+        space[f"num_stages_{c}"] = IntDistribution(min(TUNER_NUM_STAGES), max(TUNER_NUM_STAGES))
     space["pack_tokens"] = CategoricalDistribution(PACK_TOKENS)
     space["pack_min_units"] = IntDistribution(0, hi)
     return space
@@ -388,12 +394,12 @@ def _pair(params: Mapping[str, Any], fmt: str, *, log2: bool = False) -> tuple[i
     return (1 << values[0], 1 << values[1]) if log2 else (values[0], values[1])
 
 
-def config_from_params(params: Mapping[str, Any], group_size: int) -> FastTreeConfig:
-    """The config of a trial's parameters for GQA ratio ``group_size``.
+def config_from_params(params: Mapping[str, Any], group_size: int, head_dim: int) -> FastTreeConfig:
+    """The config of a trial's parameters for GQA ratio ``group_size`` and ``head_dim``.
 
     Query-tile rows equal to the published ``(64, 16)`` give ``q_tile_queries=None`` (the
-    published tiles) and warps equal to the ratio's defaults ``num_warps=None``, so the
-    defaults' parameters give exactly ``FastTreeConfig()``.
+    published tiles), and warps and stages equal to the bucket's defaults ``num_warps=None``
+    and ``num_stages=None``, so the defaults' parameters give exactly ``FastTreeConfig()``.
     Without packing, ``pack_min_units`` (not suggested) keeps its default.
 
     Raises
@@ -410,6 +416,7 @@ def config_from_params(params: Mapping[str, Any], group_size: int) -> FastTreeCo
     else:
         queries = (max(1, rows[0] // group_size), max(1, rows[1] // group_size))
     warps = _pair(params, "log2_num_warps_{}", log2=True)
+    stages = _pair(params, "num_stages_{}")
     pack_tokens = _int_param(params, "pack_tokens")
     for name in ("alpha", "beta", "gamma"):
         if name not in params:
@@ -424,20 +431,22 @@ def config_from_params(params: Mapping[str, Any], group_size: int) -> FastTreeCo
         para_threshs1=_pair(params, "para_thresh1_{}"),
         para_threshs2=_pair(params, "para_thresh2_{}"),
         num_warps=None if warps == FastTreeConfig().launch_warps(group_size) else warps,
-        num_stages=_pair(params, "num_stages_{}"),
+        num_stages=None if stages == FastTreeConfig().launch_stages(group_size, head_dim) else stages,
         pack_tokens=pack_tokens,
         pack_min_units=_int_param(params, "pack_min_units") if pack_tokens > 0 else FastTreeConfig.pack_min_units,
     )
 
 
-def default_params(gpu: GpuSpec, group_size: int) -> dict[str, Any]:
-    """The defaults (``FastTreeConfig()``) for GQA ratio ``group_size`` as trial parameters, for
-    ``enqueue_trial`` (only the warps depend on the ratio: :meth:`FastTreeConfig.launch_warps`).
+def default_params(gpu: GpuSpec, group_size: int, head_dim: int) -> dict[str, Any]:
+    """The defaults (``FastTreeConfig()``) for GQA ratio ``group_size`` and ``head_dim`` as trial
+    parameters, for ``enqueue_trial`` (only the warps and stages depend on the bucket:
+    :meth:`FastTreeConfig.launch_warps`, :meth:`FastTreeConfig.launch_stages`).
 
     Raises ``ValueError`` if the defaults left the space (a profiler range changed).
     """
     d = FastTreeConfig()
     warps = d.launch_warps(group_size)
+    stages = d.launch_stages(group_size, head_dim)
     p: dict[str, Any] = {
         "log2_q_rows_large": DEFAULT_Q_TILE_ROWS[0].bit_length() - 1,
         "log2_q_rows_small": DEFAULT_Q_TILE_ROWS[1].bit_length() - 1,
@@ -454,25 +463,26 @@ def default_params(gpu: GpuSpec, group_size: int) -> dict[str, Any]:
     for i, c in enumerate(CLASSES):
         p[f"log2_num_warps_{c}"] = warps[i].bit_length() - 1
     for i, c in enumerate(CLASSES):
-        p[f"num_stages_{c}"] = d.num_stages[i]
+        p[f"num_stages_{c}"] = stages[i]
     p["pack_tokens"] = d.pack_tokens
     if d.pack_tokens > 0:
         p["pack_min_units"] = d.pack_min_units
     check_params(p, gpu)
-    if config_from_params(p, group_size) != d:
+    if config_from_params(p, group_size, head_dim) != d:
         raise ValueError("the published defaults do not map back to FastTreeConfig()")  # pragma: no cover
     return p
 
 
-def neighbour_params(gpu: GpuSpec, group_size: int) -> list[dict[str, Any]]:
+def neighbour_params(gpu: GpuSpec, group_size: int, head_dim: int) -> list[dict[str, Any]]:
     """The defaults with one knob changed, enqueued after them so TPE starts from each basin.
 
     Packing off and at other budgets (``pack_tokens`` splits the space into regions with
-    different plans; a random start-up may never try them), and the small tile class at the
+    different plans; a random start-up may never try them), the small tile class at the
     other of 2 and 4 warps (its default is 2 for MHA, 4 for GQA; on the H200 each ratio has
-    cases where the other count wins).
+    cases where the other count wins), and the large class at the other of 3 and 5 stages
+    (its default is 5 up to GQA 8 at head dims up to 128, else 3).
     """
-    base = default_params(gpu, group_size)
+    base = default_params(gpu, group_size, head_dim)
     out = []
     for tokens in (0, 512, 2048):
         p = {k: v for k, v in base.items() if k != "pack_min_units"}
@@ -482,6 +492,8 @@ def neighbour_params(gpu: GpuSpec, group_size: int) -> list[dict[str, Any]]:
         out.append(p)
     small_warps = f"log2_num_warps_{CLASSES[1]}"
     out.append({**base, small_warps: 2 if base[small_warps] == 1 else 1})
+    large_stages = f"num_stages_{CLASSES[0]}"
+    out.append({**base, large_stages: 3 if base[large_stages] == 5 else 5})
     for p in out:
         check_params(p, gpu)
     return out
@@ -509,7 +521,7 @@ def suggest_config(trial: optuna.trial.BaseTrial, bucket: Bucket, gpu: GpuSpec) 
     """
     params = suggest_params(trial, gpu)
     try:
-        config = config_from_params(params, bucket.group_size)
+        config = config_from_params(params, bucket.group_size, bucket.head_dim)
         reason = invalid_reason(config, bucket, gpu)
     except ValueError as exc:
         reason = str(exc)

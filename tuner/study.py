@@ -516,15 +516,15 @@ def tune_bucket(
         sampler=make_sampler(seed, worker=worker),
         fingerprint=objective.fingerprint(),
     )
-    ensure_defaults(study, default_params(objective.gpu, bucket.group_size), created=created)
+    ensure_defaults(study, default_params(objective.gpu, bucket.group_size, bucket.head_dim), created=created)
     if created:  # then one-knob neighbours of the defaults (see neighbour_params)
-        for params in neighbour_params(objective.gpu, bucket.group_size):
+        for params in neighbour_params(objective.gpu, bucket.group_size, bucket.head_dim):
             study.enqueue_trial(params, user_attrs={"neighbour": True})
     run_trials(study, objective, n_trials=n_trials, timeout=timeout, progress=progress)
     best = _best_trial(study)
     if best is None:
         raise ValueError(f"study {name} has no complete trial")
-    config = config_from_params(best.params, bucket.group_size)
+    config = config_from_params(best.params, bucket.group_size, bucket.head_dim)
     trial_us = predicted = float(best.values[0])
     worst = float(best.user_attrs.get("worst_step_us", math.nan))
     moves, evaluations, start_label = [], 0, ""
