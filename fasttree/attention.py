@@ -156,13 +156,14 @@ def tree_attention(
             main, side, _, fork, join = _side_stream(device, _current_stream(device))
             fork.record(main)
             side.wait_event(fork)
+        shrink = host.config.num_stages is None  # default stages: fewer where the GPU's shared memory ends
         for i, (kernel, grid, args, constexprs, warps, stages, maxnreg) in enumerate(launches):
             if forked and i == 0:
                 with _stream_context(side):
-                    compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg))
+                    compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
                 join.record(side)
                 continue
-            compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg))
+            compiled.append(_launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
             if forked and i == 1:
                 main.wait_event(join)
     if fast is not None and all(c is not None for c in compiled):
@@ -658,6 +659,7 @@ def _launch(
     num_warps: int,
     num_stages: int,
     maxnreg: int | None = None,
+    shrink_stages: bool = False,
 ):
     """Launch ``kernel[grid](*args, *constexprs)``; returns the compiled kernel (None under the interpreter or hooks).
 
@@ -668,9 +670,11 @@ def _launch(
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order. ``maxnreg`` caps the registers per thread (None: the compiler's choice).
 
-    A kernel whose pipeline needs more shared memory than the GPU gives a program is compiled
-    with fewer stages, each try one stage less (logged once per specialisation): the default
-    stages of :meth:`fasttree.FastTreeConfig.launch_stages` fit an H100 or H200 but not every GPU.
+    With ``shrink_stages`` (the config's stages are its defaults, ``num_stages=None``) a kernel
+    whose pipeline needs more shared memory than the GPU gives a program is compiled with fewer
+    stages, each try one stage less (logged once per specialisation): the default stages of
+    :meth:`fasttree.FastTreeConfig.launch_stages` fit an H100 or H200 but not every GPU.
+    Explicit stages that do not fit raise Triton's ``OutOfResources``.
     """
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
@@ -682,7 +686,11 @@ def _launch(
     key = (kernel, device, constexprs, num_warps, num_stages, maxnreg, tuple(_arg_spec(x) for x in args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = _compile_within_shared_memory(kernel, grid, args, constexprs, options)
+        if shrink_stages:
+            compiled = _compile_within_shared_memory(kernel, grid, args, constexprs, options)
+        else:
+            compiled = kernel[grid](*args, *constexprs, **options)
+        _COMPILED[key] = compiled
         return compiled
     stream = _current_stream(args[0].device)
     compiled.run(

@@ -677,8 +677,9 @@ class TreeAttentionRuntime:
                     self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count
             compiled = _launch(
-                tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i]
-            )
+                tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i],
+                shrink_stages=self.config.num_stages is None,
+            )  # fmt: skip
             launched.append((compiled, grid, args, constexprs))
             if not self._programs[i]:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves

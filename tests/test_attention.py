@@ -362,10 +362,10 @@ def test_heads_fastest_item_order_gives_identical_outputs(g, hkv, d, dtype, devi
     grids = []
     real = attention._launch
 
-    def recording(kernel, grid, *rest):
+    def recording(kernel, grid, *rest, **kw):
         if kernel is attention.tree_attention_units_kernel:
             grids.append(grid)
-        return real(kernel, grid, *rest)
+        return real(kernel, grid, *rest, **kw)
 
     monkeypatch.setattr(attention, "_launch", recording)
     outs = []
@@ -377,6 +377,23 @@ def test_heads_fastest_item_order_gives_identical_outputs(g, hkv, d, dtype, devi
     assert half and [gr[::-1] for gr in grids[:half]] == grids[half:] and all(gr[1] == hkv for gr in grids[:half])
     check_against_reference(outs[1], q, k, v, tree)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("stages", "shrink"), [(None, True), ((5, 3), False)])
+def test_only_default_stages_may_shrink_to_fit_shared_memory(stages, shrink, device, monkeypatch):
+    tree = ft.KVTree.from_levels([1, 4], [100, 20])
+    q, k, v = make_inputs(tree, 8, 2, 64, torch.float16, device, torch.Generator().manual_seed(5))
+    seen = []
+    real = attention._launch
+
+    def recording(*args, **kw):
+        seen.append(args[7] if len(args) > 7 else kw.get("shrink_stages", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention, "_launch", recording)
+    plan = ft.plan(tree, ft.FastTreeConfig(num_stages=stages), num_q_heads=8, num_kv_heads=2, head_dim=64)
+    ft.tree_attention(q, k, v, plan)
+    assert seen and all(flag is shrink for flag in seen)
 
 
 @pytest.mark.parametrize(("flag", "n_units", "expected"), [

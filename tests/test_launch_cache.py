@@ -262,9 +262,9 @@ def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch):
     for module in (attention, runtime_module):
         real = module._launch
 
-        def recording(kernel, grid, args, constexprs, *rest, real=real):
+        def recording(kernel, grid, args, constexprs, *rest, real=real, **kw):
             calls.append((kernel, len(args) + len(constexprs)))
-            return real(kernel, grid, args, constexprs, *rest)
+            return real(kernel, grid, args, constexprs, *rest, **kw)
 
         monkeypatch.setattr(module, "_launch", recording)
     gen = torch.Generator().manual_seed(3)
@@ -303,16 +303,19 @@ class _Arg:
         index = 0
 
 
-def test_a_launch_short_of_shared_memory_compiles_with_fewer_stages(monkeypatch, caplog):
+def test_a_default_stages_launch_short_of_shared_memory_compiles_with_fewer_stages(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_interpreting", lambda: False)
     monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
     kernel = ShortOfSharedMemory(fits=3)
     with caplog.at_level("WARNING", logger="fasttree.attention"):
-        got = attention._launch(kernel, (1, 1), (_Arg(),), ("fallback-test",), 4, 5)
+        got = attention._launch(kernel, (1, 1), (_Arg(),), ("fallback-test",), 4, 5, shrink_stages=True)
     assert got == ("compiled", 3) and kernel.tried == [5, 4, 3]
     assert "compiled with 3 stages" in caplog.text
-    # other resources, or no stage left to drop, still raise
+    # explicit stages (no shrinking), other resources, or no stage left to drop still raise
     with pytest.raises(OutOfResources):
-        attention._launch(ShortOfSharedMemory(fits=3, what="registers"), (1, 1), (_Arg(),), ("regs-test",), 4, 5)
+        attention._launch(ShortOfSharedMemory(fits=3), (1, 1), (_Arg(),), ("explicit-test",), 4, 5)
     with pytest.raises(OutOfResources):
-        attention._launch(ShortOfSharedMemory(fits=0), (1, 1), (_Arg(),), ("none-fits",), 4, 2)
+        attention._launch(ShortOfSharedMemory(fits=3, what="registers"), (1, 1), (_Arg(),), ("regs-test",), 4, 5,
+                          shrink_stages=True)  # fmt: skip
+    with pytest.raises(OutOfResources):
+        attention._launch(ShortOfSharedMemory(fits=0), (1, 1), (_Arg(),), ("none-fits",), 4, 2, shrink_stages=True)

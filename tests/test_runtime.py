@@ -431,10 +431,10 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     seen = []
     real = runtime_module._launch
 
-    def recording(kernel, grid, args, constexprs, *rest):
+    def recording(kernel, grid, args, constexprs, *rest, **kw):
         if kernel is runtime_module.tree_attention_persistent_kernel:
             seen.append(constexprs[10])  # OFFSETS_32
-        return real(kernel, grid, args, constexprs, *rest)
+        return real(kernel, grid, args, constexprs, *rest, **kw)
 
     monkeypatch.setattr(runtime_module, "_launch", recording)
     rt = _runtime(device, pool_slots=pool_slots)
@@ -477,10 +477,10 @@ def test_heads_fastest_item_order_gives_identical_runtime_outputs(device, monkey
     seen = []
     real = runtime_module._launch
 
-    def recording(kernel, grid, args, constexprs, *rest):
+    def recording(kernel, grid, args, constexprs, *rest, **kw):
         if kernel is runtime_module.tree_attention_persistent_kernel:
             seen.append(constexprs[-1])  # HEADS_FASTEST
-        return real(kernel, grid, args, constexprs, *rest)
+        return real(kernel, grid, args, constexprs, *rest, **kw)
 
     monkeypatch.setattr(runtime_module, "_launch", recording)
     outs = []
