@@ -377,8 +377,9 @@ def tree_attention_persistent_kernel(
     PairOutRow = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_OUT_ROW), 32)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
-    # items in the per-plan grid's launch order: with HEADS_FASTEST every KV head of unit 0 (the longest),
-    # then of unit 1, ..., else every unit of KV head 0 (longest first), then head 1, ... Program p starts with item p of a slot (slot 1's first items continue the rotation where slot 0's
+    # items in the per-plan grid's launch order: with HEADS_FASTEST every KV head of unit 0 (the
+    # longest), then of unit 1, ..., else every unit of KV head 0 (longest first), then head 1, ...
+    # Program p starts with item p of a slot (slot 1's first items continue the rotation where slot 0's
     # ended). When a slot has more items than programs, a program that finishes an item claims the
     # next unstarted one from the slot's counter, as the hardware scheduler hands out a per-plan
     # grid's programs (H200: 0.80-0.97x the time of a static round-robin on the serving scenarios'
