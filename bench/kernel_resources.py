@@ -1,6 +1,7 @@
 """Registers and spills of every stage-1 kernel variant on Hopper, from the compiler, without a GPU (CPU).
 
     python -m bench.kernel_resources        # writes costmodel/data/kernel_resources_sm90.json
+    python -m bench.kernel_resources --keep-existing   # compiles only the variants the file lacks
 
 Each variant (head dim, query-tile rows, KV tile, masked, warps, stages) is lowered by Triton's
 ahead-of-time path for sm_90 and assembled by the ptxas Triton ships, with ``-v``; its report
@@ -25,12 +26,13 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_M = (16, 32, 64, 128, 256)
 BLOCK_N = (16, 32, 64, 128)
 WARPS = (2, 4, 8)
-STAGES = (1, 2, 3, 4)
+STAGES = (1, 2, 3, 4, 5)  # 5: the 64-row class's default up to GQA 8 (FastTreeConfig.launch_stages)
 GROUP = 4
 OUT = Path("costmodel/data/kernel_resources_sm90.json")
 
 #: Integer arguments tree_attention_units_kernel does not specialise on (``do_not_specialize``).
 _NOT_SPECIALISED = ("unit_offset", "stride_ln")
+_KEY = ("head_dim", "block_m", "block_n", "masked", "num_warps", "num_stages")
 _USED = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -98,21 +100,30 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument(
+        "--keep-existing", action="store_true",
+        help="keep the variants already in --out and compile only the others (when the kernel's code "
+        "behind the kept ones has not changed)",
+    )  # fmt: skip
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     variants = [v for v in itertools.product(HEAD_DIMS, BLOCK_M, BLOCK_N, (False, True), WARPS, STAGES)
                 if v[1] * v[0] <= 256 * 256]  # fmt: skip
-    rows = []
+    kept = {}
+    if args.keep_existing and args.out.exists():
+        for row in json.loads(args.out.read_text()).get("variants", []):
+            kept[tuple(row[k] for k in _KEY)] = row
+    todo = [v for v in variants if v not in kept]
+    done = dict(kept)
     with ProcessPoolExecutor(args.workers) as pool:
-        for i, (variant, result) in enumerate(pool.map(measure, variants, chunksize=4)):
-            d, bm, bn, masked, warps, stages = variant
-            row = {"head_dim": d, "block_m": bm, "block_n": bn, "masked": masked, "num_warps": warps,
-                   "num_stages": stages}  # fmt: skip
+        for i, (variant, result) in enumerate(pool.map(measure, todo, chunksize=4)):
+            row = dict(zip(_KEY, variant, strict=True))
             row.update(result if isinstance(result, dict) else {"error": result})
-            rows.append(row)
+            done[variant] = row
             if i % 50 == 0:
-                print(f"{i + 1}/{len(variants)}", flush=True)
+                print(f"{i + 1}/{len(todo)}", flush=True)
+    rows = [done[v] for v in variants]
     import triton
 
     doc = {

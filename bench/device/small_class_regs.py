@@ -27,11 +27,11 @@ _original = attention._launch
 state = {"cap": None}
 
 
-def capped_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg=None):
+def capped_launch(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg=None, *rest, **kw):
     # constexprs of the units kernel: HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT
     if kernel is tree_attention_units_kernel and constexprs[3] <= 16 and state["cap"] is not None:
         maxnreg = state["cap"]
-    return _original(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)
+    return _original(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, *rest, **kw)
 
 
 attention._launch = capped_launch
