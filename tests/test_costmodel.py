@@ -15,6 +15,7 @@ from sklearn.exceptions import NotFittedError
 import fasttree as ft
 import fasttree.profiler as prof
 from fasttree.attention import merge_heads_per_program
+from fasttree.config import DEFAULT_NUM_STAGES_DEEP
 from fasttree.costmodel.dataset import load_dataset, record_features, tree_id
 from fasttree.costmodel.evaluate import (
     SimulatorBaseline,
@@ -396,6 +397,14 @@ def test_the_ptxas_table_covers_the_profilers_kernel_space():
             for n in prof.KV_TILES:
                 for w in prof.NUM_WARPS:
                     for s in prof.NUM_STAGES:
+                        for masked in (False, True):
+                            assert kernel_resources(d, m, n, masked, w, s) is not None, (d, m, n, masked, w, s)
+    # and the default stages beyond the profiler's (FastTreeConfig.launch_stages), which the tuner also searches
+    for d in (64, 128, 256):
+        for m in (16, 32, 64, 128, 256):
+            for n in prof.KV_TILES:
+                for w in prof.NUM_WARPS:
+                    for s in set(DEFAULT_NUM_STAGES_DEEP) - set(prof.NUM_STAGES):
                         for masked in (False, True):
                             assert kernel_resources(d, m, n, masked, w, s) is not None, (d, m, n, masked, w, s)
 
