@@ -1,11 +1,12 @@
 """Stage-1 items with the KV heads fastest vs the units fastest: an A/B on the GPU.
 
-A stage-1 item is one (work unit, KV head). The kernels hand them out units fastest (every
-unit of KV head 0, longest first, then those of head 1, ...), so the programs running at
+A stage-1 item is one (work unit, KV head). Units fastest (the kernels' order before b5e7450:
+every unit of KV head 0, longest first, then those of head 1, ...), the programs running at
 one time read one or a few heads' 256-byte K and V rows of many slots, rows that lie
-``Hkv * D * 2`` bytes apart in the pools. With ``HEADS_FASTEST`` a unit's heads run
-together and read each slot's rows of all heads, which are contiguous (``fasttree.attention
-._HEADS_FASTEST``).
+``Hkv * D * 2`` bytes apart in the pools. With ``HEADS_FASTEST`` (``fasttree.attention
+._HEADS_FASTEST``, the default since b5e7450) a unit's heads run together and read each
+slot's rows of all heads, which are contiguous. Results: ``docs/bench/h200/heads_fastest_ab_1231380.json``
+(its runtime rows compared one order twice) and ``heads_fastest_ab_runtime_589d1fc.json``.
 
 Timed by CUDA-graph replay, both orders in one run, outputs compared (poisoned with NaN
 first):
