@@ -193,14 +193,13 @@ def coordinate_search(
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     coordinates = COORDINATES if coordinates is None else coordinates
+    g = group_size if group_size is not None else getattr(measure, "group_size", None)
+    d = head_dim if head_dim is not None else getattr(measure, "head_dim", None)
     if start.num_warps is None and any(_field(c) == "num_warps" for c in coordinates):
-        g = group_size if group_size is not None else getattr(measure, "group_size", None)
         if g is None:
             raise ValueError("start has num_warps=None (derived from the GQA ratio): pass group_size")
         start = dataclasses.replace(start, num_warps=start.launch_warps(g))
     if start.num_stages is None and any(_field(c) == "num_stages" for c in coordinates):
-        g = group_size if group_size is not None else getattr(measure, "group_size", None)
-        d = head_dim if head_dim is not None else getattr(measure, "head_dim", None)
         if g is None or d is None:
             raise ValueError("start has num_stages=None (derived from the GQA ratio and head dim): pass "
                              "group_size and head_dim")  # fmt: skip
