@@ -123,9 +123,16 @@ def _cut_into_pieces(
     return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
 
 
+#: How a block's pieces are cut into runs (bins): ``"fill"`` closes a run once it holds
+#: ``budget`` or more tokens, which can leave a short last run; ``"balanced"`` cuts a block of
+#: ``T`` tokens into ``round(T / budget)`` (>= 1) runs of about equal tokens, ``"balanced_floor"``
+#: into ``floor(T / budget)`` (>= 1).
+RUN_SPLIT = "fill"
+
+
 def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
-    """Whether each piece starts a run (bin): runs never cross a block and close once they
-    hold ``budget`` or more tokens (by the exclusive sum of tokens within the block)."""
+    """Whether each piece starts a run (bin): runs never cross a block; within a block they
+    are cut as :data:`RUN_SPLIT` says (by the exclusive sum of tokens within the block)."""
     new_run = np.empty(block.size, dtype=bool)
     new_run[0] = True
     np.not_equal(block[1:], block[:-1], out=new_run[1:])
@@ -133,7 +140,18 @@ def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarra
     excl -= tokens
     # tokens before the piece's block: excl never decreases, so the last block start's excl
     excl -= np.maximum.accumulate(excl * new_run)
-    excl //= budget
+    if RUN_SPLIT != "fill":
+        starts = new_run.nonzero()[0]
+        total = np.add.reduceat(tokens, starts)
+        if RUN_SPLIT == "balanced":
+            n_runs = np.maximum(1, (2 * total + budget) // (2 * budget))  # round half up
+        else:
+            n_runs = np.maximum(1, total // budget)
+        span = (new_run.cumsum() - 1).astype(np.intp)  # block index of every piece
+        excl *= n_runs[span]
+        excl //= total[span]
+    else:
+        excl //= budget
     new_run[1:] |= excl[1:] != excl[:-1]
     return new_run
 

@@ -1,0 +1,206 @@
+"""A/B of a planner switch (a module attribute) on the GPU, on the plans it changes.
+
+Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.packing:RUN_SPLIT``) to each of
+``--values`` in turn (the first is the baseline), plans, and times by CUDA-graph replay:
+
+* ``tree_attention`` on the paper cases (default config) whose plan some value changes, each
+  value's output checked against the float64 reference on sampled queries;
+* ``TreeAttentionRuntime.forward`` (the serving path) and ``tree_attention`` on the Llama and
+  Mistral trees of the four serving scenarios (steps 10, 25, 39), with the configs the decode
+  benchmark uses (``docs/tune/export_measured.json``), where some value changes a plan.
+
+The switch is restored after every use. ::
+
+    python3 bench/device/switch_ab.py --switch fasttree.packing:RUN_SPLIT \\
+        --values fill,balanced --out $OUT/run_split_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import fasttree as ft
+from bench.common import checked_graph_time, geomean, random_case, write_device_result
+from fasttree.export import read_export
+from fasttree.runtime import TreeAttentionRuntime
+from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.timing import graph_time_us
+from fasttree.workloads import iter_serving
+
+D = 128
+SCENARIOS = ("multi_document_qa", "few_shot", "multi_level_system_prompts", "chain_reasoning")
+STEPS = (10, 25, 39)
+MODELS = {"llama": (32, 32), "mistral": (32, 8)}
+
+
+def parse_value(text: str) -> Any:
+    """A ``--values`` item: JSON (numbers, true/false, null) when it parses, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+@contextmanager
+def switched(module, attr: str, value) -> Iterator[None]:
+    old = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
+
+
+def describe(plan: ft.Plan) -> dict:
+    s = plan.stats()
+    return {"kv_tokens_read": int(s["kv_tokens_read"]), "units": [int(u) for u in s["units"]],
+            "partial_rows": int(plan.n_partial_rows), "gflops": float(s["flops"]) / 1e9}  # fmt: skip
+
+
+def plans(module, attr, values, tree, config, hq, hkv) -> list[ft.Plan]:
+    out = []
+    for value in values:
+        with switched(module, attr, value):
+            out.append(ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D))
+    return out
+
+
+def differ(ps: list[ft.Plan]) -> bool:
+    first = ps[0]
+    return any(p.stats() != first.stats() or p.n_partial_rows != first.n_partial_rows for p in ps[1:])
+
+
+def paper_rows(module, attr, values, names) -> list[dict]:
+    rows = []
+    for case in range(1, 16):
+        tree = paper_tree(case)
+        for heads, (hq, hkv) in PAPER_HEADS.items():
+            ps = plans(module, attr, values, tree, None, hq, hkv)
+            if not differ(ps):
+                continue
+            q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
+            row = {"case": case, "heads": heads}
+            for name, plan in zip(names, ps, strict=True):
+                row[name] = {**checked_graph_time(plan, q, k, v, sample, ref), **describe(plan)}
+            rows.append(row)
+            base = row[names[0]]["graph_us"]
+            ratios = " ".join(f"{n}:{row[n]['graph_us'] / base:.3f}" for n in names[1:])
+            errs = "/".join(f"{row[n]['err']:.1e}" for n in names)
+            print(f"{case}/{heads}: {names[0]} {base:.1f} us {ratios} err {errs}", flush=True)
+    return rows
+
+
+def time_tree(rt: TreeAttentionRuntime, plan: ft.Plan, tree: ft.KVTree, q, k, v, out) -> tuple[float, float, float]:
+    """Graph-replay medians (us) of ``rt.forward`` after ``rt.plan(tree)`` and of
+    ``tree_attention`` on ``plan``, and the worse relative error of the two (outputs poisoned)."""
+    n = tree.n_queries
+    rt.plan(tree)
+    t_rt = graph_time_us(lambda: rt.forward(q, k, v, out=out))["median"]
+    ref = ft.reference_attention(q[:n], k, v, tree)
+    out.fill_(float("nan"))
+    rt.forward(q, k, v, out=out)
+    err = ft.max_relative_error(out[:n], ref)
+    qn = q[:n].contiguous()
+    o2 = torch.full_like(qn, float("nan"))
+    t_plan = graph_time_us(lambda: ft.tree_attention(qn, k, v, plan, out=o2))["median"]
+    return t_rt, t_plan, max(err, ft.max_relative_error(o2, ref))
+
+
+def decode_rows(module, attr, values, names) -> list[dict]:
+    rows = []
+    export = read_export("docs/tune/export_measured.json")
+    gpu = torch.cuda.get_device_name(0)
+    for model, (hq, hkv) in MODELS.items():
+        config, _ = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16)
+        for scenario in SCENARIOS:
+            steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
+            trees = [steps[i].tree for i in STEPS]
+            if not any(differ(plans(module, attr, values, t, config, hq, hkv)) for t in trees):
+                continue
+            slots = max(t.max_slot for t in trees) + 1
+            n_rows = max(t.n_queries for t in trees)
+            gen = torch.Generator(device="cuda").manual_seed(7)
+            q = torch.randn(n_rows, hq, D, generator=gen, device="cuda", dtype=torch.float16)
+            k = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
+            v = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
+            out = torch.empty_like(q)
+            row = {"model": model, "scenario": scenario}
+            for name, value in zip(names, values, strict=True):
+                with switched(module, attr, value):
+                    rt = TreeAttentionRuntime(
+                        config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
+                        max_queries=n_rows, max_kv_entries=8 * slots, max_units=1 << 16,
+                        max_partial_rows=64 * n_rows, pool_slots=slots, extend_steps=0,
+                    )  # fmt: skip
+                    runtime_us = per_plan_us = 0.0
+                    errs = []
+                    for tree in trees:
+                        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
+                        t_rt, t_plan, err = time_tree(rt, plan, tree, q, k, v, out)
+                        runtime_us += t_rt
+                        per_plan_us += t_plan
+                        errs.append(err)
+                row[name] = {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
+            rows.append(row)
+            base = row[names[0]]
+            ratios = " ".join(
+                f"{n}: runtime {row[n]['runtime_us'] / base['runtime_us']:.3f} "
+                f"tree_attention {row[n]['tree_attention_us'] / base['tree_attention_us']:.3f}"
+                for n in names[1:]
+            )
+            errs = "/".join(f"{row[n]['max_err']:.1e}" for n in names)
+            print(f"{model} {scenario}: {ratios} err {errs}", flush=True)
+    return rows
+
+
+def summarize(paper: list[dict], decode: list[dict], names: list[str]) -> dict:
+    base = names[0]
+    out = {}
+    for n in names[1:]:
+        r = [row[n]["graph_us"] / row[base]["graph_us"] for row in paper]
+        out[n] = {
+            "paper_changed": len(r),
+            "paper_geomean_over_changed": geomean(r),
+            "paper_geomean_over_45": geomean(r + [1.0] * (45 - len(r))),
+            "paper_best": min(r, default=None),
+            "paper_worst": max(r, default=None),
+            "paper_max_err": max((row[n]["err"] for row in paper), default=None),
+            "decode_runtime": geomean([row[n]["runtime_us"] / row[base]["runtime_us"] for row in decode]),
+            "decode_tree_attention": geomean(
+                [row[n]["tree_attention_us"] / row[base]["tree_attention_us"] for row in decode]
+            ),
+            "decode_max_err": max((row[n]["max_err"] for row in decode), default=None),
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--switch", required=True, help="module:ATTRIBUTE, e.g. fasttree.packing:RUN_SPLIT")
+    p.add_argument("--values", required=True, help="comma-separated values, the baseline first")
+    p.add_argument("--no-decode", action="store_true", help="paper cases only")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    mod_name, _, attr = args.switch.partition(":")
+    module = importlib.import_module(mod_name)
+    if not attr or not hasattr(module, attr):
+        p.error(f"{args.switch!r} names no attribute of {mod_name}")
+    names = args.values.split(",")
+    values = [parse_value(x) for x in names]
+    paper = paper_rows(module, attr, values, names)
+    decode = [] if args.no_decode else decode_rows(module, attr, values, names)
+    summary = summarize(paper, decode, names)
+    print(json.dumps(summary, indent=1), flush=True)
+    write_device_result(args.out, summary, switch=args.switch, values=names, paper=paper, decode=decode)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
