@@ -123,16 +123,11 @@ def _cut_into_pieces(
     return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
 
 
-#: How a block's pieces are cut into runs (bins): ``"fill"`` closes a run once it holds
-#: ``budget`` or more tokens, which can leave a short last run; ``"balanced"`` cuts a block of
-#: ``T`` tokens into ``round(T / budget)`` (>= 1) runs of about equal tokens, ``"balanced_floor"``
-#: into ``floor(T / budget)`` (>= 1).
-RUN_SPLIT = "fill"
-
-
-def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
-    """Whether each piece starts a run (bin): runs never cross a block; within a block they
-    are cut as :data:`RUN_SPLIT` says (by the exclusive sum of tokens within the block)."""
+def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int, balanced: bool = False) -> np.ndarray:
+    """Whether each piece starts a run (bin): runs never cross a block. Within a block (by the
+    exclusive sum of tokens there) a run closes once it holds ``budget`` or more tokens, or with
+    ``balanced`` a block of ``T`` tokens is cut into ``max(1, round(T / budget))`` runs of about
+    ``T / n`` tokens each (so no short last run)."""
     new_run = np.empty(block.size, dtype=bool)
     new_run[0] = True
     np.not_equal(block[1:], block[:-1], out=new_run[1:])
@@ -140,16 +135,13 @@ def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarra
     excl -= tokens
     # tokens before the piece's block: excl never decreases, so the last block start's excl
     excl -= np.maximum.accumulate(excl * new_run)
-    if RUN_SPLIT != "fill":
+    if balanced:
         starts = new_run.nonzero()[0]
         total = np.add.reduceat(tokens, starts)
-        if RUN_SPLIT == "balanced":
-            n_runs = np.maximum(1, (2 * total + budget) // (2 * budget))  # round half up
-        else:
-            n_runs = np.maximum(1, total // budget)
-        span = (new_run.cumsum() - 1).astype(np.intp)  # block index of every piece
-        excl *= n_runs[span]
-        excl //= total[span]
+        n_runs = np.maximum(1, (2 * total + budget) // (2 * budget))  # round half up
+        block_of = np.cumsum(new_run) - 1  # every piece's block, 0 .. len(starts) - 1
+        excl *= n_runs[block_of]
+        excl //= total[block_of]
     else:
         excl //= budget
     new_run[1:] |= excl[1:] != excl[:-1]
@@ -171,6 +163,7 @@ def pack_units(
     query_of_rank: np.ndarray | None = None,
     pairs_in_order: bool = False,
     identity_slots: int = 0,
+    balanced: bool = False,
 ) -> PackedUnits | None:
     """Pack eligible units into bins of at most ``capacity`` queries and about ``budget`` tokens.
 
@@ -178,8 +171,9 @@ def pack_units(
     ``capacity`` consecutive DFS ranks (a unit across k blocks becomes k pieces, each
     reading the unit's KV). Pieces are sorted by (block, lowest rank) and cut, within a
     block, into runs of about ``budget`` KV tokens (a run closes once it holds
-    ``budget`` or more); a run of two or more pieces, or one holding a piece of a cut
-    unit, becomes a bin. Other units are left as they were. A bin's rows are the
+    ``budget`` or more; with ``balanced``, a block of ``T`` tokens becomes
+    ``max(1, round(T / budget))`` runs of about equal tokens); a run of two or more
+    pieces, or one holding a piece of a cut unit, becomes a bin. Other units are left as they were. A bin's rows are the
     positions from its lowest to its highest served query, so its row count
     (``q_len``) says which tile class can hold it.
 
@@ -207,6 +201,9 @@ def pack_units(
     identity_slots : int
         ``kv_slots[:identity_slots]`` is ``arange(identity_slots)``: the bins' KV read there
         is computed instead of gathered; the result is the same.
+    balanced : bool
+        Cut each block into runs of about equal tokens instead of filling runs up to the
+        budget, which can leave a short last run (a lone piece there stays a plain unit).
 
     Returns
     -------
@@ -224,7 +221,7 @@ def pack_units(
         eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order
     )
     tokens = kv_len[unit].astype(np.int64, copy=False)
-    new_run = _run_starts(lowest // capacity, tokens, budget)
+    new_run = _run_starts(lowest // capacity, tokens, budget, balanced)
     # a piece alone in its run stays a plain unit unless its unit was cut
     lone = np.empty(new_run.size, dtype=bool)
     lone[-1] = True

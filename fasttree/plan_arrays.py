@@ -115,6 +115,18 @@ def _solo_units(
     return solo
 
 
+#: Whether packing cuts a block of queries' pieces into bins of about equal tokens
+#: (``balanced`` of :func:`fasttree.packing.pack_units`) rather than filling bins up to the
+#: token budget. None: balanced when the bins fill a large tile bigger than the small one (GQA
+#: with two tile classes). There a short last bin holding one piece stays a plain unit that
+#: runs in the small tile class: with GQA 16 a second launch, and a merge for its query. On the
+#: H200 (``docs/bench/h200/run_split_ab_02f073c.json``, every bin balanced), the paper's GQA
+#: cases that change ran at 0.79-1.00x (11-15/gqa16 0.79-0.85x, their merge gone; 3/gqa4
+#: 0.91x), MHA's 16-query bins in the small tile at 0.99-1.05x and Llama decode trees at
+#: 1.00-1.03x, hence MHA keeps filled bins.
+_BALANCED_RUNS: bool | None = None
+
+
 #: Whether units with more queries than a packed unit holds (:func:`_pack_capacity`; MHA's
 #: large-tile units of up to 64 queries against 16-query bins) may be packed: cut into one
 #: piece per block of that many queries, each piece reading the unit's whole KV.
@@ -440,11 +452,15 @@ def materialize(
             wide = u_q_len > capacity
             kept_out = wide if kept_out is None else kept_out | wide
         eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, kept_out)
+        balanced = _BALANCED_RUNS
+        if balanced is None:  # bins fill a large tile, and a lone piece would run in the smaller one
+            balanced = block_m[0] // g <= MAX_PACK_QUERIES and block_m[0] > block_m[1]
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
             query_rank=query_rank, capacity=capacity, budget=budget,
             query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
+            balanced=balanced,
         )  # fmt: skip
     n_pairs = pair_query.size
     if packed is None:

@@ -268,6 +268,29 @@ def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, m
     check_against_reference(out, q, k, v, forest)
 
 
+@pytest.mark.parametrize(("levels", "g", "hkv", "dtype"), [
+    (((1, 2, 8), (64, 40, 4)), 16, 1, torch.float16),
+    (((1, 2, 8), (200, 100, 4)), 16, 1, torch.bfloat16),
+    (((1, 2, 8), (200, 100, 4)), 4, 2, torch.float16),
+])  # fmt: skip
+def test_balanced_and_filled_bins_match_reference(levels, g, hkv, dtype, device, monkeypatch):
+    # trees where balanced bins (the GQA default) and filled ones plan differently: both correct
+    from fasttree import plan_arrays
+
+    tree = ft.KVTree.from_levels(*levels)
+    cfg = ft.FastTreeConfig(pack_min_units=32, para_threshs1=(1, 1), para_threshs2=(1, 1))
+    gen = torch.Generator().manual_seed(g + hkv)
+    q, k, v = make_inputs(tree, g * hkv, hkv, 64, dtype, device, gen)
+    units = []
+    for balanced in (None, False):
+        monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", balanced)
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
+        units.append(plan.stats()["units"])
+        out = run_poisoned(lambda o, plan=plan: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+    assert units[0] != units[1], "the plans should differ, or the test covers nothing new"
+
+
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[2], SHAPES[3]])
 def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, monkeypatch):
     # random forests (queries at internal nodes, scattered slots) with the solo rule forced on

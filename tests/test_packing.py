@@ -105,6 +105,57 @@ def test_a_cut_unit_alone_in_its_block_still_becomes_a_bin():
     assert p.is_bin.tolist() == [True, True] and p.q_len.tolist() == [2, 2]
 
 
+def test_balanced_runs_leave_no_short_last_bin():
+    # a block of 4 queries: a 528-token unit they share, then one 16-token leaf each (592 tokens);
+    # a budget of 574 fills a bin with all but the last leaf, which stays a plain unit
+    u = _units([[0, 1, 2, 3], [0], [1], [2], [3]], [528, 16, 16, 16, 16])
+    kw = dict(eligible=np.ones(5, bool), query_rank=np.arange(4), capacity=4, budget=574)
+    fill = pack_units(**u, **kw)
+    assert fill.is_bin.tolist() == [False, True] and fill.kv_len.tolist() == [16, 576]
+    balanced = pack_units(**u, **kw, balanced=True)  # round(592 / 574) = 1 bin
+    assert balanced.is_bin.tolist() == [True] and balanced.kv_len.tolist() == [592]
+    assert balanced.q_len.tolist() == [4] and balanced.pair_present.all()
+
+
+@pytest.mark.parametrize(
+    ("budget", "want"), [(40, [30, 30]), (25, [30, 30]), (20, [20, 20, 20]), (50, [60]), (70, [60])]
+)
+def test_balanced_runs_split_a_block_evenly(budget, want):
+    # six 10-token units of one 8-query block: round(60 / budget) bins of about equal tokens
+    u = _units([[j] for j in range(6)], [10] * 6)
+    p = pack_units(**u, eligible=np.ones(6, bool), query_rank=np.arange(8), capacity=8, budget=budget, balanced=True)
+    assert p.is_bin.all() and p.kv_len.tolist() == want
+    assert sorted(p.pair_query[p.pair_present].tolist()) == list(range(6))
+
+
+@pytest.mark.parametrize("case", [11, 15])
+def test_gqa16_deep_tree_bins_hold_whole_blocks(case):
+    # paper cases 11-15 at GQA 16: filled bins left a 16-token leaf per 4-query block in a second,
+    # 16-row tile class with a merge (512 partial rows); balanced bins hold whole blocks
+    tree = paper_tree(case)
+    plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    assert plan.n_partial_rows == 0
+    assert plan.stats()["units"][1] == 0
+    check_plan(tree, plan)
+
+
+def test_balanced_runs_switch(monkeypatch):
+    from fasttree import plan_arrays
+
+    tree = paper_tree(11)
+    monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", False)
+    filled = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    assert filled.n_partial_rows == 512  # as before balanced runs
+    check_plan(tree, filled)
+    # MHA's 16-query bins live in the small tile: the default keeps filling them
+    monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", None)
+    mha_default = ft.plan(paper_tree(1), num_q_heads=32, num_kv_heads=32, head_dim=128)
+    monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", False)
+    mha_filled = ft.plan(paper_tree(1), num_q_heads=32, num_kv_heads=32, head_dim=128)
+    assert mha_default.n_partial_rows == mha_filled.n_partial_rows
+    np.testing.assert_array_equal(mha_default.unit_kv_len, mha_filled.unit_kv_len)
+
+
 @pytest.mark.parametrize(("capacity", "budget"), [(0, 10), (MAX_PACK_QUERIES + 1, 10), (4, 0)])
 def test_pack_units_rejects_bad_sizes(capacity, budget):
     u = _units([[0], [1]], [4, 4])
