@@ -10,6 +10,7 @@ several configs share one: the unit of the per-tree rank metrics) and the split.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -96,14 +97,25 @@ def tree_id(record: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+#: The planner's rules newer than the first traces, newest first (keyword arguments of
+#: :func:`fasttree.plan` that switch one off).
+_RULES = ("whole_groups", "balanced_bins", "solo_units")
+
+#: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
+#: off, all of them first (how most shipped traces were planned), then more rules on before fewer.
+_LEGACY_RULES: tuple[dict[str, bool], ...] = tuple(
+    {name: False for name in off} for n in range(len(_RULES), 0, -1) for off in itertools.combinations(_RULES, n)
+)
+
+
 def record_plan(record: dict[str, Any]):
     """Re-plan one measurement record with the library's planner (its tree, heads and config).
 
     The plan must be the one that was measured. When the record's plan summary (units per
     tile class, KV tokens read, partial rows) differs from the re-planned one, the record
-    is planned again as before the planner's newest rule (``solo_units=False``, the rule
-    added at e2e3a4b) and that plan is kept if it matches; otherwise the re-planned one is
-    returned (logged at DEBUG).
+    is planned again with the planner's newer rules switched off (:data:`_LEGACY_RULES`:
+    whole groups, balanced bins, solo units) and the first plan that matches is kept;
+    otherwise the re-planned one is returned (logged at DEBUG).
     """
     import fasttree as ft
 
@@ -113,9 +125,10 @@ def record_plan(record: dict[str, Any]):
     measured = record.get("plan")
     if measured is None or _same_plan(plan, measured):
         return plan
-    legacy = ft.plan(*args, **heads, solo_units=False)
-    if _same_plan(legacy, measured):
-        return legacy
+    for rules in _LEGACY_RULES:
+        legacy = ft.plan(*args, **heads, **rules)
+        if _same_plan(legacy, measured):
+            return legacy
     logger.debug("record %s: no planner rule set reproduces its measured plan", record.get("key"))
     return plan
 

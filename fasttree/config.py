@@ -89,10 +89,13 @@ class FastTreeConfig:
         KV tokens per inner-loop tile (a power of two >= 16) for each tile class.
     kv_split_sizes : tuple of int
         (default, small) number of KV tokens per work unit; a tile class with too few
-        units switches to the small one.
+        units switches to the small one. Groups longer than the default size are cut at
+        it only where their class would, uncut, have fewer units x KV heads than
+        ``para_threshs1`` (twice it for the small class; see
+        :data:`fasttree.planner._WHOLE_GROUPS_MIN_ITEMS`).
     para_threshs1 : tuple of int
         Per tile class, the work units x KV heads under which that class uses the small
-        split size.
+        split size (and, scaled as above, under which it cuts long groups at all).
     para_threshs2 : tuple of int
         (large, small): when both classes have work and the large one has fewer units x
         KV heads than the first value, every group uses the small tile; else, when the

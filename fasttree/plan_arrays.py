@@ -347,6 +347,7 @@ def materialize(
     query_rank: np.ndarray | None = None,
     query_of_rank: np.ndarray | None = None,
     solo_units: bool = True,
+    balanced_bins: bool = True,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -377,6 +378,9 @@ def materialize(
     solo_units : bool
         Keep long units that fit the small tile out of large-tile bins where the bins would
         waste enough matrix work on them (:func:`_solo_units`).
+    balanced_bins : bool
+        Let :data:`_BALANCED_RUNS` decide how bins are cut; False fills every bin up to the
+        token budget (plans before that rule).
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -452,7 +456,7 @@ def materialize(
             wide = u_q_len > capacity
             kept_out = wide if kept_out is None else kept_out | wide
         eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, kept_out)
-        balanced = _BALANCED_RUNS
+        balanced = _BALANCED_RUNS if balanced_bins else False
         if balanced is None:  # bins fill a large tile, and a lone piece would run in the smaller one
             balanced = block_m[0] // g <= MAX_PACK_QUERIES and block_m[0] > block_m[1]
         packed = pack_units(

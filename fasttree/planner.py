@@ -806,6 +806,17 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
     return True
 
 
+#: The long-context split (``kv_split_sizes[0]``) cuts a phase's groups only where the phase
+#: needs the parallelism: when, uncut, it has fewer than ``factor * para_threshs1`` units x KV
+#: heads, the factor per phase (large, small). None: always cut, as the published planner does.
+#: Cut groups cost partials and a merge for every query they serve. On the H200 (A/B of every
+#: case and serving tree this changes, ``docs/bench/h200/split_when_needed_ab2_7e015bf.json``),
+#: factors (1, 2) ran paper cases 5 and 7/mha at 0.93-0.95x (7/gqa4 0.99x), the runtime on Llama
+#: multi-document and few-shot trees at 0.95x and Mistral multi-level ones at 0.89x, the rest
+#: within 0.4%; factor 1 for the small phase cost Mistral's multi-document trees 1-3%.
+_WHOLE_GROUPS_MIN_ITEMS: tuple[int, int] | None = (1, 2)
+
+
 # ----------------------------------------------------------------------- plan
 def plan(
     tree: KVTree,
@@ -815,15 +826,19 @@ def plan(
     num_kv_heads: int,
     head_dim: int,
     solo_units: bool = True,
+    balanced_bins: bool = True,
+    whole_groups: bool = True,
 ) -> Plan:
     """Plan tree attention for one tree on the host.
 
-    The adaptive passes follow the published planner: after the greedy, a phase whose
-    units x KV heads are fewer than ``para_threshs1`` (and more than zero) switches to
-    the small split size; only if a split changed, the units are recounted, and when the
-    large phase has fewer than ``para_threshs2[0]`` (or else the small one fewer than
-    ``para_threshs2[1]``) every group moves to the small (large) tiles and the greedy
-    runs again with them.
+    The adaptive passes follow the published planner, with one change: groups longer than
+    the big split size ``kv_split_sizes[0]`` are cut at it only in a phase that would,
+    uncut, have too few units x KV heads to fill the GPU (:data:`_WHOLE_GROUPS_MIN_ITEMS`).
+    Then a phase whose units x KV heads are fewer than ``para_threshs1`` (and more than
+    zero) switches to the small split size; only if a split changed, the units are
+    recounted, and when the large phase has fewer than ``para_threshs2[0]`` (or else the
+    small one fewer than ``para_threshs2[1]``) every group moves to the small (large) tiles
+    and the greedy runs again with them.
 
     Parameters
     ----------
@@ -841,6 +856,14 @@ def plan(
         before that rule: what the runtime's one-launch stage 1 wants (unpacked, those
         units would run with the large tile's registers), and how the traces measured
         before it were planned.
+    balanced_bins : bool
+        Cut GQA bins that fill the large tile into runs of about equal tokens
+        (:data:`fasttree.plan_arrays._BALANCED_RUNS`; added at 6e1fdcd). False fills every
+        bin up to the token budget, as plans were made before that rule.
+    whole_groups : bool
+        Cut long groups at the big split size only where a phase needs the parallelism
+        (:data:`_WHOLE_GROUPS_MIN_ITEMS`; added after 7e015bf). False always cuts them, as
+        the published planner and plans before that rule did.
 
     Returns
     -------
@@ -868,6 +891,13 @@ def plan(
     big, small = config.kv_split_sizes
     splits = [big, big]
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
+    if whole_groups and _WHOLE_GROUPS_MIN_ITEMS is not None and units_for.longest > big:
+        # the long-context split only where a phase needs the parallelism
+        whole = units_for.longest
+        uncut = units_for([whole, whole])
+        for c in (0, 1):
+            if uncut[c] >= config.para_threshs1[c] * _WHOLE_GROUPS_MIN_ITEMS[c]:
+                splits[c] = whole
     units = units_for(splits)
     changed = False
     for c in (0, 1):
@@ -907,6 +937,7 @@ def plan(
         query_rank=gx.rank,
         query_of_rank=gx.query_of_rank,
         solo_units=solo_units,
+        balanced_bins=balanced_bins,
     )
 
 

@@ -70,6 +70,24 @@ def test_tree_attention_matches_reference_on_random_forests(g, hkv, d, dtype, de
         check_against_reference(out, q, k, v, tree)
 
 
+@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4]])
+def test_long_groups_left_whole_match_reference(g, hkv, d, dtype, device):
+    # para_threshs1 of 1: every phase has enough units uncut, so groups longer than the big split
+    # stay whole (long single units, fewer partials); random forests with internal-node queries
+    rng = np.random.default_rng(300 + g + d)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    whole = 0
+    for _ in range(6):
+        tree = random_tree(rng, max_nodes=20, max_len=400)
+        cfg = ft.FastTreeConfig(kv_split_sizes=(64, 16), para_threshs1=(1, 1), kv_tile=(16, 32))
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        whole += int(plan.unit_kv_len.max()) > 64
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+    assert whole >= 2, "too few plans kept a group longer than the big split whole"
+
+
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), SHAPES[:4])
 def test_query_separated_attention_matches_reference(g, hkv, d, dtype, device):
     rng = np.random.default_rng(77 + g)

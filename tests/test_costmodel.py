@@ -424,16 +424,31 @@ def test_features_name_the_compiled_facts_of_both_classes():
             assert row[f"c{c}_ptx_regs"] == 0
 
 
-@pytest.mark.parametrize("solo", [True, False])
-def test_record_plan_reproduces_the_measured_plan(solo):
-    # paper case 8 (GQA 4) plans differently since the solo rule (e2e3a4b): a record measured
-    # before it must be re-planned as it was measured, a newer one as today
+_GQA4 = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+_GQA16 = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
+_ALL_OFF = {"solo_units": False, "balanced_bins": False, "whole_groups": False}
+
+
+@pytest.mark.parametrize(
+    ("case", "heads", "rules"),
+    [
+        (8, _GQA4, {}),
+        (8, _GQA4, {"solo_units": False}),  # 8/gqa4 plans differently since the solo rule (e2e3a4b)
+        (5, _GQA4, {"whole_groups": False}),  # 5/*: the root is no longer cut at 1,024 tokens
+        (11, _GQA16, {"balanced_bins": False}),  # 11/gqa16: balanced bins (6e1fdcd)
+        (11, _GQA16, _ALL_OFF),
+        (5, _GQA16, _ALL_OFF),
+    ],
+)
+def test_record_plan_reproduces_the_measured_plan(case, heads, rules):
+    # a record measured before a planner rule must be re-planned as it was measured, a newer one
+    # as today
     from fasttree.costmodel.dataset import record_plan
     from fasttree.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary
 
-    tree, heads = paper_tree(8), {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
-    measured = ft.plan(tree, **heads, solo_units=solo)
+    tree = paper_tree(case)
+    measured = ft.plan(tree, **heads, **rules)
     record = {
         "workload": {"tree": encode_tree(tree)},
         "config": ft.FastTreeConfig().to_dict(),
@@ -443,7 +458,25 @@ def test_record_plan_reproduces_the_measured_plan(solo):
     got = record_plan(record)
     assert got.units_per_class() == measured.units_per_class()
     assert np.array_equal(got.unit_kv_len, measured.unit_kv_len)
-    assert ft.plan(tree, **heads, solo_units=not solo).units_per_class() != measured.units_per_class()
+    assert got.n_partial_rows == measured.n_partial_rows
+    today = ft.plan(tree, **heads)
+    assert (today.stats() != measured.stats()) == bool(rules)  # the case covers the rule
+
+
+@pytest.mark.parametrize(("folder", "every"), [("h200_heldout", 1), ("h200_validate", 1), ("h200", 25)])
+def test_shipped_traces_re_plan_to_their_measured_plans(folder, every):
+    # the latency model's features come from re-planned records: a planner change must keep every
+    # shipped record reproducible (a new rule needs its switch in costmodel.dataset._RULES)
+    from pathlib import Path
+
+    from fasttree.costmodel.dataset import _same_plan, record_plan
+    from fasttree.traces import read_traces
+
+    files = sorted((Path(__file__).parents[1] / "traces" / folder).glob("*.jsonl.gz"))
+    records = [r for r in read_traces(files, kind="measurement").records if r.get("plan")][::every]
+    assert len(records) >= 500
+    bad = [r.get("key") for r in records if not _same_plan(record_plan(r), r["plan"])]
+    assert not bad, f"{len(bad)} of {len(records)} records re-plan differently, e.g. {bad[:3]}"
 
 
 def test_stage1_overlap_feature_marks_two_class_plans_measured_side_by_side():

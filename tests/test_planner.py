@@ -189,8 +189,38 @@ def test_small_split_used_when_a_phase_has_few_units():
     # every group is in the small phase; the empty large phase keeps the default split
     assert [tc.split for tc in plan.tile_classes] == [cfg.kv_split_sizes[0], cfg.kv_split_sizes[1]]
     assert plan.unit_kv_len.max() <= cfg.kv_split_sizes[1]
-    plan_big = ft.plan(tree, cfg.with_(para_threshs1=(0, 0)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    # 8 uncut units x heads are too few for a threshold of 20 (x2 in the small phase): the big
+    # split cuts the 4,000-token root, and its 32 units x heads are enough to keep it
+    plan_big = ft.plan(tree, cfg.with_(para_threshs1=(20, 20)), num_q_heads=4, num_kv_heads=4, head_dim=64)
     assert plan_big.unit_kv_len.max() == min(4010, cfg.kv_split_sizes[0])
+    # thresholds of 0: every phase has enough units, so nothing is cut
+    plan_whole = ft.plan(tree, cfg.with_(para_threshs1=(0, 0)), num_q_heads=4, num_kv_heads=4, head_dim=64)
+    assert plan_whole.unit_kv_len.max() >= 4000
+
+
+def test_long_groups_stay_whole_where_a_phase_has_enough_units(monkeypatch):
+    # paper case 5: a 2,048-token root shared by 1,024 queries; uncut it already gives 512 units
+    # x KV heads at GQA 16 (>= para_threshs1[0]), so it is not cut at 1,024 (which would add a
+    # partial row and a merge for every query)
+    tree = paper_tree(5)
+    plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    check_plan(tree, plan)
+    assert plan.unit_kv_len.max() == 2048 and plan.n_partial_rows == 2 * 1024
+    monkeypatch.setattr(planner_mod, "_WHOLE_GROUPS_MIN_ITEMS", None)  # the published rule: always cut
+    cut = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    check_plan(tree, cut)
+    assert cut.unit_kv_len.max() == 1024 and cut.n_partial_rows == 3 * 1024
+
+
+@pytest.mark.parametrize(("threshs", "cut_small"), [((8, 9), False), ((8, 10), True)])
+def test_small_phase_needs_twice_the_threshold_to_stay_whole(threshs, cut_small):
+    # 9 one-query chains of 300 tokens (small phase) at 2 KV heads: 18 uncut units x heads, cut
+    # once the small threshold doubled exceeds them
+    tree = ft.KVTree.from_lengths([-1] * 9, [300] * 9, list(range(9)))
+    cfg = ft.FastTreeConfig(kv_split_sizes=(128, 64), para_threshs1=threshs, para_threshs2=(0, 0))
+    plan = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    check_plan(tree, plan)
+    assert (plan.unit_kv_len.max() <= 128) == cut_small
 
 
 def test_tile_pass_forces_small_tiles_when_large_phase_is_underfilled():

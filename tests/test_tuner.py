@@ -29,10 +29,11 @@ from optuna.trial import TrialState
 
 import fasttree as ft
 from fasttree.config import FastTreeConfig
+from fasttree.costmodel.dataset import record_plan
 from fasttree.costmodel.features import SIM_TOTAL, features_of_plan
 from fasttree.costmodel.gpu import gpu_spec
 from fasttree.costmodel.persist import load_model
-from fasttree.traces import decode_tree, read_traces
+from fasttree.traces import read_traces
 from fasttree.tuner import (
     Bucket,
     LatencyObjective,
@@ -215,13 +216,7 @@ def test_smem_estimate_matches_the_h200_failures() -> None:
         if r["head_dim"] < 256:
             assert not over
             continue
-        plan = ft.plan(
-            decode_tree(r["workload"]["tree"]),
-            config,
-            num_q_heads=r["num_q_heads"],
-            num_kv_heads=r["num_kv_heads"],
-            head_dim=r["head_dim"],
-        )
+        plan = record_plan(r)  # planned as it was measured (the planner's rules of that time)
         need = plan_smem_bytes(plan)
         launch_rejects[r["status"]] += need > GPU.smem_per_sm
         if r["status"] == "failed":
