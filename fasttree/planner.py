@@ -808,13 +808,20 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
 
 #: The long-context split (``kv_split_sizes[0]``) cuts a phase's groups only where the phase
 #: needs the parallelism: when, uncut, it has fewer than ``factor * para_threshs1`` units x KV
-#: heads, the factor per phase (large, small). None: always cut, as the published planner does.
+#: heads, the factor per phase (large, small), or when its longest group holds more than
+#: :data:`_WHOLE_GROUPS_MAX_TAIL` times the phase's KV x heads over ``para_threshs1`` (uncut, that
+#: group would be the launch's tail). None: always cut, as the published planner does.
 #: Cut groups cost partials and a merge for every query they serve. On the H200 (A/B of every
 #: case and serving tree this changes, ``docs/bench/h200/split_when_needed_ab2_7e015bf.json``),
 #: factors (1, 2) ran paper cases 5 and 7/mha at 0.93-0.95x (7/gqa4 0.99x), the runtime on Llama
 #: multi-document and few-shot trees at 0.95x and Mistral multi-level ones at 0.89x, the rest
 #: within 0.4%; factor 1 for the small phase cost Mistral's multi-document trees 1-3%.
 _WHOLE_GROUPS_MIN_ITEMS: tuple[int, int] | None = (1, 2)
+
+#: ... and at most this many times a phase's KV x heads over ``para_threshs1`` in its longest
+#: group. The trees measured above left whole groups of up to 1.44 times that (Llama few-shot);
+#: a document of 32k tokens next to little other work would exceed it and is cut as before.
+_WHOLE_GROUPS_MAX_TAIL = 2.0
 
 
 # ----------------------------------------------------------------------- plan
@@ -862,7 +869,7 @@ def plan(
         bin up to the token budget, as plans were made before that rule.
     whole_groups : bool
         Cut long groups at the big split size only where a phase needs the parallelism
-        (:data:`_WHOLE_GROUPS_MIN_ITEMS`; added after 7e015bf). False always cuts them, as
+        (:data:`_WHOLE_GROUPS_MIN_ITEMS`; added at 60159a8). False always cuts them, as
         the published planner and plans before that rule did.
 
     Returns
@@ -892,11 +899,14 @@ def plan(
     splits = [big, big]
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
     if whole_groups and _WHOLE_GROUPS_MIN_ITEMS is not None and units_for.longest > big:
-        # the long-context split only where a phase needs the parallelism
+        # the long-context split only where a phase needs the parallelism: enough units x KV
+        # heads uncut, and no group much longer than the phase's work spread over
+        # para_threshs1 programs (one long group would be the launch's tail)
         whole = units_for.longest
         uncut = units_for([whole, whole])
-        for c in (0, 1):
-            if uncut[c] >= config.para_threshs1[c] * _WHOLE_GROUPS_MIN_ITEMS[c]:
+        for c, (tokens, longest) in enumerate(units_for.uncut_work()):
+            thresh = config.para_threshs1[c]
+            if uncut[c] >= thresh * _WHOLE_GROUPS_MIN_ITEMS[c] and longest * thresh <= _WHOLE_GROUPS_MAX_TAIL * tokens:
                 splits[c] = whole
     units = units_for(splits)
     changed = False
@@ -974,3 +984,15 @@ class _PhaseUnits:
             total, in_small = int(np.add.reduce(units)), int(np.add.reduce(units[small]))
         h = self.num_kv_heads
         return [(total - in_small) * h, in_small * h]
+
+    def uncut_work(self) -> list[tuple[int, int]]:
+        """Per phase, uncut: ``(KV tokens over all units x KV heads, the longest group's KV)``."""
+        tokens = self.kv_len if self.q_tiles is None else self.kv_len * self.q_tiles
+        out = []
+        for in_phase in (~self.small, self.small):
+            if not np.count_nonzero(in_phase):
+                out.append((0, 0))
+                continue
+            total = int(np.add.reduce(tokens[in_phase], dtype=np.int64)) * self.num_kv_heads
+            out.append((total, int(np.maximum.reduce(self.kv_len[in_phase]))))
+        return out

@@ -212,6 +212,25 @@ def test_long_groups_stay_whole_where_a_phase_has_enough_units(monkeypatch):
     assert cut.unit_kv_len.max() == 1024 and cut.n_partial_rows == 3 * 1024
 
 
+def test_a_long_group_that_would_be_the_tail_is_still_cut(monkeypatch):
+    # a 32k-token document read by 64 queries (one 64-query tile) next to 100 short prompts read
+    # by 128 queries each: plenty of units x heads uncut, but the document alone would hold 3.7x
+    # the phase's KV x heads over para_threshs1[0], so it is cut at the big split as before
+    parents, lengths, queries = [-1] + [0] * 64, [32768] + [8] * 64, list(range(1, 65))
+    for _ in range(100):
+        root = len(parents)
+        parents += [-1] + [root] * 128
+        lengths += [20] + [4] * 128
+        queries += list(range(root + 1, root + 129))
+    tree = ft.KVTree.from_lengths(parents, lengths, queries)
+    heads = {"num_q_heads": 32, "num_kv_heads": 32, "head_dim": 128}
+    plan = ft.plan(tree, **heads)
+    check_plan(tree, plan)
+    assert plan.unit_kv_len.max() == 1024
+    monkeypatch.setattr(planner_mod, "_WHOLE_GROUPS_MAX_TAIL", 100.0)
+    assert ft.plan(tree, **heads).unit_kv_len.max() == 32768
+
+
 @pytest.mark.parametrize(("threshs", "cut_small"), [((8, 9), False), ((8, 10), True)])
 def test_small_phase_needs_twice_the_threshold_to_stay_whole(threshs, cut_small):
     # 9 one-query chains of 300 tokens (small phase) at 2 KV heads: 18 uncut units x heads, cut
