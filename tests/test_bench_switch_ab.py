@@ -1,0 +1,40 @@
+"""bench/device/switch_ab.py's CPU parts: values, the switch's scope and which plans a value changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.device.switch_ab import differ, parse_value, plans, summarize, switched
+from fasttree import plan_arrays, planner
+from fasttree.suite import paper_tree
+
+
+def test_values_parse_as_json_else_strings():
+    got = [parse_value(x) for x in ("0", "2.5", "true", "null", "fill", "[1,2]")]
+    assert got == [0, 2.5, True, None, "fill", [1, 2]]
+
+
+def test_switch_is_restored_even_after_an_error():
+    old = planner._WHOLE_GROUPS_MIN_ITEMS
+    with pytest.raises(RuntimeError), switched(planner, "_WHOLE_GROUPS_MIN_ITEMS", None):
+        assert planner._WHOLE_GROUPS_MIN_ITEMS is None
+        raise RuntimeError
+    assert planner._WHOLE_GROUPS_MIN_ITEMS is old
+
+
+def test_plans_under_each_value_and_what_they_change():
+    # balanced bins change 11/gqa16's plan, not 1/mha's (MHA keeps filled bins)
+    ps = plans(plan_arrays, "_BALANCED_RUNS", [False, None], paper_tree(11), None, 16, 1)
+    assert differ(ps) and ps[0].n_partial_rows == 512 and ps[1].n_partial_rows == 0
+    assert not differ(plans(plan_arrays, "_BALANCED_RUNS", [False, None], paper_tree(1), None, 32, 32))
+
+
+def test_summary_ratios_against_the_first_value():
+    paper = [{"a": {"graph_us": 10.0, "err": 1e-4}, "b": {"graph_us": 8.0, "err": 2e-4}}]
+    decode = [{"a": {"runtime_us": 100.0, "tree_attention_us": 50.0, "max_err": 1e-4},
+               "b": {"runtime_us": 90.0, "tree_attention_us": 55.0, "max_err": 3e-4}}]  # fmt: skip
+    s = summarize(paper, decode, ["a", "b"])["b"]
+    assert s["paper_changed"] == 1 and s["paper_geomean_over_changed"] == pytest.approx(0.8)
+    assert s["paper_geomean_over_45"] == pytest.approx(0.8 ** (1 / 45))
+    assert s["decode_runtime"] == pytest.approx(0.9) and s["decode_tree_attention"] == pytest.approx(1.1)
+    assert s["paper_max_err"] == 2e-4 and s["decode_max_err"] == 3e-4
