@@ -1,6 +1,6 @@
 """A/B of a planner switch (a module attribute) on the GPU, on the plans it changes.
 
-Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.packing:RUN_SPLIT``) to each of
+Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.plan_arrays:_BALANCED_RUNS``) to each of
 ``--values`` in turn (the first is the baseline), plans, and times by CUDA-graph replay:
 
 * ``tree_attention`` on the paper cases (default config) whose plan some value changes, each
@@ -11,8 +11,11 @@ Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.packing:RUN_SPLIT``) to
 
 The switch is restored after every use. ::
 
-    python3 bench/device/switch_ab.py --switch fasttree.packing:RUN_SPLIT \\
-        --values fill,balanced --out $OUT/run_split_ab.json
+    python3 bench/device/switch_ab.py --switch fasttree.plan_arrays:_BALANCED_RUNS \\
+        --values false,null --out $OUT/balanced_ab.json
+
+(``run_split_ab_02f073c.json`` came from ``--switch fasttree.packing:RUN_SPLIT --values
+fill,balanced,balanced_floor``, a switch of 02f073c that became ``pack_units(balanced=)``.)
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def summarize(paper: list[dict], decode: list[dict], names: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--switch", required=True, help="module:ATTRIBUTE, e.g. fasttree.packing:RUN_SPLIT")
+    p.add_argument("--switch", required=True, help="module:ATTRIBUTE, e.g. fasttree.plan_arrays:_BALANCED_RUNS")
     p.add_argument("--values", required=True, help="comma-separated values, the baseline first")
     p.add_argument("--no-decode", action="store_true", help="paper cases only")
     p.add_argument("--out", required=True)
