@@ -14,8 +14,10 @@ The switch is restored after every use. ::
     python3 bench/device/switch_ab.py --switch fasttree.plan_arrays:_BALANCED_RUNS \\
         --values false,null --out $OUT/balanced_ab.json
 
-(``run_split_ab_02f073c.json`` came from ``--switch fasttree.packing:RUN_SPLIT --values
-fill,balanced,balanced_floor``, a switch of 02f073c that became ``pack_units(balanced=)``.)
+Values holding commas take another separator: ``--switch fasttree.planner:_WHOLE_GROUPS_MIN_ITEMS
+--values 'null;[1,2]' --sep ';'``. (``run_split_ab_02f073c.json`` came from ``--switch
+fasttree.packing:RUN_SPLIT --values fill,balanced,balanced_floor``, a switch of 02f073c that
+became ``pack_units(balanced=)``; its ``balanced`` arm is ``_BALANCED_RUNS`` true.)
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def summarize(paper: list[dict], decode: list[dict], names: list[str]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--switch", required=True, help="module:ATTRIBUTE, e.g. fasttree.plan_arrays:_BALANCED_RUNS")
-    p.add_argument("--values", required=True, help="comma-separated values, the baseline first")
+    p.add_argument("--values", required=True, help="values separated by --sep, the baseline first")
+    p.add_argument("--sep", default=",", help="separator of --values (default ','; e.g. ';' for lists)")
     p.add_argument("--no-decode", action="store_true", help="paper cases only")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
     module = importlib.import_module(mod_name)
     if not attr or not hasattr(module, attr):
         p.error(f"{args.switch!r} names no attribute of {mod_name}")
-    names = args.values.split(",")
+    names = args.values.split(args.sep)
     values = [parse_value(x) for x in names]
     paper = paper_rows(module, attr, values, names)
     decode = [] if args.no_decode else decode_rows(module, attr, values, names)
