@@ -51,6 +51,7 @@ def test_header_matches_the_kernels():
         ft.FastTreeConfig(),
         ft.FastTreeConfig(pack_tokens=0),
         ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(10**6, 10**6)),
+        ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(1, 1)),  # groups past 32 tokens whole
     ],
 )
 @pytest.mark.parametrize("launches", [1, 2, "auto"])
