@@ -84,6 +84,13 @@ def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
     return large if large <= MAX_PACK_QUERIES else min(block_m[1] // g, MAX_PACK_QUERIES)
 
 
+def _bins_fill_a_larger_tile(block_m: tuple[int, int], g: int) -> bool:
+    """Whether bins fill the large tile (:func:`_pack_capacity`) and it has more rows than the
+    small one, so a unit left out of the bins runs in a smaller tile (the solo and balanced-bin
+    rules act only then)."""
+    return block_m[0] // g <= MAX_PACK_QUERIES and block_m[0] > block_m[1]
+
+
 #: KV tokens from which a unit whose rows fit the small tile may stay out of large-tile
 #: bins (None: never). In a bin every KV entry costs the bin's full tile of rows, so such a
 #: unit does ``block_m[0] / block_m[1]`` times its own tile's matrix work there.
@@ -105,7 +112,7 @@ def _solo_units(
     """Units kept out of packing (None: none): at least :data:`_SOLO_MIN_TOKENS` long, rows
     that fit the small tile, bins that fill the large tile (:func:`_pack_capacity`), and
     together worth :data:`_SOLO_MIN_WASTE_FLOPS` of wasted matrix work."""
-    if _SOLO_MIN_TOKENS is None or block_m[0] // g > MAX_PACK_QUERIES or block_m[0] <= block_m[1]:
+    if _SOLO_MIN_TOKENS is None or not _bins_fill_a_larger_tile(block_m, g):
         return None
     solo = (kv_len >= _SOLO_MIN_TOKENS) & (q_len * g <= block_m[1])
     tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
@@ -457,8 +464,8 @@ def materialize(
             kept_out = wide if kept_out is None else kept_out | wide
         eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, kept_out)
         balanced = _BALANCED_RUNS if balanced_bins else False
-        if balanced is None:  # bins fill a large tile, and a lone piece would run in the smaller one
-            balanced = block_m[0] // g <= MAX_PACK_QUERIES and block_m[0] > block_m[1]
+        if balanced is None:  # a lone piece would run in the smaller tile
+            balanced = _bins_fill_a_larger_tile(block_m, g)
         packed = pack_units(
             kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
             pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
