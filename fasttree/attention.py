@@ -18,7 +18,13 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from .config import FastTreeConfig
-from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
+from .kernels import (
+    merge_many_partials_kernel,
+    merge_partials_kernel,
+    merge_partials_persistent_kernel,
+    tree_attention_persistent_kernel,
+    tree_attention_units_kernel,
+)
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
@@ -295,6 +301,7 @@ def _launches(
     upcast = _interpreting() and q.dtype == torch.bfloat16
     offsets_32 = kv_offsets_fit_int32(host.max_slot, k_cache, v_cache)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    pdl_stage1, pdl_merge = pdl_launch("stage1", q), pdl_launch("merge", q)
     out_launches = []
     for c, tc in enumerate(host.tile_classes):
         n_units = ptr[c + 1] - ptr[c]
@@ -310,7 +317,7 @@ def _launches(
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // tc.block_n))))
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
         constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel,
-                      heads_fastest)  # fmt: skip
+                      heads_fastest, pdl_stage1)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads
@@ -329,7 +336,7 @@ def _launches(
             block_p = min(_MERGE_PARTIALS_PER_STEP, triton.next_power_of_2(most))
             warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
             out_launches.append(
-                (merge_many_partials_kernel, (n_merge, hq), args, (d, block_p, block_d), warps, 1, None)
+                (merge_many_partials_kernel, (n_merge, hq), args, (d, block_p, block_d, pdl_merge), warps, 1, None)
             )
         else:
             block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
@@ -338,7 +345,7 @@ def _launches(
                     merge_partials_kernel,
                     (n_merge, triton.cdiv(hq, block_h)),
                     args,
-                    (hq, d, block_h, block_d),
+                    (hq, d, block_h, block_d, pdl_merge),
                     4,
                     3,
                     None,
@@ -459,6 +466,33 @@ def small_tile_maxnreg(
 
 
 _SM_COUNTS: dict[int, int] = {}
+_MAJORS: dict[int, int] = {}
+
+#: Which launches go out with programmatic dependent launch (PDL) on GPUs that have it (sm_90+):
+#: ``"none"``; ``"merge"``: a merge launch may start while the stage-1 launch before it finishes,
+#: its first instruction waiting for that launch's results (``GDC_WAIT``), which hides the merge's
+#: launch latency; ``"all"``: the stage-1 launches too, after whatever kernel their stream ran
+#: before. Read when a plan's or a runtime's launches are built (an A/B switch for benchmarks).
+_PDL = "none"
+_PDL_MODES = ("none", "merge", "all")
+
+
+def _compute_capability_major(device: torch.device) -> int:
+    """Major compute capability of a CUDA device (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAJORS:
+        _MAJORS[index] = int(torch.cuda.get_device_capability(index)[0])
+    return _MAJORS[index]
+
+
+def pdl_launch(kind: str, q: torch.Tensor) -> bool:
+    """Whether a ``kind`` launch (``"stage1"`` or ``"merge"``) for tensors on ``q``'s device goes out
+    with programmatic dependent launch (:data:`_PDL`): its kernel's ``GDC_WAIT`` constexpr."""
+    if _PDL not in _PDL_MODES:
+        raise ValueError(f"fasttree.attention._PDL must be one of {_PDL_MODES}, got {_PDL!r}")
+    if _PDL == "none" or (_PDL == "merge" and kind != "merge"):
+        return False
+    return _is_cuda(q) and not _interpreting() and _compute_capability_major(q.device) >= 9
 
 
 def _sm_count(device: torch.device) -> int:
@@ -639,6 +673,13 @@ _MERGE_PARTIALS_PER_STEP = 32
 
 #: Compiled kernels by (kernel, device, constexprs, launch options, argument specialisation).
 _COMPILED: dict[tuple, object] = {}
+#: Kernels whose last constexpr is ``GDC_WAIT`` (every kernel of :mod:`fasttree.kernels`).
+_GDC_KERNELS = frozenset(
+    (
+        tree_attention_units_kernel, merge_partials_kernel, merge_many_partials_kernel,
+        tree_attention_persistent_kernel, merge_partials_persistent_kernel,
+    )
+)  # fmt: skip
 
 
 def _arg_spec(arg: object) -> object:
@@ -669,6 +710,8 @@ def _launch(
     :func:`_arg_spec`), so a cached kernel is only reused where the JIT would pick the
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order. ``maxnreg`` caps the registers per thread (None: the compiler's choice).
+    A kernel of :data:`_GDC_KERNELS` whose last constexpr (``GDC_WAIT``) is True is compiled to
+    launch with programmatic dependent launch (:func:`pdl_launch`); so are its direct launchers.
 
     With ``shrink_stages`` (the config's stages are its defaults, ``num_stages=None``) a kernel
     whose pipeline needs more shared memory than the GPU gives a program is compiled with fewer
@@ -679,6 +722,8 @@ def _launch(
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
+    if constexprs and constexprs[-1] is True and kernel in _GDC_KERNELS:  # GDC_WAIT: launched with PDL
+        options["launch_pdl"] = True
     if _interpreting() or _launch_hooks_active():
         kernel[grid](*args, *constexprs, **options)
         return None

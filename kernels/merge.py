@@ -21,6 +21,7 @@ lengths read from the buffer's header), so the launch does not depend on the pla
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .tree_attention import HDR_MERGE_COUNTS, HDR_MERGE_QUERIES, HDR_QUERY_NUM_PARTIALS, HDR_QUERY_PARTIAL_START
 
@@ -143,7 +144,10 @@ def merge_partials_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False,  # programmatic dependent launch: wait for stage 1 (see .tree_attention)
 ):
+    if GDC_WAIT:
+        gdc_wait()
     _merge_head_block(
         tl.program_id(0), tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
         stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
@@ -166,7 +170,10 @@ def merge_many_partials_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False,  # programmatic dependent launch: wait for stage 1 (see .tree_attention)
 ):
+    if GDC_WAIT:
+        gdc_wait()
     _merge_one_head(
         tl.program_id(0), tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
         stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
@@ -192,10 +199,13 @@ def merge_partials_persistent_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_COUNTERS: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False,  # programmatic dependent launch: wait for stage 1 (see .tree_attention)
 ):
     """Both merges in one launch: the first ``header[HDR_MERGE_COUNTS]`` entries of the merge list
     by head blocks, one partial row at a time; the next ``header[HDR_MERGE_COUNTS + 1]`` (queries
     with many partials) per head, ``BLOCK_P`` rows at a time."""
+    if GDC_WAIT:  # before the counters are zeroed and any partial is read
+        gdc_wait()
     n_few = tl.load(PlanBuf + HDR_MERGE_COUNTS)
     n_many = tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
     MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)

@@ -24,6 +24,10 @@ Two launch-time switches the host sets per launch (:mod:`fasttree.attention`):
 ``OFFSETS_32`` forms the gathered K/V addresses from int32 offsets where every offset of
 the slots read fits, and ``PEEL`` runs a unit's whole KV tiles without masks, then one
 masked tail tile (:func:`_kv_tile` holds the online-softmax update of one tile).
+``GDC_WAIT`` (every kernel of the package has it) is set when the host launches the kernel
+with programmatic dependent launch (sm_90+): the grid may then start while the previous
+grid of the stream finishes, and its first instruction waits until that grid's memory
+operations are complete and visible (``griddepcontrol.wait``).
 
 (A variant that merged partials in stage 1 through per-(query, head) atomic counters
 removed the merge launch but was 1.2-1.4x slower on plans with many small units on the
@@ -33,6 +37,7 @@ see docs/bench/NOTES.md.)
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -274,7 +279,10 @@ def tree_attention_units_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
+    GDC_WAIT: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the prior grid
 ):
+    if GDC_WAIT:
+        gdc_wait()
     if HEADS_FASTEST:
         unit, kv_head = tl.program_id(1), tl.program_id(0)
     else:
@@ -357,10 +365,13 @@ def tree_attention_persistent_kernel(
     PEEL0: tl.constexpr = False,  # slot 0's / slot 1's units: whole KV tiles unmasked (see _attend_unit)
     PEEL1: tl.constexpr = False,
     HEADS_FASTEST: tl.constexpr = False,  # item i is unit i // num_kv_heads (else KV head i // units)
+    GDC_WAIT: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the prior grid
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
     so programs move on to slot 1 without a launch boundary (``SLOTS`` 0 or 1: one slot's items
     only, from program 0)."""
+    if GDC_WAIT:  # before any load: the prior grid may write Q, the pools, or (a merge) read PartO
+        gdc_wait()
     first0 = tl.load(PlanBuf + HDR_SLOT_RANGES)
     n0 = tl.load(PlanBuf + HDR_SLOT_RANGES + 1) - first0
     first1 = tl.load(PlanBuf + HDR_SLOT_RANGES + 2)

@@ -37,37 +37,39 @@ UNITS = {
 MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16, "N_COUNTERS": 8}
 
 
-def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False):
+def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False):
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32"}  # fmt: skip
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False,
-                  "OFFSETS_32": offsets_32, "PEEL": peel}  # fmt: skip
+                  "OFFSETS_32": offsets_32, "PEEL": peel, "GDC_WAIT": gdc}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
         signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
 
 
-def compile_persistent(dtype, head_dim, group, block_m, block_n, masked, slots=2, offsets_32=True, peel=True):
+def compile_persistent(
+    dtype, head_dim, group, block_m, block_n, masked, slots=2, offsets_32=True, peel=True, gdc=False
+):
     """The runtime's stage-1 kernel (both slots): plan arrays behind the header of one int32 buffer."""
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32", "PlanBuf": "*i32", "Counters": "*i32", "qk_scale": "fp32"}  # fmt: skip
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "BLOCK_M0": block_m,
                   "BLOCK_N0": block_n, "BLOCK_M1": 16, "BLOCK_N1": 16, "MASKED": masked,
                   "UPCAST_DOT": False, "SLOTS": slots, "OFFSETS_32": offsets_32, "PEEL0": peel,
-                  "PEEL1": not peel}  # fmt: skip
+                  "PEEL1": not peel, "GDC_WAIT": gdc}  # fmt: skip
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
                  for name in tree_attention_persistent_kernel.arg_names}  # fmt: skip
     return triton.compile(ASTSource(tree_attention_persistent_kernel, signature, constexprs), target=HOPPER)
 
 
-def compile_merge(kernel, dtype):
+def compile_merge(kernel, dtype, gdc=False):
     signature = {"Out": f"*{dtype}", "PartO": "*fp32", "PartLse": "*fp32", "MergeQueries": "*i32",
                  "QueryPartialStart": "*i32", "QueryNumPartials": "*i32", "PlanBuf": "*i32",
                  "Counters": "*i32"}  # fmt: skip
     names = kernel.arg_names
-    constexprs = {n: MERGE_VALUES[n] for n in names if n.isupper()}
+    constexprs = {n: MERGE_VALUES[n] for n in names if n.isupper() and n != "GDC_WAIT"} | {"GDC_WAIT": gdc}
     signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32") for name in names}
     return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER)
 
@@ -136,7 +138,26 @@ def fasttree_jobs() -> dict:
     )  # fmt: skip
     jobs["persistent_slot1_fp16_d128_g4_m16_n16_masked"] = (compile_persistent, ("fp16", 128, 4, 16, 16, True, 1))
     jobs |= {f"merge_persistent_{d}": (compile_merge, (merge_partials_persistent_kernel, d)) for d in ("fp16", "bf16")}
+    # programmatic dependent launch (GDC_WAIT): the PTX must hold the wait (checked in main)
+    jobs["gdc_units_fp16_d128_g4_m64_n64_masked"] = (compile_units, ("fp16", 128, 4, 64, 64, True, True, True, True))
+    jobs["gdc_persistent_fp16_d128_g1_m16_n32"] = (
+        compile_persistent, ("fp16", 128, 1, 16, 32, False, 2, True, True, True)
+    )  # fmt: skip
+    jobs["gdc_merge_fp16"] = (compile_merge, (merge_partials_kernel, "fp16", True))
+    jobs["gdc_merge_many_bf16"] = (compile_merge, (merge_many_partials_kernel, "bf16", True))
+    jobs["gdc_merge_persistent_fp16"] = (compile_merge, (merge_partials_persistent_kernel, "fp16", True))
     return jobs
+
+
+def check(name: str, kernel) -> str:
+    """Return "ok" or what is wrong with a compiled variant: no sm_90 cubin, or a ``gdc_`` variant
+    whose PTX lacks ``griddepcontrol.wait`` (or another variant whose PTX has it)."""
+    ptx = kernel.asm.get("ptx", "")
+    if not kernel.asm.get("cubin") or ".target sm_90" not in ptx:
+        return "no sm_90 cubin"
+    if ("griddepcontrol.wait" in ptx) != name.startswith("gdc_"):
+        return "griddepcontrol.wait " + ("missing" if name.startswith("gdc_") else "present without GDC_WAIT")
+    return "ok"
 
 
 #: (block_m, block_n, head_dim, num_warps) x stages of ``--smem``: the units kernel's shared memory
@@ -178,8 +199,7 @@ def main() -> int:
         jobs = fasttree_jobs()
     for name, (fn, args) in jobs.items():
         try:
-            k = fn(*args)
-            results[name] = "ok" if k.asm.get("cubin") and ".target sm_90" in k.asm["ptx"] else "no sm_90 cubin"
+            results[name] = check(name, fn(*args))
         except Exception as exc:
             results[name] = f"{type(exc).__name__}: {exc}"[:2000]
     json.dump(results, sys.stdout)

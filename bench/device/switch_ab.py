@@ -9,7 +9,9 @@ Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.plan_arrays:_BALANCED_R
   Mistral trees of the four serving scenarios (steps 10, 25, 39), with the configs the decode
   benchmark uses (``docs/tune/export_measured.json``), where some value changes a plan.
 
-The switch is restored after every use. ::
+With ``--launch`` the switch is a launch switch (e.g. ``fasttree.attention:_PDL``), which changes
+no plan: every paper case and serving tree is timed, each value's plan and runtime built and
+timed with the switch set. The switch is restored after every use. ::
 
     python3 bench/device/switch_ab.py --switch fasttree.plan_arrays:_BALANCED_RUNS \\
         --values false,null --out $OUT/balanced_ab.json
@@ -82,18 +84,19 @@ def differ(ps: list[ft.Plan]) -> bool:
     return any(p.stats() != first.stats() or p.n_partial_rows != first.n_partial_rows for p in ps[1:])
 
 
-def paper_rows(module, attr, values, names) -> list[dict]:
+def paper_rows(module, attr, values, names, launch: bool = False) -> list[dict]:
     rows = []
     for case in range(1, 16):
         tree = paper_tree(case)
         for heads, (hq, hkv) in PAPER_HEADS.items():
             ps = plans(module, attr, values, tree, None, hq, hkv)
-            if not differ(ps):
+            if not launch and not differ(ps):
                 continue
             q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
             row = {"case": case, "heads": heads}
-            for name, plan in zip(names, ps, strict=True):
-                row[name] = {**checked_graph_time(plan, q, k, v, sample, ref), **describe(plan)}
+            for name, value, plan in zip(names, values, ps, strict=True):
+                with switched(module, attr, value):
+                    row[name] = {**checked_graph_time(plan, q, k, v, sample, ref), **describe(plan)}
             rows.append(row)
             base = row[names[0]]["graph_us"]
             ratios = " ".join(f"{n}:{row[n]['graph_us'] / base:.3f}" for n in names[1:])
@@ -118,7 +121,7 @@ def time_tree(rt: TreeAttentionRuntime, plan: ft.Plan, tree: ft.KVTree, q, k, v,
     return t_rt, t_plan, max(err, ft.max_relative_error(o2, ref))
 
 
-def decode_rows(module, attr, values, names) -> list[dict]:
+def decode_rows(module, attr, values, names, launch: bool = False) -> list[dict]:
     rows = []
     export = read_export("docs/tune/export_measured.json")
     gpu = torch.cuda.get_device_name(0)
@@ -127,7 +130,7 @@ def decode_rows(module, attr, values, names) -> list[dict]:
         for scenario in SCENARIOS:
             steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
             trees = [steps[i].tree for i in STEPS]
-            if not any(differ(plans(module, attr, values, t, config, hq, hkv)) for t in trees):
+            if not launch and not any(differ(plans(module, attr, values, t, config, hq, hkv)) for t in trees):
                 continue
             slots = max(t.max_slot for t in trees) + 1
             n_rows = max(t.n_queries for t in trees)
@@ -192,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--values", required=True, help="values separated by --sep, the baseline first")
     p.add_argument("--sep", default=",", help="separator of --values (default ','; e.g. ';' for lists)")
     p.add_argument("--no-decode", action="store_true", help="paper cases only")
+    p.add_argument("--launch", action="store_true", help="a launch switch: time every case, not only changed plans")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     mod_name, _, attr = args.switch.partition(":")
@@ -200,8 +204,8 @@ def main(argv=None) -> int:
         p.error(f"{args.switch!r} names no attribute of {mod_name}")
     names = args.values.split(args.sep)
     values = [parse_value(x) for x in names]
-    paper = paper_rows(module, attr, values, names)
-    decode = [] if args.no_decode else decode_rows(module, attr, values, names)
+    paper = paper_rows(module, attr, values, names, args.launch)
+    decode = [] if args.no_decode else decode_rows(module, attr, values, names, args.launch)
     summary = summarize(paper, decode, names)
     print(json.dumps(summary, indent=1), flush=True)
     write_device_result(args.out, summary, switch=args.switch, values=names, paper=paper, decode=decode)
