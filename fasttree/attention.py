@@ -301,7 +301,10 @@ def _launches(
     upcast = _interpreting() and q.dtype == torch.bfloat16
     offsets_32 = kv_offsets_fit_int32(host.max_slot, k_cache, v_cache)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-    pdl_stage1, pdl_merge = pdl_launch("stage1", q), pdl_launch("merge", q)
+    # two non-empty classes: two stage-1 launches, which fork (_fork_mode) where they run on a GPU
+    forked = sum(int(ptr[c + 1] > ptr[c]) for c in range(len(host.tile_classes))) == 2 and _FORK_STAGE1
+    pdl_stage1 = pdl_launch("stage1_forked" if forked else "stage1", q)
+    pdl_merge = pdl_launch("merge", q)
     out_launches = []
     for c, tc in enumerate(host.tile_classes):
         n_units = ptr[c + 1] - ptr[c]
@@ -468,13 +471,22 @@ def small_tile_maxnreg(
 _SM_COUNTS: dict[int, int] = {}
 _MAJORS: dict[int, int] = {}
 
-#: Which launches go out with programmatic dependent launch (PDL) on GPUs that have it (sm_90+):
-#: ``"none"``; ``"merge"``: a merge launch may start while the stage-1 launch before it finishes,
-#: its first instruction waiting for that launch's results (``GDC_WAIT``), which hides the merge's
-#: launch latency; ``"all"``: the stage-1 launches too, after whatever kernel their stream ran
-#: before. Read when a plan's or a runtime's launches are built (an A/B switch for benchmarks).
-_PDL = "none"
-_PDL_MODES = ("none", "merge", "all")
+#: Which launches go out with programmatic dependent launch (PDL) on GPUs that have it (sm_90+). Such a
+#: grid may start while the grid before it on its stream finishes; its first instruction waits for
+#: that grid's results (``GDC_WAIT``), so only the launch latency is hidden. ``"none"``; ``"merge"``:
+#: merge launches (after stage 1); ``"all"``: stage-1 launches too (after whatever the stream ran
+#: before: the previous call's merge, a model's kernel); ``"auto"``: as ``"all"`` but for the stage-1
+#: launches of :func:`tree_attention`'s two-class plans, which run forked on two streams. Read when
+#: a plan's or a runtime's launches are built (an A/B switch for benchmarks).
+#:
+#: H200 (``docs/bench/h200/pdl_ab_e894a7e.json``, graph replay of back-to-back calls, outputs
+#: bit-identical): ``"merge"`` 1.003x the time of ``"none"`` on the paper suite (no gain);
+#: ``"all"`` 0.90-0.98x on the small one-launch GQA plans (1/gqa16 0.90, GQA-16 cases 2-4, 6, 9-15
+#: 0.96-0.98) and the runtime on the serving trees 0.988x (0.97-1.00), but the forked two-class
+#: plans lost (9/gqa4 1.31x, 6/gqa4 1.23x, 8/gqa16 1.05x; Mistral serving trees through
+#: ``tree_attention`` 1.06-1.16x), hence ``"auto"``.
+_PDL = "auto"
+_PDL_MODES = ("none", "merge", "all", "auto")
 
 
 def _compute_capability_major(device: torch.device) -> int:
@@ -486,11 +498,12 @@ def _compute_capability_major(device: torch.device) -> int:
 
 
 def pdl_launch(kind: str, q: torch.Tensor) -> bool:
-    """Whether a ``kind`` launch (``"stage1"`` or ``"merge"``) for tensors on ``q``'s device goes out
-    with programmatic dependent launch (:data:`_PDL`): its kernel's ``GDC_WAIT`` constexpr."""
+    """Whether a ``kind`` launch (``"stage1"``, ``"stage1_forked"``: one of two stage-1 launches that
+    run side by side, or ``"merge"``) for tensors on ``q``'s device goes out with programmatic
+    dependent launch (:data:`_PDL`): its kernel's ``GDC_WAIT`` constexpr."""
     if _PDL not in _PDL_MODES:
         raise ValueError(f"fasttree.attention._PDL must be one of {_PDL_MODES}, got {_PDL!r}")
-    if _PDL == "none" or (_PDL == "merge" and kind != "merge"):
+    if _PDL == "none" or (_PDL == "merge" and kind != "merge") or (_PDL == "auto" and kind == "stage1_forked"):
         return False
     return _is_cuda(q) and not _interpreting() and _compute_capability_major(q.device) >= 9
 

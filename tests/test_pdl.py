@@ -29,11 +29,18 @@ def on_hopper(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("mode", "stage1", "merge"), [("none", False, False), ("merge", False, True), ("all", True, True)]
+    ("mode", "stage1", "forked", "merge"),
+    [
+        ("none", False, False, False),
+        ("merge", False, False, True),
+        ("all", True, True, True),
+        ("auto", True, False, True),
+    ],
 )
-def test_pdl_modes_pick_the_launches(monkeypatch, on_hopper, mode, stage1, merge):
+def test_pdl_modes_pick_the_launches(monkeypatch, on_hopper, mode, stage1, forked, merge):
     monkeypatch.setattr(attention, "_PDL", mode)
     assert attention.pdl_launch("stage1", _FakeGpu()) is stage1
+    assert attention.pdl_launch("stage1_forked", _FakeGpu()) is forked
     assert attention.pdl_launch("merge", _FakeGpu()) is merge
 
 
@@ -130,7 +137,7 @@ def test_tree_attention_with_pdl_is_bit_identical(monkeypatch, seed, hq, hkv, d,
     tree, q, k, v = _case(seed, hq, hkv, d, dtype)
     config = ft.FastTreeConfig(kv_split_sizes=(256, 64))  # splits: merged queries in most trees
     outs = {}
-    for mode in ("none", "merge", "all"):
+    for mode in ("none", "merge", "all", "auto"):
         monkeypatch.setattr(attention, "_PDL", mode)
         plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)  # fresh launch caches
         outs[mode] = _calls(plan, q, k, v)
@@ -158,7 +165,7 @@ def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, l
     vs = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
     q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=gen)
     results = {}
-    for mode in ("none", "all"):
+    for mode in ("none", "auto"):
         monkeypatch.setattr(attention, "_PDL", mode)
         rt = TreeAttentionRuntime(
             None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
@@ -186,6 +193,6 @@ def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, l
             results[mode].append([o[: tree.n_queries].clone() for o in outs])
     for i, tree in enumerate(trees[1:]):
         ref = ft.reference_attention(q[: tree.n_queries], ks[-1], vs[-1], tree)
-        assert ft.max_relative_error(results["all"][i][-1], ref) <= TOL[dtype]
-        for a, b in zip(results["all"][i], results["none"][i], strict=True):
+        assert ft.max_relative_error(results["auto"][i][-1], ref) <= TOL[dtype]
+        for a, b in zip(results["auto"][i], results["none"][i], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
