@@ -476,8 +476,11 @@ _MAJORS: dict[int, int] = {}
 #: that grid's results (``GDC_WAIT``), so only the launch latency is hidden. ``"none"``; ``"merge"``:
 #: merge launches (after stage 1); ``"all"``: stage-1 launches too (after whatever the stream ran
 #: before: the previous call's merge, a model's kernel); ``"auto"``: as ``"all"`` but for the stage-1
-#: launches of :func:`tree_attention`'s two-class plans, which run forked on two streams. Read when
-#: a plan's or a runtime's launches are built (an A/B switch for benchmarks).
+#: launches of :func:`tree_attention`'s two-class plans, which run forked on two streams; ``"early"``:
+#: the launches of ``"auto"``, and every program of a kernel lets the next grid launch at once and
+#: reads the plan's arrays for its first item before it waits (``GDC_WAIT`` 2, see
+#: :mod:`fasttree.kernels.tree_attention`). Read when a plan's or a runtime's launches are built (an
+#: A/B switch for benchmarks).
 #:
 #: H200 (``docs/bench/h200/pdl_ab_e894a7e.json``, graph replay of back-to-back calls, outputs
 #: bit-identical): ``"merge"`` 1.003x the time of ``"none"`` on the paper suite (no gain);
@@ -486,7 +489,7 @@ _MAJORS: dict[int, int] = {}
 #: plans lost (9/gqa4 1.31x, 6/gqa4 1.23x, 8/gqa16 1.05x; Mistral serving trees through
 #: ``tree_attention`` 1.06-1.16x), hence ``"auto"``.
 _PDL = "auto"
-_PDL_MODES = ("none", "merge", "all", "auto")
+_PDL_MODES = ("none", "merge", "all", "auto", "early")
 
 
 def _compute_capability_major(device: torch.device) -> int:
@@ -497,15 +500,20 @@ def _compute_capability_major(device: torch.device) -> int:
     return _MAJORS[index]
 
 
-def pdl_launch(kind: str, q: torch.Tensor) -> bool:
+def pdl_launch(kind: str, q: torch.Tensor) -> int:
     """Whether a ``kind`` launch (``"stage1"``, ``"stage1_forked"``: one of two stage-1 launches that
     run side by side, or ``"merge"``) for tensors on ``q``'s device goes out with programmatic
-    dependent launch (:data:`_PDL`): its kernel's ``GDC_WAIT`` constexpr."""
+    dependent launch (:data:`_PDL`): its kernel's ``GDC_WAIT`` constexpr, 0 (no), 1 (the wait first)
+    or 2 (``"early"``)."""
     if _PDL not in _PDL_MODES:
         raise ValueError(f"fasttree.attention._PDL must be one of {_PDL_MODES}, got {_PDL!r}")
-    if _PDL == "none" or (_PDL == "merge" and kind != "merge") or (_PDL == "auto" and kind == "stage1_forked"):
-        return False
-    return _is_cuda(q) and not _interpreting() and _compute_capability_major(q.device) >= 9
+    if _PDL == "none" or (_PDL == "merge" and kind != "merge"):
+        return 0
+    if _PDL in ("auto", "early") and kind == "stage1_forked":
+        return 0
+    if not (_is_cuda(q) and not _interpreting() and _compute_capability_major(q.device) >= 9):
+        return 0
+    return 2 if _PDL == "early" else 1
 
 
 def _sm_count(device: torch.device) -> int:
@@ -723,7 +731,7 @@ def _launch(
     :func:`_arg_spec`), so a cached kernel is only reused where the JIT would pick the
     same one. ``constexprs`` are the kernel's trailing ``tl.constexpr`` parameters in
     signature order. ``maxnreg`` caps the registers per thread (None: the compiler's choice).
-    A kernel of :data:`_GDC_KERNELS` whose last constexpr (``GDC_WAIT``) is True is compiled to
+    A kernel of :data:`_GDC_KERNELS` whose last constexpr (``GDC_WAIT``) is non-zero is compiled to
     launch with programmatic dependent launch (:func:`pdl_launch`); so are its direct launchers.
 
     With ``shrink_stages`` (the config's stages are its defaults, ``num_stages=None``) a kernel
@@ -735,7 +743,7 @@ def _launch(
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    if constexprs and constexprs[-1] is True and kernel in _GDC_KERNELS:  # GDC_WAIT: launched with PDL
+    if kernel in _GDC_KERNELS and constexprs and constexprs[-1]:  # GDC_WAIT non-zero: launched with PDL
         options["launch_pdl"] = True
     if _interpreting() or _launch_hooks_active():
         kernel[grid](*args, *constexprs, **options)

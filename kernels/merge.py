@@ -21,7 +21,7 @@ lengths read from the buffer's header), so the launch does not depend on the pla
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .tree_attention import HDR_MERGE_COUNTS, HDR_MERGE_QUERIES, HDR_QUERY_NUM_PARTIALS, HDR_QUERY_PARTIAL_START
 
@@ -45,8 +45,10 @@ def _merge_head_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WAIT: tl.constexpr = False,
 ):
-    """Merge entry ``index`` of ``MergeQueries``, heads ``head_block * BLOCK_H ...``, one partial row at a time."""
+    """Merge entry ``index`` of ``MergeQueries``, heads ``head_block * BLOCK_H ...``, one partial row at a time.
+    ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = h < NUM_HEADS
@@ -54,6 +56,8 @@ def _merge_head_block(
     mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
+    if WAIT:
+        gdc_wait()
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_H], tl.float32)
@@ -90,8 +94,10 @@ def _merge_one_head(
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WAIT: tl.constexpr = False,
 ):
-    """Merge entry ``index`` of ``MergeQueries``, one head, ``BLOCK_P`` partial rows at a time."""
+    """Merge entry ``index`` of ``MergeQueries``, one head, ``BLOCK_P`` partial rows at a time.
+    ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -99,6 +105,8 @@ def _merge_one_head(
     p = tl.arange(0, BLOCK_P)
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
+    if WAIT:
+        gdc_wait()
 
     # pass 1: the largest LSE
     top = tl.full([BLOCK_P], float("-inf"), tl.float32)
@@ -144,13 +152,15 @@ def merge_partials_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    GDC_WAIT: tl.constexpr = False,  # programmatic dependent launch: wait for stage 1 (see .tree_attention)
+    GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch (see .tree_attention)
 ):
-    if GDC_WAIT:
+    if GDC_WAIT == 2:  # the next grid may launch now; it waits for this one's results itself
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:
         gdc_wait()
     _merge_head_block(
         tl.program_id(0), tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-        stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
+        stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, GDC_WAIT == 2,
     )  # fmt: skip
 
 
@@ -170,13 +180,15 @@ def merge_many_partials_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    GDC_WAIT: tl.constexpr = False,  # programmatic dependent launch: wait for stage 1 (see .tree_attention)
+    GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch (see .tree_attention)
 ):
-    if GDC_WAIT:
+    if GDC_WAIT == 2:  # the next grid may launch now; it waits for this one's results itself
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:
         gdc_wait()
     _merge_one_head(
         tl.program_id(0), tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-        stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
+        stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D, GDC_WAIT == 2,
     )  # fmt: skip
 
 
@@ -199,18 +211,22 @@ def merge_partials_persistent_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_COUNTERS: tl.constexpr,
-    GDC_WAIT: tl.constexpr = False,  # programmatic dependent launch: wait for stage 1 (see .tree_attention)
+    GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch (see .tree_attention)
 ):
     """Both merges in one launch: the first ``header[HDR_MERGE_COUNTS]`` entries of the merge list
     by head blocks, one partial row at a time; the next ``header[HDR_MERGE_COUNTS + 1]`` (queries
     with many partials) per head, ``BLOCK_P`` rows at a time."""
-    if GDC_WAIT:  # before the counters are zeroed and any partial is read
+    if GDC_WAIT == 2:
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:  # before the counters are zeroed and any partial is read
         gdc_wait()
     n_few = tl.load(PlanBuf + HDR_MERGE_COUNTS)
     n_many = tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
     MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
     QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
     QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
+    if GDC_WAIT == 2:  # the plan buffer is uploaded before the graph or stream work that reads it
+        gdc_wait()
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     if pid == 0:  # stage 1 is done (stream order): its counters can start over

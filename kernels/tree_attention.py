@@ -24,10 +24,15 @@ Two launch-time switches the host sets per launch (:mod:`fasttree.attention`):
 ``OFFSETS_32`` forms the gathered K/V addresses from int32 offsets where every offset of
 the slots read fits, and ``PEEL`` runs a unit's whole KV tiles without masks, then one
 masked tail tile (:func:`_kv_tile` holds the online-softmax update of one tile).
-``GDC_WAIT`` (every kernel of the package has it) is set when the host launches the kernel
-with programmatic dependent launch (sm_90+): the grid may then start while the previous
-grid of the stream finishes, and its first instruction waits until that grid's memory
-operations are complete and visible (``griddepcontrol.wait``).
+``GDC_WAIT`` (every kernel of the package has it) is non-zero when the host launches the
+kernel with programmatic dependent launch (sm_90+): the grid may then start while the
+previous grid of the stream finishes, and waits until that grid's memory operations are
+complete and visible (``griddepcontrol.wait``) before it touches what that grid may write
+(Q, the pools, the partials, the counters). 1: the wait is the first instruction. 2
+("early"): every program first lets the next grid of the stream launch
+(``griddepcontrol.launch_dependents``; that grid waits for this one's results itself), then
+reads the plan's arrays for its first item (uploaded before any kernel that reads them) and
+only then waits, so those dependent reads overlap the prior grid's tail.
 
 (A variant that merged partials in stage 1 through per-(query, head) atomic counters
 removed the merge launch but was 1.2-1.4x slower on plans with many small units on the
@@ -37,7 +42,7 @@ see docs/bench/NOTES.md.)
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -152,6 +157,7 @@ def _attend_unit(
     UPCAST_DOT: tl.constexpr,
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
+    WAIT: tl.constexpr = False,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -159,7 +165,8 @@ def _attend_unit(
     (the host checks), so the gathered tiles' addresses are formed from 32-bit offsets, not
     64-bit ones (fewer registers and instructions per gathered row; H200 serving trees: 1-3%
     less stage-1 time, ``bench/device/small_tile_variants.py``). ``PEEL``: the unit's whole KV tiles
-    run without masks, then one masked tail tile (see :func:`_kv_tile`)."""
+    run without masks, then one masked tail tile (see :func:`_kv_tile`). ``WAIT``: wait for the
+    prior grid (``griddepcontrol.wait``) after reading the plan's arrays, before Q and the pools."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
@@ -171,6 +178,8 @@ def _attend_unit(
     head = kv_head * GROUP + rows % GROUP
     qid = tl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(tl.int64)
     out_row = tl.load(PairOutRow + q_start + row_query, mask=row_valid, other=-2)
+    if WAIT:
+        gdc_wait()
 
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
@@ -279,9 +288,11 @@ def tree_attention_units_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
-    GDC_WAIT: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the prior grid
+    GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
 ):
-    if GDC_WAIT:
+    if GDC_WAIT == 2:
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:
         gdc_wait()
     if HEADS_FASTEST:
         unit, kv_head = tl.program_id(1), tl.program_id(0)
@@ -291,7 +302,7 @@ def tree_attention_units_kernel(
         unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
     )  # fmt: skip
 
 
@@ -365,12 +376,14 @@ def tree_attention_persistent_kernel(
     PEEL0: tl.constexpr = False,  # slot 0's / slot 1's units: whole KV tiles unmasked (see _attend_unit)
     PEEL1: tl.constexpr = False,
     HEADS_FASTEST: tl.constexpr = False,  # item i is unit i // num_kv_heads (else KV head i // units)
-    GDC_WAIT: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the prior grid
+    GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
 ):
     """Both launch slots in one launch: the items (unit, KV head) of slot 0, then those of slot 1,
     so programs move on to slot 1 without a launch boundary (``SLOTS`` 0 or 1: one slot's items
     only, from program 0)."""
-    if GDC_WAIT:  # before any load: the prior grid may write Q, the pools, or (a merge) read PartO
+    if GDC_WAIT == 2:
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:  # before any load: the prior grid may write Q, the pools, or (a merge) read PartO
         gdc_wait()
     first0 = tl.load(PlanBuf + HDR_SLOT_RANGES)
     n0 = tl.load(PlanBuf + HDR_SLOT_RANGES + 1) - first0
@@ -386,6 +399,8 @@ def tree_attention_persistent_kernel(
     UnitQLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_LEN), 32)
     PairQuery = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_QUERY), 32)
     PairOutRow = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_OUT_ROW), 32)
+    if GDC_WAIT == 2:  # the header read; now Q, the pools, the counters and the partials may be touched
+        gdc_wait()
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     # items in the per-plan grid's launch order: with HEADS_FASTEST every KV head of unit 0 (the

@@ -146,17 +146,30 @@ def fasttree_jobs() -> dict:
     jobs["gdc_merge_fp16"] = (compile_merge, (merge_partials_kernel, "fp16", True))
     jobs["gdc_merge_many_bf16"] = (compile_merge, (merge_many_partials_kernel, "bf16", True))
     jobs["gdc_merge_persistent_fp16"] = (compile_merge, (merge_partials_persistent_kernel, "fp16", True))
+    # GDC_WAIT 2 ("early"): the PTX must also let the next grid launch
+    jobs["gdc_early_units_bf16_d128_g1_m16_n64_masked"] = (
+        compile_units, ("bf16", 128, 1, 16, 64, True, True, False, 2)
+    )  # fmt: skip
+    jobs["gdc_early_persistent_fp16_d128_g4_m64_n64_masked"] = (
+        compile_persistent, ("fp16", 128, 4, 64, 64, True, 2, True, True, 2)
+    )  # fmt: skip
+    jobs["gdc_early_merge_fp16"] = (compile_merge, (merge_partials_kernel, "fp16", 2))
+    jobs["gdc_early_merge_many_fp16"] = (compile_merge, (merge_many_partials_kernel, "fp16", 2))
+    jobs["gdc_early_merge_persistent_bf16"] = (compile_merge, (merge_partials_persistent_kernel, "bf16", 2))
     return jobs
 
 
 def check(name: str, kernel) -> str:
     """Return "ok" or what is wrong with a compiled variant: no sm_90 cubin, or a ``gdc_`` variant
-    whose PTX lacks ``griddepcontrol.wait`` (or another variant whose PTX has it)."""
+    whose PTX lacks ``griddepcontrol.wait`` (or another variant whose PTX has it), or a ``gdc_early_``
+    variant (``GDC_WAIT`` 2) whose PTX lacks ``griddepcontrol.launch_dependents`` (or another that has it)."""
     ptx = kernel.asm.get("ptx", "")
     if not kernel.asm.get("cubin") or ".target sm_90" not in ptx:
         return "no sm_90 cubin"
     if ("griddepcontrol.wait" in ptx) != name.startswith("gdc_"):
         return "griddepcontrol.wait " + ("missing" if name.startswith("gdc_") else "present without GDC_WAIT")
+    if ("griddepcontrol.launch_dependents" in ptx) != name.startswith("gdc_early_"):
+        return "griddepcontrol.launch_dependents " + ("missing" if name.startswith("gdc_early_") else "present")
     return "ok"
 
 

@@ -30,18 +30,13 @@ def on_hopper(monkeypatch):
 
 @pytest.mark.parametrize(
     ("mode", "stage1", "forked", "merge"),
-    [
-        ("none", False, False, False),
-        ("merge", False, False, True),
-        ("all", True, True, True),
-        ("auto", True, False, True),
-    ],
+    [("none", 0, 0, 0), ("merge", 0, 0, 1), ("all", 1, 1, 1), ("auto", 1, 0, 1), ("early", 2, 0, 2)],
 )
 def test_pdl_modes_pick_the_launches(monkeypatch, on_hopper, mode, stage1, forked, merge):
     monkeypatch.setattr(attention, "_PDL", mode)
-    assert attention.pdl_launch("stage1", _FakeGpu()) is stage1
-    assert attention.pdl_launch("stage1_forked", _FakeGpu()) is forked
-    assert attention.pdl_launch("merge", _FakeGpu()) is merge
+    assert attention.pdl_launch("stage1", _FakeGpu()) == stage1
+    assert attention.pdl_launch("stage1_forked", _FakeGpu()) == forked
+    assert attention.pdl_launch("merge", _FakeGpu()) == merge
 
 
 def test_pdl_needs_sm90_and_a_cuda_tensor(monkeypatch, on_hopper):
@@ -77,7 +72,7 @@ class _RecordingKernel:
         return launch
 
 
-@pytest.mark.parametrize("gdc_wait", [False, True])
+@pytest.mark.parametrize("gdc_wait", [0, 1, 2])
 def test_launch_with_gdc_wait_asks_triton_for_pdl(monkeypatch, gdc_wait):
     """``_launch`` compiles a kernel whose last constexpr (``GDC_WAIT``) is True with ``launch_pdl``:
     the wait and the launch attribute always go together."""
@@ -85,7 +80,7 @@ def test_launch_with_gdc_wait_asks_triton_for_pdl(monkeypatch, gdc_wait):
     monkeypatch.setattr(attention, "_GDC_KERNELS", frozenset({kernel}))
     monkeypatch.setattr(attention, "_interpreting", lambda: True)  # the JIT path, no cache
     attention._launch(kernel, (1, 1), (torch.zeros(1),), (128, gdc_wait), 4, 2)
-    assert kernel.options[-1].get("launch_pdl", False) is gdc_wait
+    assert kernel.options[-1].get("launch_pdl", False) is bool(gdc_wait)
     other = _RecordingKernel()  # a kernel without GDC_WAIT: a trailing True is another flag
     attention._launch(other, (1, 1), (torch.zeros(1),), (128, True), 4, 2)
     assert "launch_pdl" not in other.options[-1]
@@ -137,7 +132,7 @@ def test_tree_attention_with_pdl_is_bit_identical(monkeypatch, seed, hq, hkv, d,
     tree, q, k, v = _case(seed, hq, hkv, d, dtype)
     config = ft.FastTreeConfig(kv_split_sizes=(256, 64))  # splits: merged queries in most trees
     outs = {}
-    for mode in ("none", "merge", "all", "auto"):
+    for mode in ("none", "merge", "all", "auto", "early"):
         monkeypatch.setattr(attention, "_PDL", mode)
         plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)  # fresh launch caches
         outs[mode] = _calls(plan, q, k, v)
@@ -165,7 +160,7 @@ def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, l
     vs = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
     q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=gen)
     results = {}
-    for mode in ("none", "auto"):
+    for mode in ("none", "auto", "early"):
         monkeypatch.setattr(attention, "_PDL", mode)
         rt = TreeAttentionRuntime(
             None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
@@ -194,5 +189,6 @@ def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, l
     for i, tree in enumerate(trees[1:]):
         ref = ft.reference_attention(q[: tree.n_queries], ks[-1], vs[-1], tree)
         assert ft.max_relative_error(results["auto"][i][-1], ref) <= TOL[dtype]
-        for a, b in zip(results["auto"][i], results["none"][i], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for mode in ("auto", "early"):
+            for a, b in zip(results[mode][i], results["none"][i], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
