@@ -472,24 +472,35 @@ _SM_COUNTS: dict[int, int] = {}
 _MAJORS: dict[int, int] = {}
 
 #: Which launches go out with programmatic dependent launch (PDL) on GPUs that have it (sm_90+). Such a
-#: grid may start while the grid before it on its stream finishes; its first instruction waits for
-#: that grid's results (``GDC_WAIT``), so only the launch latency is hidden. ``"none"``; ``"merge"``:
-#: merge launches (after stage 1); ``"all"``: stage-1 launches too (after whatever the stream ran
-#: before: the previous call's merge, a model's kernel); ``"auto"``: as ``"all"`` but for the stage-1
-#: launches of :func:`tree_attention`'s two-class plans, which run forked on two streams; ``"early"``:
-#: the launches of ``"auto"``, and every program of a kernel lets the next grid launch at once and
-#: reads the plan's arrays for its first item before it waits (``GDC_WAIT`` 2, see
-#: :mod:`fasttree.kernels.tree_attention`). Read when a plan's or a runtime's launches are built (an
-#: A/B switch for benchmarks).
+#: grid may start while the grid before it on its stream finishes and waits for that grid's results
+#: (``GDC_WAIT``): as its first instruction (1), or (2, "early") after reading the plan's arrays for
+#: its first item, every program having first let the next grid of the stream launch (see
+#: :mod:`fasttree.kernels.tree_attention`). Per launch kind (:func:`pdl_launch`):
 #:
-#: H200 (``docs/bench/h200/pdl_ab_e894a7e.json``, graph replay of back-to-back calls, outputs
-#: bit-identical): ``"merge"`` 1.003x the time of ``"none"`` on the paper suite (no gain);
-#: ``"all"`` 0.90-0.98x on the small one-launch GQA plans (1/gqa16 0.90, GQA-16 cases 2-4, 6, 9-15
-#: 0.96-0.98) and the runtime on the serving trees 0.988x (0.97-1.00), but the forked two-class
-#: plans lost (9/gqa4 1.31x, 6/gqa4 1.23x, 8/gqa16 1.05x; Mistral serving trees through
-#: ``tree_attention`` 1.06-1.16x), hence ``"auto"``.
+#: ========== ======== ============== ======= ===================== =====================
+#: mode       stage1   stage1_forked  merge   persistent (runtime)  what it is
+#: ========== ======== ============== ======= ===================== =====================
+#: ``none``   0        0              0       0                     no PDL
+#: ``merge``  0        0              1       1 (merge only)        merges only
+#: ``all``    1        1              1       1
+#: ``auto``   1        0              1       2                     the default
+#: ``early``  2        0              2       2
+#: ========== ======== ============== ======= ===================== =====================
+#:
+#: ``stage1_forked``: one of :func:`tree_attention`'s two stage-1 launches that run side by side. Read
+#: when a plan's or a runtime's launches are built (an A/B switch for benchmarks).
+#:
+#: H200, graph replay of back-to-back calls, outputs bit-identical (``docs/bench/NOTES.md``):
+#: ``pdl_ab_e894a7e.json``: ``merge`` 1.003x the time of ``none`` on the paper suite (no gain);
+#: ``all`` 0.90-0.98x on the small one-launch GQA plans and the runtime on the serving trees 0.988x,
+#: but the forked two-class plans lost (9/gqa4 1.31x, 6/gqa4 1.23x; Mistral serving trees through
+#: ``tree_attention`` 1.06-1.16x). ``pdl_auto_ab_c0fe3cc.json`` (``auto`` then without the early
+#: runtime): paper 0.981x of ``none``. ``pdl_early_ab_58b9f4d.json``: ``early`` against that
+#: ``auto``: the runtime on the serving trees 0.973x (0.94-0.99), but the per-plan kernels 1.017x on
+#: the paper suite (1/*, 4/gqa16, 9/gqa16 1.19-1.28x slower), hence early for the runtime only.
 _PDL = "auto"
 _PDL_MODES = ("none", "merge", "all", "auto", "early")
+_PDL_KINDS = ("stage1", "stage1_forked", "merge", "persistent_stage1", "persistent_merge")
 
 
 def _compute_capability_major(device: torch.device) -> int:
@@ -501,19 +512,22 @@ def _compute_capability_major(device: torch.device) -> int:
 
 
 def pdl_launch(kind: str, q: torch.Tensor) -> int:
-    """Whether a ``kind`` launch (``"stage1"``, ``"stage1_forked"``: one of two stage-1 launches that
-    run side by side, or ``"merge"``) for tensors on ``q``'s device goes out with programmatic
-    dependent launch (:data:`_PDL`): its kernel's ``GDC_WAIT`` constexpr, 0 (no), 1 (the wait first)
-    or 2 (``"early"``)."""
+    """``GDC_WAIT`` of a ``kind`` launch (:data:`_PDL_KINDS`) for tensors on ``q``'s device under
+    :data:`_PDL`: 0 (no programmatic dependent launch), 1 (the wait first) or 2 (early)."""
     if _PDL not in _PDL_MODES:
         raise ValueError(f"fasttree.attention._PDL must be one of {_PDL_MODES}, got {_PDL!r}")
-    if _PDL == "none" or (_PDL == "merge" and kind != "merge"):
+    if kind not in _PDL_KINDS:
+        raise ValueError(f"launch kind must be one of {_PDL_KINDS}, got {kind!r}")
+    persistent = kind.startswith("persistent")
+    if _PDL == "none" or (_PDL == "merge" and not kind.endswith("merge")):
         return 0
-    if _PDL in ("auto", "early") and kind == "stage1_forked":
+    if kind == "stage1_forked" and _PDL in ("auto", "early"):
         return 0
     if not (_is_cuda(q) and not _interpreting() and _compute_capability_major(q.device) >= 9):
         return 0
-    return 2 if _PDL == "early" else 1
+    if _PDL == "early" or (_PDL == "auto" and persistent):
+        return 2
+    return 1
 
 
 def _sm_count(device: torch.device) -> int:

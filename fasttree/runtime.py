@@ -671,9 +671,10 @@ class TreeAttentionRuntime:
             launches = [((m0, n0, m1, n1, 2), warps0, stages0)]
         else:  # one launch per slot, each compiled for its own tile alone
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
+        gdc_stage1, gdc_merge = pdl_launch("persistent_stage1", q), pdl_launch("persistent_merge", q)
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which, offsets_32,
-                          peel_tiles(bm0), peel_tiles(bm1), self._heads_fastest, pdl_launch("stage1", q))  # fmt: skip
+                          peel_tiles(bm0), peel_tiles(bm1), self._heads_fastest, gdc_stage1)  # fmt: skip
             args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._launch_counters[i],
                     self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count
@@ -687,7 +688,7 @@ class TreeAttentionRuntime:
         args = (out, part_o, part_lse, self._plan_buf, self._counters, hq, out.stride(0), out.stride(1),
                 part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
         block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
-        constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel(), pdl_launch("merge", q))
+        constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel(), gdc_merge)
         grid = _MERGE_PROGRAMS_PER_SM * self._sm_count
         compiled = _launch(merge_partials_persistent_kernel, (grid, 1), args, constexprs, 4, 1)
         launched.append((compiled, grid, args, constexprs))

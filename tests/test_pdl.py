@@ -29,14 +29,24 @@ def on_hopper(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("mode", "stage1", "forked", "merge"),
-    [("none", 0, 0, 0), ("merge", 0, 0, 1), ("all", 1, 1, 1), ("auto", 1, 0, 1), ("early", 2, 0, 2)],
+    ("mode", "expected"),
+    [
+        ("none", (0, 0, 0, 0, 0)),
+        ("merge", (0, 0, 1, 0, 1)),
+        ("all", (1, 1, 1, 1, 1)),
+        ("auto", (1, 0, 1, 2, 2)),
+        ("early", (2, 0, 2, 2, 2)),
+    ],
 )
-def test_pdl_modes_pick_the_launches(monkeypatch, on_hopper, mode, stage1, forked, merge):
+def test_pdl_modes_pick_the_launches(monkeypatch, on_hopper, mode, expected):
     monkeypatch.setattr(attention, "_PDL", mode)
-    assert attention.pdl_launch("stage1", _FakeGpu()) == stage1
-    assert attention.pdl_launch("stage1_forked", _FakeGpu()) == forked
-    assert attention.pdl_launch("merge", _FakeGpu()) == merge
+    got = tuple(attention.pdl_launch(kind, _FakeGpu()) for kind in attention._PDL_KINDS)
+    assert got == expected
+
+
+def test_an_unknown_launch_kind_is_named(on_hopper):
+    with pytest.raises(ValueError, match=r"launch kind must be one of .*'stage2'"):
+        attention.pdl_launch("stage2", _FakeGpu())
 
 
 def test_pdl_needs_sm90_and_a_cuda_tensor(monkeypatch, on_hopper):
