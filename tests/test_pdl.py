@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from test_attention import TOL
+from test_runtime_gpu import capture_layers
 from trees import random_tree
 
 import fasttree as ft
@@ -177,17 +178,7 @@ def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, l
             max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
         )  # fmt: skip
         outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
-
-        def step(rt=rt, outs=outs):
-            for layer in range(layers):
-                rt.forward(q, ks[layer], vs[layer], out=outs[layer])
-
-        rt.plan(trees[0])
-        step()  # compile
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_layers(rt, trees[0], q, ks, vs, outs)
         results[mode] = []
         for tree in trees[1:]:
             rt.plan(tree)

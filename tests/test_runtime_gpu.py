@@ -27,6 +27,23 @@ def _check(out, q, k, v, tree, dtype, seed) -> float:
     return err
 
 
+def capture_layers(rt: TreeAttentionRuntime, tree, q, ks, vs, outs) -> torch.cuda.CUDAGraph:
+    """Plan ``tree``, run one eager step (``rt.forward`` for every layer's pools into ``outs``,
+    which compiles the kernels) and return the same step captured as a CUDA graph."""
+
+    def step():
+        for k, v, out in zip(ks, vs, outs, strict=True):
+            rt.forward(q, k, v, out=out)
+
+    rt.plan(tree)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.parametrize("scenario", ["few_shot", "multi_document_qa", "chain_reasoning", "multi_level_system_prompts"])
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
 @pytest.mark.parametrize("launches", [1, 2])
@@ -46,17 +63,8 @@ def test_graph_replay_with_a_new_tree_every_step(scenario, heads, launches):
         max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
     )  # fmt: skip
 
-    def step():
-        for layer in range(layers):
-            rt.forward(q, ks[layer], vs[layer], out=outs[layer])
-
     q.normal_(generator=gen)
-    rt.plan(trees[0])
-    step()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_layers(rt, trees[0], q, ks, vs, outs)
     for i, tree in enumerate(trees[1:]):
         info = rt.plan(tree)
         q.normal_(generator=gen)
