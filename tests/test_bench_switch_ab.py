@@ -38,3 +38,25 @@ def test_summary_ratios_against_the_first_value():
     assert s["paper_geomean_over_45"] == pytest.approx(0.8 ** (1 / 45))
     assert s["decode_runtime"] == pytest.approx(0.9) and s["decode_tree_attention"] == pytest.approx(1.1)
     assert s["paper_max_err"] == 2e-4 and s["decode_max_err"] == 3e-4
+
+
+def test_a_launch_switch_times_every_case_with_its_value_set(monkeypatch):
+    """``--launch``: no case is skipped for an unchanged plan, and each value's timing runs with the
+    switch set to it (the GPU parts faked)."""
+    from bench.device import switch_ab
+    from fasttree import attention
+
+    seen = []
+
+    def fake_time(plan, *args):
+        seen.append(attention._PDL)
+        return {"graph_us": 1.0, "err": 0.0}
+
+    monkeypatch.setattr(switch_ab, "random_case", lambda *a, **k: (None, None, None, None, None))
+    monkeypatch.setattr(switch_ab, "checked_graph_time", fake_time)
+    monkeypatch.setattr(switch_ab, "paper_tree", lambda case: paper_tree(1))  # small: 45 plans x 2 values
+    rows = switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"], launch=True)
+    assert len(rows) == 45 and seen == ["none", "early"] * 45
+    seen.clear()
+    assert switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"]) == []  # plans unchanged
+    assert seen == []
