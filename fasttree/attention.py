@@ -302,7 +302,7 @@ def _launches(
     offsets_32 = kv_offsets_fit_int32(host.max_slot, k_cache, v_cache)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     # two non-empty classes: two stage-1 launches, which fork (_fork_mode) where they run on a GPU
-    forked = sum(int(ptr[c + 1] > ptr[c]) for c in range(len(host.tile_classes))) == 2 and _FORK_STAGE1
+    forked = _FORK_STAGE1 and all(host.units_per_class())
     pdl_stage1 = pdl_launch("stage1_forked" if forked else "stage1", q)
     pdl_merge = pdl_launch("merge", q)
     out_launches = []
