@@ -25,7 +25,7 @@ from .kernels import (
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
 )
-from .plan_arrays import DevicePlan, Plan, check_heads, materialize
+from .plan_arrays import DevicePlan, Plan, TileClass, check_heads, materialize
 from .planner import Groups
 from .tree import KVTree
 
@@ -317,9 +317,10 @@ def _launches(
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
-        peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // tc.block_n))))
+        block_n = launch_kv_tile(host.group_size, d, tc, lengths, n_units * host.num_kv_heads, _launch_sms(q))
+        peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
-        constexprs = (d, block_d, host.group_size, tc.block_m, tc.block_n, tc.masked, upcast, offsets_32, peel,
+        constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
                       heads_fastest, pdl_stage1)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
@@ -466,6 +467,47 @@ def small_tile_maxnreg(
     if waves <= _SMALL_TILE_MAX_WAVES and -(-items // (SMALL_TILE_CAPPED_PROGRAMS * sms)) < waves:
         return capped_registers(num_warps)
     return None
+
+
+#: Whether :func:`launch_kv_tile` may widen a latency-bound 16-row GQA class's KV tile (A/B switch).
+_WIDE_KV_TILE = True
+#: The KV tile such a class runs with: 16 x 128-token tiles keep 3 programs per SM on sm_90 at head
+#: dim 128 (168 registers, 75 KB of shared memory at up to 4 stages, one K/V buffer).
+_WIDE_KV_TILE_TOKENS = 128
+
+
+def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int) -> int:
+    """KV tokens per inner-loop tile of one stage-1 launch of tile class ``tc``.
+
+    ``tc.block_n`` (the plan's), except that a 16-row GQA class (several heads per query, 4 or
+    more warps, at most 4 stages, head dim <= 128) with a 64-token tile runs 128-token tiles
+    when its ``items`` (units x KV heads) fit one wave of the GPU's ``sms`` SMs at 3 programs
+    per SM and one unit in ten or more (``lengths``: the class's unit KV lengths) is longer
+    than 64 tokens. Such a launch is bound by each program's chain of dependent KV tiles, not
+    by the GPU's throughput, so halving the tiles shortens it. On the H200 paper suite (graph
+    replay, ``bench/device/tile_variants_ab.py``) that took 1/gqa4, 4/gqa16, 9/gqa4 and
+    9/gqa16 to 0.89-0.91x of their time; the same tile on 1,024 items (2.6 waves, 8/gqa16)
+    cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it.
+    """
+    if (
+        not _WIDE_KV_TILE
+        or group_size == 1
+        or head_dim > 128
+        or tc.block_m != 16
+        or tc.block_n != 64
+        or tc.num_warps < 4
+        or tc.num_stages > 4
+        or items > _SMALL_TILE_PROGRAMS * sms
+        or lengths.size == 0
+    ):
+        return tc.block_n
+    p90 = np.partition(lengths, lengths.size - 1 - lengths.size // 10)[lengths.size - 1 - lengths.size // 10]
+    return _WIDE_KV_TILE_TOKENS if int(p90) > tc.block_n else tc.block_n
+
+
+def _launch_sms(q: torch.Tensor) -> int:
+    """SMs of the GPU a launch on ``q`` runs on; 0 (no wave-based launch choice) on the CPU interpreter."""
+    return _sm_count(q.device) if _is_cuda(q) and not _interpreting() else 0
 
 
 _SM_COUNTS: dict[int, int] = {}

@@ -13,6 +13,7 @@ from trees import random_tree
 
 import fasttree as ft
 from fasttree import attention
+from fasttree.plan_arrays import TileClass
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -259,6 +260,63 @@ def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
 )
 def test_small_tile_register_cap_only_where_it_saves_a_wave(args, expected):
     assert attention.small_tile_maxnreg(*args) == expected
+
+
+def _tile(block_m=16, block_n=64, num_warps=4, num_stages=3):
+    return TileClass(queries=1, block_m=block_m, block_n=block_n, split=128, num_warps=num_warps,
+                     num_stages=num_stages)  # fmt: skip
+
+
+_LONG = np.full(40, 288, dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((16, 128, _tile(), _LONG, 256, 132), 128),  # 4/gqa16: one wave of 288-token units
+        ((4, 128, _tile(), _LONG, 396, 132), 128),  # exactly one wave at 3 programs per SM
+        ((4, 128, _tile(), _LONG, 397, 132), 64),  # a second wave: throughput-bound
+        ((16, 128, _tile(), _LONG, 1024, 132), 64),  # 8/gqa16: 2.6 waves
+        ((1, 128, _tile(), _LONG, 256, 132), 64),  # MHA
+        ((16, 256, _tile(), _LONG, 256, 132), 64),  # head dim 256: the wide tile would not fit 3 per SM
+        ((16, 64, _tile(), _LONG, 256, 132), 128),
+        ((16, 128, _tile(block_m=64), _LONG, 256, 132), 64),  # 64-row tiles
+        ((16, 128, _tile(block_n=32), _LONG, 256, 132), 32),  # a shrunk or configured tile stays
+        ((16, 128, _tile(num_warps=2), _LONG, 256, 132), 64),
+        ((16, 128, _tile(num_stages=5), _LONG, 256, 132), 64),  # two K/V buffers
+        ((16, 128, _tile(), np.full(40, 64, dtype=np.int32), 256, 132), 64),  # short units: one tile each
+        ((16, 128, _tile(), np.r_[np.full(35, 64), np.full(5, 200)].astype(np.int32), 256, 132), 128),  # p90 long
+        ((16, 128, _tile(), np.r_[np.full(36, 64), np.full(4, 200)].astype(np.int32), 256, 132), 64),
+        ((16, 128, _tile(), np.zeros(0, dtype=np.int32), 0, 132), 64),
+        ((16, 128, _tile(), _LONG, 256, 0), 64),  # no GPU
+    ],
+)
+def test_wide_kv_tile_only_for_one_wave_gqa_small_classes(args, expected):
+    assert attention.launch_kv_tile(*args) == expected
+
+
+@pytest.mark.parametrize(("g", "q_tiles", "pack_tokens"), [(8, (2, 2), 0), (16, None, 0), (16, None, 1024)])
+def test_wide_kv_tile_launch_matches_reference(g, q_tiles, pack_tokens, device, monkeypatch):
+    """A one-wave 16-row GQA class launched with 128-token KV tiles (the rule made to see a GPU of
+    132 SMs) reads its units' tail tiles masked and matches the float64 reference."""
+    monkeypatch.setattr(attention, "_launch_sms", lambda q: 132)
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
+    cfg = ft.FastTreeConfig(gamma=10.0, kv_split_sizes=(512, 512), pack_tokens=pack_tokens, q_tile_queries=q_tiles)
+    plan = ft.plan(tree, cfg, num_q_heads=g, num_kv_heads=1, head_dim=64)
+    dev = plan.to(device)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = make_inputs(tree, g, 1, 64, torch.float16, device, gen)
+    out = torch.empty_like(q)
+    launches = attention._launches(plan, dev, q, k, v, out, 0.125)
+    small = [c for _, _, _, c, *_ in launches if len(c) > 10 and c[3] == 16]
+    assert small and all(c[4] == 128 for c in small)
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, tree)
+
+
+def test_wide_kv_tile_switch_off(monkeypatch):
+    monkeypatch.setattr(attention, "_WIDE_KV_TILE", False)
+    assert attention.launch_kv_tile(16, 128, _tile(), _LONG, 256, 132) == 64
 
 
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[3], SHAPES[4]])

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 import fasttree as ft
@@ -84,9 +85,13 @@ def differ(ps: list[ft.Plan]) -> bool:
     return any(p.stats() != first.stats() or p.n_partial_rows != first.n_partial_rows for p in ps[1:])
 
 
-def paper_rows(module, attr, values, names, launch: bool = False) -> list[dict]:
+def paper_rows(
+    module, attr, values, names, launch: bool = False, cases: list[int] | None = None, rounds: int = 1
+) -> list[dict]:
+    """Per paper case (all 15, or ``cases``) and head ratio: each value's graph time, the median of
+    ``rounds`` timings taken in turn (A, B, A, B, ...: the GPU's drift falls on every value alike)."""
     rows = []
-    for case in range(1, 16):
+    for case in cases or range(1, 16):
         tree = paper_tree(case)
         for heads, (hq, hkv) in PAPER_HEADS.items():
             ps = plans(module, attr, values, tree, None, hq, hkv)
@@ -94,9 +99,17 @@ def paper_rows(module, attr, values, names, launch: bool = False) -> list[dict]:
                 continue
             q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
             row = {"case": case, "heads": heads}
-            for name, value, plan in zip(names, values, ps, strict=True):
-                with switched(module, attr, value):
-                    row[name] = {**checked_graph_time(plan, q, k, v, sample, ref), **describe(plan)}
+            timed: dict[str, list[dict]] = {name: [] for name in names}
+            for _ in range(rounds):
+                for name, value, plan in zip(names, values, ps, strict=True):
+                    with switched(module, attr, value):
+                        timed[name].append(checked_graph_time(plan, q, k, v, sample, ref))
+            for name, plan in zip(names, ps, strict=True):
+                times = [t["graph_us"] for t in timed[name]]
+                row[name] = {"graph_us": float(np.median(times)), "err": max(t["err"] for t in timed[name]),
+                             **describe(plan)}  # fmt: skip
+                if rounds > 1:
+                    row[name]["graph_us_rounds"] = times
             rows.append(row)
             base = row[names[0]]["graph_us"]
             ratios = " ".join(f"{n}:{row[n]['graph_us'] / base:.3f}" for n in names[1:])
@@ -196,15 +209,20 @@ def main(argv=None) -> int:
     p.add_argument("--sep", default=",", help="separator of --values (default ','; e.g. ';' for lists)")
     p.add_argument("--no-decode", action="store_true", help="paper cases only")
     p.add_argument("--launch", action="store_true", help="a launch switch: time every case, not only changed plans")
+    p.add_argument("--cases", help="paper cases to time, comma-separated (default: all 15)")
+    p.add_argument("--rounds", type=int, default=1, help="timings per paper case and value, taken in turn")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     mod_name, _, attr = args.switch.partition(":")
     module = importlib.import_module(mod_name)
     if not attr or not hasattr(module, attr):
         p.error(f"{args.switch!r} names no attribute of {mod_name}")
     names = args.values.split(args.sep)
     values = [parse_value(x) for x in names]
-    paper = paper_rows(module, attr, values, names, args.launch)
+    cases = [int(c) for c in args.cases.split(",")] if args.cases else None
+    paper = paper_rows(module, attr, values, names, args.launch, cases, args.rounds)
     decode = [] if args.no_decode else decode_rows(module, attr, values, names, args.launch)
     summary = summarize(paper, decode, names)
     print(json.dumps(summary, indent=1), flush=True)
