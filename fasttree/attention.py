@@ -317,7 +317,9 @@ def _launches(
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
-        block_n = launch_kv_tile(host.group_size, d, tc, lengths, n_units * host.num_kv_heads, _launch_sms(q))
+        items, sms = n_units * host.num_kv_heads, _launch_sms(q)
+        block_n = launch_kv_tile(host.group_size, d, tc, lengths, items, sms)
+        num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
         constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
@@ -327,7 +329,7 @@ def _launches(
             items = n_units * host.num_kv_heads
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
         out_launches.append(
-            (tree_attention_units_kernel, grid, args, constexprs, tc.num_warps, tc.num_stages, maxnreg)
+            (tree_attention_units_kernel, grid, args, constexprs, tc.num_warps, num_stages, maxnreg)
         )  # fmt: skip
     n_merge = int(host.merge_queries.size)
     if n_merge:
@@ -503,6 +505,34 @@ def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.nd
         return tc.block_n
     p90 = np.partition(lengths, lengths.size - 1 - lengths.size // 10)[lengths.size - 1 - lengths.size // 10]
     return _WIDE_KV_TILE_TOKENS if int(p90) > tc.block_n else tc.block_n
+
+
+#: Whether :func:`launch_num_stages` may deepen a one-wave 16-row MHA class's pipeline (A/B switch).
+_DEEP_ONE_WAVE = True
+#: Its stages: two gathered K/V buffers (73 KB at head dim 128: 3 programs per SM instead of 5).
+_DEEP_ONE_WAVE_STAGES = 5
+
+
+def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int, sms: int) -> int:
+    """Pipeline stages of one stage-1 launch of tile class ``tc``.
+
+    ``tc.num_stages`` (the config's), except that a 16-row MHA class (one query per row, up to 4
+    stages: one gathered K/V buffer, head dim <= 128) runs 5 stages, a second buffer, when its
+    ``items`` (units x KV heads) fit one wave of the GPU's ``sms`` SMs at the 3 programs per SM
+    that leaves room for: the wave count does not change, and each program's chain of KV
+    tiles has one more tile in flight. When the deeper buffers would add a wave (2/3/4/mha,
+    512 items) they cost 14-18% on the H200 (``bench/device/tile_variants_ab.py``).
+    """
+    if (
+        not _DEEP_ONE_WAVE
+        or group_size != 1
+        or head_dim > 128
+        or tc.block_m != 16
+        or tc.num_stages > 4
+        or items > _SMALL_TILE_PROGRAMS * sms
+    ):
+        return tc.num_stages
+    return _DEEP_ONE_WAVE_STAGES
 
 
 def _launch_sms(q: torch.Tensor) -> int:

@@ -314,6 +314,24 @@ def test_wide_kv_tile_launch_matches_reference(g, q_tiles, pack_tokens, device, 
     check_against_reference(out, q, k, v, tree)
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((1, 128, _tile(num_warps=2), 384, 132), 5),  # 1/mha: one wave at 3 programs per SM
+        ((1, 128, _tile(num_warps=2), 396, 132), 5),
+        ((1, 128, _tile(num_warps=2), 512, 132), 3),  # 2/3/4/mha: the second buffer would add a wave
+        ((4, 128, _tile(), 256, 132), 3),  # GQA: the wide KV tile instead
+        ((1, 256, _tile(num_warps=2), 384, 132), 3),
+        ((1, 128, _tile(block_m=64), 384, 132), 3),
+        ((1, 128, _tile(num_stages=5), 384, 132), 5),
+        ((1, 128, _tile(num_stages=6), 384, 132), 6),  # configured deeper: kept
+        ((1, 128, _tile(num_warps=2), 384, 0), 3),  # no GPU
+    ],
+)
+def test_deeper_pipeline_only_for_one_wave_mha_small_classes(args, expected):
+    assert attention.launch_num_stages(*args) == expected
+
+
 def test_wide_kv_tile_switch_off(monkeypatch):
     monkeypatch.setattr(attention, "_WIDE_KV_TILE", False)
     assert attention.launch_kv_tile(16, 128, _tile(), _LONG, 256, 132) == 64
