@@ -14,6 +14,8 @@ import argparse
 import time
 from typing import Any
 
+import numpy as np
+
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, write_device_result
 from fasttree.suite import PAPER_HEADS, paper_tree
@@ -41,12 +43,23 @@ def variants(g: int) -> dict[str, ft.FastTreeConfig]:
     return out
 
 
+def split_variants(g: int) -> dict[str, ft.FastTreeConfig]:
+    """The default and longer small-class splits (fewer partials and merge work per query)."""
+    big = BASE.kv_split_sizes[0]
+    return {"default": BASE, **{f"split{s}": BASE.with_(kv_split_sizes=(big, s)) for s in (256, 512, 1024)}}
+
+
+FAMILIES = {"tiles": variants, "splits": split_variants}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--cases", default=",".join(str(c) for c in range(1, 16)))
     p.add_argument("--heads", default="mha,gqa4,gqa16")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this many seconds")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="tiles")
+    p.add_argument("--rounds", type=int, default=1, help="timings per variant, taken in turn (median kept)")
     args = p.parse_args()
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -58,15 +71,27 @@ def main() -> int:
             hq, hkv = PAPER_HEADS[heads]
             q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=32)
             row: dict[str, Any] = {"case": case, "heads": heads}
-            for name, cfg in variants(hq // hkv).items():
-                try:
-                    plan = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-                    timed = checked_graph_time(plan, q, k, v, sample, ref)
-                except Exception as e:  # a variant that does not compile is a result
-                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            configs = FAMILIES[args.family](hq // hkv)
+            plans = {
+                name: ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=D) for name, cfg in configs.items()
+            }
+            timings: dict[str, list[dict]] = {name: [] for name in configs}
+            for _ in range(args.rounds):
+                for name, plan in plans.items():
+                    if name in row:
+                        continue
+                    try:
+                        timings[name].append(checked_graph_time(plan, q, k, v, sample, ref))
+                    except Exception as e:  # a variant that does not compile is a result
+                        row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            for name, plan in plans.items():
+                if name in row:
                     continue
                 s = plan.stats()
-                row[name] = {**timed, "units": s["units"], "partial_rows": s["partial_rows"], "q_tiles": s["q_tiles"]}
+                times = [t["graph_us"] for t in timings[name]]
+                row[name] = {"graph_us": float(np.median(times)), "graph_us_rounds": times,
+                             "err": max(t["err"] for t in timings[name]), "units": s["units"],
+                             "partial_rows": s["partial_rows"], "q_tiles": s["q_tiles"]}  # fmt: skip
             base = row["default"]["graph_us"]
             for r in row.values():
                 if isinstance(r, dict) and "graph_us" in r:
