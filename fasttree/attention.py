@@ -305,9 +305,6 @@ def _launches(
     forked = _FORK_STAGE1 and all(host.units_per_class())
     pdl_stage1 = pdl_launch("stage1_forked" if forked else "stage1", q)
     pdl_merge = pdl_launch("merge", q)
-    sms = _launch_sms(q)
-    fused = fuse_merge(host, sms)
-    counters = _merge_counters(host, q.device) if fused else part_lse  # unread unless fused
     out_launches = []
     for c, tc in enumerate(host.tile_classes):
         n_units = ptr[c + 1] - ptr[c]
@@ -318,16 +315,15 @@ def _launches(
             a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
             ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
-            counters, a["query_partial_start"], a["query_num_partials"], counters.stride(0),
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
-        items = n_units * host.num_kv_heads
+        items, sms = n_units * host.num_kv_heads, _launch_sms(q)
         block_n = launch_kv_tile(host.group_size, d, tc, lengths, items, sms)
         num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
         constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
-                      heads_fastest, fused, pdl_stage1)  # fmt: skip
+                      heads_fastest, pdl_stage1)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             items = n_units * host.num_kv_heads
@@ -335,7 +331,7 @@ def _launches(
         out_launches.append(
             (tree_attention_units_kernel, grid, args, constexprs, tc.num_warps, num_stages, maxnreg)
         )  # fmt: skip
-    n_merge = 0 if fused else int(host.merge_queries.size)
+    n_merge = int(host.merge_queries.size)
     if n_merge:
         args = (
             out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
@@ -537,50 +533,6 @@ def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int,
     ):
         return tc.num_stages
     return _DEEP_ONE_WAVE_STAGES
-
-
-#: When stage 1 merges the partials itself (the kernels' ``FUSED_MERGE``) instead of a merge launch:
-#: ``"never"``, ``"one_wave"`` (:func:`fuse_merge`'s rule) or ``"always"`` (an A/B switch, read when a
-#: plan's launches for a tensor layout are first built).
-_FUSED_MERGE = "one_wave"
-#: Programs per SM of a 64-row stage-1 tile at head dim <= 128 (82-115 KB of shared memory).
-_LARGE_TILE_PROGRAMS = 2
-
-
-def fuse_merge(host: Plan, sms: int) -> bool:
-    """Whether a call of ``host`` on a GPU of ``sms`` SMs merges the partials in stage 1.
-
-    ``"one_wave"``: when the plan has queries to merge and every stage-1 launch fits one wave
-    (its items at most :data:`_SMALL_TILE_PROGRAMS` per SM for 16-row tiles,
-    :data:`_LARGE_TILE_PROGRAMS` for larger ones, head dim <= 128). Such a call is bound by
-    the chain of dependent launches more than by any one of them, and the fused merge drops
-    the last launch; with several waves the merge's work in stage-1 programs (a barrier, an
-    atomic per partial row, the last program's merge loop) delays programs that wait to start.
-    """
-    rule = _FUSED_MERGE
-    if rule == "never" or not host.merge_queries.size:
-        return False
-    if rule == "always":
-        return True
-    if sms <= 0 or host.head_dim > 128:
-        return False
-    ptr = host.class_unit_ptr
-    for c, tc in enumerate(host.tile_classes):
-        per_sm = _SMALL_TILE_PROGRAMS if tc.block_m <= 16 else _LARGE_TILE_PROGRAMS
-        if (ptr[c + 1] - ptr[c]) * host.num_kv_heads > per_sm * sms:
-            return False
-    return True
-
-
-def _merge_counters(plan: Plan, device: torch.device) -> torch.Tensor:
-    """int32 [n_queries, Hq] zeros: the fused merge's per-(query, head) partial counters, allocated
-    once per plan and device (the kernel zeroes each counter again when it has merged)."""
-    key = ("merge_counters", device)
-    counters = plan._device_cache.get(key)
-    if counters is None:
-        counters = torch.zeros((max(1, plan.n_queries), plan.num_q_heads), dtype=torch.int32, device=device)
-        plan._device_cache[key] = counters
-    return counters
 
 
 def _launch_sms(q: torch.Tensor) -> int:

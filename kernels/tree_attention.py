@@ -158,11 +158,6 @@ def _attend_unit(
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
     WAIT: tl.constexpr = False,
-    Counters=None,
-    QueryPartialStart=None,
-    QueryNumPartials=None,
-    stride_cn=0,
-    FUSED_MERGE: tl.constexpr = False,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -249,60 +244,6 @@ def _attend_unit(
     )
     lse = (m_i + tl.log2(l_i)) * LN2
     tl.store(PartLse + prow * stride_ln + head, lse, mask=partial)
-    if FUSED_MERGE:
-        _merge_if_last(
-            qid, head, partial, d, d_valid, Out, PartO, PartLse, Counters, QueryPartialStart, QueryNumPartials,
-            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, stride_cn, BLOCK_M, BLOCK_D,
-        )  # fmt: skip
-
-
-@triton.jit
-def _merge_if_last(
-    qid, head, partial, d, d_valid, Out, PartO, PartLse, Counters, QueryPartialStart, QueryNumPartials,
-    stride_on, stride_oh, stride_pn, stride_ph, stride_ln, stride_cn, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """The merge fused into stage 1 (``FUSED_MERGE``): each partial row's program counts itself in
-    the row's (query, head) counter once its partial is stored, and the program that stores a
-    query head's last partial merges all of them into ``Out`` (as :mod:`.merge` does) and zeroes
-    the counter for the next call. The barrier orders every thread's partial stores before the
-    acquire-release increments; the second spreads the acquired view to the whole program."""
-    if tl.max(partial.to(tl.int32), 0) > 0:
-        tl.debug_barrier()
-        counter = Counters + qid * stride_cn + head
-        done = tl.atomic_add(counter, 1, mask=partial, sem="acq_rel", scope="gpu")
-        count = tl.load(QueryNumPartials + qid, mask=partial, other=0)
-        last = partial & (done == count - 1)
-        n_merge = tl.max(tl.where(last, count, 0), 0)
-        if n_merge > 0:
-            tl.debug_barrier()
-            first = tl.load(QueryPartialStart + qid, mask=last, other=0).to(tl.int64)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for i in range(n_merge):
-                valid = last & (i < count)
-                r = first + i
-                lse_i = tl.load(PartLse + r * stride_ln + head, mask=valid, other=0.0, cache_modifier=".cg")
-                o_i = tl.load(
-                    PartO + r[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
-                    mask=valid[:, None] & d_valid[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_new = tl.where(valid, tl.maximum(m, lse_i), m)
-                m_ref = tl.where(valid, m_new, 0.0)  # keeps -inf - -inf out of rows without this partial
-                scale = tl.exp(tl.where(valid, m, 0.0) - m_ref)
-                w = tl.exp(tl.where(valid, lse_i, float("-inf")) - m_ref)
-                total = total * scale + w
-                merged = merged * scale[:, None] + w[:, None] * o_i
-                m = m_new
-            merged = merged / tl.where(last, total, 1.0)[:, None]
-            tl.store(
-                Out + qid[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
-                merged.to(Out.dtype.element_ty),
-                mask=last[:, None] & d_valid[None, :],
-            )
-            tl.store(counter, tl.zeros([BLOCK_M], tl.int32), mask=last)
 
 
 # unit_offset (0 for the first tile class, its unit count for the second) and stride_ln (the
@@ -337,10 +278,6 @@ def tree_attention_units_kernel(
     stride_pn,
     stride_ph,
     stride_ln,
-    Counters,  # int32 [n_queries, Hq], zero between calls (FUSED_MERGE only)
-    QueryPartialStart,  # int32 [n_queries] (FUSED_MERGE only)
-    QueryNumPartials,  # int32 [n_queries] (FUSED_MERGE only)
-    stride_cn,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr,
@@ -351,7 +288,6 @@ def tree_attention_units_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
-    FUSED_MERGE: tl.constexpr = False,  # the program storing a query head's last partial merges them
     GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
 ):
     if GDC_WAIT == 2:
@@ -367,7 +303,6 @@ def tree_attention_units_kernel(
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
-        Counters, QueryPartialStart, QueryNumPartials, stride_cn, FUSED_MERGE,
     )  # fmt: skip
 
 

@@ -8,7 +8,6 @@ benchmark's non-attention kernels (:mod:`bench.model_kernels`) instead of fasttr
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -38,24 +37,15 @@ UNITS = {
 MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16, "N_COUNTERS": 8}
 
 
-#: The units kernel's pointer arguments after its scalar ones (the fused merge's).
-UNITS_MERGE_POINTERS = ("Counters", "QueryPartialStart", "QueryNumPartials")
-
-
-def compile_units(
-    dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False, fused=False
-):
+def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False):
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32"}  # fmt: skip
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False,
-                  "OFFSETS_32": offsets_32, "PEEL": peel, "GDC_WAIT": gdc, "FUSED_MERGE": fused}  # fmt: skip
+                  "OFFSETS_32": offsets_32, "PEEL": peel, "GDC_WAIT": gdc}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
-        signature[name] = (
-            "constexpr" if name in constexprs else "fp32" if name == "qk_scale"
-            else "*i32" if name in UNITS_MERGE_POINTERS else "i32"
-        )  # fmt: skip
+        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
 
 
@@ -166,13 +156,6 @@ def fasttree_jobs() -> dict:
     jobs["gdc_early_merge_fp16"] = (compile_merge, (merge_partials_kernel, "fp16", 2))
     jobs["gdc_early_merge_many_fp16"] = (compile_merge, (merge_many_partials_kernel, "fp16", 2))
     jobs["gdc_early_merge_persistent_bf16"] = (compile_merge, (merge_partials_persistent_kernel, "bf16", 2))
-    # the merge fused into stage 1 (FUSED_MERGE)
-    jobs["fused_units_fp16_d128_g16_m16_n128"] = (
-        compile_units, ("fp16", 128, 16, 16, 128, False, True, False, 0, True)
-    )  # fmt: skip
-    jobs["fused_units_bf16_d128_g4_m64_n64_masked_peel"] = (
-        compile_units, ("bf16", 128, 4, 64, 64, True, True, True, 0, True)
-    )  # fmt: skip
     return jobs
 
 
@@ -183,8 +166,6 @@ def check(name: str, kernel) -> str:
     ptx = kernel.asm.get("ptx", "")
     if not kernel.asm.get("cubin") or ".target sm_90" not in ptx:
         return "no sm_90 cubin"
-    if (re.search(r"atom\.[\w.]*acq_rel", ptx) is not None) != name.startswith("fused_"):
-        return "acquire-release atomic " + ("missing" if name.startswith("fused_") else "present without FUSED_MERGE")
     if ("griddepcontrol.wait" in ptx) != name.startswith("gdc_"):
         return "griddepcontrol.wait " + ("missing" if name.startswith("gdc_") else "present without GDC_WAIT")
     if ("griddepcontrol.launch_dependents" in ptx) != name.startswith("gdc_early_"):
@@ -204,10 +185,7 @@ def units_shared_bytes(block_m, block_n, head_dim, num_warps, num_stages) -> int
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": 1, "BLOCK_M": block_m, "BLOCK_N": block_n,
                   "MASKED": True, "UPCAST_DOT": False, "OFFSETS_32": True, "PEEL": False}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
-        signature[name] = (
-            "constexpr" if name in constexprs else "fp32" if name == "qk_scale"
-            else "*i32" if name in UNITS_MERGE_POINTERS else "i32"
-        )  # fmt: skip
+        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(tree_attention_units_kernel.arg_names)

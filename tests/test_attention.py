@@ -332,46 +332,6 @@ def test_deeper_pipeline_only_for_one_wave_mha_small_classes(args, expected):
     assert attention.launch_num_stages(*args) == expected
 
 
-@pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[6]])
-@pytest.mark.parametrize("pack_tokens", [0, 1024])
-def test_fused_merge_matches_reference_and_resets_its_counters(g, hkv, d, dtype, pack_tokens, device, monkeypatch):
-    """Stage 1 merging the partials itself (``FUSED_MERGE``): no merge launch, the output matches
-    the float64 reference, and a second call (counters zeroed by the first) matches it again."""
-    monkeypatch.setattr(attention, "_FUSED_MERGE", "always")
-    rng = np.random.default_rng(77 * g + d + pack_tokens)
-    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-    cfg = ft.FastTreeConfig(kv_split_sizes=(64, 32), pack_tokens=pack_tokens)
-    for _ in range(50):  # the first random forest whose plan merges (a forest of one short chain may not)
-        tree = random_tree(rng, max_nodes=30, max_len=150)
-        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
-        if plan.merge_queries.size:
-            break
-    assert plan.merge_queries.size, "the test needs queries with several partials"
-    q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
-    launches = attention._launches(plan, plan.to(device), q, k, v, torch.empty_like(q), 0.1)
-    assert all(kernel is attention.tree_attention_units_kernel for kernel, *_ in launches)
-    for _ in range(2):
-        out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
-        check_against_reference(out, q, k, v, tree)
-    assert not attention._merge_counters(plan, q.device).any()
-
-
-def test_fused_merge_only_for_one_wave_plans(monkeypatch):
-    tree = ft.KVTree.from_lengths([-1] + [0] * 20, [300] + [10 + i for i in range(20)], list(range(1, 21)))
-    plan = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(128, 32)), num_q_heads=8, num_kv_heads=2, head_dim=64)
-    assert plan.merge_queries.size
-    items = max(u * plan.num_kv_heads for u in plan.units_per_class())
-    assert attention.fuse_merge(plan, 132)
-    assert not attention.fuse_merge(plan, 0)  # no GPU (the interpreter)
-    assert not attention.fuse_merge(plan, max(1, items // 3 - 1))  # more items than one wave of a small GPU
-    monkeypatch.setattr(attention, "_FUSED_MERGE", "never")
-    assert not attention.fuse_merge(plan, 132)
-    monkeypatch.setattr(attention, "_FUSED_MERGE", "always")
-    assert attention.fuse_merge(plan, 0)
-    no_merge = ft.plan(ft.KVTree.from_lengths([-1], [40], [0]), None, num_q_heads=8, num_kv_heads=2, head_dim=64)
-    assert not attention.fuse_merge(no_merge, 132)  # nothing to merge
-
-
 def test_wide_kv_tile_switch_off(monkeypatch):
     monkeypatch.setattr(attention, "_WIDE_KV_TILE", False)
     assert attention.launch_kv_tile(16, 128, _tile(), _LONG, 256, 132) == 64
