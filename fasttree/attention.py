@@ -489,7 +489,8 @@ def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.nd
     by the GPU's throughput, so halving the tiles shortens it. On the H200 paper suite (graph
     replay, ``bench/device/tile_variants_ab.py``) that took 1/gqa4, 4/gqa16, 9/gqa4 and
     9/gqa16 to 0.89-0.91x of their time; the same tile on 1,024 items (2.6 waves, 8/gqa16)
-    cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it.
+    cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it. ``sms`` is 0 where the rule does
+    not apply (:func:`_launch_sms`: the interpreter, GPUs other than sm_90).
     """
     if (
         not _WIDE_KV_TILE
@@ -521,7 +522,8 @@ def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int,
     ``items`` (units x KV heads) fit one wave of the GPU's ``sms`` SMs at the 3 programs per SM
     that leaves room for: the wave count does not change, and each program's chain of KV
     tiles has one more tile in flight. When the deeper buffers would add a wave (2/3/4/mha,
-    512 items) they cost 14-18% on the H200 (``bench/device/tile_variants_ab.py``).
+    512 items) they cost 14-18% on the H200 (``bench/device/tile_variants_ab.py``). ``sms`` is 0
+    where the rule does not apply (:func:`_launch_sms`).
     """
     if (
         not _DEEP_ONE_WAVE
@@ -535,9 +537,20 @@ def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int,
     return _DEEP_ONE_WAVE_STAGES
 
 
+#: Compute capability (major) whose occupancy :func:`launch_kv_tile` and :func:`launch_num_stages`
+#: assume: 3 programs per SM of 16-row tiles at 75 KB of shared memory each, as on the H100/H200
+#: (227 KB per program, 64K registers per SM). GPUs with less shared memory per SM (sm_80: 163 KB,
+#: sm_86/89: 99 KB) would fit fewer, so the one-wave rules would add waves there: they keep the plan's
+#: launch settings.
+_ONE_WAVE_MAJOR = 9
+
+
 def _launch_sms(q: torch.Tensor) -> int:
-    """SMs of the GPU a launch on ``q`` runs on; 0 (no wave-based launch choice) on the CPU interpreter."""
-    return _sm_count(q.device) if _is_cuda(q) and not _interpreting() else 0
+    """SMs of the GPU a launch on ``q`` runs on, for the one-wave launch choices; 0 (none) on the CPU
+    interpreter and on GPUs of another compute capability than :data:`_ONE_WAVE_MAJOR`."""
+    if not _is_cuda(q) or _interpreting() or _compute_capability_major(q.device) != _ONE_WAVE_MAJOR:
+        return 0
+    return _sm_count(q.device)
 
 
 _SM_COUNTS: dict[int, int] = {}

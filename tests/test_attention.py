@@ -332,6 +332,17 @@ def test_deeper_pipeline_only_for_one_wave_mha_small_classes(args, expected):
     assert attention.launch_num_stages(*args) == expected
 
 
+@pytest.mark.parametrize(("cuda", "interpreting", "major", "expected"),
+                         [(True, False, 9, 132), (True, False, 8, 0), (True, False, 10, 0), (True, True, 9, 0),
+                          (False, False, 9, 0)])  # fmt: skip
+def test_one_wave_rules_only_on_the_measured_gpu_generation(cuda, interpreting, major, expected, monkeypatch):
+    monkeypatch.setattr(attention, "_is_cuda", lambda t: cuda)
+    monkeypatch.setattr(attention, "_interpreting", lambda: interpreting)
+    monkeypatch.setattr(attention, "_compute_capability_major", lambda device: major)
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    assert attention._launch_sms(torch.zeros(1)) == expected
+
+
 def test_wide_kv_tile_switch_off(monkeypatch):
     monkeypatch.setattr(attention, "_WIDE_KV_TILE", False)
     assert attention.launch_kv_tile(16, 128, _tile(), _LONG, 256, 132) == 64
