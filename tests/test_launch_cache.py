@@ -66,6 +66,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(attention, "_interpreting", lambda: False)
     monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
     monkeypatch.setattr(attention, "_is_cuda", lambda t: True)
+    monkeypatch.setattr(attention, "_launch_sms", lambda q: 0)  # no one-wave launch choice (no GPU to count SMs)
     monkeypatch.setattr(attention, "_compute_capability_major", lambda device: 9)  # an sm_90 GPU: PDL flags set
     monkeypatch.setattr(attention, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(attention, "_COMPILED", {})
