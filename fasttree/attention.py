@@ -319,14 +319,15 @@ def _launches(
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
         items, sms = n_units * host.num_kv_heads, _launch_sms(q)
         block_n = launch_kv_tile(host.group_size, d, tc, lengths, items, sms)
-        num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
+        num_stages = tc.num_stages  # stages the config sets are kept; its defaults may deepen
+        if host.config.num_stages is None:
+            num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
         constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
                       heads_fastest, pdl_stage1)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
-            items = n_units * host.num_kv_heads
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
         out_launches.append(
             (tree_attention_units_kernel, grid, args, constexprs, tc.num_warps, num_stages, maxnreg)
@@ -517,7 +518,8 @@ _DEEP_ONE_WAVE_STAGES = 5
 def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int, sms: int) -> int:
     """Pipeline stages of one stage-1 launch of tile class ``tc``.
 
-    ``tc.num_stages`` (the config's), except that a 16-row MHA class (one query per row, up to 4
+    ``tc.num_stages`` (the config's default stages: a config that sets ``num_stages`` keeps
+    them, :func:`_launches` does not ask), except that a 16-row MHA class (one query per row, up to 4
     stages: one gathered K/V buffer, head dim <= 128) runs 5 stages, a second buffer, when its
     ``items`` (units x KV heads) fit one wave of the GPU's ``sms`` SMs at the 3 programs per SM
     that leaves room for: the wave count does not change, and each program's chain of KV

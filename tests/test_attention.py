@@ -14,6 +14,7 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import attention
 from fasttree.plan_arrays import TileClass
+from fasttree.suite import paper_tree
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -341,6 +342,17 @@ def test_one_wave_rules_only_on_the_measured_gpu_generation(cuda, interpreting, 
     monkeypatch.setattr(attention, "_compute_capability_major", lambda device: major)
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     assert attention._launch_sms(torch.zeros(1)) == expected
+
+
+@pytest.mark.parametrize(("num_stages", "expected"), [(None, 5), ((3, 3), 3), ((4, 4), 4)])
+def test_deeper_pipeline_keeps_stages_a_config_sets(num_stages, expected, device, monkeypatch):
+    monkeypatch.setattr(attention, "_launch_sms", lambda q: 132)
+    tree = paper_tree(1)  # MHA: 384 (unit, KV head) items of 16-row tiles, one wave of 132 SMs
+    plan = ft.plan(tree, ft.FastTreeConfig(num_stages=num_stages), num_q_heads=32, num_kv_heads=32, head_dim=64)
+    q, k, v = make_inputs(tree, 32, 32, 64, torch.float16, device, torch.Generator().manual_seed(0))
+    launches = attention._launches(plan, plan.to(device), q, k, v, torch.empty_like(q), 0.1)
+    small = [stages for _, _, _, c, _, stages, _ in launches if len(c) > 10 and c[3] == 16]
+    assert small and all(st == expected for st in small)
 
 
 def test_wide_kv_tile_switch_off(monkeypatch):
