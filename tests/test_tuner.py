@@ -624,6 +624,29 @@ def test_run_trials_goes_on_when_another_worker_told_the_same_trial(caplog) -> N
         run_trials(study, lambda t: 0.0, n_trials=10)
 
 
+def test_run_trials_goes_on_when_the_storage_says_another_worker_finished_the_trial(tmp_path, caplog) -> None:
+    """The same race in its narrowest window (CI, SQLite, two processes): another worker finishes
+    the trial after this one checked its state and before it writes its result, so the storage
+    raises UpdateFinishedTrialError; the worker goes on and the study reaches its target."""
+    path = tmp_path / "race.db"
+    study = optuna.create_study(storage=open_storage(path), study_name="race2")
+    other = optuna.storages.RDBStorage(f"sqlite:///{path}")  # "another worker"
+    real_set = study._storage.set_trial_state_values
+    raced = []
+
+    def set_state(trial_id, state, values=None):
+        if state == TrialState.COMPLETE and not raced:
+            raced.append(trial_id)
+            other.set_trial_state_values(trial_id, TrialState.COMPLETE, values)
+        return real_set(trial_id, state, values)
+
+    study._storage.set_trial_state_values = set_state
+    with caplog.at_level("WARNING"):
+        done = run_trials(study, lambda t: t.suggest_float("x", 0, 1), n_trials=4)
+    assert done == 4 and len(raced) == 1
+    assert "another worker finished the same trial first" in caplog.text
+
+
 class _BowlObjective:
     """A stand-in single objective: a bowl with its minimum at kv_tile (128, 64) and 2 small-class warps."""
 

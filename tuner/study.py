@@ -328,11 +328,13 @@ def run_trials(
                     callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), guard, bar],
                 )
                 break
-            except ValueError as exc:
+            except (ValueError, optuna.exceptions.UpdateFinishedTrialError) as exc:
                 # Two workers on SQLite (no row locks) can pop the same enqueued trial: the
-                # second to finish it cannot tell it (optuna/optuna#4621). Its result is the
-                # first one's; this worker goes on with the next trial.
-                if not str(exc).startswith("Cannot tell a "):
+                # second to finish it cannot tell it (optuna/optuna#4621): a ValueError when
+                # its cached trial is already finished, UpdateFinishedTrialError from the
+                # storage when only the database knows. Its result is the first one's; this
+                # worker goes on with the next trial.
+                if isinstance(exc, ValueError) and not str(exc).startswith("Cannot tell a "):
                     raise
                 logger.warning("study %s: another worker finished the same trial first (%s)", study.study_name, exc)
     finally:
