@@ -60,3 +60,25 @@ def test_a_launch_switch_times_every_case_with_its_value_set(monkeypatch):
     seen.clear()
     assert switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"]) == []  # plans unchanged
     assert seen == []
+
+
+def test_rounds_time_the_values_in_turn_and_keep_the_median(monkeypatch):
+    """``--rounds``: each value is timed once per round, A, B, A, B, ...; its row keeps the median
+    and every round's time; ``--cases`` limits the cases (the GPU parts faked)."""
+    from bench.device import switch_ab
+    from fasttree import attention
+
+    seen, times = [], iter([5.0, 1.0, 3.0, 2.0, 4.0, 9.0])
+
+    def fake_time(plan, *args):
+        seen.append(attention._PDL)
+        return {"graph_us": next(times), "err": 1e-4}
+
+    monkeypatch.setattr(switch_ab, "random_case", lambda *a, **k: (None, None, None, None, None))
+    monkeypatch.setattr(switch_ab, "checked_graph_time", fake_time)
+    monkeypatch.setattr(switch_ab, "PAPER_HEADS", {"mha": (4, 4)})
+    rows = switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"], True, [1], rounds=3)
+    assert seen == ["none", "early"] * 3
+    assert [(r["case"], r["heads"]) for r in rows] == [(1, "mha")]
+    assert rows[0]["none"]["graph_us_rounds"] == [5.0, 3.0, 4.0] and rows[0]["none"]["graph_us"] == 4.0
+    assert rows[0]["early"]["graph_us_rounds"] == [1.0, 2.0, 9.0] and rows[0]["early"]["graph_us"] == 2.0
