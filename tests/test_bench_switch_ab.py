@@ -82,3 +82,15 @@ def test_rounds_time_the_values_in_turn_and_keep_the_median(monkeypatch):
     assert [(r["case"], r["heads"]) for r in rows] == [(1, "mha")]
     assert rows[0]["none"]["graph_us_rounds"] == [5.0, 3.0, 4.0] and rows[0]["none"]["graph_us"] == 4.0
     assert rows[0]["early"]["graph_us_rounds"] == [1.0, 2.0, 9.0] and rows[0]["early"]["graph_us"] == 2.0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--cases", "0,3"], "paper cases 1-15"), (["--cases", "a"], "comma-separated case numbers"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+])  # fmt: skip
+def test_bad_cases_or_rounds_are_usage_errors(argv, message, capsys):
+    from bench.device import switch_ab
+
+    with pytest.raises(SystemExit):
+        switch_ab.main(["--switch", "fasttree.attention:_PDL", "--values", "none,auto", "--out", "x.json", *argv])
+    assert message in capsys.readouterr().err

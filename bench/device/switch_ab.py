@@ -221,7 +221,12 @@ def main(argv=None) -> int:
         p.error(f"{args.switch!r} names no attribute of {mod_name}")
     names = args.values.split(args.sep)
     values = [parse_value(x) for x in names]
-    cases = [int(c) for c in args.cases.split(",")] if args.cases else None
+    try:
+        cases = [int(c) for c in args.cases.split(",")] if args.cases else None
+    except ValueError:
+        p.error(f"--cases must be comma-separated case numbers, got {args.cases!r}")
+    if cases is not None and not all(1 <= c <= 15 for c in cases):
+        p.error(f"--cases must be paper cases 1-15, got {args.cases!r}")
     paper = paper_rows(module, attr, values, names, args.launch, cases, args.rounds)
     decode = [] if args.no_decode else decode_rows(module, attr, values, names, args.launch)
     summary = summarize(paper, decode, names)

@@ -61,6 +61,8 @@ def main() -> int:
     p.add_argument("--family", choices=sorted(FAMILIES), default="tiles")
     p.add_argument("--rounds", type=int, default=1, help="timings per variant, taken in turn (median kept)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in (int(c) for c in args.cases.split(",")):
