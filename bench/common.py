@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,38 @@ def checked_graph_time(
     torch.cuda.synchronize()
     err = fasttree.max_relative_error(out[torch.as_tensor(sample, device=out.device)], ref)
     return {"graph_us": graph_time_us(call)["median"], "err": err}
+
+
+def timed_in_turn(
+    calls: Mapping[str, Callable[[], dict[str, float]]], rounds: int, *, keep_errors: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Time each of ``calls`` (name -> a call returning ``{"graph_us", "err"}``, as
+    :func:`checked_graph_time`) ``rounds`` times in turn (A, B, A, B, ...: the GPU's drift falls on
+    every call alike). Per name: the median ``graph_us``, the worst ``err`` and, when ``rounds > 1``,
+    every round's time (``graph_us_rounds``). With ``keep_errors`` a call that raises (a variant that
+    does not compile) is recorded as ``{"error": ...}`` and not called again."""
+    timings: dict[str, list[dict[str, float]]] = {name: [] for name in calls}
+    failed: dict[str, dict[str, Any]] = {}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if name in failed:
+                continue
+            try:
+                timings[name].append(call())
+            except Exception as e:
+                if not keep_errors:
+                    raise
+                failed[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    out: dict[str, dict[str, Any]] = {}
+    for name in calls:
+        if name in failed:
+            out[name] = failed[name]
+            continue
+        times = [t["graph_us"] for t in timings[name]]
+        out[name] = {"graph_us": float(np.median(times)), "err": max(t["err"] for t in timings[name])}
+        if rounds > 1:
+            out[name]["graph_us_rounds"] = times
+    return out
 
 
 def random_case(

@@ -27,3 +27,24 @@ def test_split_variants_lengthen_the_small_split_only():
     out = split_variants(4)
     assert set(FAMILIES) == {"tiles", "splits"}
     assert [c.kv_split_sizes for c in out.values()] == [(1024, 128), (1024, 256), (1024, 512), (1024, 1024)]
+
+
+def test_timed_in_turn_records_a_failing_variant_once_and_times_the_rest():
+    from bench.common import timed_in_turn
+
+    order, times = [], iter([3.0, 1.0, 2.0])
+
+    def ok():
+        order.append("ok")
+        return {"graph_us": next(times), "err": 1e-4}
+
+    def broken():
+        order.append("broken")
+        raise RuntimeError("out of shared memory")
+
+    out = timed_in_turn({"ok": ok, "broken": broken}, 3, keep_errors=True)
+    assert order == ["ok", "broken", "ok", "ok"]  # in turn; the failed one is not called again
+    assert out["ok"] == {"graph_us": 2.0, "err": 1e-4, "graph_us_rounds": [3.0, 1.0, 2.0]}
+    assert out["broken"] == {"error": "RuntimeError: out of shared memory"}
+    with pytest.raises(RuntimeError):
+        timed_in_turn({"broken": broken}, 1)

@@ -29,13 +29,13 @@ import importlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, write_device_result
+from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
@@ -85,6 +85,12 @@ def differ(ps: list[ft.Plan]) -> bool:
     return any(p.stats() != first.stats() or p.n_partial_rows != first.n_partial_rows for p in ps[1:])
 
 
+def _timed_switched(module, attr, value, plan, q, k, v, sample, ref) -> dict:
+    """:func:`checked_graph_time` of ``plan`` with the switch set to ``value``."""
+    with switched(module, attr, value):
+        return checked_graph_time(plan, q, k, v, sample, ref)
+
+
 def paper_rows(
     module, attr, values, names, launch: bool = False, cases: list[int] | None = None, rounds: int = 1
 ) -> list[dict]:
@@ -99,17 +105,13 @@ def paper_rows(
                 continue
             q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
             row = {"case": case, "heads": heads}
-            timed: dict[str, list[dict]] = {name: [] for name in names}
-            for _ in range(rounds):
-                for name, value, plan in zip(names, values, ps, strict=True):
-                    with switched(module, attr, value):
-                        timed[name].append(checked_graph_time(plan, q, k, v, sample, ref))
+            calls = {
+                name: partial(_timed_switched, module, attr, value, plan, q, k, v, sample, ref)
+                for name, value, plan in zip(names, values, ps, strict=True)
+            }
+            timed = timed_in_turn(calls, rounds)
             for name, plan in zip(names, ps, strict=True):
-                times = [t["graph_us"] for t in timed[name]]
-                row[name] = {"graph_us": float(np.median(times)), "err": max(t["err"] for t in timed[name]),
-                             **describe(plan)}  # fmt: skip
-                if rounds > 1:
-                    row[name]["graph_us_rounds"] = times
+                row[name] = {**timed[name], **describe(plan)}
             rows.append(row)
             base = row[names[0]]["graph_us"]
             ratios = " ".join(f"{n}:{row[n]['graph_us'] / base:.3f}" for n in names[1:])

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from typing import Any
 
-import numpy as np
-
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, write_device_result
+from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
 from fasttree.suite import PAPER_HEADS, paper_tree
 
 D = 128
@@ -77,23 +76,13 @@ def main() -> int:
             plans = {
                 name: ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=D) for name, cfg in configs.items()
             }
-            timings: dict[str, list[dict]] = {name: [] for name in configs}
-            for _ in range(args.rounds):
-                for name, plan in plans.items():
-                    if name in row:
-                        continue
-                    try:
-                        timings[name].append(checked_graph_time(plan, q, k, v, sample, ref))
-                    except Exception as e:  # a variant that does not compile is a result
-                        row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            for name, plan in plans.items():
-                if name in row:
-                    continue
-                s = plan.stats()
-                times = [t["graph_us"] for t in timings[name]]
-                row[name] = {"graph_us": float(np.median(times)), "graph_us_rounds": times,
-                             "err": max(t["err"] for t in timings[name]), "units": s["units"],
-                             "partial_rows": s["partial_rows"], "q_tiles": s["q_tiles"]}  # fmt: skip
+            calls = {name: partial(checked_graph_time, plan, q, k, v, sample, ref) for name, plan in plans.items()}
+            # a variant that does not compile is a result
+            for name, timed in timed_in_turn(calls, args.rounds, keep_errors=True).items():
+                s = plans[name].stats()
+                row[name] = timed if "error" in timed else {
+                    **timed, "units": s["units"], "partial_rows": s["partial_rows"], "q_tiles": s["q_tiles"]
+                }  # fmt: skip
             base = row["default"]["graph_us"]
             for r in row.values():
                 if isinstance(r, dict) and "graph_us" in r:
