@@ -305,6 +305,7 @@ def _launches(
     forked = _FORK_STAGE1 and all(host.units_per_class())
     pdl_stage1 = pdl_launch("stage1_forked" if forked else "stage1", q)
     pdl_merge = pdl_launch("merge", q)
+    sms = _launch_sms(q)  # 0: no one-wave launch choice
     out_launches = []
     for c, tc in enumerate(host.tile_classes):
         n_units = ptr[c + 1] - ptr[c]
@@ -317,7 +318,7 @@ def _launches(
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
         lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
-        items, sms = n_units * host.num_kv_heads, _launch_sms(q)
+        items = n_units * host.num_kv_heads
         block_n = launch_kv_tile(host.group_size, d, tc, lengths, items, sms)
         num_stages = tc.num_stages  # stages the config sets are kept; its defaults may deepen
         if host.config.num_stages is None:
@@ -496,12 +497,9 @@ def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.nd
     if (
         not _WIDE_KV_TILE
         or group_size == 1
-        or head_dim > 128
-        or tc.block_m != 16
+        or not _one_wave_of_small_tiles(head_dim, tc, items, sms)
         or tc.block_n != 64
         or tc.num_warps < 4
-        or tc.num_stages > 4
-        or items > _SMALL_TILE_PROGRAMS * sms
         or lengths.size == 0
     ):
         return tc.block_n
@@ -527,16 +525,15 @@ def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int,
     512 items) they cost 14-18% on the H200 (``bench/device/tile_variants_ab.py``). ``sms`` is 0
     where the rule does not apply (:func:`_launch_sms`).
     """
-    if (
-        not _DEEP_ONE_WAVE
-        or group_size != 1
-        or head_dim > 128
-        or tc.block_m != 16
-        or tc.num_stages > 4
-        or items > _SMALL_TILE_PROGRAMS * sms
-    ):
+    if not _DEEP_ONE_WAVE or group_size != 1 or not _one_wave_of_small_tiles(head_dim, tc, items, sms):
         return tc.num_stages
     return _DEEP_ONE_WAVE_STAGES
+
+
+def _one_wave_of_small_tiles(head_dim: int, tc: TileClass, items: int, sms: int) -> bool:
+    """The condition both one-wave rules share: a 16-row class at head dim <= 128 with one gathered
+    K/V buffer (up to 4 stages) whose ``items`` fit one wave of ``sms`` SMs at 3 programs per SM."""
+    return head_dim <= 128 and tc.block_m == 16 and tc.num_stages <= 4 and items <= _SMALL_TILE_PROGRAMS * sms
 
 
 #: Compute capability (major) whose occupancy :func:`launch_kv_tile` and :func:`launch_num_stages`
