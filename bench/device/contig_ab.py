@@ -32,7 +32,10 @@ from fasttree.kernels.tree_attention import tree_attention_units_kernel
 from fasttree.suite import PAPER_HEADS, paper_tree
 
 D = 128
-VARIANTS = {"gather": 0, "run": 1, "tma": 2}
+#: name -> (CONTIG, pipeline stages added to the launch's). A gathered tile's slot ids are loaded one
+#: stage ahead of its rows, so at equal stages a run (no slot ids) buffers one tile more: the
+#: ``_eq`` variants run one stage less, i.e. as many K/V buffers as the gather.
+VARIANTS = {"gather": (0, 0), "run": (1, 0), "tma": (2, 0), "run_eq": (1, -1), "tma_eq": (2, -1), "gather_deep": (0, 1)}
 
 
 def contiguous_classes(plan: ft.Plan) -> list[bool]:
@@ -56,8 +59,8 @@ def contiguous_classes(plan: ft.Plan) -> list[bool]:
 class _Contig:
     """Stands in for the stage-1 kernel in a launch tuple: launches it with ``CONTIG`` set."""
 
-    def __init__(self, mode: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.mode, self.k, self.v = mode, k, v
+    def __init__(self, mode: int, stages: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.mode, self.stages, self.k, self.v = mode, stages, k, v
 
     def __getitem__(self, grid):
         def launch(*args, **options):
@@ -65,6 +68,7 @@ class _Contig:
             block_n = constexprs[4]
             if constexprs[-1]:
                 options["launch_pdl"] = True
+            options["num_stages"] = max(1, options["num_stages"] + self.stages)
             extra = {"CONTIG": self.mode}
             if self.mode == 2:
                 slots, hkv, d = self.k.shape
@@ -77,7 +81,7 @@ class _Contig:
 
 _real_launches = attn._launches
 _real_stage1_launches = attn._stage1_launches
-_STATE: dict = {"mode": 0, "classes": []}
+_STATE: dict = {"mode": (0, 0), "classes": []}
 
 
 def _patched_launches(host, dev, q, k_cache, v_cache, out, qk_scale):
@@ -88,8 +92,8 @@ def _patched_launches(host, dev, q, k_cache, v_cache, out, qk_scale):
     for i, launch in enumerate(launches):
         kernel, *rest = launch
         if kernel is tree_attention_units_kernel:
-            mode = _STATE["mode"] if present[i] in contig else 0
-            kernel = _Contig(mode, k_cache, v_cache)
+            mode, stages = _STATE["mode"] if present[i] in contig else (0, 0)
+            kernel = _Contig(mode, stages, k_cache, v_cache)
         result.append((kernel, *rest))
     return result
 
@@ -98,7 +102,7 @@ def _stage1_count(launches):
     return sum(1 for kernel, *_ in launches if kernel is tree_attention_units_kernel or isinstance(kernel, _Contig))
 
 
-def timed(mode: int, classes: list[bool], plan, q, k, v, sample, ref) -> dict:
+def timed(mode: tuple[int, int], classes: list[bool], plan, q, k, v, sample, ref) -> dict:
     _STATE["mode"], _STATE["classes"] = mode, classes
     return checked_graph_time(plan, q, k, v, sample, ref)
 
@@ -134,7 +138,7 @@ def main() -> int:
             )
             print(f"{case}/{heads} classes {classes} gather {base:.1f} us {msg}", flush=True)
     summary = {}
-    for n in ("run", "tma"):
+    for n in list(VARIANTS)[1:]:
         r = [row[n]["graph_us"] / row["gather"]["graph_us"] for row in rows if "graph_us" in row[n]]
         summary[n] = {"geomean_ratio": geomean(r), "cases": len(r)}
     summary["max_err"] = max(max(row[n].get("err", 0.0) for n in VARIANTS) for row in rows) if rows else None
