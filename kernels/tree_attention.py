@@ -68,9 +68,9 @@ HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel
 @triton.jit
 def _kv_tile(
     start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale,
-    row_bit, d, d_valid, KDesc, VDesc, slot0, col,
+    row_bit, d, d_valid,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, BOUNDED: tl.constexpr, CONTIG: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
     """The online-softmax update of one KV tile (entries ``start:start + BLOCK_N`` of the unit):
     returns the new ``(m_i, l_i, acc)``. ``BOUNDED``: the tile may reach past the unit's
@@ -78,23 +78,16 @@ def _kv_tile(
     n = start + tl.arange(0, BLOCK_N)
     if BOUNDED:
         n_valid = n < kv_len
+        slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
         kv_mask = n_valid[:, None] & d_valid[None, :]
     else:
+        slot = tl.load(KvIndices + kv_start + n)
         kv_mask = d_valid[None, :]
-    if CONTIG == 0:
-        if BOUNDED:
-            slot = tl.load(KvIndices + kv_start + n, mask=n_valid, other=0)
-        else:
-            slot = tl.load(KvIndices + kv_start + n)
-    else:
-        slot = slot0 + n
     if not OFFSETS_32:
         slot = slot.to(tl.int64)
     k_ptrs = k_base + slot[:, None] * stride_kn + d[None, :]
     v_ptrs = v_base + slot[:, None] * stride_vn + d[None, :]
-    if CONTIG == 2:
-        k = KDesc.load([slot0 + start, col])
-    elif BOUNDED or HEAD_DIM != BLOCK_D:
+    if BOUNDED or HEAD_DIM != BLOCK_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptrs)
@@ -113,11 +106,7 @@ def _kv_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if CONTIG == 2:
-        v = VDesc.load([slot0 + start, col])
-        if BOUNDED:  # rows past the unit are other slots' (maybe non-finite) values
-            v = tl.where(n_valid[:, None], v, 0.0)
-    elif BOUNDED or HEAD_DIM != BLOCK_D:
+    if BOUNDED or HEAD_DIM != BLOCK_D:
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_ptrs)
@@ -169,9 +158,6 @@ def _attend_unit(
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
     WAIT: tl.constexpr = False,
-    CONTIG: tl.constexpr = 0,
-    KDesc=None,
-    VDesc=None,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -216,10 +202,6 @@ def _attend_unit(
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     row_bit = tl.minimum(row_query, 31)  # MASKED: the row's bit in an entry's mask
-    slot0 = 0
-    if CONTIG != 0:
-        slot0 = tl.load(KvIndices + kv_start)
-    col = kv_head * HEAD_DIM
     # PEEL: the unit's whole BLOCK_N tiles without masks (index, K/V and row-mask loads
     # unpredicated, no bound on the scores), then one masked tail tile; else every tile masked
     if PEEL:
@@ -227,21 +209,21 @@ def _attend_unit(
         for start in range(0, full, BLOCK_N):
             m_i, l_i, acc = _kv_tile(
                 start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, KDesc, VDesc, slot0, col, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED,
-                UPCAST_DOT, OFFSETS_32, False, CONTIG,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                False,
             )  # fmt: skip
         if full < kv_len:
             m_i, l_i, acc = _kv_tile(
                 full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, KDesc, VDesc, slot0, col, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED,
-                UPCAST_DOT, OFFSETS_32, True, CONTIG,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                True,
             )  # fmt: skip
     else:
         for start in range(0, kv_len, BLOCK_N):
             m_i, l_i, acc = _kv_tile(
                 start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                stride_vn, qk_scale, row_bit, d, d_valid, KDesc, VDesc, slot0, col, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED,
-                UPCAST_DOT, OFFSETS_32, True, CONTIG,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                True,
             )  # fmt: skip
 
     if MASKED:
@@ -307,9 +289,6 @@ def tree_attention_units_kernel(
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
     GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
-    CONTIG: tl.constexpr = 0,  # EXPERIMENT: every unit's slots are one run (1: no index loads, 2: TMA loads)
-    KDesc=None,  # CONTIG 2: tensor descriptors of K and V viewed [pool_slots, Hkv * D], blocks [BLOCK_N, D]
-    VDesc=None,
 ):
     if GDC_WAIT == 2:
         gdc_launch_dependents()
@@ -323,8 +302,7 @@ def tree_attention_units_kernel(
         unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2, CONTIG,
-        KDesc, VDesc,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
     )  # fmt: skip
 
 
