@@ -268,14 +268,26 @@ class Plan:
         return p[1] - p[0], p[2] - p[1]
 
     # ------------------------------------------------------------- device
-    def to(self, device: Any) -> DevicePlan:
-        """Upload the plan's arrays with one host-to-device copy; cached per device."""
+    def to(self, device: Any, *, non_blocking: bool = False) -> DevicePlan:
+        """Upload the plan's arrays with one host-to-device copy; cached per device.
+
+        Parameters
+        ----------
+        device : torch.device or str
+        non_blocking : bool
+            For a CUDA device: copy from pinned host memory on the current stream and return
+            without waiting for the copy, so the host can go on (e.g. plan the next step) while
+            the GPU runs earlier work. Kernels launched later on that stream see the arrays;
+            another stream must wait for the current one first. False: the copy is done when
+            this returns. Only the first upload to a device copies (later calls return the
+            cached arrays).
+        """
         import torch
 
         device = torch.device(device)
         cached = self._device_cache.get(device)
         if cached is None:
-            cached = DevicePlan.upload(self, device)
+            cached = DevicePlan.upload(self, device, non_blocking=non_blocking)
             self._device_cache[device] = cached
         return cached
 
@@ -322,7 +334,8 @@ class DevicePlan:
     arrays: dict[str, torch.Tensor]
 
     @classmethod
-    def upload(cls, plan: Plan, device: Any) -> DevicePlan:
+    def upload(cls, plan: Plan, device: Any, *, non_blocking: bool = False) -> DevicePlan:
+        """The plan's arrays copied to ``device`` in one int32 tensor (see :meth:`Plan.to`)."""
         import torch
 
         parts = [np.ascontiguousarray(getattr(plan, name), dtype=np.int32) for name in DEVICE_ARRAYS]
@@ -331,7 +344,14 @@ class DevicePlan:
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         for p, off in zip(parts, offsets[:-1], strict=True):
             host[off : off + p.size] = p
-        buf = torch.from_numpy(host).to(device)
+        staged = torch.from_numpy(host)
+        device = torch.device(device)
+        if non_blocking and device.type == "cuda":
+            # pinned: the copy runs on the stream without the host waiting; torch keeps the pinned
+            # block from reuse until the copy is done
+            buf = staged.pin_memory().to(device, non_blocking=True)
+        else:
+            buf = staged.to(device)
         arrays = {name: buf[offsets[i] : offsets[i] + sizes[i]] for i, name in enumerate(DEVICE_ARRAYS)}
         return cls(plan=plan, device=buf.device, buffer=buf, arrays=arrays)
 

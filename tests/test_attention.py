@@ -128,6 +128,23 @@ def test_custom_scale_non_contiguous_pool_and_plan_reuse(device):
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
+def test_non_blocking_upload_gives_the_same_arrays_and_output(device):
+    """``plan.to(device, non_blocking=True)`` (pinned copy on CUDA, a plain copy on the CPU) uploads
+    the same arrays, cached like a blocking upload, and the call reading them is correct."""
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    tree = random_tree(rng, max_nodes=10, max_len=80)
+    plan = ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    other = ft.plan(tree, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    dev = plan.to(device, non_blocking=True)
+    assert plan.to(device) is dev  # cached: later calls do not copy again
+    ref_dev = other.to(device)
+    assert torch.equal(dev.buffer.cpu(), ref_dev.buffer.cpu()) and dev.buffer.device.type == device.type
+    q, k, v = make_inputs(tree, 8, 2, 64, torch.float16, device, gen)
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, dev, out=o), q)
+    check_against_reference(out, q, k, v, tree)
+
+
 def test_single_token_contexts(device):
     # every query reads exactly one token: softmax of one element, output = v
     tree = ft.KVTree.from_lengths([-1, -1, -1], [1, 1, 1], [2, 0, 1, 1])

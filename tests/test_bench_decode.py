@@ -12,7 +12,7 @@ import torch
 
 from bench import decode
 
-BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_fresh", "query_separated", "sdpa")
+BACKENDS = ("fasttree", "fasttree_overlap", "fasttree_fresh", "query_separated", "query_separated_overlap", "sdpa")
 SCENARIO = "multi_level_system_prompts"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU path needs TRITON_INTERPRET=1 (conftest)
 ROW_KEYS = {
@@ -45,7 +45,7 @@ def test_backends_compute_the_same_decode(run):
         assert torch.isfinite(ref_logits).all()
         top2 = ref_logits.topk(2, dim=1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.05  # rows whose argmax no rounding can flip
-        for b in ("fasttree", "fasttree_overlap", "sdpa"):
+        for b in ("fasttree", "fasttree_overlap", "query_separated_overlap", "sdpa"):
             logits, tokens = steps[b][i]
             assert logits.shape == ref_logits.shape
             torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=2e-2)

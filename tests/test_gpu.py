@@ -260,3 +260,23 @@ def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
     lines = read_traces(tmp_path / "v.jsonl", kind="measurement").records
     assert len(lines) == 4 and all(r["status"] == "ok" for r in lines)
     assert lines[0]["correct"] is True  # the first step of the workload is checked against the reference
+
+
+def test_non_blocking_upload_does_not_wait_for_the_stream():
+    """A non-blocking upload returns while earlier work still runs on the stream (no host sync), and
+    the kernels launched after it on that stream read the uploaded plan."""
+    rng = np.random.default_rng(9)
+    gen = torch.Generator().manual_seed(9)
+    tree = random_tree(rng, max_nodes=40, max_len=300)
+    plan = ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128)
+    q, k, v = make_inputs(tree, 32, 8, 128, torch.float16, "cuda", gen)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of the copy
+    dev = plan.to("cuda", non_blocking=True)
+    pending = not torch.cuda.current_stream().query()
+    out = torch.full_like(q, float("nan"))
+    ft.tree_attention(q, k, v, dev, out=out)
+    torch.cuda.synchronize()
+    assert pending, "the upload waited for the stream's earlier work"
+    rows = np.arange(tree.n_queries)
+    assert _max_rel_error(out, q, k, v, tree, rows) <= TOL[torch.float16]
