@@ -25,7 +25,7 @@ from .kernels import (
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
 )
-from .plan_arrays import DevicePlan, Plan, TileClass, check_heads, materialize
+from .plan_arrays import DevicePlan, Plan, TileClass, check_heads, materialize, tenth_longest
 from .planner import Groups
 from .tree import KVTree
 
@@ -503,8 +503,7 @@ def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.nd
         or lengths.size == 0
     ):
         return tc.block_n
-    p90 = np.partition(lengths, lengths.size - 1 - lengths.size // 10)[lengths.size - 1 - lengths.size // 10]
-    return _WIDE_KV_TILE_TOKENS if int(p90) > tc.block_n else tc.block_n
+    return _WIDE_KV_TILE_TOKENS if tenth_longest(lengths) > tc.block_n else tc.block_n
 
 
 #: Whether :func:`launch_num_stages` may deepen a one-wave 16-row MHA class's pipeline (A/B switch).

@@ -65,13 +65,24 @@ def _next_pow2(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
+def tenth_longest(kv_len: np.ndarray, *, descending: bool = False) -> int:
+    """The KV length that one unit in ten (or more) of a tile class reaches: the ``size // 10``-th
+    of the units' lengths ``kv_len`` (non-empty) in decreasing order. ``descending``: ``kv_len`` is
+    sorted so already (a class as planned); else any order (an extended plan's)."""
+    k = kv_len.size // 10
+    if descending:
+        return int(kv_len[k])
+    i = kv_len.size - 1 - k
+    return int(np.partition(kv_len, i)[i])
+
+
 def _class_kv_tile(kv_tile: int, kv_len_desc: np.ndarray) -> int:
     """The KV tile of a tile class: ``kv_tile``, shrunk (to a power of two >= 16) when
     nine in ten of the class's units are shorter, so short units do not compute on
     masked tokens. ``kv_len_desc`` is sorted in decreasing order."""
     if not kv_len_desc.size:
         return kv_tile
-    p90 = int(kv_len_desc[kv_len_desc.size // 10])
+    p90 = tenth_longest(kv_len_desc, descending=True)
     return min(kv_tile, max(_MIN_BLOCK_N, _next_pow2(p90)))
 
 
