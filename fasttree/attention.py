@@ -324,12 +324,9 @@ def _launches(
         if host.config.num_stages is None:
             num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
-        qk_ahead = peel and qk_ahead_tiles(tc.block_m)
-        if qk_ahead and host.config.num_stages is None:
-            num_stages = min(num_stages, _QK_AHEAD_MAX_STAGES)
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
         constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
-                      heads_fastest, qk_ahead, pdl_stage1)  # fmt: skip
+                      heads_fastest, pdl_stage1)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
@@ -422,21 +419,6 @@ def peel_tiles(block_m: int, mean_tiles: float | None = None) -> bool:
     if rule == "small":
         return block_m <= 16
     return False
-
-
-#: Which peeled stage-1 launches issue a KV tile's scores before the previous tile's softmax (the
-#: kernels' ``QK_AHEAD``): ``"none"``, ``"large"`` (tiles of more than 16 rows, whose dots are
-#: asynchronous warpgroup MMAs on sm_90) or ``"all"``. An A/B switch read at each launch's set-up.
-_QK_AHEAD = "large"
-#: Deepest pipeline of a ``QK_AHEAD`` launch whose stages the config leaves to the defaults: the
-#: scores one tile ahead keep a K tile more in shared memory (64-row tiles at head dim 128: 99 KB at
-#: 3-4 stages, 132 KB at 5, which leaves one program per SM).
-_QK_AHEAD_MAX_STAGES = 4
-
-
-def qk_ahead_tiles(block_m: int) -> bool:
-    """Whether a peeled stage-1 launch of ``block_m``-row tiles runs ``QK_AHEAD`` (:data:`_QK_AHEAD`)."""
-    return _QK_AHEAD == "all" or (_QK_AHEAD == "large" and block_m > 16)
 
 
 def kv_offsets_fit_int32(max_slot: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -119,83 +119,6 @@ def _kv_tile(
 
 
 @triton.jit
-def _tile_scores(
-    start, kv_start, q, KvIndices, KvRowMask, k_base, stride_kn, row_bit, d, d_valid,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr,
-):  # fmt: skip
-    """The unscaled scores ``q @ k.T`` of the whole KV tile ``start:start + BLOCK_N`` of a unit
-    (every entry inside it), ``-inf`` where a packed entry's mask leaves a row out."""
-    n = kv_start + start + tl.arange(0, BLOCK_N)
-    slot = tl.load(KvIndices + n)
-    if not OFFSETS_32:
-        slot = slot.to(tl.int64)
-    if HEAD_DIM != BLOCK_D:
-        k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=d_valid[None, :], other=0.0)
-    else:
-        k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :])
-    if UPCAST_DOT:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k))
-    if MASKED:
-        bits = tl.load(KvRowMask + n)
-        s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _tile_softmax_pv(
-    start, kv_start, s, m_i, l_i, acc, KvIndices, v_base, stride_vn, qk_scale, d, d_valid,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    OFFSETS_32: tl.constexpr,
-):  # fmt: skip
-    """The online-softmax update of the whole KV tile ``start:start + BLOCK_N`` from its unscaled
-    scores ``s`` (:func:`_tile_scores`): returns the new ``(m_i, l_i, acc)``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    slot = tl.load(KvIndices + kv_start + start + tl.arange(0, BLOCK_N))
-    if not OFFSETS_32:
-        slot = slot.to(tl.int64)
-    if HEAD_DIM != BLOCK_D:
-        v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :], mask=d_valid[None, :], other=0.0)
-    else:
-        v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :])
-    p = p.to(v.dtype)
-    if UPCAST_DOT:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _full_tiles_qk_ahead(
-    full, kv_start, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale,
-    row_bit, d, d_valid,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr,
-):  # fmt: skip
-    """The unit's first ``full`` entries (whole ``BLOCK_N`` tiles, no masks) with the scores of
-    tile ``j + 1`` issued before tile ``j``'s softmax, so the tensor cores compute them while the
-    program runs the softmax: returns the new ``(m_i, l_i, acc)``."""
-    if full > 0:
-        s = _tile_scores(0, kv_start, q, KvIndices, KvRowMask, k_base, stride_kn, row_bit, d, d_valid, HEAD_DIM,
-                         BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32)  # fmt: skip
-        for start in range(BLOCK_N, full, BLOCK_N):
-            s_next = _tile_scores(start, kv_start, q, KvIndices, KvRowMask, k_base, stride_kn, row_bit, d, d_valid,
-                                  HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32)  # fmt: skip
-            m_i, l_i, acc = _tile_softmax_pv(start - BLOCK_N, kv_start, s, m_i, l_i, acc, KvIndices, v_base,
-                                             stride_vn, qk_scale, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT,
-                                             OFFSETS_32)  # fmt: skip
-            s = s_next
-        m_i, l_i, acc = _tile_softmax_pv(full - BLOCK_N, kv_start, s, m_i, l_i, acc, KvIndices, v_base, stride_vn,
-                                         qk_scale, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST_DOT, OFFSETS_32)  # fmt: skip
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _attend_unit(
     unit,
     kv_head,
@@ -235,7 +158,6 @@ def _attend_unit(
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
     WAIT: tl.constexpr = False,
-    QK_AHEAD: tl.constexpr = False,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -284,18 +206,12 @@ def _attend_unit(
     # unpredicated, no bound on the scores), then one masked tail tile; else every tile masked
     if PEEL:
         full = kv_len - kv_len % BLOCK_N
-        if QK_AHEAD:
-            m_i, l_i, acc = _full_tiles_qk_ahead(
-                full, kv_start, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn,
-                qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+        for start in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _kv_tile(
+                start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
+                stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
+                False,
             )  # fmt: skip
-        else:
-            for start in range(0, full, BLOCK_N):
-                m_i, l_i, acc = _kv_tile(
-                    start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
-                    stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT,
-                    OFFSETS_32, False,
-                )  # fmt: skip
         if full < kv_len:
             m_i, l_i, acc = _kv_tile(
                 full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
@@ -372,7 +288,6 @@ def tree_attention_units_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
-    QK_AHEAD: tl.constexpr = False,  # PEEL: a tile's scores issued before the previous tile's softmax
     GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
 ):
     if GDC_WAIT == 2:
@@ -388,7 +303,6 @@ def tree_attention_units_kernel(
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
-        QK_AHEAD,
     )  # fmt: skip
 
 
