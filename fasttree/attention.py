@@ -325,9 +325,8 @@ def _launches(
             num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
         peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
         grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
-        softmax = _SOFTMAX_FORM if (tc.block_m > 16 or not _SOFTMAX_LARGE_ONLY) else 0
         constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
-                      heads_fastest, softmax, pdl_stage1)  # fmt: skip
+                      heads_fastest, pdl_stage1)  # fmt: skip
         maxnreg = None
         if host.group_size == 1 and tc.block_m <= 16 and _is_cuda(q) and not _interpreting():
             maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, _sm_count(q.device))
@@ -420,13 +419,6 @@ def peel_tiles(block_m: int, mean_tiles: float | None = None) -> bool:
     if rule == "small":
         return block_m <= 16
     return False
-
-
-#: The stage-1 kernels' ``SOFTMAX`` form (A/B switch): 0 scores scaled before the max, 1 the scale
-#: folded into the exponent, 2 that and the running max moved only by more than a margin.
-_SOFTMAX_FORM = 0
-#: Whether only launches of more than 16 rows take :data:`_SOFTMAX_FORM`.
-_SOFTMAX_LARGE_ONLY = True
 
 
 def kv_offsets_fit_int32(max_slot: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

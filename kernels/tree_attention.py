@@ -45,9 +45,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LN2 = tl.constexpr(0.6931471805599453)
-#: SOFTMAX 2: a row's running max moves (and its sums are rescaled) only when some row's tile max
-#: exceeds it by more than this (log2 units): unnormalised probabilities stay below 2**8.
-RESCALE_MARGIN = tl.constexpr(8.0)
 
 
 # The plan buffer's header (fasttree.runtime.PLAN_HEADER lays it out; both must agree): the
@@ -73,7 +70,7 @@ def _kv_tile(
     start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn, stride_vn, qk_scale,
     row_bit, d, d_valid,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, BOUNDED: tl.constexpr, SOFTMAX: tl.constexpr = 0,
+    UPCAST_DOT: tl.constexpr, OFFSETS_32: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
     """The online-softmax update of one KV tile (entries ``start:start + BLOCK_N`` of the unit):
     returns the new ``(m_i, l_i, acc)``. ``BOUNDED``: the tile may reach past the unit's
@@ -96,9 +93,7 @@ def _kv_tile(
         k = tl.load(k_ptrs)
     if UPCAST_DOT:
         k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k))
-    if SOFTMAX == 0:
-        s = s * qk_scale
+    s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         if BOUNDED:
             bits = tl.load(KvRowMask + kv_start + n, mask=n_valid, other=0)
@@ -107,25 +102,10 @@ def _kv_tile(
         s = tl.where(((bits[None, :] >> row_bit[:, None]) & 1) != 0, s, float("-inf"))
     elif BOUNDED:
         s = tl.where(n_valid[None, :], s, float("-inf"))
-    if SOFTMAX == 0:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-    elif SOFTMAX == 1:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if tl.max(m_new - m_i, 0) > RESCALE_MARGIN:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s * qk_scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
     if BOUNDED or HEAD_DIM != BLOCK_D:
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:
@@ -134,11 +114,7 @@ def _kv_tile(
     if UPCAST_DOT:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
-    if SOFTMAX == 2:
-        acc = acc + tl.dot(p, v)
-        m_new = m_i
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l_i, acc
 
 
@@ -182,7 +158,6 @@ def _attend_unit(
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
     WAIT: tl.constexpr = False,
-    SOFTMAX: tl.constexpr = 0,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -235,20 +210,20 @@ def _attend_unit(
             m_i, l_i, acc = _kv_tile(
                 start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
                 stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
-                False, SOFTMAX,
+                False,
             )  # fmt: skip
         if full < kv_len:
             m_i, l_i, acc = _kv_tile(
                 full, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
                 stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
-                True, SOFTMAX,
+                True,
             )  # fmt: skip
     else:
         for start in range(0, kv_len, BLOCK_N):
             m_i, l_i, acc = _kv_tile(
                 start, kv_start, kv_len, q, m_i, l_i, acc, KvIndices, KvRowMask, k_base, v_base, stride_kn,
                 stride_vn, qk_scale, row_bit, d, d_valid, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32,
-                True, SOFTMAX,
+                True,
             )  # fmt: skip
 
     if MASKED:
@@ -313,7 +288,6 @@ def tree_attention_units_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
-    SOFTMAX: tl.constexpr = 0,  # online-softmax form of _kv_tile
     GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
 ):
     if GDC_WAIT == 2:
@@ -329,7 +303,6 @@ def tree_attention_units_kernel(
         UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
-        SOFTMAX,
     )  # fmt: skip
 
 
