@@ -17,7 +17,14 @@ This times both settings by CUDA-graph replay, on the plans the setting changes:
   export's configs) on the Llama and Mistral trees of the four serving scenarios (steps 10,
   25, 39).
 
+With ``--heldout FIRST:END`` it also times both settings on MHA trees the paper suite does not
+hold: every tree family's trees of seeds ``FIRST..END-1`` (``fasttree.workloads.sample_tree``)
+whose plans the setting changes. Every row records the KV tokens the whole units save per partial
+row they add (``tokens_saved_per_partial``), the measure a per-tree choice between the two plans
+would read; ``--rounds`` times each setting that many times in turn (medians). ::
+
     python3 bench/device/pack_wide_ab.py --out $OUT/pack_wide_ab.json
+    python3 bench/device/pack_wide_ab.py --heldout 1000:1040 --rounds 3 --no-decode --out $OUT/wide_heldout.json
 """
 
 from __future__ import annotations
@@ -27,13 +34,13 @@ import argparse
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, write_device_result
+from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
 from fasttree import plan_arrays
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.workloads import TREE_FAMILIES, iter_serving, sample_tree
 
 D = 128
 SETTINGS = {"packed": True, "whole": False}
@@ -60,31 +67,68 @@ def describe(plan: ft.Plan) -> dict:
             "partial_rows": int(plan.n_partial_rows)}  # fmt: skip
 
 
+def timed_pair(tree: ft.KVTree, hq: int, hkv: int, seed: int, rounds: int, **ids) -> dict | None:
+    """Both settings' plans of ``tree`` timed in turn (None when the setting changes no plan)."""
+    ps = plans(tree, None, hq, hkv)
+    if not differ(ps["packed"], ps["whole"]):
+        return None
+    q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=seed, samples=16)
+    calls = {name: (lambda plan=plan: checked_graph_time(plan, q, k, v, sample, ref)) for name, plan in ps.items()}
+    timed = timed_in_turn(calls, rounds)
+    row = {**ids, **{name: {**timed[name], **describe(plan)} for name, plan in ps.items()}}
+    saved = row["packed"]["kv_tokens_read"] - row["whole"]["kv_tokens_read"]
+    added = row["whole"]["partial_rows"] - row["packed"]["partial_rows"]
+    row["tokens_saved_per_partial"] = saved / added if added > 0 else None
+    label = " ".join(f"{key}={value}" for key, value in ids.items())
+    print(f"{label}: packed {row['packed']['graph_us']:.1f} whole {row['whole']['graph_us']:.1f} "
+          f"({row['whole']['graph_us'] / row['packed']['graph_us']:.3f}) saved/added {saved}/{added} err "
+          f"{row['packed']['err']:.1e}/{row['whole']['err']:.1e}", flush=True)  # fmt: skip
+    return row
+
+
+def _seed_range(text: str) -> range:
+    first, _, end = text.partition(":")
+    try:
+        seeds = range(int(first), int(end))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:END seeds, got {text!r}") from None
+    if seeds.start < 0 or not seeds:
+        raise argparse.ArgumentTypeError(f"expected 0 <= FIRST < END, got {text!r}")
+    return seeds
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--heldout", type=_seed_range, help="FIRST:END seeds of the tree families' MHA trees to time too")
+    p.add_argument("--rounds", type=int, default=1, help="timings per setting, taken in turn (median)")
+    p.add_argument("--no-decode", action="store_true", help="skip the serving trees")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     paper = []
     for case in range(1, 16):
         tree = paper_tree(case)
         for heads, (hq, hkv) in PAPER_HEADS.items():
-            ps = plans(tree, None, hq, hkv)
-            if not differ(ps["packed"], ps["whole"]):
-                continue
-            q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
-            row = {"case": case, "heads": heads}
-            for name, plan in ps.items():
-                row[name] = {**checked_graph_time(plan, q, k, v, sample, ref), **describe(plan)}
-            paper.append(row)
-            print(f"{case}/{heads}: packed {row['packed']['graph_us']:.1f} whole {row['whole']['graph_us']:.1f} "
-                  f"({row['whole']['graph_us'] / row['packed']['graph_us']:.3f}) err "
-                  f"{row['packed']['err']:.1e}/{row['whole']['err']:.1e}", flush=True)  # fmt: skip
+            row = timed_pair(tree, hq, hkv, case, args.rounds, case=case, heads=heads)
+            if row is not None:
+                paper.append(row)
+    heldout = []
+    for family in sorted(TREE_FAMILIES) if args.heldout else ():
+        for seed in args.heldout:
+            row = timed_pair(sample_tree(family, seed), 32, 32, seed, args.rounds, family=family, seed=seed)
+            if row is not None:
+                heldout.append(row)
     decode = []
+    if args.no_decode:
+        scenarios_of = dict.fromkeys(("llama", "mistral"), ())
+    else:
+        scenarios_of = dict.fromkeys(("llama", "mistral"), SCENARIOS)
     export = read_export("docs/tune/export_measured.json")
     gpu = torch.cuda.get_device_name(0)
     for model, (hq, hkv) in {"llama": (32, 32), "mistral": (32, 8)}.items():
         config, _ = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16)
-        for scenario in SCENARIOS:
+        for scenario in scenarios_of[model]:
             steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
             trees = [steps[i].tree for i in STEPS]
             if not any(differ(*plans(t, config, hq, hkv).values()) for t in trees):
@@ -138,8 +182,10 @@ def main() -> int:
         "decode_tree_attention_whole_over_packed": geomean(
             [r["whole"]["tree_attention_us"] / r["packed"]["tree_attention_us"] for r in decode]
         ),
+        "heldout_trees": len(heldout),
+        "heldout_whole_over_packed": geomean([r["whole"]["graph_us"] / r["packed"]["graph_us"] for r in heldout]),
     }
-    write_device_result(args.out, summary, paper=paper, decode=decode)
+    write_device_result(args.out, summary, paper=paper, heldout=heldout, decode=decode, rounds=args.rounds)
     return 0
 
 
