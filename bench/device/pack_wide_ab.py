@@ -67,12 +67,12 @@ def describe(plan: ft.Plan) -> dict:
             "partial_rows": int(plan.n_partial_rows)}  # fmt: skip
 
 
-def timed_pair(tree: ft.KVTree, hq: int, hkv: int, seed: int, rounds: int, **ids) -> dict | None:
+def timed_pair(tree: ft.KVTree, hq: int, hkv: int, data_seed: int, rounds: int, **ids) -> dict | None:
     """Both settings' plans of ``tree`` timed in turn (None when the setting changes no plan)."""
     ps = plans(tree, None, hq, hkv)
     if not differ(ps["packed"], ps["whole"]):
         return None
-    q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=seed, samples=16)
+    q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=data_seed, samples=16)
     calls = {name: (lambda plan=plan: checked_graph_time(plan, q, k, v, sample, ref)) for name, plan in ps.items()}
     timed = timed_in_turn(calls, rounds)
     row = {**ids, **{name: {**timed[name], **describe(plan)} for name, plan in ps.items()}}
