@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .config import FastTreeConfig
-from .packing import MAX_PACK_QUERIES, pack_units
+from .packing import MAX_PACK_QUERIES, PackedUnits, pack_units
 from .tree import arange_view, exclusive_sum, stable_argsort
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -146,9 +146,22 @@ _BALANCED_RUNS: bool | None = None
 
 
 #: Whether units with more queries than a packed unit holds (:func:`_pack_capacity`; MHA's
-#: large-tile units of up to 64 queries against 16-query bins) may be packed: cut into one
-#: piece per block of that many queries, each piece reading the unit's whole KV.
-_PACK_WIDE_UNITS = True
+#: large-tile units of up to 64 queries against 16-query bins) are packed: cut into one piece
+#: per block of that many queries, each piece reading the unit's whole KV (True), or kept whole
+#: in the large tile, read once per 64 queries at the price of a partial row for each of their
+#: queries (False). None (the default): whichever of the two plans costs less, a partial row
+#: counting as :data:`_WIDE_ROW_TOKENS` KV tokens read (:func:`_wide_units_whole_pay`); plans made
+#: with ``wide_units=False`` pack them. An A/B switch read when plans are made.
+_PACK_WIDE_UNITS: bool | None = None
+
+#: KV tokens (per KV head) whose reads cost as much as one partial row, in the choice between
+#: packed and whole wide units. Chosen on the H200 paper suite (``bench/device/pack_wide_ab.py``,
+#: ``docs/bench/h200/wide_heldout_f677f34.json``): keeping them whole lost where it saved at most
+#: 7.5 KV tokens per partial row it added (1-4/mha, 6/mha, 7/mha, 10/mha: 1.06-1.40x the packed
+#: plan's time) and won from 9.0 up (11-15/mha 0.90-0.95x, 8/mha 0.98x). Checked on 86 MHA trees of
+#: the tree families the suite does not hold (seeds 1000-1039): the choice ran them at 0.952x the
+#: packed plans' time on geomean, where the better of the two plans per tree would be 0.940x.
+_WIDE_ROW_TOKENS = 8.5
 
 
 def _pack_budget(
@@ -386,6 +399,7 @@ def materialize(
     query_of_rank: np.ndarray | None = None,
     solo_units: bool = True,
     balanced_bins: bool = True,
+    wide_units: bool = True,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -419,6 +433,10 @@ def materialize(
     balanced_bins : bool
         Let :data:`_BALANCED_RUNS` decide how bins are cut; False fills every bin up to the
         token budget (plans before that rule).
+    wide_units : bool
+        Pack units with more queries than a bin holds (MHA's large-tile units) or keep them
+        whole, whichever costs less (:data:`_PACK_WIDE_UNITS`); False packs them (plans before
+        that rule).
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -490,20 +508,30 @@ def materialize(
     if query_rank is not None and config.pack_tokens > 0:
         kept_out = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim) if solo_units else None
         capacity = _pack_capacity(block_m, g)
-        if not _PACK_WIDE_UNITS:
-            wide = u_q_len > capacity
-            kept_out = wide if kept_out is None else kept_out | wide
-        eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, kept_out)
         balanced = _BALANCED_RUNS if balanced_bins else False
         if balanced is None:  # a lone piece would run in the smaller tile
             balanced = _bins_fill_a_larger_tile(block_m, g)
-        packed = pack_units(
-            kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
-            pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-            query_rank=query_rank, capacity=capacity, budget=budget,
-            query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
-            balanced=balanced,
-        )  # fmt: skip
+
+        def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits]:
+            eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, out)
+            return eligible, pack_units(
+                kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
+                pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
+                query_rank=query_rank, capacity=capacity, budget=budget,
+                query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
+                balanced=balanced,
+            )  # fmt: skip
+
+        rule = _PACK_WIDE_UNITS if (_PACK_WIDE_UNITS is not None or wide_units) else True
+        wide = u_q_len > capacity if rule is not True else None
+        if rule is False:
+            _, packed = pack(wide if kept_out is None else kept_out | wide)
+        else:
+            eligible, packed = pack(kept_out)
+            if rule is None and np.count_nonzero(wide & eligible):
+                _, whole = pack(wide if kept_out is None else kept_out | wide)
+                if _wide_units_whole_pay(packed, whole, (u_kv_len, pair_query), n_queries):
+                    packed = whole
     n_pairs = pair_query.size
     if packed is None:
         u_small = u_q_len <= q_tiles[1]
@@ -605,6 +633,29 @@ def materialize(
         groups=groups,
         edge_assignment=edge_assignment,
     )
+
+
+def _wide_cost(kv_len: np.ndarray, present_pair_query: np.ndarray, n_queries: int) -> float:
+    """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``kv_len``) plus
+    :data:`_WIDE_ROW_TOKENS` per partial row (one per work unit of each query with two or more;
+    ``present_pair_query``: the query of every pair a unit computes)."""
+    n_part = np.bincount(present_pair_query, minlength=n_queries)
+    rows = int(np.add.reduce(n_part[n_part >= 2]))
+    return int(np.add.reduce(kv_len, dtype=np.int64)) + _WIDE_ROW_TOKENS * rows
+
+
+def _wide_units_whole_pay(
+    packed: PackedUnits | None, whole: PackedUnits | None, unpacked: tuple[np.ndarray, np.ndarray], n_queries: int
+) -> bool:
+    """Whether the plan with the wide units whole (``whole``) costs less than the one with them
+    packed (:func:`_wide_cost`). None: nothing was packed, the plan has the ``unpacked`` units
+    (their KV lengths and pairs' queries)."""
+
+    def cost(p: PackedUnits | None) -> float:
+        kv_len, present = unpacked if p is None else (p.kv_len, p.pair_query[p.pair_present])
+        return _wide_cost(kv_len, present, n_queries)
+
+    return cost(whole) < cost(packed)
 
 
 @functools.lru_cache(maxsize=512)

@@ -835,6 +835,7 @@ def plan(
     solo_units: bool = True,
     balanced_bins: bool = True,
     whole_groups: bool = True,
+    wide_units: bool = True,
 ) -> Plan:
     """Plan tree attention for one tree on the host.
 
@@ -871,6 +872,11 @@ def plan(
         Cut long groups at the big split size only where a phase needs the parallelism
         (:data:`_WHOLE_GROUPS_MIN_ITEMS`; added at 60159a8). False always cuts them, as
         the published planner and plans before that rule did.
+    wide_units : bool
+        Pack MHA's large-tile units (more queries than a 16-query bin) or keep them whole,
+        whichever costs less in KV tokens read plus partial rows
+        (:data:`fasttree.plan_arrays._PACK_WIDE_UNITS`; added after v30). False
+        packs them, as plans before that rule did, and skips the second packing.
 
     Returns
     -------
@@ -948,6 +954,7 @@ def plan(
         query_of_rank=gx.query_of_rank,
         solo_units=solo_units,
         balanced_bins=balanced_bins,
+        wide_units=wide_units,
     )
 
 

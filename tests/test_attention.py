@@ -571,3 +571,24 @@ def test_heads_fastest_grid_keeps_the_units_within_the_grid_limit(flag, n_units,
 def test_peel_rule_by_tile_rows_and_unit_tiles(block_m, mean_tiles, tiles, expected, monkeypatch):
     monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
     assert attention.peel_tiles(block_m, mean_tiles) is expected
+
+
+@pytest.mark.parametrize(
+    ("levels", "tokens", "dtype"),
+    [([1, 2, 128], [300, 300, 1], torch.float16), ([1, 4, 128], [700, 200, 2], torch.bfloat16)],
+)
+def test_mha_plan_with_wide_units_kept_whole_is_correct(levels, tokens, dtype, device, monkeypatch):
+    # short shared nodes read by many queries: the default plan keeps MHA's 64-query units whole
+    # (large tile, merged with the bins' partials) instead of re-reading them in every 16-query bin
+    from fasttree import plan_arrays
+
+    tree = ft.KVTree.from_levels(levels, tokens)
+    config = ft.FastTreeConfig(para_threshs1=(1, 1), para_threshs2=(1, 1), pack_min_units=8)
+    chosen = ft.plan(tree, config, num_q_heads=2, num_kv_heads=2, head_dim=64)
+    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", True)
+    packed = ft.plan(tree, config, num_q_heads=2, num_kv_heads=2, head_dim=64)
+    assert chosen.units_per_class()[0] > 0 == packed.units_per_class()[0]
+    assert chosen.stats()["kv_tokens_read"] < packed.stats()["kv_tokens_read"] and chosen.n_partial_rows > 0
+    q, k, v = make_inputs(tree, 2, 2, 64, dtype, device, torch.Generator().manual_seed(11))
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, chosen, out=o), q)
+    check_against_reference(out, q, k, v, tree)

@@ -246,12 +246,13 @@ def test_little_waste_keeps_long_units_in_bins(case, monkeypatch):
 
 @pytest.mark.parametrize("case", [11, 13])
 def test_wide_units_kept_whole_read_their_kv_once_per_tile(case, monkeypatch):
-    """MHA's large-tile units (up to 64 queries) against 16-query bins: packed (the default) each
-    bin re-reads their KV; kept whole (``_PACK_WIDE_UNITS`` off, the A/B's other arm) they read it
-    once per 64-query tile, and the plans still cover every context once."""
+    """MHA's large-tile units (up to 64 queries) against 16-query bins: packed
+    (``_PACK_WIDE_UNITS`` True) each bin re-reads their KV; kept whole (False) they read it once
+    per 64-query tile, and the plans still cover every context once."""
     from fasttree import plan_arrays
 
     tree = paper_tree(case)
+    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", True)
     packed = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
     monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", False)
     whole = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
@@ -264,3 +265,58 @@ def test_wide_units_kept_whole_read_their_kv_once_per_tile(case, monkeypatch):
     assert (
         gqa[0].stats() == ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128).stats()
     )  # GQA bins hold a large tile
+
+
+def _wide_plans(tree, monkeypatch, **kw) -> dict:
+    """The default plan of ``tree`` (MHA 32 heads) and the two it chooses between."""
+    from fasttree import plan_arrays
+
+    out = {"chosen": ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128, **kw)}
+    for name, value in (("packed", True), ("whole", False)):
+        monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", value)
+        out[name] = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
+    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", None)
+    return out
+
+
+def _wide_cost(plan) -> float:
+    from fasttree.plan_arrays import _WIDE_ROW_TOKENS
+
+    return plan.stats()["kv_tokens_read"] + _WIDE_ROW_TOKENS * plan.n_partial_rows
+
+
+@pytest.mark.parametrize(("case", "choice"), [(2, "packed"), (6, "packed"), (8, "whole"), (11, "whole"), (14, "whole")])
+def test_wide_units_whole_where_fewer_tokens_and_rows_cost_less(case, choice, monkeypatch):
+    # the paper cases where keeping the wide units whole was faster on the H200 (8, 11-15/mha) and
+    # some where it was slower (2, 6/mha): the cost in KV tokens plus partial rows tells them apart
+    plans = _wide_plans(paper_tree(case), monkeypatch)
+    assert plans["packed"].stats() != plans["whole"].stats()
+    other = "whole" if choice == "packed" else "packed"
+    assert _wide_cost(plans[choice]) < _wide_cost(plans[other])
+    assert plans["chosen"].stats() == plans[choice].stats()
+    assert plans["chosen"].n_partial_rows == plans[choice].n_partial_rows
+    check_plan(paper_tree(case), plans["chosen"])
+
+
+@pytest.mark.parametrize("family", ["speculative", "few_shot", "beam_search"])
+def test_wide_unit_choice_takes_the_cheaper_plan_of_random_trees(family, monkeypatch):
+    from fasttree.workloads import sample_tree
+
+    chose = set()
+    for seed in range(2000, 2012):
+        tree = sample_tree(family, seed)
+        plans = _wide_plans(tree, monkeypatch)
+        if plans["packed"].stats() == plans["whole"].stats():
+            assert plans["chosen"].stats() == plans["packed"].stats()
+            continue
+        cheaper = min(("packed", "whole"), key=lambda name: _wide_cost(plans[name]))
+        assert plans["chosen"].stats() == plans[cheaper].stats()
+        assert plans["chosen"].n_partial_rows == plans[cheaper].n_partial_rows
+        check_plan(tree, plans["chosen"])
+        chose.add(cheaper)
+    assert chose, f"no {family} tree of these seeds has wide units"
+
+
+def test_wide_units_false_packs_them_as_before_the_rule(monkeypatch):
+    plans = _wide_plans(paper_tree(11), monkeypatch, wide_units=False)
+    assert plans["chosen"].stats() == plans["packed"].stats() != plans["whole"].stats()

@@ -50,10 +50,13 @@ STEPS = (10, 25, 39)
 
 def plans(tree, config, hq, hkv) -> dict[str, ft.Plan]:
     out = {}
-    for name, wide in SETTINGS.items():
-        plan_arrays._PACK_WIDE_UNITS = wide
-        out[name] = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-    plan_arrays._PACK_WIDE_UNITS = True
+    default = plan_arrays._PACK_WIDE_UNITS
+    try:
+        for name, wide in SETTINGS.items():
+            plan_arrays._PACK_WIDE_UNITS = wide
+            out[name] = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
+    finally:
+        plan_arrays._PACK_WIDE_UNITS = default
     return out
 
 
@@ -141,6 +144,7 @@ def main() -> int:
             v = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
             out = torch.empty_like(q)
             row = {"model": model, "scenario": scenario}
+            default = plan_arrays._PACK_WIDE_UNITS
             for name, wide in SETTINGS.items():
                 plan_arrays._PACK_WIDE_UNITS = wide
                 rt = TreeAttentionRuntime(
@@ -167,7 +171,7 @@ def main() -> int:
                         lambda plan=plan, qn=qn, k=k, v=v, o2=o2: ft.tree_attention(qn, k, v, plan, out=o2)
                     )["median"]
                 row[name] = {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
-            plan_arrays._PACK_WIDE_UNITS = True
+            plan_arrays._PACK_WIDE_UNITS = default
             decode.append(row)
             print(f"{model} {scenario}: runtime {row['whole']['runtime_us'] / row['packed']['runtime_us']:.3f} "
                   f"tree_attention {row['whole']['tree_attention_us'] / row['packed']['tree_attention_us']:.3f} "
