@@ -86,7 +86,7 @@ def test_rounds_time_the_values_in_turn_and_keep_the_median(monkeypatch):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--cases", "0,3"], "paper cases 1-15"), (["--cases", "a"], "comma-separated case numbers"),
-    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--rounds", "0"], "expected an integer >= 1, got 0"),
 ])  # fmt: skip
 def test_bad_cases_or_rounds_are_usage_errors(argv, message, capsys):
     from bench.device import switch_ab

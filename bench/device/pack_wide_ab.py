@@ -36,6 +36,7 @@ import torch
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
 from fasttree import plan_arrays
+from fasttree.cli import _int_at_least
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
@@ -102,13 +103,12 @@ def _seed_range(text: str) -> range:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    positive = _int_at_least(1, "an integer >= 1")
     p.add_argument("--out", required=True)
     p.add_argument("--heldout", type=_seed_range, help="FIRST:END seeds of the tree families' MHA trees to time too")
-    p.add_argument("--rounds", type=int, default=1, help="timings per setting, taken in turn (median)")
+    p.add_argument("--rounds", type=positive, default=1, help="timings per setting, taken in turn (median)")
     p.add_argument("--no-decode", action="store_true", help="skip the serving trees")
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
     paper = []
     for case in range(1, 16):
         tree = paper_tree(case)

@@ -36,6 +36,7 @@ import torch
 
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
+from fasttree.cli import _int_at_least
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
@@ -206,17 +207,16 @@ def summarize(paper: list[dict], decode: list[dict], names: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    positive = _int_at_least(1, "an integer >= 1")
     p.add_argument("--switch", required=True, help="module:ATTRIBUTE, e.g. fasttree.plan_arrays:_BALANCED_RUNS")
     p.add_argument("--values", required=True, help="values separated by --sep, the baseline first")
     p.add_argument("--sep", default=",", help="separator of --values (default ','; e.g. ';' for lists)")
     p.add_argument("--no-decode", action="store_true", help="paper cases only")
     p.add_argument("--launch", action="store_true", help="a launch switch: time every case, not only changed plans")
     p.add_argument("--cases", help="paper cases to time, comma-separated (default: all 15)")
-    p.add_argument("--rounds", type=int, default=1, help="timings per paper case and value, taken in turn")
+    p.add_argument("--rounds", type=positive, default=1, help="timings per paper case and value, taken in turn")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
     mod_name, _, attr = args.switch.partition(":")
     module = importlib.import_module(mod_name)
     if not attr or not hasattr(module, attr):

@@ -17,6 +17,7 @@ from typing import Any
 
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
+from fasttree.cli import _int_at_least
 from fasttree.suite import PAPER_HEADS, paper_tree
 
 D = 128
@@ -53,15 +54,14 @@ FAMILIES = {"tiles": variants, "splits": split_variants}
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    positive = _int_at_least(1, "an integer >= 1")
     p.add_argument("--out", required=True)
     p.add_argument("--cases", default=",".join(str(c) for c in range(1, 16)))
     p.add_argument("--heads", default="mha,gqa4,gqa16")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this many seconds")
     p.add_argument("--family", choices=sorted(FAMILIES), default="tiles")
-    p.add_argument("--rounds", type=int, default=1, help="timings per variant, taken in turn (median kept)")
+    p.add_argument("--rounds", type=positive, default=1, help="timings per variant, taken in turn (median kept)")
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in (int(c) for c in args.cases.split(",")):
