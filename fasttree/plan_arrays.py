@@ -515,7 +515,7 @@ def materialize(
         if balanced is None:  # a lone piece would run in the smaller tile
             balanced = _bins_fill_a_larger_tile(block_m, g)
 
-        def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits]:
+        def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
             eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, out)
             return eligible, pack_units(
                 kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
@@ -525,6 +525,8 @@ def materialize(
                 balanced=balanced,
             )  # fmt: skip
 
+        # wide units: True packed, False whole, None the cheaper plan (an A/B setting of the switch
+        # overrides wide_units=False)
         rule = _PACK_WIDE_UNITS if (_PACK_WIDE_UNITS is not None or wide_units) else True
         wide = u_q_len > capacity if rule is not True else None
         if rule is False:
