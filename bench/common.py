@@ -6,7 +6,8 @@ import datetime as dt
 import json
 import os
 import platform
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,17 @@ def checked_graph_time(
     torch.cuda.synchronize()
     err = fasttree.max_relative_error(out[torch.as_tensor(sample, device=out.device)], ref)
     return {"graph_us": graph_time_us(call)["median"], "err": err}
+
+
+@contextmanager
+def switched(module, attr: str, value) -> Iterator[None]:
+    """Set ``module.attr`` (an A/B switch) to ``value`` for the ``with`` block, then restore it."""
+    old = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
 
 
 def timed_in_turn(

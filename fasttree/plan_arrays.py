@@ -529,12 +529,13 @@ def materialize(
         # overrides wide_units=False)
         rule = _PACK_WIDE_UNITS if (_PACK_WIDE_UNITS is not None or wide_units) else True
         wide = u_q_len > capacity if rule is not True else None
+        out_wide = wide if kept_out is None or wide is None else kept_out | wide  # kept out, wide units too
         if rule is False:
-            _, packed = pack(wide if kept_out is None else kept_out | wide)
+            _, packed = pack(out_wide)
         else:
             eligible, packed = pack(kept_out)
             if rule is None and np.count_nonzero(wide & eligible):
-                _, whole = pack(wide if kept_out is None else kept_out | wide)
+                _, whole = pack(out_wide)
                 if _wide_units_whole_pay(packed, whole, (u_kv_len, pair_query), n_queries):
                     packed = whole
     n_pairs = pair_query.size

@@ -34,7 +34,7 @@ import argparse
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
+from bench.common import checked_graph_time, geomean, random_case, switched, timed_in_turn, write_device_result
 from fasttree import plan_arrays
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
@@ -51,13 +51,9 @@ STEPS = (10, 25, 39)
 
 def plans(tree, config, hq, hkv) -> dict[str, ft.Plan]:
     out = {}
-    default = plan_arrays._PACK_WIDE_UNITS
-    try:
-        for name, wide in SETTINGS.items():
-            plan_arrays._PACK_WIDE_UNITS = wide
+    for name, wide in SETTINGS.items():
+        with switched(plan_arrays, "_PACK_WIDE_UNITS", wide):
             out[name] = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-    finally:
-        plan_arrays._PACK_WIDE_UNITS = default
     return out
 
 
@@ -88,6 +84,34 @@ def timed_pair(tree: ft.KVTree, hq: int, hkv: int, data_seed: int, rounds: int, 
           f"({row['whole']['graph_us'] / row['packed']['graph_us']:.3f}) saved/added {saved}/{added} err "
           f"{row['packed']['err']:.1e}/{row['whole']['err']:.1e}", flush=True)  # fmt: skip
     return row
+
+
+def time_serving_trees(config, hq: int, hkv: int, trees: list[ft.KVTree], q, k, v, out) -> dict:
+    """Summed graph-replay times of the runtime and of ``tree_attention`` over ``trees`` (the
+    pools ``k``/``v`` hold every tree's slots, ``q``/``out`` its queries), and the worse error."""
+    slots, rows = k.shape[0], q.shape[0]
+    rt = TreeAttentionRuntime(
+        config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
+        max_queries=rows, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * rows,
+        pool_slots=slots, extend_steps=0,
+    )  # fmt: skip
+    runtime_us = per_plan_us = 0.0
+    errs = []
+    for tree in trees:
+        n = tree.n_queries
+        rt.plan(tree)
+        runtime_us += graph_time_us(lambda: rt.forward(q, k, v, out=out))["median"]
+        ref = ft.reference_attention(q[:n], k, v, tree)
+        out.fill_(float("nan"))
+        rt.forward(q, k, v, out=out)
+        errs.append(ft.max_relative_error(out[:n], ref))
+        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
+        qn = q[:n].contiguous()
+        o2 = torch.empty_like(qn)
+        per_plan_us += graph_time_us(lambda plan=plan, qn=qn, o2=o2: ft.tree_attention(qn, k, v, plan, out=o2))[
+            "median"
+        ]
+    return {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
 
 
 def _seed_range(text: str) -> range:
@@ -123,15 +147,12 @@ def main() -> int:
             if row is not None:
                 heldout.append(row)
     decode = []
-    if args.no_decode:
-        scenarios_of = dict.fromkeys(("llama", "mistral"), ())
-    else:
-        scenarios_of = dict.fromkeys(("llama", "mistral"), SCENARIOS)
+    scenarios = () if args.no_decode else SCENARIOS
     export = read_export("docs/tune/export_measured.json")
     gpu = torch.cuda.get_device_name(0)
     for model, (hq, hkv) in {"llama": (32, 32), "mistral": (32, 8)}.items():
         config, _ = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16)
-        for scenario in scenarios_of[model]:
+        for scenario in scenarios:
             steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
             trees = [steps[i].tree for i in STEPS]
             if not any(differ(*plans(t, config, hq, hkv).values()) for t in trees):
@@ -144,34 +165,9 @@ def main() -> int:
             v = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
             out = torch.empty_like(q)
             row = {"model": model, "scenario": scenario}
-            default = plan_arrays._PACK_WIDE_UNITS
             for name, wide in SETTINGS.items():
-                plan_arrays._PACK_WIDE_UNITS = wide
-                rt = TreeAttentionRuntime(
-                    config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
-                    max_queries=rows, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * rows,
-                    pool_slots=slots, extend_steps=0,
-                )  # fmt: skip
-                runtime_us = per_plan_us = 0.0
-                errs = []
-                for tree in trees:
-                    n = tree.n_queries
-                    rt.plan(tree)
-                    runtime_us += graph_time_us(lambda rt=rt, q=q, k=k, v=v, out=out: rt.forward(q, k, v, out=out))[
-                        "median"
-                    ]
-                    ref = ft.reference_attention(q[:n], k, v, tree)
-                    out.fill_(float("nan"))
-                    rt.forward(q, k, v, out=out)
-                    errs.append(ft.max_relative_error(out[:n], ref))
-                    plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-                    qn = q[:n].contiguous()
-                    o2 = torch.empty_like(qn)
-                    per_plan_us += graph_time_us(
-                        lambda plan=plan, qn=qn, k=k, v=v, o2=o2: ft.tree_attention(qn, k, v, plan, out=o2)
-                    )["median"]
-                row[name] = {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
-            plan_arrays._PACK_WIDE_UNITS = default
+                with switched(plan_arrays, "_PACK_WIDE_UNITS", wide):
+                    row[name] = time_serving_trees(config, hq, hkv, trees, q, k, v, out)
             decode.append(row)
             print(f"{model} {scenario}: runtime {row['whole']['runtime_us'] / row['packed']['runtime_us']:.3f} "
                   f"tree_attention {row['whole']['tree_attention_us'] / row['packed']['tree_attention_us']:.3f} "

@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
+from bench.common import checked_graph_time, geomean, random_case, switched, timed_in_turn, write_device_result
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
@@ -55,16 +53,6 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-@contextmanager
-def switched(module, attr: str, value) -> Iterator[None]:
-    old = getattr(module, attr)
-    setattr(module, attr, value)
-    try:
-        yield
-    finally:
-        setattr(module, attr, old)
 
 
 def describe(plan: ft.Plan) -> dict:
