@@ -34,6 +34,10 @@ _POSITION_BITS = np.left_shift(np.int64(1), np.arange(MAX_PACK_QUERIES, dtype=np
 #: Runs beyond the identity part of the slots that packing copies one by one (more: a gather).
 _SLICE_COPIES = 32
 
+#: Blocks of ranks: False, fixed blocks ``rank // capacity``; True, blocks of at most ``capacity``
+#: ranks that end where no short eligible unit's queries continue (:func:`_subtree_blocks`).
+_SUBTREE_BLOCKS = False
+
 
 @dataclass(frozen=True)
 class PackedUnits:
@@ -83,7 +87,7 @@ class _Pieces(NamedTuple):
 
 
 def _cut_into_pieces(
-    eligible, cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool
+    eligible, cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool, blocks=None
 ) -> _Pieces:
     n_units = q_len.size
     if pairs_in_order and cand.size == n_units:  # every pair is a candidate's
@@ -97,9 +101,15 @@ def _cut_into_pieces(
         else:
             c_query = pair_query[ragged_arange(pair_start[cand], c_len)]
     c_rank = query_rank[c_query]
-    c_block, c_pos = np.divmod(c_rank, capacity)
+    if blocks is None:
+        c_block, c_pos = np.divmod(c_rank, capacity)
+        n_blocks = query_rank.size // capacity + 1
+    else:
+        block_of_rank, start_of_rank = blocks
+        c_block = block_of_rank[c_rank]
+        c_pos = c_rank - start_of_rank[c_rank]
+        n_blocks = int(block_of_rank[-1]) + 2
     # pieces: (unit, block) keys; the key orders pieces by unit, then block
-    n_blocks = query_rank.size // capacity + 1
     key = c_unit * n_blocks
     key += c_block
     if np.count_nonzero(key[1:] < key[:-1]):
@@ -121,6 +131,46 @@ def _cut_into_pieces(
     # by lowest rank, ties in (unit, block) order: the same as by (block, lowest rank)
     order = stable_argsort(lowest, query_rank.size)
     return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
+
+
+def _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool):
+    """Blocks of at most ``capacity`` consecutive ranks that cut as few short units as they can.
+
+    A unit is short when its queries span at most ``capacity`` ranks: a block boundary inside
+    that span is avoidable, and would make the unit two pieces (its KV read twice, its queries
+    each one partial more). Walking the ranks, each block ends at the farthest rank within
+    ``capacity`` where no short unit continues, or after ``capacity`` ranks when there is none.
+
+    Returns
+    -------
+    (block_of_rank, start_of_rank) : ndarray, int64 [n_queries] each
+    """
+    n = query_rank.size
+    c_len = q_len[cand]
+    starts = pair_start[cand]
+    ranks = query_rank[pair_query[ragged_arange(starts, c_len)]]
+    first = exclusive_sum(c_len)
+    lo = np.minimum.reduceat(ranks, first)
+    hi = np.maximum.reduceat(ranks, first)
+    short = (hi - lo < capacity) & (hi > lo)
+    # inside[c]: a boundary before rank c splits some short unit (lo < c <= hi)
+    inside = np.zeros(n + 2, dtype=np.int64)
+    np.add.at(inside, lo[short] + 1, 1)
+    np.add.at(inside, hi[short] + 1, -1)
+    free = (np.cumsum(inside[: n + 1]) == 0).nonzero()[0]  # boundaries that split nothing (0 and n too)
+    # farthest free boundary within reach of every start
+    reach = np.minimum(np.arange(n + 1) + capacity, n)
+    far = free[np.searchsorted(free, reach, side="right") - 1]
+    nxt = np.where(far > np.arange(n + 1), far, reach).tolist()
+    block_starts = []
+    s = 0
+    while s < n:
+        block_starts.append(s)
+        s = nxt[s]
+    block_starts = np.asarray(block_starts, dtype=np.int64)
+    sizes = np.diff(np.append(block_starts, n))
+    block_of_rank = np.arange(block_starts.size, dtype=np.int64).repeat(sizes)
+    return block_of_rank, block_starts[block_of_rank]
 
 
 def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int, balanced: bool = False) -> np.ndarray:
@@ -217,11 +267,14 @@ def pack_units(
     cand = eligible.nonzero()[0]
     if cand.size < 2:
         return None
+    blocks = None
+    if _SUBTREE_BLOCKS:
+        blocks = _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order)
     unit, lowest, bits, cut = _cut_into_pieces(
-        eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order
+        eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order, blocks
     )
     tokens = kv_len[unit].astype(np.int64, copy=False)
-    new_run = _run_starts(lowest // capacity, tokens, budget, balanced)
+    new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
     # a piece alone in its run stays a plain unit unless its unit was cut
     lone = np.empty(new_run.size, dtype=bool)
     lone[-1] = True
@@ -241,7 +294,8 @@ def pack_units(
         query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
     return _assemble(
         kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity, pairs_in_order,
-        identity_slots, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,
+        identity_slots, None if blocks is None else blocks[1], unit=unit, lowest=lowest, bits=bits,
+        new_bin=new_run, tokens=tokens,
     )  # fmt: skip
 
 
@@ -256,6 +310,7 @@ def _assemble(
     capacity: int,
     pairs_in_order: bool,
     identity_slots: int,
+    start_of_rank,
     *,
     unit,
     lowest,
@@ -271,9 +326,15 @@ def _assemble(
     b_tokens = np.add.reduceat(tokens, first)
     # a bin's rows start at its lowest position (its first piece's): shift its bits down to row 0
     b_first_rank = lowest[first]
-    b_base = b_first_rank % capacity
     # every piece's bin start: the last bin start's lowest rank (ranks never decrease)
-    bits = np.right_shift(bits, np.maximum.accumulate(lowest * new_bin) % capacity)
+    piece_first = np.maximum.accumulate(lowest * new_bin)
+    if start_of_rank is None:
+        b_base = b_first_rank % capacity
+        piece_first %= capacity
+    else:
+        b_base = b_first_rank - start_of_rank[b_first_rank]
+        piece_first -= start_of_rank[piece_first]
+    bits = np.right_shift(bits, piece_first)
     np.right_shift(b_bits, b_base, out=b_bits)
     b_qlen = np.frexp(b_bits)[1].astype(np.int64)  # the highest set bit's index + 1 (b_bits < 2**32)
     b_total = int(np.add.reduce(b_tokens))
