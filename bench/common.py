@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -105,6 +106,18 @@ def checked_graph_time(
     torch.cuda.synchronize()
     err = fasttree.max_relative_error(out[torch.as_tensor(sample, device=out.device)], ref)
     return {"graph_us": graph_time_us(call)["median"], "err": err}
+
+
+def seed_range(text: str) -> range:
+    """An argparse type: ``FIRST:END`` as ``range(FIRST, END)`` with ``0 <= FIRST < END``."""
+    first, _, end = text.partition(":")
+    try:
+        seeds = range(int(first), int(end))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:END seeds, got {text!r}") from None
+    if seeds.start < 0 or not seeds:
+        raise argparse.ArgumentTypeError(f"expected 0 <= FIRST < END, got {text!r}")
+    return seeds
 
 
 @contextmanager

@@ -55,10 +55,11 @@ def test_a_launch_switch_times_every_case_with_its_value_set(monkeypatch):
     monkeypatch.setattr(switch_ab, "random_case", lambda *a, **k: (None, None, None, None, None))
     monkeypatch.setattr(switch_ab, "checked_graph_time", fake_time)
     monkeypatch.setattr(switch_ab, "paper_tree", lambda case: paper_tree(1))  # small: 45 plans x 2 values
-    rows = switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"], launch=True)
+    values = ["none", "early"]
+    rows = switch_ab.tree_rows(attention, "_PDL", values, values, switch_ab.paper_items(), launch=True)
     assert len(rows) == 45 and seen == ["none", "early"] * 45
     seen.clear()
-    assert switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"]) == []  # plans unchanged
+    assert switch_ab.tree_rows(attention, "_PDL", values, values, switch_ab.paper_items()) == []  # plans unchanged
     assert seen == []
 
 
@@ -77,16 +78,42 @@ def test_rounds_time_the_values_in_turn_and_keep_the_median(monkeypatch):
     monkeypatch.setattr(switch_ab, "random_case", lambda *a, **k: (None, None, None, None, None))
     monkeypatch.setattr(switch_ab, "checked_graph_time", fake_time)
     monkeypatch.setattr(switch_ab, "PAPER_HEADS", {"mha": (4, 4)})
-    rows = switch_ab.paper_rows(attention, "_PDL", ["none", "early"], ["none", "early"], True, [1], rounds=3)
+    values = ["none", "early"]
+    rows = switch_ab.tree_rows(attention, "_PDL", values, values, switch_ab.paper_items([1]), True, rounds=3)
     assert seen == ["none", "early"] * 3
     assert [(r["case"], r["heads"]) for r in rows] == [(1, "mha")]
     assert rows[0]["none"]["graph_us_rounds"] == [5.0, 3.0, 4.0] and rows[0]["none"]["graph_us"] == 4.0
     assert rows[0]["early"]["graph_us_rounds"] == [1.0, 2.0, 9.0] and rows[0]["early"]["graph_us"] == 2.0
 
 
+def test_heldout_items_cover_every_family_seed_and_head_ratio(monkeypatch):
+    from bench.device import switch_ab
+
+    drawn = []
+    monkeypatch.setattr(switch_ab, "sample_tree", lambda family, seed: drawn.append((family, seed)) or paper_tree(1))
+    items = list(switch_ab.heldout_items(range(5, 7)))
+    families = sorted(switch_ab.TREE_FAMILIES)
+    assert drawn == [(f, s) for f in families for s in (5, 6)]  # each tree drawn once for its head ratios
+    assert [(i["family"], i["seed"], i["heads"]) for i, _, _, _ in items] == [
+        (f, s, h) for f in families for s in (5, 6) for h in switch_ab.PAPER_HEADS
+    ]
+    assert all(heads == i["heads"] and seed == i["seed"] for i, _, heads, seed in items)
+
+
+def test_summary_of_heldout_rows():
+    paper = []
+    held = [{"a": {"graph_us": 10.0, "err": 1e-4}, "b": {"graph_us": 5.0, "err": 2e-4}},
+            {"a": {"graph_us": 10.0, "err": 1e-4}, "b": {"graph_us": 20.0, "err": 1e-4}}]  # fmt: skip
+    s = summarize(paper, [], ["a", "b"], held)["b"]
+    assert s["heldout_changed"] == 2 and s["heldout_geomean_over_changed"] == pytest.approx(1.0)
+    assert s["heldout_best"] == 0.5 and s["heldout_worst"] == 2.0 and s["heldout_max_err"] == 2e-4
+    assert "heldout_changed" not in summarize(paper, [], ["a", "b"])["b"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--cases", "0,3"], "paper cases 1-15"), (["--cases", "a"], "comma-separated case numbers"),
-    (["--rounds", "0"], "expected an integer >= 1, got 0"),
+    (["--rounds", "0"], "expected an integer >= 1, got 0"), (["--heldout", "5:5"], "expected 0 <= FIRST < END"),
+    (["--heldout", "x"], "expected FIRST:END seeds"),
 ])  # fmt: skip
 def test_bad_cases_or_rounds_are_usage_errors(argv, message, capsys):
     from bench.device import switch_ab

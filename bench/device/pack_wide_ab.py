@@ -34,7 +34,15 @@ import argparse
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, switched, timed_in_turn, write_device_result
+from bench.common import (
+    checked_graph_time,
+    geomean,
+    random_case,
+    seed_range,
+    switched,
+    timed_in_turn,
+    write_device_result,
+)
 from fasttree import plan_arrays
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
@@ -114,22 +122,11 @@ def time_serving_trees(config, hq: int, hkv: int, trees: list[ft.KVTree], q, k, 
     return {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
 
 
-def _seed_range(text: str) -> range:
-    first, _, end = text.partition(":")
-    try:
-        seeds = range(int(first), int(end))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected FIRST:END seeds, got {text!r}") from None
-    if seeds.start < 0 or not seeds:
-        raise argparse.ArgumentTypeError(f"expected 0 <= FIRST < END, got {text!r}")
-    return seeds
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     positive = _int_at_least(1, "an integer >= 1")
     p.add_argument("--out", required=True)
-    p.add_argument("--heldout", type=_seed_range, help="FIRST:END seeds of the tree families' MHA trees to time too")
+    p.add_argument("--heldout", type=seed_range, help="FIRST:END seeds of the tree families' MHA trees to time too")
     p.add_argument("--rounds", type=positive, default=1, help="timings per setting, taken in turn (median)")
     p.add_argument("--no-decode", action="store_true", help="skip the serving trees")
     args = p.parse_args()

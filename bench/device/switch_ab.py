@@ -33,13 +33,21 @@ from typing import Any
 import torch
 
 import fasttree as ft
-from bench.common import checked_graph_time, geomean, random_case, switched, timed_in_turn, write_device_result
+from bench.common import (
+    checked_graph_time,
+    geomean,
+    random_case,
+    seed_range,
+    switched,
+    timed_in_turn,
+    write_device_result,
+)
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
 from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.workloads import TREE_FAMILIES, iter_serving, sample_tree
 
 D = 128
 SCENARIOS = ("multi_document_qa", "few_shot", "multi_level_system_prompts", "chain_reasoning")
@@ -80,32 +88,49 @@ def _timed_switched(module, attr, value, plan, q, k, v, sample, ref) -> dict:
         return checked_graph_time(plan, q, k, v, sample, ref)
 
 
-def paper_rows(
-    module, attr, values, names, launch: bool = False, cases: list[int] | None = None, rounds: int = 1
-) -> list[dict]:
-    """Per paper case (all 15, or ``cases``) and head ratio: each value's graph time, the median of
-    ``rounds`` timings taken in turn (A, B, A, B, ...: the GPU's drift falls on every value alike)."""
-    rows = []
+def paper_items(cases: list[int] | None = None):
+    """``(ids, tree, heads, seed)`` of every paper case (all 15, or ``cases``) and head ratio."""
     for case in cases or range(1, 16):
         tree = paper_tree(case)
-        for heads, (hq, hkv) in PAPER_HEADS.items():
-            ps = plans(module, attr, values, tree, None, hq, hkv)
-            if not launch and not differ(ps):
-                continue
-            q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=case, samples=16)
-            row = {"case": case, "heads": heads}
-            calls = {
-                name: partial(_timed_switched, module, attr, value, plan, q, k, v, sample, ref)
-                for name, value, plan in zip(names, values, ps, strict=True)
-            }
-            timed = timed_in_turn(calls, rounds)
-            for name, plan in zip(names, ps, strict=True):
-                row[name] = {**timed[name], **describe(plan)}
-            rows.append(row)
-            base = row[names[0]]["graph_us"]
-            ratios = " ".join(f"{n}:{row[n]['graph_us'] / base:.3f}" for n in names[1:])
-            errs = "/".join(f"{row[n]['err']:.1e}" for n in names)
-            print(f"{case}/{heads}: {names[0]} {base:.1f} us {ratios} err {errs}", flush=True)
+        for heads in PAPER_HEADS:
+            yield {"case": case, "heads": heads}, tree, heads, case
+
+
+def heldout_items(seeds: range):
+    """``(ids, tree, heads, seed)`` of every tree family's trees drawn with ``seeds`` (trees the
+    paper suite does not hold), at each paper head ratio."""
+    for family in sorted(TREE_FAMILIES):
+        for seed in seeds:
+            tree = sample_tree(family, seed)
+            for heads in PAPER_HEADS:
+                yield {"family": family, "seed": seed, "heads": heads}, tree, heads, seed
+
+
+def tree_rows(module, attr, values, names, items, launch: bool = False, rounds: int = 1) -> list[dict]:
+    """Per item of ``items`` (:func:`paper_items`, :func:`heldout_items`; default config) whose plan
+    some value changes (every item with ``launch``): each value's graph time, the median of
+    ``rounds`` timings taken in turn (A, B, A, B, ...: the GPU's drift falls on every value alike)."""
+    rows = []
+    for ids, tree, heads, seed in items:
+        hq, hkv = PAPER_HEADS[heads]
+        ps = plans(module, attr, values, tree, None, hq, hkv)
+        if not launch and not differ(ps):
+            continue
+        q, k, v, sample, ref = random_case(tree, hq, hkv, D, seed=seed, samples=16)
+        row = dict(ids)
+        calls = {
+            name: partial(_timed_switched, module, attr, value, plan, q, k, v, sample, ref)
+            for name, value, plan in zip(names, values, ps, strict=True)
+        }
+        timed = timed_in_turn(calls, rounds)
+        for name, plan in zip(names, ps, strict=True):
+            row[name] = {**timed[name], **describe(plan)}
+        rows.append(row)
+        base = row[names[0]]["graph_us"]
+        ratios = " ".join(f"{n}:{row[n]['graph_us'] / base:.3f}" for n in names[1:])
+        errs = "/".join(f"{row[n]['err']:.1e}" for n in names)
+        label = "/".join(str(x) for x in ids.values())
+        print(f"{label}: {names[0]} {base:.1f} us {ratios} err {errs}", flush=True)
     return rows
 
 
@@ -172,11 +197,12 @@ def decode_rows(module, attr, values, names, launch: bool = False) -> list[dict]
     return rows
 
 
-def summarize(paper: list[dict], decode: list[dict], names: list[str]) -> dict:
+def summarize(paper: list[dict], decode: list[dict], names: list[str], heldout: list[dict] | None = None) -> dict:
     base = names[0]
     out = {}
     for n in names[1:]:
         r = [row[n]["graph_us"] / row[base]["graph_us"] for row in paper]
+        h = [row[n]["graph_us"] / row[base]["graph_us"] for row in heldout or ()]
         out[n] = {
             "paper_changed": len(r),
             "paper_geomean_over_changed": geomean(r),
@@ -190,6 +216,12 @@ def summarize(paper: list[dict], decode: list[dict], names: list[str]) -> dict:
             ),
             "decode_max_err": max((row[n]["max_err"] for row in decode), default=None),
         }
+        if heldout is not None:
+            out[n].update(
+                heldout_changed=len(h), heldout_geomean_over_changed=geomean(h), heldout_best=min(h, default=None),
+                heldout_worst=max(h, default=None),
+                heldout_max_err=max((row[n]["err"] for row in heldout), default=None),
+            )  # fmt: skip
     return out
 
 
@@ -203,6 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--launch", action="store_true", help="a launch switch: time every case, not only changed plans")
     p.add_argument("--cases", help="paper cases to time, comma-separated (default: all 15)")
     p.add_argument("--rounds", type=positive, default=1, help="timings per paper case and value, taken in turn")
+    p.add_argument("--heldout", type=seed_range, help="FIRST:END seeds of every tree family's trees to time too")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     mod_name, _, attr = args.switch.partition(":")
@@ -217,11 +250,15 @@ def main(argv=None) -> int:
         p.error(f"--cases must be comma-separated case numbers, got {args.cases!r}")
     if cases is not None and not all(1 <= c <= 15 for c in cases):
         p.error(f"--cases must be paper cases 1-15, got {args.cases!r}")
-    paper = paper_rows(module, attr, values, names, args.launch, cases, args.rounds)
+    paper = tree_rows(module, attr, values, names, paper_items(cases), args.launch, args.rounds)
+    heldout = None
+    if args.heldout:
+        heldout = tree_rows(module, attr, values, names, heldout_items(args.heldout), args.launch, args.rounds)
     decode = [] if args.no_decode else decode_rows(module, attr, values, names, args.launch)
-    summary = summarize(paper, decode, names)
+    summary = summarize(paper, decode, names, heldout)
     print(json.dumps(summary, indent=1), flush=True)
-    write_device_result(args.out, summary, switch=args.switch, values=names, paper=paper, decode=decode)
+    extra = {} if heldout is None else {"heldout": heldout}
+    write_device_result(args.out, summary, switch=args.switch, values=names, paper=paper, decode=decode, **extra)
     return 0
 
 
