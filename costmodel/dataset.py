@@ -99,7 +99,7 @@ def tree_id(record: dict[str, Any]) -> str:
 
 #: The planner's rules newer than the first traces, newest first (keyword arguments of
 #: :func:`fasttree.plan` that switch one off).
-_RULES = ("wide_units", "whole_groups", "balanced_bins", "solo_units")
+_RULES = ("aligned_blocks", "wide_units", "whole_groups", "balanced_bins", "solo_units")
 
 #: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
 #: off, all of them first (how most shipped traces were planned), then more rules on before fewer.
@@ -114,7 +114,8 @@ def record_plan(record: dict[str, Any]):
     The plan must be the one that was measured. When the record's plan summary (units per
     tile class, KV tokens read, partial rows) differs from the re-planned one, the record
     is planned again with the planner's newer rules switched off (:data:`_LEGACY_RULES`:
-    wide units, whole groups, balanced bins, solo units) and the first plan that matches is kept;
+    aligned blocks, wide units, whole groups, balanced bins, solo units) and the first plan that
+    matches is kept;
     otherwise the re-planned one is returned (logged at DEBUG).
     """
     import fasttree as ft

@@ -34,9 +34,11 @@ _POSITION_BITS = np.left_shift(np.int64(1), np.arange(MAX_PACK_QUERIES, dtype=np
 #: Runs beyond the identity part of the slots that packing copies one by one (more: a gather).
 _SLICE_COPIES = 32
 
-#: Blocks of ranks: False, fixed blocks ``rank // capacity``; True, blocks of at most ``capacity``
-#: ranks that end where no short eligible unit's queries continue (:func:`_subtree_blocks`).
-_SUBTREE_BLOCKS = False
+#: A/B override of :func:`pack_units`' ``aligned`` argument (None: the argument decides).
+_ALIGNED_BLOCKS: bool | None = None
+
+#: The longest unit the aligned blocks may leave, relative to the fixed blocks' (:func:`_aligned_blocks_pay`).
+_ALIGNED_MAX_LONGER = 1.1
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _cut_into_pieces(
     return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
 
 
-def _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool):
+def _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool):
     """Blocks of at most ``capacity`` consecutive ranks that cut as few short units as they can.
 
     A unit is short when its queries span at most ``capacity`` ranks: a block boundary inside
@@ -143,7 +145,9 @@ def _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: i
 
     Returns
     -------
-    (block_of_rank, start_of_rank) : ndarray, int64 [n_queries] each
+    (block_of_rank, start_of_rank) : (ndarray, ndarray) or None
+        Each rank's block and its block's first rank (int64 [n_queries] each); None when the
+        blocks are the fixed ones (``rank // capacity``).
     """
     n = query_rank.size
     c_len = q_len[cand]
@@ -153,10 +157,10 @@ def _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: i
     lo = np.minimum.reduceat(ranks, first)
     hi = np.maximum.reduceat(ranks, first)
     short = (hi - lo < capacity) & (hi > lo)
+    if not np.count_nonzero(short & (lo // capacity != hi // capacity)):
+        return None  # the fixed blocks cut no short unit: keep them
     # inside[c]: a boundary before rank c splits some short unit (lo < c <= hi)
-    inside = np.zeros(n + 2, dtype=np.int64)
-    np.add.at(inside, lo[short] + 1, 1)
-    np.add.at(inside, hi[short] + 1, -1)
+    inside = np.bincount(lo[short] + 1, minlength=n + 2) - np.bincount(hi[short] + 1, minlength=n + 2)
     free = (np.cumsum(inside[: n + 1]) == 0).nonzero()[0]  # boundaries that split nothing (0 and n too)
     # farthest free boundary within reach of every start
     reach = np.minimum(np.arange(n + 1) + capacity, n)
@@ -168,6 +172,8 @@ def _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: i
         block_starts.append(s)
         s = nxt[s]
     block_starts = np.asarray(block_starts, dtype=np.int64)
+    if block_starts.size == -(-n // capacity) and not np.count_nonzero(block_starts % capacity):
+        return None  # increasing starts, at most capacity apart, all multiples of it: the fixed blocks
     sizes = np.diff(np.append(block_starts, n))
     block_of_rank = np.arange(block_starts.size, dtype=np.int64).repeat(sizes)
     return block_of_rank, block_starts[block_of_rank]
@@ -198,6 +204,66 @@ def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int, balanced: bo
     return new_run
 
 
+class _Bins(NamedTuple):
+    """The pieces that go into bins, in bin order (``new_bin`` marks each bin's first)."""
+
+    unit: np.ndarray
+    lowest: np.ndarray
+    bits: np.ndarray
+    new_bin: np.ndarray
+    tokens: np.ndarray
+
+
+def _bin_members(
+    eligible, cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool, kv_len, budget: int,
+    balanced: bool, blocks,
+) -> _Bins | None:  # fmt: skip
+    """Cut the eligible units into pieces (``blocks``: None for fixed blocks of ``capacity`` ranks,
+    else :func:`_aligned_blocks`' arrays) and the pieces into runs; the pieces of runs that become
+    bins, or None when no bin forms."""
+    unit, lowest, bits, cut = _cut_into_pieces(
+        eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order, blocks
+    )
+    tokens = kv_len[unit].astype(np.int64, copy=False)
+    new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
+    # a piece alone in its run stays a plain unit unless its unit was cut
+    lone = np.empty(new_run.size, dtype=bool)
+    lone[-1] = True
+    lone[:-1] = new_run[1:]
+    lone &= new_run
+    if cut is not None:
+        lone &= ~cut
+    n_lone = int(np.count_nonzero(lone))
+    if n_lone == lone.size:
+        return None
+    if n_lone:
+        member = ~lone
+        unit, lowest, bits = unit[member], lowest[member], bits[member]
+        new_run, tokens = new_run[member], tokens[member]
+    return _Bins(unit, lowest, bits, new_run, tokens)
+
+
+def _reads_and_longest(kv_len: np.ndarray, bins: _Bins | None) -> tuple[int, int]:
+    """KV tokens read and the longest unit's tokens once ``bins`` are formed (None: no bins)."""
+    if bins is None:
+        return int(np.add.reduce(kv_len, dtype=np.int64)), int(kv_len.max())
+    kept = np.ones(kv_len.size, dtype=bool)
+    kept[bins.unit] = False
+    kept_len = kv_len[kept]
+    bin_len = np.add.reduceat(bins.tokens, bins.new_bin.nonzero()[0])
+    reads = int(np.add.reduce(kept_len, dtype=np.int64)) + int(np.add.reduce(bin_len))
+    return reads, max(int(kept_len.max(initial=0)), int(bin_len.max()))
+
+
+def _aligned_blocks_pay(kv_len: np.ndarray, fixed: _Bins | None, aligned: _Bins | None) -> bool:
+    """Whether the bins of aligned blocks replace those of fixed ones: they read no more KV and
+    their longest unit is at most :data:`_ALIGNED_MAX_LONGER` times the fixed bins' (a plan that
+    fills one wave runs as long as its longest unit)."""
+    reads_f, longest_f = _reads_and_longest(kv_len, fixed)
+    reads_a, longest_a = _reads_and_longest(kv_len, aligned)
+    return reads_a <= reads_f and longest_a <= _ALIGNED_MAX_LONGER * longest_f
+
+
 def pack_units(
     *,
     kv_start: np.ndarray,
@@ -214,6 +280,7 @@ def pack_units(
     pairs_in_order: bool = False,
     identity_slots: int = 0,
     balanced: bool = False,
+    aligned: bool | None = False,
 ) -> PackedUnits | None:
     """Pack eligible units into bins of at most ``capacity`` queries and about ``budget`` tokens.
 
@@ -254,6 +321,12 @@ def pack_units(
     balanced : bool
         Cut each block into runs of about equal tokens instead of filling runs up to the
         budget, which can leave a short last run (a lone piece there stays a plain unit).
+    aligned : bool or None
+        The blocks: False, fixed blocks of ``capacity`` ranks (``rank // capacity``); True,
+        blocks of at most ``capacity`` ranks that end where no short unit's queries continue
+        (:func:`_aligned_blocks`), so fewer units are cut; None, the aligned blocks where their
+        bins read no more KV and leave no much longer unit (:func:`_aligned_blocks_pay`), else
+        the fixed ones. :data:`_ALIGNED_BLOCKS`, when not None, overrides it.
 
     Returns
     -------
@@ -267,28 +340,20 @@ def pack_units(
     cand = eligible.nonzero()[0]
     if cand.size < 2:
         return None
+    args = (eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order)
     blocks = None
-    if _SUBTREE_BLOCKS:
-        blocks = _subtree_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order)
-    unit, lowest, bits, cut = _cut_into_pieces(
-        eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order, blocks
-    )
-    tokens = kv_len[unit].astype(np.int64, copy=False)
-    new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
-    # a piece alone in its run stays a plain unit unless its unit was cut
-    lone = np.empty(new_run.size, dtype=bool)
-    lone[-1] = True
-    lone[:-1] = new_run[1:]
-    lone &= new_run
-    if cut is not None:
-        lone &= ~cut
-    n_lone = int(np.count_nonzero(lone))
-    if n_lone == lone.size:
+    bins = _bin_members(*args, kv_len, budget, balanced, blocks)
+    if _ALIGNED_BLOCKS is not None:
+        aligned = _ALIGNED_BLOCKS
+    if aligned is not False:
+        shifted = _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order)
+        if shifted is not None:
+            other = _bin_members(*args, kv_len, budget, balanced, shifted)
+            if aligned or _aligned_blocks_pay(kv_len, bins, other):
+                bins, blocks = other, shifted
+    if bins is None:
         return None
-    if n_lone:
-        member = ~lone
-        unit, lowest, bits = unit[member], lowest[member], bits[member]
-        new_run, tokens = new_run[member], tokens[member]
+    unit, lowest, bits, new_run, tokens = bins
     if query_of_rank is None:
         query_of_rank = np.empty(query_rank.size, dtype=np.int64)
         query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)

@@ -403,6 +403,7 @@ def materialize(
     solo_units: bool = True,
     balanced_bins: bool = True,
     wide_units: bool = True,
+    aligned_blocks: bool = True,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -440,6 +441,10 @@ def materialize(
         Pack units with more queries than a bin holds (MHA's large-tile units) or keep them
         whole, whichever costs less (:data:`_PACK_WIDE_UNITS`); False packs them (plans before
         that rule).
+    aligned_blocks : bool
+        Let packing cut its blocks of queries where no short unit continues when that reads no
+        more KV and leaves no much longer unit (``aligned=None`` of
+        :func:`fasttree.packing.pack_units`); False keeps the fixed blocks (plans before that rule).
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -522,7 +527,7 @@ def materialize(
                 pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
                 query_rank=query_rank, capacity=capacity, budget=budget,
                 query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
-                balanced=balanced,
+                balanced=balanced, aligned=None if aligned_blocks else False,
             )  # fmt: skip
 
         # wide units: True packed, False whole, None the cheaper plan (an A/B setting of the switch

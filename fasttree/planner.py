@@ -836,6 +836,7 @@ def plan(
     balanced_bins: bool = True,
     whole_groups: bool = True,
     wide_units: bool = True,
+    aligned_blocks: bool = True,
 ) -> Plan:
     """Plan tree attention for one tree on the host.
 
@@ -877,6 +878,12 @@ def plan(
         whichever costs less in KV tokens read plus partial rows
         (:data:`fasttree.plan_arrays._PACK_WIDE_UNITS`; added after v30). False
         packs them, as plans before that rule did, and skips the second packing.
+    aligned_blocks : bool
+        Let packing end its blocks of consecutive queries where no short unit's queries
+        continue, instead of every ``capacity`` queries, where those bins read no more KV and
+        leave the longest unit at most 10% longer (:func:`fasttree.packing.pack_units`,
+        ``aligned=None``; added after v31). False keeps the fixed blocks, as plans before
+        that rule did, and skips the second packing.
 
     Returns
     -------
@@ -955,6 +962,7 @@ def plan(
         solo_units=solo_units,
         balanced_bins=balanced_bins,
         wide_units=wide_units,
+        aligned_blocks=aligned_blocks,
     )
 
 

@@ -320,3 +320,110 @@ def test_wide_unit_choice_takes_the_cheaper_plan_of_random_trees(family, monkeyp
 def test_wide_units_false_packs_them_as_before_the_rule(monkeypatch):
     plans = _wide_plans(paper_tree(11), monkeypatch, wide_units=False)
     assert plans["chosen"].stats() == plans["packed"].stats() != plans["whole"].stats()
+
+
+# ---------------------------------------------------------------- aligned blocks
+def test_aligned_blocks_keep_a_short_unit_whole():
+    # queries 0..5; unit 0 = queries {2, 3} (a shared node, 20 tokens) and one leaf per query.
+    # Fixed blocks of 4 ranks ({0..3}, {4, 5}) keep unit 0 whole too; shifted by one query
+    # ({1, 2}, {3, 4} with capacity 2 from rank 1), the fixed blocks cut it and aligned ones do not.
+    u = _units([[1, 2], [0], [1], [2], [3]], [20, 3, 3, 3, 3])
+    kw = dict(eligible=np.ones(5, bool), query_rank=np.arange(4), capacity=2, budget=100)
+    fixed = pack_units(**u, **kw)  # blocks {0, 1}, {2, 3}: unit 0 is cut, its 20 tokens read twice
+    aligned = pack_units(**u, **kw, aligned=True)  # blocks {0}, {1, 2}, {3}
+    assert int(fixed.kv_len.sum()) == 20 * 2 + 4 * 3
+    assert int(aligned.kv_len.sum()) == 20 + 4 * 3
+    # in the aligned bin of queries 1 and 2, unit 0's tokens are attended by both rows
+    b = int(np.flatnonzero(aligned.is_bin & (aligned.kv_len > 20))[0])
+    s = int(aligned.kv_start[b])
+    assert aligned.pair_query[aligned.pair_start[b] : aligned.pair_start[b] + 2].tolist() == [1, 2]
+    masks = aligned.kv_row_mask[s : s + int(aligned.kv_len[b])]
+    np.testing.assert_array_equal(np.sort(aligned.kv_slots[s : s + 20]), 1000 + np.arange(20))
+    assert set(masks[:20].tolist()) == {0b11} and sorted(masks[20:].tolist()) == [0b01] * 3 + [0b10] * 3
+    # None: the aligned bins read less and their longest unit is no longer, so they are taken
+    chosen = pack_units(**u, **kw, aligned=None)
+    assert int(chosen.kv_len.sum()) == int(aligned.kv_len.sum())
+
+
+def test_aligned_blocks_are_not_taken_when_they_read_more_or_a_unit_grows_much_longer(monkeypatch):
+    from fasttree import packing
+    from fasttree.packing import _aligned_blocks_pay, _Bins
+
+    def bins(units, tokens, new_bin):
+        n = len(units)
+        return _Bins(np.array(units), np.zeros(n, np.int64), np.ones(n, np.int64), np.array(new_bin), np.array(tokens))
+
+    kv_len = np.array([40, 10, 10, 10])
+    fixed = bins([0, 1, 0, 2], [40, 10, 40, 10], [True, False, True, False])  # unit 0 in two bins: 110 read, 50 long
+    assert _aligned_blocks_pay(kv_len, fixed, bins([0, 1], [40, 10], [True, False]))  # 70 read, 50 long
+    assert _aligned_blocks_pay(kv_len, fixed, fixed)  # equal: taken
+    assert not _aligned_blocks_pay(kv_len, fixed, bins([0, 1, 2], [40, 10, 10], [True, False, False]))  # 60 > 55
+    small = bins([1, 2], [10, 10], [True, False])  # 70 read, 40 long
+    assert not _aligned_blocks_pay(kv_len, small, fixed)  # reads more
+    assert _aligned_blocks_pay(kv_len, small, None) and not _aligned_blocks_pay(kv_len, None, fixed)  # no bins: 70, 40
+    # through pack_units: the first test's case, with the bound on the longest unit lowered below it
+    u = _units([[1, 2], [0], [1], [2], [3]], [20, 3, 3, 3, 3])
+    kw = dict(eligible=np.ones(5, bool), query_rank=np.arange(4), capacity=2, budget=100)
+    fixed, aligned = pack_units(**u, **kw), pack_units(**u, **kw, aligned=True)
+    monkeypatch.setattr(packing, "_ALIGNED_MAX_LONGER", 0.5 * aligned.kv_len.max() / fixed.kv_len.max())
+    np.testing.assert_array_equal(pack_units(**u, **kw, aligned=None).kv_len, fixed.kv_len)
+
+
+def test_aligned_blocks_hold_at_most_capacity_and_end_where_no_short_unit_continues():
+    from fasttree.packing import _aligned_blocks
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(2, 60))
+        cap = int(rng.integers(2, 9))
+        spans = [(int(a), int(a + rng.integers(0, 12))) for a in rng.integers(0, n, int(rng.integers(1, 12)))]
+        spans = [(a, min(b, n - 1)) for a, b in spans]
+        q_lists = [list(range(a, b + 1)) for a, b in spans]
+        q_len = np.array([len(x) for x in q_lists])
+        pair_start = np.concatenate([[0], np.cumsum(q_len)[:-1]])
+        cand = np.arange(len(q_lists))
+        got = _aligned_blocks(cand, q_len, pair_start, np.concatenate(q_lists), np.arange(n), cap, True)
+        if got is None:  # the fixed blocks
+            continue
+        block_of_rank, start_of_rank = got
+        starts = np.unique(start_of_rank)
+        sizes = np.diff(np.append(starts, n))
+        assert sizes.min() >= 1 and sizes.max() <= cap
+        np.testing.assert_array_equal(block_of_rank, np.searchsorted(starts, np.arange(n), side="right") - 1)
+        short = [(a, b) for a, b in spans if 0 < b - a < cap]
+        for s in starts[1:]:
+            split = [(a, b) for a, b in short if a < s <= b]
+            if split:  # a boundary inside a short unit: no boundary within reach was free of them
+                prev = starts[np.searchsorted(starts, s) - 1]
+                assert s == prev + cap
+
+
+def test_aligned_blocks_never_read_more_kv_than_fixed_ones_on_random_trees():
+    from fasttree.workloads import sample_tree
+
+    changed = 0
+    for family in ("multi_document", "beam_search", "paper_random", "random_recursive", "speculative"):
+        for seed in range(3000, 3006):
+            tree = sample_tree(family, seed)
+            for hq, hkv in ((32, 32), (32, 8), (16, 1)):
+                kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=128, wide_units=False)
+                on, off = ft.plan(tree, **kw), ft.plan(tree, **kw, aligned_blocks=False)
+                assert int(on.unit_kv_len.sum()) <= int(off.unit_kv_len.sum())
+                assert int(on.unit_kv_len.max()) <= 1.1 * int(off.unit_kv_len.max())
+                if on.stats() != off.stats():
+                    changed += 1
+                    check_plan(tree, on)
+    assert changed >= 10
+
+
+def test_aligned_blocks_switch_overrides_the_argument(monkeypatch):
+    from fasttree import packing
+
+    tree = ft.workloads.sample_tree("multi_document", 1014)
+    kw = dict(num_q_heads=16, num_kv_heads=1, head_dim=128)
+    on, off = ft.plan(tree, **kw), ft.plan(tree, **kw, aligned_blocks=False)
+    assert int(on.unit_kv_len.sum()) < int(off.unit_kv_len.sum())
+    monkeypatch.setattr(packing, "_ALIGNED_BLOCKS", False)
+    assert ft.plan(tree, **kw).stats() == off.stats()
+    monkeypatch.setattr(packing, "_ALIGNED_BLOCKS", True)
+    assert ft.plan(tree, **kw, aligned_blocks=False).stats() == on.stats()

@@ -100,8 +100,10 @@ def plan_digests() -> dict[str, str]:
     for name, tree in corpus():
         for cname, cfg in CONFIGS.items():
             for hq, hkv, d in HEADS:
-                # wide_units=False: the digests predate the wide-unit choice (tested in test_packing.py)
-                p = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, wide_units=False)
+                # the digests predate the wide-unit choice and aligned blocks (both tested in test_packing.py)
+                p = ft.plan(
+                    tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, wide_units=False, aligned_blocks=False
+                )
                 out[f"{name}|{cname}|{hq}-{hkv}-{d}"] = plan_digest(p)
     return out
 
