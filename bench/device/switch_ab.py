@@ -7,7 +7,11 @@ Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.plan_arrays:_BALANCED_R
   value's output checked against the float64 reference on sampled queries;
 * ``TreeAttentionRuntime.forward`` (the serving path) and ``tree_attention`` on the Llama and
   Mistral trees of the four serving scenarios (steps 10, 25, 39), with the configs the decode
-  benchmark uses (``docs/tune/export_measured.json``), where some value changes a plan.
+  benchmark uses (``docs/tune/export_measured.json``), where some value changes a plan;
+* with ``--heldout FIRST:END``, ``tree_attention`` on every tree family's trees of those seeds
+  (:func:`fasttree.workloads.sample_tree`: trees the paper suite does not hold) at the three
+  paper head ratios, default config, where some value changes a plan, checked as the paper
+  cases are.
 
 With ``--launch`` the switch is a launch switch (e.g. ``fasttree.attention:_PDL``), which changes
 no plan: every paper case and serving tree is timed, each value's plan and runtime built and
@@ -19,7 +23,10 @@ timed with the switch set. The switch is restored after every use. ::
 Values holding commas take another separator: ``--switch fasttree.planner:_WHOLE_GROUPS_MIN_ITEMS
 --values 'null;[1,2]' --sep ';'``. (``run_split_ab_02f073c.json`` came from ``--switch
 fasttree.packing:RUN_SPLIT --values fill,balanced,balanced_floor``, a switch of 02f073c that
-became ``pack_units(balanced=)``; its ``balanced`` arm is ``_BALANCED_RUNS`` true.)
+became ``pack_units(balanced=)``; its ``balanced`` arm is ``_BALANCED_RUNS`` true.
+``subtree_blocks_heldout_74e9d2b.json`` came from ``--switch fasttree.packing:_SUBTREE_BLOCKS
+--values false,true --heldout 1000:1020``, a switch of 74e9d2b that became ``_ALIGNED_BLOCKS``,
+whose ``true`` then also aligned blocks that cut no short unit.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``switch_ab.py`` times single calls; a whole benchmark (the end-to-end decode, say) under one
 value of a switch needs the switch set before the benchmark imports and plans anything::
 
-    python3 bench/device/with_switch.py fasttree.packing:_SUBTREE_BLOCKS true \\
+    python3 bench/device/with_switch.py fasttree.packing:_ALIGNED_BLOCKS true \\
         bench.decode --models llama --out /tmp/res --label decode_blocks_on
 
 The value is parsed as ``switch_ab.py`` parses ``--values`` (JSON when it parses, else the string).
