@@ -151,8 +151,10 @@ def _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: i
     """
     n = query_rank.size
     c_len = q_len[cand]
-    starts = pair_start[cand]
-    ranks = query_rank[pair_query[ragged_arange(starts, c_len)]]
+    if pairs_in_order and cand.size == q_len.size:  # every pair is a candidate's, in unit order
+        ranks = query_rank[pair_query]
+    else:
+        ranks = query_rank[pair_query[ragged_arange(pair_start[cand], c_len)]]
     first = exclusive_sum(c_len)
     lo = np.minimum.reduceat(ranks, first)
     hi = np.maximum.reduceat(ranks, first)
@@ -174,8 +176,9 @@ def _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: i
     block_starts = np.asarray(block_starts, dtype=np.int64)
     if block_starts.size == -(-n // capacity) and not np.count_nonzero(block_starts % capacity):
         return None  # increasing starts, at most capacity apart, all multiples of it: the fixed blocks
-    sizes = np.diff(np.append(block_starts, n))
-    block_of_rank = np.arange(block_starts.size, dtype=np.int64).repeat(sizes)
+    block_of_rank = np.zeros(n, dtype=np.int64)
+    block_of_rank[block_starts[1:]] = 1
+    np.cumsum(block_of_rank, out=block_of_rank)
     return block_of_rank, block_starts[block_of_rank]
 
 
