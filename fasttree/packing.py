@@ -9,6 +9,11 @@ and every KV entry carries a bit mask of the bin rows that attend it. A bin has 
 partial result per query instead of one per member, and the rows of an MHA small tile
 (16) were padding anyway.
 
+Blocks of consecutive ranks are fixed (``capacity`` ranks each: ``rank // capacity``) or, where
+that pays, aligned: at most ``capacity`` ranks each, ending where no short unit's queries
+continue, so a unit that fits one block is not cut across two (:func:`_aligned_blocks`,
+:func:`_aligned_blocks_pay`).
+
 Vocabulary as in :mod:`fasttree.plan_arrays`; *position* is a query's offset in its
 bin's block of ranks, and bit ``p`` of an entry's mask means "the query at position
 ``p`` attends this entry".
@@ -83,7 +88,7 @@ class _Pieces(NamedTuple):
     """Eligible units cut at block boundaries, sorted by lowest rank (so by block first)."""
 
     unit: np.ndarray  # int64: the unit each piece comes from
-    lowest: np.ndarray  # int64: the piece's lowest DFS rank (its block is lowest // capacity)
+    lowest: np.ndarray  # int64: the piece's lowest DFS rank (its block: lowest // capacity, or the aligned block's)
     bits: np.ndarray  # int64: bit p = the query at position p of the block is the piece's
     cut: np.ndarray | None  # bool: the piece's unit became two or more pieces (None: no unit did)
 
