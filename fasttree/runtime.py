@@ -98,6 +98,12 @@ _QUERY_CENTRIC_GAMMA = 10.0
 #: int32 words of each stage-1 launch's item counters (slot 0, slot 1, padding).
 _COUNTER_WORDS = 4
 
+#: ``ft.plan(aligned_blocks=)`` of the runtime's plans: fixed packing blocks. Aligned ones changed
+#: none of the decode benchmark's plans under the tuned configs (H200,
+#: ``docs/bench/h200/subtree_blocks_heldout_74e9d2b.json``) and cost up to 0.17 ms more per fresh
+#: step on the host. An A/B switch read when plans are made.
+_ALIGNED_BLOCKS = False
+
 
 @dataclass(frozen=True)
 class RuntimePlan:
@@ -447,11 +453,10 @@ class TreeAttentionRuntime:
         """Plan ``tree`` with the runtime's config; whether the plan is query-centric."""
         # wide units packed: kept whole they ran the runtime's decode trees no faster (H200, Llama
         # multi-level 1.00x, few-shot and chain 1.47-1.71x slower: pack_wide_ab_02f073c_balanced.json),
-        # and choosing would pack MHA plans twice on every fresh step. Fixed packing blocks: aligned
-        # ones changed none of the decode trees' plans under the tuned configs
-        # (subtree_blocks_heldout_74e9d2b.json) and cost up to 0.17 ms more per fresh step on the host.
+        # and choosing would pack MHA plans twice on every fresh step. Packing blocks: _ALIGNED_BLOCKS.
         heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                 "solo_units": self.stage1_launches == 2, "wide_units": False, "aligned_blocks": False}  # fmt: skip
+                 "solo_units": self.stage1_launches == 2, "wide_units": False,
+                 "aligned_blocks": _ALIGNED_BLOCKS}  # fmt: skip
         query_centric = self.query_centric == "always"
         plan = plan_tree(tree, self._query_centric_config() if query_centric else self.config, **heads)
         # grouping must save _MIN_SHARING_GAIN of a query-centric plan's KV reads (tested first:
