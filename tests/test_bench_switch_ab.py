@@ -121,3 +121,22 @@ def test_bad_cases_or_rounds_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         switch_ab.main(["--switch", "fasttree.attention:_PDL", "--values", "none,auto", "--out", "x.json", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_aligned_pack_sweep_variants_start_with_the_tuned_config():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench" / "device"))
+    try:
+        from aligned_pack_sweep import PACK_TOKENS, variants
+    finally:
+        sys.path.pop(0)
+    from fasttree import FastTreeConfig
+
+    base = FastTreeConfig(pack_tokens=512, pack_min_units=314)
+    got = variants(base)
+    assert got[0] == ("tuned", base)
+    assert [n for n, _ in got[1:]] == [f"pack{t}m{m}" for t in PACK_TOKENS for m in (132, 314)]
+    assert all(c.pack_tokens == int(n[4:].split("m")[0]) and c.kv_tile == base.kv_tile for n, c in got[1:])
+    assert len(variants(FastTreeConfig(pack_min_units=132))) == 1 + len(PACK_TOKENS)  # 132 once

@@ -2,12 +2,15 @@
 
 :func:`steps_by_bucket` groups workload trace records (:mod:`fasttree.traces`, kind
 ``"workload"``) into :class:`WorkloadStep` lists per :class:`~fasttree.tuner.space.Bucket`.
-:class:`LatencyObjective` evaluates a config on one bucket's steps exactly as serving
-would run it: the real planner (:func:`fasttree.plan`) plans every step's tree, the
-feature rows of all plans (:func:`fasttree.costmodel.features.features_of_plan`) go to
-the latency model in ONE batched ``predict``, and the objective is the weighted total of
-the predicted step latencies (us), optionally with the worst step's as a second
-objective. Nothing config-dependent is cached: every call plans and predicts afresh. Only
+:class:`LatencyObjective` evaluates a config on one bucket's steps: the real planner
+(:func:`fasttree.plan`, with its default rules, as ``tree_attention``'s plans that the traces
+time) plans every step's tree, the feature rows of all plans
+(:func:`fasttree.costmodel.features.features_of_plan`) go to the latency model in ONE batched
+``predict``, and the objective is the weighted total of the predicted step latencies (us),
+optionally with the worst step's as a second objective. The runtime plans a few rules
+differently (MHA's wide units always packed, fixed packing blocks: :mod:`fasttree.runtime`),
+so on trees where those rules change the plan the objective describes ``tree_attention``'s
+plan, not the runtime's. Nothing config-dependent is cached: every call plans and predicts afresh. Only
 the defaults' evaluation (the baseline every trial is compared with) is computed once.
 
 Called as an Optuna objective, it suggests the trial's config
