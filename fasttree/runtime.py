@@ -101,7 +101,9 @@ _COUNTER_WORDS = 4
 #: ``ft.plan(aligned_blocks=)`` of the runtime's plans: fixed packing blocks. Aligned ones changed
 #: none of the decode benchmark's plans under the tuned configs (H200,
 #: ``docs/bench/h200/subtree_blocks_heldout_74e9d2b.json``) and cost up to 0.17 ms more per fresh
-#: step on the host. An A/B switch read when plans are made.
+#: step on the host; with bigger packing budgets they beat the tuned configs on Llama few-shot and
+#: Mistral multi-document trees only, and lost on the others (``aligned_pack_sweep_adfc41e.json``).
+#: An A/B switch read when plans are made.
 _ALIGNED_BLOCKS = False
 
 
