@@ -18,7 +18,6 @@ so it was removed.)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 import fasttree as ft
+from bench.common import switched
 from fasttree import plan_arrays
 from fasttree.export import read_export
 from fasttree.suite import PAPER_HEADS, paper_tree
@@ -50,17 +50,6 @@ def trees():
                 yield f"{scenario}[{i}]/gqa4/{name}", steps[i].tree, 32, 8, cfg
 
 
-@contextlib.contextmanager
-def _setting(name, value):
-    """Set a module constant of :mod:`fasttree.plan_arrays` for a ``with`` block."""
-    old = getattr(plan_arrays, name)
-    setattr(plan_arrays, name, value)
-    try:
-        yield
-    finally:
-        setattr(plan_arrays, name, old)
-
-
 def main(out_path: str) -> None:
     dev = torch.device("cuda")
     rows = []
@@ -75,7 +64,7 @@ def main(out_path: str) -> None:
         ref = None
         for _rep in range(2):
             for th in settings[1]:
-                with _setting("_SOLO_MIN_TOKENS", th):
+                with switched(plan_arrays, "_SOLO_MIN_TOKENS", th):
                     plan = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
                 out.fill_(float("nan"))
 
