@@ -108,6 +108,55 @@ def checked_graph_time(
     return {"graph_us": graph_time_us(call)["median"], "err": err}
 
 
+def serving_inputs(
+    trees: list[fasttree.KVTree], num_q_heads: int, num_kv_heads: int, head_dim: int, seed: int = 7
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v, out)`` on the GPU for timing every tree of ``trees`` through one runtime: fp16
+    N(0, 1) ``q`` [rows, Hq, D] (rows: the most queries of a tree), pools ``k``/``v`` [slots, Hkv, D]
+    holding every tree's slots (one generator seeded ``seed``, drawn in that order), ``out`` like q."""
+    slots = max(t.max_slot for t in trees) + 1
+    rows = max(t.n_queries for t in trees)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(rows, num_q_heads, head_dim, generator=gen, device="cuda", dtype=torch.float16)
+    k = torch.randn(slots, num_kv_heads, head_dim, generator=gen, device="cuda", dtype=torch.float16)
+    v = torch.randn(slots, num_kv_heads, head_dim, generator=gen, device="cuda", dtype=torch.float16)
+    return q, k, v, torch.empty_like(q)
+
+
+def time_serving_trees(config, trees: list[fasttree.KVTree], q, k, v, out) -> dict[str, float]:
+    """Summed graph-replay medians (us) over ``trees`` of ``TreeAttentionRuntime.forward`` (one
+    runtime sized for them, each tree planned into it) and of ``tree_attention`` on each tree's
+    ``fasttree.plan`` with ``config``, and the worst relative error of either against the float64
+    reference (outputs poisoned first). Inputs as :func:`serving_inputs` makes them."""
+    from fasttree.runtime import TreeAttentionRuntime
+
+    rows, hq, d = q.shape
+    slots, hkv = k.shape[0], k.shape[1]
+    rt = TreeAttentionRuntime(
+        config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=q.dtype, device=q.device,
+        max_queries=rows, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * rows,
+        pool_slots=slots, extend_steps=0,
+    )  # fmt: skip
+    runtime_us = per_plan_us = 0.0
+    errs = []
+    for tree in trees:
+        n = tree.n_queries
+        plan = fasttree.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        rt.plan(tree)
+        runtime_us += graph_time_us(lambda: rt.forward(q, k, v, out=out))["median"]
+        ref = fasttree.reference_attention(q[:n], k, v, tree)
+        out.fill_(float("nan"))
+        rt.forward(q, k, v, out=out)
+        errs.append(fasttree.max_relative_error(out[:n], ref))
+        qn = q[:n].contiguous()
+        o2 = torch.full_like(qn, float("nan"))
+        per_plan_us += graph_time_us(lambda plan=plan, qn=qn, o2=o2: fasttree.tree_attention(qn, k, v, plan, out=o2))[
+            "median"
+        ]
+        errs.append(fasttree.max_relative_error(o2, ref))
+    return {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
+
+
 def seed_range(text: str) -> range:
     """An argparse type: ``FIRST:END`` as ``range(FIRST, END)`` with ``0 <= FIRST < END``."""
     first, _, end = text.partition(":")

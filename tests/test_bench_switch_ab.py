@@ -140,3 +140,30 @@ def test_aligned_pack_sweep_variants_start_with_the_tuned_config():
     assert [n for n, _ in got[1:]] == [f"pack{t}m{m}" for t in PACK_TOKENS for m in (132, 314)]
     assert all(c.pack_tokens == int(n[4:].split("m")[0]) and c.kv_tile == base.kv_tile for n, c in got[1:])
     assert len(variants(FastTreeConfig(pack_min_units=132))) == 1 + len(PACK_TOKENS)  # 132 once
+
+
+def test_time_serving_trees_sums_both_paths_and_checks_both_outputs(monkeypatch):
+    """bench.common.time_serving_trees on the CPU (interpreter), the graph timer faked: one
+    timing per tree for the runtime and one for tree_attention, and an error from both outputs."""
+    import torch
+
+    import fasttree as ft
+    from bench import common
+
+    calls = []
+
+    def fake_timer(fn, **kw):
+        fn()
+        calls.append(fn)
+        return {"median": 2.0}
+
+    monkeypatch.setattr(common, "graph_time_us", fake_timer)
+    trees = [paper_tree(1), ft.KVTree.from_levels([1, 4], [40, 3])]
+    gen = torch.Generator().manual_seed(0)
+    rows, slots = max(t.n_queries for t in trees), max(t.max_slot for t in trees) + 1
+    q = torch.randn(rows, 4, 64, generator=gen).to(torch.float16)
+    k = torch.randn(slots, 2, 64, generator=gen).to(torch.float16)
+    v = torch.randn(slots, 2, 64, generator=gen).to(torch.float16)
+    got = common.time_serving_trees(ft.FastTreeConfig(), trees, q, k, v, torch.empty_like(q))
+    assert len(calls) == 4 and got["runtime_us"] == 4.0 and got["tree_attention_us"] == 4.0
+    assert 0 <= got["max_err"] < 1e-2

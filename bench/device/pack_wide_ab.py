@@ -39,16 +39,16 @@ from bench.common import (
     geomean,
     random_case,
     seed_range,
+    serving_inputs,
     switched,
+    time_serving_trees,
     timed_in_turn,
     write_device_result,
 )
 from fasttree import plan_arrays
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
-from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
 from fasttree.workloads import TREE_FAMILIES, iter_serving, sample_tree
 
 D = 128
@@ -94,34 +94,6 @@ def timed_pair(tree: ft.KVTree, hq: int, hkv: int, data_seed: int, rounds: int, 
     return row
 
 
-def time_serving_trees(config, hq: int, hkv: int, trees: list[ft.KVTree], q, k, v, out) -> dict:
-    """Summed graph-replay times of the runtime and of ``tree_attention`` over ``trees`` (the
-    pools ``k``/``v`` hold every tree's slots, ``q``/``out`` its queries), and the worse error."""
-    slots, rows = k.shape[0], q.shape[0]
-    rt = TreeAttentionRuntime(
-        config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
-        max_queries=rows, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * rows,
-        pool_slots=slots, extend_steps=0,
-    )  # fmt: skip
-    runtime_us = per_plan_us = 0.0
-    errs = []
-    for tree in trees:
-        n = tree.n_queries
-        rt.plan(tree)
-        runtime_us += graph_time_us(lambda: rt.forward(q, k, v, out=out))["median"]
-        ref = ft.reference_attention(q[:n], k, v, tree)
-        out.fill_(float("nan"))
-        rt.forward(q, k, v, out=out)
-        errs.append(ft.max_relative_error(out[:n], ref))
-        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-        qn = q[:n].contiguous()
-        o2 = torch.empty_like(qn)
-        per_plan_us += graph_time_us(lambda plan=plan, qn=qn, o2=o2: ft.tree_attention(qn, k, v, plan, out=o2))[
-            "median"
-        ]
-    return {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     positive = _int_at_least(1, "an integer >= 1")
@@ -154,17 +126,11 @@ def main() -> int:
             trees = [steps[i].tree for i in STEPS]
             if not any(differ(*plans(t, config, hq, hkv).values()) for t in trees):
                 continue
-            slots = max(t.max_slot for t in trees) + 1
-            rows = max(t.n_queries for t in trees)
-            gen = torch.Generator(device="cuda").manual_seed(7)
-            q = torch.randn(rows, hq, D, generator=gen, device="cuda", dtype=torch.float16)
-            k = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
-            v = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
-            out = torch.empty_like(q)
+            q, k, v, out = serving_inputs(trees, hq, hkv, D)
             row = {"model": model, "scenario": scenario}
             for name, wide in SETTINGS.items():
                 with switched(plan_arrays, "_PACK_WIDE_UNITS", wide):
-                    row[name] = time_serving_trees(config, hq, hkv, trees, q, k, v, out)
+                    row[name] = time_serving_trees(config, trees, q, k, v, out)
             decode.append(row)
             print(f"{model} {scenario}: runtime {row['whole']['runtime_us'] / row['packed']['runtime_us']:.3f} "
                   f"tree_attention {row['whole']['tree_attention_us'] / row['packed']['tree_attention_us']:.3f} "

@@ -45,15 +45,15 @@ from bench.common import (
     geomean,
     random_case,
     seed_range,
+    serving_inputs,
     switched,
+    time_serving_trees,
     timed_in_turn,
     write_device_result,
 )
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
-from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
 from fasttree.workloads import TREE_FAMILIES, iter_serving, sample_tree
 
 D = 128
@@ -141,22 +141,6 @@ def tree_rows(module, attr, values, names, items, launch: bool = False, rounds: 
     return rows
 
 
-def time_tree(rt: TreeAttentionRuntime, plan: ft.Plan, tree: ft.KVTree, q, k, v, out) -> tuple[float, float, float]:
-    """Graph-replay medians (us) of ``rt.forward`` after ``rt.plan(tree)`` and of
-    ``tree_attention`` on ``plan``, and the worse relative error of the two (outputs poisoned)."""
-    n = tree.n_queries
-    rt.plan(tree)
-    t_rt = graph_time_us(lambda: rt.forward(q, k, v, out=out))["median"]
-    ref = ft.reference_attention(q[:n], k, v, tree)
-    out.fill_(float("nan"))
-    rt.forward(q, k, v, out=out)
-    err = ft.max_relative_error(out[:n], ref)
-    qn = q[:n].contiguous()
-    o2 = torch.full_like(qn, float("nan"))
-    t_plan = graph_time_us(lambda: ft.tree_attention(qn, k, v, plan, out=o2))["median"]
-    return t_rt, t_plan, max(err, ft.max_relative_error(o2, ref))
-
-
 def decode_rows(module, attr, values, names, launch: bool = False) -> list[dict]:
     rows = []
     export = read_export("docs/tune/export_measured.json")
@@ -168,30 +152,11 @@ def decode_rows(module, attr, values, names, launch: bool = False) -> list[dict]
             trees = [steps[i].tree for i in STEPS]
             if not launch and not any(differ(plans(module, attr, values, t, config, hq, hkv)) for t in trees):
                 continue
-            slots = max(t.max_slot for t in trees) + 1
-            n_rows = max(t.n_queries for t in trees)
-            gen = torch.Generator(device="cuda").manual_seed(7)
-            q = torch.randn(n_rows, hq, D, generator=gen, device="cuda", dtype=torch.float16)
-            k = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
-            v = torch.randn(slots, hkv, D, generator=gen, device="cuda", dtype=torch.float16)
-            out = torch.empty_like(q)
+            q, k, v, out = serving_inputs(trees, hq, hkv, D)
             row = {"model": model, "scenario": scenario}
             for name, value in zip(names, values, strict=True):
                 with switched(module, attr, value):
-                    rt = TreeAttentionRuntime(
-                        config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, dtype=torch.float16, device="cuda",
-                        max_queries=n_rows, max_kv_entries=8 * slots, max_units=1 << 16,
-                        max_partial_rows=64 * n_rows, pool_slots=slots, extend_steps=0,
-                    )  # fmt: skip
-                    runtime_us = per_plan_us = 0.0
-                    errs = []
-                    for tree in trees:
-                        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=D)
-                        t_rt, t_plan, err = time_tree(rt, plan, tree, q, k, v, out)
-                        runtime_us += t_rt
-                        per_plan_us += t_plan
-                        errs.append(err)
-                row[name] = {"runtime_us": runtime_us, "tree_attention_us": per_plan_us, "max_err": max(errs)}
+                    row[name] = time_serving_trees(config, trees, q, k, v, out)
             rows.append(row)
             base = row[names[0]]
             ratios = " ".join(
