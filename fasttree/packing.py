@@ -93,24 +93,36 @@ class _Pieces(NamedTuple):
     cut: np.ndarray | None  # bool: the piece's unit became two or more pieces (None: no unit did)
 
 
-def _cut_into_pieces(
-    eligible, cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool, blocks=None
-) -> _Pieces:
+class _Candidates(NamedTuple):
+    """Every pair of the eligible units, in unit order (each unit's pairs in order)."""
+
+    unit: np.ndarray  # int64: the pair's unit
+    rank: np.ndarray  # int64: the DFS rank of the pair's query
+    q_len: np.ndarray  # the pairs per eligible unit (``q_len[cand]``)
+
+
+def _candidates(eligible, cand, q_len, pair_start, pair_query, query_rank, pairs_in_order: bool) -> _Candidates:
+    """The eligible units' pairs (``cand``: the eligible units' indices), computed once for the
+    fixed and the aligned blocks alike."""
     n_units = q_len.size
+    c_len = q_len[cand]
     if pairs_in_order and cand.size == n_units:  # every pair is a candidate's
         c_unit = np.arange(n_units, dtype=np.int64).repeat(q_len)
         c_query = pair_query
     else:
-        c_len = q_len[cand]
         c_unit = cand.repeat(c_len)
         if pairs_in_order:
             c_query = pair_query[eligible.repeat(q_len)]
         else:
             c_query = pair_query[ragged_arange(pair_start[cand], c_len)]
-    c_rank = query_rank[c_query]
+    return _Candidates(c_unit, query_rank[c_query], c_len)
+
+
+def _cut_into_pieces(cands: _Candidates, n_queries: int, capacity: int, blocks=None) -> _Pieces:
+    c_unit, c_rank = cands.unit, cands.rank
     if blocks is None:
         c_block, c_pos = np.divmod(c_rank, capacity)
-        n_blocks = query_rank.size // capacity + 1
+        n_blocks = n_queries // capacity + 1
     else:
         block_of_rank, start_of_rank = blocks
         c_block = block_of_rank[c_rank]
@@ -136,11 +148,11 @@ def _cut_into_pieces(
         cut[1:] = same
         cut[:-1] |= same
     # by lowest rank, ties in (unit, block) order: the same as by (block, lowest rank)
-    order = stable_argsort(lowest, query_rank.size)
+    order = stable_argsort(lowest, n_queries)
     return _Pieces(unit[order], lowest[order], bits[order], None if cut is None else cut[order])
 
 
-def _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool):
+def _aligned_blocks(cands: _Candidates, n_queries: int, capacity: int):
     """Blocks of at most ``capacity`` consecutive ranks that cut as few short units as they can.
 
     A unit is short when its queries span at most ``capacity`` ranks: a block boundary inside
@@ -154,15 +166,10 @@ def _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity: i
         Each rank's block and its block's first rank (int64 [n_queries] each); None when the
         blocks are the fixed ones (``rank // capacity``).
     """
-    n = query_rank.size
-    c_len = q_len[cand]
-    if pairs_in_order and cand.size == q_len.size:  # every pair is a candidate's, in unit order
-        ranks = query_rank[pair_query]
-    else:
-        ranks = query_rank[pair_query[ragged_arange(pair_start[cand], c_len)]]
-    first = exclusive_sum(c_len)
-    lo = np.minimum.reduceat(ranks, first)
-    hi = np.maximum.reduceat(ranks, first)
+    n = n_queries
+    first = exclusive_sum(cands.q_len)
+    lo = np.minimum.reduceat(cands.rank, first)
+    hi = np.maximum.reduceat(cands.rank, first)
     short = (hi - lo < capacity) & (hi > lo)
     if not np.count_nonzero(short & (lo // capacity != hi // capacity)):
         return None  # the fixed blocks cut no short unit: keep them
@@ -223,15 +230,12 @@ class _Bins(NamedTuple):
 
 
 def _bin_members(
-    eligible, cand, q_len, pair_start, pair_query, query_rank, capacity: int, pairs_in_order: bool, kv_len, budget: int,
-    balanced: bool, blocks,
-) -> _Bins | None:  # fmt: skip
+    cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks
+) -> _Bins | None:
     """Cut the eligible units into pieces (``blocks``: None for fixed blocks of ``capacity`` ranks,
     else :func:`_aligned_blocks`' arrays) and the pieces into runs; the pieces of runs that become
     bins, or None when no bin forms."""
-    unit, lowest, bits, cut = _cut_into_pieces(
-        eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order, blocks
-    )
+    unit, lowest, bits, cut = _cut_into_pieces(cands, n_queries, capacity, blocks)
     tokens = kv_len[unit].astype(np.int64, copy=False)
     new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
     # a piece alone in its run stays a plain unit unless its unit was cut
@@ -348,15 +352,16 @@ def pack_units(
     cand = eligible.nonzero()[0]
     if cand.size < 2:
         return None
-    args = (eligible, cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order)
+    cands = _candidates(eligible, cand, q_len, pair_start, pair_query, query_rank, pairs_in_order)
+    n_queries = query_rank.size
     blocks = None
-    bins = _bin_members(*args, kv_len, budget, balanced, blocks)
+    bins = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, blocks)
     if _ALIGNED_BLOCKS is not None:
         aligned = _ALIGNED_BLOCKS
     if aligned is not False:
-        shifted = _aligned_blocks(cand, q_len, pair_start, pair_query, query_rank, capacity, pairs_in_order)
+        shifted = _aligned_blocks(cands, n_queries, capacity)
         if shifted is not None:
-            other = _bin_members(*args, kv_len, budget, balanced, shifted)
+            other = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, shifted)
             if aligned or _aligned_blocks_pay(kv_len, bins, other):
                 bins, blocks = other, shifted
     if bins is None:

@@ -370,7 +370,7 @@ def test_aligned_blocks_are_not_taken_when_they_read_more_or_a_unit_grows_much_l
 
 
 def test_aligned_blocks_hold_at_most_capacity_and_end_where_no_short_unit_continues():
-    from fasttree.packing import _aligned_blocks
+    from fasttree.packing import _aligned_blocks, _candidates
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -382,7 +382,9 @@ def test_aligned_blocks_hold_at_most_capacity_and_end_where_no_short_unit_contin
         q_len = np.array([len(x) for x in q_lists])
         pair_start = np.concatenate([[0], np.cumsum(q_len)[:-1]])
         cand = np.arange(len(q_lists))
-        got = _aligned_blocks(cand, q_len, pair_start, np.concatenate(q_lists), np.arange(n), cap, True)
+        pair_query = np.concatenate(q_lists)
+        cands = _candidates(np.ones(cand.size, bool), cand, q_len, pair_start, pair_query, np.arange(n), True)
+        got = _aligned_blocks(cands, n, cap)
         if got is None:  # the fixed blocks
             continue
         block_of_rank, start_of_rank = got
