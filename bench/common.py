@@ -25,6 +25,9 @@ ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Worst relative error against the float64 reference the GPU benchmarks accept, per dtype.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+#: The anchors' roofline rates (the H200): HBM bytes per second and tensor-core flops per second.
+HBM_BYTES_PER_S = 4.8e12
+TENSOR_FLOPS = 700e12
 
 
 def _cpu_model() -> str | None:

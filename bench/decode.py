@@ -100,7 +100,7 @@ from torch.nn import functional
 
 import fasttree as ft
 from bench import model_ops
-from bench.common import DTYPES, TOL, environment, write_atomic
+from bench.common import DTYPES, HBM_BYTES_PER_S, TOL, environment, write_atomic
 from fasttree.config import FastTreeConfig
 from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
@@ -1183,14 +1183,51 @@ def bench_scenario(
                 model_key, scenario, name, row["tokens_per_s"], row["step_ms_p50"], 100 * row["plan_share"],
                 100 * row["attention_share"], row["max_rel_err"],
             )  # fmt: skip
-    base = next((r for r in rows if r["backend"] == "query_separated" and "tokens_per_s" in r), None)
-    for r in rows:
-        if base is not None and "tokens_per_s" in r:
-            r["speedup_vs_query_separated"] = r["tokens_per_s"] / base["tokens_per_s"]
     del buf
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     return summary, rows
+
+
+def attention_floor_s(report: dict[str, Any], model: str, scenario: str) -> float:
+    """Seconds one timed step's attention takes at least, all layers: every KV entry of the
+    step's tree read once per layer at ``HBM_BYTES_PER_S`` (the H200's 4.8 TB/s; the mean tree
+    of the timed steps), queries and outputs not counted."""
+    spec = next(m for m in report["models"] if m["key"] == model)
+    work = next(w for w in report["workloads"] if (w["model"], w["scenario"]) == (model, scenario))
+    elem = DTYPES[report["args"]["dtype"]].itemsize
+    kv_bytes = work["tree_tokens_mean"] * spec["num_kv_heads"] * spec["head_dim"] * 2 * elem
+    return spec["layers"] * kv_bytes / HBM_BYTES_PER_S
+
+
+def attach_speedups(report: dict[str, Any]) -> None:
+    """Set each timed row's ratios to its scenario's ``query_separated`` row (in place).
+
+    ``speedup_vs_query_separated``: the ratio of tokens/s. The two ratios no attention kernel
+    or planner can exceed on this decoder, from the row's attention-free step times
+    (``noattn_step_ms_mean``: the same steps with attention replaced by a copy and no planning,
+    through the same graphs) against the baseline's tokens/s:
+    ``speedup_bound_vs_query_separated`` with attention and planning free, and
+    ``speedup_floor_bound_vs_query_separated`` with planning free and attention at its HBM
+    floor (:func:`attention_floor_s`). None is set for a scenario without a timed
+    ``query_separated`` row.
+    """
+    scenarios: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in report["rows"]:
+        scenarios.setdefault((r["model"], r["scenario"]), []).append(r)
+    for (model, scenario), group in scenarios.items():
+        base = next((r for r in group if r["backend"] == "query_separated" and "tokens_per_s" in r), None)
+        if base is None:
+            continue
+        floor_s = attention_floor_s(report, model, scenario)
+        for r in group:
+            if "tokens_per_s" not in r:
+                continue
+            r["speedup_vs_query_separated"] = r["tokens_per_s"] / base["tokens_per_s"]
+            noattn_s = r["noattn_step_ms_mean"] * r["steps"] / 1e3
+            r["speedup_bound_vs_query_separated"] = r["tokens"] / noattn_s / base["tokens_per_s"]
+            floored_s = noattn_s + r["steps"] * floor_s
+            r["speedup_floor_bound_vs_query_separated"] = r["tokens"] / floored_s / base["tokens_per_s"]
 
 
 # -------------------------------------------------------------------------- report
@@ -1201,20 +1238,22 @@ def _f(x: Any, fmt: str) -> str:
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the result rows."""
     lines = [
-        "| model | scenario | backend | tokens/s | vs query_separated | p50 step ms | plan+upload | attention "
-        "| max err |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | scenario | backend | tokens/s | vs query_separated | bound | floor bound | p50 step ms "
+        "| plan+upload | attention | max err |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         head = f"| {r['model']} | {r['scenario']} | {r['backend']} |"
         if "skipped" in r or "error" in r:
             what = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"
-            lines.append(f"{head} {what.replace('|', '/')} | | | | | |")
+            lines.append(f"{head} {what.replace('|', '/')} | | | | | | | |")
             continue
         err = _f(r["max_rel_err"], ".1e") + ("" if r["correct"] else " x")
         lines.append(
             f"{head} {r['tokens_per_s']:.0f} | {_f(r.get('speedup_vs_query_separated'), '.2f')} | "
-            f"{r['step_ms_p50']:.2f} | {100 * r['plan_share']:.1f}% | {100 * r['attention_share']:.1f}% | {err} |"
+            f"{_f(r.get('speedup_bound_vs_query_separated'), '.2f')} | "
+            f"{_f(r.get('speedup_floor_bound_vs_query_separated'), '.2f')} | {r['step_ms_p50']:.2f} | "
+            f"{100 * r['plan_share']:.1f}% | {100 * r['attention_share']:.1f}% | {err} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1251,6 +1290,10 @@ def markdown(report: dict[str, Any]) -> str:
         + (f" (max_batch {a['max_batch']})" if a["max_batch"] else "")
         + f"; {a['warmup']} warm-up steps, then {a['steps']} timed steps, each ended by a device synchronisation. "
         "tokens/s = decoded tokens / summed step wall times; vs query_separated = tokens/s ratio; "
+        "bound = that ratio with this row's attention and planning free (its decoded tokens over its "
+        "attention-free step times, against the baseline's tokens/s: what no attention kernel or planner "
+        "can exceed on this decoder); floor bound = the same with attention at its HBM floor (each KV "
+        f"entry of the step's tree read once per layer at {HBM_BYTES_PER_S / 1e12:g} TB/s); "
         "plan+upload = host planning and upload time / step time; attention = 1 - (step time with attention "
         "replaced by a copy and no planning, same graphs) / step time (planning included); max err = worst "
         f"relative error of layer 0's and the last layer's attention on <= {CHECK_QUERIES} sampled queries of "
@@ -1346,6 +1389,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--label", default="decode_h200")
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="measure nothing: rewrite the markdown report beside an earlier run's <label>.json with this "
+        "version's table (its ratios recomputed from the rows)",
+    )
     args = p.parse_args(argv)  # fmt: skip
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1")
@@ -1415,14 +1466,43 @@ def run_benchmark(args: argparse.Namespace, *, keep_logits: bool = False) -> tup
         "rows": rows,
         "all_correct": all(r.get("correct", True) and "error" not in r for r in rows),
     }
+    attach_speedups(report)
     write_report(report, args.out, args.label)
     return report, logits
+
+
+def render(path: Path) -> dict[str, Any]:
+    """Rewrite ``<label>.md`` beside the report ``path`` (``<label>.json``) with this version's
+    table, the ratios recomputed from its rows (:func:`attach_speedups`); returns the report.
+
+    Raises
+    ------
+    ValueError
+        When ``path`` is not a JSON report of this benchmark.
+    """
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the report {path}: {exc}") from exc
+    if not isinstance(report, dict) or not {"rows", "env", "args", "models", "workloads"} <= report.keys():
+        raise ValueError(f"{path} is not a bench.decode report (rows, env, args, models and workloads expected)")
+    attach_speedups(report)
+    write_atomic(path.with_suffix(".md"), markdown(report))
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, write the report, print the results table; 1 when a check failed."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.render is not None:
+        try:
+            report = render(args.render)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        sys.stdout.write(results_table(report["rows"]))
+        return 0
     try:
         report, _ = run_benchmark(args)
     except ValueError as exc:  # a set-up problem, before any measurement

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import DTYPES, TOL, anchor_rows, environment, geomean, write_atomic
+from bench.common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean, write_atomic
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
@@ -49,8 +49,6 @@ from fasttree.timing import eager_loop_time_us, eager_time_us, graph_cold_time_u
 
 log = logging.getLogger("bench.kernel")
 
-HBM_BYTES_PER_S = 4.8e12
-TENSOR_FLOPS = 700e12
 SDPA_MAX_BYTES = 40e9
 VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
 

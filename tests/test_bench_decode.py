@@ -19,6 +19,7 @@ ROW_KEYS = {
     "model", "scenario", "backend", "steps", "tokens", "tokens_per_s", "step_ms_mean", "step_ms_p50",
     "step_ms_p90", "plan_ms_mean", "plan_share", "noattn_step_ms_mean", "attention_share", "mode",
     "max_rel_err", "max_rel_err_layer0", "max_rel_err_last_layer", "correct", "speedup_vs_query_separated",
+    "speedup_bound_vs_query_separated", "speedup_floor_bound_vs_query_separated",
 }  # fmt: skip
 
 
@@ -88,6 +89,52 @@ def test_report_files(run):
     assert "| model | scenario | backend | tokens/s |" in md
     for b in BACKENDS:
         assert f"| tiny | {SCENARIO} | {b} |" in md
+
+
+def test_bound_is_the_attention_free_ratio(run):
+    """The bound: each row's tokens over its attention-free step times, against the baseline's tokens/s;
+    interpreted attention costs far more than its copy, so those rows' bounds exceed their ratios."""
+    rows = run.report["rows"]
+    base = rows[BACKENDS.index("query_separated")]
+    floor_s = decode.attention_floor_s(run.report, "tiny", SCENARIO)
+    work = run.report["workloads"][0]
+    spec = decode.MODELS["tiny"]
+    # 2 layers, each reading every entry of the mean tree once: K and V, fp16, at 4.8 TB/s
+    assert floor_s == pytest.approx(2 * work["tree_tokens_mean"] * spec.num_kv_heads * spec.head_dim * 2 * 2 / 4.8e12)
+    for r in rows:
+        noattn_s = r["noattn_step_ms_mean"] * r["steps"] / 1e3
+        bound = r["tokens"] / noattn_s / base["tokens_per_s"]
+        assert r["speedup_bound_vs_query_separated"] == pytest.approx(bound)
+        if r["backend"] != "sdpa":  # torch's CPU attention is ~5% of its step: within the timing noise
+            assert r["speedup_bound_vs_query_separated"] > r["speedup_vs_query_separated"]
+        floored = r["tokens"] / (noattn_s + r["steps"] * floor_s) / base["tokens_per_s"]
+        assert r["speedup_floor_bound_vs_query_separated"] == pytest.approx(floored)
+        assert r["speedup_floor_bound_vs_query_separated"] < bound
+
+
+def test_render_rewrites_the_table_from_the_rows(run, tmp_path):
+    """--render: the markdown of an earlier report, with ratios recomputed from its rows (here a
+    report written before the bound existed, its rows edited to known times)."""
+    report = json.loads((run.out / "tiny.json").read_text())
+    for r in report["rows"]:
+        for key in ("speedup_vs_query_separated", "speedup_bound_vs_query_separated"):
+            r.pop(key, None)
+        r.pop("speedup_floor_bound_vs_query_separated", None)
+        # 100 tokens in 2 steps: query_separated 2 s (50 tokens/s), the others 1 s, attention-free 0.5 s
+        fast = r["backend"] != "query_separated"
+        r.update(tokens=100, steps=2, tokens_per_s=100.0 if fast else 50.0, noattn_step_ms_mean=250.0)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(report))
+    assert decode.main(["--render", str(path)]) == 0
+    md = (tmp_path / "old.md").read_text()
+    floored = 100 / (0.5 + 2 * decode.attention_floor_s(report, "tiny", SCENARIO)) / 50
+    assert "| vs query_separated | bound | floor bound |" in md
+    assert f"| tiny | {SCENARIO} | fasttree | 100 | 2.00 | 4.00 | {floored:.2f} |" in md
+    assert f"| tiny | {SCENARIO} | query_separated | 50 | 1.00 | 4.00 | {floored:.2f} |" in md
+    assert json.loads(path.read_text()) == report  # the results themselves are left as they were
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert decode.main(["--render", str(tmp_path / "bad.json")]) == 2
+    assert decode.main(["--render", str(tmp_path / "missing.json")]) == 2
 
 
 def test_workload_inputs():
