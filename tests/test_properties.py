@@ -251,16 +251,17 @@ def test_adapters_rebuild_every_request_context(lists):
 def test_bad_inputs_are_refused_before_any_launch(bad, tree):
     """A pool too small for the tree's slots, a q of another dtype, or heads the plan was not made
     for: a ValueError that names the problem, and the output left untouched."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = ft.plan(tree, num_q_heads=4, num_kv_heads=2, head_dim=16)
-    q = torch.randn(tree.n_queries, 4, 16, dtype=torch.float16)
+    q = torch.randn(tree.n_queries, 4, 16, dtype=torch.float16, device=device)
     pool = tree.max_slot + 1
-    k = torch.randn(pool, 2, 16, dtype=torch.float16)
+    k = torch.randn(pool, 2, 16, dtype=torch.float16, device=device)
     if bad == "slot":
         k, match = k[: pool - 1], "slot"
     elif bad == "dtype":
         q, match = q.to(torch.bfloat16), "dtype"
     else:
-        q, match = torch.randn(tree.n_queries, 8, 16, dtype=torch.float16), r"Hq=4"
+        q, match = torch.randn(tree.n_queries, 8, 16, dtype=torch.float16, device=device), r"Hq=4"
     v = torch.randn_like(k)
     out = torch.full_like(q, 7.0)
     with pytest.raises(ValueError, match=match):
