@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .fileio import write_atomic
+
 CONFIG_SCHEMA_VERSION = 2
 #: Fields added in schema version 2 (packing).
 PACKING_FIELDS = ("pack_tokens", "pack_min_units")
@@ -253,10 +255,7 @@ class FastTreeConfig:
         """Serialise to a JSON string; when ``path`` is given, also write it atomically."""
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
         if path is not None:
-            path = Path(path)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+            write_atomic(path, text)
         return text
 
     @classmethod

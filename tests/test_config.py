@@ -148,6 +148,23 @@ def test_to_json_overwrites_an_existing_file(tmp_path):
     assert FastTreeConfig.from_json(path).gamma == -10.0
 
 
+def test_to_json_failing_midway_keeps_the_previous_file(tmp_path, monkeypatch):
+    """A write that fails before the rename leaves the old config whole and no temporary file."""
+    import fasttree.fileio as fileio
+
+    path = tmp_path / "config.json"
+    FastTreeConfig(gamma=-10).to_json(path)
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fileio.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        FastTreeConfig(gamma=3).to_json(path)
+    assert FastTreeConfig.from_json(path).gamma == -10.0
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
 def test_explicit_query_tiles_survive_json():
     config = FastTreeConfig(q_tile_queries=(4, 1))
     data = json.loads(config.to_json())
