@@ -144,6 +144,8 @@ def test_run_writes_export_report_and_plots(tmp_path, workload, capsys):
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert any(p.startswith("history_") for p in pngs) and any(p.startswith("heldout_steps_") for p in pngs)
     assert (out / "report.md").read_text().count("![") == len(pngs)
+    assert all((out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for name in pngs)
+    assert not list(out.glob(".*.tmp")), "a temporary file of an atomic write was left behind"
 
 
 def _postgres_url() -> str:

@@ -7,6 +7,7 @@ the predicted latency of every workload step with the tuned config and with the 
 
 from __future__ import annotations
 
+import io
 import logging
 import warnings
 from pathlib import Path
@@ -18,11 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 def _save(fig, path: Path) -> None:
+    """Write ``fig`` as a PNG atomically (a crash leaves the old plot or the whole new one) and close it."""
     import matplotlib.pyplot as plt
 
+    from fasttree.fileio import write_atomic
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_atomic(path, png.getvalue())
 
 
 def _study_plots(out: Path, results, storage, folder: Path) -> list[str]:
