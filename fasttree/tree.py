@@ -177,8 +177,14 @@ class KVTree:
         n = parents_arr.size
         if n == 0:
             raise ValueError("a KVTree needs at least one node (parents is empty)")
-        if len(node_slots) != n:
-            raise ValueError(f"node_slots has {len(node_slots)} entries but parents has {n} nodes")
+        try:
+            count = len(node_slots)
+        except TypeError:
+            raise ValueError(
+                f"node_slots must be a sequence of per-node slot arrays, got {type(node_slots).__name__}"
+            ) from None
+        if count != n:
+            raise ValueError(f"node_slots has {count} entries but parents has {n} nodes")
         arrays = [_as_int_array(f"node_slots[{i}]", s) for i, s in enumerate(node_slots)]
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
         slots = np.concatenate(arrays) if lengths.sum() else np.zeros(0, dtype=np.int64)

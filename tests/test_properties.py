@@ -2,8 +2,9 @@
 shape give a plan that reads every query's context exactly once; an extended plan does too;
 the kernels agree with the float64 reference on such plans (NaN-poisoned outputs, fp16 and
 bf16); a runtime's steps are exact or refused whole, with the capacity named; the adapters
-rebuild every request's context; bad inputs are refused before any launch. Hypothesis shrinks
-a failing case to a small tree and config.
+rebuild every request's context; bad inputs are refused before any launch, and junk (any nested
+lists, scalars, strings, NaN) given as a config, a tree or a server's view raises ValueError and
+nothing else. Hypothesis shrinks a failing case to a small tree and config.
 
 The trees mix forests, queries at internal nodes, empty non-root nodes, 1-token and
 tile-boundary lengths, and slots scattered over a larger pool. Configs cover the whole space
@@ -15,6 +16,7 @@ and at 10 for the kernels and the runtime, 2026-12-01).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -26,7 +28,7 @@ from plan_checks import assert_covers_contexts_once, assert_partials_consistent
 from test_planner import check_plan
 
 import fasttree as ft
-from fasttree.adapter import tree_from_req_to_token, tree_from_token_slots
+from fasttree.adapter import tree_from_radix_nodes, tree_from_req_to_token, tree_from_token_slots
 from fasttree.plan_extend import PlanExtender
 from fasttree.reference import max_relative_error, reference_attention
 
@@ -338,3 +340,53 @@ def test_runtime_steps_are_exact_or_refused_whole(case, seed):
         assert torch.isnan(out[n:]).all(), "a row past the plan's queries was written"
         ref = reference_attention(q[:n], k, v, current)
         assert max_relative_error(out[:n], ref) <= 2e-3
+
+
+JUNK_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=3)
+)  # fmt: skip
+JUNK = st.recursive(JUNK_SCALARS, lambda inner: st.lists(inner, max_size=4), max_leaves=8)
+JUNK_ARRAYS = st.one_of(
+    JUNK, st.lists(st.integers(-5, 40), max_size=8), st.lists(st.lists(st.integers(-3, 60), max_size=5), max_size=8)
+)
+CONFIG_KEYS = ("schema_version", "alpha", "gamma", "kv_tile", "kv_split_sizes", "q_tile_queries", "num_warps",
+               "num_stages", "pack_tokens", "para_threshs2", "unknown")  # fmt: skip
+
+
+def _valueerror_or_nothing(fn, *args, **kwargs) -> None:
+    """Run ``fn``; a ValueError (the library's error for bad input) is fine, any other exception fails."""
+    with contextlib.suppress(ValueError):
+        fn(*args, **kwargs)
+
+
+@examples(300)
+@given(st.dictionaries(st.sampled_from(CONFIG_KEYS), st.one_of(JUNK, st.dictionaries(st.text(max_size=2), JUNK))))
+def test_junk_configs_raise_valueerror(data):
+    """Any JSON-like dict: a config or a ValueError, never a TypeError or a crash further in."""
+    _valueerror_or_nothing(lambda: ft.FastTreeConfig.from_dict(data).query_tiles(4))
+
+
+@examples(300)
+@given(JUNK_ARRAYS, JUNK_ARRAYS, JUNK_ARRAYS)
+def test_junk_trees_raise_valueerror(parents, node_slots, query_nodes):
+    """Any nested lists or scalars as a tree's parts: a tree that plans, or a ValueError."""
+
+    def plan(make) -> None:
+        ft.plan(make(parents, node_slots, query_nodes), num_q_heads=2, num_kv_heads=1, head_dim=16)
+
+    _valueerror_or_nothing(plan, ft.KVTree)
+    _valueerror_or_nothing(plan, ft.KVTree.from_lengths)
+
+
+@examples(300)
+@given(JUNK_ARRAYS, JUNK_ARRAYS, JUNK_ARRAYS, st.booleans())
+def test_junk_server_views_raise_valueerror(a, b, c, prune):
+    """The adapters on any junk: a tree or a ValueError."""
+    _valueerror_or_nothing(tree_from_token_slots, a)
+    _valueerror_or_nothing(tree_from_req_to_token, a, b, c)
+    _valueerror_or_nothing(tree_from_radix_nodes, a, b, c, prune=prune)
+
+
+def test_node_slots_that_are_no_sequence_are_named():
+    with pytest.raises(ValueError, match="node_slots must be a sequence"):
+        ft.KVTree([-1], None, [0])
