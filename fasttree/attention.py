@@ -81,6 +81,19 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return device
 
 
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a stride of 0, as ``expand`` makes, or strides
+    that interleave), so that a kernel writing every element would race: the sizes > 1, sorted by
+    stride, must each step over the whole span of the ones below."""
+    span = 1
+    for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
+        if size > 1:
+            if stride < span:
+                return True
+            span = stride * size
+    return False
+
+
 def _check_sm_scale(sm_scale: object) -> None:
     if (
         isinstance(sm_scale, bool)
@@ -144,6 +157,8 @@ def tree_attention(
         raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {device}) with a contiguous last dim")
+    elif overlapping(out):
+        raise ValueError(f"out's elements overlap in memory (strides {out.stride()}): every output row needs its own")
     dev = _device_plan(plan, device)
     qk_scale = float(sm_scale) * _LOG2E
     fast = _fast_path(host, dev, q, k_cache, v_cache, out)

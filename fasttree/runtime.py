@@ -63,6 +63,7 @@ from .attention import (
     capped_registers,
     kv_offsets_fit_int32,
     launch_pointers,
+    overlapping,
     pdl_launch,
     peel_tiles,
     tensor_layout,
@@ -595,6 +596,8 @@ class TreeAttentionRuntime:
             raise ValueError(f"out must be a tensor like q ({tuple(q.shape)}, {q.dtype}, {q.device})")
         elif out.stride(-1) != 1:
             raise ValueError("out must be contiguous in its last (head_dim) dimension")
+        elif overlapping(out):
+            raise ValueError(f"out's elements overlap in memory (strides {out.stride()}): each row needs its own")
         scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else sm_scale
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")

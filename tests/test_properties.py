@@ -390,3 +390,70 @@ def test_junk_server_views_raise_valueerror(a, b, c, prune):
 def test_node_slots_that_are_no_sequence_are_named():
     with pytest.raises(ValueError, match="node_slots must be a sequence"):
         ft.KVTree([-1], None, [0])
+
+
+LAYOUTS = ("contiguous", "padded", "transposed", "expanded", "strided_last")
+
+
+def _laid_out(layout: str, shape: tuple[int, int, int], gen: torch.Generator, device: str, offsets) -> torch.Tensor:
+    """A float16 tensor of ``shape`` in one of :data:`LAYOUTS`: a slice of a bigger tensor (``padded``,
+    at ``offsets``), slots and heads swapped in memory, a stride-0 first dim, or a strided last dim."""
+    n, h, d = shape
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device, torch.float16)
+
+    if layout == "contiguous":
+        return rand(n, h, d)
+    if layout == "padded":
+        a, b, c = offsets
+        return rand(n + 3, h + 2, d + 8)[a : a + n, b : b + h, c : c + d]
+    if layout == "transposed":
+        return rand(h, n, d).transpose(0, 1)
+    if layout == "expanded":
+        return rand(1, h, d).expand(n, h, d)
+    return rand(n, h, 2 * d)[:, :, ::2]
+
+
+@examples(25)
+@given(
+    st.tuples(*[st.sampled_from(LAYOUTS)] * 4),
+    st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 8)),
+    st.integers(0, 2**31 - 1),
+)
+def test_any_tensor_layout_is_exact_or_refused(layouts, offsets, seed):
+    """q, k_cache, v_cache and out as views of any layout: the result matches the reference, or a
+    ValueError names the problem (a strided head dim; an out whose rows share memory)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tree = ft.KVTree([-1, 0, 0], [[3, 7, 9], [1, 2], [11, 0, 5, 6]], [1, 2, 2, 0])
+    plan = ft.plan(tree, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, out = (
+        _laid_out(lay, shape, gen, device, offsets)
+        for lay, shape in zip(layouts, [(4, 4, 16), (12, 2, 16), (12, 2, 16), (4, 4, 16)], strict=True)
+    )
+    if layouts[3] != "expanded":
+        out.fill_(float("nan"))
+    refused = "strided_last" in layouts or layouts[3] == "expanded"
+    if refused:
+        with pytest.raises(ValueError, match=r"last|overlap"):
+            ft.tree_attention(q, k, v, plan, out=out)
+        return
+    ft.tree_attention(q, k, v, plan, out=out)
+    assert max_relative_error(out, reference_attention(q, k, v, tree)) <= 2e-3
+
+
+def test_runtime_refuses_an_out_whose_rows_share_memory():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tree = ft.KVTree.from_lengths([-1, 0, 0], [5, 2, 3], [1, 2])
+    rt = ft.TreeAttentionRuntime(
+        None, num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float16, device=device, max_queries=2,
+        max_kv_entries=64,
+    )  # fmt: skip
+    rt.plan(tree)
+    q = torch.randn(2, 2, 16, dtype=torch.float16, device=device)
+    kv = torch.randn(10, 1, 16, dtype=torch.float16, device=device)
+    out = torch.zeros(1, 2, 16, dtype=torch.float16, device=device).expand(2, 2, 16)
+    with pytest.raises(ValueError, match="overlap"):
+        rt.forward(q, kv, kv, out=out)
+    assert not out.any()
