@@ -85,6 +85,8 @@ def overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory (a stride of 0, as ``expand`` makes, or strides
     that interleave), so that a kernel writing every element would race: the sizes > 1, sorted by
     stride, must each step over the whole span of the ones below."""
+    if t.is_contiguous():  # the usual buffer: one C call
+        return False
     span = 1
     for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
         if size > 1:
