@@ -327,6 +327,14 @@ class TreeAttentionRuntime:
         if self.plan_words > 0x7FFFFFFF:
             raise ValueError(f"the capacities need {self.plan_words} int32 words of plan buffer, more than 2**31 - 1")
 
+        if self.device.type == "cuda":  # say which capacity is too large before torch fails to allocate it
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if self.device_bytes > total:
+                raise ValueError(
+                    f"the runtime's buffers need {self.device_bytes / 2**30:.1f} GiB of device memory "
+                    f"(max_partial_rows={self.max_partial_rows} x {self.num_q_heads} heads x {self.head_dim} fp32 "
+                    f"partials, {self.plan_words} plan words), more than the device's {total / 2**30:.1f} GiB"
+                )
         pin = self.device.type == "cuda"
         self._plan_buf = torch.zeros(self.plan_words, dtype=torch.int32, device=self.device)
         self._staging = [torch.zeros(self.plan_words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
@@ -353,6 +361,13 @@ class TreeAttentionRuntime:
         self._programs = [0, 0]  # persistent stage-1 programs per launch (sized after the kernel's compilation)
         self._launchers: dict[tuple, tuple] = {}  # direct launchers by the tensors' layout (see _layout_key)
         self._maxnreg = self._register_caps()
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device memory the runtime's buffers take: the plan buffer, the fp32 partial
+        outputs and LSEs (``max_partial_rows`` rows of every query head) and the item counters."""
+        partial_rows = self.max_partial_rows * self.num_q_heads
+        return 4 * (self.plan_words + partial_rows * (self.head_dim + 1) + 2 * _COUNTER_WORDS)
 
     def _register_caps(self) -> list[int | None]:
         """Register cap per stage-1 launch (None: the compiler's choice).

@@ -141,3 +141,15 @@ def test_one_graph_per_batch_bucket():
         torch.cuda.synchronize()
         n = tree.n_queries
         _check(out[:n], q[:n], k, v, tree, dtype, seed=100 + i)
+
+
+def test_buffers_larger_than_the_device_are_refused_before_allocating():
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    rows = total // (32 * 129 * 4) + 1  # fp32 partials of 32 heads x 128 dims alone exceed the device
+    allocated = torch.cuda.memory_allocated()
+    with pytest.raises(ValueError, match="max_partial_rows"):
+        TreeAttentionRuntime(
+            None, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.float16, device="cuda",
+            max_queries=64, max_kv_entries=4096, max_partial_rows=int(rows),
+        )  # fmt: skip
+    assert torch.cuda.memory_allocated() == allocated
