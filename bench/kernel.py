@@ -390,7 +390,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.export = None
         args.variants = [v for v in args.variants if v != "tuned"]
     else:
-        args.export = read_export(args.export)
+        try:
+            args.export = read_export(args.export)
+        except (OSError, ValueError) as exc:
+            p.error(f"--export {args.export}: {exc} (run from the repository root, or pass --export none)")
     return args
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench import kernel
 from fasttree.export import ConfigExport
 
@@ -26,6 +28,17 @@ def test_parse_args_reads_the_export_or_drops_the_tuned_variant():
     assert "tuned" in args.variants and "runtime" in args.variants
     args = kernel.parse_args(["--export", "none"])
     assert args.export is None and args.export_path is None and "tuned" not in args.variants
+
+
+def test_a_missing_or_bad_export_is_a_usage_error(tmp_path, capsys):
+    """Not a traceback: the usage error names the file (as `fasttree-tune bench` run outside the checkout hit)."""
+    bad = tmp_path / "export.json"
+    bad.write_text("{ truncated")
+    for path in (tmp_path / "missing.json", bad):
+        with pytest.raises(SystemExit) as exc:
+            kernel.parse_args(["--export", str(path)])
+        assert exc.value.code == 2
+        assert str(path) in capsys.readouterr().err
 
 
 def test_summary_has_geomeans_of_the_tuned_and_runtime_variants():
