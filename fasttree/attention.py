@@ -139,7 +139,8 @@ def tree_attention(
     sm_scale : float, optional
         Softmax scale; ``1 / sqrt(D)`` by default.
     out : Tensor, q's dtype [n_queries, Hq, D], optional
-        Written in place and returned.
+        Written in place and returned; its last dim contiguous, no two elements sharing memory
+        (an ``expand()``-ed buffer is refused).
 
     Returns
     -------

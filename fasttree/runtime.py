@@ -585,7 +585,8 @@ class TreeAttentionRuntime:
         k_cache, v_cache : Tensor, dtype [pool_slots, Hkv, D], the runtime's device
             The token pools the tree's slot ids index.
         out : Tensor, dtype [B, Hq, D], optional
-            Written in place (rows past the planned queries are left untouched) and returned.
+            Written in place (rows past the planned queries are left untouched) and returned; its
+            last dim contiguous, no two elements sharing memory.
         sm_scale : float, optional
             ``1 / sqrt(D)`` by default.
 
