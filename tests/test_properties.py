@@ -113,15 +113,16 @@ RULES = ("solo_units", "balanced_bins", "whole_groups", "wide_units", "aligned_b
 
 @st.composite
 def planned(draw, *, max_nodes: int = 24, lengths: tuple[int, ...] = LENGTHS, head_dims=(16, 64, 128, 256)):
-    """(tree, plan, heads) for a drawn tree, head shape, config and planner rules."""
+    """(tree, plan, plan_args) for a drawn tree, head shape, config and planner rules (``plan_args``:
+    the heads and rules the plan was made with, the keyword arguments of :func:`fasttree.plan`)."""
     tree = draw(kv_trees(max_nodes=max_nodes, lengths=lengths))
     g = draw(st.sampled_from(GQA))
     hkv = draw(st.integers(1, 3))
     d = draw(st.sampled_from(head_dims))
     config = draw(configs(group_size=g))
     rules = {name: draw(st.booleans()) for name in RULES}
-    heads = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, **rules}
-    return tree, ft.plan(tree, config, **heads), heads
+    plan_args = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, **rules}
+    return tree, ft.plan(tree, config, **plan_args), plan_args
 
 
 @examples(150)
@@ -129,14 +130,14 @@ def planned(draw, *, max_nodes: int = 24, lengths: tuple[int, ...] = LENGTHS, he
 def test_any_plan_reads_each_context_once(case):
     """Coverage, partial rows and unit shapes hold for every tree, config, rule set and head shape;
     the plan reads only the tree's slots and is the same when planned again."""
-    tree, plan, heads = case
+    tree, plan, plan_args = case
     check_plan(tree, plan)
     assert plan.n_queries == tree.n_queries
     assert np.isin(plan.kv_indices, tree.slots).all()
     assert int(plan.kv_indices.max()) <= tree.max_slot
     for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "unit_q_start", "unit_q_len", "pair_out_row"):
         assert getattr(plan, name).dtype == np.int32, name
-    again = ft.plan(ft.planner.unprepared(tree), plan.config, **heads)
+    again = ft.plan(ft.planner.unprepared(tree), plan.config, **plan_args)
     for name in ("kv_indices", "kv_row_mask", "unit_kv_len", "unit_q_len", "pair_query", "pair_out_row"):
         np.testing.assert_array_equal(getattr(again, name), getattr(plan, name))
 
@@ -192,10 +193,10 @@ def test_extended_plans_read_each_context_once(case, g, data):
 def test_kernels_match_the_reference_on_any_plan(case, dtype, seed):
     """tree_attention on a drawn plan (Triton interpreter on the CPU; the GPU elsewhere) writes every
     output element (NaN-poisoned first) within tolerance of the float64 reference."""
-    tree, plan, heads = case
+    tree, plan, plan_args = case
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(seed)
-    hq, hkv, d = heads["num_q_heads"], heads["num_kv_heads"], heads["head_dim"]
+    hq, hkv, d = plan_args["num_q_heads"], plan_args["num_kv_heads"], plan_args["head_dim"]
     q = torch.randn(tree.n_queries, hq, d, generator=gen).to(device, dtype)
     k = torch.randn(tree.max_slot + 1, hkv, d, generator=gen).to(device, dtype)
     v = torch.randn(tree.max_slot + 1, hkv, d, generator=gen).to(device, dtype)
