@@ -4,7 +4,8 @@ the kernels agree with the float64 reference on such plans (NaN-poisoned outputs
 bf16); a runtime's steps are exact or refused whole, with the capacity named; the adapters
 rebuild every request's context; bad inputs are refused before any launch, and junk (any nested
 lists, scalars, strings, NaN) given as a config, a tree or a server's view raises ValueError and
-nothing else. Hypothesis shrinks a failing case to a small tree and config.
+nothing else; the shipped latency model scores any plan with a finite positive latency.
+Hypothesis shrinks a failing case to a small tree and config.
 
 The trees mix forests, queries at internal nodes, empty non-root nodes, 1-token and
 tile-boundary lengths, and slots scattered over a larger pool. Configs cover the whole space
@@ -17,7 +18,9 @@ and at 10 for the kernels and the runtime, 2026-12-01).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -458,3 +461,28 @@ def test_runtime_refuses_an_out_whose_rows_share_memory():
     with pytest.raises(ValueError, match="overlap"):
         rt.forward(q, kv, kv, out=out)
     assert not out.any()
+
+
+@functools.cache
+def _latency_model():
+    from fasttree.costmodel.persist import load_model
+
+    model, _ = load_model(Path(__file__).parents[1] / "models" / "h200_latency_model.json", gpu_name="NVIDIA H200")
+    return model
+
+
+@examples(100)
+@given(planned())
+def test_the_latency_model_scores_any_plan(case):
+    """The tuner's objective on any drawn plan: finite features, the batched rows equal to the single
+    ones, and a finite positive latency from the shipped H200 model (else a trial would be refused)."""
+    from fasttree.costmodel.features import features_of_plan, features_of_plans
+    from fasttree.costmodel.gpu import gpu_spec
+
+    _, plan, _ = case
+    gpu = gpu_spec("NVIDIA H200")
+    rows = features_of_plans([plan, plan], gpu)
+    assert np.isfinite(rows).all()
+    np.testing.assert_allclose(rows[0], features_of_plan(plan, gpu).reshape(-1), rtol=1e-12)
+    latency = _latency_model().predict(rows)
+    assert np.isfinite(latency).all() and (latency > 0).all()
