@@ -96,6 +96,21 @@ def overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+def output_like(q: torch.Tensor, out: object) -> torch.Tensor:
+    """``out``, checked to fit ``q`` (shape, dtype, device, contiguous last dim, no two elements
+    sharing memory), or a new tensor like ``q`` when it is None; raises ValueError naming what
+    does not fit."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}) with a contiguous last dim")
+    if overlapping(out):
+        raise ValueError(f"out's elements overlap in memory (strides {out.stride()}): every output row needs its own")
+    return out
+
+
 def _check_sm_scale(sm_scale: object) -> None:
     if (
         isinstance(sm_scale, bool)
@@ -154,14 +169,7 @@ def tree_attention(
         sm_scale = 1.0 / math.sqrt(host.head_dim)
     elif type(sm_scale) is not float or not 0.0 < sm_scale < math.inf:  # a positive finite float passes at once
         _check_sm_scale(sm_scale)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    elif not isinstance(out, torch.Tensor):
-        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
-        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}, {device}) with a contiguous last dim")
-    elif overlapping(out):
-        raise ValueError(f"out's elements overlap in memory (strides {out.stride()}): every output row needs its own")
+    out = output_like(q, out)
     dev = _device_plan(plan, device)
     qk_scale = float(sm_scale) * _LOG2E
     fast = _fast_path(host, dev, q, k_cache, v_cache, out)

@@ -63,7 +63,7 @@ from .attention import (
     capped_registers,
     kv_offsets_fit_int32,
     launch_pointers,
-    overlapping,
+    output_like,
     pdl_launch,
     peel_tiles,
     tensor_layout,
@@ -604,16 +604,7 @@ class TreeAttentionRuntime:
         if cur is None:
             raise ValueError("forward() before plan(): upload a step's tree first")
         self._check(q, k_cache, v_cache, cur)
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        elif (
-            not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
-        ):
-            raise ValueError(f"out must be a tensor like q ({tuple(q.shape)}, {q.dtype}, {q.device})")
-        elif out.stride(-1) != 1:
-            raise ValueError("out must be contiguous in its last (head_dim) dimension")
-        elif overlapping(out):
-            raise ValueError(f"out's elements overlap in memory (strides {out.stride()}): each row needs its own")
+        out = output_like(q, out)
         scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else sm_scale
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
