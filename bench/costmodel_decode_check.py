@@ -36,7 +36,7 @@ from scipy.stats import kendalltau
 from bench.common import write_atomic
 from bench.decode_config_sweep import variants_combinations, variants_one_at_a_time
 from fasttree.costmodel.evaluate import SimulatorBaseline
-from fasttree.costmodel.features import features_of_plans, published_cost
+from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plans, published_cost
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
@@ -56,6 +56,14 @@ SWEEPS = {
 #: Config pairs whose measured sums differ by more than this (relative) count in ``pairs_ok``.
 PAIR_GAP = 0.02
 PREDICTORS = ("learned", "simulator", "published cost")
+#: The kernel version the sweeps timed (``docs/bench/NOTES.md``: f18595e runs the kernels of v14,
+#: the newest row before it that moved the per-plan kernels' GPU time; v15 and v16 changed the
+#: runtime's item claims and the host path). The learned model is asked about those kernels, not
+#: today's, so its ranks compare with what the sweeps measured.
+SWEEP_KERNEL_VERSION = 14
+#: ``FastTreeConfig()`` as the sweeps ran it (f18595e): explicit warps and stages; since v23/v25 the
+#: defaults pick them per head ratio (``None``), so the ``default`` row is rebuilt with these.
+SWEEP_DEFAULT_CONFIG = {"num_warps": (4, 4), "num_stages": (3, 3)}
 
 
 VARIANTS = {"sweep1": variants_one_at_a_time, "sweep2": variants_combinations}
@@ -135,7 +143,10 @@ def run_sweep(path: str, kind: str, model, sim: SimulatorBaseline, gpu: GpuSpec,
             rows = [r for r in doc["results"] if r["model"] == model_name and r["scenario"] == scenario]
             if not rows:
                 continue
-            variants = VARIANTS[kind](base, model_name)
+            variants = [
+                (name, dataclasses.replace(cfg, **SWEEP_DEFAULT_CONFIG) if name == "default" else cfg)
+                for name, cfg in VARIANTS[kind](base, model_name)
+            ]
             names = [n for n, _ in variants]
             if names != [r["variant"] for r in rows]:
                 raise ValueError(f"{path} {model_name}/{scenario}: rows do not match the regenerated variants")
@@ -143,6 +154,7 @@ def run_sweep(path: str, kind: str, model, sim: SimulatorBaseline, gpu: GpuSpec,
             trees = [steps[i].tree for i in STEPS]
             plans, qc = runtime_plans(trees, [c for _, c in variants], hq, hkv)
             X = features_of_plans(plans, gpu)  # what predict_plans feeds the model
+            X[:, KERNEL_VERSION_COLUMN] = SWEEP_KERNEL_VERSION
             shape = (len(variants), len(trees))
             pred = {
                 "learned": model.predict(X).reshape(shape),
@@ -293,7 +305,9 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         "`--grid combos`).",
         f"Predicted: `models/h200_latency_model.json` ({meta['model_params']['kind']}, fitted on "
         f"{meta['trace_set']['rows']} measurements of `{' '.join(meta['trace_set']['paths'])}`) for the plan the "
-        "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included), its "
+        "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included; the "
+        f"`kernel_version` feature set to the sweeps' kernels, v{SWEEP_KERNEL_VERSION}; the `default` row is "
+        "`FastTreeConfig()` as it was then: warps (4, 4), stages (3, 3)), its "
         "calibrated simulator (`extra.simulator_baseline`) and the published planner's cost (ranks only).",
         "",
         "Columns: `tau` Kendall tau-b of the per-config sums (3 trees) against the measured sums; `pairs >2% ok` "

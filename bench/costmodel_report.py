@@ -31,7 +31,7 @@ from fasttree.costmodel.evaluate import (
     prediction_metrics,
     rank_only_metrics,
 )
-from fasttree.costmodel.features import FEATURE_NAMES
+from fasttree.costmodel.features import FEATURE_NAMES, KERNEL_VERSION_COLUMN
 from fasttree.costmodel.metrics import evaluation_table, regression_metrics
 from fasttree.costmodel.model import KINDS, LatencyModel
 from fasttree.costmodel.persist import save_model
@@ -168,6 +168,12 @@ def main() -> int:
     report["heldout_by_axis"] = {
         a: prediction_metrics(preds[f"learned ({best})"][axis == a], held.subset(axis == a)) for a in sorted(set(axis))
     }
+    version = held.X[:, KERNEL_VERSION_COLUMN].astype(int)
+    report["heldout_by_kernel_version"] = {
+        f"v{v} ({name})": prediction_metrics(preds[name][version == v], held.subset(version == v))
+        for v in sorted(set(version.tolist()))
+        for name in ("simulator", f"learned ({best})")
+    }
     by_family = {}
     for name in ("simulator", f"learned ({best})"):
         by_family[name] = {
@@ -229,6 +235,13 @@ def markdown(r: dict, args) -> str:
         f"### {best} by held-out axis",
         "",
         table(r["heldout_by_axis"]),
+        "",
+        "### By the kernel version the held-out traces timed",
+        "",
+        "The `kernel_version` feature (the row of `docs/bench/NOTES.md`'s version table) lets the "
+        "model learn from traces of older kernels; the tuner asks it about the current ones.",
+        "",
+        table(r["heldout_by_kernel_version"]),
         "",
         "![predicted vs measured](costmodel_heldout_scatter.png)",
         "",

@@ -21,15 +21,30 @@ from typing import Any
 
 import numpy as np
 
+from fasttree.attention import KERNEL_VERSION
 from fasttree.config import FastTreeConfig
 from fasttree.traces import decode_tree, read_traces
 
-from .features import FEATURE_NAMES, STAGE1_OVERLAP, features_of_plan, features_of_plans, published_cost
+from .features import (
+    FEATURE_NAMES,
+    KERNEL_VERSION_COLUMN,
+    STAGE1_OVERLAP,
+    features_of_plan,
+    features_of_plans,
+    published_cost,
+)
 from .gpu import GpuSpec, gpu_spec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Dataset", "load_dataset", "record_features", "record_plan", "tree_id"]
+__all__ = [
+    "Dataset",
+    "load_dataset",
+    "measured_kernel_version",
+    "record_features",
+    "record_plan",
+    "tree_id",
+]
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,7 @@ def record_features(record: dict[str, Any], gpu: GpuSpec | None = None) -> np.nd
     """
     row = features_of_plan(record_plan(record), gpu_spec(record["env"]) if gpu is None else gpu)
     row[STAGE1_OVERLAP] *= measured_with_overlap(record)
+    row[KERNEL_VERSION_COLUMN] = measured_kernel_version(record)
     return row
 
 
@@ -173,6 +189,7 @@ def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple
         X[lo : lo + len(plans)] = features_of_plans(plans, spec)  # = features_of_plan of each, batched
         cost[lo : lo + len(plans)] = [published_cost(p) for p in plans]
     X[:, STAGE1_OVERLAP] *= [measured_with_overlap(r) for r in records]
+    X[:, KERNEL_VERSION_COLUMN] = [measured_kernel_version(r) for r in records]
     return X, cost
 
 
@@ -192,6 +209,41 @@ def measured_with_overlap(record: dict[str, Any]) -> bool:
     if isinstance(info.get("stage1_overlap"), bool):
         return info["stage1_overlap"]
     return str(record.get("env", {}).get("git_commit") or "")[:7] not in PRE_OVERLAP_COMMITS
+
+
+#: Kernel version (:data:`fasttree.attention.KERNEL_VERSION`: a row of ``docs/bench/NOTES.md``'s
+#: table) of the commits (7-character prefixes) of the shipped traces that predate
+#: ``meta.profiler.kernel_version``: the newest row that moved GPU time and whose commit is an
+#: ancestor of the trace's. Rows that change only the host path (v10) or the planner (v18, v31)
+#: do not count, so 0b92d40 times v9's kernels, 85069fd v17's and 99e70e8 v30's.
+KERNEL_VERSION_OF_COMMIT = {
+    "1fd251a": 3,
+    "c072d8c": 9,
+    "d3140ff": 9,
+    "51c6972": 9,
+    "0b92d40": 9,
+    "c9aa805": 11,
+    "6ad7bd2": 14,
+    "cfea378": 17,
+    "1f5a7ad": 17,
+    "85069fd": 17,
+    "99e70e8": 30,
+}
+
+
+def measured_kernel_version(record: dict[str, Any]) -> int:
+    """The kernel version a measurement record timed.
+
+    ``meta.profiler.kernel_version`` when the profiler wrote it, else the record's commit in
+    :data:`KERNEL_VERSION_OF_COMMIT`, else the running kernels' (:data:`fasttree.attention.KERNEL_VERSION`:
+    a trace of an unknown commit is taken for a trace of these kernels).
+    """
+    info = (record.get("meta") or {}).get("profiler") or {}
+    version = info.get("kernel_version") if isinstance(info, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+        return version
+    commit = str(record.get("env", {}).get("git_commit") or "")[:7]
+    return KERNEL_VERSION_OF_COMMIT.get(commit, KERNEL_VERSION)
 
 
 def _is_default(record: dict[str, Any]) -> bool:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fasttree.attention import KERNEL_VERSION
+
 from .gpu import GpuSpec
 from .resources import COMPILED_FIELDS, compiled_features
 from .simulator import SimParams, SimResult, regs_per_thread, simulate, simulate_batch
@@ -22,6 +24,7 @@ from .work import CLASS_FIELDS, PlanWork, plan_work, plan_work_batch
 __all__ = [
     "FEATURE_NAMES",
     "FEATURE_SCHEMA_VERSION",
+    "KERNEL_VERSION_COLUMN",
     "SIM_TOTAL",
     "STAGE1_OVERLAP",
     "features_of_plan",
@@ -32,8 +35,9 @@ __all__ = [
 
 #: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it. 3: the register
 #: and spill features come from kernels compiled with the JIT's launch-time specialisation
-#: (``bench.kernel_resources``), no longer from unspecialised ones. 4: ``stage1_overlap``.
-FEATURE_SCHEMA_VERSION = 4
+#: (``bench.kernel_resources``), no longer from unspecialised ones. 4: ``stage1_overlap``. 5:
+#: ``kernel_version``.
+FEATURE_SCHEMA_VERSION = 5
 
 _CLASS_FIELDS = CLASS_FIELDS
 _TILE_MODES = ("two_classes", "all_large", "all_small")
@@ -77,6 +81,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "sim_total_us",
     *(f"c{c}_{name}" for c in (0, 1) for name in COMPILED_FIELDS),
     "stage1_overlap",
+    "kernel_version",
 )
 #: Column of the simulator's total time (the residual model's baseline).
 SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
@@ -84,6 +89,11 @@ SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
 #: programs, as ``fasttree.tree_attention`` runs them since 7ada9e2 (v17); the dataset sets it
 #: to 0 for traces measured before (:func:`fasttree.costmodel.dataset.measured_with_overlap`).
 STAGE1_OVERLAP = FEATURE_NAMES.index("stage1_overlap")
+#: Column of the kernels' version (:data:`fasttree.attention.KERNEL_VERSION`, the row of
+#: ``docs/bench/NOTES.md``'s version table): the running kernels' for a plan, the measured ones' for a
+#: trace (:func:`fasttree.costmodel.dataset.measured_kernel_version`), so one model learns from traces
+#: of every kernel version and predicts the current one.
+KERNEL_VERSION_COLUMN = FEATURE_NAMES.index("kernel_version")
 
 
 def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResult | None = None) -> np.ndarray:
@@ -144,6 +154,7 @@ def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResul
         *_compiled(work, c0),
         *_compiled(work, c1),
         float(c0.programs > 0 and c1.programs > 0),
+        float(KERNEL_VERSION),
     ]
     return np.asarray(row, dtype=np.float64)
 
@@ -249,6 +260,7 @@ def features_of_plans(plans, gpu: GpuSpec, *, elem_bytes: int | Sequence[int] = 
     ).reshape(n, 2 * len(COMPILED_FIELDS))  # fmt: skip
     put(*compiled.T)
     put(((c["programs"][:, 0] > 0) & (c["programs"][:, 1] > 0)).astype(np.float64))
+    put(float(KERNEL_VERSION))
     if next(col, None) is not None:
         raise AssertionError("internal error: features_of_plans filled fewer columns than FEATURE_NAMES")
     return X

@@ -31,6 +31,14 @@ from .tree import KVTree
 
 logger = logging.getLogger(__name__)
 
+#: Version of the tree-attention kernels and their launch choices: the newest row of the version
+#: table in ``docs/bench/NOTES.md`` that moved the GPU time of an unchanged plan (rows that change
+#: only the planner or the host path do not count: v31 changed the planner). Set it to the new
+#: row's number when a change moves the GPU time of a plan. The profiler writes it into every trace
+#: (``meta.profiler.kernel_version``) and the latency model takes it as a feature, so traces of
+#: older kernels still teach it what did not change.
+KERNEL_VERSION = 30
+
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -912,9 +912,16 @@ def measure_point(
             correct=correct,
             max_rel_err=err,
         )
-        # the two stage-1 launches of a two-class plan ran side by side (the latency model's stage1_overlap)
+        # the two stage-1 launches of a two-class plan ran side by side (the latency model's stage1_overlap),
+        # and which kernels ran (its kernel_version)
         overlap = bool(ft.attention._FORK_STAGE1)
-        record["meta"] = {"profiler": {"wall_s": round(time.perf_counter() - t0, 4), "stage1_overlap": overlap}}
+        record["meta"] = {
+            "profiler": {
+                "wall_s": round(time.perf_counter() - t0, 4),
+                "stage1_overlap": overlap,
+                "kernel_version": ft.attention.KERNEL_VERSION,
+            }
+        }
         return record
     except Exception as exc:
         record = failed_record(point, env, _error_text(exc), tree=tree, plan=summary, correct=correct, max_rel_err=err)

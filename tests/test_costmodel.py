@@ -504,3 +504,35 @@ def test_stage1_overlap_feature_marks_two_class_plans_measured_side_by_side():
     assert measured_with_overlap(record) and record_features(record, gpu)[STAGE1_OVERLAP] == 1.0
     record["meta"] = {"profiler": {"stage1_overlap": False}}  # what the profiler writes wins
     assert not measured_with_overlap(record)
+
+
+def test_kernel_version_feature_is_the_measured_kernels_for_traces_and_the_running_ones_for_plans():
+    # traces of older kernels teach the model what did not change; the tuner asks about today's kernels
+    from fasttree.attention import KERNEL_VERSION
+    from fasttree.costmodel.dataset import KERNEL_VERSION_OF_COMMIT, measured_kernel_version, record_features
+    from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plan, features_of_plans
+    from fasttree.suite import paper_tree
+    from fasttree.traces import encode_tree, plan_summary
+
+    heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    plan = ft.plan(paper_tree(6), **heads)
+    assert features_of_plan(plan, H200)[KERNEL_VERSION_COLUMN] == KERNEL_VERSION
+    assert np.all(features_of_plans([plan, plan], H200)[:, KERNEL_VERSION_COLUMN] == KERNEL_VERSION)
+    assert max(KERNEL_VERSION_OF_COMMIT.values()) <= KERNEL_VERSION
+
+    record = {
+        "workload": {"tree": encode_tree(paper_tree(6))}, "config": ft.FastTreeConfig().to_dict(), **heads,
+        "plan": plan_summary(plan), "env": {"git_commit": "cfea378", "gpu_name": "NVIDIA H200", "gpu_sm_count": 132},
+    }  # fmt: skip
+    assert measured_kernel_version(record) == 17
+    assert record_features(record, H200)[KERNEL_VERSION_COLUMN] == 17.0
+    record["env"]["git_commit"] = "0123abc"  # a commit the table does not know: taken for today's kernels
+    assert measured_kernel_version(record) == KERNEL_VERSION
+    record["env"]["git_commit"] = None
+    assert measured_kernel_version(record) == KERNEL_VERSION
+    record["env"]["git_commit"] = "c072d8c"
+    record["meta"] = {"profiler": {"kernel_version": 24}}  # what the profiler writes wins
+    assert measured_kernel_version(record) == 24
+    for junk in (True, -1, "31", 3.0, None):
+        record["meta"] = {"profiler": {"kernel_version": junk}}
+        assert measured_kernel_version(record) == 9  # not a version: the commit decides

@@ -602,6 +602,7 @@ def test_measure_point_records_timings_plan_and_check(cpu_measure, tmp_path, dev
     }
     assert rec["plan"]["units"] and rec["plan"]["kv_tokens_read"] > 0
     assert rec["meta"]["profiler"]["stage1_overlap"] is True  # the latency model's stage1_overlap reads it
+    assert rec["meta"]["profiler"]["kernel_version"] == ft.attention.KERNEL_VERSION  # and its kernel_version
     assert rec["key"] == measurement_key(
         SMALL_TREE,
         family=p.family,
