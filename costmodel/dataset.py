@@ -199,16 +199,26 @@ def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple
 PRE_OVERLAP_COMMITS = frozenset({"c072d8c", "d3140ff", "51c6972", "0b92d40", "c9aa805", "6ad7bd2"})
 
 
+def _profiler_info(record: dict[str, Any]) -> Any:
+    """The record's ``meta.profiler`` annotations (an empty dict when absent)."""
+    return (record.get("meta") or {}).get("profiler") or {}
+
+
+def _commit(record: dict[str, Any]) -> str:
+    """The 7-character prefix of the record's ``env.git_commit`` ("" when unknown)."""
+    return str(record.get("env", {}).get("git_commit") or "")[:7]
+
+
 def measured_with_overlap(record: dict[str, Any]) -> bool:
     """Whether the record's two-class plan ran its stage-1 launches side by side.
 
     ``meta.profiler.stage1_overlap`` when the profiler wrote it, else whether the record's
     commit is not one of :data:`PRE_OVERLAP_COMMITS`.
     """
-    info = (record.get("meta") or {}).get("profiler") or {}
+    info = _profiler_info(record)
     if isinstance(info.get("stage1_overlap"), bool):
         return info["stage1_overlap"]
-    return str(record.get("env", {}).get("git_commit") or "")[:7] not in PRE_OVERLAP_COMMITS
+    return _commit(record) not in PRE_OVERLAP_COMMITS
 
 
 #: Kernel version (:data:`fasttree.attention.KERNEL_VERSION`: a row of ``docs/bench/NOTES.md``'s
@@ -238,16 +248,15 @@ def measured_kernel_version(record: dict[str, Any]) -> int:
     :data:`KERNEL_VERSION_OF_COMMIT`, else the running kernels' (:data:`fasttree.attention.KERNEL_VERSION`:
     a trace of an unknown commit is taken for a trace of these kernels).
     """
-    info = (record.get("meta") or {}).get("profiler") or {}
+    info = _profiler_info(record)
     version = info.get("kernel_version") if isinstance(info, dict) else None
     if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
         return version
-    commit = str(record.get("env", {}).get("git_commit") or "")[:7]
-    return KERNEL_VERSION_OF_COMMIT.get(commit, KERNEL_VERSION)
+    return KERNEL_VERSION_OF_COMMIT.get(_commit(record), KERNEL_VERSION)
 
 
 def _is_default(record: dict[str, Any]) -> bool:
-    info = (record.get("meta") or {}).get("profiler") or {}
+    info = _profiler_info(record)
     return bool(info.get("default_config")) if isinstance(info, dict) else False
 
 
