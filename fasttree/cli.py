@@ -233,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
         "spread of repeat measurements that 'fasttree-tune traces' reports (default 20; 0: never)",
     )
     p.add_argument(
+        "--runtime",
+        action="store_true",
+        help="time the production runtime's launches (TreeAttentionRuntime: its own plans, persistent kernels) "
+        "instead of tree_attention's per-plan launches; lines carry 'launch' and other keys",
+    )
+    p.add_argument(
         "--no-precompile",
         dest="precompile",
         action="store_false",
@@ -319,6 +325,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             progress=args.progress,
             check_every=args.check_every,
             repeat_every=args.repeat_every,
+            runtime=args.runtime,
         )
     except KeyboardInterrupt:
         logging.getLogger("fasttree.cli").warning("interrupted; rerun the same command to resume")

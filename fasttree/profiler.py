@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .config import FastTreeConfig
-from .traces import TraceError, TraceWriter, existing_keys, measurement_key, measurement_record
+from .traces import TraceError, TraceWriter, existing_keys, measurement_key, measurement_record, runtime_launch
 from .tree import KVTree
 from .workloads import TREE_FAMILIES, sample_tree
 
@@ -199,6 +199,10 @@ class DesignPoint:
         ``"train"`` or ``"heldout"`` (:data:`SPLITS`).
     tree_index : int
         Position of the point's tree in the design (its :data:`CONFIGS_PER_TREE` configs share it).
+    runtime : bool
+        Time :class:`fasttree.runtime.TreeAttentionRuntime`'s launches (its own plan, persistent
+        kernels, ``stage1_launches`` and ``query_centric`` ``"auto"``) instead of
+        ``fasttree.tree_attention``'s per-plan launches; the record's ``launch`` says so.
     """
 
     index: int
@@ -214,6 +218,7 @@ class DesignPoint:
     params: tuple[tuple[str, int], ...] = ()
     split: str = "train"
     tree_index: int = 0
+    runtime: bool = False
 
     @property
     def gqa(self) -> int:
@@ -224,6 +229,7 @@ class DesignPoint:
         """Short human description (for logs)."""
         params = "".join(f" {k}={v}" for k, v in self.params)
         tags = (" defaults" if self.default_config else "") + (" heldout" if self.split == "heldout" else "")
+        tags += " runtime" if self.runtime else ""
         return (
             f"#{self.index} {self.family}/{self.seed}{params} Hq={self.num_q_heads} Hkv={self.num_kv_heads} "
             f"D={self.head_dim} {self.dtype}{tags}"
@@ -413,6 +419,7 @@ def design(
     split: str = "train",
     configs_per_tree: int = CONFIGS_PER_TREE,
     kernel_pool: int = KERNEL_POOL,
+    runtime: bool = False,
 ) -> list[DesignPoint]:
     """A deterministic sampled design of ``n`` points: trees crossed with configs.
 
@@ -454,6 +461,9 @@ def design(
         Configs per tree (>= 1), the defaults included.
     kernel_pool : int
         Kernel settings per GQA ratio (>= 1).
+    runtime : bool
+        Points time the runtime's launches (:attr:`DesignPoint.runtime`); the same trees and
+        configs as ``runtime=False``, with other keys.
 
     Returns
     -------
@@ -493,6 +503,7 @@ def design(
             params=params,
             split=split,
             tree_index=tree_index,
+            runtime=bool(runtime),
         )
         points.append(DesignPoint(index=len(points), config=FastTreeConfig(), default_config=True, **common))
         pool = pools.get(g)
@@ -543,6 +554,18 @@ def point_key(point: DesignPoint, gpu_name: str, *, tree: KVTree | None = None) 
     return measurement_key(point_tree(point) if tree is None else tree, **_identity(point), gpu_name=gpu_name)
 
 
+def point_launch(point: DesignPoint) -> dict[str, Any] | None:
+    """The ``launch`` of the point's record: :func:`fasttree.traces.runtime_launch` of a runtime
+    point (``stage1_launches`` resolved for its heads), None for ``tree_attention``'s launches."""
+    if not point.runtime:
+        return None
+    from .runtime_planning import resolve_stage1_launches
+
+    return runtime_launch(
+        stage1_launches=resolve_stage1_launches("auto", point.gqa, point.head_dim), query_centric="auto"
+    )
+
+
 def _identity(point: DesignPoint) -> dict[str, Any]:
     """The fields besides the tree that identify a point's measurement (its key's inputs)."""
     return {
@@ -553,6 +576,7 @@ def _identity(point: DesignPoint) -> dict[str, Any]:
         "head_dim": point.head_dim,
         "dtype": point.dtype,
         "config": point.config,
+        "launch": point_launch(point),
     }
 
 
@@ -797,6 +821,40 @@ def _inputs(point: DesignPoint, tree: KVTree, device: Any):
     return q, k, v
 
 
+def _point_plan(point: DesignPoint, tree: KVTree):
+    """The plan the point's launches run: ``fasttree.plan``'s, or the runtime's own for a runtime point."""
+    heads = {"num_q_heads": point.num_q_heads, "num_kv_heads": point.num_kv_heads, "head_dim": point.head_dim}
+    if point.runtime:
+        from .runtime_planning import plan_for_runtime
+
+        launch = point_launch(point)
+        options = {"stage1_launches": launch["stage1_launches"], "query_centric": launch["query_centric"]}
+        return plan_for_runtime(tree, point.config, **heads, **options)[0]
+    import fasttree as ft
+
+    return ft.plan(tree, point.config, **heads)
+
+
+def _runtime_for(point: DesignPoint, tree: KVTree, plan, device: Any):
+    """A :class:`fasttree.runtime.TreeAttentionRuntime` for the point, its capacities those of
+    ``plan`` (the runtime's own plan of ``tree``), with ``tree`` planned and uploaded."""
+    import torch
+
+    from .runtime import TreeAttentionRuntime
+
+    launch = point_launch(point)
+    rt = TreeAttentionRuntime(
+        point.config, num_q_heads=point.num_q_heads, num_kv_heads=point.num_kv_heads, head_dim=point.head_dim,
+        dtype=getattr(torch, point.dtype), device=device, max_queries=tree.n_queries,
+        max_kv_entries=max(1, int(plan.kv_indices.size)), max_units=max(1, plan.n_units),
+        max_partial_rows=max(1, int(plan.n_partial_rows)), max_pairs=max(1, int(plan.pair_query.size)),
+        pool_slots=tree.max_slot + 1, query_centric=launch["query_centric"],
+        stage1_launches=launch["stage1_launches"], extend_steps=0,
+    )  # fmt: skip
+    rt.plan(tree)
+    return rt
+
+
 def measure_point(
     point: DesignPoint,
     *,
@@ -810,7 +868,9 @@ def measure_point(
     """Measure one design point on the GPU and return its trace record.
 
     Builds the tree (:func:`point_tree`), draws N(0, 1) ``q``/``k``/``v`` in the point's
-    dtype, plans it with the point's config, times ``tree_attention`` by CUDA-graph replay
+    dtype, plans it with the point's config, times ``tree_attention`` (or, for a runtime
+    point, :meth:`fasttree.runtime.TreeAttentionRuntime.forward` of a runtime sized to the
+    plan) by CUDA-graph replay
     (:func:`fasttree.timing.graph_time_us`) and eagerly
     (:func:`fasttree.timing.eager_time_us`, a short repetition), and stores
     :func:`fasttree.traces.plan_summary` of the plan. With ``check``, first compares the
@@ -861,25 +921,26 @@ def measure_point(
     t0 = time.perf_counter()
     tree = point_tree(point) if tree is None else tree
     try:
-        plan = ft.plan(
-            tree,
-            point.config,
-            num_q_heads=point.num_q_heads,
-            num_kv_heads=point.num_kv_heads,
-            head_dim=point.head_dim,
-        )
+        plan = _point_plan(point, tree)
     except Exception as exc:
         return failed_record(point, env, "PlanError: " + _error_text(exc), tree=tree)
     summary = plan_summary(plan)
-    q = k = v = out = None
+    q = k = v = out = rt = None
     correct: bool | None = None
     err: float | None = None
     try:
         q, k, v = _inputs(point, tree, device)
         out = torch.empty_like(q)
+        if point.runtime:
+            rt = _runtime_for(point, tree, plan, device)
 
-        def call() -> torch.Tensor:
-            return ft.tree_attention(q, k, v, plan, out=out)
+            def call() -> torch.Tensor:
+                return rt.forward(q, k, v, out=out)
+
+        else:
+
+            def call() -> torch.Tensor:
+                return ft.tree_attention(q, k, v, plan, out=out)
 
         if check:
             out.fill_(float("nan"))
@@ -914,18 +975,18 @@ def measure_point(
         )
         # the two stage-1 launches of a two-class plan ran side by side (the latency model's stage1_overlap),
         # and which kernels ran (its kernel_version)
-        overlap = bool(ft.attention._FORK_STAGE1)
-        record["meta"] = {
-            "profiler": {
-                "wall_s": round(time.perf_counter() - t0, 4),
-                "stage1_overlap": overlap,
-                "kernel_version": ft.attention.KERNEL_VERSION,
-            }
+        info = {
+            "wall_s": round(time.perf_counter() - t0, 4),
+            "stage1_overlap": bool(ft.attention._FORK_STAGE1) and rt is None,
+            "kernel_version": ft.attention.KERNEL_VERSION,
         }
+        if rt is not None:  # the persistent stage-1 programs of each launch, as sized from the compiled kernels
+            info["runtime_programs"] = [int(n) for n in rt._programs[: rt.stage1_launches]]
+        record["meta"] = {"profiler": info}
         return record
     except Exception as exc:
         record = failed_record(point, env, _error_text(exc), tree=tree, plan=summary, correct=correct, max_rel_err=err)
-        q = k = v = out = None
+        q = k = v = out = rt = None
         plan = None
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
@@ -967,7 +1028,7 @@ def _record_compiles(found: dict[str, tuple[str, str]]) -> Iterator[None]:
 
 
 def kernel_specialisations(points: Iterable[DesignPoint], device: Any) -> dict[str, tuple[str, str]]:
-    """The Triton specialisations the points' first ``tree_attention`` calls would compile.
+    """The Triton specialisations the points' first ``tree_attention`` (or runtime) calls would compile.
 
     Each point is planned and run once on uninitialised tensors of its real shapes with
     Triton's ``jit_cache_hook`` set to record and skip every compilation (so a kernel
@@ -995,19 +1056,16 @@ def kernel_specialisations(points: Iterable[DesignPoint], device: Any) -> dict[s
         for point in points:
             try:
                 tree = point_tree(point)
-                plan = ft.plan(
-                    tree,
-                    point.config,
-                    num_q_heads=point.num_q_heads,
-                    num_kv_heads=point.num_kv_heads,
-                    head_dim=point.head_dim,
-                )
+                plan = _point_plan(point, tree)
                 dtype = getattr(torch, point.dtype)
                 pool = tree.max_slot + 1
                 q = torch.empty(tree.n_queries, point.num_q_heads, point.head_dim, device=device, dtype=dtype)
                 k = torch.empty(pool, point.num_kv_heads, point.head_dim, device=device, dtype=dtype)
                 v = torch.empty_like(k)
-                ft.tree_attention(q, k, v, plan, out=torch.empty_like(q))
+                if point.runtime:
+                    _runtime_for(point, tree, plan, device).forward(q, k, v, out=torch.empty_like(q))
+                else:
+                    ft.tree_attention(q, k, v, plan, out=torch.empty_like(q))
             except Exception as exc:
                 logger.debug("compile discovery of %s: %s", point.describe(), _error_text(exc))
             finally:
@@ -1602,6 +1660,7 @@ def profile(
     compile_workers: int | None = None,
     batch_size: int = 32,
     repeat_every: int = 0,
+    runtime: bool = False,
 ) -> ProfileSummary:
     """Profile a design of ``n`` points into the trace file ``out`` (appending, resumable).
 
@@ -1660,6 +1719,9 @@ def profile(
         After every this many points, measure an earlier ``ok`` point again and write it
         as another line of its key (``meta.profiler.repeat``; 0: never), the data of the
         repeat spread that ``fasttree-tune traces`` reports.
+    runtime : bool
+        Time :class:`fasttree.runtime.TreeAttentionRuntime`'s launches instead of
+        ``tree_attention``'s (:attr:`DesignPoint.runtime`; other keys, so both can share a file).
 
     Returns
     -------
@@ -1695,7 +1757,7 @@ def profile(
     if compile_workers is None:
         compile_workers = default_compile_workers()
     compile_workers = _check_int("compile_workers", compile_workers, 1)
-    points = design(n, seed, sm_count=sm_count, families=fams, split=_check_split(split))
+    points = design(n, seed, sm_count=sm_count, families=fams, split=_check_split(split), runtime=runtime)
     run_id = uuid.uuid4().hex[:12]
     logger.info(
         "profile run %s: %d %s design points (seed %d, families %s) -> %s%s",

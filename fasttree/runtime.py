@@ -41,7 +41,7 @@ import logging
 import math
 import numbers
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,8 +74,8 @@ from .export import ConfigExport, _dtype_name
 from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .plan_extend import PlanExtender
-from .planner import plan as plan_tree
 from .recording import WorkloadRecorder
+from .runtime_planning import QUERY_CENTRIC_CHOICES, launch_slots, plan_for_runtime, resolve_stage1_launches
 from .tree import KVTree
 
 __all__ = ["PLAN_HEADER", "RuntimePlan", "TreeAttentionRuntime"]
@@ -93,19 +93,8 @@ _ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
 _MERGE_BLOCK_P = 16
 #: Programs per SM of the persistent merge (a light kernel: many fit an SM).
 _MERGE_PROGRAMS_PER_SM = 8
-#: A grouped plan must save this share of the KV a query-centric plan reads, or ``"auto"`` plans query-centric.
-_MIN_SHARING_GAIN = 0.10
-_QUERY_CENTRIC_GAMMA = 10.0
 #: int32 words of each stage-1 launch's item counters (slot 0, slot 1, padding).
 _COUNTER_WORDS = 4
-
-#: ``ft.plan(aligned_blocks=)`` of the runtime's plans: fixed packing blocks. Aligned ones changed
-#: none of the decode benchmark's plans under the tuned configs (H200,
-#: ``docs/bench/h200/subtree_blocks_heldout_74e9d2b.json``) and cost up to 0.17 ms more per fresh
-#: step on the host; with bigger packing budgets they beat the tuned configs on Llama few-shot and
-#: Mistral multi-document trees only, and lost on the others (``aligned_pack_sweep_adfc41e.json``).
-#: An A/B switch read when plans are made.
-_ALIGNED_BLOCKS = False
 
 
 @dataclass(frozen=True)
@@ -267,16 +256,12 @@ class TreeAttentionRuntime:
             "max_pairs", 2 * (self.max_queries + self.max_partial_rows) if max_pairs is None else max_pairs
         )
         self.pool_slots = None if pool_slots is None else _positive_int("pool_slots", pool_slots)
-        if query_centric not in ("auto", "never", "always"):
-            raise ValueError(f"query_centric must be 'auto', 'never' or 'always', got {query_centric!r}")
+        if query_centric not in QUERY_CENTRIC_CHOICES:
+            raise ValueError(f"query_centric must be one of {QUERY_CENTRIC_CHOICES}, got {query_centric!r}")
         self.query_centric = query_centric
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
         self.waves = _positive_int("waves", waves)
-        if stage1_launches == "auto":
-            stage1_launches = 2 if self.group_size == 1 and self.head_dim <= 128 else 1
-        elif stage1_launches not in (1, 2) or isinstance(stage1_launches, bool):
-            raise ValueError(f"stage1_launches must be 'auto', 1 or 2, got {stage1_launches!r}")
-        self.stage1_launches = int(stage1_launches)
+        self.stage1_launches = resolve_stage1_launches(stage1_launches, self.group_size, self.head_dim)
         if recorder is not None:
             if not isinstance(recorder, WorkloadRecorder):
                 raise ValueError(f"recorder must be a WorkloadRecorder, got {type(recorder).__name__}")
@@ -294,19 +279,9 @@ class TreeAttentionRuntime:
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class; both
         # run in one persistent launch, with the large class's warps and stages (the config's small-class
         # warps and stages apply to tree_attention's per-plan launches only)
-        q_tiles = self.config.query_tiles(self.group_size)
-        warps = self.config.launch_warps(self.group_size)
-        stages = self.config.launch_stages(self.group_size, self.head_dim)
-        self.slots = tuple(
-            (
-                max(16, triton.next_power_of_2(t * self.group_size)),
-                int(self.config.kv_tile[c]),
-                int(warps[c]),
-                int(stages[c]),
-            )
-            for c, t in enumerate(q_tiles)
-        )
+        self.slots = launch_slots(self.config, self.group_size, self.head_dim)
         if max(s[0] for s in self.slots) > MAX_BLOCK_M:
+            q_tiles = self.config.query_tiles(self.group_size)
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
         self.masked = self.config.pack_tokens > 0
         self._heads_fastest = _attention._HEADS_FASTEST  # the stage-1 item order (an A/B switch)
@@ -469,34 +444,10 @@ class TreeAttentionRuntime:
 
     def _plan_afresh(self, tree: KVTree) -> tuple[Plan, bool]:
         """Plan ``tree`` with the runtime's config; whether the plan is query-centric."""
-        # wide units packed: kept whole they ran the runtime's decode trees no faster (H200, Llama
-        # multi-level 1.00x, few-shot and chain 1.47-1.71x slower: pack_wide_ab_02f073c_balanced.json),
-        # and choosing would pack MHA plans twice on every fresh step. Packing blocks: _ALIGNED_BLOCKS.
-        heads = {"num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                 "solo_units": self.stage1_launches == 2, "wide_units": False,
-                 "aligned_blocks": _ALIGNED_BLOCKS}  # fmt: skip
-        query_centric = self.query_centric == "always"
-        plan = plan_tree(tree, self._query_centric_config() if query_centric else self.config, **heads)
-        # grouping must save _MIN_SHARING_GAIN of a query-centric plan's KV reads (tested first:
-        # it is cheaper than _shares_tokens and usually decides)
-        if (
-            self.query_centric == "auto"
-            and plan.merge_queries.size
-            and int(np.add.reduce(plan.unit_kv_len, dtype=np.int64))
-            > (1 - _MIN_SHARING_GAIN) * int(np.add.reduce(tree.path_lengths[tree.query_nodes]))
-            and self._shares_tokens(tree)
-        ):
-            plan = plan_tree(tree, self._query_centric_config(), **heads)
-            query_centric = True
-        return plan, query_centric
-
-    @staticmethod
-    def _shares_tokens(tree: KVTree) -> bool:
-        """Whether some token is in the context of two or more queries."""
-        return bool(np.count_nonzero((tree.subtree_queries >= 2) & (tree.lengths > 0)))
-
-    def _query_centric_config(self) -> FastTreeConfig:
-        return replace(self.config, gamma=_QUERY_CENTRIC_GAMMA)
+        return plan_for_runtime(
+            tree, self.config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,
+        )  # fmt: skip
 
     def _upload(self, plan: Plan, query_centric: bool, *, extended: bool = False) -> RuntimePlan:
         if plan.n_partial_rows > self.max_partial_rows:

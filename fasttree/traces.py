@@ -90,7 +90,12 @@ _REQUIRED = {
     ),
     "workload": _COMMON_REQUIRED,
 }
-_OPTIONAL = {"measurement": ("meta",), "workload": ("weight", "meta")}
+_OPTIONAL = {"measurement": ("meta", "launch"), "workload": ("weight", "meta")}
+#: ``launch.kind`` of a measurement of :class:`fasttree.runtime.TreeAttentionRuntime`'s launches (a record
+#: without ``launch`` timed ``fasttree.tree_attention``'s per-plan launches).
+RUNTIME_LAUNCH = "runtime"
+#: Fields of a measurement's ``launch`` object, and the values each may take.
+_LAUNCH_VALUES = {"kind": (RUNTIME_LAUNCH,), "stage1_launches": (1, 2), "query_centric": ("auto", "never", "always")}
 _WORKLOAD_REQUIRED = {
     "measurement": ("family", "seed", "tree"),
     "workload": ("family", "scenario", "step", "seed", "tree"),
@@ -242,21 +247,23 @@ def _key_digest(
     dtype: str,
     config: dict[str, Any],
     gpu_name: str,
+    launch: dict[str, Any] | None = None,
 ) -> str:
-    payload = _jsonable(
-        {
-            "key_version": KEY_VERSION,
-            "tree": tree,
-            "family": family,
-            "seed": seed,
-            "num_q_heads": num_q_heads,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "dtype": dtype,
-            "config": _key_config(config),
-            "gpu_name": gpu_name,
-        }
-    )
+    fields = {
+        "key_version": KEY_VERSION,
+        "tree": tree,
+        "family": family,
+        "seed": seed,
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "config": _key_config(config),
+        "gpu_name": gpu_name,
+    }
+    if launch is not None:  # absent for tree_attention's launches, so their keys stay as they were
+        fields["launch"] = launch
+    payload = _jsonable(fields)
     return hashlib.sha256(_canonical_json(payload).encode()).hexdigest()
 
 
@@ -271,12 +278,14 @@ def measurement_key(
     dtype: str,
     config: FastTreeConfig | dict[str, Any],
     gpu_name: str,
+    launch: dict[str, Any] | None = None,
 ) -> str:
     """Stable identity of a measurement: SHA-256 hex digest of its canonical JSON.
 
     The hashed payload holds the tree encoding, family and seed, heads, head dim,
     dtype, the full config (normalised through :class:`FastTreeConfig`, so ``1`` and
-    ``1.0`` hash alike) and the GPU name, serialised with sorted keys and no spaces.
+    ``1.0`` hash alike), the GPU name and, for a runtime measurement, its ``launch``
+    (:func:`runtime_launch`), serialised with sorted keys and no spaces.
     Timings, plan summary, software versions and time are not part of it, so a resumed
     profiler finds the keys it already measured on the same GPU model.
 
@@ -291,6 +300,8 @@ def measurement_key(
         ``"float16"`` or ``"bfloat16"`` (``torch.float16`` style names are accepted).
     config : FastTreeConfig or dict
     gpu_name : str
+    launch : dict, optional
+        :func:`runtime_launch` of a measurement of the runtime's launches.
 
     Returns
     -------
@@ -313,7 +324,52 @@ def measurement_key(
         _normalise_dtype(dtype),
         _config_dict(config, num_q_heads, num_kv_heads, head_dim),
         str(gpu_name),
+        _checked_launch(launch),
     )
+
+
+def runtime_launch(*, stage1_launches: int, query_centric: str = "auto") -> dict[str, Any]:
+    """The ``launch`` object of a measurement of :class:`fasttree.runtime.TreeAttentionRuntime`.
+
+    Parameters
+    ----------
+    stage1_launches : {1, 2}
+        The runtime's resolved stage-1 launches.
+    query_centric : {"auto", "never", "always"}
+
+    Raises
+    ------
+    ValueError
+        On a value outside those.
+    """
+    return _checked_launch({"kind": RUNTIME_LAUNCH, "stage1_launches": stage1_launches, "query_centric": query_centric})
+
+
+def _launch_problems(launch: Any) -> list[str]:
+    if not isinstance(launch, dict):
+        return [f"launch must be an object, got {type(launch).__name__}"]
+    p = [f"launch.{k} is missing" for k in _LAUNCH_VALUES if k not in launch]
+    p += [f"launch has an unknown field {k!r}" for k in launch if k not in _LAUNCH_VALUES]
+    for k, allowed in _LAUNCH_VALUES.items():
+        v = launch.get(k)
+        if k in launch and (isinstance(v, bool) or v not in allowed):
+            p.append(f"launch.{k} must be one of {list(allowed)}, got {v!r}")
+    return p
+
+
+def _checked_launch(launch: dict[str, Any] | None) -> dict[str, Any] | None:
+    if launch is None:
+        return None
+    problems = _launch_problems(launch)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return dict(launch)
+
+
+def record_launch(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``launch`` of a measurement record: :func:`runtime_launch`'s object, or None when the
+    record timed ``fasttree.tree_attention``'s per-plan launches."""
+    return record.get("launch")
 
 
 # ------------------------------------------------------------------- records
@@ -373,6 +429,7 @@ def measurement_record(
     params: dict[str, Any] | None = None,
     meta: dict[str, Any] | None = None,
     time_utc: str | None = None,
+    launch: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build a ``"measurement"`` record with its key (not validated: the writer does that).
 
@@ -400,6 +457,9 @@ def measurement_record(
         Free-form record annotations (e.g. ``{"split": "heldout"}``).
     time_utc : str or None
         Defaults to :func:`utc_now`.
+    launch : dict or None
+        :func:`runtime_launch` when the runtime's launches were timed (None:
+        ``fasttree.tree_attention``'s).
 
     Returns
     -------
@@ -407,6 +467,7 @@ def measurement_record(
     """
     enc = encode_tree(tree if isinstance(tree, KVTree) else decode_tree(tree))
     cfg = _config_dict(config, num_q_heads, num_kv_heads, head_dim)
+    launch = _checked_launch(launch)
     dtype = _normalise_dtype(dtype)
     workload: dict[str, Any] = {"family": family, "seed": seed, "tree": enc}
     if params is not None:
@@ -427,6 +488,7 @@ def measurement_record(
             dtype,
             cfg,
             str(env.get("gpu_name")),
+            launch,
         ),
         "env": _jsonable(env),
         "workload": workload,
@@ -443,6 +505,8 @@ def measurement_record(
         "max_rel_err": max_rel_err,
         "time_utc": time_utc if time_utc is not None else utc_now(),
     }
+    if launch is not None:
+        record["launch"] = launch
     if meta is not None:
         record["meta"] = _jsonable(meta)
     return record
@@ -700,6 +764,8 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
 
     if "env" in record:
         _check_env(p, record["env"])
+    if "launch" in record:
+        p += _launch_problems(record["launch"])
     if "config" in record:
         try:
             config = FastTreeConfig.from_dict(record["config"])
@@ -749,6 +815,7 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
             record["dtype"],
             _config_dict(config, record["num_q_heads"], record["num_kv_heads"], record["head_dim"]),
             record["env"]["gpu_name"],
+            record.get("launch"),
         )
         if key != expected:
             p.append(f"key {key} does not match the record's identity (expected {expected}; see measurement_key)")

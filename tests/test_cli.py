@@ -156,6 +156,7 @@ def test_main_passes_the_options_to_profile(monkeypatch, capsys, tmp_path):
     out = str(tmp_path / "t.jsonl")
     argv = ["profile", "--out", out, "--budget", "1h", "-n", "12", "--seed", "5", "--families", "few_shot"]
     argv += ["--no-precompile", "--no-progress", "--check-every", "3", "--split", "heldout", "--repeat-every", "0"]
+    argv += ["--runtime"]
     rc = main(argv)
     assert rc == 0
     assert seen == {
@@ -169,6 +170,7 @@ def test_main_passes_the_options_to_profile(monkeypatch, capsys, tmp_path):
         "progress": False,
         "check_every": 3,
         "repeat_every": 0,
+        "runtime": True,
     }
     assert "12 measured" in capsys.readouterr().out
 

@@ -35,7 +35,8 @@ from fasttree.profiler import (
     point_tree,
     profile,
 )
-from fasttree.traces import TraceWriter, measurement_key, measurement_record, read_traces, validate
+from fasttree.runtime_planning import plan_for_runtime
+from fasttree.traces import TraceWriter, measurement_key, measurement_record, plan_summary, read_traces, validate
 from fasttree.workloads import TREE_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -621,6 +622,23 @@ def test_measure_point_records_timings_plan_and_check(cpu_measure, tmp_path, dev
     with TraceWriter(tmp_path / "t.jsonl") as w:
         w.append(rec)
         w.append(unchecked)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])  # one fused stage-1 launch (GQA), two (MHA at D <= 128)
+def test_measure_point_times_the_runtime_and_keys_its_launch(cpu_measure, device, heads):
+    p = small_point(runtime=True, num_q_heads=heads[0], num_kv_heads=heads[1])
+    rec = measure_point(p, device=device, check=True, env=FAKE_ENV)
+    assert validate(rec) == [] and rec["status"] == "ok" and rec["correct"] is True, rec.get("error")
+    launches = 1 if heads[0] != heads[1] else 2
+    assert rec["launch"] == {"kind": "runtime", "stage1_launches": launches, "query_centric": "auto"}
+    assert rec["key"] == point_key(p, FAKE_ENV["gpu_name"]) != point_key(small_point(), FAKE_ENV["gpu_name"])
+    info = rec["meta"]["profiler"]
+    assert info["stage1_overlap"] is False and len(info["runtime_programs"]) == launches
+    # the summary is the runtime's own plan of the tree (here: no wide units, solo units with two launches)
+    plan, _ = plan_for_runtime(SMALL_TREE, p.config, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
+                               stage1_launches=launches)  # fmt: skip
+    assert rec["plan"] == plan_summary(plan)
+    assert cpu_measure == ["graph", "eager"]
 
 
 def test_measure_point_records_the_tree_parameters_of_a_deep_point(cpu_measure, device):

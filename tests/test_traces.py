@@ -32,6 +32,8 @@ from fasttree.traces import (
     measurement_record,
     plan_summary,
     read_traces,
+    record_launch,
+    runtime_launch,
     validate,
     workload_record,
 )
@@ -257,6 +259,25 @@ def test_measurement_key_changes_with_the_tree_and_ignores_timing_and_env_versio
     a = measurement(timing={**TIMING, "eager_us": {"median": 99.0}}, time_utc="2024-01-01T00:00:00Z")
     b = measurement(env={**ENV, "torch": "9.9", "git_commit": None}, correct=None, max_rel_err=None)
     assert a["key"] == b["key"] == measurement()["key"]
+
+
+def test_a_runtime_measurement_carries_its_launch_in_record_and_key():
+    launch = runtime_launch(stage1_launches=1)
+    rec = measurement(launch=launch)
+    assert validate(rec) == [] and record_launch(rec) == launch and record_launch(measurement()) is None
+    assert rec["key"] == measurement_key(small_tree(), **{**KEY_ARGS, "seed": 0, "launch": launch})
+    assert rec["key"] != measurement()["key"]  # tree_attention's records keep the keys they always had
+    assert rec["key"] != measurement(launch=runtime_launch(stage1_launches=2))["key"]
+    # a record whose launch was edited no longer matches its key; a malformed launch names what is wrong
+    assert any("does not match" in p for p in validate({**rec, "launch": runtime_launch(stage1_launches=2)}))
+    assert validate({**rec, "launch": {**launch, "waves": 2}}) == ["launch has an unknown field 'waves'"]
+    assert validate({**rec, "launch": {**launch, "kind": "eager"}}) == [
+        "launch.kind must be one of ['runtime'], got 'eager'"
+    ]
+    with pytest.raises(ValueError, match="stage1_launches must be one of"):
+        runtime_launch(stage1_launches=3)
+    with pytest.raises(ValueError, match="query_centric must be one of"):
+        runtime_launch(stage1_launches=1, query_centric="sometimes")
 
 
 # ------------------------------------------------------------------- validation

@@ -7,7 +7,7 @@ fp16, this times ``TreeAttentionRuntime.forward`` (CUDA-graph replay, the trees 
 39 of ``multi_document_qa`` and ``few_shot``, as ``bench.decode_config_sweep``) for the export's
 config and for it with ``pack_tokens`` 1024 / 2048 / 4096 and ``pack_min_units`` 132 or the
 export's, each with the runtime's fixed blocks and with aligned ones
-(``fasttree.runtime._ALIGNED_BLOCKS``), every variant once per round, ``--rounds`` rounds in turn
+(``fasttree.runtime_planning.ALIGNED_BLOCKS``), every variant once per round, ``--rounds`` rounds in turn
 (median per tree). ::
 
     python3 bench/device/aligned_pack_sweep.py --rounds 3 --out $OUT/aligned_pack_sweep.json
@@ -24,7 +24,7 @@ import torch
 import fasttree as ft
 from bench.common import switched, write_device_result
 from bench.decode_config_sweep import HEAD_DIM, MODELS, SCENARIOS, _timer, sweep_trees
-from fasttree import runtime
+from fasttree import runtime_planning
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
 from fasttree.refine import RuntimeBench
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         timed: dict[tuple[str, bool], list[dict[str, list[float]]]] = {(n, a): [] for n, _, a in arms}
         for _ in range(args.rounds):
             for name, cfg, aligned in arms:
-                with switched(runtime, "_ALIGNED_BLOCKS", aligned):
+                with switched(runtime_planning, "ALIGNED_BLOCKS", aligned):
                     timed[(name, aligned)].append(bench.times(cfg))
         for name, _, aligned in arms:
             for scenario in SCENARIOS:

@@ -1,0 +1,180 @@
+"""How :class:`fasttree.runtime.TreeAttentionRuntime` plans a step and launches it, on the host only.
+
+The runtime plans a tree with its own rules (no wide units, fixed packing blocks, solo units
+when each tile class has a launch of its own, and a query-centric plan when grouping saves
+little) and launches both tile classes' units from fixed shapes: the config's query and KV
+tiles, in one persistent launch with the large class's warps and stages, or in two. This
+module holds those decisions as functions, so that the runtime, the profiler (timing the
+runtime's launches) and the latency model (re-planning such a measurement) make the same
+plan. It needs numpy only.
+
+Dimension names: ``Hq``/``Hkv`` query/KV heads, ``g = Hq / Hkv``, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .config import FastTreeConfig
+from .costs import ALL_LARGE
+from .plan_arrays import Plan, TileClass, check_heads
+from .planner import plan as plan_tree
+from .tree import KVTree
+
+__all__ = [
+    "MIN_SHARING_GAIN",
+    "QUERY_CENTRIC_CHOICES",
+    "QUERY_CENTRIC_GAMMA",
+    "launch_slots",
+    "launch_view",
+    "plan_for_runtime",
+    "resolve_stage1_launches",
+]
+
+#: A grouped plan must save this share of the KV a query-centric plan reads, or ``"auto"`` plans query-centric.
+MIN_SHARING_GAIN = 0.10
+#: ``gamma`` of a query-centric plan (every edge concatenated: each query alone over its path).
+QUERY_CENTRIC_GAMMA = 10.0
+#: Values of the runtime's ``query_centric``.
+QUERY_CENTRIC_CHOICES = ("auto", "never", "always")
+
+#: ``ft.plan(aligned_blocks=)`` of the runtime's plans: fixed packing blocks. Aligned ones changed
+#: none of the decode benchmark's plans under the tuned configs (H200,
+#: ``docs/bench/h200/subtree_blocks_heldout_74e9d2b.json``) and cost up to 0.17 ms more per fresh
+#: step on the host; with bigger packing budgets they beat the tuned configs on Llama few-shot and
+#: Mistral multi-document trees only, and lost on the others (``aligned_pack_sweep_adfc41e.json``).
+#: An A/B switch read when plans are made.
+ALIGNED_BLOCKS = False
+
+
+def resolve_stage1_launches(stage1_launches: int | str, group_size: int, head_dim: int) -> int:
+    """Stage-1 launches of a runtime: 1 or 2, ``"auto"`` resolved.
+
+    ``"auto"`` is 2 for MHA (``g == 1``) at ``D <= 128``, whose small units are memory-bound
+    and gain from a small-tile launch of their own, and 1 otherwise (``docs/runtime.md``).
+
+    Raises
+    ------
+    ValueError
+        When ``stage1_launches`` is not ``"auto"``, 1 or 2.
+    """
+    if stage1_launches == "auto":
+        return 2 if group_size == 1 and head_dim <= 128 else 1
+    if isinstance(stage1_launches, bool) or stage1_launches not in (1, 2):
+        raise ValueError(f"stage1_launches must be 'auto', 1 or 2, got {stage1_launches!r}")
+    return int(stage1_launches)
+
+
+def launch_slots(config: FastTreeConfig, group_size: int, head_dim: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``(block_m, block_n, num_warps, num_stages)`` of the runtime's launch slot 0 (the large tile
+    class) and slot 1 (the small one): the config's tiles, whatever a plan's units need.
+
+    ``block_m`` is the tile's queries times ``g`` rounded up to a power of two (at least 16).
+    """
+    q_tiles = config.query_tiles(group_size)
+    warps = config.launch_warps(group_size)
+    stages = config.launch_stages(group_size, head_dim)
+    return tuple(
+        (max(16, 1 << max(0, int(t * group_size - 1).bit_length())), int(config.kv_tile[c]), int(warps[c]),
+         int(stages[c]))
+        for c, t in enumerate(q_tiles)
+    )  # fmt: skip
+
+
+def _shares_tokens(tree: KVTree) -> bool:
+    """Whether some token is in the context of two or more queries."""
+    return bool(np.count_nonzero((tree.subtree_queries >= 2) & (tree.lengths > 0)))
+
+
+def plan_for_runtime(
+    tree: KVTree,
+    config: FastTreeConfig,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    stage1_launches: int | str = "auto",
+    query_centric: str = "auto",
+) -> tuple[Plan, bool]:
+    """Plan ``tree`` as :meth:`fasttree.runtime.TreeAttentionRuntime.plan` does when it plans afresh.
+
+    Parameters
+    ----------
+    tree : KVTree
+    config : FastTreeConfig
+    num_q_heads, num_kv_heads, head_dim : int
+        ``Hq``, ``Hkv`` and ``D``.
+    stage1_launches : {"auto", 1, 2}
+        The runtime's stage-1 launches (:func:`resolve_stage1_launches`); with 2, small units
+        are planned solo.
+    query_centric : {"auto", "never", "always"}
+        ``"auto"``: plan query-centric when grouping would save less than
+        :data:`MIN_SHARING_GAIN` of the KV reads.
+
+    Returns
+    -------
+    plan : Plan
+    query_centric : bool
+        Whether the plan is the query-centric one.
+
+    Raises
+    ------
+    ValueError
+        On bad heads, ``stage1_launches`` or ``query_centric`` (and whatever
+        :func:`fasttree.plan` refuses).
+    """
+    group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
+    launches = resolve_stage1_launches(stage1_launches, group_size, head_dim)
+    if query_centric not in QUERY_CENTRIC_CHOICES:
+        raise ValueError(f"query_centric must be one of {QUERY_CENTRIC_CHOICES}, got {query_centric!r}")
+    # wide units packed: kept whole they ran the runtime's decode trees no faster (H200, Llama
+    # multi-level 1.00x, few-shot and chain 1.47-1.71x slower: pack_wide_ab_02f073c_balanced.json),
+    # and choosing would pack MHA plans twice on every fresh step. Packing blocks: ALIGNED_BLOCKS.
+    heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+             "solo_units": launches == 2, "wide_units": False, "aligned_blocks": ALIGNED_BLOCKS}  # fmt: skip
+    centric_config = replace(config, gamma=QUERY_CENTRIC_GAMMA)
+    if query_centric == "always":
+        return plan_tree(tree, centric_config, **heads), True
+    plan = plan_tree(tree, config, **heads)
+    # grouping must save MIN_SHARING_GAIN of a query-centric plan's KV reads (tested first:
+    # it is cheaper than _shares_tokens and usually decides)
+    if (
+        query_centric == "auto"
+        and plan.merge_queries.size
+        and int(np.add.reduce(plan.unit_kv_len, dtype=np.int64))
+        > (1 - MIN_SHARING_GAIN) * int(np.add.reduce(tree.path_lengths[tree.query_nodes]))
+        and _shares_tokens(tree)
+    ):
+        return plan_tree(tree, centric_config, **heads), True
+    return plan, False
+
+
+def launch_view(plan: Plan, config: FastTreeConfig, *, stage1_launches: int | str = "auto") -> Plan:
+    """``plan`` with the tile classes the runtime launches its units with.
+
+    The runtime runs each class's units from its launch slot's fixed shape
+    (:func:`launch_slots`; an all-large plan's units all from slot 0), and with one stage-1
+    launch both slots at the large class's warps and stages, and row masks whenever the config
+    packs tokens. The arrays are shared with
+    ``plan``; only ``tile_classes`` differ. For the latency model's features of a runtime
+    measurement.
+
+    Raises
+    ------
+    ValueError
+        On a bad ``stage1_launches``.
+    """
+    g, d = plan.group_size, plan.head_dim
+    launches = resolve_stage1_launches(stage1_launches, g, d)
+    slots = launch_slots(config, g, d)
+    masked = config.pack_tokens > 0  # the runtime compiles row masks in whenever the config packs
+    classes = []
+    for c, tc in enumerate(plan.tile_classes):
+        block_m, block_n, warps, stages = slots[0 if plan.tile_mode == ALL_LARGE else c]
+        if launches == 1:
+            warps, stages = slots[0][2], slots[0][3]
+        classes.append(TileClass(queries=tc.queries, block_m=block_m, block_n=block_n, split=tc.split,
+                                 num_warps=warps, num_stages=stages, masked=masked))  # fmt: skip
+    return replace(plan, tile_classes=tuple(classes), _device_cache={})
