@@ -31,7 +31,7 @@ from fasttree.costmodel.evaluate import (
     prediction_metrics,
     rank_only_metrics,
 )
-from fasttree.costmodel.features import FEATURE_NAMES, KERNEL_VERSION_COLUMN
+from fasttree.costmodel.features import FEATURE_NAMES, KERNEL_VERSION_COLUMN, RUNTIME_COLUMN
 from fasttree.costmodel.metrics import evaluation_table, regression_metrics
 from fasttree.costmodel.model import KINDS, LatencyModel
 from fasttree.costmodel.persist import save_model
@@ -174,6 +174,13 @@ def main() -> int:
         for v in sorted(set(version.tolist()))
         for name in ("simulator", f"learned ({best})")
     }
+    launch = np.where(held.X[:, RUNTIME_COLUMN] > 0, "runtime", "tree_attention")
+    report["heldout_by_launch"] = {
+        f"{a} ({name})": prediction_metrics(preds[name][launch == a], held.subset(launch == a))
+        for a in ("tree_attention", "runtime")
+        if np.any(launch == a)
+        for name in ("simulator", f"learned ({best})")
+    }
     by_family = {}
     for name in ("simulator", f"learned ({best})"):
         by_family[name] = {
@@ -242,6 +249,14 @@ def markdown(r: dict, args) -> str:
         "model learn from traces of older kernels; the tuner asks it about the current ones.",
         "",
         table(r["heldout_by_kernel_version"]),
+        "",
+        "### By the launches the held-out traces timed",
+        "",
+        "`tree_attention`: the per-plan launches (`fasttree.tree_attention`); `runtime`: the production "
+        "runtime's own plans and persistent launches (`fasttree-tune profile --runtime`, the `runtime_launch` "
+        "feature).",
+        "",
+        table(r.get("heldout_by_launch", {})),
         "",
         "![predicted vs measured](costmodel_heldout_scatter.png)",
         "",

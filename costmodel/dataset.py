@@ -23,7 +23,8 @@ import numpy as np
 
 from fasttree.attention import KERNEL_VERSION
 from fasttree.config import FastTreeConfig
-from fasttree.traces import decode_tree, read_traces
+from fasttree.runtime_planning import launch_view, plan_for_runtime
+from fasttree.traces import decode_tree, read_traces, record_launch
 
 from .features import (
     FEATURE_NAMES,
@@ -31,6 +32,7 @@ from .features import (
     STAGE1_OVERLAP,
     features_of_plan,
     features_of_plans,
+    mark_runtime,
     published_cost,
 )
 from .gpu import GpuSpec, gpu_spec
@@ -105,10 +107,13 @@ class Dataset:
 
 
 def tree_id(record: dict[str, Any]) -> str:
-    """Id shared by the measurements of one tree with one heads/head-dim/dtype setting."""
+    """Id shared by the measurements of one tree with one heads/head-dim/dtype setting and launch path
+    (the runtime's measurements of a tree are ranked apart from ``tree_attention``'s)."""
     w = record["workload"]
     ident = [w["family"], w.get("seed"), w.get("params"), w["tree"], record["num_q_heads"], record["num_kv_heads"]]
     ident += [record["head_dim"], record["dtype"]]
+    if record_launch(record) is not None:
+        ident.append(record_launch(record))
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -132,11 +137,22 @@ def record_plan(record: dict[str, Any]):
     aligned blocks, wide units, whole groups, balanced bins, solo units) and the first plan that
     matches is kept;
     otherwise the re-planned one is returned (logged at DEBUG).
+
+    A measurement of the runtime's launches (``launch`` set) is planned as the runtime plans
+    (:func:`fasttree.runtime_planning.plan_for_runtime`) and returned as the runtime launches it
+    (:func:`~fasttree.runtime_planning.launch_view`).
     """
     import fasttree as ft
 
     args = (decode_tree(record["workload"]["tree"]), FastTreeConfig.from_dict(record["config"]))
     heads = {k: record[k] for k in ("num_q_heads", "num_kv_heads", "head_dim")}
+    launch = record_launch(record)
+    if launch is not None:
+        options = {"stage1_launches": launch["stage1_launches"], "query_centric": launch["query_centric"]}
+        plan = plan_for_runtime(*args, **heads, **options)[0]
+        if record.get("plan") is not None and not _same_plan(plan, record["plan"]):
+            logger.debug("record %s: the runtime's plan differs from its measured one", record.get("key"))
+        return launch_view(plan, args[1], stage1_launches=launch["stage1_launches"])
     plan = ft.plan(*args, **heads)
     measured = record.get("plan")
     if measured is None or _same_plan(plan, measured):
@@ -173,6 +189,9 @@ def record_features(record: dict[str, Any], gpu: GpuSpec | None = None) -> np.nd
     row = features_of_plan(record_plan(record), gpu_spec(record["env"]) if gpu is None else gpu)
     row[STAGE1_OVERLAP] *= measured_with_overlap(record)
     row[KERNEL_VERSION_COLUMN] = measured_kernel_version(record)
+    launch = record_launch(record)
+    if launch is not None:
+        mark_runtime(row[None, :], launch["stage1_launches"])
     return row
 
 
@@ -190,6 +209,10 @@ def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple
         cost[lo : lo + len(plans)] = [published_cost(p) for p in plans]
     X[:, STAGE1_OVERLAP] *= [measured_with_overlap(r) for r in records]
     X[:, KERNEL_VERSION_COLUMN] = [measured_kernel_version(r) for r in records]
+    runtime = np.array([record_launch(r) is not None for r in records], dtype=bool)
+    if runtime.any():
+        launches = [record_launch(r)["stage1_launches"] for r in records if record_launch(r) is not None]
+        X[runtime] = mark_runtime(X[runtime], launches)
     return X, cost
 
 
@@ -213,8 +236,12 @@ def measured_with_overlap(record: dict[str, Any]) -> bool:
     """Whether the record's two-class plan ran its stage-1 launches side by side.
 
     ``meta.profiler.stage1_overlap`` when the profiler wrote it, else whether the record's
-    commit is not one of :data:`PRE_OVERLAP_COMMITS`.
+    commit is not one of :data:`PRE_OVERLAP_COMMITS`. A measurement of the runtime's launches ran
+    both classes' units side by side when one persistent stage-1 launch ran them all.
     """
+    launch = record_launch(record)
+    if launch is not None:
+        return launch["stage1_launches"] == 1
     info = _profiler_info(record)
     if isinstance(info.get("stage1_overlap"), bool):
         return info["stage1_overlap"]

@@ -25,19 +25,21 @@ __all__ = [
     "FEATURE_NAMES",
     "FEATURE_SCHEMA_VERSION",
     "KERNEL_VERSION_COLUMN",
+    "RUNTIME_COLUMN",
     "SIM_TOTAL",
     "STAGE1_OVERLAP",
     "features_of_plan",
     "features_of_plans",
     "features_of_work",
+    "mark_runtime",
     "published_cost",
 ]
 
 #: Version of :data:`FEATURE_NAMES` and their meaning; a saved model records it. 3: the register
 #: and spill features come from kernels compiled with the JIT's launch-time specialisation
 #: (``bench.kernel_resources``), no longer from unspecialised ones. 4: ``stage1_overlap``. 5:
-#: ``kernel_version``.
-FEATURE_SCHEMA_VERSION = 5
+#: ``kernel_version``. 6: ``runtime_launch`` (:func:`mark_runtime`).
+FEATURE_SCHEMA_VERSION = 6
 
 _CLASS_FIELDS = CLASS_FIELDS
 _TILE_MODES = ("two_classes", "all_large", "all_small")
@@ -82,6 +84,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     *(f"c{c}_{name}" for c in (0, 1) for name in COMPILED_FIELDS),
     "stage1_overlap",
     "kernel_version",
+    "runtime_launch",
 )
 #: Column of the simulator's total time (the residual model's baseline).
 SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
@@ -94,6 +97,40 @@ STAGE1_OVERLAP = FEATURE_NAMES.index("stage1_overlap")
 #: trace (:func:`fasttree.costmodel.dataset.measured_kernel_version`), so one model learns from traces
 #: of every kernel version and predicts the current one.
 KERNEL_VERSION_COLUMN = FEATURE_NAMES.index("kernel_version")
+#: Column that says the plan runs as :class:`fasttree.runtime.TreeAttentionRuntime` launches it
+#: (persistent kernels, one or two stage-1 launches and a merge launch every step): 1, or 0 for
+#: ``fasttree.tree_attention``'s per-plan launches (:func:`mark_runtime`).
+RUNTIME_COLUMN = FEATURE_NAMES.index("runtime_launch")
+_LAUNCHES = FEATURE_NAMES.index("launches")
+
+
+def mark_runtime(X: np.ndarray, stage1_launches) -> np.ndarray:
+    """Mark feature rows (in place) as plans that the runtime launches; returns ``X``.
+
+    The rows must be features of the runtime's view of its plans
+    (:func:`fasttree.runtime_planning.launch_view` of
+    :func:`~fasttree.runtime_planning.plan_for_runtime`). Sets :data:`RUNTIME_COLUMN` to 1, the
+    launches to the runtime's (its stage-1 launches and the merge, whatever the plan holds), and
+    ``stage1_overlap`` to 0 where two stage-1 launches run one after the other.
+
+    Parameters
+    ----------
+    X : ndarray, float64 [n, len(FEATURE_NAMES)]
+    stage1_launches : int or array-like of int [n]
+        1 or 2 (resolved) per row.
+
+    Raises
+    ------
+    ValueError
+        On a stage-1 launch count other than 1 or 2.
+    """
+    launches = np.broadcast_to(np.asarray(stage1_launches), (X.shape[0],))
+    if not np.all((launches == 1) | (launches == 2)):
+        raise ValueError("stage1_launches must be 1 or 2 per row")
+    X[:, RUNTIME_COLUMN] = 1.0
+    X[:, _LAUNCHES] = launches + 1
+    X[:, STAGE1_OVERLAP] = np.where(launches == 2, 0.0, X[:, STAGE1_OVERLAP])
+    return X
 
 
 def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResult | None = None) -> np.ndarray:
@@ -155,6 +192,7 @@ def features_of_work(work: PlanWork, tile_mode: str, gpu: GpuSpec, sim: SimResul
         *_compiled(work, c1),
         float(c0.programs > 0 and c1.programs > 0),
         float(KERNEL_VERSION),
+        0.0,
     ]
     return np.asarray(row, dtype=np.float64)
 
@@ -261,6 +299,7 @@ def features_of_plans(plans, gpu: GpuSpec, *, elem_bytes: int | Sequence[int] = 
     put(*compiled.T)
     put(((c["programs"][:, 0] > 0) & (c["programs"][:, 1] > 0)).astype(np.float64))
     put(float(KERNEL_VERSION))
+    put(0.0)
     if next(col, None) is not None:
         raise AssertionError("internal error: features_of_plans filled fewer columns than FEATURE_NAMES")
     return X

@@ -22,9 +22,10 @@ from fasttree.config import FastTreeConfig
 from fasttree.plan_arrays import Plan
 from fasttree.planner import plan
 from fasttree.planner import prepare as prepare_tree
+from fasttree.runtime_planning import launch_view, plan_for_runtime, resolve_stage1_launches
 from fasttree.tree import KVTree
 
-from .features import FEATURE_NAMES, features_of_plans
+from .features import FEATURE_NAMES, features_of_plans, mark_runtime
 from .gpu import GpuSpec
 
 __all__ = [
@@ -52,6 +53,10 @@ class PlanJob(NamedTuple):
     num_q_heads, num_kv_heads, head_dim : int
     dtype : str
         A key of :data:`ELEM_BYTES`.
+    runtime : bool
+        Predict the plan as :class:`fasttree.runtime.TreeAttentionRuntime` plans and launches it
+        (``stage1_launches`` and ``query_centric`` ``"auto"``), not as ``fasttree.plan`` and
+        ``fasttree.tree_attention`` do.
     """
 
     tree: KVTree
@@ -60,6 +65,7 @@ class PlanJob(NamedTuple):
     num_kv_heads: int
     head_dim: int
     dtype: str = "float16"
+    runtime: bool = False
 
 
 def elem_bytes_of(dtype: str) -> int:
@@ -71,8 +77,12 @@ def elem_bytes_of(dtype: str) -> int:
 
 
 def plan_job(job: PlanJob) -> Plan:
-    """The :class:`fasttree.plan_arrays.Plan` of one job (``fasttree.plan``)."""
-    return plan(job.tree, job.config, num_q_heads=job.num_q_heads, num_kv_heads=job.num_kv_heads, head_dim=job.head_dim)
+    """The :class:`fasttree.plan_arrays.Plan` of one job (``fasttree.plan``), or for a runtime job the
+    runtime's plan with the tile classes it launches (:func:`fasttree.runtime_planning.launch_view`)."""
+    heads = {"num_q_heads": job.num_q_heads, "num_kv_heads": job.num_kv_heads, "head_dim": job.head_dim}
+    if job.runtime:
+        return launch_view(plan_for_runtime(job.tree, job.config, **heads)[0], job.config)
+    return plan(job.tree, job.config, **heads)
 
 
 def _check_gpu(gpu: GpuSpec, model_gpu: GpuSpec | None) -> None:
@@ -97,7 +107,13 @@ def _check_jobs(jobs: Sequence[PlanJob]) -> list[PlanJob]:
 
 def _features_chunk(jobs: list[PlanJob], gpu: GpuSpec) -> np.ndarray:
     plans = [plan_job(j) for j in jobs]
-    return features_of_plans(plans, gpu, elem_bytes=[elem_bytes_of(j.dtype) for j in jobs])
+    X = features_of_plans(plans, gpu, elem_bytes=[elem_bytes_of(j.dtype) for j in jobs])
+    runtime = np.array([bool(j.runtime) for j in jobs])
+    if runtime.any():
+        rows = np.flatnonzero(runtime)
+        launches = [resolve_stage1_launches("auto", plans[i].group_size, plans[i].head_dim) for i in rows]
+        X[runtime] = mark_runtime(X[runtime], launches)
+    return X
 
 
 #: Chunks of a :class:`PredictPool` batch per worker process.

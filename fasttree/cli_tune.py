@@ -74,6 +74,12 @@ def _study_options() -> argparse.ArgumentParser:
         "steps differ by a token; default 1: every step, 'run': 4)",
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
+    g.add_argument(
+        "--runtime",
+        action="store_true",
+        help="predict each step as the production runtime (TreeAttentionRuntime) plans and launches it, not as "
+        "tree_attention does (the model needs runtime traces: 'fasttree-tune profile --runtime')",
+    )
     return p
 
 
@@ -268,7 +274,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
 
     grouped = {b: thin_steps(steps, args.every) for b, steps in grouped.items()}
     if args.balance:
-        grouped = {b: balance_workloads(steps, model, gpu, b) for b, steps in grouped.items()}
+        grouped = {b: balance_workloads(steps, model, gpu, b, runtime=args.runtime) for b, steps in grouped.items()}
 
     try:
         return tune_workload(
@@ -285,6 +291,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             worst_step=args.worst_step,
             progress=getattr(args, "progress", False),
             polish_passes=getattr(args, "polish_passes", POLISH_PASSES),
+            runtime=args.runtime,
         )
     except ValueError as exc:
         args.subparser.error(str(exc))
@@ -305,13 +312,13 @@ def _results_table(results, totals) -> str:
     return "\n".join(lines)
 
 
-def _predicted_totals(grouped, results, model, gpu) -> dict:
+def _predicted_totals(grouped, results, model, gpu, runtime: bool) -> dict:
     """Per bucket: (defaults, exported config) predicted total us over the steps with their own weights."""
     from fasttree.tuner import LatencyObjective
 
     out = {}
     for b, r in results.items():
-        objective = LatencyObjective(grouped[b], model, gpu, b)
+        objective = LatencyObjective(grouped[b], model, gpu, b, runtime=runtime)
         out[b] = (objective.defaults.total_us, objective.evaluate(_chosen(r)).total_us)
     return out
 
@@ -321,7 +328,7 @@ def _chosen(r):
     return r.best_config if r.predicted_us < r.defaults_predicted_us else _defaults()
 
 
-def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path):
+def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path, runtime: bool):
     from fasttree import __version__
     from fasttree.export import ConfigExport, ExportEntry
     from fasttree.traces import utc_now
@@ -360,6 +367,7 @@ def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path):
             "trace_set_hash": str(meta.get("trace_set", {}).get("sha256", "")),
             "model_hash": _sha256_file(model_path),
             "model_path": str(model_path),
+            "predicted_launches": "runtime" if runtime else "tree_attention",
         },
     )
 
@@ -388,12 +396,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials)
-    totals = _predicted_totals(grouped, results, model, gpu)
+    totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
     print(_results_table(results, totals))
     if args.json:
         write_atomic(args.json, json.dumps({b.label: r.to_dict() for b, r in results.items()}, indent=1) + "\n")
     if args.export:
-        export = _export_of(results, totals, gpu, meta, Path(args.model))
+        export = _export_of(results, totals, gpu, meta, Path(args.model), args.runtime)
         _write_export(args, args.export, export, overwrite=args.overwrite)
         print(f"export: {args.export}")
     return 0
@@ -409,8 +417,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
     results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1)  # runs no trial in a tuned study
-    totals = _predicted_totals(grouped, results, model, gpu)
-    _write_export(args, args.out, _export_of(results, totals, gpu, meta, Path(args.model)), overwrite=args.overwrite)
+    totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
+    export = _export_of(results, totals, gpu, meta, Path(args.model), args.runtime)
+    _write_export(args, args.out, export, overwrite=args.overwrite)
     print(_results_table(results, totals))
     print(f"export: {args.out}")
     return 0
@@ -448,10 +457,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
     print(f"model {model_path} ({gpu.name}); {sum(map(len, grouped.values()))} tuning steps in {len(grouped)} buckets")
     results = _tune(args, grouped, model, gpu, out, trials=args.trials)
-    totals = _predicted_totals(grouped, results, model, gpu)
-    export = _export_of(results, totals, gpu, meta, model_path)
+    totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
+    export = _export_of(results, totals, gpu, meta, model_path, args.runtime)
     _write_export(args, str(out / "export.json"), export, overwrite=True)
-    judged = _heldout_predictions(heldout, export, model, gpu)
+    judged = _heldout_predictions(heldout, export, model, gpu, args.runtime)
     from fasttree.tuner.report import write_report
 
     report = write_report(out, results, judged, storage=args.storage, folder=out)
@@ -474,7 +483,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _heldout_predictions(heldout, export, model, gpu) -> dict[str, dict[str, Any]]:
+def _heldout_predictions(heldout, export, model, gpu, runtime: bool) -> dict[str, dict[str, Any]]:
     """Per bucket of the held-out workloads: predicted latency with the export's config and the defaults."""
     from fasttree.tuner import LatencyObjective, workload_of
 
@@ -487,7 +496,7 @@ def _heldout_predictions(heldout, export, model, gpu) -> dict[str, dict[str, Any
             head_dim=bucket.head_dim,
             dtype=bucket.dtype,
         )
-        objective = LatencyObjective(steps, model, gpu, bucket)
+        objective = LatencyObjective(steps, model, gpu, bucket, runtime=runtime)
         tuned, base = objective.evaluate(config), objective.defaults
         # per workload (scenario and model shape): the target is judged per workload, not only in sum
         by_workload: dict[str, list[int]] = {}

@@ -977,7 +977,7 @@ def measure_point(
         # and which kernels ran (its kernel_version)
         info = {
             "wall_s": round(time.perf_counter() - t0, 4),
-            "stage1_overlap": bool(ft.attention._FORK_STAGE1) and rt is None,
+            "stage1_overlap": bool(ft.attention._FORK_STAGE1) if rt is None else rt.stage1_launches == 1,
             "kernel_version": ft.attention.KERNEL_VERSION,
         }
         if rt is not None:  # the persistent stage-1 programs of each launch, as sized from the compiled kernels

@@ -77,6 +77,19 @@ def test_tune_writes_studies_export_and_resumes(tmp_path, workload, capsys):
         assert first is None or FastTreeConfig.from_dict(first) == FastTreeConfig()
 
 
+def test_tune_for_the_runtime_keeps_its_studies_apart(tmp_path, workload, capsys):
+    # --runtime predicts the runtime's plans and launches: its studies carry that in their fingerprint, so
+    # a study tuned for tree_attention is not resumed by it, and the export says which launches it predicted
+    db = str(tmp_path / "s.db")
+    args = ["tune", str(workload), "--model", str(MODEL), "--storage", db, "--no-progress", "--trials", "2"]
+    assert main([*args, "--study", "k"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--study", "k", "--runtime"])
+    assert exc.value.code == 2 and "launch" in capsys.readouterr().err
+    assert main([*args, "--study", "r", "--runtime", "--export", str(tmp_path / "r.json")]) == 0
+    assert read_export(tmp_path / "r.json").provenance["predicted_launches"] == "runtime"
+
+
 def _journal(path: Path):
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend

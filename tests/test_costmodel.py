@@ -538,6 +538,51 @@ def test_kernel_version_feature_is_the_measured_kernels_for_traces_and_the_runni
         assert measured_kernel_version(record) == 9  # not a version: the commit decides
 
 
+@pytest.mark.parametrize(("heads", "launches"), [((32, 8, 128), 1), ((32, 32, 128), 2), ((32, 32, 256), 1)])
+def test_runtime_records_are_featured_as_the_runtime_plans_and_launches_them(heads, launches):
+    # a measurement of the runtime's launches is re-planned with the runtime's own rules, seen with the
+    # tiles, warps and stages its launches run, and marked: the runtime_launch column, the runtime's
+    # launch count, and no side-by-side stage 1 when its two launches run one after the other
+    from fasttree.costmodel.dataset import _features_chunk, record_plan
+    from fasttree.costmodel.features import _LAUNCHES, RUNTIME_COLUMN, STAGE1_OVERLAP, features_of_plan, mark_runtime
+    from fasttree.costmodel.predict import PlanJob, features_of_jobs
+    from fasttree.runtime_planning import launch_slots, launch_view, plan_for_runtime
+    from fasttree.suite import paper_tree
+    from fasttree.traces import encode_tree, plan_summary, runtime_launch
+
+    hq, hkv, d = heads
+    shape = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
+    tree, config = paper_tree(6), ft.FastTreeConfig(kv_tile=(64, 32), num_warps=(8, 4), num_stages=(2, 3))
+    plan, _ = plan_for_runtime(tree, config, **shape)
+    record = {
+        "workload": {"tree": encode_tree(tree)}, "config": config.to_dict(), **shape, "plan": plan_summary(plan),
+        "env": {"git_commit": "9a6a950", "gpu_name": "NVIDIA H200", "gpu_sm_count": 132},
+        "launch": runtime_launch(stage1_launches=launches),
+        "meta": {"profiler": {"stage1_overlap": False, "kernel_version": 30}},
+    }  # fmt: skip
+    seen = record_plan(record)
+    assert np.array_equal(seen.unit_kv_len, plan.unit_kv_len) and seen.class_unit_ptr == plan.class_unit_ptr
+    slots = launch_slots(config, hq // hkv, d)
+    for c, tc in enumerate(seen.tile_classes):
+        assert (tc.block_m, tc.block_n) == slots[c][:2]
+        assert (tc.num_warps, tc.num_stages) == slots[0 if launches == 1 else c][2:]
+    row = record_features(record, H200)
+    assert row[RUNTIME_COLUMN] == 1.0 and row[_LAUNCHES] == launches + 1
+    two_classes = min(plan.units_per_class()) > 0
+    assert row[STAGE1_OVERLAP] == float(launches == 1 and two_classes)
+    # the batched path and a tuner's runtime job give the same row; the same job for tree_attention does not
+    assert np.array_equal(_features_chunk([record], H200.to_dict())[0][0], row)
+    expected = features_of_plan(launch_view(plan, config, stage1_launches=launches), H200)
+    assert np.array_equal(mark_runtime(expected[None, :], launches)[0], row)
+    job = PlanJob(tree, config, hq, hkv, d, "float16", runtime=True)
+    assert np.array_equal(features_of_jobs([job], H200)[0], row)
+    kernels = features_of_jobs([job._replace(runtime=False)], H200)[0]
+    assert kernels[RUNTIME_COLUMN] == 0.0
+    assert np.array_equal(kernels, features_of_plan(ft.plan(tree, config, **shape), H200))
+    with pytest.raises(ValueError, match="stage1_launches must be 1 or 2"):
+        mark_runtime(expected[None, :].copy(), 3)
+
+
 def test_every_shipped_trace_names_the_kernels_it_timed():
     # a line with neither meta.profiler.kernel_version nor a commit in the table would be taken for
     # today's kernels: every shipped measurement must say which kernels it timed

@@ -102,6 +102,39 @@ def test_query_centric_modes(device):
         _runtime(device, query_centric="sometimes")
 
 
+@pytest.mark.parametrize(
+    ("heads", "query_centric"), [((4, 2, 16), "auto"), ((4, 4, 16), "auto"), ((8, 1, 32), "never")]
+)
+def test_host_runtime_planning_is_what_the_runtime_uploads(device, heads, query_centric):
+    # the profiler and the latency model plan a runtime measurement with fasttree.runtime_planning: it
+    # must make the plan the runtime uploads and name the launch shapes the runtime compiles
+    from fasttree.runtime_planning import launch_slots, launch_view, plan_for_runtime
+
+    hq, hkv, d = heads
+    shape = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
+    rng = np.random.default_rng(hq + hkv)
+    config = ft.FastTreeConfig(kv_tile=(32, 16), num_warps=(8, 4), kv_split_sizes=(64, 32), pack_tokens=64)
+    rt = _runtime(device, config, **shape, query_centric=query_centric, extend_steps=0)
+    assert rt.slots == launch_slots(config, hq // hkv, d)
+    for _ in range(6):
+        tree = random_tree(rng, max_nodes=12, max_len=60)
+        uploaded = rt.plan(tree)
+        plan, centric = plan_for_runtime(tree, config, **shape, stage1_launches=rt.stage1_launches,
+                                         query_centric=query_centric)  # fmt: skip
+        assert centric == uploaded.query_centric
+        for name in ("kv_indices", "unit_kv_len", "unit_q_len", "pair_out_row", "merge_queries"):
+            assert np.array_equal(getattr(plan, name), getattr(uploaded.plan, name)), name
+        view = launch_view(plan, config, stage1_launches=rt.stage1_launches)
+        assert view.unit_kv_len is plan.unit_kv_len and all(tc.masked for tc in view.tile_classes)
+        fused = rt.stage1_launches == 1
+        for c, tc in enumerate(view.tile_classes):
+            slot = rt.slots[0 if plan.tile_mode == "all_large" else c]
+            warps_stages = rt.slots[0][2:] if fused else slot[2:]
+            assert (tc.block_m, tc.block_n, tc.num_warps, tc.num_stages) == (*slot[:2], *warps_stages)
+    with pytest.raises(ValueError, match="stage1_launches"):
+        plan_for_runtime(tree, config, **shape, stage1_launches=3)
+
+
 def test_capacity_errors_name_the_capacity_and_keep_the_previous_plan(device):
     rt = _runtime(device, max_queries=4, max_kv_entries=64, max_units=64)
     small = ft.KVTree([-1], [np.arange(10)], [0, 0])

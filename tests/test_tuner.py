@@ -261,6 +261,25 @@ def test_objective_equals_hand_computation(paper_steps) -> None:
     assert other.total_us != pytest.approx(expected, rel=1e-9)
 
 
+def test_runtime_objective_predicts_the_runtimes_plans_and_launches(paper_steps) -> None:
+    # the export configures the production runtime: --runtime asks the model about the runtime's own plans
+    # and persistent launches (the runtime_launch feature), and keys its studies apart
+    from fasttree.costmodel.features import RUNTIME_COLUMN, features_of_plan, mark_runtime
+    from fasttree.runtime_planning import launch_view, plan_for_runtime
+
+    config = FastTreeConfig(kv_tile=(64, 32), num_warps=(8, 4))
+    kernels, runtime = _objective(paper_steps, n=3), _objective(paper_steps, n=3, runtime=True)
+    assert runtime.runtime and not kernels.runtime
+    X, Xk = runtime.features(config), kernels.features(config)
+    assert np.all(X[:, RUNTIME_COLUMN] == 1.0) and np.all(Xk[:, RUNTIME_COLUMN] == 0.0)
+    for s, row in zip(runtime.steps, X, strict=True):
+        heads = {"num_q_heads": s.num_q_heads, "num_kv_heads": s.num_kv_heads, "head_dim": 128}
+        expected = features_of_plan(launch_view(plan_for_runtime(s.tree, config, **heads)[0], config), GPU)
+        np.testing.assert_array_equal(mark_runtime(expected[None, :], 1)[0], row)  # GQA 4: one fused launch
+    assert runtime.fingerprint() == kernels.fingerprint() | {"launch": "runtime"}
+    assert runtime.evaluate(config).total_us != kernels.evaluate(config).total_us
+
+
 def test_objective_records_defaults_vs_tuned(paper_steps) -> None:
     objective = _objective(paper_steps)
     study = optuna.create_study()

@@ -7,11 +7,13 @@
 time) plans every step's tree, the feature rows of all plans
 (:func:`fasttree.costmodel.features.features_of_plan`) go to the latency model in ONE batched
 ``predict``, and the objective is the weighted total of the predicted step latencies (us),
-optionally with the worst step's as a second objective. The runtime plans a few rules
-differently (MHA's wide units always packed, fixed packing blocks: :mod:`fasttree.runtime`),
-so on trees where those rules change the plan the objective describes ``tree_attention``'s
-plan, not the runtime's. Nothing config-dependent is cached: every call plans and predicts afresh. Only
-the defaults' evaluation (the baseline every trial is compared with) is computed once.
+optionally with the worst step's as a second objective. With ``runtime=True`` the objective
+asks instead about the production runtime: each step planned as
+:class:`fasttree.runtime.TreeAttentionRuntime` plans it (its own packing rules, solo units and
+query-centric choice: :func:`fasttree.runtime_planning.plan_for_runtime`) and launched as it
+launches it (the ``runtime_launch`` feature). Nothing config-dependent is cached: every call
+plans and predicts afresh. Only the defaults' evaluation (the baseline every trial is compared
+with) is computed once.
 
 Called as an Optuna objective, it suggests the trial's config
 (:func:`~fasttree.tuner.space.suggest_config`, invalid ones pruned before any planning)
@@ -37,9 +39,10 @@ import optuna
 
 import fasttree as ft
 from fasttree.config import FastTreeConfig
-from fasttree.costmodel.features import features_of_plans
+from fasttree.costmodel.features import features_of_plans, mark_runtime
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.plan_arrays import check_heads
+from fasttree.runtime_planning import launch_view, plan_for_runtime, resolve_stage1_launches
 from fasttree.traces import decode_tree, encode_tree
 from fasttree.tree import KVTree
 
@@ -148,7 +151,7 @@ def workload_of(step: WorkloadStep) -> str:
 
 
 def balance_workloads(
-    steps: Sequence[WorkloadStep], model: Predictor, gpu: GpuSpec, bucket: Bucket
+    steps: Sequence[WorkloadStep], model: Predictor, gpu: GpuSpec, bucket: Bucket, *, runtime: bool = False
 ) -> list[WorkloadStep]:
     """The steps re-weighted so that every workload counts the same, relative to the defaults.
 
@@ -163,12 +166,14 @@ def balance_workloads(
     model : Predictor
     gpu : GpuSpec
     bucket : Bucket
+    runtime : bool
+        Predict the runtime's plans and launches (:class:`LatencyObjective`).
 
     Returns
     -------
     list of WorkloadStep
     """
-    base = LatencyObjective(steps, model, gpu, bucket).defaults.step_us
+    base = LatencyObjective(steps, model, gpu, bucket, runtime=runtime).defaults.step_us
     totals: dict[str, float] = {}
     for s, us in zip(steps, base, strict=True):
         totals[workload_of(s)] = totals.get(workload_of(s), 0.0) + s.weight * float(us)
@@ -241,6 +246,10 @@ class LatencyObjective:
     bucket : Bucket
     worst_step : bool
         Also return the worst step's latency, as a second objective.
+    runtime : bool
+        Predict each step as the production runtime plans and launches it (the model must have
+        been fitted with runtime measurements: ``fasttree-tune profile --runtime``), not as
+        ``fasttree.plan`` and ``fasttree.tree_attention`` do.
 
     Attributes
     ----------
@@ -256,6 +265,7 @@ class LatencyObjective:
         bucket: Bucket,
         *,
         worst_step: bool = False,
+        runtime: bool = False,
     ) -> None:
         steps = tuple(steps)
         if not steps:
@@ -278,6 +288,7 @@ class LatencyObjective:
         self._gpu = gpu
         self._bucket = bucket
         self._worst_step = bool(worst_step)
+        self._runtime = bool(runtime)
         self._defaults: Evaluation | None = None
 
     @property
@@ -296,13 +307,19 @@ class LatencyObjective:
         return self._steps
 
     @property
+    def runtime(self) -> bool:
+        """Whether the objective predicts the runtime's plans and launches."""
+        return self._runtime
+
+    @property
     def n_objectives(self) -> int:
         """1, or 2 with ``worst_step``."""
         return 2 if self._worst_step else 1
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a study's values depend on besides the model: GPU, bucket, objectives and the
-        steps (SHA-256 of their trees, heads and weights)."""
+        """What a study's values depend on besides the model: GPU, bucket, objectives, the
+        steps (SHA-256 of their trees, heads and weights) and, when it predicts the runtime's
+        launches, ``launch: "runtime"``."""
         h = hashlib.sha256()
         for s in self._steps:
             item = [encode_tree(s.tree), s.num_q_heads, s.num_kv_heads, s.weight]
@@ -313,7 +330,7 @@ class LatencyObjective:
             "n_objectives": self.n_objectives,
             "n_steps": len(self._steps),
             "workload_sha256": h.hexdigest(),
-        }
+        } | ({"launch": "runtime"} if self._runtime else {})
 
     def features(self, config: FastTreeConfig) -> np.ndarray:
         """Feature rows (float64 [n_steps, n_features]) of every step planned with ``config``.
@@ -326,13 +343,18 @@ class LatencyObjective:
         b = self._bucket
         plans = []
         for s in self._steps:
+            heads = {"num_q_heads": s.num_q_heads, "num_kv_heads": s.num_kv_heads, "head_dim": b.head_dim}
             try:
-                plans.append(
-                    ft.plan(s.tree, config, num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=b.head_dim)
-                )
+                if self._runtime:
+                    plans.append(launch_view(plan_for_runtime(s.tree, config, **heads)[0], config))
+                else:
+                    plans.append(ft.plan(s.tree, config, **heads))
             except ValueError as exc:
                 raise PlanningError(f"step {s.label or '?'}: {exc}") from exc
-        return features_of_plans(plans, self._gpu, elem_bytes=b.elem_bytes)
+        X = features_of_plans(plans, self._gpu, elem_bytes=b.elem_bytes)
+        if self._runtime:
+            mark_runtime(X, resolve_stage1_launches("auto", b.group_size, b.head_dim))
+        return X
 
     def evaluate(self, config: FastTreeConfig) -> Evaluation:
         """Plan every step with ``config``, predict all of them in one batch, and sum.

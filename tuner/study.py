@@ -592,6 +592,7 @@ def tune_workload(
     progress: bool = False,
     buckets: Iterable[Bucket] | None = None,
     polish_passes: int = 2,
+    runtime: bool = False,
 ) -> dict[Bucket, TuneResult]:
     """Tune every bucket of a workload, each in its own study (see :func:`tune_bucket`).
 
@@ -607,7 +608,7 @@ def tune_workload(
         Tune only these (each must be in the workload).
     timeout : float, optional
         Seconds for each bucket.
-    storage, folder, base_name, n_trials, seed, worker, worst_step, progress, polish_passes
+    storage, folder, base_name, n_trials, seed, worker, worst_step, progress, polish_passes, runtime
         As in :func:`tune_bucket` and :class:`LatencyObjective`.
 
     Returns
@@ -622,7 +623,7 @@ def tune_workload(
     store = open_storage(storage, folder=folder)
     results: dict[Bucket, TuneResult] = {}
     for bucket in chosen:
-        objective = LatencyObjective(grouped[bucket], model, gpu, bucket, worst_step=worst_step)
+        objective = LatencyObjective(grouped[bucket], model, gpu, bucket, worst_step=worst_step, runtime=runtime)
         results[bucket] = tune_bucket(
             objective,
             storage=store,
