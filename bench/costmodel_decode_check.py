@@ -36,11 +36,12 @@ from scipy.stats import kendalltau
 from bench.common import write_atomic
 from bench.decode_config_sweep import variants_combinations, variants_one_at_a_time
 from fasttree.costmodel.evaluate import SimulatorBaseline
-from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plans, published_cost
+from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plans, mark_runtime, published_cost
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
+from fasttree.runtime_planning import launch_view, resolve_stage1_launches
 from fasttree.workloads import iter_serving
 
 log = logging.getLogger("bench.costmodel_decode_check")
@@ -55,7 +56,7 @@ SWEEPS = {
 }
 #: Config pairs whose measured sums differ by more than this (relative) count in ``pairs_ok``.
 PAIR_GAP = 0.02
-PREDICTORS = ("learned", "simulator", "published cost")
+PREDICTORS = ("learned", "learned (as tree_attention)", "simulator", "published cost")
 #: The kernel version the sweeps timed (``docs/bench/NOTES.md``: f18595e runs the kernels of v14,
 #: the newest row before it that moved the per-plan kernels' GPU time; v15 and v16 changed the
 #: runtime's item claims and the host path). The learned model is asked about those kernels, not
@@ -69,14 +70,15 @@ SWEEP_DEFAULT_CONFIG = {"num_warps": (4, 4), "num_stages": (3, 3)}
 VARIANTS = {"sweep1": variants_one_at_a_time, "sweep2": variants_combinations}
 
 
-def runtime_plans(trees, configs, hq: int, hkv: int) -> tuple[list, int]:
+def runtime_plans(trees, configs, hq: int, hkv: int) -> tuple[list, int, list]:
     """The plan a CPU runtime (the sweeps' capacities) uploads for every (config, tree).
 
-    Also returns how many of those plans the runtime made query-centric.
+    Also returns how many of those plans the runtime made query-centric, and each plan as the
+    runtime launches it (:func:`fasttree.runtime_planning.launch_view`).
     """
     slots = max(t.max_slot + 1 for t in trees)
     nq = max(t.n_queries for t in trees)
-    plans, qc = [], 0
+    plans, qc, views = [], 0, []
     for cfg in configs:
         rt = TreeAttentionRuntime(
             cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype=torch.float16, device="cpu",
@@ -86,9 +88,10 @@ def runtime_plans(trees, configs, hq: int, hkv: int) -> tuple[list, int]:
         for tree in trees:
             up = rt.plan(tree)
             plans.append(up.plan)
+            views.append(launch_view(up.plan, cfg, stage1_launches=rt.stage1_launches))
             qc += bool(up.query_centric)
         del rt
-    return plans, qc
+    return plans, qc, views
 
 
 def rank_metrics(score: np.ndarray, meas: np.ndarray) -> dict:
@@ -152,12 +155,14 @@ def run_sweep(path: str, kind: str, model, sim: SimulatorBaseline, gpu: GpuSpec,
                 raise ValueError(f"{path} {model_name}/{scenario}: rows do not match the regenerated variants")
             steps = list(iter_serving(scenario, seed=0, steps=max(STEPS) + 1))
             trees = [steps[i].tree for i in STEPS]
-            plans, qc = runtime_plans(trees, [c for _, c in variants], hq, hkv)
-            X = features_of_plans(plans, gpu)  # what predict_plans feeds the model
-            X[:, KERNEL_VERSION_COLUMN] = SWEEP_KERNEL_VERSION
+            plans, qc, views = runtime_plans(trees, [c for _, c in variants], hq, hkv)
+            X_kernels = features_of_plans(plans, gpu)  # the plans as tree_attention would launch them
+            X = mark_runtime(features_of_plans(views, gpu), resolve_stage1_launches("auto", hq // hkv, HEAD_DIM))
+            X[:, KERNEL_VERSION_COLUMN] = X_kernels[:, KERNEL_VERSION_COLUMN] = SWEEP_KERNEL_VERSION
             shape = (len(variants), len(trees))
             pred = {
                 "learned": model.predict(X).reshape(shape),
+                "learned (as tree_attention)": model.predict(X_kernels).reshape(shape),
                 "simulator": sim.predict(X).reshape(shape),
                 "published cost": np.array([published_cost(p) for p in plans]).reshape(shape),
             }
@@ -307,8 +312,11 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         f"{meta['trace_set']['rows']} measurements of `{' '.join(meta['trace_set']['paths'])}`) for the plan the "
         "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included; the "
         f"`kernel_version` feature set to the sweeps' kernels, v{SWEEP_KERNEL_VERSION}; the `default` row is "
-        "`FastTreeConfig()` as it was then: warps (4, 4), stages (3, 3)), its "
-        "calibrated simulator (`extra.simulator_baseline`) and the published planner's cost (ranks only).",
+        "`FastTreeConfig()` as it was then: warps (4, 4), stages (3, 3)), seen as the runtime launches it "
+        "(`fasttree.runtime_planning.launch_view` and the `runtime_launch` feature); `learned (as tree_attention)` "
+        "asks the same model about the per-plan `tree_attention` launches of those plans instead (the only "
+        "question before runtime traces existed); its calibrated simulator (`extra.simulator_baseline`) on the "
+        "runtime's view and the published planner's cost (ranks only).",
         "",
         "Columns: `tau` Kendall tau-b of the per-config sums (3 trees) against the measured sums; `pairs >2% ok` "
         "fraction of config pairs measured more than 2% apart that the predictor orders right (ties count half; "
@@ -320,14 +328,13 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         "",
         *findings(groups, noise),
         "",
-        "Caveat: the model was fitted on traces of the per-plan `fasttree.tree_attention` kernels "
+        "Caveat: most of the model's traces time the per-plan `fasttree.tree_attention` kernels "
         "(`fasttree/profiler.py` `measure_point`: a grid of one program per unit and KV head per tile class, then "
-        "the merge), measured at c072d8c-cfea378, not on the runtime's persistent stage-1 and merge launches "
-        "(`fasttree/runtime.py`: SM-sized grids, one stage-1 launch for both tile classes with the large class's "
-        "warps and stages unless MHA at D <= 128) timed here at f18595e. Knobs the runtime handles differently "
-        "(small-class warps/stages for GQA, grid and occupancy) are predicted for the per-plan kernels: configs "
-        "of the GQA shape that change only the small class's warps or stages, measured / predicted time relative "
-        f"to tuned: {small_class_only(groups) or 'none'}.",
+        "the merge); its runtime traces (`fasttree-tune profile --runtime`: SM-sized persistent grids, one stage-1 "
+        "launch for both tile classes with the large class's warps and stages unless MHA at D <= 128) time the "
+        "v30 kernels (9a6a950), not the v14 ones of these sweeps (f18595e). Configs of the GQA shape that change "
+        "only the small class's warps or stages (the runtime's fused launch ignores them), measured / predicted "
+        f"time relative to tuned: {small_class_only(groups) or 'none'}.",
         "",
     ]
     for path in SWEEPS:
