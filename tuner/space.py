@@ -175,8 +175,12 @@ def config_smem_bytes(config: FastTreeConfig, group_size: int, head_dim: int, el
     )
 
 
-def plan_smem_bytes(plan: Any, elem_bytes: int = 2) -> int:
-    """Estimated shared memory of the units-kernel launches a :class:`fasttree.Plan` makes (0 if none)."""
+def plan_smem_bytes(plan: Any, elem_bytes: int = 2, *, every_class: bool = False) -> int:
+    """Estimated shared memory of the units-kernel launches a :class:`fasttree.Plan` makes (0 if none).
+
+    With ``every_class``, tile classes without units count too: the runtime compiles and launches
+    both of its launch slots every step (pass its :func:`fasttree.runtime_planning.launch_view`).
+    """
     ptr = plan.class_unit_ptr
     sizes = [
         units_kernel_smem_bytes(
@@ -188,7 +192,7 @@ def plan_smem_bytes(plan: Any, elem_bytes: int = 2) -> int:
             elem_bytes=elem_bytes,
         )
         for c, tc in enumerate(plan.tile_classes)
-        if ptr[c + 1] > ptr[c]
+        if every_class or ptr[c + 1] > ptr[c]
     ]
     return max(sizes, default=0)
 
