@@ -252,8 +252,9 @@ def measured_with_overlap(record: dict[str, Any]) -> bool:
 #: table) of the commits (7-character prefixes) of the shipped traces that predate
 #: ``meta.profiler.kernel_version``: the newest row that moved GPU time and whose commit is an
 #: ancestor of the trace's. Rows that change only the host path (v10) or the planner (v18, v31)
-#: do not count, so 0b92d40 times v9's kernels, 85069fd v17's and 99e70e8 v30's. (Failed lines, which
-#: carry no ``meta.profiler.kernel_version``, are looked up here too: 9a6a950's runtime traces.)
+#: do not count, so 0b92d40 times v9's kernels, 85069fd v17's and 99e70e8 v30's. (Failed lines written
+#: before the profiler annotated every line carry no ``meta.profiler.kernel_version``, and are looked up here
+#: too: 9a6a950's runtime traces.)
 KERNEL_VERSION_OF_COMMIT = {
     "1fd251a": 3,
     "c072d8c": 9,

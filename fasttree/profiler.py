@@ -1326,6 +1326,8 @@ def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 
 
 def _annotate(record: dict[str, Any], point: DesignPoint, run_id: str, check: bool, shard: int | None) -> None:
+    from .attention import KERNEL_VERSION
+
     meta = record.get("meta")
     if not isinstance(meta, dict):
         meta = record["meta"] = {}
@@ -1339,6 +1341,7 @@ def _annotate(record: dict[str, Any], point: DesignPoint, run_id: str, check: bo
         default_config=point.default_config,
         checked=check,
     )
+    info.setdefault("kernel_version", KERNEL_VERSION)  # failed lines too: which kernels failed
     meta["split"] = point.split  # traces/README.md: held-out lines say so at the top of meta
     if shard is not None:
         info["gpu_worker"] = shard

@@ -411,6 +411,7 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
             assert r["status"] == "ok" and r["timing"] is not None
         else:
             assert r["status"] == "failed" and r["timing"] is None and r["plan"] is None
+            assert r["meta"]["profiler"]["kernel_version"] == ft.attention.KERNEL_VERSION  # the latency model reads it
             assert r["error"] == (
                 f"RuntimeError: boom at {i}" if i % 3 == 1 else "OutOfResources: shared memory (fake)"
             )
