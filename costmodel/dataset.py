@@ -23,7 +23,7 @@ import numpy as np
 
 from fasttree.attention import KERNEL_VERSION
 from fasttree.config import FastTreeConfig
-from fasttree.runtime_planning import launch_view, plan_for_runtime
+from fasttree.runtime_planning import plan_as_launched
 from fasttree.traces import decode_tree, read_traces, record_launch
 
 from .features import (
@@ -112,8 +112,9 @@ def tree_id(record: dict[str, Any]) -> str:
     w = record["workload"]
     ident = [w["family"], w.get("seed"), w.get("params"), w["tree"], record["num_q_heads"], record["num_kv_heads"]]
     ident += [record["head_dim"], record["dtype"]]
-    if record_launch(record) is not None:
-        ident.append(record_launch(record))
+    launch = record_launch(record)
+    if launch is not None:
+        ident.append(launch)
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -139,8 +140,7 @@ def record_plan(record: dict[str, Any]):
     otherwise the re-planned one is returned (logged at DEBUG).
 
     A measurement of the runtime's launches (``launch`` set) is planned as the runtime plans
-    (:func:`fasttree.runtime_planning.plan_for_runtime`) and returned as the runtime launches it
-    (:func:`~fasttree.runtime_planning.launch_view`).
+    and returned as the runtime launches it (:func:`fasttree.runtime_planning.plan_as_launched`).
     """
     import fasttree as ft
 
@@ -148,11 +148,12 @@ def record_plan(record: dict[str, Any]):
     heads = {k: record[k] for k in ("num_q_heads", "num_kv_heads", "head_dim")}
     launch = record_launch(record)
     if launch is not None:
-        options = {"stage1_launches": launch["stage1_launches"], "query_centric": launch["query_centric"]}
-        plan = plan_for_runtime(*args, **heads, **options)[0]
+        plan = plan_as_launched(
+            *args, **heads, stage1_launches=launch["stage1_launches"], query_centric=launch["query_centric"]
+        )
         if record.get("plan") is not None and not _same_plan(plan, record["plan"]):
             logger.debug("record %s: the runtime's plan differs from its measured one", record.get("key"))
-        return launch_view(plan, args[1], stage1_launches=launch["stage1_launches"])
+        return plan
     plan = ft.plan(*args, **heads)
     measured = record.get("plan")
     if measured is None or _same_plan(plan, measured):
@@ -209,10 +210,10 @@ def _features_chunk(records: list[dict[str, Any]], gpu: dict[str, Any]) -> tuple
         cost[lo : lo + len(plans)] = [published_cost(p) for p in plans]
     X[:, STAGE1_OVERLAP] *= [measured_with_overlap(r) for r in records]
     X[:, KERNEL_VERSION_COLUMN] = [measured_kernel_version(r) for r in records]
-    runtime = np.array([record_launch(r) is not None for r in records], dtype=bool)
+    launched = [record_launch(r) for r in records]
+    runtime = np.array([launch is not None for launch in launched], dtype=bool)
     if runtime.any():
-        launches = [record_launch(r)["stage1_launches"] for r in records if record_launch(r) is not None]
-        X[runtime] = mark_runtime(X[runtime], launches)
+        X[runtime] = mark_runtime(X[runtime], [launch["stage1_launches"] for launch in launched if launch])
     return X, cost
 
 

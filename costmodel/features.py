@@ -108,8 +108,7 @@ def mark_runtime(X: np.ndarray, stage1_launches) -> np.ndarray:
     """Mark feature rows (in place) as plans that the runtime launches; returns ``X``.
 
     The rows must be features of the runtime's view of its plans
-    (:func:`fasttree.runtime_planning.launch_view` of
-    :func:`~fasttree.runtime_planning.plan_for_runtime`). Sets :data:`RUNTIME_COLUMN` to 1, the
+    (:func:`fasttree.runtime_planning.plan_as_launched`). Sets :data:`RUNTIME_COLUMN` to 1, the
     launches to the runtime's (its stage-1 launches and the merge, whatever the plan holds), and
     ``stage1_overlap`` to 0 where two stage-1 launches run one after the other.
 

@@ -22,7 +22,7 @@ from fasttree.config import FastTreeConfig
 from fasttree.plan_arrays import Plan
 from fasttree.planner import plan
 from fasttree.planner import prepare as prepare_tree
-from fasttree.runtime_planning import launch_view, plan_for_runtime, resolve_stage1_launches
+from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.tree import KVTree
 
 from .features import FEATURE_NAMES, features_of_plans, mark_runtime
@@ -78,11 +78,9 @@ def elem_bytes_of(dtype: str) -> int:
 
 def plan_job(job: PlanJob) -> Plan:
     """The :class:`fasttree.plan_arrays.Plan` of one job (``fasttree.plan``), or for a runtime job the
-    runtime's plan with the tile classes it launches (:func:`fasttree.runtime_planning.launch_view`)."""
+    runtime's plan with the tile classes it launches (:func:`fasttree.runtime_planning.plan_as_launched`)."""
     heads = {"num_q_heads": job.num_q_heads, "num_kv_heads": job.num_kv_heads, "head_dim": job.head_dim}
-    if job.runtime:
-        return launch_view(plan_for_runtime(job.tree, job.config, **heads)[0], job.config)
-    return plan(job.tree, job.config, **heads)
+    return (plan_as_launched if job.runtime else plan)(job.tree, job.config, **heads)
 
 
 def _check_gpu(gpu: GpuSpec, model_gpu: GpuSpec | None) -> None:

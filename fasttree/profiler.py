@@ -828,8 +828,8 @@ def _point_plan(point: DesignPoint, tree: KVTree):
         from .runtime_planning import plan_for_runtime
 
         launch = point_launch(point)
-        options = {"stage1_launches": launch["stage1_launches"], "query_centric": launch["query_centric"]}
-        return plan_for_runtime(tree, point.config, **heads, **options)[0]
+        stage1, centric = launch["stage1_launches"], launch["query_centric"]
+        return plan_for_runtime(tree, point.config, **heads, stage1_launches=stage1, query_centric=centric)[0]
     import fasttree as ft
 
     return ft.plan(tree, point.config, **heads)

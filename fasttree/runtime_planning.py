@@ -19,7 +19,7 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
-from .plan_arrays import Plan, TileClass, check_heads
+from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, _tile_class, check_heads
 from .planner import plan as plan_tree
 from .tree import KVTree
 
@@ -29,6 +29,7 @@ __all__ = [
     "QUERY_CENTRIC_GAMMA",
     "launch_slots",
     "launch_view",
+    "plan_as_launched",
     "plan_for_runtime",
     "resolve_stage1_launches",
 ]
@@ -71,16 +72,16 @@ def launch_slots(config: FastTreeConfig, group_size: int, head_dim: int) -> tupl
     """``(block_m, block_n, num_warps, num_stages)`` of the runtime's launch slot 0 (the large tile
     class) and slot 1 (the small one): the config's tiles, whatever a plan's units need.
 
-    ``block_m`` is the tile's queries times ``g`` rounded up to a power of two (at least 16).
+    ``block_m`` is the tile's queries times ``g`` rounded up to a power of two (at least 16), as
+    :func:`fasttree.plan` sizes it.
     """
     q_tiles = config.query_tiles(group_size)
     warps = config.launch_warps(group_size)
     stages = config.launch_stages(group_size, head_dim)
     return tuple(
-        (max(16, 1 << max(0, int(t * group_size - 1).bit_length())), int(config.kv_tile[c]), int(warps[c]),
-         int(stages[c]))
+        (max(_MIN_BLOCK_M, _next_pow2(t * group_size)), int(config.kv_tile[c]), int(warps[c]), int(stages[c]))
         for c, t in enumerate(q_tiles)
-    )  # fmt: skip
+    )
 
 
 def _shares_tokens(tree: KVTree) -> bool:
@@ -175,6 +176,25 @@ def launch_view(plan: Plan, config: FastTreeConfig, *, stage1_launches: int | st
         block_m, block_n, warps, stages = slots[0 if plan.tile_mode == ALL_LARGE else c]
         if launches == 1:
             warps, stages = slots[0][2], slots[0][3]
-        classes.append(TileClass(queries=tc.queries, block_m=block_m, block_n=block_n, split=tc.split,
-                                 num_warps=warps, num_stages=stages, masked=masked))  # fmt: skip
+        classes.append(_tile_class(tc.queries, block_m, block_n, tc.split, warps, stages, masked))
     return replace(plan, tile_classes=tuple(classes), _device_cache={})
+
+
+def plan_as_launched(
+    tree: KVTree,
+    config: FastTreeConfig,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    stage1_launches: int | str = "auto",
+    query_centric: str = "auto",
+) -> Plan:
+    """The runtime's plan of ``tree`` (:func:`plan_for_runtime`) with the tile classes its launches
+    run (:func:`launch_view`): what the latency model is asked about for a runtime step.
+
+    Parameters and errors as :func:`plan_for_runtime`.
+    """
+    heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    plan, _ = plan_for_runtime(tree, config, **heads, stage1_launches=stage1_launches, query_centric=query_centric)
+    return launch_view(plan, config, stage1_launches=stage1_launches)

@@ -42,7 +42,7 @@ from fasttree.config import FastTreeConfig
 from fasttree.costmodel.features import features_of_plans, mark_runtime
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.plan_arrays import check_heads
-from fasttree.runtime_planning import launch_view, plan_for_runtime, resolve_stage1_launches
+from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, encode_tree
 from fasttree.tree import KVTree
 
@@ -341,14 +341,12 @@ class LatencyObjective:
             When the planner rejects ``config`` for a step.
         """
         b = self._bucket
+        make_plan = plan_as_launched if self._runtime else ft.plan
         plans = []
         for s in self._steps:
             heads = {"num_q_heads": s.num_q_heads, "num_kv_heads": s.num_kv_heads, "head_dim": b.head_dim}
             try:
-                if self._runtime:
-                    plans.append(launch_view(plan_for_runtime(s.tree, config, **heads)[0], config))
-                else:
-                    plans.append(ft.plan(s.tree, config, **heads))
+                plans.append(make_plan(s.tree, config, **heads))
             except ValueError as exc:
                 raise PlanningError(f"step {s.label or '?'}: {exc}") from exc
         X = features_of_plans(plans, self._gpu, elem_bytes=b.elem_bytes)
