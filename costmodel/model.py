@@ -7,11 +7,16 @@ is the feature matrix of :mod:`fasttree.costmodel.features` (columns
 :data:`~fasttree.costmodel.features.FEATURE_NAMES`), its target the measured GPU time in
 microseconds; internally it regresses ``log(time)`` (or, for ``kind="residual"``, the log
 ratio of the measured time to the simulator's, the column ``sim_total_us``).
+
+It fits ``n_seeds`` regressors that differ only in their random seed and predicts the
+geometric mean of theirs: with row and feature subsampling one fit's held-out top-1 score
+moved by up to 0.03 with the seed alone (``docs/costmodel_notes.md``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from joblib import Parallel, delayed
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -44,13 +49,19 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         Row fraction per boosting stage.
     max_features : float or None
         Feature fraction tried per split of the boosted kinds (None: all).
+    n_seeds : int
+        Regressors fitted, with seeds ``random_state``, ``random_state + 1``, ...; the
+        prediction is the geometric mean of theirs.
     random_state : int
-        Seed.
+        Seed of the first regressor.
+    n_jobs : int or None
+        Processes that fit the regressors side by side (joblib's convention: None is one
+        unless a ``joblib.parallel_config`` says otherwise, -1 every core).
 
     Attributes
     ----------
-    estimator_ : GradientBoostingRegressor or RandomForestRegressor
-        The fitted regressor.
+    estimators_ : list of GradientBoostingRegressor or RandomForestRegressor
+        The fitted regressors, ``n_seeds`` of them, in seed order.
     n_features_in_ : int
         ``len(FEATURE_NAMES)``.
     """
@@ -65,7 +76,9 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         min_samples_leaf: int = 3,
         subsample: float = 0.5,
         max_features: float | None = 0.5,
+        n_seeds: int = 3,
         random_state: int = 0,
+        n_jobs: int | None = None,
     ) -> None:
         self.kind = kind
         self.n_estimators = n_estimators
@@ -74,17 +87,21 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         self.min_samples_leaf = min_samples_leaf
         self.subsample = subsample
         self.max_features = max_features
+        self.n_seeds = n_seeds
         self.random_state = random_state
+        self.n_jobs = n_jobs
 
-    def _make_estimator(self):
+    def _make_estimator(self, seed: int | None = None):
+        """An unfitted regressor of this kind (``seed``: its random state, default ``random_state``)."""
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}")
+        seed = self.random_state if seed is None else seed
         if self.kind == "forest":
             return RandomForestRegressor(
                 n_estimators=self.n_estimators,
                 max_depth=self.max_depth,
                 min_samples_leaf=self.min_samples_leaf,
-                random_state=self.random_state,
+                random_state=seed,
                 n_jobs=-1,
             )
         return GradientBoostingRegressor(
@@ -94,7 +111,7 @@ class LatencyModel(RegressorMixin, BaseEstimator):
             min_samples_leaf=self.min_samples_leaf,
             subsample=self.subsample,
             max_features=self.max_features,
-            random_state=self.random_state,
+            random_state=seed,
         )
 
     def _baseline(self, X: np.ndarray) -> np.ndarray:
@@ -118,13 +135,32 @@ class LatencyModel(RegressorMixin, BaseEstimator):
             raise ValueError(f"X has {X.shape[1]} feature columns, expected {len(FEATURE_NAMES)} (FEATURE_NAMES)")
         if not np.all(y > 0):
             raise ValueError("y must hold positive times (us)")
-        est = self._make_estimator()
-        est.fit(X, np.log(y) - self._baseline(X))
-        self.estimator_ = est
+        if not isinstance(self.n_seeds, (int, np.integer)) or isinstance(self.n_seeds, bool) or self.n_seeds < 1:
+            raise ValueError(f"n_seeds must be a positive integer, got {self.n_seeds!r}")
+        target = np.log(y) - self._baseline(X)
+        unfitted = [self._make_estimator(self.random_state + i) for i in range(self.n_seeds)]
+        self.estimators_ = Parallel(n_jobs=self.n_jobs)(delayed(_fitted)(est, X, target) for est in unfitted)
         return self
 
     def predict(self, X) -> np.ndarray:
         """Predicted GPU time (us, float [n]) of feature rows ``X`` (float [n, n_features])."""
-        check_is_fitted(self, "estimator_")
+        check_is_fitted(self, "estimators_")
         X = validate_data(self, X, dtype=np.float64, reset=False)
-        return np.exp(self.estimator_.predict(X) + self._baseline(X))
+        log_time = np.mean([est.predict(X) for est in self.estimators_], axis=0)
+        return np.exp(log_time + self._baseline(X))
+
+    def predict_members(self, X) -> np.ndarray:
+        """Each regressor's own predicted GPU time (us, float [n_seeds, n]) of rows ``X`` (float [n, n_features]).
+
+        :meth:`predict` is the geometric mean over the first axis; the spread across it shows
+        how much the seed alone moves a prediction.
+        """
+        check_is_fitted(self, "estimators_")
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        base = self._baseline(X)
+        return np.stack([np.exp(est.predict(X) + base) for est in self.estimators_])
+
+
+def _fitted(estimator, X: np.ndarray, target: np.ndarray):
+    """``estimator`` fitted on ``X`` and ``target`` (a module-level function, so worker processes can run it)."""
+    return estimator.fit(X, target)

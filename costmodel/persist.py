@@ -1,17 +1,21 @@
 """Saving and loading a fitted :class:`~fasttree.costmodel.model.LatencyModel` as JSON (never pickle).
 
-The file holds the estimator (:mod:`fasttree.costmodel.serialize`, validated before
-anything is built) and the metadata that decides whether the model may be used: the GPU
-it was fitted for, the feature schema, the trace set it was fitted on and the library
-versions. :func:`load_model` refuses a model for another GPU or feature schema unless
-``force`` is given.
+The file holds the model's regressors (:mod:`fasttree.costmodel.serialize`, validated
+before anything is built; format version 1 held one, under ``estimator``, and is still
+read) and the metadata that decides whether the model may be used: the GPU it was fitted
+for, the feature schema, the trace set it was fitted on and the library versions. A path
+ending in ``.gz`` is written gzip-compressed (the shipped model); reading recognises the
+compression by its magic bytes. :func:`load_model` refuses a model for another GPU or
+feature schema unless ``force`` is given.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,9 @@ from .serialize import estimator_from_dict, estimator_to_dict
 __all__ = ["MODEL_FORMAT", "MODEL_FORMAT_VERSION", "ModelFileError", "load_model", "save_model"]
 
 MODEL_FORMAT = "fasttree-latency-model"
-MODEL_FORMAT_VERSION = 1
+MODEL_FORMAT_VERSION = 2
+#: Format versions :func:`load_model` reads (1: a single regressor under ``estimator``).
+READABLE_FORMAT_VERSIONS = (1, 2)
 #: Largest model file read (bytes).
 MAX_MODEL_BYTES = 2 * 2**30
 
@@ -53,7 +59,7 @@ def save_model(
     Parameters
     ----------
     path : str or PathLike
-        Destination file (conventionally ``*.json``).
+        Destination file (conventionally ``*.json``, or ``*.json.gz`` to compress it).
     model : LatencyModel
         A fitted model.
     gpu : GpuSpec
@@ -72,12 +78,12 @@ def save_model(
     Returns
     -------
     dict
-        The metadata written (everything but the estimator).
+        The metadata written (everything but the regressors).
     """
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; choose another path or overwrite it explicitly")
-    if not hasattr(model, "estimator_"):
+    if not hasattr(model, "estimators_"):
         raise ValueError("the model is not fitted")
     import sklearn
 
@@ -93,9 +99,30 @@ def save_model(
         "model_params": model.get_params(),
         "extra": extra or {},
     }
-    doc = {**meta, "estimator": estimator_to_dict(model.estimator_)}
-    write_atomic(path, json.dumps(doc, sort_keys=True, allow_nan=False) + "\n")
+    doc = {**meta, "estimators": [estimator_to_dict(est) for est in model.estimators_]}
+    text = (json.dumps(doc, sort_keys=True, allow_nan=False) + "\n").encode()
+    write_atomic(path, gzip.compress(text, mtime=0) if path.suffix == ".gz" else text)
     return meta
+
+
+def _read_document_bytes(path: Path) -> bytes:
+    """The JSON bytes of a model file, gunzipped when it is compressed; refuses more than ``MAX_MODEL_BYTES``."""
+    size = path.stat().st_size
+    if size > MAX_MODEL_BYTES:
+        raise ModelFileError(f"{path}: {size} bytes, larger than any model this library writes")
+    raw = path.read_bytes()
+    if not raw.startswith(b"\x1f\x8b"):
+        return raw
+    inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        text = inflate.decompress(raw, MAX_MODEL_BYTES + 1)
+    except zlib.error as exc:
+        raise ModelFileError(f"{path}: a damaged gzip file ({exc})") from None
+    if len(text) > MAX_MODEL_BYTES:
+        raise ModelFileError(f"{path}: uncompresses to more than {MAX_MODEL_BYTES} bytes, larger than any model")
+    if not inflate.eof:
+        raise ModelFileError(f"{path}: a truncated gzip file")
+    return text
 
 
 def load_model(
@@ -117,7 +144,7 @@ def load_model(
     model : LatencyModel
         Fitted, ready to predict.
     meta : dict
-        The file's metadata (everything but the estimator).
+        The file's metadata (everything but the regressors).
 
     Raises
     ------
@@ -126,20 +153,18 @@ def load_model(
         feature schema.
     """
     path = Path(path)
-    size = path.stat().st_size
-    if size > MAX_MODEL_BYTES:
-        raise ModelFileError(f"{path}: {size} bytes, larger than any model this library writes")
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(_read_document_bytes(path))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ModelFileError(f"{path}: not a JSON model file ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
         raise ModelFileError(f"{path}: not a {MODEL_FORMAT} file")
-    if doc.get("format_version") != MODEL_FORMAT_VERSION:
+    version = doc.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
         raise ModelFileError(
-            f"{path}: model format version {doc.get('format_version')!r}, this library reads {MODEL_FORMAT_VERSION}"
+            f"{path}: model format version {version!r}, this library reads {list(READABLE_FORMAT_VERSIONS)}"
         )
-    meta = {k: v for k, v in doc.items() if k != "estimator"}
+    meta = {k: v for k, v in doc.items() if k not in ("estimator", "estimators")}
     problems = []
     if doc.get("feature_schema_version") != FEATURE_SCHEMA_VERSION or doc.get("feature_names") != list(FEATURE_NAMES):
         problems.append(
@@ -157,16 +182,28 @@ def load_model(
     params = doc.get("model_params")
     if not isinstance(params, dict):
         raise ModelFileError(f"{path}: model_params must be an object")
+    if version == 1:  # one regressor, written before LatencyModel had n_seeds
+        params, stored = {**params, "n_seeds": 1}, [doc.get("estimator")]
+    else:
+        stored = doc.get("estimators")
+        if not isinstance(stored, list) or not stored:
+            raise ModelFileError(f"{path}: estimators must be a non-empty list")
     try:
         model = LatencyModel(**params)
-        estimator = estimator_from_dict(doc.get("estimator"))
+        expected = type(model._make_estimator())
+        estimators = [estimator_from_dict(d) for d in stored]
     except (TypeError, ValueError) as exc:
         raise ModelFileError(f"{path}: {exc}") from None
-    expected = type(model._make_estimator())
-    if type(estimator) is not expected:
-        raise ModelFileError(f"{path}: a {params.get('kind')!r} model holds a {type(estimator).__name__}")
-    if estimator.n_features_in_ != len(FEATURE_NAMES) and not force:
-        raise ModelFileError(f"{path}: the estimator takes {estimator.n_features_in_} features")
-    model.estimator_ = estimator
-    model.n_features_in_ = estimator.n_features_in_
+    if len(estimators) != model.n_seeds:
+        raise ModelFileError(f"{path}: n_seeds is {model.n_seeds!r} but the file holds {len(estimators)} regressors")
+    for i, estimator in enumerate(estimators):
+        if type(estimator) is not expected:
+            kind, held = params.get("kind"), type(estimator).__name__
+            raise ModelFileError(f"{path}: a {kind!r} model holds a {held} (regressor {i})")
+        if estimator.n_features_in_ != estimators[0].n_features_in_:
+            raise ModelFileError(f"{path}: its regressors take different numbers of features")
+    if estimators[0].n_features_in_ != len(FEATURE_NAMES) and not force:
+        raise ModelFileError(f"{path}: the regressors take {estimators[0].n_features_in_} features")
+    model.estimators_ = estimators
+    model.n_features_in_ = estimators[0].n_features_in_
     return model, meta

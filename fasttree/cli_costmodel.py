@@ -48,7 +48,17 @@ def _model_options() -> argparse.ArgumentParser:
     g.add_argument("--kind", choices=("gbrt", "forest", "residual"), default="gbrt", help="regressor (default gbrt)")
     g.add_argument("--n-estimators", type=_at_least(1), default=400, metavar="N", help="trees (default 400)")
     g.add_argument("--max-depth", type=_at_least(1), default=7, metavar="D", help="tree depth (default 7)")
-    g.add_argument("--seed", type=_at_least(0), default=0, help="random seed (default 0)")
+    g.add_argument(
+        "--n-seeds",
+        type=_at_least(1),
+        default=3,
+        metavar="N",
+        help="regressors fitted with seeds SEED, SEED+1, ...; predictions are their geometric mean (default 3)",
+    )
+    g.add_argument("--seed", type=_at_least(0), default=0, help="random seed of the first regressor (default 0)")
+    g.add_argument(
+        "--jobs", type=_at_least(1), default=1, metavar="N", help="processes fitting the regressors (default 1)"
+    )
     return p
 
 
@@ -62,7 +72,9 @@ def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> N
         "feature schema, trace-set hash, library versions) as JSON.",
         parents=[*common, _trace_inputs(), _model_options()],
     )
-    f.add_argument("-o", "--out", required=True, metavar="MODEL", help="model file to write (.json)")
+    f.add_argument(
+        "-o", "--out", required=True, metavar="MODEL", help="model file to write (.json, or .json.gz compressed)"
+    )
     f.add_argument("--overwrite", action="store_true", help="replace MODEL if it exists")
     f.set_defaults(func=_cmd_fit, subparser=f)
 
@@ -99,7 +111,12 @@ def _make_model(args: argparse.Namespace):
     from fasttree.costmodel.model import LatencyModel
 
     return LatencyModel(
-        kind=args.kind, n_estimators=args.n_estimators, max_depth=args.max_depth, random_state=args.seed
+        kind=args.kind,
+        n_estimators=args.n_estimators,
+        max_depth=args.max_depth,
+        n_seeds=args.n_seeds,
+        random_state=args.seed,
+        n_jobs=args.jobs,
     )
 
 

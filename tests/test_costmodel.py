@@ -186,15 +186,30 @@ def test_latency_model_is_a_scikit_learn_estimator():
     with pytest.raises(NotFittedError):
         m.predict(np.ones((1, len(FEATURE_NAMES))))
     X, y, _ = synthetic(120)
-    assert m.fit(X, y) is m and hasattr(m, "estimator_") and m.n_features_in_ == len(FEATURE_NAMES)
+    assert m.fit(X, y) is m and len(m.estimators_) == m.n_seeds == 3 and m.n_features_in_ == len(FEATURE_NAMES)
     with pytest.raises(ValueError, match="feature columns"):
         LatencyModel(n_estimators=5).fit(X[:, :10], y)
     with pytest.raises(ValueError, match="positive times"):
         LatencyModel(n_estimators=5).fit(X, -y)
     with pytest.raises(ValueError, match="kind must be one of"):
         LatencyModel(kind="oracle").fit(X, y)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="n_seeds must be a positive integer"):
+            LatencyModel(n_estimators=5, n_seeds=bad).fit(X, y)
     with pytest.raises(ValueError, match="features"):
         m.predict(X[:, :10])
+
+
+@pytest.mark.parametrize("n_jobs", [None, 2])
+def test_seed_ensemble_predicts_the_geometric_mean_of_its_members(n_jobs):
+    X, y, _ = synthetic(160, seed=3)
+    m = LatencyModel(n_estimators=12, max_depth=3, n_seeds=3, random_state=5, n_jobs=n_jobs).fit(X, y)
+    assert [est.random_state for est in m.estimators_] == [5, 6, 7]
+    members = [LatencyModel(n_estimators=12, max_depth=3, n_seeds=1, random_state=s).fit(X, y) for s in (5, 6, 7)]
+    alone = np.stack([mm.predict(X) for mm in members])
+    assert not np.allclose(alone[0], alone[1]), "the seeds should give different fits (subsample 0.5)"
+    np.testing.assert_allclose(m.predict(X), np.exp(np.log(alone).mean(axis=0)), rtol=1e-12)
+    np.testing.assert_allclose(m.predict_members(X), alone, rtol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["gbrt", "forest", "residual"])
@@ -326,7 +341,10 @@ def test_saved_model_predicts_the_same_and_carries_its_metadata(tmp_path):
     doc = json.loads(path.read_text())
     for change, match in [
         ({"feature_schema_version": 99}, "feature schema 99"),
-        ({"format_version": 2}, "format version 2"),
+        ({"format_version": 3}, "format version 3"),
+        ({"format_version": True}, "format version True"),
+        ({"model_params": {"kind": "gbrt", "n_seeds": 2}}, "n_seeds is 2 but the file holds 3 regressors"),
+        ({"estimators": []}, "estimators must be a non-empty list"),
         ({"format": "pickle"}, "not a fasttree-latency-model file"),
         ({"model_params": {"kind": "forest", "n_estimators": 15}}, "holds a GradientBoostingRegressor"),
         ({"model_params": {"kind": "gbrt", "warp": 1}}, "unexpected keyword"),
@@ -338,8 +356,60 @@ def test_saved_model_predicts_the_same_and_carries_its_metadata(tmp_path):
     bad.write_text("{torn")
     with pytest.raises(ModelFileError, match="not a JSON model file"):
         load_model(bad)
+    # a format-1 file (one regressor under "estimator", no n_seeds) is still read, as a one-seed model
+    one = LatencyModel(kind="gbrt", n_estimators=15, max_depth=3, n_seeds=1).fit(X, y)
+    doc1 = json.loads(save_model_text(tmp_path / "one.json", one))
+    params1 = {k: v for k, v in doc1["model_params"].items() if k not in ("n_seeds", "n_jobs")}
+    v1 = {**doc1, "format_version": 1, "model_params": params1, "estimator": doc1.pop("estimators")[0]}
+    (tmp_path / "v1.json").write_text(json.dumps({k: v for k, v in v1.items() if k != "estimators"}))
+    old, _ = load_model(tmp_path / "v1.json")
+    assert old.n_seeds == 1 and np.array_equal(old.predict(X), one.predict(X))
     with pytest.raises(ValueError, match="not fitted"):
         save_model(tmp_path / "u.json", LatencyModel(), gpu=H200, trace_hash="x", trace_rows=0)
+
+
+def save_model_text(path, model) -> str:
+    from fasttree.costmodel.persist import save_model
+
+    save_model(path, model, gpu=H200, trace_hash="cd" * 32, trace_rows=1)
+    return path.read_text()
+
+
+def test_a_gz_model_file_is_compressed_and_read_back_and_a_bad_one_refused(tmp_path):
+    import gzip
+
+    from fasttree.costmodel.persist import ModelFileError, load_model, save_model
+
+    X, y, _ = synthetic(120, seed=4)
+    m = LatencyModel(n_estimators=10, max_depth=3, n_seeds=2).fit(X, y)
+    gz, plain = tmp_path / "m.json.gz", tmp_path / "m.json"
+    save_model(gz, m, gpu=H200, trace_hash="ef" * 32, trace_rows=120)
+    save_model(plain, m, gpu=H200, trace_hash="ef" * 32, trace_rows=120)
+    raw = gz.read_bytes()
+    assert raw[:2] == b"\x1f\x8b" and len(raw) < plain.stat().st_size / 2
+    assert json.loads(gzip.decompress(raw))["estimators"] == json.loads(plain.read_text())["estimators"]
+    loaded, meta = load_model(gz)
+    assert np.array_equal(loaded.predict(X), m.predict(X)) and meta["trace_set"]["rows"] == 120
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ModelFileError, match="truncated gzip"):
+        load_model(bad)
+    bad.write_bytes(raw[:10] + b"\x00" * 40)
+    with pytest.raises(ModelFileError, match="damaged gzip"):
+        load_model(bad)
+
+
+def test_a_gz_model_that_inflates_past_the_size_limit_is_refused(tmp_path, monkeypatch):
+    import gzip
+
+    from fasttree.costmodel import persist
+
+    monkeypatch.setattr(persist, "MAX_MODEL_BYTES", 10_000)
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b" " * 1_000_000))
+    assert bomb.stat().st_size < 10_000
+    with pytest.raises(persist.ModelFileError, match="uncompresses to more than 10000 bytes"):
+        persist.load_model(bomb)
 
 
 # ------------------------------------------------------------------ CLI (the real entry point)
