@@ -57,7 +57,11 @@ def _model_options() -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=_at_least(0), default=0, help="random seed of the first regressor (default 0)")
     g.add_argument(
-        "--jobs", type=_at_least(1), default=1, metavar="N", help="processes fitting the regressors (default 1)"
+        "--jobs",
+        type=_at_least(1),
+        default=None,
+        metavar="N",
+        help="processes fitting the regressors side by side (default: every core)",
     )
     return p
 
@@ -116,7 +120,7 @@ def _make_model(args: argparse.Namespace):
         max_depth=args.max_depth,
         n_seeds=args.n_seeds,
         random_state=args.seed,
-        n_jobs=args.jobs,
+        n_jobs=-1 if args.jobs is None else args.jobs,
     )
 
 

@@ -436,7 +436,7 @@ def _fit_model(args: argparse.Namespace, path: Path) -> None:
     except (ValueError, OSError) as exc:
         args.subparser.error(f"--traces {args.traces}: {exc}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fit_s, _ = fit_and_save(LatencyModel(), data, path, trace_paths=[str(args.traces)], overwrite=True)
+    fit_s, _ = fit_and_save(LatencyModel(n_jobs=-1), data, path, trace_paths=[str(args.traces)], overwrite=True)
     print(f"fitted {path} on {len(data)} measurements in {fit_s:.0f} s")
 
 
