@@ -678,3 +678,17 @@ def test_every_shipped_trace_names_the_kernels_it_timed():
                 unnamed.add(str(r["env"].get("git_commit")))
     assert n > 40_000
     assert not unnamed, f"commits missing from KERNEL_VERSION_OF_COMMIT: {sorted(unnamed)}"
+
+
+def test_fit_time_bench_times_the_shipped_ensemble_and_one_seed(trace_file, tmp_path, capsys):
+    from bench.costmodel_fit_time import main
+
+    argv = ["--traces", str(trace_file), "--rows", "120", "--jobs", "1", "--out", str(tmp_path), "--label", "t"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "costmodel_fit_time_t.json").read_text())
+    assert report["rows"] == 120 and len(report["fit_seconds"]) == 2
+    assert all(s > 0 for s in report["fit_seconds"].values())
+    assert "gbrt, 1 seed" in (tmp_path / "costmodel_fit_time_t.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--traces", str(trace_file), "--rows", "161", "--out", str(tmp_path)])
+    assert "the traces hold 160 measurements" in capsys.readouterr().err
