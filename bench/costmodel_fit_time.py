@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows {args.rows}: the traces hold {len(data)} measurements")
     rows = np.random.default_rng(0).choice(len(data), size=args.rows, replace=False)
     X, y = data.X[rows], data.y_us[rows]
+    shipped = LatencyModel(n_jobs=args.jobs)
     settings = {
-        f"gbrt, 3 seeds, {args.jobs} processes (shipped)": LatencyModel(n_jobs=args.jobs),
+        f"gbrt, {shipped.n_seeds} seeds, {args.jobs} processes (shipped)": shipped,
         "gbrt, 1 seed": LatencyModel(n_seeds=1),
     }
     results = {}

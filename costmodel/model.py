@@ -144,10 +144,8 @@ class LatencyModel(RegressorMixin, BaseEstimator):
 
     def predict(self, X) -> np.ndarray:
         """Predicted GPU time (us, float [n]) of feature rows ``X`` (float [n, n_features])."""
-        check_is_fitted(self, "estimators_")
-        X = validate_data(self, X, dtype=np.float64, reset=False)
-        log_time = np.mean([est.predict(X) for est in self.estimators_], axis=0)
-        return np.exp(log_time + self._baseline(X))
+        log_times, base = self._member_log_times(X)
+        return np.exp(log_times.mean(axis=0) + base)
 
     def predict_members(self, X) -> np.ndarray:
         """Each regressor's own predicted GPU time (us, float [n_seeds, n]) of rows ``X`` (float [n, n_features]).
@@ -155,10 +153,14 @@ class LatencyModel(RegressorMixin, BaseEstimator):
         :meth:`predict` is the geometric mean over the first axis; the spread across it shows
         how much the seed alone moves a prediction.
         """
+        log_times, base = self._member_log_times(X)
+        return np.exp(log_times + base)
+
+    def _member_log_times(self, X) -> tuple[np.ndarray, np.ndarray]:
+        """Each regressor's log-time output (float [n_seeds, n]) and the baseline it is relative to (float [n])."""
         check_is_fitted(self, "estimators_")
         X = validate_data(self, X, dtype=np.float64, reset=False)
-        base = self._baseline(X)
-        return np.stack([np.exp(est.predict(X) + base) for est in self.estimators_])
+        return np.stack([est.predict(X) for est in self.estimators_]), self._baseline(X)
 
 
 def _fitted(estimator, X: np.ndarray, target: np.ndarray):

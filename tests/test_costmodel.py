@@ -359,9 +359,10 @@ def test_saved_model_predicts_the_same_and_carries_its_metadata(tmp_path):
     # a format-1 file (one regressor under "estimator", no n_seeds) is still read, as a one-seed model
     one = LatencyModel(kind="gbrt", n_estimators=15, max_depth=3, n_seeds=1).fit(X, y)
     doc1 = json.loads(save_model_text(tmp_path / "one.json", one))
-    params1 = {k: v for k, v in doc1["model_params"].items() if k not in ("n_seeds", "n_jobs")}
-    v1 = {**doc1, "format_version": 1, "model_params": params1, "estimator": doc1.pop("estimators")[0]}
-    (tmp_path / "v1.json").write_text(json.dumps({k: v for k, v in v1.items() if k != "estimators"}))
+    v1 = {k: v for k, v in doc1.items() if k != "estimators"}
+    v1["format_version"], v1["estimator"] = 1, doc1["estimators"][0]
+    v1["model_params"] = {k: v for k, v in doc1["model_params"].items() if k not in ("n_seeds", "n_jobs")}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
     old, _ = load_model(tmp_path / "v1.json")
     assert old.n_seeds == 1 and np.array_equal(old.predict(X), one.predict(X))
     with pytest.raises(ValueError, match="not fitted"):
