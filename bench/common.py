@@ -17,8 +17,8 @@ import torch
 
 import fasttree
 from fasttree.fileio import write_atomic
-from fasttree.profiler import git_commit
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.profiler import git_commit
+from fasttree.toolkit.timing import graph_time_us
 
 ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
 #: ``--dtype`` choices of the GPU benchmarks.

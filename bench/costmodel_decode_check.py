@@ -42,7 +42,7 @@ from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.runtime_planning import launch_view, resolve_stage1_launches
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.workloads import iter_serving
 
 log = logging.getLogger("bench.costmodel_decode_check")
 

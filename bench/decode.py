@@ -3,7 +3,7 @@
 A Llama-2-7B-shaped decoder (hidden 4096, 32 query and 32 KV heads of 128, SwiGLU MLP
 11008, RMSNorm, vocab 32000) and a Mistral-7B-shaped GQA-4 one (8 KV heads, MLP 14336),
 with random fp16 weights (``N(0, 1) / sqrt(fan_in)``, so activations stay finite) and
-RoPE, decode the batches of :func:`fasttree.workloads.iter_serving`: every step's KV tree
+RoPE, decode the batches of :func:`fasttree.toolkit.workloads.iter_serving`: every step's KV tree
 is one decode batch (its queries are the active requests, one new token each). One step:
 embed the tokens; per layer RMSNorm, fused QKV projection, RoPE, write the new token's K
 and V into the layer's pools ``[pool_slots + 1, Hkv, D]`` at each request's write slot
@@ -104,7 +104,7 @@ from bench.common import DTYPES, HBM_BYTES_PER_S, TOL, environment, write_atomic
 from fasttree.config import FastTreeConfig
 from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.workloads import SCENARIOS, iter_serving
+from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.decode")
 
@@ -322,7 +322,7 @@ def as_new_tree(tree: ft.KVTree) -> ft.KVTree:
 
 
 def stable_slot_trees(served: list) -> list[ft.KVTree]:
-    """The trees of ``served`` (:class:`fasttree.workloads.ServingStep`) with every node's tokens
+    """The trees of ``served`` (:class:`fasttree.toolkit.workloads.ServingStep`) with every node's tokens
     kept at fixed pool slots across steps, as a server's token allocator keeps them.
 
     A node (by ``node_ids``) keeps the slots it was given while it appears in the trees; its new
@@ -363,7 +363,7 @@ def make_workload(
     Parameters
     ----------
     scenario : str
-        A key of :data:`fasttree.workloads.SCENARIOS`.
+        A key of :data:`fasttree.toolkit.workloads.SCENARIOS`.
     seed : int
     warmup, steps : int
     max_batch : int, optional

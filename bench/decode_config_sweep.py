@@ -28,9 +28,9 @@ import torch
 import fasttree as ft
 from bench.common import write_atomic
 from fasttree.export import read_export
-from fasttree.refine import RuntimeBench
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.refine import RuntimeBench
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 MODELS = {"llama": (32, 32), "mistral": (32, 8)}
 HEAD_DIM = 128

@@ -37,10 +37,10 @@ import torch
 import fasttree as ft
 from bench.common import environment, write_atomic
 from fasttree.export import read_export
-from fasttree.profiler import TOLERANCE
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.profiler import TOLERANCE
+from fasttree.toolkit.timing import graph_time_us
 from fasttree.traces import decode_tree, read_traces
-from fasttree.validate import workload_steps
+from fasttree.toolkit.validate import workload_steps
 
 log = logging.getLogger("bench.grid")
 

@@ -16,7 +16,7 @@ import torch
 
 import fasttree as ft
 from fasttree import attention
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 
 def per_call_us(fn, n: int = 2000) -> float:

@@ -1,7 +1,7 @@
 """Host time of one serving decode step's plan: ``TreeAttentionRuntime.plan`` and ``fasttree.plan``.
 
 For the serving scenarios ``few_shot``, ``chain_reasoning``, ``multi_document_qa`` and
-``multi_level_system_prompts`` (the trees of ``fasttree.workloads.iter_serving(scenario,
+``multi_level_system_prompts`` (the trees of ``fasttree.toolkit.workloads.iter_serving(scenario,
 seed=0, steps=51)``, the first 3 skipped) and the head shapes ``(Hq, Hkv, D)`` =
 ``(32, 32, 128)`` and ``(32, 8, 128)``, this script times
 
@@ -34,7 +34,7 @@ import torch
 import fasttree
 from bench.common import environment, write_atomic
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.workloads import iter_serving
 
 SCENARIOS = ("few_shot", "chain_reasoning", "multi_document_qa", "multi_level_system_prompts")
 HEADS = ((32, 32, 128), (32, 8, 128))

@@ -1,7 +1,7 @@
 """Host planning time of :func:`fasttree.plan` on the FastTree paper suite.
 
-For every paper-suite tree (``fasttree.suite.PAPER_SUITE``, 15 cases) crossed with every head
-setting (``fasttree.suite.PAPER_HEADS``: mha 32/32, gqa4 32/8, gqa16 16/1), head_dim 128 and the
+For every paper-suite tree (``fasttree.toolkit.suite.PAPER_SUITE``, 15 cases) crossed with every head
+setting (``fasttree.toolkit.suite.PAPER_HEADS``: mha 32/32, gqa4 32/8, gqa16 16/1), head_dim 128 and the
 default :class:`fasttree.FastTreeConfig`, this script
 
 * builds the tree once with ``paper_tree(case)`` and times that build ("tree_ms"),
@@ -32,7 +32,7 @@ import numpy as np
 
 import fasttree
 from bench.common import anchor_rows, environment, write_atomic
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
 log = logging.getLogger("bench.plan_time")
 

@@ -4,7 +4,7 @@ such as Nsight Compute::
     ncu --clock-control none -k regex:tree_attention python -m bench.run_case --case 10 --heads mha
     ncu --clock-control none -k regex:tree_attention python -m bench.run_case --scenario multi_document_qa --step 25
 
-A serving step (``fasttree.workloads.iter_serving(scenario, seed=0)``) is planned with the
+A serving step (``fasttree.toolkit.workloads.iter_serving(scenario, seed=0)``) is planned with the
 config ``--export`` gives its heads (the refined export by default), as the decode benchmark's
 runtime is.
 """
@@ -17,8 +17,8 @@ import torch
 
 import fasttree as ft
 from fasttree.export import read_export
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.workloads import SCENARIOS, iter_serving
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 
 def main(argv: list[str] | None = None) -> int:

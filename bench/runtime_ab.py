@@ -24,8 +24,8 @@ import torch
 import fasttree as ft
 from bench.common import TOL, environment, write_atomic
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.timing import graph_time_us
 
 log = logging.getLogger("bench.runtime_ab")
 HEAD_DIM = 128

@@ -21,8 +21,8 @@ import torch
 
 import fasttree as ft
 from bench.common import environment, write_atomic
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import graph_time_us
 
 log = logging.getLogger("bench.sweep")
 

@@ -7,10 +7,10 @@ each model shape it starts from the export's entry for that bucket and runs a co
 search over the config fields, timing :class:`fasttree.runtime.TreeAttentionRuntime` by
 CUDA-graph replay on trees of the serving scenarios, and writes a new export whose entries
 carry the measured gain in their provenance. Entries of other buckets are copied unchanged.
-The search and the measurement are :mod:`fasttree.refine`'s (``fasttree-tune refine`` runs
+The search and the measurement are :mod:`fasttree.toolkit.refine`'s (``fasttree-tune refine`` runs
 them on workload traces); this script feeds them the serving scenarios' trees.
 
-The trees come from :func:`fasttree.workloads.iter_serving` with ``--seed`` (default 1),
+The trees come from :func:`fasttree.toolkit.workloads.iter_serving` with ``--seed`` (default 1),
 so a search does not see the trees of the decode benchmark (``bench.decode`` uses seed 0).
 
 Objective: the geometric mean over scenarios of (summed time of the scenario's trees) /
@@ -35,8 +35,8 @@ import fasttree as ft
 from bench.common import environment
 from bench.decode import MODELS
 from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
-from fasttree.refine import RuntimeBench, Timer, coordinate_search, parse_fields, search_provenance
-from fasttree.workloads import SCENARIOS, iter_serving
+from fasttree.toolkit.refine import RuntimeBench, Timer, coordinate_search, parse_fields, search_provenance
+from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.tune_measured")
 

@@ -11,7 +11,7 @@ Quick use::
 from .adapter import tree_from_radix_nodes, tree_from_req_to_token, tree_from_token_slots
 from .attention import plan_query_separated, query_separated_attention, tree_attention
 from .config import FastTreeConfig
-from .export import ConfigExport, ExportEntry, read_export, write_export
+from .export import ConfigExport, ExportEntry, config_from_export, read_export, write_export
 from .plan_arrays import DevicePlan, Plan
 from .plan_extend import PlanExtender
 from .planner import Groups, build_groups, greedy_edge_assignment, plan
@@ -35,6 +35,7 @@ __all__ = [
     "TreeAttentionRuntime",
     "WorkloadRecorder",
     "build_groups",
+    "config_from_export",
     "greedy_edge_assignment",
     "max_relative_error",
     "plan",

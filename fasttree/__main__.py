@@ -13,7 +13,7 @@ import time
 import torch
 
 import fasttree as ft
-from fasttree.suite import PAPER_SUITE, paper_tree
+from fasttree.toolkit.suite import PAPER_SUITE, paper_tree
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}

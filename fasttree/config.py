@@ -273,60 +273,6 @@ class FastTreeConfig:
             raise ValueError(f"FastTreeConfig JSON is malformed: {exc}") from None
         return cls.from_dict(data)
 
-    @classmethod
-    def from_export(
-        cls,
-        path: str | os.PathLike,
-        *,
-        gpu: str,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: Any,
-    ) -> FastTreeConfig:
-        """Load the tuned config of a GPU and attention shape from a tuner export.
-
-        Reads and validates the whole file (:func:`fasttree.export.read_export`), then
-        looks up the entry of ``gpu`` and the bucket ``(num_q_heads // num_kv_heads,
-        head_dim, dtype)``. A GPU or bucket the file does not hold gives the defaults,
-        ``FastTreeConfig()`` (logged at INFO). See ``docs/export.md``.
-
-        Parameters
-        ----------
-        path : str or PathLike
-            The export file (JSON written by :func:`fasttree.export.write_export`).
-        gpu : str
-            The GPU's name as ``torch.cuda.get_device_name()`` reports it; matched exactly.
-        num_q_heads : int
-            Query heads; a positive multiple of ``num_kv_heads``.
-        num_kv_heads : int
-            KV heads.
-        head_dim : int
-            Head dimension, in [16, 256].
-        dtype : str or torch.dtype
-            ``"float16"`` or ``"bfloat16"``, or the matching ``torch.dtype``.
-
-        Returns
-        -------
-        FastTreeConfig
-            The tuned config, or the defaults when the file has no entry for this GPU
-            and bucket.
-
-        Raises
-        ------
-        ValueError
-            On invalid head counts, head dim or dtype, or a malformed or invalid file.
-        FileNotFoundError
-            When ``path`` does not exist.
-        """
-        from .export import bucket_key, read_export
-
-        bucket_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-        config, _ = read_export(path).lookup(
-            gpu=gpu, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
-        )
-        return config
-
 
 def _int_pair(name: str, value: Any) -> tuple[int, int]:
     try:

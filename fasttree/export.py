@@ -1,7 +1,7 @@
 """The tuned-config export: per GPU and bucket, the :class:`~fasttree.FastTreeConfig` to serve with.
 
 The tuner writes one JSON file (:func:`write_export`); serving code reads it
-(:func:`read_export`, or :meth:`fasttree.FastTreeConfig.from_export`) and looks up the
+(:func:`read_export`, or :func:`config_from_export`) and looks up the
 entry of its GPU and *bucket*. A bucket is ``(group_size, head_dim, dtype)`` with
 ``group_size = num_q_heads // num_kv_heads`` (the GQA ratio) and ``dtype`` a string such
 as ``"float16"``. A GPU or bucket the file does not hold falls back to the defaults,
@@ -536,3 +536,54 @@ def read_export(path: str | os.PathLike) -> ConfigExport:
         return ConfigExport.from_dict(data)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def config_from_export(
+    path: str | os.PathLike,
+    *,
+    gpu: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+) -> FastTreeConfig:
+    """Load the tuned config of a GPU and attention shape from a tuner export.
+
+    Reads and validates the whole file (:func:`fasttree.export.read_export`), then
+    looks up the entry of ``gpu`` and the bucket ``(num_q_heads // num_kv_heads,
+    head_dim, dtype)``. A GPU or bucket the file does not hold gives the defaults,
+    ``FastTreeConfig()`` (logged at INFO). See ``docs/export.md``.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        The export file (JSON written by :func:`fasttree.export.write_export`).
+    gpu : str
+        The GPU's name as ``torch.cuda.get_device_name()`` reports it; matched exactly.
+    num_q_heads : int
+        Query heads; a positive multiple of ``num_kv_heads``.
+    num_kv_heads : int
+        KV heads.
+    head_dim : int
+        Head dimension, in [16, 256].
+    dtype : str or torch.dtype
+        ``"float16"`` or ``"bfloat16"``, or the matching ``torch.dtype``.
+
+    Returns
+    -------
+    FastTreeConfig
+        The tuned config, or the defaults when the file has no entry for this GPU
+        and bucket.
+
+    Raises
+    ------
+    ValueError
+        On invalid head counts, head dim or dtype, or a malformed or invalid file.
+    FileNotFoundError
+        When ``path`` does not exist.
+    """
+    bucket_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    config, _ = read_export(path).lookup(
+        gpu=gpu, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    return config

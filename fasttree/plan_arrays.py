@@ -26,7 +26,7 @@ from .tree import arange_view, exclusive_sum, stable_argsort
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .planner import Groups
+    from .groups import Groups
 
 #: int32 arrays shipped to the device, in packing order.
 DEVICE_ARRAYS = (
@@ -222,7 +222,7 @@ class Plan:
     max_slot : int
         Largest KV-pool slot read; the pool must have more slots.
     kv_indices : ndarray, int32 [n_kv_entries]
-        Pool slots the units' KV ranges index (see :class:`fasttree.planner.Groups`),
+        Pool slots the units' KV ranges index (see :class:`fasttree.groups.Groups`),
         followed by the packed units' slots.
     kv_row_mask : ndarray, int32 [n_kv_entries] or [0]
         Bit ``p`` of entry ``e``: the unit's query at pair position ``p`` attends entry

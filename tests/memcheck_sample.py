@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from trees import random_tree
 
 import fasttree as ft
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 
 def run(tree, hq, hkv, d, dtype, config=None, query_separated=False) -> float:

@@ -14,7 +14,7 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import attention
 from fasttree.plan_arrays import TileClass
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -600,7 +600,7 @@ def test_mha_plan_with_wide_units_kept_whole_is_correct(levels, tokens, dtype, d
 def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     # documents with a few questions each: packing's blocks end at a document's last question, so
     # no document is read by two bins (fewer KV reads than the fixed blocks of the same plan)
-    from fasttree.workloads import multi_document
+    from fasttree.toolkit.workloads import multi_document
 
     rng = np.random.default_rng(seed)
     tree = multi_document(rng, n_documents=4, doc_tokens=(40, 120), questions_per_doc=(2, 6), question_tokens=(2, 12))

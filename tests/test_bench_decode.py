@@ -175,7 +175,7 @@ def test_stable_slots_keep_every_node_at_its_slots():
     """--slots stable: the trees of the contiguous layout, with a node's old tokens at the same
     slots in every later step, no slot used twice in a step, and freed slots reused."""
     from fasttree.plan_extend import PlanExtender
-    from fasttree.workloads import iter_serving
+    from fasttree.toolkit.workloads import iter_serving
 
     served = list(iter_serving("chain_reasoning", seed=0, steps=40))
     trees = decode.stable_slot_trees(served)
@@ -203,7 +203,7 @@ def test_stable_slots_keep_every_node_at_its_slots():
 
 def test_timed_trees_are_new_objects_without_the_planner_index():
     import fasttree.planner as planner
-    from fasttree.workloads import iter_serving
+    from fasttree.toolkit.workloads import iter_serving
 
     tree = decode.stable_slot_trees(list(iter_serving("few_shot", seed=0, steps=2)))[1]
     first = decode.ft.plan(tree, num_q_heads=4, num_kv_heads=4, head_dim=16)

@@ -6,7 +6,7 @@ import pytest
 
 from bench.device.switch_ab import differ, parse_value, plans, summarize, switched
 from fasttree import plan_arrays, planner
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 
 def test_values_parse_as_json_else_strings():

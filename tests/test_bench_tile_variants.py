@@ -4,7 +4,7 @@ import pytest
 
 import fasttree as ft
 from bench.device.tile_variants_ab import FAMILIES, split_variants, variants
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 
 @pytest.mark.parametrize("g", [1, 4, 16])

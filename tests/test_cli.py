@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fasttree.cli as cli
-import fasttree.profiler as prof
+import fasttree.toolkit.profiler as prof
 from fasttree.cli import build_parser, main, parse_duration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -254,7 +254,7 @@ def test_no_gpu_exits_2_with_a_clear_message(script, tmp_path):
 
 def test_importing_the_package_and_cli_pulls_no_optional_dependency():
     code = (
-        "import sys, fasttree, fasttree.profiler, fasttree.cli; "
+        "import sys, fasttree, fasttree.toolkit.profiler, fasttree.cli; "
         "bad = [m for m in ('scipy', 'sklearn', 'optuna') if m in sys.modules]; "
         "assert not bad, bad"
     )

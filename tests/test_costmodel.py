@@ -13,7 +13,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
 import fasttree as ft
-import fasttree.profiler as prof
+import fasttree.toolkit.profiler as prof
 from fasttree.attention import merge_heads_per_program
 from fasttree.config import DEFAULT_NUM_STAGES_DEEP
 from fasttree.costmodel.dataset import load_dataset, record_features, tree_id
@@ -515,7 +515,7 @@ def test_record_plan_reproduces_the_measured_plan(case, heads, rules):
     # a record measured before a planner rule must be re-planned as it was measured, a newer one
     # as today
     from fasttree.costmodel.dataset import record_plan
-    from fasttree.suite import paper_tree
+    from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary
 
     tree = paper_tree(case)
@@ -554,7 +554,7 @@ def test_stage1_overlap_feature_marks_two_class_plans_measured_side_by_side():
     # v17 (7ada9e2) runs a two-class plan's stage-1 launches side by side; older traces did not
     from fasttree.costmodel.dataset import measured_with_overlap, record_features
     from fasttree.costmodel.features import STAGE1_OVERLAP, features_of_plan
-    from fasttree.suite import paper_tree
+    from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary
 
     heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -582,7 +582,7 @@ def test_kernel_version_feature_is_the_measured_kernels_for_traces_and_the_runni
     from fasttree.attention import KERNEL_VERSION
     from fasttree.costmodel.dataset import KERNEL_VERSION_OF_COMMIT, measured_kernel_version, record_features
     from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plan, features_of_plans
-    from fasttree.suite import paper_tree
+    from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary
 
     heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -618,7 +618,7 @@ def test_runtime_records_are_featured_as_the_runtime_plans_and_launches_them(hea
     from fasttree.costmodel.features import _LAUNCHES, RUNTIME_COLUMN, STAGE1_OVERLAP, features_of_plan, mark_runtime
     from fasttree.costmodel.predict import PlanJob, features_of_jobs
     from fasttree.runtime_planning import launch_slots, launch_view, plan_for_runtime
-    from fasttree.suite import paper_tree
+    from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary, runtime_launch
 
     hq, hkv, d = heads

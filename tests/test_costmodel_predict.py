@@ -25,7 +25,7 @@ from fasttree.costmodel.predict import (
 from fasttree.costmodel.simulator import SimParams, simulate, simulate_batch
 from fasttree.costmodel.work import plan_work, plan_work_batch, unique_count
 from fasttree.planner import prepare
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 from fasttree.traces import decode_tree, read_traces
 
 ROOT = Path(__file__).resolve().parents[1]

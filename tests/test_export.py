@@ -13,7 +13,7 @@ import torch
 
 import fasttree
 from fasttree import ConfigExport, ExportEntry, FastTreeConfig, read_export, write_export
-from fasttree.export import EXPORT_SCHEMA, EXPORT_SCHEMA_VERSION, bucket_key
+from fasttree.export import EXPORT_SCHEMA, EXPORT_SCHEMA_VERSION, bucket_key, config_from_export
 
 H200 = "NVIDIA H200"
 H100 = "NVIDIA H100 80GB HBM3"
@@ -99,15 +99,13 @@ def test_lookup_after_round_trip_gives_the_tuned_config(export_file, gpu, hq, hk
 
 
 def test_from_export_loads_the_matching_entry(export_file):
-    config = FastTreeConfig.from_export(
-        export_file, gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16"
-    )
+    config = config_from_export(export_file, gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16")
     assert config == TUNED_G4
     assert isinstance(config, FastTreeConfig)
 
 
 def test_from_export_accepts_a_str_path(export_file):
-    config = FastTreeConfig.from_export(
+    config = config_from_export(
         str(export_file), gpu=H200, num_q_heads=8, num_kv_heads=8, head_dim=128, dtype="float16"
     )
     assert config == TUNED_G1
@@ -115,9 +113,7 @@ def test_from_export_accepts_a_str_path(export_file):
 
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 4), (4, 1), (64, 16)])
 def test_gqa_ratio_decides_the_bucket(export_file, hq, hkv):
-    config = FastTreeConfig.from_export(
-        export_file, gpu=H200, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype="float16"
-    )
+    config = config_from_export(export_file, gpu=H200, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype="float16")
     assert config == TUNED_G4
 
 
@@ -132,9 +128,7 @@ def test_gqa_ratio_decides_the_bucket(export_file, hq, hkv):
     ],
 )
 def test_dtype_as_string_or_torch_dtype(export_file, dtype, expected):
-    config = FastTreeConfig.from_export(
-        export_file, gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype
-    )
+    config = config_from_export(export_file, gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype)
     assert config == expected
 
 
@@ -176,7 +170,7 @@ def test_unseen_bucket_falls_back_to_defaults(export_file, caplog, hq, hkv, d, d
 
 def test_unseen_gpu_falls_back_to_defaults(export_file, caplog):
     with caplog.at_level(logging.INFO, logger="fasttree.export"):
-        config = FastTreeConfig.from_export(
+        config = config_from_export(
             export_file, gpu="NVIDIA A100-SXM4-80GB", num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16"
         )
     assert config == FastTreeConfig()
@@ -218,19 +212,19 @@ def test_invalid_shape_is_a_value_error(export_file, hq, hkv, d, dtype, match):
     with pytest.raises(ValueError, match=match):
         export.lookup(gpu=H200, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
     with pytest.raises(ValueError, match=match):
-        FastTreeConfig.from_export(export_file, gpu=H200, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+        config_from_export(export_file, gpu=H200, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
 
 
 def test_invalid_shape_is_reported_before_the_file_is_read(tmp_path):
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        FastTreeConfig.from_export(
+        config_from_export(
             tmp_path / "missing.json", gpu=H200, num_q_heads=30, num_kv_heads=8, head_dim=128, dtype="float16"
         )
 
 
 def test_missing_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
-        FastTreeConfig.from_export(
+        config_from_export(
             tmp_path / "missing.json", gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16"
         )
 

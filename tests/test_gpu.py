@@ -10,7 +10,7 @@ from test_attention import TOL, make_inputs
 from trees import random_tree
 
 import fasttree as ft
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +89,7 @@ def test_same_shapes_fp16_then_bf16_use_their_own_kernels():
 
 
 def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
-    from fasttree.timing import graph_time_us
+    from fasttree.toolkit.timing import graph_time_us
 
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
 
@@ -106,7 +106,7 @@ def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
 def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
     """A call whose GPU time dwarfs its launch: back-to-back eager calls time as the graph does,
     and a call that waits on the host (a sync) shows its gap."""
-    from fasttree.timing import eager_loop_time_us, graph_time_us
+    from fasttree.toolkit.timing import eager_loop_time_us, graph_time_us
 
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
 
@@ -141,7 +141,7 @@ def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
 def test_cold_graph_timing_matches_the_eager_call_at_the_same_cache_state():
     """One replay at a time with L2 cleared (graph cold) times a GPU-bound call as do_bench times
     it eagerly, and a call whose data fits in L2 no faster than 20 warm replays in one graph."""
-    from fasttree.timing import eager_time_us, graph_cold_time_us, graph_time_us
+    from fasttree.toolkit.timing import eager_time_us, graph_cold_time_us, graph_time_us
 
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
     tries = []
@@ -243,8 +243,8 @@ def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
     from pathlib import Path
 
     from fasttree.export import ConfigExport, ExportEntry
+    from fasttree.toolkit.validate import validate_export
     from fasttree.traces import TraceWriter, read_traces
-    from fasttree.validate import validate_export
 
     root = Path(__file__).resolve().parents[1]
     records = read_traces(root / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz", kind="workload")

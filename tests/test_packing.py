@@ -9,7 +9,7 @@ from trees import random_tree
 
 import fasttree as ft
 from fasttree.packing import MAX_PACK_QUERIES, pack_units
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 
 def _units(q_lists, kv_lens):
@@ -300,7 +300,7 @@ def test_wide_units_whole_where_fewer_tokens_and_rows_cost_less(case, choice, mo
 
 @pytest.mark.parametrize("family", ["speculative", "few_shot", "beam_search"])
 def test_wide_unit_choice_takes_the_cheaper_plan_of_random_trees(family, monkeypatch):
-    from fasttree.workloads import sample_tree
+    from fasttree.toolkit.workloads import sample_tree
 
     chose = set()
     for seed in range(2000, 2012):
@@ -401,7 +401,7 @@ def test_aligned_blocks_hold_at_most_capacity_and_end_where_no_short_unit_contin
 
 
 def test_aligned_blocks_never_read_more_kv_than_fixed_ones_on_random_trees():
-    from fasttree.workloads import sample_tree
+    from fasttree.toolkit.workloads import sample_tree
 
     changed = 0
     for family in ("multi_document", "beam_search", "paper_random", "random_recursive", "speculative"):

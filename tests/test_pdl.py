@@ -14,7 +14,7 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import attention
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.workloads import iter_serving
 
 
 class _FakeGpu:

@@ -25,9 +25,9 @@ import fasttree as ft
 from fasttree import packing as _packing
 from fasttree.packing import pack_units
 from fasttree.plan_arrays import DEVICE_ARRAYS
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
+from fasttree.toolkit.workloads import iter_serving
 from fasttree.tree import ragged_arange
-from fasttree.workloads import iter_serving
 
 DIGESTS = Path(__file__).parent / "data" / "plan_digests.json"
 #: The runtime's device for the staged-words digest: the CPU only runs it under TRITON_INTERPRET=1 (conftest).

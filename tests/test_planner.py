@@ -16,7 +16,7 @@ import fasttree.planner as planner_mod
 from fasttree.costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from fasttree.packing import MAX_PACK_QUERIES
 from fasttree.plan_arrays import DEVICE_ARRAYS
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from fasttree.tree import ragged_arange, ragged_gather
 
 

@@ -23,8 +23,9 @@ import pytest
 import torch
 
 import fasttree as ft
-import fasttree.profiler as prof
-from fasttree.profiler import (
+import fasttree.toolkit.profiler as prof
+from fasttree.runtime_planning import plan_for_runtime
+from fasttree.toolkit.profiler import (
     HEADS_BY_GQA,
     DesignPoint,
     DeviceLostError,
@@ -35,9 +36,8 @@ from fasttree.profiler import (
     point_tree,
     profile,
 )
-from fasttree.runtime_planning import plan_for_runtime
+from fasttree.toolkit.workloads import TREE_FAMILIES
 from fasttree.traces import TraceWriter, measurement_key, measurement_record, plan_summary, read_traces, validate
-from fasttree.workloads import TREE_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -355,7 +355,7 @@ def test_repeat_measurements_are_extra_lines_of_earlier_keys(tmp_path):
     assert [r["meta"]["profiler"]["design_index"] for r in repeats] == [4, 14, 24]
     assert all(r["key"] == firsts[r["meta"]["profiler"]["design_index"]]["key"] for r in repeats)
     assert recs[10]["meta"]["profiler"].get("repeat") and not recs[10]["meta"]["profiler"]["checked"]
-    from fasttree.trace_stats import trace_stats
+    from fasttree.toolkit.trace_stats import trace_stats
 
     stats = trace_stats(read_traces(out))
     assert stats.repeat_lines == 3 and stats.repeated_keys == 3 and stats.lines == 30
@@ -503,7 +503,7 @@ def test_sigkilled_run_then_resume_leaves_whole_lines_and_no_duplicates(tmp_path
         import sys
         sys.path.insert(0, {str(TESTS)!r})
         from test_profiler import FAKE_ENV, slow_measure
-        from fasttree.profiler import profile
+        from fasttree.toolkit.profiler import profile
         profile({str(out)!r}, n={n}, seed=7, env=FAKE_ENV, measure=slow_measure, precompile=False, progress=False)
         """
     )
@@ -587,8 +587,8 @@ def cpu_measure(monkeypatch):
         return 33.0
 
     monkeypatch.setattr(prof, "point_tree", lambda point: SMALL_TREE)
-    monkeypatch.setattr("fasttree.timing.graph_time_us", graph_time_us)
-    monkeypatch.setattr("fasttree.timing.eager_time_us", eager_time_us)
+    monkeypatch.setattr("fasttree.toolkit.timing.graph_time_us", graph_time_us)
+    monkeypatch.setattr("fasttree.toolkit.timing.eager_time_us", eager_time_us)
     return calls
 
 
@@ -692,7 +692,7 @@ def test_measure_point_turns_a_kernel_error_into_a_failed_record(cpu_measure, mo
     def broken(fn, **kw):
         raise RuntimeError("PassManager::run failed (fake compile error)")
 
-    monkeypatch.setattr("fasttree.timing.graph_time_us", broken)
+    monkeypatch.setattr("fasttree.toolkit.timing.graph_time_us", broken)
     monkeypatch.setattr(prof, "_device_healthy", lambda device: True)
     rec = measure_point(small_point(), device=device, check=False, env=FAKE_ENV)
     assert validate(rec) == []

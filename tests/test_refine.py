@@ -1,4 +1,4 @@
-"""``fasttree-tune refine`` and :mod:`fasttree.refine` on the CPU, with a stand-in timer (no kernel runs)."""
+"""``fasttree-tune refine`` and :mod:`fasttree.toolkit.refine` on the CPU, with a stand-in timer (no kernel runs)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from fasttree import FastTreeConfig, refine
+from fasttree import FastTreeConfig
 from fasttree.cli import main
 from fasttree.export import read_export
+from fasttree.toolkit import refine
 from fasttree.traces import read_traces
 
 ROOT = Path(__file__).resolve().parents[1]

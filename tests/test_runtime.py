@@ -378,7 +378,7 @@ def test_register_caps_only_for_small_tiles_at_four_warps(device):
 def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches, device):
     # paper case 8's 256-token private leaves leave the bins for per-plan launches; a one-launch
     # stage 1 would run them with the large tile's registers, so there they stay packed
-    from fasttree.suite import paper_tree
+    from fasttree.toolkit.suite import paper_tree
 
     tree = paper_tree(8)
     rt = TreeAttentionRuntime(

@@ -11,7 +11,7 @@ from trees import random_tree
 
 import fasttree as ft
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.workloads import iter_serving
 
 pytestmark = pytest.mark.gpu
 

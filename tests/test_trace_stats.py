@@ -8,7 +8,7 @@ import pytest
 from test_traces import measurement, write_lines
 
 from fasttree.cli import main
-from fasttree.trace_stats import trace_stats
+from fasttree.toolkit.trace_stats import trace_stats
 from fasttree.traces import read_traces
 
 

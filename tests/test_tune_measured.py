@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from bench import tune_measured
-from fasttree import FastTreeConfig, refine
+from fasttree import FastTreeConfig
 from fasttree.export import read_export
+from fasttree.toolkit import refine
 
 
 def _fake_timer(calls):

@@ -153,7 +153,7 @@ def test_space_prunes_shared_memory_overflow() -> None:
 
 
 def test_space_ranges_are_the_profilers() -> None:
-    from fasttree import profiler as prof
+    from fasttree.toolkit import profiler as prof
 
     space = search_space(GPU)
     assert tuple(space) == PARAM_NAMES

@@ -1,4 +1,4 @@
-"""``fasttree.validate`` on the CPU: the measuring loop with a stand-in for the GPU measurement."""
+"""``fasttree.toolkit.validate`` on the CPU: the measuring loop with a stand-in for the GPU measurement."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from fasttree import FastTreeConfig
 from fasttree.cli import main
 from fasttree.export import ConfigExport, ExportEntry
+from fasttree.toolkit.validate import validate_export, workload_steps
 from fasttree.traces import TraceWriter, measurement_record, read_traces
-from fasttree.validate import validate_export, workload_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = read_traces(ROOT / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz", kind="workload").records
@@ -87,7 +87,7 @@ def test_validate_cli_needs_a_gpu(tmp_path, monkeypatch, capsys):
 def test_validate_path_never_imports_optuna():
     code = (
         "import sys; sys.modules['optuna'] = None\n"  # an import of optuna would raise
-        "import fasttree.cli, fasttree.validate, fasttree.costmodel.features\n"
+        "import fasttree.cli, fasttree.toolkit.validate, fasttree.costmodel.features\n"
         "args = fasttree.cli.build_parser().parse_args(['validate', '--config', 'e.json', '--traces-out', 't.jsonl'])\n"
         "assert args.func.__name__ == '_cmd_validate'\n"
     )

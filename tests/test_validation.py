@@ -13,7 +13,7 @@ import torch
 import fasttree as ft
 import fasttree.attention as attention
 from fasttree.plan_arrays import check_heads
-from fasttree.suite import paper_tree
+from fasttree.toolkit.suite import paper_tree
 
 # ----------------------------------------------------------------------------- KVTree
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import fasttree as ft
-from fasttree import workload_traces
+from fasttree.toolkit import workload_traces
+from fasttree.toolkit.workloads import SCENARIOS
 from fasttree.traces import decode_tree, read_traces
-from fasttree.workloads import SCENARIOS
 
 COMMITTED = Path(__file__).resolve().parents[1] / "traces" / "workloads"
 

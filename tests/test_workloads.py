@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import fasttree as ft
-from fasttree.suite import PAPER_SUITE, paper_tree
-from fasttree.workloads import (
+from fasttree.toolkit.suite import PAPER_SUITE, paper_tree
+from fasttree.toolkit.workloads import (
     MAX_QUERIES,
     MAX_TOTAL_TOKENS,
     PAPER_SUITE_WORKLOAD,

@@ -2,7 +2,7 @@
 
 The study's TPE sampler can stay next to a good trial without trying its one-knob
 neighbours: on the committed H200 workloads, starting from the exported configs, a
-coordinate search over :data:`fasttree.refine.COORDINATES` on the same objective (the
+coordinate search over :data:`fasttree.toolkit.refine.COORDINATES` on the same objective (the
 latency model's weighted total) found configs predicted 0.968x (GQA 1), 0.883x (GQA 4) and
 0.972x (GQA 16) of the tuned totals in 65-71 evaluations (1-10 s on one core;
 ``docs/tune/polish_check.md``, ``python -m bench.tune_polish_check``). Several of its moves
@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fasttree.config import FastTreeConfig
-from fasttree.refine import COORDINATES, SearchResult, coordinate_search
+from fasttree.toolkit.refine import COORDINATES, SearchResult, coordinate_search
 
 from .objective import LatencyObjective, PlanningError
 from .space import invalid_reason
@@ -53,11 +53,11 @@ def polish_config(
     start : FastTreeConfig
         Usually the study's best trial's config.
     passes, min_gain, coordinates
-        See :func:`fasttree.refine.coordinate_search`.
+        See :func:`fasttree.toolkit.refine.coordinate_search`.
 
     Returns
     -------
-    fasttree.refine.SearchResult
+    fasttree.toolkit.refine.SearchResult
         ``best_us["total"]`` is the polished config's predicted weighted total.
     """
     if objective.n_objectives != 1:

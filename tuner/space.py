@@ -1,8 +1,8 @@
 """The tuner's search space: the :class:`~fasttree.config.FastTreeConfig` a trial proposes for one bucket.
 
-The space is the profiling design's (:mod:`fasttree.profiler`), never wider, because the
+The space is the profiling design's (:mod:`fasttree.toolkit.profiler`), never wider, because the
 latency model was trained only there: query-tile rows per tile class from
-:data:`~fasttree.profiler.Q_ROWS_LARGE` / :data:`~fasttree.profiler.Q_ROWS_SMALL` (turned
+:data:`~fasttree.toolkit.profiler.Q_ROWS_LARGE` / :data:`~fasttree.toolkit.profiler.Q_ROWS_SMALL` (turned
 into queries per tile with the bucket's GQA ratio, as the profiler does), KV tiles, split
 sizes, both parallelism-threshold pairs in ``[0, 4 * sm_count]``, alpha/beta/gamma in their
 ranges, warps and stages per tile class, and packing (``pack_min_units`` only when packing
@@ -40,7 +40,7 @@ from fasttree.config import DEFAULT_NUM_STAGES_DEEP, DEFAULT_Q_TILE_ROWS, FastTr
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.predict import elem_bytes_of
 from fasttree.export import bucket_key
-from fasttree.profiler import (
+from fasttree.toolkit.profiler import (
     ALPHA_RANGE,
     BETA_RANGE,
     GAMMA_RANGE,
@@ -92,7 +92,7 @@ SMEM_RESERVE_BYTES = 1024
 #: ``num_stages`` 2, 3 and 4 alike.
 PIPELINE_BUFFERS = 2
 #: Stages past which every two more add a K/V buffer (both paths; the tuner's space stops at 4,
-#: the measured refinement of :mod:`fasttree.refine` goes to 8).
+#: the measured refinement of :mod:`fasttree.toolkit.refine` goes to 8).
 EXTRA_BUFFER_STAGES = 3
 #: Triton pipelines the KV loop through shared memory on the Hopper (wgmma) path only,
 #: which needs a warp group (4 warps) and 64 matrix rows; with fewer, one buffer.

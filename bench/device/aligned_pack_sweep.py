@@ -27,7 +27,7 @@ from bench.decode_config_sweep import HEAD_DIM, MODELS, SCENARIOS, _timer, sweep
 from fasttree import runtime_planning
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
-from fasttree.refine import RuntimeBench
+from fasttree.toolkit.refine import RuntimeBench
 
 PACK_TOKENS = (1024, 2048, 4096)
 

@@ -22,8 +22,8 @@ import torch
 import fasttree as ft
 from bench.common import environment, random_case
 from fasttree import attention
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from fasttree.timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us
 
 
 def main() -> int:

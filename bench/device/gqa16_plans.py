@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import fasttree as ft
 from bench.common import checked_graph_time, environment, random_case
-from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
 
 BASE = ft.FastTreeConfig()
 VARIANTS = {

@@ -10,7 +10,7 @@ cases whose eager calls are host-bound, three settings in one run, alternated pe
 
 * ``host_us``: per-call host time of 2,000 calls back to back (GPU work per call is below it);
 * ``launchers_us``: the cached launchers alone, per call;
-* ``graph_us`` / ``eager_us`` / ``eager_loop_us``: ``fasttree.timing``'s CUDA-graph replay,
+* ``graph_us`` / ``eager_us`` / ``eager_loop_us``: ``fasttree.toolkit.timing``'s CUDA-graph replay,
   ``do_bench`` median and 20 calls back to back, as ``bench.kernel`` reports them;
 * ``runtime_host_us``: per-call host time of ``TreeAttentionRuntime.forward`` (eager);
 * every output checked against the float64 reference on sampled queries.
@@ -32,8 +32,8 @@ from bench.common import environment, random_case
 from bench.host_overhead import per_call_us
 from fasttree import attention
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import eager_loop_time_us, eager_time_us, graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import eager_loop_time_us, eager_time_us, graph_time_us
 
 CASES = ("1/gqa16", "6/gqa4", "9/gqa4", "11/gqa16", "13/gqa16", "1/mha", "12/gqa16")
 

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fasttree as ft
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
 
 D = 128
 CASES = [(1, "mha"), (6, "mha"), (9, "mha"), (11, "mha"), (8, "mha"), (5, "mha"), (1, "gqa16"), (4, "gqa16")]

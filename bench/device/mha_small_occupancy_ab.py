@@ -20,9 +20,9 @@ import fasttree as ft
 from bench.common import geomean, write_device_result
 from bench.stage1_ab import max_abs_diff, poisoned_outputs, run_launches, stage1_launches
 from fasttree.export import read_export
-from fasttree.suite import paper_tree
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.suite import paper_tree
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 D = 128
 SCENARIOS = ("multi_document_qa", "few_shot", "multi_level_system_prompts", "chain_reasoning")

@@ -19,7 +19,7 @@ import dataclasses
 
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, write_device_result
-from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
 
 D = 128
 #: name -> small class (num_warps, num_stages); the large class keeps the default's

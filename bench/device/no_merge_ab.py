@@ -19,7 +19,7 @@ import torch
 
 import fasttree as ft
 from bench.common import checked_graph_time, environment, random_case
-from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
 
 CASES = ("1/gqa16", "2/gqa16", "4/gqa16", "9/gqa16", "6/gqa16", "1/gqa4", "1/mha", "6/gqa4", "9/gqa4", "3/gqa16")
 

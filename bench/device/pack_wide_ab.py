@@ -18,7 +18,7 @@ This times both settings by CUDA-graph replay, on the plans the setting changes:
   25, 39).
 
 With ``--heldout FIRST:END`` it also times both settings on MHA trees the paper suite does not
-hold: every tree family's trees of seeds ``FIRST..END-1`` (``fasttree.workloads.sample_tree``)
+hold: every tree family's trees of seeds ``FIRST..END-1`` (``fasttree.toolkit.workloads.sample_tree``)
 whose plans the setting changes. Every row records the KV tokens the whole units save per partial
 row they add (``tokens_saved_per_partial``), the measure a per-tree choice between the two plans
 would read; ``--rounds`` times each setting that many times in turn (medians). ::
@@ -48,8 +48,8 @@ from bench.common import (
 from fasttree import plan_arrays
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.workloads import TREE_FAMILIES, iter_serving, sample_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.workloads import TREE_FAMILIES, iter_serving, sample_tree
 
 D = 128
 SETTINGS = {"packed": True, "whole": False}

@@ -32,9 +32,9 @@ from bench.common import checked_graph_time, environment, geomean, random_case
 from bench.device.small_tile_variants import diff, run_production, snapshot, stage1_launches
 from fasttree import attention as att
 from fasttree.export import read_export
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 D = 128
 STAGES = {"s33": (3, 3), "s35": (3, 5), "s53": (5, 3), "s55": (5, 5)}

@@ -25,9 +25,9 @@ from bench.common import checked_graph_time, geomean, random_case, write_device_
 from fasttree import attention as att
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 D = 128
 RULES = ("none", "large", "small", "all")

@@ -16,7 +16,7 @@ import torch
 
 import fasttree as ft
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.workloads import iter_serving
 
 HEADS = {"num_q_heads": 32, "num_kv_heads": 32, "head_dim": 128}
 

@@ -19,8 +19,8 @@ import torch
 
 from fasttree.export import read_export
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 SCENARIOS = ("multi_document_qa", "few_shot", "multi_level_system_prompts", "chain_reasoning")
 

@@ -19,8 +19,8 @@ import torch
 
 import fasttree as ft
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.timing import graph_time_us
 
 D = 128
 VARIANTS = {"l1": (1, (None, None)), "l2": (2, (None, None)), "l2cap1": (2, (None, 168)), "l2cap": (2, ("small", 168))}

@@ -16,8 +16,8 @@ import torch
 import fasttree as ft
 from fasttree import attention
 from fasttree.kernels import tree_attention_units_kernel
-from fasttree.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from fasttree.toolkit.timing import graph_time_us
 
 D = 128
 CAPS = (None, 128, 96)

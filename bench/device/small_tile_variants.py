@@ -34,8 +34,8 @@ import fasttree as ft
 from bench.common import write_device_result
 from bench.stage1_ab import max_abs_diff, poisoned_outputs, run_launches, stage1_launches
 from fasttree.export import read_export
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 MODELS = {"llama": (32, 32), "mistral": (32, 8)}
 SCENARIOS = ("multi_document_qa", "few_shot")

@@ -28,9 +28,9 @@ import fasttree as ft
 from bench.common import switched
 from fasttree import plan_arrays
 from fasttree.export import read_export
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 THRESHOLDS = (None, 64, 128, 256)
 CASES = [(8, "gqa4"), (8, "gqa16"), (6, "gqa4"), (9, "gqa4"), (8, "mha")]

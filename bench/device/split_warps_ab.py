@@ -41,9 +41,9 @@ import fasttree as ft
 from bench.common import geomean, write_device_result
 from fasttree import attention as att
 from fasttree.export import read_export
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import graph_time_us
-from fasttree.workloads import iter_serving
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import graph_time_us
+from fasttree.toolkit.workloads import iter_serving
 
 D = 128
 MODELS = {"llama": (32, 32), "mistral": (32, 8)}

@@ -19,8 +19,8 @@ import torch
 
 import fasttree as ft
 from fasttree import attention
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.timing import eager_loop_time_us, eager_time_us, graph_time_us
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.timing import eager_loop_time_us, eager_time_us, graph_time_us
 
 CASES = [(3, "gqa4"), (5, "mha"), (6, "gqa4"), (7, "mha"), (8, "gqa4"), (9, "gqa4"), (11, "gqa16"), (13, "gqa16"),
          (2, "gqa4"), (1, "mha")]  # fmt: skip

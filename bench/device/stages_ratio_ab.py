@@ -26,8 +26,8 @@ import torch
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, write_device_result
 from fasttree.runtime import TreeAttentionRuntime
-from fasttree.suite import paper_tree
-from fasttree.timing import graph_time_us
+from fasttree.toolkit.suite import paper_tree
+from fasttree.toolkit.timing import graph_time_us
 
 D = 128
 HEADS = {"mha": (32, 32), "gqa2": (32, 16), "gqa4": (32, 8), "gqa8": (32, 4), "gqa16": (16, 1)}

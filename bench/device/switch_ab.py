@@ -9,7 +9,7 @@ Sets ``--switch`` (``module:ATTRIBUTE``, e.g. ``fasttree.plan_arrays:_BALANCED_R
   Mistral trees of the four serving scenarios (steps 10, 25, 39), with the configs the decode
   benchmark uses (``docs/tune/export_measured.json``), where some value changes a plan;
 * with ``--heldout FIRST:END``, ``tree_attention`` on every tree family's trees of those seeds
-  (:func:`fasttree.workloads.sample_tree`: trees the paper suite does not hold) at the three
+  (:func:`fasttree.toolkit.workloads.sample_tree`: trees the paper suite does not hold) at the three
   paper head ratios, default config, where some value changes a plan, checked as the paper
   cases are.
 
@@ -53,8 +53,8 @@ from bench.common import (
 )
 from fasttree.cli import _int_at_least
 from fasttree.export import read_export
-from fasttree.suite import PAPER_HEADS, paper_tree
-from fasttree.workloads import TREE_FAMILIES, iter_serving, sample_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.workloads import TREE_FAMILIES, iter_serving, sample_tree
 
 D = 128
 SCENARIOS = ("multi_document_qa", "few_shot", "multi_level_system_prompts", "chain_reasoning")

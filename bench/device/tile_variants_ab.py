@@ -18,7 +18,7 @@ from typing import Any
 import fasttree as ft
 from bench.common import checked_graph_time, geomean, random_case, timed_in_turn, write_device_result
 from fasttree.cli import _int_at_least
-from fasttree.suite import PAPER_HEADS, paper_tree
+from fasttree.toolkit.suite import PAPER_HEADS, paper_tree
 
 D = 128
 BASE = ft.FastTreeConfig()

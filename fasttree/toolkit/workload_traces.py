@@ -2,14 +2,14 @@
 
 Each file holds ``kind: "workload"`` lines (see ``traces/README.md``): one decode-step
 tree each, with the model's head shape, for the tuner to optimise over. The serving
-scenarios are simulated with :func:`fasttree.workloads.iter_serving` (requests arrive,
+scenarios are simulated with :func:`fasttree.toolkit.workloads.iter_serving` (requests arrive,
 share prefixes, grow a token per step and finish) for a Llama-2-7B-shaped model (32 query
 and 32 KV heads) and a Mistral-7B-shaped one (GQA 4: 32 / 8), head dim 128, fp16.
 
 Run from the repository root::
 
-    python -m fasttree.workload_traces --out traces/workloads
-    python -m fasttree.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite
+    python -m fasttree.toolkit.workload_traces --out traces/workloads
+    python -m fasttree.toolkit.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite
 
 The second set (other arrivals, prompts and lengths of the same scenarios) is the tuner's
 held-out workloads: tune on ``traces/workloads``, judge on ``traces/workloads_heldout``.
@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..traces import TraceWriter, read_traces, workload_record
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from .traces import TraceWriter, read_traces, workload_record
 from .workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,9 @@ def write_all(out: Path, *, steps: int = 256, seed: int = 0, paper_suite: bool =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fasttree.workload_traces", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fasttree.toolkit.workload_traces", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=Path("traces/workloads"), help="output folder")
     parser.add_argument("--steps", type=int, default=256, help="decode steps per scenario (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default 0)")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli import _duration_arg, _int_at_least
+from .args import duration_arg, int_at_least
 
 __all__ = ["add_tune_commands"]
 
@@ -67,7 +67,7 @@ def _study_options() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--every",
-        type=_int_at_least(1, "an integer >= 1"),
+        type=int_at_least(1, "an integer >= 1"),
         default=1,
         metavar="K",
         help="tune on every K-th step of each workload of more than 64 steps, weighted K (consecutive decode "
@@ -88,29 +88,29 @@ def _trial_options() -> argparse.ArgumentParser:
     g = p.add_argument_group("trials")
     g.add_argument(
         "--trials",
-        type=_int_at_least(1, "an integer >= 1"),
+        type=int_at_least(1, "an integer >= 1"),
         default=RUN_TRIALS,
         metavar="N",
         help=f"complete trials per bucket study, counting earlier runs and other workers (default {RUN_TRIALS})",
     )
     g.add_argument(
         "--timeout",
-        type=_duration_arg,
+        type=duration_arg,
         default=None,
         metavar="DURATION",
         help="stop starting trials of a bucket after this time ('90s', '5m'); default: none",
     )
-    g.add_argument("--seed", type=_int_at_least(0, "an integer >= 0"), default=0, help="sampler seed (default 0)")
+    g.add_argument("--seed", type=int_at_least(0, "an integer >= 0"), default=0, help="sampler seed (default 0)")
     g.add_argument(
         "--worker",
-        type=_int_at_least(0, "an integer >= 0"),
+        type=int_at_least(0, "an integer >= 0"),
         default=0,
         metavar="K",
         help="this worker's index when several run one study (distinct seeds; default 0)",
     )
     g.add_argument(
         "--polish-passes",
-        type=_int_at_least(0, "an integer >= 0"),
+        type=int_at_least(0, "an integer >= 0"),
         default=POLISH_PASSES,
         metavar="N",
         help="passes of the coordinate search on the model that polishes each study's best config "
@@ -144,7 +144,7 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         help="write the best config of each bucket's study as an export file",
         description="Read the studies of WORKLOADS' buckets from --storage (no new trials) and write their "
         "best configs, with provenance (model and trace-set hashes, study names, predicted gain over the "
-        "defaults), as a schema-versioned JSON export for FastTreeConfig.from_export.",
+        "defaults), as a schema-versioned JSON export for fasttree.config_from_export.",
         parents=[*common, _study_options()],
     )
     e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
@@ -183,7 +183,7 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
     v.add_argument("workloads", nargs="*", default=[RUN_HELDOUT], metavar="WORKLOADS", help=f"default {RUN_HELDOUT}")
     v.add_argument(
-        "--steps", type=_int_at_least(1, "an integer >= 1"), default=8, metavar="K", help="steps per workload (8)"
+        "--steps", type=int_at_least(1, "an integer >= 1"), default=8, metavar="K", help="steps per workload (8)"
     )
     v.add_argument("--model", default=None, metavar="MODEL", help="latency model for predicted speedups")
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
@@ -206,9 +206,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default {RUN_WORKLOADS}"
     )
     f.add_argument(
-        "--steps", type=_int_at_least(1, "an integer >= 1"), default=3, metavar="K", help="steps per workload (3)"
+        "--steps", type=int_at_least(1, "an integer >= 1"), default=3, metavar="K", help="steps per workload (3)"
     )
-    f.add_argument("--passes", type=_int_at_least(1, "an integer >= 1"), default=2, help="search passes (2)")
+    f.add_argument("--passes", type=int_at_least(1, "an integer >= 1"), default=2, help="search passes (2)")
     f.add_argument("--min-gain", type=float, default=0.015, help="relative gain a move must bring (0.015)")
     f.add_argument("--fields", default=None, help="comma list of coordinates to search (default: all)")
     f.add_argument(
@@ -429,7 +429,7 @@ def _fit_model(args: argparse.Namespace, path: Path) -> None:
     from fasttree.costmodel.dataset import load_dataset
     from fasttree.costmodel.model import LatencyModel
 
-    from .cli_costmodel import fit_and_save
+    from .costmodel import fit_and_save
 
     try:
         data = load_dataset(args.traces)
@@ -545,8 +545,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
+    from fasttree.toolkit.validate import validate_export
     from fasttree.traces import TraceError, TraceWriter, read_traces
-    from fasttree.validate import validate_export
 
     if not torch.cuda.is_available():
         args.subparser.error("validate measures on a CUDA GPU and none is visible")
@@ -587,9 +587,9 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     import torch
 
     from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
-    from fasttree.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
+    from fasttree.toolkit.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
+    from fasttree.toolkit.validate import workload_steps
     from fasttree.traces import TraceError, decode_tree, read_traces
-    from fasttree.validate import workload_steps
 
     if args.device.split(":")[0] not in ("cuda", "cpu"):
         args.subparser.error(f"--device must be cuda or cpu, got {args.device!r}")

@@ -11,14 +11,14 @@ import logging
 import time
 from typing import Any
 
-from .cli import _int_at_least
+from .args import int_at_least
 
 __all__ = ["add_costmodel_commands", "fit_and_save"]
 
 
 def _at_least(minimum: int):
     """An argparse ``type``: an integer >= ``minimum`` (``fasttree.cli``'s parser and messages)."""
-    return _int_at_least(minimum, f"an integer >= {minimum}")
+    return int_at_least(minimum, f"an integer >= {minimum}")
 
 
 logger = logging.getLogger("fasttree.cli")

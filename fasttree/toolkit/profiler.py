@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import FastTreeConfig
-from .traces import TraceError, TraceWriter, existing_keys, measurement_key, measurement_record, runtime_launch
-from .tree import KVTree
+from ..config import FastTreeConfig
+from ..traces import TraceError, TraceWriter, existing_keys, measurement_key, measurement_record, runtime_launch
+from ..tree import KVTree
 from .workloads import TREE_FAMILIES, sample_tree
 
 logger = logging.getLogger(__name__)
@@ -182,9 +182,9 @@ class DesignPoint:
     index : int
         Position in the design (0-based).
     family : str
-        Tree family, a key of :data:`fasttree.workloads.TREE_FAMILIES`.
+        Tree family, a key of :data:`fasttree.toolkit.workloads.TREE_FAMILIES`.
     seed : int
-        Family seed: :func:`fasttree.workloads.sample_tree` ``(family, seed)`` is the tree.
+        Family seed: :func:`fasttree.toolkit.workloads.sample_tree` ``(family, seed)`` is the tree.
     num_q_heads, num_kv_heads, head_dim : int
     dtype : str
         ``"float16"`` or ``"bfloat16"``.
@@ -559,7 +559,7 @@ def point_launch(point: DesignPoint) -> dict[str, Any] | None:
     point (``stage1_launches`` resolved for its heads), None for ``tree_attention``'s launches."""
     if not point.runtime:
         return None
-    from .runtime_planning import resolve_stage1_launches
+    from ..runtime_planning import resolve_stage1_launches
 
     return runtime_launch(
         stage1_launches=resolve_stage1_launches("auto", point.gqa, point.head_dim), query_centric="auto"
@@ -825,7 +825,7 @@ def _point_plan(point: DesignPoint, tree: KVTree):
     """The plan the point's launches run: ``fasttree.plan``'s, or the runtime's own for a runtime point."""
     heads = {"num_q_heads": point.num_q_heads, "num_kv_heads": point.num_kv_heads, "head_dim": point.head_dim}
     if point.runtime:
-        from .runtime_planning import plan_for_runtime
+        from ..runtime_planning import plan_for_runtime
 
         launch = point_launch(point)
         stage1, centric = launch["stage1_launches"], launch["query_centric"]
@@ -840,7 +840,7 @@ def _runtime_for(point: DesignPoint, tree: KVTree, plan, device: Any):
     ``plan`` (the runtime's own plan of ``tree``), with ``tree`` planned and uploaded."""
     import torch
 
-    from .runtime import TreeAttentionRuntime
+    from ..runtime import TreeAttentionRuntime
 
     launch = point_launch(point)
     rt = TreeAttentionRuntime(
@@ -871,8 +871,8 @@ def measure_point(
     dtype, plans it with the point's config, times ``tree_attention`` (or, for a runtime
     point, :meth:`fasttree.runtime.TreeAttentionRuntime.forward` of a runtime sized to the
     plan) by CUDA-graph replay
-    (:func:`fasttree.timing.graph_time_us`) and eagerly
-    (:func:`fasttree.timing.eager_time_us`, a short repetition), and stores
+    (:func:`fasttree.toolkit.timing.graph_time_us`) and eagerly
+    (:func:`fasttree.toolkit.timing.eager_time_us`, a short repetition), and stores
     :func:`fasttree.traces.plan_summary` of the plan. With ``check``, first compares the
     output of up to :data:`CHECK_QUERIES` sampled queries with
     :func:`fasttree.reference_attention` (worst per-query relative error against
@@ -914,8 +914,8 @@ def measure_point(
 
     import fasttree as ft
 
+    from ..traces import plan_summary
     from .timing import eager_time_us, graph_time_us
-    from .traces import plan_summary
 
     env = collect_env(device) if env is None else env
     t0 = time.perf_counter()
@@ -1326,7 +1326,7 @@ def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 
 
 def _annotate(record: dict[str, Any], point: DesignPoint, run_id: str, check: bool, shard: int | None) -> None:
-    from .attention import KERNEL_VERSION
+    from ..attention import KERNEL_VERSION
 
     meta = record.get("meta")
     if not isinstance(meta, dict):

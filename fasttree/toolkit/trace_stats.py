@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .traces import TraceSet, parse_time_utc
+from ..traces import TraceSet, parse_time_utc
 
 __all__ = ["TraceStats", "trace_stats"]
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..tree import KVTree
 from .suite import PAPER_SUITE, paper_tree
-from .tree import KVTree
 
 __all__ = [
     "MAX_QUERIES",
@@ -479,7 +479,7 @@ def sample_tree(family: str, seed: int, **params) -> KVTree:
 
 
 def paper_suite_workload() -> dict[int, KVTree]:
-    """The 15 paper-suite trees, case number (1..15) -> tree (:func:`fasttree.suite.paper_tree`)."""
+    """The 15 paper-suite trees, case number (1..15) -> tree (:func:`fasttree.toolkit.suite.paper_tree`)."""
     return {case: paper_tree(case) for case in PAPER_SUITE}
 
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from .tree import KVTree
+from ..tree import KVTree
 
 #: case -> (nodes_per_level, tokens_per_node_per_level)
 PAPER_SUITE: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from triton.runtime.errors import OutOfResources
 
-from .config import FastTreeConfig
-from .runtime import TreeAttentionRuntime
-from .tree import KVTree
+from ..config import FastTreeConfig
+from ..runtime import TreeAttentionRuntime
+from ..tree import KVTree
 
 __all__ = [
     "COORDINATES",

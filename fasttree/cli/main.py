@@ -3,9 +3,9 @@
 Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
 
 * ``profile`` -- measure a sampled design of (tree, heads, dtype, config) points on the
-  visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.profiler.profile`).
+  visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.toolkit.profiler.profile`).
 * ``traces`` -- validate trace files and summarise them: lines per split, family and
-  status, profiling rate, spread of repeat measurements (:mod:`fasttree.trace_stats`).
+  status, profiling rate, spread of repeat measurements (:mod:`fasttree.toolkit.trace_stats`).
 * ``fit`` -- fit the learned latency model on measurement traces and save it as JSON
   (:mod:`fasttree.costmodel`; needs scikit-learn).
 * ``evaluate`` -- held-out metrics of a saved model on other traces, or group k-fold by
@@ -27,86 +27,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
-import re
 import sys
 from collections.abc import Sequence
+
+from .args import duration_arg, families_arg, non_negative_int, parse_duration, positive_int
 
 __all__ = ["build_parser", "main", "parse_duration"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", re.IGNORECASE)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as ``"60s"``, ``"10m"``, ``"1.5h"`` or ``"90"`` (seconds).
-
-    Parameters
-    ----------
-    text : str
-        A positive number with an optional unit ``s``, ``m`` or ``h``.
-
-    Returns
-    -------
-    float
-        Seconds, > 0.
-
-    Raises
-    ------
-    ValueError
-        When ``text`` is not such a duration or is not positive.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"a duration must be a string such as '60s', '10m' or '1h', got {text!r}")
-    m = _DURATION_RE.fullmatch(text)
-    if m is None:
-        raise ValueError(f"invalid duration {text!r}: use seconds ('90', '60s'), minutes ('10m') or hours ('1h')")
-    seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"invalid duration {text!r}: it must be positive")
-    return seconds
-
-
-def _duration_arg(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _int_at_least(minimum: int, what: str):
-    """An argparse ``type`` accepting integers >= ``minimum``; ``what`` names them in errors."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _families_arg(text: str) -> list[str]:
-    from .workloads import TREE_FAMILIES
-
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of tree families")
-    unknown = [s for s in names if s not in TREE_FAMILIES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown tree famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
-            f"choose from {', '.join(TREE_FAMILIES)}"
-        )
-    return names
 
 
 def _common_options(*, suppress: bool) -> argparse.ArgumentParser:
@@ -185,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="PATH", help="trace file to append to (.jsonl; created if missing)")
     p.add_argument(
         "--budget",
-        type=_duration_arg,
+        type=duration_arg,
         default=None,
         metavar="DURATION",
         help="stop starting new points after this wall time: seconds ('90', '60s'), minutes ('10m') "
@@ -194,15 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-n",
         "--points",
-        type=_positive_int,
+        type=positive_int,
         default=4096,
         metavar="N",
         help="design points (default 4096); the design is a prefix of one sequence, so a larger N extends a run",
     )
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="design seed (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="design seed (default 0)")
     p.add_argument(
         "--families",
-        type=_families_arg,
+        type=families_arg,
         default=None,
         metavar="LIST",
         help="comma-separated tree families to sample (default: all of paper_random, random_recursive, "
@@ -218,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--check-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=10,
         metavar="K",
         help="check the output against the float64 reference on every K-th design point and the first "
@@ -226,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--repeat-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=20,
         metavar="K",
         help="after every K-th point, measure an earlier point again as another line of its key, for the "
@@ -267,11 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_cmd_traces, subparser=t)
 
-    from .cli_costmodel import add_costmodel_commands
+    from .costmodel import add_costmodel_commands
 
     add_costmodel_commands(sub, [_common_options(suppress=True)])
 
-    from .cli_tune import add_tune_commands
+    from .tune import add_tune_commands
 
     add_tune_commands(sub, [_common_options(suppress=True)])
     return parser
@@ -285,8 +213,8 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
 
 def _cmd_traces(args: argparse.Namespace) -> int:
-    from .trace_stats import trace_stats
-    from .traces import TraceError, read_traces
+    from ..toolkit.trace_stats import trace_stats
+    from ..traces import TraceError, read_traces
 
     try:
         ts = read_traces(args.paths, skip_invalid=args.skip_invalid)
@@ -311,7 +239,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             + (f", torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "")
             + "): the profiler measures the kernels on a GPU; run it on a GPU machine"
         )
-    from .profiler import profile
+    from ..toolkit.profiler import profile
 
     try:
         summary = profile(

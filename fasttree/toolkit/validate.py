@@ -2,7 +2,7 @@
 
 For every workload (one scenario and head shape of the workload traces) a few evenly
 spaced decode steps are measured with the export's config for their bucket and with
-``FastTreeConfig()``, by the profiler's own measurement (:func:`fasttree.profiler.measure_point`:
+``FastTreeConfig()``, by the profiler's own measurement (:func:`fasttree.toolkit.profiler.measure_point`:
 CUDA-graph replay on random inputs, the first step of each workload checked against the
 float64 reference). The measured speedup of a workload is the ratio of its summed step
 times. Every measurement is appended to a trace file (``meta.split = "validate"``), so
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import FastTreeConfig
-from .export import ConfigExport
+from ..config import FastTreeConfig
+from ..export import ConfigExport
+from ..traces import TraceWriter, decode_tree
 from .profiler import DesignPoint, collect_env, measure_point
-from .traces import TraceWriter, decode_tree
 
 __all__ = ["WorkloadValidation", "validate_export", "workload_steps"]
 
@@ -146,9 +146,9 @@ def validate_export(
         ``[(record, config), ...] -> predicted us`` (e.g. the latency model through the planner).
     device : str or torch.device
     env : dict, optional
-        :func:`fasttree.profiler.collect_env` of ``device`` (collected when None).
+        :func:`fasttree.toolkit.profiler.collect_env` of ``device`` (collected when None).
     measure : callable
-        :func:`fasttree.profiler.measure_point` (replaceable in tests).
+        :func:`fasttree.toolkit.profiler.measure_point` (replaceable in tests).
 
     Returns
     -------

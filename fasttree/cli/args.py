@@ -1,0 +1,86 @@
+"""Argument types the ``fasttree-tune`` subcommands share: durations, bounded integers, tree families.
+
+Each raises ``argparse.ArgumentTypeError`` naming what it expected, which argparse turns into a
+usage error (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+__all__ = ["duration_arg", "families_arg", "int_at_least", "non_negative_int", "parse_duration", "positive_int"]
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"60s"``, ``"10m"``, ``"1.5h"`` or ``"90"`` (seconds).
+
+    Parameters
+    ----------
+    text : str
+        A positive number with an optional unit ``s``, ``m`` or ``h``.
+
+    Returns
+    -------
+    float
+        Seconds, > 0.
+
+    Raises
+    ------
+    ValueError
+        When ``text`` is not such a duration or is not positive.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"a duration must be a string such as '60s', '10m' or '1h', got {text!r}")
+    m = _DURATION_RE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"invalid duration {text!r}: use seconds ('90', '60s'), minutes ('10m') or hours ('1h')")
+    seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"invalid duration {text!r}: it must be positive")
+    return seconds
+
+
+def duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def int_at_least(minimum: int, what: str):
+    """An argparse ``type`` accepting integers >= ``minimum``; ``what`` names them in errors."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1, "a positive integer")
+non_negative_int = int_at_least(0, "an integer >= 0")
+
+
+def families_arg(text: str) -> list[str]:
+    from ..toolkit.workloads import TREE_FAMILIES
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of tree families")
+    unknown = [s for s in names if s not in TREE_FAMILIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown tree famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+            f"choose from {', '.join(TREE_FAMILIES)}"
+        )
+    return names
