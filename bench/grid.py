@@ -39,8 +39,8 @@ from bench.common import environment, write_atomic
 from fasttree.export import read_export
 from fasttree.toolkit.profiler import TOLERANCE
 from fasttree.toolkit.timing import graph_time_us
-from fasttree.traces import decode_tree, read_traces
 from fasttree.toolkit.validate import workload_steps
+from fasttree.traces import decode_tree, read_traces
 
 log = logging.getLogger("bench.grid")
 

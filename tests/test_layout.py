@@ -68,7 +68,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                return stack[stack.index(d) :] + [d]
+                return [*stack[stack.index(d) :], d]
             if d not in state and (found := visit(d)):
                 return found
         stack.pop()
