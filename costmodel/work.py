@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasttree.attention import merge_heads_per_program
+from fasttree.launch_rules import merge_heads_per_program
 from fasttree.tree import ragged_arange
 
 __all__ = ["ClassWork", "MergeWork", "PlanWork", "WorkBatch", "plan_work", "plan_work_batch", "unique_count"]
@@ -86,7 +86,7 @@ class ClassWork:
 @dataclass(frozen=True)
 class MergeWork:
     """The merge pass: one program per (merged query, block of heads); the block is the launch's own
-    (:func:`fasttree.attention.merge_heads_per_program`).
+    (:func:`fasttree.launch_rules.merge_heads_per_program`).
 
     Attributes
     ----------

@@ -12,9 +12,11 @@ from .adapter import tree_from_radix_nodes, tree_from_req_to_token, tree_from_to
 from .attention import plan_query_separated, query_separated_attention, tree_attention
 from .config import FastTreeConfig
 from .export import ConfigExport, ExportEntry, config_from_export, read_export, write_export
+from .groups import Groups
 from .plan_arrays import DevicePlan, Plan
 from .plan_extend import PlanExtender
-from .planner import Groups, build_groups, greedy_edge_assignment, plan
+from .plan_rules import PlanRules
+from .planner import build_groups, greedy_edge_assignment, plan
 from .recording import WorkloadRecorder
 from .reference import max_relative_error, reference_attention
 from .runtime import RuntimePlan, TreeAttentionRuntime
@@ -31,6 +33,7 @@ __all__ = [
     "KVTree",
     "Plan",
     "PlanExtender",
+    "PlanRules",
     "RuntimePlan",
     "TreeAttentionRuntime",
     "WorkloadRecorder",

@@ -2,7 +2,7 @@
 
 A unit of the small tile class often holds one query and a 16-32 token node: on a
 GPU its program does a few microseconds of fixed work for 8-16 KB of KV, so deep
-trees run thousands of latency-bound programs (docs/bench/NOTES.md). Packing puts
+trees run thousands of latency-bound programs. Packing puts
 neighbouring small units into one program: the bin's matrix rows are a block of up to
 ``capacity`` consecutive queries in DFS order, its KV is the members' KV back to back,
 and every KV entry carries a bit mask of the bin rows that attend it. A bin has one
@@ -38,12 +38,6 @@ _POSITION_BITS = np.left_shift(np.int64(1), np.arange(MAX_PACK_QUERIES, dtype=np
 
 #: Runs beyond the identity part of the slots that packing copies one by one (more: a gather).
 _SLICE_COPIES = 32
-
-#: A/B override of :func:`pack_units`' ``aligned`` argument (None: the argument decides).
-_ALIGNED_BLOCKS: bool | None = None
-
-#: The longest unit the aligned blocks may leave, relative to the fixed blocks' (:func:`_aligned_blocks_pay`).
-_ALIGNED_MAX_LONGER = 1.1
 
 
 @dataclass(frozen=True)
@@ -267,13 +261,13 @@ def _reads_and_longest(kv_len: np.ndarray, bins: _Bins | None) -> tuple[int, int
     return reads, max(int(kept_len.max(initial=0)), int(bin_len.max()))
 
 
-def _aligned_blocks_pay(kv_len: np.ndarray, fixed: _Bins | None, aligned: _Bins | None) -> bool:
+def _aligned_blocks_pay(kv_len: np.ndarray, fixed: _Bins | None, aligned: _Bins | None, max_longer: float) -> bool:
     """Whether the bins of aligned blocks replace those of fixed ones: they read no more KV and
-    their longest unit is at most :data:`_ALIGNED_MAX_LONGER` times the fixed bins' (a plan that
-    fills one wave runs as long as its longest unit)."""
+    their longest unit is at most ``max_longer`` times the fixed bins' (a plan that fills one
+    wave runs as long as its longest unit)."""
     reads_f, longest_f = _reads_and_longest(kv_len, fixed)
     reads_a, longest_a = _reads_and_longest(kv_len, aligned)
-    return reads_a <= reads_f and longest_a <= _ALIGNED_MAX_LONGER * longest_f
+    return reads_a <= reads_f and longest_a <= max_longer * longest_f
 
 
 def pack_units(
@@ -293,6 +287,7 @@ def pack_units(
     identity_slots: int = 0,
     balanced: bool = False,
     aligned: bool | None = False,
+    max_longer: float = 1.1,
 ) -> PackedUnits | None:
     """Pack eligible units into bins of at most ``capacity`` queries and about ``budget`` tokens.
 
@@ -337,8 +332,10 @@ def pack_units(
         The blocks: False, fixed blocks of ``capacity`` ranks (``rank // capacity``); True,
         blocks of at most ``capacity`` ranks that end where no short unit's queries continue
         (:func:`_aligned_blocks`), so fewer units are cut; None, the aligned blocks where their
-        bins read no more KV and leave no much longer unit (:func:`_aligned_blocks_pay`), else
-        the fixed ones. :data:`_ALIGNED_BLOCKS`, when not None, overrides it.
+        bins read no more KV and leave no unit longer than ``max_longer`` times the fixed
+        blocks' longest (:func:`_aligned_blocks_pay`), else the fixed ones.
+    max_longer : float
+        See ``aligned=None``.
 
     Returns
     -------
@@ -356,13 +353,11 @@ def pack_units(
     n_queries = query_rank.size
     blocks = None
     bins = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, blocks)
-    if _ALIGNED_BLOCKS is not None:
-        aligned = _ALIGNED_BLOCKS
     if aligned is not False:
         shifted = _aligned_blocks(cands, n_queries, capacity)
         if shifted is not None:
             other = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, shifted)
-            if aligned or _aligned_blocks_pay(kv_len, bins, other):
+            if aligned or _aligned_blocks_pay(kv_len, bins, other, max_longer):
                 bins, blocks = other, shifted
     if bins is None:
         return None

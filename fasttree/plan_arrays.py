@@ -21,12 +21,15 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .packing import MAX_PACK_QUERIES, PackedUnits, pack_units
+from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .groups import Groups
+
+_DEFAULT_RULES = PlanRules.defaults()
 
 #: int32 arrays shipped to the device, in packing order.
 DEVICE_ARRAYS = (
@@ -102,76 +105,35 @@ def _bins_fill_a_larger_tile(block_m: tuple[int, int], g: int) -> bool:
     return block_m[0] // g <= MAX_PACK_QUERIES and block_m[0] > block_m[1]
 
 
-#: KV tokens from which a unit whose rows fit the small tile may stay out of large-tile
-#: bins (None: never). In a bin every KV entry costs the bin's full tile of rows, so such a
-#: unit does ``block_m[0] / block_m[1]`` times its own tile's matrix work there.
-_SOLO_MIN_TOKENS: int | None = 128
-
-#: ... only when the matrix work those units would waste in bins, over all KV heads, is at
-#: least this many flops (about 10 us of tensor-core time on an H200). Below it the bins' fewer
-#: programs and partials pay for the waste. On the H200, keeping such units out saved 42 us on
-#: 8/gqa4 (51.5 GFLOP wasted) and 11 us on 8/gqa16 (6.4 GFLOP), but cost 5-7 us on 6/gqa4,
-#: 9/gqa4 and GQA-4 serving trees with 0.5-2.9 GFLOP (``docs/bench/h200/solo_ab_8cf1b1c.json``);
-#: on 20 later GQA-4 serving steps of the tuner's workloads (4-8.5 GFLOP, 36-58% of the tokens)
-#: it saved 3-12% (``docs/bench/h200/solo_share_85069fd.json``).
-_SOLO_MIN_WASTE_FLOPS = 4e9
-
-
 def _solo_units(
-    kv_len: np.ndarray, q_len: np.ndarray, block_m: tuple[int, int], g: int, num_kv_heads: int, head_dim: int
+    kv_len: np.ndarray,
+    q_len: np.ndarray,
+    block_m: tuple[int, int],
+    g: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rules: PlanRules,
 ) -> np.ndarray | None:
-    """Units kept out of packing (None: none): at least :data:`_SOLO_MIN_TOKENS` long, rows
-    that fit the small tile, bins that fill the large tile (:func:`_pack_capacity`), and
-    together worth :data:`_SOLO_MIN_WASTE_FLOPS` of wasted matrix work."""
-    if _SOLO_MIN_TOKENS is None or not _bins_fill_a_larger_tile(block_m, g):
+    """Units kept out of packing (None: none) by ``rules.solo_units``: at least
+    ``rules.solo_min_tokens`` long, rows that fit the small tile, bins that fill the large tile
+    (:func:`_pack_capacity`), and together worth ``rules.solo_min_waste_flops`` of wasted
+    matrix work. On the H200 that saved 42 us on paper case 8 at GQA 4 (51.5 GFLOP wasted) and
+    11 us at GQA 16 (6.4 GFLOP), but cost 5-7 us on plans wasting 0.5-2.9 GFLOP."""
+    if not rules.solo_units or not _bins_fill_a_larger_tile(block_m, g):
         return None
-    solo = (kv_len >= _SOLO_MIN_TOKENS) & (q_len * g <= block_m[1])
+    solo = (kv_len >= rules.solo_min_tokens) & (q_len * g <= block_m[1])
     tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
     waste = 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim
-    if waste < _SOLO_MIN_WASTE_FLOPS:
+    if waste < rules.solo_min_waste_flops:
         return None
     return solo
-
-
-#: Whether packing cuts a block of queries' pieces into bins of about equal tokens
-#: (``balanced`` of :func:`fasttree.packing.pack_units`) rather than filling bins up to the
-#: token budget. None: balanced when the bins fill a large tile bigger than the small one (GQA
-#: with two tile classes). There a short last bin holding one piece stays a plain unit that
-#: runs in the small tile class: with GQA 16 a second launch, and a merge for its query. On the
-#: H200 (``docs/bench/h200/run_split_ab_02f073c.json``, every bin balanced), the paper's GQA
-#: cases that change ran at 0.79-1.00x (11-15/gqa16 0.79-0.85x, their merge gone; 3/gqa4
-#: 0.91x), MHA's 16-query bins in the small tile at 0.99-1.05x and Llama decode trees at
-#: 1.00-1.03x, hence MHA keeps filled bins.
-_BALANCED_RUNS: bool | None = None
-
-
-#: Whether units with more queries than a packed unit holds (:func:`_pack_capacity`; MHA's
-#: large-tile units of up to 64 queries against 16-query bins) are packed: cut into one piece
-#: per block of that many queries, each piece reading the unit's whole KV (True), or kept whole
-#: in the large tile, read once per 64 queries at the price of a partial row for each of their
-#: queries (False). None (the default): whichever of the two plans costs less, a partial row
-#: counting as :data:`_WIDE_ROW_TOKENS` KV tokens read (:func:`_wide_units_whole_pay`); plans made
-#: with ``wide_units=False`` pack them. An A/B switch read when plans are made.
-_PACK_WIDE_UNITS: bool | None = None
-
-#: KV tokens (per KV head) whose reads cost as much as one partial row, in the choice between
-#: packed and whole wide units. Chosen on the H200 paper suite (``bench/device/pack_wide_ab.py``,
-#: ``docs/bench/h200/wide_heldout_f677f34.json``): keeping them whole lost where it saved at most
-#: 7.5 KV tokens per partial row it added (1-4/mha, 6/mha, 7/mha, 10/mha: 1.06-1.40x the packed
-#: plan's time) and won from 9.0 up (11-15/mha 0.90-0.95x, 8/mha 0.98x). Checked on 86 MHA trees of
-#: the tree families the suite does not hold (seeds 1000-1039): the choice ran them at 0.952x the
-#: packed plans' time on geomean, where the better of the two plans per tree would be 0.940x; on 94
-#: more (seeds 2000-2039, ``wide_heldout2_c0d920f.json``) 0.957x against 0.938x, its worst choice
-#: 1.52x (the cost sees no launch tail). It chose better there than the analytic simulator or the
-#: shipped learned model predicting both plans.
-_WIDE_ROW_TOKENS = 8.5
 
 
 def _pack_budget(
     kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, kept_out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
     """Units that may be packed (shorter than ``pack_tokens``, not in ``kept_out``: the solo
-    units and, with ``_PACK_WIDE_UNITS`` off, the wide ones) and the
+    units and, in a plan that keeps them whole, the wide ones) and the
     tokens per packed unit: ``pack_tokens``, lowered (to >= 16) so that about
     ``pack_min_units`` packed programs (units x KV heads) share the eligible tokens."""
     eligible = kv_len < config.pack_tokens
@@ -255,6 +217,8 @@ class Plan:
         The greedy's decision per node (1: edge from its parent concatenated).
     groups : Groups
         The context-query groups the units were cut from.
+    rules : PlanRules
+        The planning rules the plan was made with.
     """
 
     num_q_heads: int
@@ -280,6 +244,7 @@ class Plan:
     config: FastTreeConfig
     groups: Groups
     edge_assignment: np.ndarray | None = None
+    rules: PlanRules = _DEFAULT_RULES
     _device_cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -400,10 +365,7 @@ def materialize(
     edge_assignment: np.ndarray | None = None,
     query_rank: np.ndarray | None = None,
     query_of_rank: np.ndarray | None = None,
-    solo_units: bool = True,
-    balanced_bins: bool = True,
-    wide_units: bool = True,
-    aligned_blocks: bool = True,
+    rules: PlanRules | None = None,
 ) -> Plan:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -431,20 +393,11 @@ def materialize(
     query_of_rank : ndarray, int64 [n_queries], optional
         The inverse permutation of ``query_rank``, when the caller has it (packing
         computes it otherwise).
-    solo_units : bool
-        Keep long units that fit the small tile out of large-tile bins where the bins would
-        waste enough matrix work on them (:func:`_solo_units`).
-    balanced_bins : bool
-        Let :data:`_BALANCED_RUNS` decide how bins are cut; False fills every bin up to the
-        token budget (plans before that rule).
-    wide_units : bool
-        Pack units with more queries than a bin holds (MHA's large-tile units) or keep them
-        whole, whichever costs less (:data:`_PACK_WIDE_UNITS`); False packs them (plans before
-        that rule).
-    aligned_blocks : bool
-        Let packing cut its blocks of queries where no short unit continues when that reads no
-        more KV and leaves no much longer unit (``aligned=None`` of
-        :func:`fasttree.packing.pack_units`); False keeps the fixed blocks (plans before that rule).
+    rules : PlanRules, optional
+        How units are packed: solo, wide and aligned-block rules (:class:`fasttree.PlanRules`);
+        :meth:`PlanRules.defaults` when None. Bins that fill a large tile bigger than the small
+        one (GQA with two tile classes) are cut into runs of about equal tokens, so that no lone
+        piece is left for the small class and a merge; MHA's bins fill up to the token budget.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -512,13 +465,12 @@ def materialize(
     # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
     # builds bins of up to a large tile's rows, which join the class their rows fit
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
+    rules = PlanRules.defaults() if rules is None else rules
     packed = None
     if query_rank is not None and config.pack_tokens > 0:
-        kept_out = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim) if solo_units else None
+        kept_out = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim, rules)
         capacity = _pack_capacity(block_m, g)
-        balanced = _BALANCED_RUNS if balanced_bins else False
-        if balanced is None:  # a lone piece would run in the smaller tile
-            balanced = _bins_fill_a_larger_tile(block_m, g)
+        balanced = _bins_fill_a_larger_tile(block_m, g)  # a lone piece would run in the smaller tile
 
         def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
             eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, out)
@@ -527,21 +479,16 @@ def materialize(
                 pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
                 query_rank=query_rank, capacity=capacity, budget=budget,
                 query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
-                balanced=balanced, aligned=None if aligned_blocks else False,
+                balanced=balanced, aligned=None if rules.aligned_blocks else False,
+                max_longer=rules.aligned_max_longer,
             )  # fmt: skip
 
-        # wide units: True packed, False whole, None the cheaper plan (an A/B setting of the switch
-        # overrides wide_units=False)
-        rule = _PACK_WIDE_UNITS if (_PACK_WIDE_UNITS is not None or wide_units) else True
-        wide = u_q_len > capacity if rule is not True else None
-        out_wide = wide if kept_out is None or wide is None else kept_out | wide  # kept out, wide units too
-        if rule is False:
-            _, packed = pack(out_wide)
-        else:
-            eligible, packed = pack(kept_out)
-            if rule is None and np.count_nonzero(wide & eligible):
-                _, whole = pack(out_wide)
-                if _wide_units_whole_pay(packed, whole, (u_kv_len, pair_query), n_queries):
+        eligible, packed = pack(kept_out)
+        if rules.wide_units:  # the wide units packed, or whole: the plan that costs less
+            wide = u_q_len > capacity
+            if np.count_nonzero(wide & eligible):
+                _, whole = pack(wide if kept_out is None else kept_out | wide)
+                if _wide_units_whole_pay(packed, whole, (u_kv_len, pair_query), n_queries, rules.wide_row_tokens):
                     packed = whole
     n_pairs = pair_query.size
     if packed is None:
@@ -643,28 +590,35 @@ def materialize(
         config=config,
         groups=groups,
         edge_assignment=edge_assignment,
+        rules=rules,
     )
 
 
-def _wide_cost(kv_len: np.ndarray, present_pair_query: np.ndarray, n_queries: int) -> float:
+def _wide_cost(kv_len: np.ndarray, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:
     """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``kv_len``) plus
-    :data:`_WIDE_ROW_TOKENS` per partial row (one per work unit of each query with two or more;
+    ``row_tokens`` per partial row (one per work unit of each query with two or more;
     ``present_pair_query``: the query of every pair a unit computes)."""
     n_part = np.bincount(present_pair_query, minlength=n_queries)
     rows = int(np.add.reduce(n_part[n_part >= 2]))
-    return int(np.add.reduce(kv_len, dtype=np.int64)) + _WIDE_ROW_TOKENS * rows
+    return int(np.add.reduce(kv_len, dtype=np.int64)) + row_tokens * rows
 
 
 def _wide_units_whole_pay(
-    packed: PackedUnits | None, whole: PackedUnits | None, unpacked: tuple[np.ndarray, np.ndarray], n_queries: int
+    packed: PackedUnits | None,
+    whole: PackedUnits | None,
+    unpacked: tuple[np.ndarray, np.ndarray],
+    n_queries: int,
+    row_tokens: float,
 ) -> bool:
     """Whether the plan with the wide units whole (``whole``) costs less than the one with them
     packed (:func:`_wide_cost`). None: nothing was packed, the plan has the ``unpacked`` units
-    (their KV lengths and pairs' queries)."""
+    (their KV lengths and pairs' queries). On the H200 paper suite, keeping them whole lost
+    where it saved at most 7.5 KV tokens per partial row it added and won from 9.0 up; on held-out
+    MHA trees the choice ran at 0.95x the packed plans' time (the best of the two per tree: 0.94x)."""
 
     def cost(p: PackedUnits | None) -> float:
         kv_len, present = unpacked if p is None else (p.kv_len, p.pair_query[p.pair_present])
-        return _wide_cost(kv_len, present, n_queries)
+        return _wide_cost(kv_len, present, n_queries, row_tokens)
 
     return cost(whole) < cost(packed)
 

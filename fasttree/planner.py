@@ -39,6 +39,7 @@ from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
 from .plan_arrays import Plan, check_heads, materialize
+from .plan_rules import PlanRules
 from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
@@ -767,24 +768,6 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
     return True
 
 
-#: The long-context split (``kv_split_sizes[0]``) cuts a phase's groups only where the phase
-#: needs the parallelism: when, uncut, it has fewer than ``factor * para_threshs1`` units x KV
-#: heads, the factor per phase (large, small), or when its longest group holds more than
-#: :data:`_WHOLE_GROUPS_MAX_TAIL` times the phase's KV x heads over ``para_threshs1`` (uncut, that
-#: group would be the launch's tail). None: always cut, as the published planner does.
-#: Cut groups cost partials and a merge for every query they serve. On the H200 (A/B of every
-#: case and serving tree this changes, ``docs/bench/h200/split_when_needed_ab2_7e015bf.json``),
-#: factors (1, 2) ran paper cases 5 and 7/mha at 0.93-0.95x (7/gqa4 0.99x), the runtime on Llama
-#: multi-document and few-shot trees at 0.95x and Mistral multi-level ones at 0.89x, the rest
-#: within 0.4%; factor 1 for the small phase cost Mistral's multi-document trees 1-3%.
-_WHOLE_GROUPS_MIN_ITEMS: tuple[int, int] | None = (1, 2)
-
-#: ... and at most this many times a phase's KV x heads over ``para_threshs1`` in its longest
-#: group. The trees measured above left whole groups of up to 1.44 times that (Llama few-shot);
-#: a document of 32k tokens next to little other work would exceed it and is cut as before.
-_WHOLE_GROUPS_MAX_TAIL = 2.0
-
-
 # ----------------------------------------------------------------------- plan
 def plan(
     tree: KVTree,
@@ -793,17 +776,13 @@ def plan(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    solo_units: bool = True,
-    balanced_bins: bool = True,
-    whole_groups: bool = True,
-    wide_units: bool = True,
-    aligned_blocks: bool = True,
+    rules: PlanRules | None = None,
 ) -> Plan:
     """Plan tree attention for one tree on the host.
 
     The adaptive passes follow the published planner, with one change: groups longer than
     the big split size ``kv_split_sizes[0]`` are cut at it only in a phase that would,
-    uncut, have too few units x KV heads to fill the GPU (:data:`_WHOLE_GROUPS_MIN_ITEMS`).
+    uncut, have too few units x KV heads to fill the GPU (``rules.whole_groups_min_items``).
     Then a phase whose units x KV heads are fewer than ``para_threshs1`` (and more than
     zero) switches to the small split size; only if a split changed, the units are
     recounted, and when the large phase has fewer than ``para_threshs2[0]`` (or else the
@@ -819,32 +798,9 @@ def plan(
         ``Hq`` and ``Hkv``; ``Hq`` must be a multiple of ``Hkv``.
     head_dim : int
         ``D``, in [16, 256].
-    solo_units : bool
-        Keep long units that fit the small tile out of bins that fill the large tile,
-        where the bins would waste enough matrix work (see
-        :data:`fasttree.plan_arrays._SOLO_MIN_TOKENS`; added at e2e3a4b). False plans as
-        before that rule: what the runtime's one-launch stage 1 wants (unpacked, those
-        units would run with the large tile's registers), and how the traces measured
-        before it were planned.
-    balanced_bins : bool
-        Cut GQA bins that fill the large tile into runs of about equal tokens
-        (:data:`fasttree.plan_arrays._BALANCED_RUNS`; added at 6e1fdcd). False fills every
-        bin up to the token budget, as plans were made before that rule.
-    whole_groups : bool
-        Cut long groups at the big split size only where a phase needs the parallelism
-        (:data:`_WHOLE_GROUPS_MIN_ITEMS`; added at 60159a8). False always cuts them, as
-        the published planner and plans before that rule did.
-    wide_units : bool
-        Pack MHA's large-tile units (more queries than a 16-query bin) or keep them whole,
-        whichever costs less in KV tokens read plus partial rows
-        (:data:`fasttree.plan_arrays._PACK_WIDE_UNITS`; added after v30). False
-        packs them, as plans before that rule did, and skips the second packing.
-    aligned_blocks : bool
-        Let packing end its blocks of consecutive queries where no short unit's queries
-        continue, instead of every ``capacity`` queries, where those bins read no more KV and
-        leave the longest unit at most 10% longer (:func:`fasttree.packing.pack_units`,
-        ``aligned=None``; added after v31). False keeps the fixed blocks, as plans before
-        that rule did, and skips the second packing.
+    rules : PlanRules, optional
+        The planning rules beyond the config; :meth:`PlanRules.defaults` when None (the
+        runtime plans with :meth:`PlanRules.runtime`).
 
     Returns
     -------
@@ -856,6 +812,9 @@ def plan(
     config = _DEFAULT_CONFIG if config is None else config
     if not isinstance(config, FastTreeConfig):
         raise ValueError(f"config must be a FastTreeConfig, got {type(config).__name__}")
+    rules = PlanRules.defaults() if rules is None else rules
+    if not isinstance(rules, PlanRules):
+        raise ValueError(f"rules must be a PlanRules, got {type(rules).__name__}")
     g = check_heads(num_q_heads, num_kv_heads, head_dim)
     q_tiles = config.query_tiles(g)
 
@@ -872,7 +831,7 @@ def plan(
     big, small = config.kv_split_sizes
     splits = [big, big]
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    if whole_groups and _WHOLE_GROUPS_MIN_ITEMS is not None and units_for.longest > big:
+    if units_for.longest > big:
         # the long-context split only where a phase needs the parallelism: enough units x KV
         # heads uncut, and no group much longer than the phase's work spread over
         # para_threshs1 programs (one long group would be the launch's tail)
@@ -880,7 +839,10 @@ def plan(
         uncut = units_for([whole, whole])
         for c, (tokens, longest) in enumerate(units_for.uncut_work()):
             thresh = config.para_threshs1[c]
-            if uncut[c] >= thresh * _WHOLE_GROUPS_MIN_ITEMS[c] and longest * thresh <= _WHOLE_GROUPS_MAX_TAIL * tokens:
+            if (
+                uncut[c] >= thresh * rules.whole_groups_min_items[c]
+                and longest * thresh <= rules.whole_groups_max_tail * tokens
+            ):
                 splits[c] = whole
     units = units_for(splits)
     changed = False
@@ -920,10 +882,7 @@ def plan(
         edge_assignment=assign,
         query_rank=gx.rank,
         query_of_rank=gx.query_of_rank,
-        solo_units=solo_units,
-        balanced_bins=balanced_bins,
-        wide_units=wide_units,
-        aligned_blocks=aligned_blocks,
+        rules=rules,
     )
 
 

@@ -48,30 +48,31 @@ import numpy as np
 import torch
 import triton
 
-from . import attention as _attention
-from .attention import (
-    _LOG2E,
-    _MANY_PARTIALS,
-    _MERGE_HEADS,
-    SMALL_TILE_CAPPED_PROGRAMS,
-    _current_stream,
-    _direct_launcher,
-    _interpreting,
-    _launch,
-    _launch_hooks_active,
-    _on_device,
-    capped_registers,
-    kv_offsets_fit_int32,
-    launch_pointers,
-    output_like,
-    pdl_launch,
-    peel_tiles,
-    tensor_layout,
-)
+from .attention import LOG2E, output_like
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
 from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
+from .launch_rules import (
+    MANY_PARTIALS,
+    MERGE_HEADS,
+    SMALL_TILE_CAPPED_PROGRAMS,
+    GpuTarget,
+    capped_registers,
+    kv_offsets_fit_int32,
+    pdl_wait,
+    peel_tiles,
+)
+from .launcher import (
+    current_stream,
+    direct_launcher,
+    interpreting,
+    launch,
+    launch_hooks_active,
+    launch_pointers,
+    on_device,
+    tensor_layout,
+)
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .plan_extend import PlanExtender
 from .recording import WorkloadRecorder
@@ -89,7 +90,7 @@ PLAN_HEADER = (*DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1
 _HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
 _ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
 #: Partial rows the many-partials merge reads per step (merged queries with at least
-#: ``fasttree.attention._MANY_PARTIALS`` partials go to it, as in ``tree_attention``).
+#: ``fasttree.launch_rules.MANY_PARTIALS`` partials go to it, as in ``tree_attention``).
 _MERGE_BLOCK_P = 16
 #: Programs per SM of the persistent merge (a light kernel: many fit an SM).
 _MERGE_PROGRAMS_PER_SM = 8
@@ -190,7 +191,7 @@ class TreeAttentionRuntime:
         with the large class's warps and stages); 2: one persistent launch per tile class,
         each compiled for its own tile, warps and stages, the second ordered after the
         first, and a small-tile launch capped at the registers that let
-        ``fasttree.attention.SMALL_TILE_CAPPED_PROGRAMS`` (4) programs share an SM (MHA on the
+        ``fasttree.launch_rules.SMALL_TILE_CAPPED_PROGRAMS`` (4) programs share an SM (MHA on the
         H200 suite: 1.06x of tree_attention's time vs 1.16x with 3 per SM). ``"auto"``: 2 for MHA
         (``Hq == Hkv``) at ``D <= 128``, whose small units are memory-bound and gain from
         the extra programs per SM; 1 otherwise, where the second launch costs more than it
@@ -244,7 +245,7 @@ class TreeAttentionRuntime:
                 raise ValueError(f"device {self.device} requested but CUDA is not available")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-        elif not _interpreting():
+        elif not interpreting():
             raise ValueError(f"device must be a CUDA device (or the CPU under TRITON_INTERPRET=1), got {self.device}")
         self.max_queries = _positive_int("max_queries", max_queries)
         self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
@@ -284,7 +285,6 @@ class TreeAttentionRuntime:
             q_tiles = self.config.query_tiles(self.group_size)
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
         self.masked = self.config.pack_tokens > 0
-        self._heads_fastest = _attention._HEADS_FASTEST  # the stage-1 item order (an A/B switch)
         self._capacity = {
             "kv_indices": self.max_kv_entries,
             "kv_row_mask": self.max_kv_entries if self.masked else 1,
@@ -471,7 +471,7 @@ class TreeAttentionRuntime:
         else:
             slot_units = ((0, n0), (n0, n_units))
         merge = plan.merge_queries
-        many = plan.query_num_partials[merge] >= _MANY_PARTIALS
+        many = plan.query_num_partials[merge] >= MANY_PARTIALS
         n_many = int(np.count_nonzero(many))
         if n_many and n_many < merge.size:
             merge = np.concatenate([merge[~many], merge[many]])
@@ -562,8 +562,8 @@ class TreeAttentionRuntime:
         self._min_rows = min(self._min_rows, q.shape[0])
         pool = k_cache.shape[0]
         self._min_pool = pool if self._min_pool is None else min(self._min_pool, pool)
-        with _on_device(q.device):
-            self._launch_all(q, k_cache, v_cache, out, float(scale) * _LOG2E)
+        with on_device(q.device):
+            self._launch_all(q, k_cache, v_cache, out, float(scale) * LOG2E)
         return out
 
     __call__ = forward
@@ -601,7 +601,7 @@ class TreeAttentionRuntime:
         """What the launches' compiled kernels and fixed arguments depend on besides the tensors'
         addresses and ``qk_scale`` (dtype, 16-byte alignment, strides), or None when the call must
         go through Triton (the interpreter, launch hooks)."""
-        if _interpreting() or q.device.type != "cuda" or _launch_hooks_active():
+        if interpreting() or q.device.type != "cuda" or launch_hooks_active():
             return None
         return tensor_layout(q, k_cache, v_cache, out)
 
@@ -609,7 +609,7 @@ class TreeAttentionRuntime:
         key = self._layout_key(q, k_cache, v_cache, out)
         cached = self._launchers.get(key) if key is not None else None
         if cached is not None:  # every kernel compiled for this layout: call the launchers directly
-            stream = _current_stream(q.device)
+            stream = current_stream(q.device)
             ptrs = launch_pointers(q, k_cache, v_cache, out)
             for launch in cached:
                 launch(stream, *ptrs, qk_scale)
@@ -622,17 +622,17 @@ class TreeAttentionRuntime:
             and all(self._programs[i] == grid for i, (_, grid, *_) in enumerate(launched[:-1]))
         ):
             self._launchers[key] = tuple(
-                _direct_launcher(c, (grid, 1), args, constexprs, None if len(args) == _MERGE_ARGS else _STAGE1_QK_ARG)
+                direct_launcher(c, (grid, 1), args, constexprs, None if len(args) == _MERGE_ARGS else _STAGE1_QK_ARG)
                 for c, grid, args, constexprs in launched
             )
 
     def _launch_through_triton(self, q, k_cache, v_cache, out, qk_scale: float) -> list[tuple]:
-        """Launch through :func:`fasttree.attention._launch`; returns ``(compiled, grid, args, constexprs)``
+        """Launch through :func:`fasttree.launcher.launch`; returns ``(compiled, grid, args, constexprs)``
         of each launch, stage 1 first, the merge last."""
         launched = []
         d, hq = self.head_dim, self.num_q_heads
         block_d = triton.next_power_of_2(d)
-        upcast = _interpreting() and q.dtype == torch.bfloat16
+        upcast = interpreting() and q.dtype == torch.bfloat16
         # int32 K/V offsets only when every slot a later plan may read is known to fit (pool_slots
         # fixed): the launches, and graphs captured from them, serve every later plan
         offsets_32 = self.pool_slots is not None and kv_offsets_fit_int32(self.pool_slots - 1, k_cache, v_cache)
@@ -644,14 +644,15 @@ class TreeAttentionRuntime:
             launches = [((m0, n0, m1, n1, 2), warps0, stages0)]
         else:  # one launch per slot, each compiled for its own tile alone
             launches = [((m0, n0, m0, n0, 0), warps0, stages0), ((m1, n1, m1, n1, 1), warps1, stages1)]
-        gdc_stage1, gdc_merge = pdl_launch("persistent_stage1", q), pdl_launch("persistent_merge", q)
+        target = GpuTarget.of(q.device, interpreting())
+        gdc_stage1, gdc_merge = pdl_wait("persistent_stage1", target), pdl_wait("persistent_merge", target)
         for i, ((bm0, bn0, bm1, bn1, which), warps, stages) in enumerate(launches):
             constexprs = (d, block_d, self.group_size, bm0, bn0, bm1, bn1, self.masked, upcast, which, offsets_32,
-                          peel_tiles(bm0), peel_tiles(bm1), self._heads_fastest, gdc_stage1)  # fmt: skip
+                          peel_tiles(bm0), peel_tiles(bm1), True, gdc_stage1)  # fmt: skip
             args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, self._launch_counters[i],
                     self.num_kv_heads, qk_scale, *strides)  # fmt: skip
             grid = self._programs[i] or self._sm_count
-            compiled = _launch(
+            compiled = launch(
                 tree_attention_persistent_kernel, (grid, 1), args, constexprs, warps, stages, self._maxnreg[i],
                 shrink_stages=self.config.num_stages is None,
             )  # fmt: skip
@@ -660,10 +661,10 @@ class TreeAttentionRuntime:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
         args = (out, part_o, part_lse, self._plan_buf, self._counters, hq, out.stride(0), out.stride(1),
                 part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-        block_h = min(triton.next_power_of_2(hq), _MERGE_HEADS)
+        block_h = min(triton.next_power_of_2(hq), MERGE_HEADS)
         constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel(), gdc_merge)
         grid = _MERGE_PROGRAMS_PER_SM * self._sm_count
-        compiled = _launch(merge_partials_persistent_kernel, (grid, 1), args, constexprs, 4, 1)
+        compiled = launch(merge_partials_persistent_kernel, (grid, 1), args, constexprs, 4, 1)
         launched.append((compiled, grid, args, constexprs))
         return launched
 

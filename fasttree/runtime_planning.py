@@ -1,8 +1,8 @@
 """How :class:`fasttree.runtime.TreeAttentionRuntime` plans a step and launches it, on the host only.
 
-The runtime plans a tree with its own rules (no wide units, fixed packing blocks, solo units
-when each tile class has a launch of its own, and a query-centric plan when grouping saves
-little) and launches both tile classes' units from fixed shapes: the config's query and KV
+The runtime plans a tree with its own rules (:meth:`fasttree.PlanRules.runtime`: no wide units,
+fixed packing blocks, solo units when each tile class has a launch of its own) and a query-centric
+plan when grouping saves little, and launches both tile classes' units from fixed shapes: the config's query and KV
 tiles, in one persistent launch with the large class's warps and stages, or in two. This
 module holds those decisions as functions, so that the runtime, the profiler (timing the
 runtime's launches) and the latency model (re-planning such a measurement) make the same
@@ -20,6 +20,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, _tile_class, check_heads
+from .plan_rules import PlanRules
 from .planner import plan as plan_tree
 from .tree import KVTree
 
@@ -40,14 +41,6 @@ MIN_SHARING_GAIN = 0.10
 QUERY_CENTRIC_GAMMA = 10.0
 #: Values of the runtime's ``query_centric``.
 QUERY_CENTRIC_CHOICES = ("auto", "never", "always")
-
-#: ``ft.plan(aligned_blocks=)`` of the runtime's plans: fixed packing blocks. Aligned ones changed
-#: none of the decode benchmark's plans under the tuned configs (H200,
-#: ``docs/bench/h200/subtree_blocks_heldout_74e9d2b.json``) and cost up to 0.17 ms more per fresh
-#: step on the host; with bigger packing budgets they beat the tuned configs on Llama few-shot and
-#: Mistral multi-document trees only, and lost on the others (``aligned_pack_sweep_adfc41e.json``).
-#: An A/B switch read when plans are made.
-ALIGNED_BLOCKS = False
 
 
 def resolve_stage1_launches(stage1_launches: int | str, group_size: int, head_dim: int) -> int:
@@ -130,11 +123,8 @@ def plan_for_runtime(
     launches = resolve_stage1_launches(stage1_launches, group_size, head_dim)
     if query_centric not in QUERY_CENTRIC_CHOICES:
         raise ValueError(f"query_centric must be one of {QUERY_CENTRIC_CHOICES}, got {query_centric!r}")
-    # wide units packed: kept whole they ran the runtime's decode trees no faster (H200, Llama
-    # multi-level 1.00x, few-shot and chain 1.47-1.71x slower: pack_wide_ab_02f073c_balanced.json),
-    # and choosing would pack MHA plans twice on every fresh step. Packing blocks: ALIGNED_BLOCKS.
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-             "solo_units": launches == 2, "wide_units": False, "aligned_blocks": ALIGNED_BLOCKS}  # fmt: skip
+             "rules": PlanRules.runtime(launches)}  # fmt: skip
     centric_config = replace(config, gamma=QUERY_CENTRIC_GAMMA)
     if query_centric == "always":
         return plan_tree(tree, centric_config, **heads), True

@@ -40,15 +40,30 @@ def run(tree, hq, hkv, d, dtype, config=None, query_separated=False) -> float:
 
 
 def run_peeled(tree, hq, hkv, d, dtype) -> float:
-    """Every launch peels its tail tile (``fasttree.attention._PEEL_TILES = "all"``)."""
-    from fasttree import attention
+    """Every stage-1 launch peels its tail tile (``PEEL`` forced on, unmasked whole KV tiles), as
+    :func:`run` checks it."""
+    from fasttree import attention, launcher
+    from fasttree.launch_rules import GpuTarget
 
-    saved = attention._PEEL_TILES
-    attention._PEEL_TILES = "all"
-    try:
-        return run(tree, hq, hkv, d, dtype)
-    finally:
-        attention._PEEL_TILES = saved
+    gen = torch.Generator().manual_seed(0)
+    pool = tree.max_slot + 1
+    q = torch.randn(tree.n_queries, hq, d, generator=gen).to(dtype).cuda()
+    k = torch.randn(pool, hkv, d, generator=gen).to(dtype).cuda()
+    v = torch.randn(pool, hkv, d, generator=gen).to(dtype).cuda()
+    plan = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    out = torch.full_like(q, float("nan"))
+    qk_scale = attention.LOG2E / d**0.5
+    target = GpuTarget.of(q.device, False)
+    for kernel, grid, args, constexprs, warps, stages, maxnreg in attention.plan_launches(
+        plan, plan.to(q.device), q, k, v, out, qk_scale, target
+    ):
+        if kernel is attention.tree_attention_units_kernel:
+            constexprs = (*constexprs[:8], True, *constexprs[9:])  # PEEL
+        launcher.launch(kernel, grid, args, constexprs, warps, stages, maxnreg)
+    torch.cuda.synchronize()
+    rows = np.arange(min(tree.n_queries, 16))
+    ref = ft.reference_attention(q, k, v, tree, queries=rows)
+    return float((out[: rows.size].double() - ref).norm() / ref.norm())
 
 
 def run_runtime(tree, hq, hkv, d, dtype) -> float:

@@ -6,13 +6,16 @@ norm-wise relative error must stay within the dtype's bound.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from trees import random_tree
 
 import fasttree as ft
-from fasttree import attention
+from fasttree import attention, launch_rules, launcher
+from fasttree.launch_rules import GpuTarget
 from fasttree.plan_arrays import TileClass
 from fasttree.toolkit.suite import paper_tree
 
@@ -46,6 +49,38 @@ def check_against_reference(out: torch.Tensor, q, k, v, tree: ft.KVTree, sm_scal
     err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
     assert err <= TOL[q.dtype], f"relative error {err:.2e} > {TOL[q.dtype]:.0e}"
     return err
+
+
+#: Positions of ``OFFSETS_32``, ``PEEL`` and ``HEADS_FASTEST`` among a stage-1 launch's constexprs.
+_OFFSETS_32, _PEEL, _HEADS_FASTEST = 7, 8, 9
+
+
+def _h200_like(device) -> GpuTarget:
+    """An H200's launch facts (132 SMs, sm_90), on the CPU interpreter as a target without PDL or
+    register caps, so that the one-wave launch rules apply there too."""
+    if torch.device(device).type == "cuda":
+        return GpuTarget(cuda=True, major=9, sms=132)
+    return GpuTarget(cuda=False, major=9, sms=132)
+
+
+def _launches(plan, q, k, v, out, target=None) -> list[tuple]:
+    """The launches :func:`fasttree.tree_attention` would make for these tensors with its default
+    scale (``target``: the device's own by default)."""
+    target = GpuTarget.of(q.device, launcher.interpreting()) if target is None else target
+    qk_scale = attention.LOG2E / math.sqrt(plan.head_dim)
+    return attention.plan_launches(plan, plan.to(q.device), q, k, v, out, qk_scale, target)
+
+
+def _run(launches, *, constexpr=None, transpose_grid=False) -> torch.Tensor:
+    """Run ``launches`` (from :func:`_launches`) with some stage-1 constexprs replaced
+    (``constexpr``: position -> value) and, with ``transpose_grid``, the stage-1 grids' two
+    dimensions swapped; returns their output tensor."""
+    for kernel, grid, args, constexprs, warps, stages, maxnreg in launches:
+        if kernel is attention.tree_attention_units_kernel:
+            constexprs = tuple((constexpr or {}).get(i, c) for i, c in enumerate(constexprs))
+            grid = grid[::-1] if transpose_grid else grid
+        launcher.launch(kernel, grid, args, constexprs, warps, stages, maxnreg)
+    return launches[0][2][3]  # a stage-1 launch's out
 
 
 def run_poisoned(fn, q) -> torch.Tensor:
@@ -169,7 +204,7 @@ def test_queries_with_dozens_of_partials(chain, dtype, device):
     assert int(plan.query_num_partials.max()) >= chain
     gen = torch.Generator().manual_seed(chain)
     q, k, v = make_inputs(tree, 4, 2, 64, dtype, device, gen)
-    launches = attention._launches(plan, attention._device_plan(plan, q.device), q, k, v, q, 1.0)
+    launches = _launches(plan, q, k, v, q)
     assert launches[-1][0] is attention.merge_many_partials_kernel
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out, q, k, v, tree)
@@ -181,16 +216,16 @@ def test_merge_kernel_is_chosen_by_the_most_partials_of_a_query(most):
     tree = ft.KVTree.from_lengths([-1, *range(most - 1)], [20] * most, [most - 1, 0])
     config = ft.FastTreeConfig(alpha=0.0, beta=0.0, gamma=-10.0, pack_tokens=0)
     plan = ft.plan(tree, config, num_q_heads=8, num_kv_heads=2, head_dim=64)
-    assert attention.merge_max_partials(plan) == most
+    assert launch_rules.merge_max_partials(plan) == most
     q = torch.empty(2, 8, 64, dtype=torch.float16)
-    launches = attention._launches(plan, attention._device_plan(plan, q.device), q, q, q, q, 1.0)
-    many = most >= attention._MANY_PARTIALS
+    launches = _launches(plan, q, q, q, q)
+    many = most >= launch_rules.MANY_PARTIALS
     assert launches[-1][0] is (attention.merge_many_partials_kernel if many else attention.merge_partials_kernel)
-    assert attention.merge_heads_per_program(plan) == (1 if many else 4)
+    assert launch_rules.merge_heads_per_program(plan) == (1 if many else 4)
 
 
 def test_launch_cache_key_tells_specialisations_apart():
-    from fasttree.attention import _arg_spec
+    from fasttree.launcher import _arg_spec
 
     a16 = torch.empty(64, dtype=torch.float16)
     b16 = torch.empty(64, dtype=torch.bfloat16)
@@ -277,7 +312,7 @@ def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
     ],
 )
 def test_small_tile_register_cap_only_where_it_saves_a_wave(args, expected):
-    assert attention.small_tile_maxnreg(*args) == expected
+    assert launch_rules.small_tile_maxnreg(*args) == expected
 
 
 def _tile(block_m=16, block_n=64, num_warps=4, num_stages=3):
@@ -310,25 +345,22 @@ _LONG = np.full(40, 288, dtype=np.int32)
     ],
 )
 def test_wide_kv_tile_only_for_one_wave_gqa_small_classes(args, expected):
-    assert attention.launch_kv_tile(*args) == expected
+    assert launch_rules.launch_kv_tile(*args) == expected
 
 
 @pytest.mark.parametrize(("g", "q_tiles", "pack_tokens"), [(8, (2, 2), 0), (16, None, 0), (16, None, 1024)])
 def test_wide_kv_tile_launch_matches_reference(g, q_tiles, pack_tokens, device, monkeypatch):
-    """A one-wave 16-row GQA class launched with 128-token KV tiles (the rule made to see a GPU of
+    """A one-wave 16-row GQA class launched with 128-token KV tiles (launches sized for an H200's
     132 SMs) reads its units' tail tiles masked and matches the float64 reference."""
-    monkeypatch.setattr(attention, "_launch_sms", lambda q: 132)
     tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
     cfg = ft.FastTreeConfig(gamma=10.0, kv_split_sizes=(512, 512), pack_tokens=pack_tokens, q_tile_queries=q_tiles)
     plan = ft.plan(tree, cfg, num_q_heads=g, num_kv_heads=1, head_dim=64)
-    dev = plan.to(device)
     gen = torch.Generator().manual_seed(11)
     q, k, v = make_inputs(tree, g, 1, 64, torch.float16, device, gen)
-    out = torch.empty_like(q)
-    launches = attention._launches(plan, dev, q, k, v, out, 0.125)
+    launches = _launches(plan, q, k, v, torch.empty_like(q), target=_h200_like(device))
     small = [c for _, _, _, c, *_ in launches if len(c) > 10 and c[3] == 16]
     assert small and all(c[4] == 128 for c in small)
-    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    out = run_poisoned(lambda o: _run(_launches(plan, q, k, v, o, _h200_like(device))), q)
     check_against_reference(out, q, k, v, tree)
 
 
@@ -347,43 +379,51 @@ def test_wide_kv_tile_launch_matches_reference(g, q_tiles, pack_tokens, device, 
     ],
 )
 def test_deeper_pipeline_only_for_one_wave_mha_small_classes(args, expected):
-    assert attention.launch_num_stages(*args) == expected
+    assert launch_rules.launch_num_stages(*args) == expected
 
 
-@pytest.mark.parametrize(("cuda", "interpreting", "major", "expected"),
-                         [(True, False, 9, 132), (True, False, 8, 0), (True, False, 10, 0), (True, True, 9, 0),
-                          (False, False, 9, 0)])  # fmt: skip
-def test_one_wave_rules_only_on_the_measured_gpu_generation(cuda, interpreting, major, expected, monkeypatch):
-    monkeypatch.setattr(attention, "_is_cuda", lambda t: cuda)
-    monkeypatch.setattr(attention, "_interpreting", lambda: interpreting)
-    monkeypatch.setattr(attention, "_compute_capability_major", lambda device: major)
-    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
-    assert attention._launch_sms(torch.zeros(1)) == expected
+@pytest.mark.parametrize(("target", "one_wave_sms", "pdl"), [
+    (GpuTarget(cuda=True, major=9, sms=132), 132, True), (GpuTarget(cuda=True, major=8, sms=108), 0, False),
+    (GpuTarget(cuda=True, major=10, sms=148), 0, True), (GpuTarget(cuda=False), 0, False),
+])  # fmt: skip
+def test_one_wave_rules_only_on_the_measured_gpu_generation(target, one_wave_sms, pdl):
+    assert target.one_wave_sms == one_wave_sms
+    assert target.pdl is pdl
+    assert launch_rules.pdl_wait("stage1", target) == (1 if pdl else 0)
+
+
+def test_interpreter_target_has_no_gpu_facts():
+    target = GpuTarget.of(torch.device("cpu"), interpreting=True)
+    assert target == GpuTarget(cuda=False) and target.one_wave_sms == 0 and not target.pdl
+
+
+@pytest.mark.parametrize(("kind", "wait"), [
+    ("stage1", 1), ("stage1_forked", 0), ("merge", 1), ("persistent_stage1", 2), ("persistent_merge", 2),
+])  # fmt: skip
+def test_pdl_waits_per_launch_kind(kind, wait):
+    assert launch_rules.pdl_wait(kind, GpuTarget(cuda=True, major=9, sms=132)) == wait
+    assert launch_rules.pdl_wait(kind, GpuTarget(cuda=True, major=8, sms=108)) == 0
+
+
+def test_pdl_wait_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="launch kind must be one of"):
+        launch_rules.pdl_wait("stage2", GpuTarget(cuda=True, major=9, sms=132))
 
 
 @pytest.mark.parametrize(("num_stages", "expected"), [(None, 5), ((3, 3), 3), ((4, 4), 4)])
-def test_deeper_pipeline_keeps_stages_a_config_sets(num_stages, expected, device, monkeypatch):
-    monkeypatch.setattr(attention, "_launch_sms", lambda q: 132)
+def test_deeper_pipeline_keeps_stages_a_config_sets(num_stages, expected, device):
     tree = paper_tree(1)  # MHA: 384 (unit, KV head) items of 16-row tiles, one wave of 132 SMs
     plan = ft.plan(tree, ft.FastTreeConfig(num_stages=num_stages), num_q_heads=32, num_kv_heads=32, head_dim=64)
     q, k, v = make_inputs(tree, 32, 32, 64, torch.float16, device, torch.Generator().manual_seed(0))
-    launches = attention._launches(plan, plan.to(device), q, k, v, torch.empty_like(q), 0.1)
+    launches = _launches(plan, q, k, v, torch.empty_like(q), target=_h200_like(device))
     small = [stages for _, _, _, c, _, stages, _ in launches if len(c) > 10 and c[3] == 16]
     assert small and all(st == expected for st in small)
 
 
-def test_wide_kv_tile_switch_off(monkeypatch):
-    monkeypatch.setattr(attention, "_WIDE_KV_TILE", False)
-    assert attention.launch_kv_tile(16, 128, _tile(), _LONG, 256, 132) == 64
-
-
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[3], SHAPES[4]])
-def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, monkeypatch):
+def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device):
     # the solo rule forced on (no waste floor): long one-query leaves run unpacked next to bins
-    from fasttree import plan_arrays
-
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_WASTE_FLOPS", 0)
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", 24)
+    rules = ft.PlanRules(solo_min_waste_flops=0, solo_min_tokens=24)
     gen = torch.Generator().manual_seed(g + d)
     # a forest: root 0 (9 tokens) -> 3 nodes (5) -> 12 leaves of 30 tokens (solo); root 16 (7) ->
     # 4 nodes (3) -> 16 leaves of 2 tokens (still binned); one query at an internal node
@@ -394,7 +434,7 @@ def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, m
     cfg = ft.FastTreeConfig(
         pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), kv_split_sizes=(64, 32), para_threshs1=(0, 0)
     )
-    plan = ft.plan(forest, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+    plan = ft.plan(forest, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, rules=rules)
     small = plan.unit_kv_len[plan.class_unit_ptr[1] : plan.class_unit_ptr[2]]
     assert int(np.count_nonzero(small >= 30)) >= 10  # a leaf may be joined to its parent edge
     q, k, v = make_inputs(forest, g * hkv, hkv, d, dtype, device, gen)
@@ -407,31 +447,22 @@ def test_long_units_kept_out_of_bins_match_reference(g, hkv, d, dtype, device, m
     (((1, 2, 8), (200, 100, 4)), 16, 1, torch.bfloat16),
     (((1, 2, 8), (200, 100, 4)), 4, 2, torch.float16),
 ])  # fmt: skip
-def test_balanced_and_filled_bins_match_reference(levels, g, hkv, dtype, device, monkeypatch):
-    # trees where balanced bins (the GQA default) and filled ones plan differently: both correct
-    from fasttree import plan_arrays
-
+def test_balanced_bins_match_reference(levels, g, hkv, dtype, device):
+    # trees whose GQA plans cut packed blocks into balanced bins
     tree = ft.KVTree.from_levels(*levels)
     cfg = ft.FastTreeConfig(pack_min_units=32, para_threshs1=(1, 1), para_threshs2=(1, 1))
     gen = torch.Generator().manual_seed(g + hkv)
     q, k, v = make_inputs(tree, g * hkv, hkv, 64, dtype, device, gen)
-    units = []
-    for balanced in (None, False):
-        monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", balanced)
-        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
-        units.append(plan.stats()["units"])
-        out = run_poisoned(lambda o, plan=plan: ft.tree_attention(q, k, v, plan, out=o), q)
-        check_against_reference(out, q, k, v, tree)
-    assert units[0] != units[1], "the plans should differ, or the test covers nothing new"
+    plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
+    assert plan.tile_classes[0].masked or plan.tile_classes[1].masked
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, tree)
 
 
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[2], SHAPES[3]])
-def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, monkeypatch):
+def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device):
     # random forests (queries at internal nodes, scattered slots) with the solo rule forced on
-    from fasttree import plan_arrays
-
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_WASTE_FLOPS", 0)
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", 16)
+    rules = ft.PlanRules(solo_min_waste_flops=0, solo_min_tokens=16)
     rng = np.random.default_rng(900 + g)
     gen = torch.Generator().manual_seed(900 + g)
     changed = 0
@@ -440,8 +471,9 @@ def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device, 
         cfg = ft.FastTreeConfig(pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), kv_split_sizes=(64, 32),
                                 para_threshs1=(0, 0))  # fmt: skip
         heads = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d}
-        plan = ft.plan(tree, cfg, **heads)
-        changed += plan.units_per_class() != ft.plan(tree, cfg, **heads, solo_units=False).units_per_class()
+        plan = ft.plan(tree, cfg, **heads, rules=rules)
+        no_solo = rules.with_(solo_units=False)
+        changed += plan.units_per_class() != ft.plan(tree, cfg, **heads, rules=no_solo).units_per_class()
         q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
         check_against_reference(out, q, k, v, tree)
@@ -463,77 +495,65 @@ def test_int32_kv_offsets_only_where_every_read_offset_fits(max_slot, stride0, f
     # meta tensors: any strides without storage; K and V decide together
     k = torch.empty_strided((max_slot + 1, 2, 128), (stride0, 128, 1), device="meta")
     small = torch.empty_strided((max_slot + 1, 2, 128), (256, 128, 1), device="meta")
-    assert attention.kv_offsets_fit_int32(max_slot, k, k) is fits
-    assert attention.kv_offsets_fit_int32(max_slot, small, k) is fits
-    assert attention.kv_offsets_fit_int32(max_slot, k, small) is fits
+    assert launch_rules.kv_offsets_fit_int32(max_slot, k, k) is fits
+    assert launch_rules.kv_offsets_fit_int32(max_slot, small, k) is fits
+    assert launch_rules.kv_offsets_fit_int32(max_slot, k, small) is fits
 
 
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [(1, 2, 64, torch.float16), (4, 2, 128, torch.bfloat16)])
-def test_int32_and_int64_kv_offsets_give_identical_outputs(g, hkv, d, dtype, device, monkeypatch):
+def test_int32_and_int64_kv_offsets_give_identical_outputs(g, hkv, d, dtype, device):
     rng = np.random.default_rng(31)
     gen = torch.Generator().manual_seed(31)
     tree = random_tree(rng, max_nodes=12, max_len=80)
     plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
     q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
-    assert attention.kv_offsets_fit_int32(plan.max_slot, k, v)
+    assert launch_rules.kv_offsets_fit_int32(plan.max_slot, k, v)
     out32 = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out32, q, k, v, tree)
-    decided = []
-    monkeypatch.setattr(attention, "kv_offsets_fit_int32", lambda *a: decided.append(a) or False)
-    plan64 = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)  # no cached launchers
-    out64 = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan64, out=o), q)
-    assert decided, "the launches did not ask whether the offsets fit"
+    out64 = run_poisoned(lambda o: _run(_launches(plan, q, k, v, o), constexpr={_OFFSETS_32: False}), q)
     torch.testing.assert_close(out64, out32, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
     ("g", "hkv", "d", "dtype"), [(1, 2, 64, torch.float16), (4, 2, 128, torch.bfloat16), (2, 1, 96, torch.float16)]
 )
-@pytest.mark.parametrize("tiles", ["all", "large", "small", "auto"])
-def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, tiles, device, monkeypatch):
+@pytest.mark.parametrize("peel", [False, True])
+def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, peel, device):
     # whole KV tiles unmasked + one masked tail tile computes exactly what masking every tile does
-    # (head dim 96: the unmasked tiles still mask the padded columns)
+    # (head dim 96: the unmasked tiles still mask the padded columns), in tiles of any rows
     rng = np.random.default_rng(41)
     gen = torch.Generator().manual_seed(41)
     for _ in range(2):
         tree = random_tree(rng, max_nodes=14, max_len=150)
-        plans = [ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d) for _ in range(2)]
-        block_n = min(tc.block_n for tc in plans[0].tile_classes)
-        assert (plans[0].unit_kv_len > block_n).any() and (plans[0].unit_kv_len % block_n != 0).any()
+        plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        block_n = min(tc.block_n for tc in plan.tile_classes)
+        assert (plan.unit_kv_len > block_n).any() and (plan.unit_kv_len % block_n != 0).any()
         q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
-        monkeypatch.setattr(attention, "_PEEL_TILES", "none")
-        masked = run_poisoned(lambda o, p=plans[0], q=q, k=k, v=v: ft.tree_attention(q, k, v, p, out=o), q)
-        monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
-        peeled = run_poisoned(lambda o, p=plans[1], q=q, k=k, v=v: ft.tree_attention(q, k, v, p, out=o), q)
-        check_against_reference(peeled, q, k, v, tree)
-        torch.testing.assert_close(peeled, masked, rtol=0, atol=0)
+        as_planned = run_poisoned(lambda o, p=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, p, out=o), q)
+        forced = run_poisoned(
+            lambda o, p=plan, q=q, k=k, v=v: _run(_launches(p, q, k, v, o), constexpr={_PEEL: peel}), q
+        )
+        check_against_reference(forced, q, k, v, tree)
+        torch.testing.assert_close(forced, as_planned, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [(1, 3, 64, torch.float16), (4, 2, 128, torch.bfloat16)])
-def test_heads_fastest_item_order_gives_identical_outputs(g, hkv, d, dtype, device, monkeypatch):
-    # the per-plan grid as (KV heads, units) runs the same programs in another order
+def test_heads_fastest_item_order_gives_identical_outputs(g, hkv, d, dtype, device):
+    # the per-plan grid as (KV heads, units) runs the same programs as (units, KV heads)
     rng = np.random.default_rng(43)
     gen = torch.Generator().manual_seed(43)
     tree = random_tree(rng, max_nodes=14, max_len=150)
     q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
-    grids = []
-    real = attention._launch
-
-    def recording(kernel, grid, *rest, **kw):
-        if kernel is attention.tree_attention_units_kernel:
-            grids.append(grid)
-        return real(kernel, grid, *rest, **kw)
-
-    monkeypatch.setattr(attention, "_launch", recording)
-    outs = []
-    for fastest in (False, True):
-        monkeypatch.setattr(attention, "_HEADS_FASTEST", fastest)
-        plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)  # no cached launchers
-        outs.append(run_poisoned(lambda o, p=plan: ft.tree_attention(q, k, v, p, out=o), q))
-    half = len(grids) // 2
-    assert half and [gr[::-1] for gr in grids[:half]] == grids[half:] and all(gr[1] == hkv for gr in grids[:half])
-    check_against_reference(outs[1], q, k, v, tree)
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+    launches = _launches(plan, q, k, v, q)
+    stage1 = [(grid, c) for _, grid, _, c, *_ in launches if len(c) > 10]
+    assert stage1 and all(c[_HEADS_FASTEST] and grid[0] == hkv for grid, c in stage1)
+    fastest = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    units_first = run_poisoned(
+        lambda o: _run(_launches(plan, q, k, v, o), constexpr={_HEADS_FASTEST: False}, transpose_grid=True), q
+    )
+    check_against_reference(fastest, q, k, v, tree)
+    torch.testing.assert_close(units_first, fastest, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("stages", "shrink"), [(None, True), ((5, 3), False)])
@@ -541,52 +561,43 @@ def test_only_default_stages_may_shrink_to_fit_shared_memory(stages, shrink, dev
     tree = ft.KVTree.from_levels([1, 4], [100, 20])
     q, k, v = make_inputs(tree, 8, 2, 64, torch.float16, device, torch.Generator().manual_seed(5))
     seen = []
-    real = attention._launch
+    real = attention.launch
 
     def recording(*args, **kw):
         seen.append(args[7] if len(args) > 7 else kw.get("shrink_stages", False))
         return real(*args, **kw)
 
-    monkeypatch.setattr(attention, "_launch", recording)
+    monkeypatch.setattr(attention, "launch", recording)
     plan = ft.plan(tree, ft.FastTreeConfig(num_stages=stages), num_q_heads=8, num_kv_heads=2, head_dim=64)
     ft.tree_attention(q, k, v, plan)
     assert seen and all(flag is shrink for flag in seen)
 
 
-@pytest.mark.parametrize(("flag", "n_units", "expected"), [
-    (True, 500, ((8, 500), True)), (True, 65535, ((8, 65535), True)), (True, 65536, ((65536, 8), False)),
-    (False, 500, ((500, 8), False)),
+@pytest.mark.parametrize(("n_units", "expected"), [
+    (500, ((8, 500), True)), (65535, ((8, 65535), True)), (65536, ((65536, 8), False)),
 ])  # fmt: skip
-def test_heads_fastest_grid_keeps_the_units_within_the_grid_limit(flag, n_units, expected, monkeypatch):
-    monkeypatch.setattr(attention, "_HEADS_FASTEST", flag)
-    assert attention.units_grid(n_units, 8) == expected
+def test_heads_fastest_grid_keeps_the_units_within_the_grid_limit(n_units, expected):
+    assert launch_rules.units_grid(n_units, 8) == expected
 
 
-@pytest.mark.parametrize(("block_m", "mean_tiles", "tiles", "expected"), [
-    (16, 9.0, "none", False), (64, 9.0, "none", False), (16, 9.0, "small", True), (64, 9.0, "small", False),
-    (16, 9.0, "large", False), (32, 1.0, "large", True), (16, 1.0, "all", True), (64, 1.0, "all", True),
-    (16, 9.0, "auto", False), (64, 1.9, "auto", False), (64, 2.5, "auto", True), (64, None, "auto", True),
-    (32, 12.0, "auto", True),
+@pytest.mark.parametrize(("block_m", "mean_tiles", "expected"), [
+    (16, 9.0, False), (64, 1.9, False), (64, 2.5, True), (64, None, True), (32, 12.0, True), (16, None, False),
 ])  # fmt: skip
-def test_peel_rule_by_tile_rows_and_unit_tiles(block_m, mean_tiles, tiles, expected, monkeypatch):
-    monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
-    assert attention.peel_tiles(block_m, mean_tiles) is expected
+def test_peel_rule_by_tile_rows_and_unit_tiles(block_m, mean_tiles, expected):
+    assert launch_rules.peel_tiles(block_m, mean_tiles) is expected
 
 
 @pytest.mark.parametrize(
     ("levels", "tokens", "dtype"),
     [([1, 2, 128], [300, 300, 1], torch.float16), ([1, 4, 128], [700, 200, 2], torch.bfloat16)],
 )
-def test_mha_plan_with_wide_units_kept_whole_is_correct(levels, tokens, dtype, device, monkeypatch):
+def test_mha_plan_with_wide_units_kept_whole_is_correct(levels, tokens, dtype, device):
     # short shared nodes read by many queries: the default plan keeps MHA's 64-query units whole
     # (large tile, merged with the bins' partials) instead of re-reading them in every 16-query bin
-    from fasttree import plan_arrays
-
     tree = ft.KVTree.from_levels(levels, tokens)
     config = ft.FastTreeConfig(para_threshs1=(1, 1), para_threshs2=(1, 1), pack_min_units=8)
     chosen = ft.plan(tree, config, num_q_heads=2, num_kv_heads=2, head_dim=64)
-    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", True)
-    packed = ft.plan(tree, config, num_q_heads=2, num_kv_heads=2, head_dim=64)
+    packed = ft.plan(tree, config, num_q_heads=2, num_kv_heads=2, head_dim=64, rules=ft.PlanRules(wide_units=False))
     assert chosen.units_per_class()[0] > 0 == packed.units_per_class()[0]
     assert chosen.stats()["kv_tokens_read"] < packed.stats()["kv_tokens_read"] and chosen.n_partial_rows > 0
     q, k, v = make_inputs(tree, 2, 2, 64, dtype, device, torch.Generator().manual_seed(11))
@@ -607,7 +618,8 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     config = ft.FastTreeConfig(para_threshs1=(1, 1), para_threshs2=(1, 1), pack_min_units=8)
     hq, hkv = heads
     aligned = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64)
-    fixed = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, aligned_blocks=False)
+    fixed_blocks = ft.PlanRules(aligned_blocks=False)
+    fixed = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, rules=fixed_blocks)
     assert aligned.stats()["kv_tokens_read"] < fixed.stats()["kv_tokens_read"]
     q, k, v = make_inputs(tree, hq, hkv, 64, dtype, device, torch.Generator().manual_seed(seed))
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, aligned, out=o), q)

@@ -12,7 +12,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 import fasttree as ft
-from fasttree import attention
+from fasttree import attention, launcher
+from fasttree.launch_rules import GpuTarget
 
 
 class FakeCompiled:
@@ -57,19 +58,19 @@ class FakeEvent:
 def fakes(monkeypatch):
     log: list = []
     side = (FakeStream("main", log), FakeStream("side", log), 5678, FakeEvent("fork", log), FakeEvent("join", log))
-    monkeypatch.setattr(attention, "_side_stream", lambda device, stream: side)
+    monkeypatch.setattr(attention, "side_stream", lambda device, stream: side)
     monkeypatch.setattr(attention, "_stream_context", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(attention, "_capturing", lambda: True)  # the small test plan forks only when captured
     monkeypatch.setattr(attention, "tree_attention_units_kernel", FakeKernel("units", log))
     monkeypatch.setattr(attention, "merge_partials_kernel", FakeKernel("merge", log))
     monkeypatch.setattr(attention, "merge_many_partials_kernel", FakeKernel("merge_many", log))
-    monkeypatch.setattr(attention, "_interpreting", lambda: False)
-    monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
+    for module in (attention, launcher):  # a CUDA GPU as far as the launches can tell
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+        monkeypatch.setattr(module, "launch_hooks_active", lambda: False)
+        monkeypatch.setattr(module, "current_stream", lambda device: 1234)
     monkeypatch.setattr(attention, "_is_cuda", lambda t: True)
-    monkeypatch.setattr(attention, "_launch_sms", lambda q: 0)  # no one-wave launch choice (no GPU to count SMs)
-    monkeypatch.setattr(attention, "_compute_capability_major", lambda device: 9)  # an sm_90 GPU: PDL flags set
-    monkeypatch.setattr(attention, "_current_stream", lambda device: 1234)
-    monkeypatch.setattr(attention, "_COMPILED", {})
+    # an sm_90 GPU (PDL flags set) without an SM count: no one-wave launch choice
+    monkeypatch.setattr(attention, "_target", lambda q: GpuTarget(cuda=True, major=9))
+    monkeypatch.setattr(launcher, "_COMPILED", {})
     real_check = attention._check_inputs
     monkeypatch.setattr(attention, "_check_inputs", lambda q, *a: q.device)  # CPU tensors stand in for CUDA ones
     return log, real_check
@@ -96,25 +97,15 @@ def setup(gen):
     return plan, q, k, torch.randn_like(k)
 
 
-def _as_passed(t):
-    """What a direct launcher passes for a tensor argument: its address (``_INT_POINTERS``) or itself."""
-    if isinstance(t, torch.Tensor) and attention._INT_POINTERS:
-        return t.data_ptr()
-    return t
-
-
 def _passed_as(arg, passed) -> bool:
-    """Whether ``passed`` is what a direct launcher passes for ``arg``."""
-    want = _as_passed(arg)
-    return want is passed if isinstance(want, torch.Tensor) else want == passed
+    """Whether ``passed`` is what a direct launcher passes for ``arg``: a tensor's address."""
+    return (arg.data_ptr() if isinstance(arg, torch.Tensor) else arg) == passed
 
 
-@pytest.mark.parametrize("int_pointers", [True, False])
-def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes, monkeypatch, int_pointers):
-    """Later calls pass the new q, k, v, out and scale and the plan's fixed arguments; with
-    ``_INT_POINTERS`` every tensor goes to Triton's launcher as its address (no per-launch
-    ``data_ptr()`` and driver check there), and the launcher holds the fixed tensors."""
-    monkeypatch.setattr(attention, "_INT_POINTERS", int_pointers)
+def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes):
+    """Later calls pass the new q, k, v, out and scale and the plan's fixed arguments; every tensor
+    goes to Triton's launcher as its address (no per-launch ``data_ptr()`` and driver check
+    there), and the launcher holds the fixed tensors."""
     log, _ = fakes
     gen = torch.Generator().manual_seed(0)
     plan, q, k, v = setup(gen)
@@ -141,14 +132,14 @@ def test_second_call_uses_the_compiled_launchers_with_the_new_tensors(fakes, mon
     assert [e[3] for e in runs] == [5678, 1234, 1234], "the side stream's raw handle for the first launch"
     for (_, _, grid1, _, args1), (_, name, grid2, _, args2) in zip(first, runs, strict=True):
         assert grid1 == grid2 and len(args1) == len(args2)
-        assert not int_pointers or not any(isinstance(a, torch.Tensor) for a in args2), "addresses only"
+        assert not any(isinstance(a, torch.Tensor) for a in args2), "addresses only"
         if name == "merge":
             assert _passed_as(out2, args2[0])
             assert all(_passed_as(a, b) for a, b in zip(args1[1:], args2[1:], strict=True))
             continue
         assert all(_passed_as(t, a) for t, a in zip((q2, k2, v2, out2), args2[:4], strict=True))
         qk = attention._QK_SCALE_ARG
-        assert args1[qk] == pytest.approx(1 / np.sqrt(64) * attention._LOG2E) and args2[qk] == 0.5 * attention._LOG2E
+        assert args1[qk] == pytest.approx(1 / np.sqrt(64) * attention.LOG2E) and args2[qk] == 0.5 * attention.LOG2E
         same = [i for i in range(4, len(args1)) if i != qk]
         assert all(_passed_as(args1[i], args2[i]) for i in same), "plan arrays, strides, constexprs"
     (launchers,) = [e[1] for key, e in plan._device_cache.items() if isinstance(key, tuple) and key[0] == "direct"]
@@ -198,27 +189,24 @@ def test_another_layout_or_an_explicit_device_plan_goes_through_triton(fakes):
     assert direct() == keys
 
 
-@pytest.mark.parametrize(
-    ("capturing", "min_pairs", "forks"), [(False, None, True), (False, 1 << 40, False), (True, 1 << 40, True)]
-)
-def test_two_class_plans_fork_in_eager_calls_from_the_threshold_on(fakes, monkeypatch, capturing, min_pairs, forks):
-    """A plan reading at least ``_FORK_EAGER_MIN_PAIRS`` (KV entry, KV head) pairs (by default every
-    two-class plan) forks in eager calls too; one reading fewer forks only under graph capture."""
+def test_two_class_plans_fork_in_every_call_and_one_class_plans_never(fakes):
+    """A plan with two non-empty tile classes runs their stage-1 launches side by side, through
+    Triton and through the direct launchers; a plan with one class has nothing to fork."""
     log, _ = fakes
-    monkeypatch.setattr(attention, "_capturing", lambda: capturing)
-    if min_pairs is not None:
-        monkeypatch.setattr(attention, "_FORK_EAGER_MIN_PAIRS", min_pairs)
     plan, q, k, v = setup(torch.Generator().manual_seed(2))
-    for _ in range(2):  # through Triton, then the direct launchers
-        log.clear()
-        ft.tree_attention(q, k, v, plan)
-        events = [e for e in log if e[0] in ("record", "wait")]
-        assert bool(events) == forks
-        assert [e[1] for e in _launches(log)] == ["units", "units", "merge"]
+    one_class = ft.plan(_setup_tree(), num_q_heads=8, num_kv_heads=2, head_dim=64)
+    assert 0 in one_class.units_per_class()
+    for p, forks in ((plan, True), (one_class, False)):
+        for _ in range(2):  # through Triton, then the direct launchers
+            log.clear()
+            ft.tree_attention(q, k, v, p)
+            events = [e for e in log if e[0] in ("record", "wait")]
+            assert bool(events) == forks
+            assert sum(e[1] == "units" for e in _launches(log)) == (2 if forks else 1)
 
 
 class CudaLauncher:
-    """Stands in for Triton's ``CudaLauncher`` (the class name :func:`attention._launch_entry` checks)."""
+    """Stands in for Triton's ``CudaLauncher`` (the class name :func:`launcher._launch_entry` checks)."""
 
     def __init__(self, log, scratch=0):
         self.log = log
@@ -240,13 +228,13 @@ def test_direct_launchers_call_tritons_c_launch_with_what_its_wrapper_adds(monke
     ``__call__``; both get the kernel's arguments with the plan's tensors as addresses."""
     from types import SimpleNamespace
 
-    version = attention._triton_version()
-    monkeypatch.setattr(attention, "_C_LAUNCH_TRITON", version if same_triton else (*version, 99))
+    version = launcher._triton_version()  # the release is faked, not switched: another one takes __call__
+    monkeypatch.setattr(launcher, "_C_LAUNCH_TRITON", version if same_triton else (*version, 99))
     log: list = []
     compiled = SimpleNamespace(run=CudaLauncher(log, scratch), function=7, packed_metadata=(4, 1, 0))
     fixed = torch.arange(6, dtype=torch.int32)
-    launcher = attention._direct_launcher(compiled, (3, 2), ("q", "k", "v", "o", fixed, 0.25, 16), (64,), 5)
-    launcher(99, 11, 12, 13, 14, 0.5)
+    direct = launcher.direct_launcher(compiled, (3, 2), ("q", "k", "v", "o", fixed, 0.25, 16), (64,), 5)
+    direct(99, 11, 12, 13, 14, 0.5)
     ((kind, args),) = log
     assert kind == path
     head = (False, True, None, None) if path == "c" else ()
@@ -262,13 +250,13 @@ def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch):
 
     calls = []
     for module in (attention, runtime_module):
-        real = module._launch
+        real = module.launch
 
         def recording(kernel, grid, args, constexprs, *rest, real=real, **kw):
             calls.append((kernel, len(args) + len(constexprs)))
             return real(kernel, grid, args, constexprs, *rest, **kw)
 
-        monkeypatch.setattr(module, "_launch", recording)
+        monkeypatch.setattr(module, "launch", recording)
     gen = torch.Generator().manual_seed(3)
     plan, q, k, v = setup(gen)
     ft.tree_attention(q, k, v, plan)
@@ -306,18 +294,18 @@ class _Arg:
 
 
 def test_a_default_stages_launch_short_of_shared_memory_compiles_with_fewer_stages(monkeypatch, caplog):
-    monkeypatch.setattr(attention, "_interpreting", lambda: False)
-    monkeypatch.setattr(attention, "_launch_hooks_active", lambda: False)
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setattr(launcher, "launch_hooks_active", lambda: False)
     kernel = ShortOfSharedMemory(fits=3)
-    with caplog.at_level("WARNING", logger="fasttree.attention"):
-        got = attention._launch(kernel, (1, 1), (_Arg(),), ("fallback-test",), 4, 5, shrink_stages=True)
+    with caplog.at_level("WARNING", logger="fasttree.launcher"):
+        got = launcher.launch(kernel, (1, 1), (_Arg(),), ("fallback-test",), 4, 5, shrink_stages=True)
     assert got == ("compiled", 3) and kernel.tried == [5, 4, 3]
     assert "compiled with 3 stages" in caplog.text
     # explicit stages (no shrinking), other resources, or no stage left to drop still raise
     with pytest.raises(OutOfResources):
-        attention._launch(ShortOfSharedMemory(fits=3), (1, 1), (_Arg(),), ("explicit-test",), 4, 5)
+        launcher.launch(ShortOfSharedMemory(fits=3), (1, 1), (_Arg(),), ("explicit-test",), 4, 5)
     with pytest.raises(OutOfResources):
-        attention._launch(ShortOfSharedMemory(fits=3, what="registers"), (1, 1), (_Arg(),), ("regs-test",), 4, 5,
+        launcher.launch(ShortOfSharedMemory(fits=3, what="registers"), (1, 1), (_Arg(),), ("regs-test",), 4, 5,
                           shrink_stages=True)  # fmt: skip
     with pytest.raises(OutOfResources):
-        attention._launch(ShortOfSharedMemory(fits=0), (1, 1), (_Arg(),), ("none-fits",), 4, 2, shrink_stages=True)
+        launcher.launch(ShortOfSharedMemory(fits=0), (1, 1), (_Arg(),), ("none-fits",), 4, 2, shrink_stages=True)

@@ -139,23 +139,6 @@ def test_gqa16_deep_tree_bins_hold_whole_blocks(case):
     check_plan(tree, plan)
 
 
-def test_balanced_runs_switch(monkeypatch):
-    from fasttree import plan_arrays
-
-    tree = paper_tree(11)
-    monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", False)
-    filled = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
-    assert filled.n_partial_rows == 512  # as before balanced runs
-    check_plan(tree, filled)
-    # MHA's 16-query bins live in the small tile: the default keeps filling them
-    monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", None)
-    mha_default = ft.plan(paper_tree(1), num_q_heads=32, num_kv_heads=32, head_dim=128)
-    monkeypatch.setattr(plan_arrays, "_BALANCED_RUNS", False)
-    mha_filled = ft.plan(paper_tree(1), num_q_heads=32, num_kv_heads=32, head_dim=128)
-    assert mha_default.n_partial_rows == mha_filled.n_partial_rows
-    np.testing.assert_array_equal(mha_default.unit_kv_len, mha_filled.unit_kv_len)
-
-
 @pytest.mark.parametrize(("capacity", "budget"), [(0, 10), (MAX_PACK_QUERIES + 1, 10), (4, 0)])
 def test_pack_units_rejects_bad_sizes(capacity, budget):
     u = _units([[0], [1]], [4, 4])
@@ -213,15 +196,13 @@ def _matrix_work(plan) -> int:
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (16, 1)])
-def test_long_one_query_leaves_stay_out_of_large_bins(heads, monkeypatch):
+def test_long_one_query_leaves_stay_out_of_large_bins(heads):
     # case 8: 1024 private 256-token leaves; in 64-row bins each would do 4x its 16-row tile's work
-    from fasttree import plan_arrays
-
     tree = paper_tree(8)
     hq, hkv = heads
     solo = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
-    monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", None)
-    binned = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    no_solo = ft.PlanRules(solo_units=False)
+    binned = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, rules=no_solo)
     check_plan(tree, solo)
     leaves = tree.n_queries
     small = solo.class_unit_ptr[2] - solo.class_unit_ptr[1]
@@ -231,65 +212,56 @@ def test_long_one_query_leaves_stay_out_of_large_bins(heads, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [6, 9, 10])
-def test_little_waste_keeps_long_units_in_bins(case, monkeypatch):
-    # below _SOLO_MIN_WASTE_FLOPS the bins' fewer programs and partials pay (measured, 6/gqa4 and 9/gqa4)
-    from fasttree import plan_arrays
-
+def test_little_waste_keeps_long_units_in_bins(case):
+    # below solo_min_waste_flops the bins' fewer programs and partials pay (measured, 6/gqa4 and 9/gqa4)
     tree = paper_tree(case)
-    plans = []
-    for tokens in (128, None):
-        monkeypatch.setattr(plan_arrays, "_SOLO_MIN_TOKENS", tokens)
-        plans.append(ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128))
+    rules = (ft.PlanRules(), ft.PlanRules(solo_units=False), ft.PlanRules(solo_min_waste_flops=0))
+    plans = [ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128, rules=r) for r in rules]
     assert plans[0].units_per_class() == plans[1].units_per_class()
     assert np.array_equal(plans[0].unit_kv_len, plans[1].unit_kv_len)
+    # without the waste bound 6's and 9's long units do stay out (the bound keeps them in); 10 has none
+    assert (plans[2].units_per_class() != plans[0].units_per_class()) == (case != 10)
+
+
+#: Rules whose choice between packed and whole wide units always packs them, and one that keeps
+#: them whole wherever that reads fewer KV tokens (a partial row then costs nothing).
+PACKED, WHOLE = ft.PlanRules(wide_units=False), ft.PlanRules(wide_row_tokens=0.0)
 
 
 @pytest.mark.parametrize("case", [11, 13])
-def test_wide_units_kept_whole_read_their_kv_once_per_tile(case, monkeypatch):
-    """MHA's large-tile units (up to 64 queries) against 16-query bins: packed
-    (``_PACK_WIDE_UNITS`` True) each bin re-reads their KV; kept whole (False) they read it once
-    per 64-query tile, and the plans still cover every context once."""
-    from fasttree import plan_arrays
-
+def test_wide_units_kept_whole_read_their_kv_once_per_tile(case):
+    """MHA's large-tile units (up to 64 queries) against 16-query bins: packed, each bin re-reads
+    their KV; kept whole they read it once per 64-query tile, and the plans still cover every
+    context once."""
     tree = paper_tree(case)
-    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", True)
-    packed = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
-    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", False)
-    whole = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
+    packed = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128, rules=PACKED)
+    whole = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128, rules=WHOLE)
     for plan in (packed, whole):
         check_plan(tree, plan)
     assert packed.units_per_class()[0] == 0 < whole.units_per_class()[0]
     assert whole.stats()["kv_tokens_read"] < 0.6 * packed.stats()["kv_tokens_read"]  # 11/mha: 28,160 vs 51,200
-    gqa = [ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128) for _ in range(2)]
-    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", True)
-    assert (
-        gqa[0].stats() == ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128).stats()
-    )  # GQA bins hold a large tile
+    gqa = [ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128, rules=r) for r in (PACKED, WHOLE)]
+    assert gqa[0].stats() == gqa[1].stats()  # GQA bins hold a large tile
 
 
-def _wide_plans(tree, monkeypatch, **kw) -> dict:
+def _wide_plans(tree, **kw) -> dict:
     """The default plan of ``tree`` (MHA 32 heads) and the two it chooses between."""
-    from fasttree import plan_arrays
-
-    out = {"chosen": ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128, **kw)}
-    for name, value in (("packed", True), ("whole", False)):
-        monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", value)
-        out[name] = ft.plan(tree, num_q_heads=32, num_kv_heads=32, head_dim=128)
-    monkeypatch.setattr(plan_arrays, "_PACK_WIDE_UNITS", None)
+    heads = dict(num_q_heads=32, num_kv_heads=32, head_dim=128)
+    out = {"chosen": ft.plan(tree, **heads, **kw)}
+    out["packed"] = ft.plan(tree, **heads, rules=PACKED)
+    out["whole"] = ft.plan(tree, **heads, rules=WHOLE)
     return out
 
 
 def _wide_cost(plan) -> float:
-    from fasttree.plan_arrays import _WIDE_ROW_TOKENS
-
-    return plan.stats()["kv_tokens_read"] + _WIDE_ROW_TOKENS * plan.n_partial_rows
+    return plan.stats()["kv_tokens_read"] + ft.PlanRules().wide_row_tokens * plan.n_partial_rows
 
 
 @pytest.mark.parametrize(("case", "choice"), [(2, "packed"), (6, "packed"), (8, "whole"), (11, "whole"), (14, "whole")])
-def test_wide_units_whole_where_fewer_tokens_and_rows_cost_less(case, choice, monkeypatch):
+def test_wide_units_whole_where_fewer_tokens_and_rows_cost_less(case, choice):
     # the paper cases where keeping the wide units whole was faster on the H200 (8, 11-15/mha) and
     # some where it was slower (2, 6/mha): the cost in KV tokens plus partial rows tells them apart
-    plans = _wide_plans(paper_tree(case), monkeypatch)
+    plans = _wide_plans(paper_tree(case))
     assert plans["packed"].stats() != plans["whole"].stats()
     other = "whole" if choice == "packed" else "packed"
     assert _wide_cost(plans[choice]) < _wide_cost(plans[other])
@@ -299,13 +271,13 @@ def test_wide_units_whole_where_fewer_tokens_and_rows_cost_less(case, choice, mo
 
 
 @pytest.mark.parametrize("family", ["speculative", "few_shot", "beam_search"])
-def test_wide_unit_choice_takes_the_cheaper_plan_of_random_trees(family, monkeypatch):
+def test_wide_unit_choice_takes_the_cheaper_plan_of_random_trees(family):
     from fasttree.toolkit.workloads import sample_tree
 
     chose = set()
     for seed in range(2000, 2012):
         tree = sample_tree(family, seed)
-        plans = _wide_plans(tree, monkeypatch)
+        plans = _wide_plans(tree)
         if plans["packed"].stats() == plans["whole"].stats():
             assert plans["chosen"].stats() == plans["packed"].stats()
             continue
@@ -317,8 +289,8 @@ def test_wide_unit_choice_takes_the_cheaper_plan_of_random_trees(family, monkeyp
     assert chose, f"no {family} tree of these seeds has wide units"
 
 
-def test_wide_units_false_packs_them_as_before_the_rule(monkeypatch):
-    plans = _wide_plans(paper_tree(11), monkeypatch, wide_units=False)
+def test_wide_units_false_packs_them():
+    plans = _wide_plans(paper_tree(11), rules=ft.PlanRules(wide_units=False))
     assert plans["chosen"].stats() == plans["packed"].stats() != plans["whole"].stats()
 
 
@@ -345,8 +317,7 @@ def test_aligned_blocks_keep_a_short_unit_whole():
     assert int(chosen.kv_len.sum()) == int(aligned.kv_len.sum())
 
 
-def test_aligned_blocks_are_not_taken_when_they_read_more_or_a_unit_grows_much_longer(monkeypatch):
-    from fasttree import packing
+def test_aligned_blocks_are_not_taken_when_they_read_more_or_a_unit_grows_much_longer():
     from fasttree.packing import _aligned_blocks_pay, _Bins
 
     def bins(units, tokens, new_bin):
@@ -355,18 +326,20 @@ def test_aligned_blocks_are_not_taken_when_they_read_more_or_a_unit_grows_much_l
 
     kv_len = np.array([40, 10, 10, 10])
     fixed = bins([0, 1, 0, 2], [40, 10, 40, 10], [True, False, True, False])  # unit 0 in two bins: 110 read, 50 long
-    assert _aligned_blocks_pay(kv_len, fixed, bins([0, 1], [40, 10], [True, False]))  # 70 read, 50 long
-    assert _aligned_blocks_pay(kv_len, fixed, fixed)  # equal: taken
-    assert not _aligned_blocks_pay(kv_len, fixed, bins([0, 1, 2], [40, 10, 10], [True, False, False]))  # 60 > 55
+    assert _aligned_blocks_pay(kv_len, fixed, bins([0, 1], [40, 10], [True, False]), 1.1)  # 70 read, 50 long
+    assert _aligned_blocks_pay(kv_len, fixed, fixed, 1.1)  # equal: taken
+    assert not _aligned_blocks_pay(kv_len, fixed, bins([0, 1, 2], [40, 10, 10], [True, False, False]), 1.1)  # 60 > 55
     small = bins([1, 2], [10, 10], [True, False])  # 70 read, 40 long
-    assert not _aligned_blocks_pay(kv_len, small, fixed)  # reads more
-    assert _aligned_blocks_pay(kv_len, small, None) and not _aligned_blocks_pay(kv_len, None, fixed)  # no bins: 70, 40
+    assert not _aligned_blocks_pay(kv_len, small, fixed, 1.1)  # reads more
+    assert _aligned_blocks_pay(kv_len, small, None, 1.1)  # no bins: 70 read, 40 long
+    assert not _aligned_blocks_pay(kv_len, None, fixed, 1.1)
     # through pack_units: the first test's case, with the bound on the longest unit lowered below it
     u = _units([[1, 2], [0], [1], [2], [3]], [20, 3, 3, 3, 3])
     kw = dict(eligible=np.ones(5, bool), query_rank=np.arange(4), capacity=2, budget=100)
     fixed, aligned = pack_units(**u, **kw), pack_units(**u, **kw, aligned=True)
-    monkeypatch.setattr(packing, "_ALIGNED_MAX_LONGER", 0.5 * aligned.kv_len.max() / fixed.kv_len.max())
-    np.testing.assert_array_equal(pack_units(**u, **kw, aligned=None).kv_len, fixed.kv_len)
+    bound = 0.5 * aligned.kv_len.max() / fixed.kv_len.max()
+    np.testing.assert_array_equal(pack_units(**u, **kw, aligned=None, max_longer=bound).kv_len, fixed.kv_len)
+    np.testing.assert_array_equal(pack_units(**u, **kw, aligned=None).kv_len, aligned.kv_len)
 
 
 def test_aligned_blocks_hold_at_most_capacity_and_end_where_no_short_unit_continues():
@@ -408,8 +381,9 @@ def test_aligned_blocks_never_read_more_kv_than_fixed_ones_on_random_trees():
         for seed in range(3000, 3006):
             tree = sample_tree(family, seed)
             for hq, hkv in ((32, 32), (32, 8), (16, 1)):
-                kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=128, wide_units=False)
-                on, off = ft.plan(tree, **kw), ft.plan(tree, **kw, aligned_blocks=False)
+                kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+                on = ft.plan(tree, **kw, rules=PACKED)
+                off = ft.plan(tree, **kw, rules=PACKED.with_(aligned_blocks=False))
                 assert int(on.unit_kv_len.sum()) <= int(off.unit_kv_len.sum())
                 assert int(on.unit_kv_len.max()) <= 1.1 * int(off.unit_kv_len.max())
                 if on.stats() != off.stats():
@@ -418,14 +392,12 @@ def test_aligned_blocks_never_read_more_kv_than_fixed_ones_on_random_trees():
     assert changed >= 10
 
 
-def test_aligned_blocks_switch_overrides_the_argument(monkeypatch):
-    from fasttree import packing
+def test_aligned_blocks_rule_of_the_plan_rules():
+    from fasttree.toolkit.workloads import sample_tree
 
-    tree = ft.workloads.sample_tree("multi_document", 1014)
+    tree = sample_tree("multi_document", 1014)
     kw = dict(num_q_heads=16, num_kv_heads=1, head_dim=128)
-    on, off = ft.plan(tree, **kw), ft.plan(tree, **kw, aligned_blocks=False)
+    on, off = ft.plan(tree, **kw), ft.plan(tree, **kw, rules=ft.PlanRules(aligned_blocks=False))
     assert int(on.unit_kv_len.sum()) < int(off.unit_kv_len.sum())
-    monkeypatch.setattr(packing, "_ALIGNED_BLOCKS", False)
-    assert ft.plan(tree, **kw).stats() == off.stats()
-    monkeypatch.setattr(packing, "_ALIGNED_BLOCKS", True)
-    assert ft.plan(tree, **kw, aligned_blocks=False).stats() == on.stats()
+    assert on.rules.aligned_blocks and not off.rules.aligned_blocks
+    assert ft.plan(tree, **kw, rules=ft.PlanRules.runtime(1)).stats() == off.stats()

@@ -1,6 +1,7 @@
-"""Programmatic dependent launch (``fasttree.attention._PDL``): which launches use it, and, on the
-GPU (``pytest -m gpu``), that it changes no output bit in eager calls, forked two-class calls, graph
-replay, and the runtime's graph replayed with a new tree every step."""
+"""Programmatic dependent launch (:func:`fasttree.launch_rules.pdl_wait` decides which launches use
+it): the launch options it sets and, on the GPU (``pytest -m gpu``), that it changes no output bit
+in eager calls, forked two-class calls and graph replay, and that the runtime's graph replayed with
+a new tree every step stays correct."""
 
 from __future__ import annotations
 
@@ -12,62 +13,10 @@ from test_runtime_gpu import capture_layers
 from trees import random_tree
 
 import fasttree as ft
-from fasttree import attention
+from fasttree import attention, launcher
+from fasttree.launch_rules import GpuTarget
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.toolkit.workloads import iter_serving
-
-
-class _FakeGpu:
-    is_cuda = True
-    device = torch.device("cuda", 0)
-
-
-@pytest.fixture
-def on_hopper(monkeypatch):
-    """A CUDA sm_90 device as far as :func:`fasttree.attention.pdl_launch` can tell."""
-    monkeypatch.setattr(attention, "_interpreting", lambda: False)
-    monkeypatch.setattr(attention, "_compute_capability_major", lambda device: 9)
-
-
-@pytest.mark.parametrize(
-    ("mode", "expected"),
-    [
-        ("none", (0, 0, 0, 0, 0)),
-        ("merge", (0, 0, 1, 0, 1)),
-        ("all", (1, 1, 1, 1, 1)),
-        ("auto", (1, 0, 1, 2, 2)),
-        ("early", (2, 0, 2, 2, 2)),
-    ],
-)
-def test_pdl_modes_pick_the_launches(monkeypatch, on_hopper, mode, expected):
-    monkeypatch.setattr(attention, "_PDL", mode)
-    got = tuple(attention.pdl_launch(kind, _FakeGpu()) for kind in attention._PDL_KINDS)
-    assert got == expected
-
-
-def test_an_unknown_launch_kind_is_named(on_hopper):
-    with pytest.raises(ValueError, match=r"launch kind must be one of .*'stage2'"):
-        attention.pdl_launch("stage2", _FakeGpu())
-
-
-def test_pdl_needs_sm90_and_a_cuda_tensor(monkeypatch, on_hopper):
-    monkeypatch.setattr(attention, "_PDL", "all")
-    monkeypatch.setattr(attention, "_compute_capability_major", lambda device: 8)
-    assert not attention.pdl_launch("merge", _FakeGpu())
-    monkeypatch.setattr(attention, "_compute_capability_major", lambda device: 9)
-    assert not attention.pdl_launch("merge", torch.zeros(1))  # a CPU tensor
-
-
-def test_pdl_is_off_under_the_interpreter(monkeypatch):
-    monkeypatch.setattr(attention, "_PDL", "all")
-    monkeypatch.setattr(attention, "_interpreting", lambda: True)
-    assert not attention.pdl_launch("stage1", _FakeGpu())
-
-
-def test_an_unknown_pdl_mode_is_named(monkeypatch):
-    monkeypatch.setattr(attention, "_PDL", "sometimes")
-    with pytest.raises(ValueError, match=r"_PDL must be one of .*'sometimes'"):
-        attention.pdl_launch("merge", _FakeGpu())
 
 
 class _RecordingKernel:
@@ -85,15 +34,15 @@ class _RecordingKernel:
 
 @pytest.mark.parametrize("gdc_wait", [0, 1, 2])
 def test_launch_with_gdc_wait_asks_triton_for_pdl(monkeypatch, gdc_wait):
-    """``_launch`` compiles a kernel whose last constexpr (``GDC_WAIT``) is True with ``launch_pdl``:
+    """``launch`` compiles a kernel whose last constexpr (``GDC_WAIT``) is non-zero with ``launch_pdl``:
     the wait and the launch attribute always go together."""
     kernel = _RecordingKernel()
-    monkeypatch.setattr(attention, "_GDC_KERNELS", frozenset({kernel}))
-    monkeypatch.setattr(attention, "_interpreting", lambda: True)  # the JIT path, no cache
-    attention._launch(kernel, (1, 1), (torch.zeros(1),), (128, gdc_wait), 4, 2)
+    monkeypatch.setattr(launcher, "GDC_KERNELS", frozenset({kernel}))
+    monkeypatch.setattr(launcher, "interpreting", lambda: True)  # the JIT path, no cache
+    launcher.launch(kernel, (1, 1), (torch.zeros(1),), (128, gdc_wait), 4, 2)
     assert kernel.options[-1].get("launch_pdl", False) is bool(gdc_wait)
     other = _RecordingKernel()  # a kernel without GDC_WAIT: a trailing True is another flag
-    attention._launch(other, (1, 1), (torch.zeros(1),), (128, True), 4, 2)
+    launcher.launch(other, (1, 1), (torch.zeros(1),), (128, True), 4, 2)
     assert "launch_pdl" not in other.options[-1]
 
 
@@ -127,6 +76,20 @@ def _calls(plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return eager, out.clone()
 
 
+def _without_pdl(plan, q, k, v) -> torch.Tensor:
+    """The plan's launches with every ``GDC_WAIT`` 0 (no programmatic dependent launch), run one
+    after the other on the current stream."""
+    out = torch.full_like(q, float("nan"))
+    target = GpuTarget.of(q.device, False)
+    qk_scale = attention.LOG2E / float(plan.head_dim) ** 0.5
+    for kernel, grid, args, constexprs, warps, stages, maxnreg in attention.plan_launches(
+        plan, plan.to(q.device), q, k, v, out, qk_scale, target
+    ):
+        launcher.launch(kernel, grid, args, (*constexprs[:-1], 0), warps, stages, maxnreg)
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.gpu
 @_needs_sm90
 @pytest.mark.parametrize("seed", range(6))
@@ -139,29 +102,25 @@ def _calls(plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         (28, 4, 256, torch.bfloat16),
     ],
 )
-def test_tree_attention_with_pdl_is_bit_identical(monkeypatch, seed, hq, hkv, d, dtype):
+def test_tree_attention_with_pdl_is_bit_identical(seed, hq, hkv, d, dtype):
     tree, q, k, v = _case(seed, hq, hkv, d, dtype)
     config = ft.FastTreeConfig(kv_split_sizes=(256, 64))  # splits: merged queries in most trees
-    outs = {}
-    for mode in ("none", "merge", "all", "auto", "early"):
-        monkeypatch.setattr(attention, "_PDL", mode)
-        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)  # fresh launch caches
-        outs[mode] = _calls(plan, q, k, v)
-        # the direct launchers (cached by the first call) too
-        outs[mode + "_direct"] = (ft.tree_attention(q, k, v, plan, out=torch.full_like(q, float("nan"))),)
+    plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    base = _without_pdl(plan, q, k, v)
     ref = ft.reference_attention(q, k, v, tree)
-    assert ft.max_relative_error(outs["none"][0], ref) <= TOL[dtype]
-    base = outs["none"][0]
-    for key, tensors in outs.items():
-        for t in tensors:
-            torch.testing.assert_close(t, base, rtol=0, atol=0, msg=key)
+    assert ft.max_relative_error(base, ref) <= TOL[dtype]
+    eager, replayed = _calls(plan, q, k, v)
+    # the direct launchers (cached by the first call) too
+    direct = ft.tree_attention(q, k, v, plan, out=torch.full_like(q, float("nan")))
+    for name, t in (("eager", eager), ("graph", replayed), ("direct", direct)):
+        torch.testing.assert_close(t, base, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.gpu
 @_needs_sm90
 @pytest.mark.parametrize("launches", [1, 2])
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
-def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, launches, heads):
+def test_runtime_graph_with_pdl_replays_new_trees(launches, heads):
     hq, hkv = heads
     d, dtype, layers, rows = 128, torch.float16, 3, 256
     trees = [s.tree for s in iter_serving("multi_document_qa", seed=5, steps=40)][::8]
@@ -170,26 +129,18 @@ def test_runtime_graph_with_pdl_replays_new_trees_bit_identically(monkeypatch, l
     ks = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
     vs = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
     q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=gen)
-    results = {}
-    for mode in ("none", "auto", "early"):
-        monkeypatch.setattr(attention, "_PDL", mode)
-        rt = TreeAttentionRuntime(
-            None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-            max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
-        )  # fmt: skip
-        outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
-        graph = capture_layers(rt, trees[0], q, ks, vs, outs)
-        results[mode] = []
-        for tree in trees[1:]:
-            rt.plan(tree)
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            results[mode].append([o[: tree.n_queries].clone() for o in outs])
-    for i, tree in enumerate(trees[1:]):
-        ref = ft.reference_attention(q[: tree.n_queries], ks[-1], vs[-1], tree)
-        assert ft.max_relative_error(results["auto"][i][-1], ref) <= TOL[dtype]
-        for mode in ("auto", "early"):
-            for a, b in zip(results[mode][i], results["none"][i], strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
+    )  # fmt: skip
+    outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
+    graph = capture_layers(rt, trees[0], q, ks, vs, outs)
+    for tree in trees[1:]:
+        rt.plan(tree)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, o in enumerate(outs):
+            ref = ft.reference_attention(q[: tree.n_queries], ks[layer], vs[layer], tree)
+            assert ft.max_relative_error(o[: tree.n_queries], ref) <= TOL[dtype]

@@ -95,15 +95,16 @@ def plan_digest(plan: ft.Plan) -> str:
     return h.hexdigest()
 
 
+_RULES = ft.PlanRules(wide_units=False, aligned_blocks=False)
+
+
 def plan_digests() -> dict[str, str]:
     out = {}
     for name, tree in corpus():
         for cname, cfg in CONFIGS.items():
             for hq, hkv, d in HEADS:
                 # the digests predate the wide-unit choice and aligned blocks (both tested in test_packing.py)
-                p = ft.plan(
-                    tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, wide_units=False, aligned_blocks=False
-                )
+                p = ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=_RULES)
                 out[f"{name}|{cname}|{hq}-{hkv}-{d}"] = plan_digest(p)
     return out
 

@@ -198,7 +198,7 @@ def test_small_split_used_when_a_phase_has_few_units():
     assert plan_whole.unit_kv_len.max() >= 4000
 
 
-def test_long_groups_stay_whole_where_a_phase_has_enough_units(monkeypatch):
+def test_long_groups_stay_whole_where_a_phase_has_enough_units():
     # paper case 5: a 2,048-token root shared by 1,024 queries; uncut it already gives 512 units
     # x KV heads at GQA 16 (>= para_threshs1[0]), so it is not cut at 1,024 (which would add a
     # partial row and a merge for every query)
@@ -206,13 +206,13 @@ def test_long_groups_stay_whole_where_a_phase_has_enough_units(monkeypatch):
     plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
     check_plan(tree, plan)
     assert plan.unit_kv_len.max() == 2048 and plan.n_partial_rows == 2 * 1024
-    monkeypatch.setattr(planner_mod, "_WHOLE_GROUPS_MIN_ITEMS", None)  # the published rule: always cut
-    cut = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    always_cut = ft.PlanRules(whole_groups_min_items=(10**9, 10**9))  # the published rule
+    cut = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=always_cut)
     check_plan(tree, cut)
     assert cut.unit_kv_len.max() == 1024 and cut.n_partial_rows == 3 * 1024
 
 
-def test_a_long_group_that_would_be_the_tail_is_still_cut(monkeypatch):
+def test_a_long_group_that_would_be_the_tail_is_still_cut():
     # a 32k-token document read by 64 queries (one 64-query tile) next to 100 short prompts read
     # by 128 queries each: plenty of units x heads uncut, but the document alone would hold 3.7x
     # the phase's KV x heads over para_threshs1[0], so it is cut at the big split as before
@@ -227,8 +227,7 @@ def test_a_long_group_that_would_be_the_tail_is_still_cut(monkeypatch):
     plan = ft.plan(tree, **heads)
     check_plan(tree, plan)
     assert plan.unit_kv_len.max() == 1024
-    monkeypatch.setattr(planner_mod, "_WHOLE_GROUPS_MAX_TAIL", 100.0)
-    assert ft.plan(tree, **heads).unit_kv_len.max() == 32768
+    assert ft.plan(tree, **heads, rules=ft.PlanRules(whole_groups_max_tail=100.0)).unit_kv_len.max() == 32768
 
 
 @pytest.mark.parametrize(("threshs", "cut_small"), [((8, 9), False), ((8, 10), True)])

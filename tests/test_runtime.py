@@ -388,7 +388,7 @@ def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches, device):
     )  # fmt: skip
     got = rt.plan(tree).plan
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
-    shared = ft.plan(tree, **heads, solo_units=False)
+    shared = ft.plan(tree, **heads, rules=ft.PlanRules(solo_units=False))
     separate = ft.plan(tree, **heads)
     assert shared.units_per_class() != separate.units_per_class()
     expected = shared if launches == 1 else separate
@@ -463,14 +463,14 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     import fasttree.runtime as runtime_module
 
     seen = []
-    real = runtime_module._launch
+    real = runtime_module.launch
 
     def recording(kernel, grid, args, constexprs, *rest, **kw):
         if kernel is runtime_module.tree_attention_persistent_kernel:
             seen.append(constexprs[10])  # OFFSETS_32
         return real(kernel, grid, args, constexprs, *rest, **kw)
 
-    monkeypatch.setattr(runtime_module, "_launch", recording)
+    monkeypatch.setattr(runtime_module, "launch", recording)
     rt = _runtime(device, pool_slots=pool_slots)
     tree = random_tree(np.random.default_rng(8), max_nodes=10, max_len=60)
     q, k, v = _inputs(tree, device, 64)
@@ -482,55 +482,56 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
 
 
+#: Positions of ``PEEL_0``, ``PEEL_1`` and ``HEADS_FASTEST`` among the persistent stage 1's constexprs.
+_PEEL_0, _PEEL_1, _HEADS_FASTEST = 11, 12, 13
+
+
+def _runtime_outputs(device, monkeypatch, tree, q, k, v, launches, forced: dict) -> tuple[torch.Tensor, list]:
+    """A runtime's output for ``tree`` (two calls: through Triton, then the direct launchers) with
+    some of the persistent stage 1's constexprs replaced (``forced``: position -> value), and the
+    constexprs its stage-1 launches were made with."""
+    import fasttree.runtime as runtime_module
+
+    real, seen = runtime_module.launch, []
+
+    def forcing(kernel, grid, args, constexprs, *rest, **kw):
+        if kernel is runtime_module.tree_attention_persistent_kernel:
+            constexprs = tuple(forced.get(i, c) for i, c in enumerate(constexprs))
+            seen.append(constexprs)
+        return real(kernel, grid, args, constexprs, *rest, **kw)
+
+    monkeypatch.setattr(runtime_module, "launch", forcing)
+    rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
+    rt.plan(tree)
+    for _ in range(2):
+        out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+    monkeypatch.undo()
+    return out[: tree.n_queries].clone(), seen
+
+
 @pytest.mark.parametrize("launches", [1, 2])
 def test_peeled_tail_tiles_give_identical_runtime_outputs(device, monkeypatch, launches):
-    from fasttree import attention
-
     rng = np.random.default_rng(12)
     tree = random_tree(rng, max_nodes=12, max_len=120)
     q, k, v = _inputs(tree, device, 64)
-    outs = []
-    for tiles in ("none", "all"):
-        monkeypatch.setattr(attention, "_PEEL_TILES", tiles)
-        rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
-        rt.plan(tree)
-        outs.append(rt.forward(q, k, v, out=torch.full_like(q, float("nan")))[: tree.n_queries])
+    masked, _ = _runtime_outputs(device, monkeypatch, tree, q, k, v, launches, {_PEEL_0: False, _PEEL_1: False})
+    peeled, _ = _runtime_outputs(device, monkeypatch, tree, q, k, v, launches, {_PEEL_0: True, _PEEL_1: True})
     ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
-    assert ft.max_relative_error(outs[1], ref) < 2e-3
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    assert ft.max_relative_error(peeled, ref) < 2e-3
+    torch.testing.assert_close(peeled, masked, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("launches", [1, 2])
 def test_heads_fastest_item_order_gives_identical_runtime_outputs(device, monkeypatch, launches):
-    from fasttree import attention
-    from fasttree import runtime as runtime_module
-
     rng = np.random.default_rng(13)
     tree = random_tree(rng, max_nodes=12, max_len=120)
     q, k, v = _inputs(tree, device, 64)
-    seen = []
-    real = runtime_module._launch
-
-    def recording(kernel, grid, args, constexprs, *rest, **kw):
-        if kernel is runtime_module.tree_attention_persistent_kernel:
-            seen.append(constexprs[-2])  # HEADS_FASTEST (GDC_WAIT last)
-        return real(kernel, grid, args, constexprs, *rest, **kw)
-
-    monkeypatch.setattr(runtime_module, "_launch", recording)
-    outs = []
-    for fastest in (False, True):
-        monkeypatch.setattr(attention, "_HEADS_FASTEST", fastest)
-        rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
-        monkeypatch.setattr(attention, "_HEADS_FASTEST", not fastest)  # read when the runtime is built
-        del seen[:]
-        rt.plan(tree)
-        for _ in range(2):
-            out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
-        outs.append(out[: tree.n_queries].clone())
-        assert seen and all(flag is fastest for flag in seen)
+    fastest, seen = _runtime_outputs(device, monkeypatch, tree, q, k, v, launches, {})
+    assert seen and all(c[_HEADS_FASTEST] is True for c in seen)  # the runtime's order
+    units_first, _ = _runtime_outputs(device, monkeypatch, tree, q, k, v, launches, {_HEADS_FASTEST: False})
     ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
-    assert ft.max_relative_error(outs[1], ref) < 2e-3
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    assert ft.max_relative_error(fastest, ref) < 2e-3
+    torch.testing.assert_close(units_first, fastest, rtol=0, atol=0)
 
 
 def test_device_bytes_counts_the_buffers(device):

@@ -394,7 +394,7 @@ def test_tree_attention_accepts_the_valid_variants_of_rejected_inputs(tree, inpu
 
 
 def test_tree_attention_needs_cuda_outside_the_interpreter(inputs, monkeypatch):
-    monkeypatch.setattr(attention, "_interpreting", lambda: False)
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="tree attention needs a CUDA device"):
         ft.tree_attention(**inputs)
 
@@ -418,7 +418,7 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(attention, "merge_partials_kernel", _NoLaunch("merge_partials_kernel"))
     monkeypatch.setattr(attention, "merge_many_partials_kernel", _NoLaunch("merge_many_partials_kernel"))
     # the fakes are not InterpretedFunctions; keep the CPU tensors acceptable
-    monkeypatch.setattr(attention, "_interpreting", lambda: True)
+    monkeypatch.setattr(attention, "interpreting", lambda: True)
 
 
 def test_no_launch_fixture_catches_a_launch(inputs, no_launch):

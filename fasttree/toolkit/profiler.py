@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..config import FastTreeConfig
+from ..launch_rules import KERNEL_VERSION
 from ..traces import TraceError, TraceWriter, existing_keys, measurement_key, measurement_record, runtime_launch
 from ..tree import KVTree
 from .workloads import TREE_FAMILIES, sample_tree
@@ -977,8 +978,8 @@ def measure_point(
         # and which kernels ran (its kernel_version)
         info = {
             "wall_s": round(time.perf_counter() - t0, 4),
-            "stage1_overlap": bool(ft.attention._FORK_STAGE1) if rt is None else rt.stage1_launches == 1,
-            "kernel_version": ft.attention.KERNEL_VERSION,
+            "stage1_overlap": True if rt is None else rt.stage1_launches == 1,
+            "kernel_version": KERNEL_VERSION,
         }
         if rt is not None:  # the persistent stage-1 programs of each launch, as sized from the compiled kernels
             info["runtime_programs"] = [int(n) for n in rt._programs[: rt.stage1_launches]]
@@ -1326,7 +1327,6 @@ def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 
 
 def _annotate(record: dict[str, Any], point: DesignPoint, run_id: str, check: bool, shard: int | None) -> None:
-    from ..attention import KERNEL_VERSION
 
     meta = record.get("meta")
     if not isinstance(meta, dict):

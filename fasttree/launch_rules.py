@@ -1,0 +1,287 @@
+"""Launch policy: how a plan's tile classes and merges are launched on a given GPU.
+
+Pure functions of a plan's shapes and a :class:`GpuTarget` (the facts of the GPU a launch runs
+on), so that :func:`fasttree.tree_attention`, the runtime, the profiler and the latency model
+ask the same questions and tests can ask them for any GPU. Each rule was measured on the H200
+(``docs/history.md``); where a rule assumes the H100/H200's occupancy it applies on sm_90 only.
+
+Dimension names: ``g`` GQA ratio, ``D`` head dim; a tile class's *items* are its units times
+the KV heads (one program each in a per-plan launch).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from .plan_arrays import Plan, TileClass, tenth_longest
+
+__all__ = [
+    "KERNEL_VERSION",
+    "MANY_PARTIALS",
+    "MAX_GRID_Y",
+    "MERGE_HEADS",
+    "MERGE_PARTIALS_PER_STEP",
+    "SMALL_TILE_CAPPED_PROGRAMS",
+    "GpuTarget",
+    "capped_registers",
+    "kv_offsets_fit_int32",
+    "launch_kv_tile",
+    "launch_num_stages",
+    "merge_heads_per_program",
+    "merge_max_partials",
+    "pdl_wait",
+    "peel_tiles",
+    "small_tile_maxnreg",
+    "units_grid",
+]
+
+#: Version of the tree-attention kernels and their launch choices. Bump it when a change moves
+#: the GPU time of an unchanged plan (a planner-only change does not), and add its line to the
+#: version table of ``docs/history.md``. The profiler writes it into every trace
+#: (``meta.profiler.kernel_version``) and the latency model takes it as a feature, so traces of
+#: older kernels still teach it what did not change.
+KERNEL_VERSION = 30
+
+#: The largest second grid dimension a CUDA launch takes.
+MAX_GRID_Y = 65535
+#: Query heads merged by one program of the few-partials merge.
+MERGE_HEADS = 4
+#: Merged queries with this many partials or more go to the many-partials merge (H200, paper suite:
+#: 3-28% faster on plans with 7-27 partials per query, up to 6-12% slower on those with 2-5).
+MANY_PARTIALS = 7
+#: Partial rows the many-partials merge reads in one step (a query with more takes several).
+MERGE_PARTIALS_PER_STEP = 32
+#: Programs per SM of the 16-row stage-1 kernel at 4 warps and head dim <= 128 as compiled (159
+#: registers on sm_90), and with its registers capped by :func:`capped_registers`.
+_SMALL_TILE_PROGRAMS, SMALL_TILE_CAPPED_PROGRAMS = 3, 4
+#: Beyond this many waves the tail a register cap saves is small and the cap cost 1-4% (H200, 26 waves).
+_SMALL_TILE_MAX_WAVES = 8
+#: Fewest KV tiles per unit, on average over a launch's units, for peeling the tail tile: outside
+#: the pipelined loop it costs about what the unmasked tiles save on units of 1.75-1.9 tiles (H200:
+#: +4-5%), while units of 2.75 and more gained 1-12%.
+_PEEL_MIN_TILES = 2.5
+#: The KV tile of a one-wave 16-row GQA class (:func:`launch_kv_tile`): 16 x 128-token tiles keep 3
+#: programs per SM on sm_90 at head dim 128 (168 registers, 75 KB of shared memory, one K/V buffer).
+_WIDE_KV_TILE_TOKENS = 128
+#: Stages of a one-wave 16-row MHA class (:func:`launch_num_stages`): two gathered K/V buffers
+#: (73 KB at head dim 128: 3 programs per SM instead of 5).
+_DEEP_ONE_WAVE_STAGES = 5
+#: Compute capability (major) whose occupancy the one-wave rules assume: 3 programs per SM of
+#: 16-row tiles at 75 KB of shared memory each, as on the H100/H200 (227 KB per program, 64K
+#: registers per SM). GPUs with less shared memory per SM (sm_80: 163 KB, sm_86/89: 99 KB) would
+#: fit fewer, so the rules would add waves there: they keep the plan's launch settings.
+_ONE_WAVE_MAJOR = 9
+_INT32_MAX = 2**31 - 1
+#: Kinds of launch whose programmatic-dependent-launch wait :func:`pdl_wait` gives.
+PDL_KINDS = ("stage1", "stage1_forked", "merge", "persistent_stage1", "persistent_merge")
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """The facts of the device a launch runs on that the launch rules read.
+
+    Attributes
+    ----------
+    cuda : bool
+        A compiled CUDA launch (False: Triton's CPU interpreter, which has no programmatic
+        dependent launch and no register caps).
+    major : int
+        Compute capability major (0 under the interpreter).
+    sms : int
+        Streaming multiprocessors (0 under the interpreter).
+    regs_per_sm : int
+        32-bit registers per SM.
+    """
+
+    cuda: bool
+    major: int = 0
+    sms: int = 0
+    regs_per_sm: int = 65536
+
+    @property
+    def one_wave_sms(self) -> int:
+        """SMs the one-wave rules count (:func:`launch_kv_tile`, :func:`launch_num_stages`), or 0
+        where they do not apply (GPUs of another compute capability; the interpreter's target
+        has none, a test may give it an H200's to run those launches on the CPU)."""
+        return self.sms if self.major == _ONE_WAVE_MAJOR else 0
+
+    @property
+    def pdl(self) -> bool:
+        """Whether launches may use programmatic dependent launch (sm_90 and newer)."""
+        return self.cuda and self.major >= 9
+
+    @staticmethod
+    def of(device: torch.device, interpreting: bool) -> GpuTarget:
+        """The target of launches on ``device`` (cached per CUDA device); the interpreter's when
+        ``interpreting`` or ``device`` is not a CUDA device."""
+        if interpreting or device.type != "cuda":
+            return _INTERPRETER
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_target(index)
+
+
+_INTERPRETER = GpuTarget(cuda=False)
+
+
+@functools.cache
+def _cuda_target(index: int) -> GpuTarget:
+    props = torch.cuda.get_device_properties(index)
+    return GpuTarget(
+        cuda=True,
+        major=int(props.major),
+        sms=int(props.multi_processor_count),
+        regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+    )
+
+
+def units_grid(n_units: int, num_kv_heads: int) -> tuple[tuple[int, int], bool]:
+    """The per-plan stage-1 grid of ``n_units`` units and ``num_kv_heads`` KV heads, and its
+    ``HEADS_FASTEST``.
+
+    ``(heads, units)`` with the KV heads fastest (programs launch with the first dimension
+    fastest) when the units fit the grid's second dimension: a unit's heads then run together
+    and read each gathered slot's K and V rows of every head, which are contiguous in the pools,
+    at about the same time (H200: 0.95x the runtime's time on Llama decode trees, 0.98x on
+    Mistral's, 0.997x on the paper suite). Else ``(units, heads)``.
+    """
+    if n_units <= MAX_GRID_Y:
+        return (num_kv_heads, n_units), True
+    return (n_units, num_kv_heads), False
+
+
+def peel_tiles(block_m: int, mean_tiles: float | None = None) -> bool:
+    """Whether a stage-1 launch of ``block_m``-row tiles runs its units' whole KV tiles unmasked,
+    then one masked tail tile (the kernels' ``PEEL``).
+
+    Tiles of more than 16 rows whose units average at least :data:`_PEEL_MIN_TILES` KV tiles
+    (``mean_tiles``; None, as for the runtime's launches, which serve every later plan: not
+    checked). On the H200 paper suite peeling the 64-row launches took 0.977x the time on
+    geomean (GQA 4 down to 0.89x) and left the runtime's decode trees unchanged (0.998x);
+    peeling 16-row launches cost up to 9%.
+    """
+    return block_m > 16 and (mean_tiles is None or mean_tiles >= _PEEL_MIN_TILES)
+
+
+def kv_offsets_fit_int32(max_slot: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the stage-1 kernels may form K/V addresses from int32 offsets (``OFFSETS_32``).
+
+    True when, in both pools, the element offset of every (slot, KV head, dim) with slot <=
+    ``max_slot`` (``slot * stride(0) + head * stride(1) + dim``) is at most ``2**31 - 1``.
+    The answer depends only on ``max_slot``, the pools' strides and their head and dim sizes,
+    so launchers cached by plan and tensor layout stay valid.
+    """
+    _, hkv, d = k_cache.shape
+    for t in (k_cache, v_cache):
+        s0, s1 = t.stride(0), t.stride(1)
+        if max_slot * s0 + (hkv - 1) * s1 + d - 1 > _INT32_MAX:
+            return False
+    return True
+
+
+def capped_registers(num_warps: int, regs_per_sm: int = 65536, programs: int = SMALL_TILE_CAPPED_PROGRAMS) -> int:
+    """Registers per thread (a multiple of 8) that let ``programs`` programs of ``num_warps``
+    warps share an SM of ``regs_per_sm`` registers (128 for 4 programs of 4 warps on an H100/H200)."""
+    return regs_per_sm // (programs * 32 * num_warps) // 8 * 8
+
+
+def small_tile_maxnreg(
+    group_size: int, head_dim: int, block_m: int, num_warps: int, items: int, sms: int
+) -> int | None:
+    """Register cap of a 16-row MHA tile class's launch, or None (the compiler's choice).
+
+    An MHA class of 16-row tiles (one query per row: memory-bound programs) gets
+    :func:`capped_registers` (128 per thread), 4 programs per SM instead of 3, when that puts its
+    ``items``, at most :data:`_SMALL_TILE_MAX_WAVES` waves of the GPU's ``sms`` SMs, into fewer
+    waves. On the H200 paper suite a cap on every such launch was 16-23% faster on the MHA cases
+    whose items fill 1-2 waves, 2-6% faster on those with 2-6 waves, 1-4% slower on one with 26
+    waves and up to 15% slower where the items already fit one wave. GQA tiles gained nothing,
+    nor did 96 registers.
+    """
+    if group_size != 1 or head_dim > 128 or block_m > 16 or num_warps != 4 or sms <= 0:
+        return None
+    waves = -(-items // (_SMALL_TILE_PROGRAMS * sms))
+    if waves <= _SMALL_TILE_MAX_WAVES and -(-items // (SMALL_TILE_CAPPED_PROGRAMS * sms)) < waves:
+        return capped_registers(num_warps)
+    return None
+
+
+def _one_wave_of_small_tiles(head_dim: int, tc: TileClass, items: int, sms: int) -> bool:
+    """The condition both one-wave rules share: a 16-row class at head dim <= 128 with one gathered
+    K/V buffer (up to 4 stages) whose ``items`` fit one wave of ``sms`` SMs at 3 programs per SM."""
+    return head_dim <= 128 and tc.block_m == 16 and tc.num_stages <= 4 and items <= _SMALL_TILE_PROGRAMS * sms
+
+
+def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int) -> int:
+    """KV tokens per inner-loop tile of one stage-1 launch of tile class ``tc``.
+
+    ``tc.block_n`` (the plan's), except that a 16-row GQA class (several heads per query, 4 or
+    more warps, at most 4 stages, head dim <= 128) with a 64-token tile runs 128-token tiles
+    when its ``items`` fit one wave of the GPU's ``sms`` SMs at 3 programs per SM and one unit in
+    ten or more (``lengths``: the class's unit KV lengths) is longer than 64 tokens. Such a
+    launch is bound by each program's chain of dependent KV tiles, not by the GPU's throughput,
+    so halving the tiles shortens it (H200 paper suite: 0.89-0.91x on the four cases it changes;
+    the same tile on 2.6 waves cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it).
+    ``sms`` is :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply).
+    """
+    if (
+        group_size == 1
+        or not _one_wave_of_small_tiles(head_dim, tc, items, sms)
+        or tc.block_n != 64
+        or tc.num_warps < 4
+        or lengths.size == 0
+    ):
+        return tc.block_n
+    return _WIDE_KV_TILE_TOKENS if tenth_longest(lengths) > tc.block_n else tc.block_n
+
+
+def launch_num_stages(group_size: int, head_dim: int, tc: TileClass, items: int, sms: int) -> int:
+    """Pipeline stages of one stage-1 launch of tile class ``tc`` whose config leaves the stages
+    to their defaults (a config that sets ``num_stages`` keeps them: the caller does not ask).
+
+    ``tc.num_stages``, except that a 16-row MHA class (one query per row, up to 4 stages: one
+    gathered K/V buffer, head dim <= 128) runs 5 stages, a second buffer, when its ``items`` fit
+    one wave of the GPU's ``sms`` SMs at the 3 programs per SM that leaves room for: the wave
+    count does not change, and each program's chain of KV tiles has one more tile in flight.
+    Where the deeper buffers would add a wave they cost 14-18% on the H200. ``sms`` is
+    :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply).
+    """
+    if group_size != 1 or not _one_wave_of_small_tiles(head_dim, tc, items, sms):
+        return tc.num_stages
+    return _DEEP_ONE_WAVE_STAGES
+
+
+def pdl_wait(kind: str, target: GpuTarget) -> int:
+    """``GDC_WAIT`` of a ``kind`` launch (:data:`PDL_KINDS`): 0 (no programmatic dependent launch),
+    1 (the grid waits for the previous one first) or 2 (early: it reads the plan's arrays for its
+    first item, then waits).
+
+    Per-plan stage-1 launches and merges wait first (H200, graph replay of back-to-back calls:
+    paper suite 0.98x of no PDL); one of two stage-1 launches that run side by side on two
+    streams does not use it (forked plans lost 1.23-1.31x with it); the runtime's persistent
+    launches wait early (its decode trees 0.973x of waiting first; the per-plan kernels lost
+    1.02x with early waits, hence early for the runtime only). None before sm_90.
+    """
+    if kind not in PDL_KINDS:
+        raise ValueError(f"launch kind must be one of {PDL_KINDS}, got {kind!r}")
+    if not target.pdl or kind == "stage1_forked":
+        return 0
+    return 2 if kind.startswith("persistent") else 1
+
+
+def merge_max_partials(plan: Plan) -> int:
+    """Most partial rows of one merged query of ``plan`` (0 when nothing is merged)."""
+    if plan.merge_queries.size == 0:
+        return 0
+    return int(plan.query_num_partials[plan.merge_queries].max())
+
+
+def merge_heads_per_program(plan: Plan) -> int:
+    """Query heads one program of ``plan``'s merge launch handles (1 for the many-partials merge)."""
+    if merge_max_partials(plan) >= MANY_PARTIALS:
+        return 1
+    return min(triton.next_power_of_2(plan.num_q_heads), MERGE_HEADS)

@@ -1,0 +1,119 @@
+"""The planning rules that are not tuned: one frozen value, passed to :func:`fasttree.plan`.
+
+:class:`fasttree.FastTreeConfig` holds what the tuner searches (cost weights, tiles, splits,
+thresholds, packing). :class:`PlanRules` holds the rest of what decides a plan: rules that were
+measured once on the H200 and kept (``docs/history.md`` has the measurements), with the
+constants they use. Two sets are in use: :meth:`PlanRules.defaults` for :func:`fasttree.plan` and
+:func:`fasttree.tree_attention`, and :meth:`PlanRules.runtime` for the serving runtime, whose
+persistent launches gain nothing from three of the rules. A plan records its rules
+(:attr:`fasttree.Plan.rules`), so two plans of one tree differ only where their config or rules do.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+__all__ = ["PlanRules"]
+
+
+@dataclass(frozen=True)
+class PlanRules:
+    """Planning rules beyond the tuned config, with the constants they use.
+
+    Parameters
+    ----------
+    solo_units : bool
+        Keep work units of at least ``solo_min_tokens`` KV tokens whose rows fit the small tile
+        out of packed bins that fill the large tile, when together they would waste at least
+        ``solo_min_waste_flops`` of matrix work there (a bin costs every KV entry its full
+        tile of rows). False: such units are packed like any other short unit.
+    solo_min_tokens : int
+        KV tokens from which a unit may stay out of large-tile bins.
+    solo_min_waste_flops : float
+        Matrix work (flops, all KV heads) the bins must waste on such units before they stay out.
+    wide_units : bool
+        Units with more queries than a packed bin holds (MHA's large-tile units) are either
+        packed (cut into one piece per block of queries, each reading the unit's KV) or kept
+        whole in the large tile (read once, one partial row more per query): True picks the
+        plan that costs less in KV tokens read plus ``wide_row_tokens`` per partial row;
+        False always packs them.
+    wide_row_tokens : float
+        KV tokens (per KV head) whose reads cost as much as one partial row, in that choice.
+    aligned_blocks : bool
+        Packing cuts its blocks of consecutive queries where no short unit's queries continue,
+        instead of every ``capacity`` queries, where the bins then read no more KV and leave
+        the longest unit at most ``aligned_max_longer`` times as long. False: fixed blocks.
+    aligned_max_longer : float
+        The longest unit the aligned blocks may leave, relative to the fixed blocks'.
+    whole_groups_min_items : tuple of (int, int)
+        Groups longer than the big split size are cut at it only in a tile class that would,
+        uncut, have fewer than these factors (large, small class) times ``para_threshs1``
+        units x KV heads ...
+    whole_groups_max_tail : float
+        ... or whose longest group would hold more than this many times the class's KV x heads
+        over ``para_threshs1`` (uncut, it would be the launch's tail).
+    """
+
+    solo_units: bool = True
+    solo_min_tokens: int = 128
+    solo_min_waste_flops: float = 4e9
+    wide_units: bool = True
+    wide_row_tokens: float = 8.5
+    aligned_blocks: bool = True
+    aligned_max_longer: float = 1.1
+    whole_groups_min_items: tuple[int, int] = (1, 2)
+    whole_groups_max_tail: float = 2.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"PlanRules.{f.name} must be a bool, got {value!r}")
+            elif f.name == "whole_groups_min_items":
+                items = tuple(value) if isinstance(value, (tuple, list)) else ()
+                if len(items) != 2 or not all(_is_int(v) and v >= 0 for v in items):
+                    raise ValueError(f"PlanRules.{f.name} must be a pair of integers >= 0, got {value!r}")
+                object.__setattr__(self, f.name, (int(items[0]), int(items[1])))
+            elif f.type == "int":
+                if not _is_int(value) or value < 1:
+                    raise ValueError(f"PlanRules.{f.name} must be a positive integer, got {value!r}")
+                object.__setattr__(self, f.name, int(value))
+            else:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise ValueError(f"PlanRules.{f.name} must be a finite number, got {value!r}")
+                if value < 0:
+                    raise ValueError(f"PlanRules.{f.name} must be >= 0, got {value!r}")
+                object.__setattr__(self, f.name, float(value))
+
+    @classmethod
+    def defaults(cls) -> PlanRules:
+        """The rules of :func:`fasttree.plan` and :func:`fasttree.tree_attention`."""
+        return _DEFAULTS
+
+    @classmethod
+    def runtime(cls, stage1_launches: int) -> PlanRules:
+        """The rules of :class:`fasttree.runtime.TreeAttentionRuntime` for its resolved number of
+        stage-1 launches (1 or 2).
+
+        Wide units are packed: kept whole they ran the runtime's decode trees no faster, and the
+        choice packs MHA plans twice on every fresh step. Blocks are fixed: aligned ones changed
+        none of the decode benchmark's tuned plans and cost up to 0.17 ms more host time per
+        fresh step. Solo units only with two launches: with one launch, a unit kept out of the
+        bins would run with the large tile's registers.
+        """
+        return replace(_DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False)
+
+    def with_(self, **changes: Any) -> PlanRules:
+        """A validated copy with some fields changed."""
+        return replace(self, **changes)
+
+
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+
+_DEFAULTS = PlanRules()
