@@ -44,7 +44,7 @@ DEFAULT_NUM_WARPS_MHA = (4, 2)
 #: paper suite 5 stages took 0.917-0.929x the time on GQA 2, 4 and 8 (geomean per ratio; every
 #: case 0.86-1.02x), 0.993x on MHA and 1.003x on GQA 16, in whole calls and in the runtime
 #: (``docs/bench/h200/stages_ratio_ab_745dd63.json``). A GPU with less shared memory per block
-#: compiles the launch with fewer stages (:func:`fasttree.attention._launch`).
+#: compiles the launch with fewer stages (:func:`fasttree.launcher.launch`).
 DEFAULT_NUM_STAGES = (3, 3)
 DEFAULT_NUM_STAGES_DEEP = (5, 3)
 _DEEP_STAGES_MAX_GROUP = 8

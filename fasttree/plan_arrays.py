@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -405,10 +405,95 @@ def materialize(
             raise ValueError(
                 f"a tile of {t} queries x GQA ratio {g} needs {t * g} rows, more than the kernel's {MAX_BLOCK_M}"
             )
+    rules = PlanRules.defaults() if rules is None else rules
+    units = _cut_units(groups, int(q_tiles[0]), group_split)
+    # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
+    # builds bins of up to a large tile's rows, which join the class their rows fit
+    block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
+    packed = None
+    if query_rank is not None and config.pack_tokens > 0:
+        packed = _pack(units, groups, block_m, g, config, rules, num_kv_heads, head_dim, query_rank, query_of_rank)
+    if packed is None:
+        u_small = units.q_len <= q_tiles[1]
+        kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
+        pair_present = None
+        masked = (False, False)
+    else:
+        units = _Units(packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len, packed.pair_query)
+        kv_slots, kv_row_mask, pair_present = packed.kv_slots, packed.kv_row_mask, packed.pair_present
+        # units left alone by their query count, bins (the last ones) by their rows (q_len * g)
+        k = packed.n_kept
+        u_small = np.empty(units.q_len.size, dtype=bool)
+        np.less_equal(units.q_len[:k], q_tiles[1], out=u_small[:k])
+        np.less_equal(units.q_len[k:], block_m[1] // g, out=u_small[k:])
+        small_bins = int(np.count_nonzero(u_small[k:]))
+        masked = (small_bins < u_small.size - k, small_bins > 0)
+    rows = _partial_rows(units.pair_query, pair_present, n_queries)
+    if max(kv_slots.size, units.pair_query.size, rows.n_rows) > 0x7FFFFFFF:
+        raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
+    uorder, ptr = _class_order(u_small, units.kv_len)
+    unit_kv_len = units.kv_len[uorder]
+    warps = config.launch_warps(g)
+    stages = config.launch_stages(g, head_dim)
+    classes = tuple(
+        _tile_class(
+            int(q_tiles[c]),
+            block_m[c],
+            _class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
+            int(splits[c]),
+            int(warps[c]),
+            int(stages[c]),
+            masked[c],
+        )
+        for c in (0, 1)
+    )
+    i32 = np.int32
+    return Plan(
+        num_q_heads=int(num_q_heads),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_dim),
+        n_queries=int(n_queries),
+        max_slot=int(max_slot),
+        kv_indices=kv_slots.astype(i32, copy=False),
+        kv_row_mask=kv_row_mask,
+        unit_kv_start=units.kv_start[uorder].astype(i32),
+        unit_kv_len=unit_kv_len.astype(i32),
+        unit_q_start=units.pair_start[uorder].astype(i32),
+        unit_q_len=units.q_len[uorder].astype(i32),
+        pair_query=units.pair_query.astype(i32),
+        pair_out_row=rows.out_row,
+        query_partial_start=rows.part_start.astype(i32),
+        query_num_partials=rows.n_part.astype(i32),
+        merge_queries=rows.multi.nonzero()[0].astype(i32),
+        class_unit_ptr=ptr,
+        tile_classes=classes,  # type: ignore[arg-type]
+        n_partial_rows=rows.n_rows,
+        tile_mode=tile_mode,
+        config=config,
+        groups=groups,
+        edge_assignment=edge_assignment,
+        rules=rules,
+    )
+
+
+class _Units(NamedTuple):
+    """Work units before packing and ordering: unit ``u`` reads ``kv_len[u]`` KV entries from
+    ``kv_start[u]`` and serves pairs ``pair_start[u]:pair_start[u] + q_len[u]``, whose queries are
+    ``pair_query``."""
+
+    kv_start: np.ndarray
+    kv_len: np.ndarray
+    pair_start: np.ndarray
+    q_len: np.ndarray
+    pair_query: np.ndarray
+
+
+def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _Units:
+    """Cut every group's queries into tiles of ``tile_q`` queries and its KV into chunks of its
+    ``group_split`` tokens; the units in group order, a group's KV chunks outermost."""
     kv_len = groups.kv_len
     q_indptr = groups.q_indptr
     nq = q_indptr[1:] - q_indptr[:-1]
-    tile_q = int(q_tiles[0])
     n_groups = kv_len.size
     if isinstance(group_split, (int, np.integer)):
         split_g = int(group_split)
@@ -437,80 +522,90 @@ def materialize(
         q0 = int(q_indptr[0]) if q_indptr.size else 0
         unit_pair_start = q_first - q0
         pair_query = groups.q_ids[q0 : q0 + int(np.add.reduce(u_q_len))]
+        return _Units(kv_start, u_kv_len, unit_pair_start, u_q_len, pair_query)
+    chunks = -(-kv_len // split_g)
+    per_group = chunks if one_tile else chunks * tiles
+    u_group = np.arange(n_groups).repeat(per_group)
+    first = exclusive_sum(per_group)
+    w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
+    if one_tile:  # a group's units are its KV chunks, each with all its queries
+        chunk = w
+        q_first = q_indptr[u_group]
+        u_q_len = nq[u_group]
     else:
-        chunks = -(-kv_len // split_g)
-        per_group = chunks if one_tile else chunks * tiles
-        u_group = np.arange(n_groups).repeat(per_group)
-        first = exclusive_sum(per_group)
-        w = np.arange(u_group.size, dtype=np.int64) - first[u_group]
-        if one_tile:  # a group's units are its KV chunks, each with all its queries
-            chunk = w
-            q_first = q_indptr[u_group]
-            u_q_len = nq[u_group]
-        else:
-            u_tiles = tiles[u_group]
-            chunk = w // u_tiles
-            tile = w - chunk * u_tiles
-            q_first = q_indptr[u_group] + tile * tile_q
-            u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
-        u_split = split_g if isinstance(split_g, int) else split_g[u_group]
-        kv_start = groups.kv_start[u_group] + chunk * u_split
-        u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
+        u_tiles = tiles[u_group]
+        chunk = w // u_tiles
+        tile = w - chunk * u_tiles
+        q_first = q_indptr[u_group] + tile * tile_q
+        u_q_len = np.minimum(tile_q, nq[u_group] - tile * tile_q)
+    u_split = split_g if isinstance(split_g, int) else split_g[u_group]
+    kv_start = groups.kv_start[u_group] + chunk * u_split
+    u_kv_len = np.minimum(u_split, kv_len[u_group] - chunk * u_split)
+    # pairs, in unit order: unit u's are q_ids[q_first[u]:q_first[u] + u_q_len[u]]
+    unit_pair_start = exclusive_sum(u_q_len)
+    n_pairs = int(unit_pair_start[-1] + u_q_len[-1]) if u_q_len.size else 0
+    pair_query = groups.q_ids[np.add(arange_view(n_pairs), (q_first - unit_pair_start).repeat(u_q_len))]
+    return _Units(kv_start, u_kv_len, unit_pair_start, u_q_len, pair_query)
 
-        # pairs, in unit order: unit u's are q_ids[q_first[u]:q_first[u] + u_q_len[u]]
-        unit_pair_start = exclusive_sum(u_q_len)
-        n_pairs = int(unit_pair_start[-1] + u_q_len[-1]) if u_q_len.size else 0
-        pair_query = groups.q_ids[np.add(arange_view(n_pairs), (q_first - unit_pair_start).repeat(u_q_len))]
 
-    # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
-    # builds bins of up to a large tile's rows, which join the class their rows fit
-    block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
-    rules = PlanRules.defaults() if rules is None else rules
-    packed = None
-    if query_rank is not None and config.pack_tokens > 0:
-        kept_out = _solo_units(u_kv_len, u_q_len, block_m, g, num_kv_heads, head_dim, rules)
-        capacity = _pack_capacity(block_m, g)
-        balanced = _bins_fill_a_larger_tile(block_m, g)  # a lone piece would run in the smaller tile
+def _pack(
+    units: _Units,
+    groups: Groups,
+    block_m: tuple[int, int],
+    g: int,
+    config: FastTreeConfig,
+    rules: PlanRules,
+    num_kv_heads: int,
+    head_dim: int,
+    query_rank: np.ndarray,
+    query_of_rank: np.ndarray | None,
+) -> PackedUnits | None:
+    """Pack the short units into bins (:func:`fasttree.packing.pack_units`) under ``rules``: solo
+    units kept out, balanced runs where bins fill a large tile bigger than the small one, wide
+    units packed or whole, whichever costs less (None: nothing was packed)."""
+    kept_out = _solo_units(units.kv_len, units.q_len, block_m, g, num_kv_heads, head_dim, rules)
+    capacity = _pack_capacity(block_m, g)
+    balanced = _bins_fill_a_larger_tile(block_m, g)  # a lone piece would run in the smaller tile
 
-        def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
-            eligible, budget = _pack_budget(u_kv_len, config, num_kv_heads, out)
-            return eligible, pack_units(
-                kv_start=kv_start, kv_len=u_kv_len, pair_start=unit_pair_start, q_len=u_q_len,
-                pair_query=pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-                query_rank=query_rank, capacity=capacity, budget=budget,
-                query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
-                balanced=balanced, aligned=None if rules.aligned_blocks else False,
-                max_longer=rules.aligned_max_longer,
-            )  # fmt: skip
+    def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
+        eligible, budget = _pack_budget(units.kv_len, config, num_kv_heads, out)
+        return eligible, pack_units(
+            kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
+            pair_query=units.pair_query, kv_slots=groups.kv_slots, eligible=eligible,
+            query_rank=query_rank, capacity=capacity, budget=budget,
+            query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
+            balanced=balanced, aligned=None if rules.aligned_blocks else False,
+            max_longer=rules.aligned_max_longer,
+        )  # fmt: skip
 
-        eligible, packed = pack(kept_out)
-        if rules.wide_units:  # the wide units packed, or whole: the plan that costs less
-            wide = u_q_len > capacity
-            if np.count_nonzero(wide & eligible):
-                _, whole = pack(wide if kept_out is None else kept_out | wide)
-                if _wide_units_whole_pay(packed, whole, (u_kv_len, pair_query), n_queries, rules.wide_row_tokens):
-                    packed = whole
+    eligible, packed = pack(kept_out)
+    if rules.wide_units:  # the wide units packed, or whole: the plan that costs less
+        wide = units.q_len > capacity
+        if np.count_nonzero(wide & eligible):
+            _, whole = pack(wide if kept_out is None else kept_out | wide)
+            unpacked = (units.kv_len, units.pair_query)
+            if _wide_units_whole_pay(packed, whole, unpacked, query_rank.size, rules.wide_row_tokens):
+                packed = whole
+    return packed
+
+
+class _Rows(NamedTuple):
+    """Partial rows of a plan (see :class:`Plan`): each pair's ``out_row``, and per query its first
+    row, its number of partials and whether it has several (``multi``)."""
+
+    out_row: np.ndarray
+    part_start: np.ndarray
+    n_part: np.ndarray
+    multi: np.ndarray
+    n_rows: int
+
+
+def _partial_rows(pair_query: np.ndarray, pair_present: np.ndarray | None, n_queries: int) -> _Rows:
+    """Partial rows, contiguous per query, in pair order within a query; ``pair_present`` (None:
+    every pair) marks the pairs that serve a query."""
     n_pairs = pair_query.size
-    if packed is None:
-        u_small = u_q_len <= q_tiles[1]
-        kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
-        n_present = pair_query
-        masked = (False, False)
-    else:
-        kv_start, u_kv_len, unit_pair_start, u_q_len = packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len
-        pair_query, pair_present = packed.pair_query, packed.pair_present
-        kv_slots, kv_row_mask = packed.kv_slots, packed.kv_row_mask
-        n_pairs = pair_query.size
-        # units left alone by their query count, bins (the last ones) by their rows (u_q_len * g)
-        k = packed.n_kept
-        u_small = np.empty(u_q_len.size, dtype=bool)
-        np.less_equal(u_q_len[:k], q_tiles[1], out=u_small[:k])
-        np.less_equal(u_q_len[k:], block_m[1] // g, out=u_small[k:])
-        small_bins = int(np.count_nonzero(u_small[k:]))
-        masked = (small_bins < u_small.size - k, small_bins > 0)
-        n_present = pair_query if np.count_nonzero(pair_present) == n_pairs else pair_query[pair_present]
-
-    # partial rows, contiguous per query, in pair order within a query
+    present = pair_query if pair_present is None or np.count_nonzero(pair_present) == n_pairs else None
+    n_present = pair_query[pair_present] if present is None else present
     n_part = np.bincount(n_present, minlength=n_queries)
     if n_part.size != n_queries or np.minimum.reduce(n_part) < 1:
         raise AssertionError("internal error: a query has no work unit")
@@ -536,10 +631,12 @@ def materialize(
         rows_out[order] = row if n_rows == n_present_pairs else np.where(multi[q_sorted], row, -1)
     if rows_out is not out_row:
         out_row[pair_present] = rows_out
-    if max(kv_slots.size, n_pairs, n_rows) > 0x7FFFFFFF:
-        raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
+    return _Rows(out_row, part_start, n_part, multi, n_rows)
 
-    # within a class, longest KV first (a stable sort)
+
+def _class_order(u_small: np.ndarray, u_kv_len: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The units' order (tile class 0 first, within a class longest KV first, stable) and the
+    class boundaries ``(0, n_large, n_units)``."""
     n_units = u_small.size
     n_large = int(n_units - np.count_nonzero(u_small))
     if n_units and int(np.maximum.reduce(u_kv_len)) < 1 << 15 and int(np.minimum.reduce(u_kv_len)) >= 0:
@@ -548,50 +645,7 @@ def materialize(
         uorder = key.astype(np.uint16).argsort(kind="stable")
     else:
         uorder = np.lexsort((-u_kv_len, u_small))
-    ptr = (0, n_large, n_units)
-
-    unit_kv_len = u_kv_len[uorder]
-    warps = config.launch_warps(g)
-    stages = config.launch_stages(g, head_dim)
-    classes = tuple(
-        _tile_class(
-            int(q_tiles[c]),
-            block_m[c],
-            _class_kv_tile(int(kv_tiles[c]), unit_kv_len[ptr[c] : ptr[c + 1]]),
-            int(splits[c]),
-            int(warps[c]),
-            int(stages[c]),
-            masked[c],
-        )
-        for c in (0, 1)
-    )
-    i32 = np.int32
-    return Plan(
-        num_q_heads=int(num_q_heads),
-        num_kv_heads=int(num_kv_heads),
-        head_dim=int(head_dim),
-        n_queries=int(n_queries),
-        max_slot=int(max_slot),
-        kv_indices=kv_slots.astype(i32, copy=False),
-        kv_row_mask=kv_row_mask,
-        unit_kv_start=kv_start[uorder].astype(i32),
-        unit_kv_len=unit_kv_len.astype(i32),
-        unit_q_start=unit_pair_start[uorder].astype(i32),
-        unit_q_len=u_q_len[uorder].astype(i32),
-        pair_query=pair_query.astype(i32),
-        pair_out_row=out_row,
-        query_partial_start=part_start.astype(i32),
-        query_num_partials=n_part.astype(i32),
-        merge_queries=multi.nonzero()[0].astype(i32),
-        class_unit_ptr=ptr,
-        tile_classes=classes,  # type: ignore[arg-type]
-        n_partial_rows=n_rows,
-        tile_mode=tile_mode,
-        config=config,
-        groups=groups,
-        edge_assignment=edge_assignment,
-        rules=rules,
-    )
+    return uorder, (0, n_large, n_units)
 
 
 def _wide_cost(kv_len: np.ndarray, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:

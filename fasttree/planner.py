@@ -826,39 +826,12 @@ def plan(
 
     # the groups' query lists and slots are built once the tile mode is settled: the
     # adaptive passes only count units
-    mode = TWO_CLASSES
-    cost, assign, group_q, group_kv, kept = run_greedy(mode)
-    big, small = config.kv_split_sizes
-    splits = [big, big]
+    cost, assign, group_q, group_kv, kept = run_greedy(TWO_CLASSES)
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    if units_for.longest > big:
-        # the long-context split only where a phase needs the parallelism: enough units x KV
-        # heads uncut, and no group much longer than the phase's work spread over
-        # para_threshs1 programs (one long group would be the launch's tail)
-        whole = units_for.longest
-        uncut = units_for([whole, whole])
-        for c, (tokens, longest) in enumerate(units_for.uncut_work()):
-            thresh = config.para_threshs1[c]
-            if (
-                uncut[c] >= thresh * rules.whole_groups_min_items[c]
-                and longest * thresh <= rules.whole_groups_max_tail * tokens
-            ):
-                splits[c] = whole
-    units = units_for(splits)
-    changed = False
-    for c in (0, 1):
-        if 0 < units[c] < config.para_threshs1[c]:
-            splits[c] = small
-            changed = True
-    if changed:
-        units = units_for(splits)
-        if 0 < units[0] < config.para_threshs2[0]:
-            mode = ALL_SMALL
-        elif 0 < units[1] < config.para_threshs2[1]:
-            mode = ALL_LARGE
-        if mode != TWO_CLASSES:
-            cost, assign, group_q, group_kv, kept = run_greedy(mode)
-            units_for = None
+    splits, mode = _adaptive_splits(units_for, config, rules)
+    if mode != TWO_CLASSES:
+        cost, assign, group_q, group_kv, kept = run_greedy(mode)
+        units_for = None
     groups = _build_groups(tree, assign, group_q, group_kv, check=False, kept=kept)
     if splits[0] == splits[1]:
         group_split = splits[0]
@@ -884,6 +857,45 @@ def plan(
         query_of_rank=gx.query_of_rank,
         rules=rules,
     )
+
+
+def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules) -> tuple[list[int], str]:
+    """The split size of each phase and the tile mode, from the two-class greedy's groups.
+
+    Groups longer than the big split size are cut at it only where their phase needs the
+    parallelism: enough units x KV heads uncut (``rules.whole_groups_min_items`` times
+    ``para_threshs1``), and no group much longer than the phase's work spread over
+    ``para_threshs1`` programs (one long group would be the launch's tail). Then a phase with
+    fewer units x KV heads than ``para_threshs1`` takes the small split size; only if a split
+    changed, the units are recounted and too few in the large (small) phase move every group to
+    the small (large) tiles.
+    """
+    big, small = config.kv_split_sizes
+    splits = [big, big]
+    if units_for.longest > big:
+        whole = units_for.longest
+        uncut = units_for([whole, whole])
+        for c, (tokens, longest) in enumerate(units_for.uncut_work()):
+            thresh = config.para_threshs1[c]
+            if (
+                uncut[c] >= thresh * rules.whole_groups_min_items[c]
+                and longest * thresh <= rules.whole_groups_max_tail * tokens
+            ):
+                splits[c] = whole
+    units = units_for(splits)
+    changed = False
+    for c in (0, 1):
+        if 0 < units[c] < config.para_threshs1[c]:
+            splits[c] = small
+            changed = True
+    mode = TWO_CLASSES
+    if changed:
+        units = units_for(splits)
+        if 0 < units[0] < config.para_threshs2[0]:
+            mode = ALL_SMALL
+        elif 0 < units[1] < config.para_threshs2[1]:
+            mode = ALL_LARGE
+    return splits, mode
 
 
 class _PhaseUnits:

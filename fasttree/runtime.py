@@ -137,6 +137,19 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _runtime_device(device: torch.device | str) -> torch.device:
+    """``device`` as a CUDA device with its index (the CPU only under the interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} requested but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif not interpreting():
+        raise ValueError(f"device must be a CUDA device (or the CPU under TRITON_INTERPRET=1), got {device}")
+    return device
+
+
 def _aligned(words: int) -> int:
     return -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
 
@@ -239,37 +252,15 @@ class TreeAttentionRuntime:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
         self.dtype = getattr(torch, _dtype_name(dtype))
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {self.device} requested but CUDA is not available")
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-        elif not interpreting():
-            raise ValueError(f"device must be a CUDA device (or the CPU under TRITON_INTERPRET=1), got {self.device}")
-        self.max_queries = _positive_int("max_queries", max_queries)
-        self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
-        self.max_units = _positive_int("max_units", max_units)
-        self.max_partial_rows = _positive_int(
-            "max_partial_rows", 16 * self.max_queries if max_partial_rows is None else max_partial_rows
-        )
-        self.max_pairs = _positive_int(
-            "max_pairs", 2 * (self.max_queries + self.max_partial_rows) if max_pairs is None else max_pairs
-        )
-        self.pool_slots = None if pool_slots is None else _positive_int("pool_slots", pool_slots)
+        self.device = _runtime_device(device)
+        self._set_capacities(max_queries, max_kv_entries, max_units, max_partial_rows, max_pairs, pool_slots)
         if query_centric not in QUERY_CENTRIC_CHOICES:
             raise ValueError(f"query_centric must be one of {QUERY_CENTRIC_CHOICES}, got {query_centric!r}")
         self.query_centric = query_centric
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
         self.waves = _positive_int("waves", waves)
         self.stage1_launches = resolve_stage1_launches(stage1_launches, self.group_size, self.head_dim)
-        if recorder is not None:
-            if not isinstance(recorder, WorkloadRecorder):
-                raise ValueError(f"recorder must be a WorkloadRecorder, got {type(recorder).__name__}")
-            shape = (self.num_q_heads, self.num_kv_heads, self.head_dim, _dtype_name(self.dtype))
-            if recorder.shape != shape:
-                raise ValueError(f"the recorder records heads/head dim/dtype {recorder.shape}, the runtime has {shape}")
-        self.recorder = recorder
+        self.recorder = self._checked_recorder(recorder)
         if isinstance(extend_steps, bool) or not isinstance(extend_steps, numbers.Integral) or extend_steps < 0:
             raise ValueError(f"extend_steps must be a non-negative integer, got {extend_steps!r}")
         self.extend_steps = int(extend_steps)
@@ -301,7 +292,35 @@ class TreeAttentionRuntime:
         self.plan_words = _HEADER_WORDS + sum(_aligned(n) for n in self._capacity.values())
         if self.plan_words > 0x7FFFFFFF:
             raise ValueError(f"the capacities need {self.plan_words} int32 words of plan buffer, more than 2**31 - 1")
+        self._allocate_buffers()
 
+    def _set_capacities(self, max_queries, max_kv_entries, max_units, max_partial_rows, max_pairs, pool_slots) -> None:
+        """Validate the capacities (positive integers; partial rows and pairs derived when None)."""
+        self.max_queries = _positive_int("max_queries", max_queries)
+        self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
+        self.max_units = _positive_int("max_units", max_units)
+        self.max_partial_rows = _positive_int(
+            "max_partial_rows", 16 * self.max_queries if max_partial_rows is None else max_partial_rows
+        )
+        self.max_pairs = _positive_int(
+            "max_pairs", 2 * (self.max_queries + self.max_partial_rows) if max_pairs is None else max_pairs
+        )
+        self.pool_slots = None if pool_slots is None else _positive_int("pool_slots", pool_slots)
+
+    def _checked_recorder(self, recorder: WorkloadRecorder | None) -> WorkloadRecorder | None:
+        """``recorder``, checked to record the runtime's head shape and dtype."""
+        if recorder is None:
+            return None
+        if not isinstance(recorder, WorkloadRecorder):
+            raise ValueError(f"recorder must be a WorkloadRecorder, got {type(recorder).__name__}")
+        shape = (self.num_q_heads, self.num_kv_heads, self.head_dim, _dtype_name(self.dtype))
+        if recorder.shape != shape:
+            raise ValueError(f"the recorder records heads/head dim/dtype {recorder.shape}, the runtime has {shape}")
+        return recorder
+
+    def _allocate_buffers(self) -> None:
+        """Allocate the plan buffer, its pinned staging copies, the partial-result workspace and the
+        item counters, after checking that they fit the device's memory."""
         if self.device.type == "cuda":  # say which capacity is too large before torch fails to allocate it
             total = torch.cuda.get_device_properties(self.device).total_memory
             if self.device_bytes > total:
