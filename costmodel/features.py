@@ -89,11 +89,11 @@ FEATURE_NAMES: tuple[str, ...] = (
 #: Column of the simulator's total time (the residual model's baseline).
 SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
 #: Column that says the two tile classes' stage-1 launches run side by side: 1 when both have
-#: programs, as ``fasttree.tree_attention`` runs them since 7ada9e2 (v17); the dataset sets it
+#: programs, as ``fasttree.tree_attention`` runs them from kernel v17 on; the dataset sets it
 #: to 0 for traces measured before (:func:`fasttree.costmodel.dataset.measured_with_overlap`).
 STAGE1_OVERLAP = FEATURE_NAMES.index("stage1_overlap")
 #: Column of the kernels' version (:data:`fasttree.launch_rules.KERNEL_VERSION`, the row of
-#: ``docs/bench/NOTES.md``'s version table): the running kernels' for a plan, the measured ones' for a
+#: ``docs/history.md``'s version table): the running kernels' for a plan, the measured ones' for a
 #: trace (:func:`fasttree.costmodel.dataset.measured_kernel_version`), so one model learns from traces
 #: of every kernel version and predicts the current one.
 KERNEL_VERSION_COLUMN = FEATURE_NAMES.index("kernel_version")

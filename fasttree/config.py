@@ -32,9 +32,8 @@ _V1_DEFAULTS = {"pack_tokens": 0, "kv_tile": (32, 32)}
 DEFAULT_Q_TILE_ROWS = (64, 16)
 #: Warps per tile class of ``num_warps=None``: Triton's default 4 (the published kernel's),
 #: except MHA's 16-row tiles, which run at 2. On the H200 paper suite 2 warps took 0.86-0.985x
-#: the time on all 15 MHA cases (geomean 0.912) and 1.00-1.10x on GQA 4
-#: (``docs/bench/h200/mha_small_warps_ab_d92176c.json``); 6/gqa16 ran 1.35x slower at 2 in the
-#: v10 sweep.
+#: the time on all 15 MHA cases (geomean 0.912) and 1.00-1.10x on GQA 4; GQA 16 ran up to 1.35x
+#: slower at 2 (``docs/history.md``).
 DEFAULT_NUM_WARPS = (4, 4)
 DEFAULT_NUM_WARPS_MHA = (4, 2)
 #: Pipeline stages per tile class of ``num_stages=None``: Triton's default 3, except the large
@@ -43,7 +42,7 @@ DEFAULT_NUM_WARPS_MHA = (4, 2)
 #: :data:`_DEEP_STAGES_MAX_GROUP` and head dims up to :data:`_DEEP_STAGES_MAX_HEAD_DIM`. On the H200
 #: paper suite 5 stages took 0.917-0.929x the time on GQA 2, 4 and 8 (geomean per ratio; every
 #: case 0.86-1.02x), 0.993x on MHA and 1.003x on GQA 16, in whole calls and in the runtime
-#: (``docs/bench/h200/stages_ratio_ab_745dd63.json``). A GPU with less shared memory per block
+#: (``docs/history.md``). A GPU with less shared memory per block
 #: compiles the launch with fewer stages (:func:`fasttree.launcher.launch`).
 DEFAULT_NUM_STAGES = (3, 3)
 DEFAULT_NUM_STAGES_DEEP = (5, 3)
@@ -70,7 +69,7 @@ class FastTreeConfig:
     """Planner cost weights, tile sizes, split sizes, thresholds and launch settings.
 
     Defaults are the values the FastTree authors tuned on an H100, except two choices
-    measured on the H200 for this kernel (``docs/bench/sweep_h200_pack_36a5879.md``):
+    measured on the H200 for this kernel (``docs/history.md``):
     KV tiles of 64 tokens (published: 32) and packing of short units (new here).
 
     Parameters

@@ -93,7 +93,7 @@ def _pack_capacity(block_m: tuple[int, int], g: int) -> int:
     """Queries per packed unit: a full large tile when its rows hold at most
     :data:`~fasttree.packing.MAX_PACK_QUERIES` queries (GQA), else a full small tile
     (MHA: a 64-row tile of 32 queries would leave half its rows empty, which measured
-    slower on the H200 than 16-query bins, docs/bench/NOTES.md)."""
+    slower on the H200 than 16-query bins)."""
     large = block_m[0] // g
     return large if large <= MAX_PACK_QUERIES else min(block_m[1] // g, MAX_PACK_QUERIES)
 

@@ -37,7 +37,7 @@ only then waits, so those dependent reads overlap the prior grid's tail.
 (A variant that merged partials in stage 1 through per-(query, head) atomic counters
 removed the merge launch but was 1.2-1.4x slower on plans with many small units on the
 H200: the barrier, acquire-release atomics and extra registers lengthen every program;
-see docs/bench/NOTES.md.)
+see docs/history.md.)
 """
 
 import triton
@@ -164,7 +164,7 @@ def _attend_unit(
     ``OFFSETS_32``: every K/V element offset of the pools' slots the plan reads fits in int32
     (the host checks), so the gathered tiles' addresses are formed from 32-bit offsets, not
     64-bit ones (fewer registers and instructions per gathered row; H200 serving trees: 1-3%
-    less stage-1 time, ``bench/device/small_tile_variants.py``). ``PEEL``: the unit's whole KV tiles
+    less stage-1 time). ``PEEL``: the unit's whole KV tiles
     run without masks, then one masked tail tile (see :func:`_kv_tile`). ``WAIT``: wait for the
     prior grid (``griddepcontrol.wait``) after reading the plan's arrays, before Q and the pools."""
     kv_start = tl.load(UnitKvStart + unit)
