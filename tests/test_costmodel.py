@@ -14,7 +14,6 @@ from sklearn.exceptions import NotFittedError
 
 import fasttree as ft
 import fasttree.toolkit.profiler as prof
-from fasttree.launch_rules import merge_heads_per_program
 from fasttree.config import DEFAULT_NUM_STAGES_DEEP
 from fasttree.costmodel.dataset import load_dataset, record_features, tree_id
 from fasttree.costmodel.evaluate import (
@@ -28,6 +27,7 @@ from fasttree.costmodel.gpu import KNOWN_GPUS, GpuSpec, gpu_spec
 from fasttree.costmodel.model import LatencyModel
 from fasttree.costmodel.simulator import SimParams, makespan, simulate
 from fasttree.costmodel.work import plan_work
+from fasttree.launch_rules import merge_heads_per_program
 from fasttree.traces import TraceWriter, measurement_record, read_traces
 
 H200 = KNOWN_GPUS["NVIDIA H200"]
@@ -579,9 +579,9 @@ def test_stage1_overlap_feature_marks_two_class_plans_measured_side_by_side():
 
 def test_kernel_version_feature_is_the_measured_kernels_for_traces_and_the_running_ones_for_plans():
     # traces of older kernels teach the model what did not change; the tuner asks about today's kernels
-    from fasttree.launch_rules import KERNEL_VERSION
     from fasttree.costmodel.dataset import KERNEL_VERSION_OF_COMMIT, measured_kernel_version, record_features
     from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plan, features_of_plans
+    from fasttree.launch_rules import KERNEL_VERSION
     from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary
 
@@ -661,8 +661,8 @@ def test_every_shipped_trace_names_the_kernels_it_timed():
     import json
     from pathlib import Path
 
-    from fasttree.launch_rules import KERNEL_VERSION
     from fasttree.costmodel.dataset import KERNEL_VERSION_OF_COMMIT, _commit, _profiler_info
+    from fasttree.launch_rules import KERNEL_VERSION
     from fasttree.traces import _expand, _lines
 
     root = Path(__file__).parents[1] / "traces"
