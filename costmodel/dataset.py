@@ -23,6 +23,7 @@ import numpy as np
 
 from fasttree.config import FastTreeConfig
 from fasttree.launch_rules import KERNEL_VERSION
+from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched
 from fasttree.traces import decode_tree, read_traces, record_launch
 
@@ -118,14 +119,16 @@ def tree_id(record: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-#: The planner's rules newer than the first traces, newest first (keyword arguments of
-#: :func:`fasttree.plan` that switch one off).
+#: The planner's rules newer than the first traces, newest first (fields of
+#: :class:`fasttree.PlanRules` that switch one off).
 _RULES = ("aligned_blocks", "wide_units", "whole_groups", "balanced_bins", "solo_units")
 
 #: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
 #: off, all of them first (how most shipped traces were planned), then more rules on before fewer.
-_LEGACY_RULES: tuple[dict[str, bool], ...] = tuple(
-    {name: False for name in off} for n in range(len(_RULES), 0, -1) for off in itertools.combinations(_RULES, n)
+_LEGACY_RULES: tuple[PlanRules, ...] = tuple(
+    PlanRules(**{name: False for name in off})
+    for n in range(len(_RULES), 0, -1)
+    for off in itertools.combinations(_RULES, n)
 )
 
 
@@ -159,7 +162,7 @@ def record_plan(record: dict[str, Any]):
     if measured is None or _same_plan(plan, measured):
         return plan
     for rules in _LEGACY_RULES:
-        legacy = ft.plan(*args, **heads, **rules)
+        legacy = ft.plan(*args, **heads, rules=rules)
         if _same_plan(legacy, measured):
             return legacy
     logger.debug("record %s: no planner rule set reproduces its measured plan", record.get("key"))

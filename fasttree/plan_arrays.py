@@ -395,9 +395,7 @@ def materialize(
         computes it otherwise).
     rules : PlanRules, optional
         How units are packed: solo, wide and aligned-block rules (:class:`fasttree.PlanRules`);
-        :meth:`PlanRules.defaults` when None. Bins that fill a large tile bigger than the small
-        one (GQA with two tile classes) are cut into runs of about equal tokens, so that no lone
-        piece is left for the small class and a merge; MHA's bins fill up to the token budget.
+        :meth:`PlanRules.defaults` when None.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -565,7 +563,7 @@ def _pack(
     units packed or whole, whichever costs less (None: nothing was packed)."""
     kept_out = _solo_units(units.kv_len, units.q_len, block_m, g, num_kv_heads, head_dim, rules)
     capacity = _pack_capacity(block_m, g)
-    balanced = _bins_fill_a_larger_tile(block_m, g)  # a lone piece would run in the smaller tile
+    balanced = rules.balanced_bins and _bins_fill_a_larger_tile(block_m, g)  # a lone piece: the smaller tile
 
     def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
         eligible, budget = _pack_budget(units.kv_len, config, num_kv_heads, out)

@@ -48,6 +48,16 @@ class PlanRules:
         the longest unit at most ``aligned_max_longer`` times as long. False: fixed blocks.
     aligned_max_longer : float
         The longest unit the aligned blocks may leave, relative to the fixed blocks'.
+    balanced_bins : bool
+        Where packed bins fill a large tile bigger than the small one (GQA with two tile
+        classes), a block of queries is cut into bins of about equal tokens, so that no lone
+        piece is left for a second tile class and a merge (H200: the paper's GQA-16 deep trees
+        0.79-0.85x). False fills every bin up to the token budget, as plans were made before
+        the rule: the latency model re-plans older traces with it.
+    whole_groups : bool
+        Cut long groups at the big split size only where their tile class needs the parallelism
+        (the next two fields); False always cuts them, as the published planner and plans before
+        the rule did (older traces).
     whole_groups_min_items : tuple of (int, int)
         Groups longer than the big split size are cut at it only in a tile class that would,
         uncut, have fewer than these factors (large, small class) times ``para_threshs1``
@@ -64,6 +74,8 @@ class PlanRules:
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True
     aligned_max_longer: float = 1.1
+    balanced_bins: bool = True
+    whole_groups: bool = True
     whole_groups_min_items: tuple[int, int] = (1, 2)
     whole_groups_max_tail: float = 2.0
 

@@ -872,7 +872,7 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
     """
     big, small = config.kv_split_sizes
     splits = [big, big]
-    if units_for.longest > big:
+    if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest
         uncut = units_for([whole, whole])
         for c, (tokens, longest) in enumerate(units_for.uncut_work()):

@@ -504,9 +504,9 @@ _ALL_OFF = {"solo_units": False, "balanced_bins": False, "whole_groups": False}
     ("case", "heads", "rules"),
     [
         (8, _GQA4, {}),
-        (8, _GQA4, {"solo_units": False}),  # 8/gqa4 plans differently since the solo rule (e2e3a4b)
+        (8, _GQA4, {"solo_units": False}),  # 8/gqa4 plans differently since the solo rule
         (5, _GQA4, {"whole_groups": False}),  # 5/*: the root is no longer cut at 1,024 tokens
-        (11, _GQA16, {"balanced_bins": False}),  # 11/gqa16: balanced bins (6e1fdcd)
+        (11, _GQA16, {"balanced_bins": False}),  # 11/gqa16: balanced bins
         (11, _GQA16, _ALL_OFF),
         (5, _GQA16, _ALL_OFF),
     ],
@@ -519,7 +519,7 @@ def test_record_plan_reproduces_the_measured_plan(case, heads, rules):
     from fasttree.traces import encode_tree, plan_summary
 
     tree = paper_tree(case)
-    measured = ft.plan(tree, **heads, **rules)
+    measured = ft.plan(tree, **heads, rules=ft.PlanRules(**rules))
     record = {
         "workload": {"tree": encode_tree(tree)},
         "config": ft.FastTreeConfig().to_dict(),

@@ -139,6 +139,18 @@ def test_gqa16_deep_tree_bins_hold_whole_blocks(case):
     check_plan(tree, plan)
 
 
+def test_balanced_bins_rule():
+    tree = paper_tree(11)
+    filled = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(balanced_bins=False))
+    assert filled.n_partial_rows == 512  # as before balanced runs (the latency model re-plans such traces)
+    check_plan(tree, filled)
+    # MHA's 16-query bins live in the small tile: they are filled either way
+    mha = [ft.plan(paper_tree(1), num_q_heads=32, num_kv_heads=32, head_dim=128, rules=ft.PlanRules(balanced_bins=b))
+           for b in (True, False)]  # fmt: skip
+    assert mha[0].n_partial_rows == mha[1].n_partial_rows
+    np.testing.assert_array_equal(mha[0].unit_kv_len, mha[1].unit_kv_len)
+
+
 @pytest.mark.parametrize(("capacity", "budget"), [(0, 10), (MAX_PACK_QUERIES + 1, 10), (4, 0)])
 def test_pack_units_rejects_bad_sizes(capacity, budget):
     u = _units([[0], [1]], [4, 4])
