@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sklearn._loss._loss import CyHalfSquaredError
 
 import fasttree
 from fasttree.fileio import write_atomic
@@ -82,6 +83,10 @@ MAX_SCHEMA_DEPTH = 64
 #: Largest metadata member (bytes).
 MAX_META_BYTES = 2**20
 
+# skops names a type by its __module__, and the Cython loss reports "_loss" in scikit-learn 1.6 to 1.8 (there, that
+# module is the same one as sklearn._loss._loss): a file names it either way, by the scikit-learn that wrote it.
+_LOSS_TYPES = sorted({"sklearn._loss._loss.CyHalfSquaredError", f"{CyHalfSquaredError.__module__}.CyHalfSquaredError"})
+
 #: Every type a model file may hold, each with the skops loaders that may build it: the types of
 #: the regressors of the three model kinds (``GradientBoostingRegressor`` for gbrt and residual,
 #: ``RandomForestRegressor`` for forest). ``skops.io.load`` is given exactly these as ``trusted``.
@@ -93,7 +98,7 @@ TRUSTED_TYPES: dict[str, frozenset[str]] = {
     "numpy.float64": frozenset({"NdArrayNode"}),
     "numpy.ndarray": frozenset({"NdArrayNode"}),
     "numpy.random.mtrand.RandomState": frozenset({"RandomStateNode"}),
-    "sklearn._loss._loss.CyHalfSquaredError": frozenset({"LossNode"}),
+    **{name: frozenset({"LossNode"}) for name in _LOSS_TYPES},
     "sklearn._loss.link.IdentityLink": frozenset({"ObjectNode"}),
     "sklearn._loss.link.Interval": frozenset({"ObjectNode"}),
     "sklearn._loss.loss.HalfSquaredError": frozenset({"ObjectNode"}),

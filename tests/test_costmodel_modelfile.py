@@ -122,7 +122,9 @@ def test_trusted_types_are_exactly_what_the_model_kinds_are_made_of():
                 stack.extend(obj.values())
             elif isinstance(obj, list):
                 stack.extend(obj)
-    assert seen == set(persist.TRUSTED_TYPES)
+    # the canonical name of the loss is trusted too, for files of a scikit-learn that names it so
+    assert seen <= set(persist.TRUSTED_TYPES)
+    assert set(persist.TRUSTED_TYPES) - seen <= {"sklearn._loss._loss.CyHalfSquaredError"}
 
 
 def test_shipped_model_loads_within_the_limits_with_room():
