@@ -253,7 +253,7 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Nam
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.costmodel_throughput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=Path("models/h200_latency_model.json.gz"))
+    p.add_argument("--model", type=Path, default=Path("models/h200_latency_model.skops"))
     p.add_argument("--heldout", nargs="+", default=["traces/h200_heldout"])
     p.add_argument("--workloads", nargs="+", default=["traces/workloads"])
     p.add_argument("--heads", default="32,8,128", help="Hq,Hkv,D of the tuner sample (default 32,8,128)")

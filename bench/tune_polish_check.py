@@ -30,7 +30,7 @@ EVERY = 4  # fasttree-tune run's --every
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.tune_polish_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="traces/workloads")
-    p.add_argument("--model", default="models/h200_latency_model.json.gz")
+    p.add_argument("--model", default="models/h200_latency_model.skops")
     p.add_argument("--export", default="docs/tune/export.json")
     p.add_argument("--refined", default="docs/tune/export_measured.json")
     p.add_argument("--passes", type=int, default=2)

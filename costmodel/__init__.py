@@ -9,7 +9,8 @@ Modules, each with one job:
 * :mod:`~fasttree.costmodel.dataset` -- measurement traces -> feature matrix, tree ids, families.
 * :mod:`~fasttree.costmodel.model` -- :class:`LatencyModel`, the scikit-learn estimator.
 * :mod:`~fasttree.costmodel.predict` -- batched prediction of many plans or planning jobs (worker processes).
-* :mod:`~fasttree.costmodel.serialize` / :mod:`~fasttree.costmodel.persist` -- JSON model files (no pickle).
+* :mod:`~fasttree.costmodel.persist` -- model files (skops archives, no pickle); :mod:`~fasttree.costmodel.regressors`
+  checks a loaded regressor, :mod:`~fasttree.costmodel.legacy` reads older JSON model files for conversion.
 * :mod:`~fasttree.costmodel.metrics` / :mod:`~fasttree.costmodel.evaluate` -- held-out metrics and protocols.
 
 The command line is ``fasttree-tune fit`` / ``fasttree-tune evaluate``.

@@ -31,7 +31,7 @@ from fasttree.traces import decode_tree, read_traces
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "traces" / "h200_heldout"
 WORKLOADS = ROOT / "traces" / "workloads"
-MODEL = ROOT / "models" / "h200_latency_model.json.gz"
+MODEL = ROOT / "models" / "h200_latency_model.skops"
 H200 = KNOWN_GPUS["NVIDIA H200"]
 H100 = KNOWN_GPUS["NVIDIA H100 80GB HBM3"]
 

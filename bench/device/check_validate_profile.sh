@@ -17,7 +17,7 @@ timeout 240 python3 -m pytest -q -n 8 -p no:warnings tests/test_gpu.py tests/tes
   tests/test_packing.py tests/test_launch_cache.py tests/test_validate.py >"$res/gpu_tests.log" 2>&1
 timeout 200 python3 -m bench.kernel --suite paper --out "$res" --label "$LABEL" >"$res/kernel.log" 2>&1
 mkdir -p "$res/validate"
-timeout 200 fasttree-tune validate --config "$EXPORT" --model models/h200_latency_model.json --steps 6 \
+timeout 200 fasttree-tune validate --config "$EXPORT" --model models/h200_latency_model.skops --steps 6 \
   --traces-out "$res/validate/$LABEL.jsonl" --json "$res/validate_$LABEL.json" >"$res/validate.log" 2>&1
 wait "$p1"
 tail -n 3 "$res/gpu_tests.log"; tail -n 12 "$res/kernel.log"; cat "$res/validate.log" | tail -n 16

@@ -23,7 +23,7 @@ for name in tuned polished schema4 measured; do
     schema4) export_path=docs/tune/schema4/export.json ;;
     measured) export_path=docs/tune/export_measured.json ;;
   esac
-  timeout 110 "${cli[@]}" validate --config "$export_path" --steps 4 --model models/h200_latency_model.json \
+  timeout 110 "${cli[@]}" validate --config "$export_path" --steps 4 --model models/h200_latency_model.skops \
     --traces-out "$res/validate_$name.jsonl" --json "$res/validate_$name.json" >"$res/validate_$name.log" 2>&1
   tail -n 2 "$res/validate_$name.log"
 done

@@ -27,7 +27,7 @@ logger = logging.getLogger("fasttree.cli")
 RUN_TRACES = "traces/h200"
 RUN_WORKLOADS = "traces/workloads"
 RUN_HELDOUT = "traces/workloads_heldout"
-RUN_MODEL = "models/h200_latency_model.json.gz"
+RUN_MODEL = "models/h200_latency_model.skops"
 RUN_OUT = "fasttree-run"
 RUN_TRIALS = 250
 #: ``run`` tunes on every 4th step of each long workload (``--every``).
