@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -33,13 +34,13 @@ import numpy as np
 import torch
 from scipy.stats import kendalltau
 
-from bench.common import write_atomic
-from bench.decode_config_sweep import variants_combinations, variants_one_at_a_time
+from fasttree.config import FastTreeConfig
 from fasttree.costmodel.evaluate import SimulatorBaseline
 from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plans, mark_runtime, published_cost
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
+from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.runtime_planning import launch_view, resolve_stage1_launches
 from fasttree.toolkit.workloads import iter_serving
@@ -65,6 +66,46 @@ SWEEP_KERNEL_VERSION = 14
 #: ``FastTreeConfig()`` as the sweeps ran it (f18595e): explicit warps and stages; since v23/v25 the
 #: defaults pick them per head ratio (``None``), so the ``default`` row is rebuilt with these.
 SWEEP_DEFAULT_CONFIG = {"num_warps": (4, 4), "num_stages": (3, 3)}
+
+
+def variants_one_at_a_time(base: FastTreeConfig, model: str) -> list[tuple[str, FastTreeConfig]]:
+    """One-at-a-time variations of ``base`` (the first sweep, ``--grid one``), ``base`` first."""
+    r = dataclasses.replace
+    v = [("tuned", base), ("default", FastTreeConfig())]
+    for s in [(512, 64), (2048, 64), (1024, 128), (1024, 32), (512, 128), (4096, 128)]:
+        v.append((f"split{s}", r(base, kv_split_sizes=s)))
+    for p in [0, 256, 1024, 2048]:
+        v.append((f"pack{p}", r(base, pack_tokens=p)))
+    for m in [132, 528, 1056]:
+        v.append((f"packmin{m}", r(base, pack_min_units=m)))
+    for t in [(64, 32), (128, 64), (64, 128), (32, 32)]:
+        v.append((f"kvtile{t}", r(base, kv_tile=t)))
+    for w in [(4, 2), (8, 4), (4, 8)]:
+        v.append((f"warps{w}", r(base, num_warps=w)))
+    for s in [(3, 3), (2, 2), (4, 4), (3, 2)]:
+        v.append((f"stages{s}", r(base, num_stages=s)))
+    for g in [-10.0, 10.0, 0.5]:
+        v.append((f"gamma{g}", r(base, gamma=g)))
+    v.append(("thresh_small", r(base, para_threshs1=(528, 1056))))
+    v.append(("thresh_big", r(base, para_threshs1=(66, 264))))
+    return v
+
+
+def variants_combinations(base: FastTreeConfig, model: str) -> list[tuple[str, FastTreeConfig]]:
+    """Combinations around the first sweep's winners for ``model`` (the second sweep, ``--grid combos``),
+    ``base`` first."""
+    r = dataclasses.replace
+    v = [("tuned", base)]
+    if model == "llama":
+        splits = [(1024, 64), (512, 128), (512, 64), (256, 128), (768, 128), (384, 128)]
+        for w, s, p in itertools.product([(4, 4), (4, 2)], splits, [512, 256, 768]):
+            v.append((f"w{w}s{s}p{p}", r(base, num_warps=w, kv_split_sizes=s, pack_tokens=p)))
+    else:
+        splits = [(1024, 128), (512, 128), (256, 128), (384, 128), (768, 128), (512, 64)]
+        grid = itertools.product(splits, [(64, 64), (64, 128)], [base.gamma, -10.0], [base.para_threshs1, (66, 264)])
+        for s, t, g, th in grid:
+            v.append((f"s{s}t{t}g{g}th{th}", r(base, kv_split_sizes=s, kv_tile=t, gamma=g, para_threshs1=th)))
+    return v
 
 
 VARIANTS = {"sweep1": variants_one_at_a_time, "sweep2": variants_combinations}

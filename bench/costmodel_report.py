@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_atomic
 from fasttree.costmodel.dataset import Dataset, load_dataset
 from fasttree.costmodel.evaluate import (
     SimulatorBaseline,
@@ -35,6 +34,7 @@ from fasttree.costmodel.features import FEATURE_NAMES, KERNEL_VERSION_COLUMN, RU
 from fasttree.costmodel.metrics import evaluation_table, regression_metrics
 from fasttree.costmodel.model import KINDS, LatencyModel
 from fasttree.costmodel.persist import save_model
+from fasttree.fileio import write_atomic
 
 log = logging.getLogger("bench.costmodel_report")
 

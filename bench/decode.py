@@ -100,8 +100,9 @@ from torch.nn import functional
 
 import fasttree as ft
 from bench import model_ops
-from bench.common import DTYPES, HBM_BYTES_PER_S, TOL, environment, write_atomic
+from bench.common import DTYPES, HBM_BYTES_PER_S, TOL, environment
 from fasttree.config import FastTreeConfig
+from fasttree.fileio import write_atomic
 from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean, write_atomic
+from bench.common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
 from fasttree.export import read_export
+from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from fasttree.toolkit.timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 import fasttree
-from bench.common import environment, write_atomic
+from bench.common import environment
+from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.toolkit.workloads import iter_serving
 

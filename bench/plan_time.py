@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 import fasttree
-from bench.common import anchor_rows, environment, write_atomic
+from bench.common import anchor_rows, environment
+from fasttree.fileio import write_atomic
 from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
 log = logging.getLogger("bench.plan_time")
