@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import environment
 from fasttree.costmodel.dataset import load_dataset
 from fasttree.costmodel.model import LatencyModel
 from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import environment
 
 BUDGET_S = 120.0
 

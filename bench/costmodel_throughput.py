@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import environment
 from fasttree.config import FastTreeConfig
 from fasttree.costmodel.features import features_of_plan, features_of_plans, features_of_work
 from fasttree.costmodel.gpu import GpuSpec, gpu_spec
@@ -54,6 +53,7 @@ from fasttree.costmodel.predict import PlanJob, PredictPool, elem_bytes_of, plan
 from fasttree.costmodel.simulator import SimParams, simulate
 from fasttree.costmodel.work import plan_work
 from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import environment
 from fasttree.traces import decode_tree, read_traces
 
 log = logging.getLogger("bench.costmodel_throughput")

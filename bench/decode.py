@@ -100,11 +100,11 @@ from torch.nn import functional
 
 import fasttree as ft
 from bench import model_ops
-from bench.common import DTYPES, HBM_BYTES_PER_S, TOL, environment
 from fasttree.config import FastTreeConfig
 from fasttree.fileio import write_atomic
 from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
+from fasttree.toolkit.bench_common import DTYPES, HBM_BYTES_PER_S, TOL, environment
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.decode")

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 import fasttree
-from bench.common import anchor_rows, environment
 from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import anchor_rows, environment
 from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
 log = logging.getLogger("bench.plan_time")
@@ -40,7 +40,7 @@ log = logging.getLogger("bench.plan_time")
 HEAD_DIM = 128
 
 #: Published FastTree planner time (ms) per (case, heads) from the project's anchors file
-#: (bench/anchors_h200_paper_suite.json): measured on an H200 host, 2026-11-29, published
+#: (``fasttree/toolkit/data/anchors_h200_paper_suite.json``): measured on an H200 host, 2026-11-29, published
 #: planner incl. index upload, while ``plan_ms`` here is host planning only.
 PUBLISHED_PLAN_MS: dict[int, dict[str, float]] = {}
 for (_case, _heads), _row in anchor_rows().items():

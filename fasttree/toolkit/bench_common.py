@@ -1,4 +1,9 @@
-"""Helpers shared by the benchmark scripts: environment metadata, anchors, tolerances."""
+"""What the benchmarks share: environment metadata, the H200 paper-suite anchors, dtypes and
+tolerances, the roofline rates.
+
+Used by :mod:`fasttree.toolkit.kernel_bench` and by the maintained scripts of the repository's
+``bench/`` folder (which may import from the package, never the reverse). The anchors file is
+package data (``data/anchors_h200_paper_suite.json``), so an installed package finds it."""
 
 from __future__ import annotations
 
@@ -12,10 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-import fasttree
-from fasttree.toolkit.profiler import git_commit
+from .. import __version__
+from .profiler import git_commit
 
-ANCHORS_PATH = Path(__file__).with_name("anchors_h200_paper_suite.json")
+#: The published FastTree kernel's times, SDPA and the roofline floors on the H200 paper suite.
+ANCHORS_PATH = Path(__file__).resolve().parent / "data" / "anchors_h200_paper_suite.json"
 #: ``--dtype`` choices of the GPU benchmarks.
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Worst relative error against the float64 reference the GPU benchmarks accept, per dtype.
@@ -45,7 +51,7 @@ def environment(*, gpu: bool = False) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "fasttree": fasttree.__version__,
+        "fasttree": __version__,
         "git_commit": git_commit(),
         "timestamp_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
