@@ -260,7 +260,7 @@ def markdown(r: dict, args) -> str:
         "",
         "### By the kernel version the held-out traces timed",
         "",
-        "The `kernel_version` feature (the row of `docs/bench/NOTES.md`'s version table) lets the "
+        "The `kernel_version` feature (the row of `docs/history.md`'s version table) lets the "
         "model learn from traces of older kernels; the tuner asks it about the current ones.",
         "",
         table(r["heldout_by_kernel_version"]),

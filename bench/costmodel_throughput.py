@@ -264,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed passes per stage (default 5)")
     p.add_argument("--one-row", type=int, default=64, help="rows predicted one call each (default 64)")
     p.add_argument("--workers", type=int, default=2, help="processes of the multi-process row (<= 1: none)")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--label", default="cpu")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.one_row < 1 or args.sample < 0:

@@ -1388,7 +1388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run RMSNorm, RoPE, the K/V writes, SiLU-and-mul and the residual adds as separate torch ops "
         "(default: the fused Triton kernels of bench.model_ops)",
     )
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--label", default="decode_h200")
     p.add_argument(
         "--render",

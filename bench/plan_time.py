@@ -15,7 +15,7 @@ atomically) and prints the markdown table to stdout.
 
 Run from the repository root::
 
-    python -m bench.plan_time [--repeats 200] [--warmup 5] [--out docs/bench] [--label cpu]
+    python -m bench.plan_time [--repeats 200] [--warmup 5] [--out docs/results] [--label cpu]
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=200, help="timed plan() calls per case (default: 200)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed plan() calls before timing (default: 5)")
-    parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="output folder (default: docs/bench)")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"), help="output folder (default: docs/results)")
     parser.add_argument(
         "--label", default="cpu", help="label in the output names plan_time_<label>.json/.md (default: cpu)"
     )
