@@ -249,7 +249,7 @@ def measured_with_overlap(record: dict[str, Any]) -> bool:
     return _commit(record) not in PRE_OVERLAP_COMMITS
 
 
-#: Kernel version (:data:`fasttree.attention.KERNEL_VERSION`: a row of ``docs/bench/NOTES.md``'s
+#: Kernel version (:data:`fasttree.attention.KERNEL_VERSION`: a row of ``docs/history.md``'s
 #: table) of the commits (7-character prefixes) of the shipped traces that predate
 #: ``meta.profiler.kernel_version``: the newest row that moved GPU time and whose commit is an
 #: ancestor of the trace's. Rows that change only the host path (v10) or the planner (v18, v31)

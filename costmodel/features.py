@@ -93,7 +93,7 @@ SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
 #: to 0 for traces measured before (:func:`fasttree.costmodel.dataset.measured_with_overlap`).
 STAGE1_OVERLAP = FEATURE_NAMES.index("stage1_overlap")
 #: Column of the kernels' version (:data:`fasttree.attention.KERNEL_VERSION`, the row of
-#: ``docs/bench/NOTES.md``'s version table): the running kernels' for a plan, the measured ones' for a
+#: ``docs/history.md``'s version table): the running kernels' for a plan, the measured ones' for a
 #: trace (:func:`fasttree.costmodel.dataset.measured_kernel_version`), so one model learns from traces
 #: of every kernel version and predicts the current one.
 KERNEL_VERSION_COLUMN = FEATURE_NAMES.index("kernel_version")
