@@ -1,12 +1,14 @@
 """How well the committed H200 latency model ranks runtime configs on decode-serving trees (CPU).
 
-    TRITON_INTERPRET=1 python -m bench.costmodel_decode_check    # writes docs/bench/costmodel_decode_check.md
+    TRITON_INTERPRET=1 python -m bench.costmodel_decode_check    # writes docs/results/costmodel_decode_check.md
 
-Input: the H200 decode config sweeps (``docs/bench/h200/decode_config_sweep*_f18595e.json``,
-made by ``bench.decode_config_sweep`` ``--grid one`` and ``--grid combos``): per (model, scenario),
+Input: the H200 decode config sweeps (``traces/decode_sweeps/decode_config_sweep*_f18595e.json``,
+made at f18595e by a one-off GPU sweep script, ``bench/decode_config_sweep.py`` at the git tag
+``lab-archive``, with ``--grid one`` and ``--grid combos``): per (model, scenario),
 configs (the export's tuned one and variations of it) timed by CUDA-graph replay of
 ``TreeAttentionRuntime.forward`` on three ``iter_serving(scenario, seed=0, steps=40)``
-trees (steps 10, 25 and 39). The configs are rebuilt here with the sweeps' own code and
+trees (steps 10, 25 and 39). The configs are rebuilt here with the sweeps' own code
+(:func:`variants_one_at_a_time`, :func:`variants_combinations`) and
 matched to the rows by position (their names are checked too).
 
 Each (tree, config) is planned as the runtime plans it (a ``TreeAttentionRuntime`` on the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -33,13 +36,13 @@ import numpy as np
 import torch
 from scipy.stats import kendalltau
 
-from bench.common import write_atomic
-from bench.decode_config_sweep import variants_combinations, variants_one_at_a_time
+from fasttree.config import FastTreeConfig
 from fasttree.costmodel.evaluate import SimulatorBaseline
 from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plans, mark_runtime, published_cost
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
+from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.runtime_planning import launch_view, resolve_stage1_launches
 from fasttree.toolkit.workloads import iter_serving
@@ -51,13 +54,13 @@ MODELS = {"llama": (32, 32), "mistral": (32, 8)}
 HEAD_DIM = 128
 STEPS = (10, 25, 39)
 SWEEPS = {
-    "docs/bench/h200/decode_config_sweep_f18595e.json": "sweep1",
-    "docs/bench/h200/decode_config_sweep2_f18595e.json": "sweep2",
+    "traces/decode_sweeps/decode_config_sweep_f18595e.json": "sweep1",
+    "traces/decode_sweeps/decode_config_sweep2_f18595e.json": "sweep2",
 }
 #: Config pairs whose measured sums differ by more than this (relative) count in ``pairs_ok``.
 PAIR_GAP = 0.02
 PREDICTORS = ("learned", "learned (as tree_attention)", "simulator", "published cost")
-#: The kernel version the sweeps timed (``docs/bench/NOTES.md``: f18595e runs the kernels of v14,
+#: The kernel version the sweeps timed (``docs/history.md``: f18595e runs the kernels of v14,
 #: the newest row before it that moved the per-plan kernels' GPU time; v15 and v16 changed the
 #: runtime's item claims and the host path). The learned model is asked about those kernels, not
 #: today's, so its ranks compare with what the sweeps measured.
@@ -65,6 +68,46 @@ SWEEP_KERNEL_VERSION = 14
 #: ``FastTreeConfig()`` as the sweeps ran it (f18595e): explicit warps and stages; since v23/v25 the
 #: defaults pick them per head ratio (``None``), so the ``default`` row is rebuilt with these.
 SWEEP_DEFAULT_CONFIG = {"num_warps": (4, 4), "num_stages": (3, 3)}
+
+
+def variants_one_at_a_time(base: FastTreeConfig, model: str) -> list[tuple[str, FastTreeConfig]]:
+    """One-at-a-time variations of ``base`` (the first sweep, ``--grid one``), ``base`` first."""
+    r = dataclasses.replace
+    v = [("tuned", base), ("default", FastTreeConfig())]
+    for s in [(512, 64), (2048, 64), (1024, 128), (1024, 32), (512, 128), (4096, 128)]:
+        v.append((f"split{s}", r(base, kv_split_sizes=s)))
+    for p in [0, 256, 1024, 2048]:
+        v.append((f"pack{p}", r(base, pack_tokens=p)))
+    for m in [132, 528, 1056]:
+        v.append((f"packmin{m}", r(base, pack_min_units=m)))
+    for t in [(64, 32), (128, 64), (64, 128), (32, 32)]:
+        v.append((f"kvtile{t}", r(base, kv_tile=t)))
+    for w in [(4, 2), (8, 4), (4, 8)]:
+        v.append((f"warps{w}", r(base, num_warps=w)))
+    for s in [(3, 3), (2, 2), (4, 4), (3, 2)]:
+        v.append((f"stages{s}", r(base, num_stages=s)))
+    for g in [-10.0, 10.0, 0.5]:
+        v.append((f"gamma{g}", r(base, gamma=g)))
+    v.append(("thresh_small", r(base, para_threshs1=(528, 1056))))
+    v.append(("thresh_big", r(base, para_threshs1=(66, 264))))
+    return v
+
+
+def variants_combinations(base: FastTreeConfig, model: str) -> list[tuple[str, FastTreeConfig]]:
+    """Combinations around the first sweep's winners for ``model`` (the second sweep, ``--grid combos``),
+    ``base`` first."""
+    r = dataclasses.replace
+    v = [("tuned", base)]
+    if model == "llama":
+        splits = [(1024, 64), (512, 128), (512, 64), (256, 128), (768, 128), (384, 128)]
+        for w, s, p in itertools.product([(4, 4), (4, 2)], splits, [512, 256, 768]):
+            v.append((f"w{w}s{s}p{p}", r(base, num_warps=w, kv_split_sizes=s, pack_tokens=p)))
+    else:
+        splits = [(1024, 128), (512, 128), (256, 128), (384, 128), (768, 128), (512, 64)]
+        grid = itertools.product(splits, [(64, 64), (64, 128)], [base.gamma, -10.0], [base.para_threshs1, (66, 264)])
+        for s, t, g, th in grid:
+            v.append((f"s{s}t{t}g{g}th{th}", r(base, kv_split_sizes=s, kv_tile=t, gamma=g, para_threshs1=th)))
+    return v
 
 
 VARIANTS = {"sweep1": variants_one_at_a_time, "sweep2": variants_combinations}
@@ -306,8 +349,8 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         "Measured: configs of the runtime (the export's tuned config for the shape, `docs/tune/export.json`, and "
         "variations of it) timed on the H200 by CUDA-graph replay of `TreeAttentionRuntime.forward` (median), "
         "on the trees of steps 10, 25 and 39 of `iter_serving(scenario, seed=0, steps=40)`; Llama 32/32 and "
-        "Mistral 32/8 heads, head dim 128, fp16, at f18595e (`bench.decode_config_sweep`, `--grid one` and "
-        "`--grid combos`).",
+        "Mistral 32/8 heads, head dim 128, fp16, at f18595e (the one-off sweep script `bench/decode_config_sweep.py` "
+        "at the tag `lab-archive`, `--grid one` and `--grid combos`).",
         f"Predicted: `models/h200_latency_model.skops` ({meta['model_params']['kind']}, fitted on "
         f"{meta['trace_set']['rows']} measurements of `{' '.join(meta['trace_set']['paths'])}`) for the plan the "
         "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included; the "
@@ -329,11 +372,12 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         *findings(groups, noise),
         "",
         "Caveat: most of the model's traces time the per-plan `fasttree.tree_attention` kernels "
-        "(`fasttree/profiler.py` `measure_point`: a grid of one program per unit and KV head per tile class, then "
-        "the merge); its runtime traces (`fasttree-tune profile --runtime`: SM-sized persistent grids, one stage-1 "
-        "launch for both tile classes with the large class's warps and stages unless MHA at D <= 128) time the "
-        "v30 kernels (9a6a950), not the v14 ones of these sweeps (f18595e). Configs of the GQA shape that change "
-        "only the small class's warps or stages (the runtime's fused launch ignores them), measured / predicted "
+        "(`fasttree/toolkit/profiler.py` `measure_point`: a grid of one program per unit and KV head per tile "
+        "class, then the merge); its runtime traces (`fasttree-tune profile --runtime`: SM-sized persistent "
+        "grids, one stage-1 launch for both tile classes with the large class's warps and stages unless MHA at D "
+        "<= 128) time the v30 kernels (9a6a950), not the v14 ones of these sweeps (f18595e). Configs of the GQA "
+        "shape that change only the small class's warps or stages (the runtime's fused launch ignores them), "
+        "measured / predicted "
         f"time relative to tuned: {small_class_only(groups) or 'none'}.",
         "",
     ]
@@ -356,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=Path("models/h200_latency_model.skops"))
     p.add_argument("--export", type=Path, default=Path("docs/tune/export.json"))
-    p.add_argument("--out", type=Path, default=Path("docs/bench/costmodel_decode_check.md"))
+    p.add_argument("--out", type=Path, default=Path("docs/results/costmodel_decode_check.md"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if os.environ.get("TRITON_INTERPRET") != "1":

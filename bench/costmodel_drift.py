@@ -29,12 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import environment, write_atomic
 from fasttree.costmodel.dataset import Dataset, load_dataset
 from fasttree.costmodel.evaluate import prediction_metrics
 from fasttree.costmodel.features import KERNEL_VERSION_COLUMN
 from fasttree.costmodel.metrics import evaluation_table, regression_metrics
 from fasttree.costmodel.model import LatencyModel
+from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import environment
 
 log = logging.getLogger("bench.costmodel_drift")
 

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import environment, write_atomic
 from fasttree.costmodel.dataset import load_dataset
 from fasttree.costmodel.model import LatencyModel
+from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import environment
 
 BUDGET_S = 120.0
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=20_000)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--label", default="cpu")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

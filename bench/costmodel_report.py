@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_atomic
 from fasttree.costmodel.dataset import Dataset, load_dataset
 from fasttree.costmodel.evaluate import (
     SimulatorBaseline,
@@ -35,6 +34,7 @@ from fasttree.costmodel.features import FEATURE_NAMES, KERNEL_VERSION_COLUMN, RU
 from fasttree.costmodel.metrics import evaluation_table, regression_metrics
 from fasttree.costmodel.model import KINDS, LatencyModel
 from fasttree.costmodel.persist import save_model
+from fasttree.fileio import write_atomic
 
 log = logging.getLogger("bench.costmodel_report")
 
@@ -260,7 +260,7 @@ def markdown(r: dict, args) -> str:
         "",
         "### By the kernel version the held-out traces timed",
         "",
-        "The `kernel_version` feature (the row of `docs/bench/NOTES.md`'s version table) lets the "
+        "The `kernel_version` feature (the row of `docs/history.md`'s version table) lets the "
         "model learn from traces of older kernels; the tuner asks it about the current ones.",
         "",
         table(r["heldout_by_kernel_version"]),

@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import environment, write_atomic
 from fasttree.config import FastTreeConfig
 from fasttree.costmodel.features import features_of_plan, features_of_plans, features_of_work
 from fasttree.costmodel.gpu import GpuSpec, gpu_spec
@@ -53,6 +52,8 @@ from fasttree.costmodel.persist import load_model
 from fasttree.costmodel.predict import PlanJob, PredictPool, elem_bytes_of, plan_job, predict_jobs
 from fasttree.costmodel.simulator import SimParams, simulate
 from fasttree.costmodel.work import plan_work
+from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import environment
 from fasttree.traces import decode_tree, read_traces
 
 log = logging.getLogger("bench.costmodel_throughput")
@@ -263,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed passes per stage (default 5)")
     p.add_argument("--one-row", type=int, default=64, help="rows predicted one call each (default 64)")
     p.add_argument("--workers", type=int, default=2, help="processes of the multi-process row (<= 1: none)")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--label", default="cpu")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.one_row < 1 or args.sample < 0:

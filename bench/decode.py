@@ -100,10 +100,11 @@ from torch.nn import functional
 
 import fasttree as ft
 from bench import model_ops
-from bench.common import DTYPES, HBM_BYTES_PER_S, TOL, environment, write_atomic
 from fasttree.config import FastTreeConfig
+from fasttree.fileio import write_atomic
 from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
+from fasttree.toolkit.bench_common import DTYPES, HBM_BYTES_PER_S, TOL, environment
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.decode")
@@ -1387,7 +1388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run RMSNorm, RoPE, the K/V writes, SiLU-and-mul and the residual adds as separate torch ops "
         "(default: the fused Triton kernels of bench.model_ops)",
     )
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--label", default="decode_h200")
     p.add_argument(
         "--render",

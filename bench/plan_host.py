@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 import fasttree
-from bench.common import environment, write_atomic
+from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
+from fasttree.toolkit.bench_common import environment
 from fasttree.toolkit.workloads import iter_serving
 
 SCENARIOS = ("few_shot", "chain_reasoning", "multi_document_qa", "multi_level_system_prompts")

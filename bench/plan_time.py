@@ -15,7 +15,7 @@ atomically) and prints the markdown table to stdout.
 
 Run from the repository root::
 
-    python -m bench.plan_time [--repeats 200] [--warmup 5] [--out docs/bench] [--label cpu]
+    python -m bench.plan_time [--repeats 200] [--warmup 5] [--out docs/results] [--label cpu]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 import fasttree
-from bench.common import anchor_rows, environment, write_atomic
+from fasttree.fileio import write_atomic
+from fasttree.toolkit.bench_common import anchor_rows, environment
 from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
 log = logging.getLogger("bench.plan_time")
@@ -39,7 +40,7 @@ log = logging.getLogger("bench.plan_time")
 HEAD_DIM = 128
 
 #: Published FastTree planner time (ms) per (case, heads) from the project's anchors file
-#: (bench/anchors_h200_paper_suite.json): measured on an H200 host, 2026-11-29, published
+#: (``fasttree/toolkit/data/anchors_h200_paper_suite.json``): measured on an H200 host, 2026-11-29, published
 #: planner incl. index upload, while ``plan_ms`` here is host planning only.
 PUBLISHED_PLAN_MS: dict[int, dict[str, float]] = {}
 for (_case, _heads), _row in anchor_rows().items():
@@ -155,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=200, help="timed plan() calls per case (default: 200)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed plan() calls before timing (default: 5)")
-    parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="output folder (default: docs/bench)")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"), help="output folder (default: docs/results)")
     parser.add_argument(
         "--label", default="cpu", help="label in the output names plan_time_<label>.json/.md (default: cpu)"
     )

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 import fasttree as ft
-from bench.common import environment
 from bench.decode import MODELS
 from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
+from fasttree.toolkit.bench_common import environment
 from fasttree.toolkit.refine import RuntimeBench, Timer, coordinate_search, parse_fields, search_provenance
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 

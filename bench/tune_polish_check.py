@@ -16,10 +16,10 @@ import logging
 import time
 from pathlib import Path
 
-from bench.common import write_atomic
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
+from fasttree.fileio import write_atomic
 from fasttree.traces import read_traces
 from fasttree.tuner import LatencyObjective, balance_workloads, polish_config, steps_by_bucket, thin_steps
 

@@ -6,7 +6,7 @@ per-call overhead many times per plan; this module builds them for a whole batch
 (:func:`~fasttree.costmodel.features.features_of_plans`) and predicts them with one
 call of the model. With planning included (:func:`predict_jobs`), the planner
 dominates (0.6-0.8 ms per plan of a 150-node workload tree on one core,
-``docs/bench/costmodel_throughput_cpu.md``), so jobs can also be spread over worker
+``docs/results/costmodel_throughput_cpu.md``), so jobs can also be spread over worker
 processes (:class:`PredictPool`).
 """
 

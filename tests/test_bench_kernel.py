@@ -1,4 +1,6 @@
-"""bench.kernel's host side on the CPU: argument parsing (the tuned export) and the summary."""
+"""The kernel benchmark's host side on the CPU (:mod:`fasttree.toolkit.kernel_bench`, run as
+``python -m bench.kernel`` or ``fasttree-tune bench``): argument parsing (the tuned export), the
+anchors it ships and the summary."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ import math
 
 import pytest
 
-from bench import kernel
 from fasttree.export import ConfigExport
+from fasttree.toolkit import kernel_bench as kernel
 
 
 def _row(case, published, ours, tuned=None, runtime=None, floor=30.0):
@@ -28,6 +30,31 @@ def test_parse_args_reads_the_export_or_drops_the_tuned_variant():
     assert "tuned" in args.variants and "runtime" in args.variants
     args = kernel.parse_args(["--export", "none"])
     assert args.export is None and args.export_path is None and "tuned" not in args.variants
+
+
+def test_bench_kernel_is_the_packaged_benchmark():
+    from bench import kernel as entry
+
+    assert entry.main is kernel.main
+
+
+def test_outside_a_checkout_the_tuned_variant_is_skipped(tmp_path, monkeypatch):
+    """No docs/tune/export.json in the working folder (an installed package): no error, no tuned variant;
+    an explicit --export still must exist."""
+    monkeypatch.chdir(tmp_path)
+    args = kernel.parse_args([])
+    assert args.export is None and args.export_path is None and args.export_missing
+    assert "tuned" not in args.variants and "runtime" in args.variants
+    with pytest.raises(SystemExit):
+        kernel.parse_args(["--export", kernel.DEFAULT_EXPORT])
+
+
+def test_the_anchors_are_package_data():
+    from fasttree.toolkit.bench_common import ANCHORS_PATH, anchor_rows
+
+    assert ANCHORS_PATH.is_file() and "fasttree" in ANCHORS_PATH.parts
+    rows = anchor_rows()
+    assert len(rows) == 45 and rows[(1, "mha")]["published_fasttree_graph_us"] > 0
 
 
 def test_a_missing_or_bad_export_is_a_usage_error(tmp_path, capsys):

@@ -16,7 +16,7 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
 * ``run`` -- the main job: shipped model and workloads in, tuned export and report out.
 * ``validate`` -- on a GPU: measured speedup of an export over the defaults on workloads.
 * ``refine`` -- on a GPU: a coordinate search from an export's configs, timed on workloads.
-* ``bench`` -- the kernel benchmark (``bench.kernel``, from a source checkout).
+* ``bench`` -- on a GPU: the kernel benchmark on the paper suite (:mod:`fasttree.toolkit.kernel_bench`).
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
 the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming

@@ -218,14 +218,16 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
 
     b = sub.add_parser(
         "bench",
-        help="the kernel benchmark on the paper suite (a GPU and a source checkout)",
-        description="Run 'python -m bench.kernel' (the paper suite: our kernel vs the published FastTree "
-        "times, query-separated attention, SDPA, the ablations and the roofline floor; JSON, markdown and "
-        "a plot under --out) with the arguments that follow, e.g. 'fasttree-tune bench -- --heads gqa4 "
-        "--out /tmp/b'. The benchmark lives in the repository's bench/ folder, so run it from a checkout.",
+        help="the kernel benchmark on the paper suite (needs a GPU)",
+        description="Run the kernel benchmark (fasttree.toolkit.kernel_bench; 'python -m bench.kernel' in a "
+        "source checkout: the paper suite, our kernel vs the published FastTree times, query-separated "
+        "attention, SDPA, the ablations and the roofline floor; JSON, markdown and a plot under --out, "
+        "default docs/results) with the arguments that follow, e.g. 'fasttree-tune bench -- --heads gqa4 "
+        "--out /tmp/b'. Its 'tuned' variant reads docs/tune/export.json from the working folder when "
+        "there is one (or --export PATH).",
         parents=[*common],
     )
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of bench.kernel")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of the benchmark")
     b.set_defaults(func=_cmd_bench, subparser=b)
 
 
@@ -648,13 +650,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import sys
+    from ..toolkit.kernel_bench import main as bench_main
 
-    if Path("bench", "kernel.py").is_file() and "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # a console script does not see the current folder
-    try:
-        from bench.kernel import main as bench_main
-    except ImportError as exc:
-        args.subparser.error(f"the benchmark needs a source checkout (run from the repository root): {exc}")
     rest = list(args.bench_args)
-    return bench_main(rest[1:] if rest[:1] == ["--"] else rest)
+    return bench_main(rest[1:] if rest[:1] == ["--"] else rest, prog="fasttree-tune bench --")

@@ -3,7 +3,7 @@
 The tuner (:mod:`fasttree.tuner`) picks each bucket's config against the learned latency
 model, on a CPU. Where the model ranks configs wrongly, the export it writes is not the
 fastest config on the GPU (on the serving scenarios' trees the H200's best measured configs
-took 0.70-0.95x the tuned ones' time; ``docs/bench/costmodel_decode_check.md``). This
+took 0.70-0.95x the tuned ones' time; ``docs/results/costmodel_decode_check.md``). This
 module closes that gap on the GPU machine, without Optuna or a model: for one bucket it
 starts from the export's config and runs a coordinate search over the config fields
 (:data:`COORDINATES`), timing :class:`fasttree.runtime.TreeAttentionRuntime` -- the serving
@@ -56,7 +56,7 @@ COORDINATES: dict[str | tuple[str, int], tuple[Any, ...]] = {
     ("num_stages", 0): (2, 3, 4, 5),  # 64-row tiles: a second K/V buffer from 5 stages (82 -> 115 KB)
     # 16-row tiles pipeline their gathered K/V through shared memory only from 5 stages on
     # (Triton 3.6 on sm_90 gives the indirect loads one buffer at 2-4 stages, two at 5-6, three at 7-8): on the
-    # H200's Llama serving trees 6 stages took 4-8% off stage 1 (bench/device/small_tile_variants.py)
+    # H200's Llama serving trees 6 stages took 4-8% off stage 1 (docs/history.md)
     ("num_stages", 1): (2, 3, 4, 5, 6, 8),
     ("kv_tile", 0): (32, 64, 128),
     ("kv_tile", 1): (32, 64, 128),

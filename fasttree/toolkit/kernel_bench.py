@@ -1,0 +1,458 @@
+"""Kernel benchmark of tree attention on the FastTree paper suite (needs a CUDA GPU).
+
+For every case (15 trees x heads 32/32, 32/8, 16/1 by default; head_dim 128, fp16),
+measured in one run on random N(0, 1) inputs:
+
+* host planning time (median) and plan upload time;
+* each variant's GPU time by CUDA-graph replay (20 calls per graph, median / 20) and its
+  eager time (``do_bench`` median; for ``fasttree`` also 20 eager calls back to back, timed
+  like the replay): ``fasttree`` (default config), the ablations
+  ``no_greedy`` (gamma = -10), ``query_centric`` (gamma = 10, split 81920) and
+  ``no_split`` (no long-context split), ``query_separated`` (FlashDecoding-style split-KV
+  per query), ``sdpa`` (torch SDPA over per-query duplicated KV; skipped when the
+  duplicated KV would not fit), ``tuned`` (the ``--export`` entry for this GPU and head
+  shape; skipped when the export has none) and ``runtime`` (the serving path:
+  :class:`fasttree.runtime.TreeAttentionRuntime` with the default config, the case's tree
+  planned and uploaded, its fixed launches replayed);
+* every variant's worst per-query relative error against the float64 reference on a
+  sample of queries (outputs poisoned with NaN first);
+* the roofline floor ``max(min_bytes / 4.8 TB/s, flops / 700 TFLOP/s)`` as the anchors
+  file defines it, and the published FastTree kernel's times from that file.
+
+Writes ``kernel_<label>.json`` (with environment metadata), ``kernel_<label>.md`` and
+``kernel_<label>.png`` under ``--out`` (default ``docs/results``, ``kernel_h200.*``). The
+``tuned`` variant reads ``--export`` (default ``docs/tune/export.json`` in the working folder, as a
+source checkout has it; without that file the variant is skipped). Run as
+``fasttree-tune bench -- ARGS``, or from the repository root::
+
+    python -m bench.kernel --suite paper [--heads mha,gqa4,gqa16] [--cases 1-15] [--out docs/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fasttree as ft
+
+from ..export import read_export
+from ..fileio import write_atomic
+from ..runtime import TreeAttentionRuntime
+from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
+from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
+from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us
+
+log = logging.getLogger("fasttree.toolkit.kernel_bench")
+
+#: The tuner's export the ``tuned`` variant reads by default, relative to the working folder.
+DEFAULT_EXPORT = "docs/tune/export.json"
+
+SDPA_MAX_BYTES = 40e9
+VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
+
+
+def roofline_floor_us(tree: ft.KVTree, hq: int, hkv: int, d: int, elem_bytes: int = 2) -> dict[str, float]:
+    """The anchors' floor: unique KV read once, q read and o written once; 4 flops per
+    (query, context token, q head, dim)."""
+    min_bytes = tree.num_tokens * hkv * d * 2 * elem_bytes + tree.n_queries * hq * d * elem_bytes * 2
+    flops = 4 * float(tree.path_lengths[tree.query_nodes].sum()) * hq * d
+    bw = min_bytes / HBM_BYTES_PER_S * 1e6
+    tc = flops / TENSOR_FLOPS * 1e6
+    return {"floor_us": max(bw, tc), "floor_bandwidth_us": bw, "floor_tensor_core_us": tc, "min_bytes": min_bytes}
+
+
+def variant_configs(base: ft.FastTreeConfig) -> dict[str, ft.FastTreeConfig]:
+    huge = 1 << 30
+    return {
+        "fasttree": base,
+        "no_greedy": base.with_(gamma=-10.0),
+        "query_centric": base.with_(gamma=10.0, kv_split_sizes=(81920, 81920)),
+        "no_split": base.with_(kv_split_sizes=(huge, huge)),
+    }
+
+
+def sdpa_runner(q, k, v, tree: ft.KVTree) -> Callable[[], torch.Tensor] | None:
+    """SDPA over each query's context gathered into its own KV (padded and masked when ragged)."""
+    indptr, slots = tree.query_slots()
+    lens = np.diff(indptr)
+    nq, hq, d = q.shape
+    hkv = k.shape[1]
+    lmax = int(lens.max())
+    if 2 * nq * lmax * hkv * d * q.element_size() > SDPA_MAX_BYTES:
+        return None
+    idx = np.zeros((nq, lmax), dtype=np.int64)
+    valid = np.arange(lmax)[None, :] < lens[:, None]
+    idx[valid] = slots
+    idx_t = torch.from_numpy(idx).to(q.device)
+    kd = k[idx_t].permute(0, 2, 1, 3).contiguous()  # [nq, Hkv, Lmax, D]
+    vd = v[idx_t].permute(0, 2, 1, 3).contiguous()
+    qd = q.unsqueeze(2)  # [nq, Hq, 1, D]
+    mask = None if bool(valid.all()) else torch.from_numpy(valid).to(q.device)[:, None, None, :]
+    gqa = hq != hkv
+
+    def call() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=gqa).squeeze(2)
+
+    return call
+
+
+def worst_rel_error(out: torch.Tensor, ref: torch.Tensor, rows: np.ndarray) -> float:
+    """Worst per-query relative error of ``out[rows]`` against the float64 ``ref``."""
+    return ft.max_relative_error(out[torch.as_tensor(rows, device=out.device)], ref)
+
+
+def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -> dict[str, Any]:
+    hq, hkv = PAPER_HEADS[heads]
+    d, dtype = args.head_dim, DTYPES[args.dtype]
+    tree = paper_tree(case)
+    gen = torch.Generator(device="cuda").manual_seed(1000 * case + hq + hkv)
+    pool = tree.max_slot + 1
+    q = torch.randn(tree.n_queries, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    rows = np.sort(np.random.default_rng(case).choice(tree.n_queries, min(tree.n_queries, 64), replace=False))
+    ref = ft.reference_attention(q, k, v, tree, queries=rows)
+    row: dict[str, Any] = {
+        "case": case,
+        "heads": heads,
+        "num_q_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": d,
+        "dtype": args.dtype,
+        "n_queries": tree.n_queries,
+        "unique_kv_tokens": tree.num_tokens,
+        **roofline_floor_us(tree, hq, hkv, d, q.element_size()),
+    }
+    anchor = anchors.get((case, heads))
+    if anchor and d == 128 and dtype == torch.float16:
+        row["published_graph_us"] = anchor["published_fasttree_graph_us"]
+        row["published_eager_us"] = anchor["published_fasttree_eager_us"]
+        row["published_plan_ms"] = anchor["published_fasttree_plan_ms"]
+        row["anchor_sdpa_us"] = anchor["sdpa_duplicated_kv_us"]
+
+    # planning and upload of the default plan
+    base = ft.FastTreeConfig()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        plan = ft.plan(tree, base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        times.append(time.perf_counter() - t0)
+    row["plan_ms"] = float(np.median(times)) * 1e3
+    up = []
+    for _ in range(10):  # the one host-to-device copy plan.to makes on a plan's first upload
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ft.DevicePlan.upload(plan, "cuda")
+        torch.cuda.synchronize()
+        up.append(time.perf_counter() - t0)
+    row["upload_us"] = float(np.median(up)) * 1e6
+    row["plan"] = plan.stats()
+
+    runners: dict[str, Callable[[], torch.Tensor] | None] = {}
+    outs: dict[str, torch.Tensor] = {}
+    for name, cfg in variant_configs(base).items():
+        if name not in args.variants:
+            continue
+        p = plan if name == "fasttree" else ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        outs[name] = torch.empty_like(q)
+        runners[name] = lambda p=p, o=outs[name]: ft.tree_attention(q, k, v, p, out=o)
+        row.setdefault("variant_plans", {})[name] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
+    if "query_separated" in args.variants:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        p = ft.plan_query_separated(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_sms=sms)
+        outs["query_separated"] = torch.empty_like(q)
+        runners["query_separated"] = lambda p=p, o=outs["query_separated"]: ft.tree_attention(q, k, v, p, out=o)
+    if "sdpa" in args.variants:
+        runners["sdpa"] = sdpa_runner(q, k, v, tree)
+    if "tuned" in args.variants:
+        tuned, entry = (None, None) if args.export is None else args.export.lookup(
+            gpu=torch.cuda.get_device_name(0), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype
+        )  # fmt: skip
+        if entry is None:
+            runners["tuned"] = None
+        else:
+            p = ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+            outs["tuned"] = torch.empty_like(q)
+            runners["tuned"] = lambda p=p, o=outs["tuned"]: ft.tree_attention(q, k, v, p, out=o)
+            row.setdefault("variant_plans", {})["tuned"] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
+    if "runtime" in args.variants:
+        rt = TreeAttentionRuntime(
+            base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+            max_queries=tree.n_queries, max_kv_entries=2 * plan.kv_indices.size + 4096, max_units=2 * plan.n_units + 64,
+            max_partial_rows=2 * plan.n_partial_rows + 64, max_pairs=2 * plan.pair_query.size + 64, pool_slots=pool,
+        )  # fmt: skip
+        rt.plan(tree)
+        outs["runtime"] = torch.empty_like(q)
+        runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
+
+    results: dict[str, Any] = {}
+    for name, fn in runners.items():
+        if fn is None:
+            why = "no export entry" if name == "tuned" else "duplicated KV would not fit"
+            results[name] = {"skipped": why}
+            continue
+        if name in outs:
+            outs[name].fill_(float("nan"))
+            fn()
+            out = outs[name]
+        else:
+            out = fn()
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(out).all())
+        err = worst_rel_error(out, ref, rows) if finite else float("nan")
+        g = graph_time_us(fn)
+        e = eager_time_us(fn, rep_ms=50)
+        results[name] = {
+            "graph_us": g["median"],
+            "graph_p20_us": g["p20"],
+            "graph_p80_us": g["p80"],
+            "eager_us": e,
+            "max_rel_err": err,
+            "correct": finite and err <= TOL[dtype],
+        }
+        if name == "fasttree":  # our default call: also eagerly back to back, as the graph runs it, and
+            # one graph replay at a time with L2 cleared, as do_bench times the eager call
+            results[name]["eager_loop_us"] = eager_loop_time_us(fn)["median"]
+            results[name]["graph_cold_us"] = graph_cold_time_us(fn, rep_ms=50)
+    row["variants"] = results
+    ours = results.get("fasttree", {})
+    if "graph_us" in ours:
+        row["floor_over_ours"] = row["floor_us"] / ours["graph_us"]
+        if "published_graph_us" in row:
+            row["speedup_vs_published"] = row["published_graph_us"] / ours["graph_us"]
+    for name in ("tuned", "runtime"):
+        t = results.get(name, {}).get("graph_us")
+        if t is not None and "published_graph_us" in row:
+            row[f"speedup_vs_published_{name}"] = row["published_graph_us"] / t
+    runners.clear()
+    outs.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _eager_gaps(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """Our default call's eager time ``key`` minus its graph time, over the rows that have both (us)."""
+    out = []
+    for r in rows:
+        ours = r["variants"].get("fasttree", {})
+        if key in ours and "graph_us" in ours:
+            out.append(ours[key] - ours["graph_us"])
+    return out
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    s: dict[str, Any] = {"n_cases": len(rows)}
+    sp = [r["speedup_vs_published"] for r in rows if "speedup_vs_published" in r]
+    if sp:
+        worst = min(rows, key=lambda r: r.get("speedup_vs_published", math.inf))
+        s["geomean_speedup_vs_published"] = geomean(sp)
+        s["min_speedup_vs_published"] = min(sp)
+        s["min_speedup_case"] = f"{worst['case']}/{worst['heads']}"
+        s["cases_slower_than_published"] = sum(x < 1 for x in sp)
+    for name in ("tuned", "runtime"):
+        sp_v = [r[f"speedup_vs_published_{name}"] for r in rows if f"speedup_vs_published_{name}" in r]
+        if sp_v:
+            s[f"geomean_speedup_vs_published_{name}"] = geomean(sp_v)
+            s[f"min_speedup_vs_published_{name}"] = min(sp_v)
+            s[f"n_cases_{name}"] = len(sp_v)
+    big = [r["floor_over_ours"] for r in rows if r["floor_us"] >= 20 and "floor_over_ours" in r]
+    s["n_floor_ge_20us"] = len(big)
+    s["geomean_floor_over_ours_floor_ge_20us"] = geomean(big) if big else None
+    gaps = _eager_gaps(rows, "eager_us")
+    s["max_eager_minus_graph_us"] = max(gaps) if gaps else None
+    cold = [
+        ours["eager_us"] - ours["graph_cold_us"]
+        for ours in (r["variants"].get("fasttree", {}) for r in rows)
+        if "eager_us" in ours and "graph_cold_us" in ours
+    ]
+    if cold:
+        s["max_eager_minus_graph_cold_us"] = max(cold)
+        s["median_eager_minus_graph_cold_us"] = float(np.median(cold))
+    loop_gaps = _eager_gaps(rows, "eager_loop_us")
+    if loop_gaps:
+        s["max_eager_loop_minus_graph_us"] = max(loop_gaps)
+        s["median_eager_loop_minus_graph_us"] = float(np.median(loop_gaps))
+    s["all_correct"] = all(v.get("correct", True) for r in rows for v in r["variants"].values())
+    losses = []
+    for r in rows:
+        ours = r["variants"].get("fasttree", {}).get("graph_us")
+        for other in ("query_separated", "sdpa"):
+            t = r["variants"].get(other, {}).get("graph_us")
+            if ours is not None and t is not None and t < ours:
+                losses.append(f"{r['case']}/{r['heads']} vs {other}: {ours:.1f} > {t:.1f} us")
+    s["losses_to_baselines"] = losses
+    return s
+
+
+def _f(x, fmt=".1f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def markdown(rows, summary, env, label) -> str:
+    names = [n for n in VARIANTS if any(n in r["variants"] for r in rows)]
+    head = (
+        "| case | heads | floor us | published us | "
+        + " | ".join(names)
+        + " | eager | graph cold | eager loop | speedup | floor/ours |"
+    )
+    lines = [
+        f"# Tree-attention kernel benchmark ({label})",
+        "",
+        f"{env.get('gpu_name')} ({env.get('gpu_sm_count')} SMs), torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"commit {(env.get('git_commit') or 'unknown')[:12]}, {env['timestamp_utc']}. "
+        "GPU time in us by CUDA-graph replay (20 calls per graph, median / 20); eager = do_bench median "
+        "of our default call (one call at a time, L2 cleared before each); graph cold = the same call replayed "
+        "from a CUDA graph, timed as eager is (one at a time, L2 cleared); eager loop = 20 of our default calls "
+        "issued back to back without a graph, timed like the replay (median / 20). `x` marks a wrong result.",
+        "",
+        head,
+        "|" + "---:|" * (len(names) + 9),
+    ]
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["variants"].get(n, {})
+            cells.append("skip" if "skipped" in v else _f(v.get("graph_us")) + ("" if v.get("correct", True) else " x"))
+        ours = r["variants"].get("fasttree", {})
+        lines.append(
+            f"| {r['case']} | {r['heads']} | {_f(r['floor_us'])} | {_f(r.get('published_graph_us'))} | "
+            + " | ".join(cells)
+            + f" | {_f(ours.get('eager_us'))} | {_f(ours.get('graph_cold_us'))} | {_f(ours.get('eager_loop_us'))}"
+            + f" | {_f(r.get('speedup_vs_published'), '.2f')}"
+            + f" | {_f(r.get('floor_over_ours'), '.2f')} |"
+        )
+    lines += ["", "Summary:", ""]
+    lines += [f"- {k}: {v}" for k, v in summary.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib missing: no plot")
+        return False
+    names = [n for n in VARIANTS if any("graph_us" in r["variants"].get(n, {}) for r in rows)]
+    labels = [f"{r['case']}/{r['heads']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.35), 5))
+    series = {"published": [r.get("published_graph_us", np.nan) / r["floor_us"] for r in rows]}
+    for n in names:
+        series[n] = [r["variants"].get(n, {}).get("graph_us", np.nan) / r["floor_us"] for r in rows]
+    for n, y in series.items():
+        ax.plot(x, y, marker="o", ms=3, lw=1, label=n)
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, labels, rotation=90, fontsize=7)
+    ax.set_ylabel("GPU time / roofline floor")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=["paper"], default="paper", help="benchmark suite (default: paper)")
+    p.add_argument("--heads", default=",".join(PAPER_HEADS), help="head settings, comma separated")
+    p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="variants to run, comma separated")
+    p.add_argument("--out", type=Path, default=Path("docs/results"), help="output folder (default: docs/results)")
+    p.add_argument("--label", default="h200", help="names the outputs kernel_<label>.* (default: h200)")
+    p.add_argument(
+        "--export",
+        default=None,
+        help=f"tuner export for the 'tuned' variant ('none': skip the variant; default: {DEFAULT_EXPORT} when "
+        "the working folder has it, else none)",
+    )
+    args = p.parse_args(argv)
+    cases: list[int] = []
+    for part in args.cases.split(","):
+        lo, _, hi = part.partition("-")
+        cases += list(range(int(lo), int(hi or lo) + 1))
+    args.cases = [c for c in cases if c in PAPER_SUITE]
+    args.heads = [h for h in args.heads.split(",") if h]
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [h for h in args.heads if h not in PAPER_HEADS] + [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown heads/variants: {bad}")
+    args.export_missing = args.export is None and not Path(DEFAULT_EXPORT).is_file()
+    if args.export is None:
+        args.export = "none" if args.export_missing else DEFAULT_EXPORT
+    args.export_path = None if args.export == "none" else str(args.export)
+    if args.export_path is None:
+        args.export = None
+        args.variants = [v for v in args.variants if v != "tuned"]
+    else:
+        try:
+            args.export = read_export(args.export)
+        except (OSError, ValueError) as exc:
+            p.error(f"--export {args.export}: {exc} (run from the repository root, or pass --export none)")
+    return args
+
+
+def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> int:
+    """Run the benchmark (``argv``: its command-line arguments, ``prog``: the command named in its
+    usage), write the reports; 0 when every variant was correct, 1 when one was not, 2 without a GPU."""
+    args = parse_args(argv, prog=prog)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        log.error("the kernel benchmark needs a CUDA GPU")
+        return 2
+    if args.export_missing:
+        log.info("no %s in the working folder: the 'tuned' variant is skipped", DEFAULT_EXPORT)
+    env = environment(gpu=True)
+    anchors = anchor_rows()
+    rows = []
+    for case in args.cases:
+        for heads in args.heads:
+            row = bench_case(case, heads, args, anchors)
+            rows.append(row)
+            v = row["variants"].get("fasttree", {})
+            log.info(
+                "case %2d %-5s ours %.1f us (eager %.1f), published %s, floor %.1f, err %.1e",
+                case,
+                heads,
+                v.get("graph_us", float("nan")),
+                v.get("eager_us", float("nan")),
+                row.get("published_graph_us"),
+                row["floor_us"],
+                v.get("max_rel_err", float("nan")),
+            )
+    summary = summarize(rows)
+    report = {
+        "benchmark": "tree attention kernel, paper suite",
+        "label": args.label,
+        "export": args.export_path,
+        "env": env,
+        "summary": summary,
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / f"kernel_{args.label}.json", json.dumps(report, indent=1) + "\n")
+    md = markdown(rows, summary, env, args.label)
+    write_atomic(args.out / f"kernel_{args.label}.md", md)
+    plot(rows, args.out / f"kernel_{args.label}.png")
+    sys.stdout.write(md)
+    return 0 if summary["all_correct"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
