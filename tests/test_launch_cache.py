@@ -241,7 +241,7 @@ def test_direct_launchers_call_tritons_c_launch_with_what_its_wrapper_adds(monke
     assert args == (3, 2, 1, 99, 7, *head, (4, 1, 0), None, None, None, 11, 12, 13, 14, fixed.data_ptr(), 0.5, 16, 64)
 
 
-def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch):
+def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch, device):
     """A compiled kernel's launcher takes every parameter positionally, constexprs included,
     and knows no defaults: the direct launchers of ``tree_attention`` and of the runtime pass
     exactly one value per parameter of the real kernels (a new constexpr with a default
@@ -258,10 +258,11 @@ def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch):
 
         monkeypatch.setattr(module, "launch", recording)
     gen = torch.Generator().manual_seed(3)
-    plan, q, k, v = setup(gen)
+    plan, *tensors = setup(gen)
+    q, k, v = (t.to(device) for t in tensors)
     ft.tree_attention(q, k, v, plan)
     rt = runtime_module.TreeAttentionRuntime(
-        None, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu", max_queries=32,
+        None, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device=device, max_queries=32,
         max_kv_entries=2048,
     )  # fmt: skip
     rt.plan(_setup_tree())
