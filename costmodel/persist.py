@@ -23,6 +23,7 @@ import numpy as np
 
 import fasttree
 from fasttree.fileio import write_atomic
+from fasttree.validation import check_choice
 
 from .features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
 from .gpu import GpuSpec
@@ -160,10 +161,12 @@ def load_model(
     if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
         raise ModelFileError(f"{path}: not a {MODEL_FORMAT} file")
     version = doc.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+    try:
+        check_choice("format_version", version, READABLE_FORMAT_VERSIONS)
+    except ValueError:
         raise ModelFileError(
             f"{path}: model format version {version!r}, this library reads {list(READABLE_FORMAT_VERSIONS)}"
-        )
+        ) from None
     meta = {k: v for k, v in doc.items() if k not in ("estimator", "estimators")}
     problems = []
     if doc.get("feature_schema_version") != FEATURE_SCHEMA_VERSION or doc.get("feature_names") != list(FEATURE_NAMES):

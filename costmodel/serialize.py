@@ -59,6 +59,8 @@ from sklearn.exceptions import NotFittedError
 from sklearn.tree import DecisionTreeRegressor, ExtraTreeRegressor
 from sklearn.utils.validation import check_is_fitted
 
+from fasttree.validation import is_int, is_number
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -208,7 +210,7 @@ def decode_array(
     dtype = np.dtype(dtype_str)
     if expected_kinds is not None and dtype.kind not in expected_kinds:
         raise ValueError(f"{name}: dtype {dtype_str!r} is of the wrong kind (expected kind in {expected_kinds!r})")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(s) and s >= 0 for s in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(is_int(s) and s >= 0 for s in shape):
         raise ValueError(f"{name}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}")
     shape_t = tuple(int(s) for s in shape)
     if expected_shape is not None and shape_t != tuple(expected_shape):
@@ -356,7 +358,7 @@ def _gbr_to_dict(est: GradientBoostingRegressor) -> dict[str, Any]:
             raise ValueError(f"GradientBoostingRegressor: init_.constant_ has shape {constant.shape}, expected (1, 1)")
         init = {"type": "DummyRegressor", "params": _jsonable_params(est.init_), "constant": encode_array(constant)}
     learning_rate = _jsonable_scalar(est.learning_rate)
-    if not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool):
+    if not is_number(learning_rate):
         raise ValueError(f"GradientBoostingRegressor: learning_rate {est.learning_rate!r} is not a finite number")
     return {
         "max_features_": int(est.max_features_),
@@ -470,14 +472,6 @@ def dumps(est: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-
-
 def _check_keys(obj: Any, where: str, required: set[str], optional: frozenset[str] | set[str] = frozenset()) -> None:
     if not isinstance(obj, Mapping):
         raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
@@ -494,7 +488,7 @@ def _check_keys(obj: Any, where: str, required: set[str], optional: frozenset[st
 
 def _get_int(obj: Mapping[str, Any], key: str, where: str, lo: int, hi: int | None = None) -> int:
     v = obj[key]
-    if not _is_int(v):
+    if not is_int(v):
         raise ValueError(f"{where}: {key} must be an integer, got {v!r}")
     v = int(v)
     if v < lo or (hi is not None and v > hi):
@@ -503,11 +497,7 @@ def _get_int(obj: Mapping[str, Any], key: str, where: str, lo: int, hi: int | No
 
 
 def _is_json_scalar(v: Any) -> bool:
-    if v is None or isinstance(v, (bool, str)):
-        return True
-    if _is_int(v):
-        return True
-    return isinstance(v, (float, np.floating)) and math.isfinite(float(v))
+    return v is None or isinstance(v, (bool, str)) or is_number(v, finite=True)
 
 
 @functools.cache
@@ -723,7 +713,7 @@ def _check_document(d: Any, max_total_nodes: int) -> dict[str, Any]:
     if d.get("format") != FORMAT_NAME:
         raise ValueError(f"not a {FORMAT_NAME} document (format = {d.get('format')!r})")
     version = d.get("format_version")
-    if not _is_int(version) or version != FORMAT_VERSION:
+    if not is_int(version) or version != FORMAT_VERSION:
         raise ValueError(f"unsupported format_version {version!r} (this loader reads version {FORMAT_VERSION})")
     type_name = d.get("type")
     if not isinstance(type_name, str) or type_name not in _TOP_LEVEL_TYPES:
@@ -788,10 +778,10 @@ def _check_gbr(d: Mapping[str, Any], params: dict[str, Any], n_features: int) ->
         raise ValueError(f"{where}: loss {loss!r} is not supported (supported: {_GBR_LOSSES})")
     if loss == "huber":
         alpha = params.get("alpha", 0.9)
-        if not _is_number(alpha) or not 0.0 < alpha < 1.0:
+        if not is_number(alpha) or not 0.0 < alpha < 1.0:
             raise ValueError(f"{where}: alpha {alpha!r} must be a number in (0, 1)")
     learning_rate = d["learning_rate"]
-    if not _is_number(learning_rate) or not math.isfinite(learning_rate):
+    if not is_number(learning_rate, finite=True):
         raise ValueError(f"{where}: learning_rate {learning_rate!r} must be a finite number")
     if "learning_rate" in params and params["learning_rate"] != learning_rate:
         raise ValueError(f"{where}: learning_rate {learning_rate!r} differs from params {params['learning_rate']!r}")

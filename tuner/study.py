@@ -38,6 +38,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from fasttree.config import FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
+from fasttree.validation import check_choice, check_int, check_number
 
 from .objective import LatencyObjective, Predictor, WorkloadStep, steps_by_bucket
 from .polish import polish_config
@@ -94,10 +95,9 @@ def make_sampler(seed: int | None = 0, *, worker: int = 0) -> optuna.samplers.TP
         Index of this worker among concurrent workers of one study (>= 0): each gets its
         own seed stream, derived from ``(seed, worker)``.
     """
-    if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
-        raise ValueError(f"worker must be an integer >= 0, got {worker!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    worker = check_int("worker", worker, minimum=0)
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0, expected="an integer >= 0 or None")
     stream = None if seed is None else int(np.random.SeedSequence([seed, worker]).generate_state(1)[0])
     with warnings.catch_warnings():  # ``group`` is marked experimental; it is what the tuner wants
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -142,8 +142,7 @@ def open_study(
     ValueError
         When an existing study has other objectives or another fingerprint.
     """
-    if n_objectives not in (1, 2):
-        raise ValueError(f"n_objectives must be 1 or 2, got {n_objectives!r}")
+    check_choice("n_objectives", n_objectives, (1, 2), expected="1 or 2")
     sampler = make_sampler() if sampler is None else sampler
     try:
         study = optuna.create_study(
@@ -304,10 +303,9 @@ def run_trials(
     max_pruned_in_a_row : int
         Stop (with a warning) after this many consecutive pruned trials of this worker.
     """
-    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
-        raise ValueError(f"n_trials must be an integer >= 1, got {n_trials!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    n_trials = check_int("n_trials", n_trials, minimum=1)
+    if timeout is not None:
+        check_number("timeout", timeout, above=0, finite=False, expected="a positive number of seconds or None")
     done = _count(study, (TrialState.COMPLETE,))
     if done >= n_trials:
         logger.info("study %s already has %d complete trials (target %d)", study.study_name, done, n_trials)
@@ -505,8 +503,7 @@ def tune_bucket(
     ValueError
         On bad arguments, a study made for another objective, or no COMPLETE trial.
     """
-    if isinstance(polish_passes, bool) or not isinstance(polish_passes, int) or polish_passes < 0:
-        raise ValueError(f"polish_passes must be an integer >= 0, got {polish_passes!r}")
+    polish_passes = check_int("polish_passes", polish_passes, minimum=0)
     t0 = time.monotonic()
     bucket = objective.bucket
     name = study_name(base_name, bucket)

@@ -53,6 +53,7 @@ import numpy as np
 from ..config import FastTreeConfig
 from ..traces import TraceError, TraceWriter, existing_keys, measurement_key, measurement_record, runtime_launch
 from ..tree import KVTree
+from ..validation import check_choice, check_int, check_number
 from .workloads import TREE_FAMILIES, sample_tree
 
 logger = logging.getLogger(__name__)
@@ -236,12 +237,6 @@ class DesignPoint:
         )
 
 
-def _check_int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-    return int(value)
-
-
 def _check_families(families: Iterable[str] | None) -> list[str]:
     """Families in :data:`TREE_FAMILIES` order; ``None`` means all."""
     if families is None:
@@ -280,9 +275,7 @@ def _heads_options(ratios: Iterable[int]) -> tuple[list[tuple[int, int]], list[f
 
 
 def _check_split(split: str) -> str:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    return split
+    return check_choice("split", split, SPLITS)
 
 
 def _workload_axes(x: dict[str, float], families: list[str], split: str):
@@ -476,11 +469,11 @@ def design(
         On a bad ``n``, ``seed``, ``sm_count``, family name, ``configs_per_tree`` or
         ``kernel_pool``, or a search space without a valid config.
     """
-    n = _check_int("n", n, 0)
-    seed = _check_int("seed", seed, 0)
-    sm_count = _check_int("sm_count", sm_count, 1)
-    configs_per_tree = _check_int("configs_per_tree", configs_per_tree, 1)
-    kernel_pool = _check_int("kernel_pool", kernel_pool, 1)
+    n = check_int("n", n, minimum=0)
+    seed = check_int("seed", seed, minimum=0)
+    sm_count = check_int("sm_count", sm_count, minimum=1)
+    configs_per_tree = check_int("configs_per_tree", configs_per_tree, minimum=1)
+    kernel_pool = check_int("kernel_pool", kernel_pool, minimum=1)
     fams = _check_families(families)
     split = _check_split(split)
     trees = _Stream(_TREE_DIMS, [seed, _SALT_TREES] if split == "train" else [seed, _SALT_HELDOUT])
@@ -1739,17 +1732,16 @@ def profile(
     out = Path(out)
     if out.name.endswith(".gz"):
         raise ValueError(f"{out}: the profiler appends to a .jsonl file; gzip it once the set is finished")
-    n = _check_int("n", n, 0)
-    seed = _check_int("seed", seed, 0)
-    check_every = _check_int("check_every", check_every, 0)
-    batch_size = _check_int("batch_size", batch_size, 1)
-    repeat_every = _check_int("repeat_every", repeat_every, 0)
-    if budget_s is not None and (
-        isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0
-    ):
-        raise ValueError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
-    if budget_s is not None and not math.isfinite(budget_s):
-        budget_s = None
+    n = check_int("n", n, minimum=0)
+    seed = check_int("seed", seed, minimum=0)
+    check_every = check_int("check_every", check_every, minimum=0)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    repeat_every = check_int("repeat_every", repeat_every, minimum=0)
+    if budget_s is not None:
+        budget_s = check_number(
+            "budget_s", budget_s, above=0, finite=False, expected="a positive number of seconds or None"
+        )
+        budget_s = budget_s if math.isfinite(budget_s) else None
     fams = _check_families(families)
     deadline = None if budget_s is None else t0 + float(budget_s)
     env_given = env is not None
@@ -1759,7 +1751,7 @@ def profile(
         sm_count = int(env.get("gpu_sm_count") or 0) or device_sm_count(device)
     if compile_workers is None:
         compile_workers = default_compile_workers()
-    compile_workers = _check_int("compile_workers", compile_workers, 1)
+    compile_workers = check_int("compile_workers", compile_workers, minimum=1)
     points = design(n, seed, sm_count=sm_count, families=fams, split=_check_split(split), runtime=runtime)
     run_id = uuid.uuid4().hex[:12]
     logger.info(
@@ -1789,7 +1781,7 @@ def profile(
     if gpus is None:
         gpu_ids = _visible_gpu_ids() if _generic_cuda(device) else []
     else:
-        gpus = _check_int("gpus", gpus, 1)
+        gpus = check_int("gpus", gpus, minimum=1)
         visible = _visible_gpu_ids()
         gpu_ids = visible[:gpus] if len(visible) >= gpus else [str(i) for i in range(gpus)]
     if len(gpu_ids) > 1:

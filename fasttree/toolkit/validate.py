@@ -27,6 +27,7 @@ import numpy as np
 from ..config import FastTreeConfig
 from ..export import ConfigExport
 from ..traces import TraceWriter, decode_tree
+from ..validation import check_int
 from .profiler import DesignPoint, collect_env, measure_point
 
 __all__ = ["WorkloadValidation", "validate_export", "workload_steps"]
@@ -82,8 +83,7 @@ def workload_steps(records: Iterable[Mapping[str, Any]], per_workload: int) -> d
     ValueError
         On ``per_workload < 1`` or no workload records.
     """
-    if per_workload < 1:
-        raise ValueError(f"steps per workload must be >= 1, got {per_workload}")
+    per_workload = check_int("steps per workload", per_workload, minimum=1)
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         if r.get("kind") != "workload":

@@ -21,7 +21,6 @@ All trees are built with :meth:`fasttree.KVTree.from_lengths` (contiguous pool s
 from __future__ import annotations
 
 import math
-import numbers
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..tree import KVTree
+from ..validation import check_int, check_int_pair, check_number
 from .suite import PAPER_SUITE, paper_tree
 
 __all__ = [
@@ -59,28 +59,9 @@ MAX_TOTAL_TOKENS = 1 << 20
 
 
 # ------------------------------------------------------------------ helpers
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi]``, else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
 def _check_range(name: str, value, lo: int = 1) -> tuple[int, int]:
     """``value`` as an inclusive integer range ``(a, b)`` with ``lo <= a <= b``."""
-    try:
-        a, b = value
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a (min, max) pair of integers, got {value!r}") from None
-    a = _check_int(f"{name}[0]", a, lo)
-    b = _check_int(f"{name}[1]", b, lo)
-    if a > b:
-        raise ValueError(f"{name} = {value!r}: min exceeds max")
-    return a, b
+    return check_int_pair(name, value, minimum=lo, ordered=True)
 
 
 def _log_uniform_int(rng: np.random.Generator, lo: int, hi: int, size: int | None = None):
@@ -101,7 +82,7 @@ def _pick(rng: np.random.Generator, name: str, value, default: tuple[int, int], 
     """``value`` validated as an int ``>= lo``, or, when ``None``, drawn from ``default``."""
     if value is None:
         return _log_uniform_int(rng, *default) if log else _uniform_int(rng, default)
-    return _check_int(name, value, lo)
+    return check_int(name, value, minimum=lo)
 
 
 def _fit_budget(counts: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
@@ -184,9 +165,9 @@ def paper_random(
         Token budget of the tree.
     """
     n_levels = _pick(rng, "levels", levels, (2, 9), lo=2, log=False)
-    max_leaves = _check_int("max_leaves", max_leaves, 2)
-    max_node_tokens = _check_int("max_node_tokens", max_node_tokens, 1)
-    max_total_tokens = _check_int("max_total_tokens", max_total_tokens, 1)
+    max_leaves = check_int("max_leaves", max_leaves, minimum=2)
+    max_node_tokens = check_int("max_node_tokens", max_node_tokens, minimum=1)
+    max_total_tokens = check_int("max_total_tokens", max_total_tokens, minimum=1)
     leaves = _log_uniform_int(rng, 2, max_leaves)
     inner = np.sort(_log_uniform_int(rng, 1, leaves, size=n_levels - 2))
     widths = np.array([1, *inner.tolist(), leaves], dtype=np.int64)
@@ -221,10 +202,9 @@ def random_recursive(
         Token budget of the tree (lengths are scaled down to fit).
     """
     n = _pick(rng, "n_nodes", n_nodes, (2, 1024), log=True)
-    max_node_tokens = _check_int("max_node_tokens", max_node_tokens, 1)
-    max_total_tokens = _check_int("max_total_tokens", max_total_tokens, 1)
-    if not 0.0 <= internal_query_prob <= 1.0:
-        raise ValueError(f"internal_query_prob must be in [0, 1], got {internal_query_prob!r}")
+    max_node_tokens = check_int("max_node_tokens", max_node_tokens, minimum=1)
+    max_total_tokens = check_int("max_total_tokens", max_total_tokens, minimum=1)
+    internal_query_prob = check_number("internal_query_prob", internal_query_prob, minimum=0, maximum=1)
     parents = np.empty(n, dtype=np.int64)
     parents[0] = -1
     parents[1:] = np.minimum(np.floor(rng.random(n - 1) * np.arange(1, n)), np.arange(n - 1))
@@ -354,7 +334,7 @@ def speculative(
     """
     n_req = _pick(rng, "n_requests", n_requests, (1, 16), log=True)
     if n_token_nodes is not None:
-        _check_int("n_token_nodes", n_token_nodes, 1)
+        check_int("n_token_nodes", n_token_nodes, minimum=1)
     depth_cap = _pick(rng, "max_depth", max_depth, (1, 12), log=False)
     p_range = _check_range("prompt_tokens", prompt_tokens)
     parents: list[int] = []
@@ -436,7 +416,7 @@ def no_sharing(
     """
     n = _pick(rng, "n_requests", n_requests, (1, 1024), log=True)
     c_range = _check_range("context_tokens", context_tokens)
-    max_total_tokens = _check_int("max_total_tokens", max_total_tokens, 1)
+    max_total_tokens = check_int("max_total_tokens", max_total_tokens, minimum=1)
     lengths = _fit_budget(np.ones(n), _log_uniform_int(rng, *c_range, size=n), max_total_tokens)
     return KVTree.from_lengths(np.full(n, -1, dtype=np.int64), lengths, np.arange(n))
 
@@ -474,7 +454,7 @@ def sample_tree(family: str, seed: int, **params) -> KVTree:
     """
     if family not in TREE_FAMILIES:
         raise ValueError(f"unknown tree family {family!r}; choose one of {sorted(TREE_FAMILIES)}")
-    seed = _check_int("seed", seed, 0)
+    seed = check_int("seed", seed, minimum=0)
     return TREE_FAMILIES[family](np.random.default_rng(seed), **params)
 
 
@@ -542,16 +522,16 @@ class ServingScenario:
         for lvl, spec in enumerate(self.prefix_levels):
             if len(spec) != 3:
                 raise ValueError(f"prefix_levels[{lvl}] must be (nodes, min tokens, max tokens), got {spec!r}")
-            _check_int(f"prefix_levels[{lvl}] nodes", spec[0], 1)
+            check_int(f"prefix_levels[{lvl}] nodes", spec[0], minimum=1)
             _check_range(f"prefix_levels[{lvl}] tokens", spec[1:])
-        _check_int("questions_per_prefix", self.questions_per_prefix, 1)
+        check_int("questions_per_prefix", self.questions_per_prefix, minimum=1)
         _check_range("question_tokens", self.question_tokens)
         _check_range("output_tokens", self.output_tokens)
         for f in self.forks:
-            _check_int("forks entry", f, 2)
+            check_int("forks entry", f, minimum=2)
         _check_range("fork_after", self.fork_after)
-        _check_int("max_batch", self.max_batch, self.slots_per_question)
-        _check_rate(self.arrival_rate)
+        check_int("max_batch", self.max_batch, minimum=self.slots_per_question)
+        check_number("arrival_rate", self.arrival_rate, minimum=0)
 
     @property
     def slots_per_question(self) -> int:
@@ -562,12 +542,6 @@ class ServingScenario:
     def mean_question_steps(self) -> float:
         """Mean decode steps from a question's admission until its last request finishes."""
         return len(self.forks) * sum(self.fork_after) / 2 + sum(self.output_tokens) / 2
-
-
-def _check_rate(rate) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not math.isfinite(rate) or rate < 0:
-        raise ValueError(f"arrival_rate must be a finite number >= 0, got {rate!r}")
-    return float(rate)
 
 
 #: The four end-to-end scenarios of the FastTree paper (Llama-2-7B / Mistral-7B, up to 256 new tokens).
@@ -719,13 +693,13 @@ def iter_serving(
     ServingStep
     """
     sc = _resolve(scenario)
-    seed = _check_int("seed", seed, 0)
-    steps = _check_int("steps", steps, 1)
+    seed = check_int("seed", seed, minimum=0)
+    steps = check_int("steps", steps, minimum=1)
     slots = sc.slots_per_question
-    batch = sc.max_batch if max_batch is None else _check_int("max_batch", max_batch, slots)
-    rate = sc.arrival_rate if arrival_rate is None else _check_rate(arrival_rate)
+    batch = sc.max_batch if max_batch is None else check_int("max_batch", max_batch, minimum=slots)
+    rate = sc.arrival_rate if arrival_rate is None else check_number("arrival_rate", arrival_rate, minimum=0)
     if initial_requests is not None:
-        initial = _check_int("initial_requests", initial_requests, 0)
+        initial = check_int("initial_requests", initial_requests, minimum=0)
     elif rate == 0:
         initial = batch // slots
     else:  # about the steady-state number of questions in the system (Little's law), at most a full batch
