@@ -1,8 +1,8 @@
 """The tuner's search space: the :class:`~fasttree.config.FastTreeConfig` a trial proposes for one bucket.
 
-The space is the profiling design's (:mod:`fasttree.toolkit.profiler`), never wider, because the
+The space is the profiling design's (:mod:`fasttree.toolkit.design`), never wider, because the
 latency model was trained only there: query-tile rows per tile class from
-:data:`~fasttree.toolkit.profiler.Q_ROWS_LARGE` / :data:`~fasttree.toolkit.profiler.Q_ROWS_SMALL` (turned
+:data:`~fasttree.toolkit.design.Q_ROWS_LARGE` / :data:`~fasttree.toolkit.design.Q_ROWS_SMALL` (turned
 into queries per tile with the bucket's GQA ratio, as the profiler does), KV tiles, split
 sizes, both parallelism-threshold pairs in ``[0, 4 * sm_count]``, alpha/beta/gamma in their
 ranges, warps and stages per tile class, and packing (``pack_min_units`` only when packing
@@ -39,7 +39,7 @@ from fasttree.config import DEFAULT_NUM_STAGES_DEEP, DEFAULT_Q_TILE_ROWS, FastTr
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.predict import elem_bytes_of
 from fasttree.export import bucket_key
-from fasttree.toolkit.profiler import (
+from fasttree.toolkit.design import (
     ALPHA_RANGE,
     BETA_RANGE,
     GAMMA_RANGE,
