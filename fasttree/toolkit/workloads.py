@@ -704,88 +704,123 @@ def iter_serving(
         initial = batch // slots
     else:  # about the steady-state number of questions in the system (Little's law), at most a full batch
         initial = min(batch // slots, round(rate * sc.mean_question_steps))
-    rng = np.random.default_rng(seed)
-
-    # Static shared prefixes, level by level; parents precede children throughout.
-    node_parent: list[int] = []
-    node_len: list[int] = []
-    level_nodes: list[int] = [-1]
-    for lvl, (fan_out, lo, hi) in enumerate(sc.prefix_levels):
-        nodes: list[int] = []
-        for parent in level_nodes:
-            for _ in range(fan_out):
-                nodes.append(len(node_parent))
-                node_parent.append(parent if lvl else -1)
-                node_len.append(_uniform_int(rng, (lo, hi)))
-        level_nodes = nodes
-    prefixes = level_nodes
-    template_prefix = np.repeat(np.arange(len(prefixes)), sc.questions_per_prefix)
-    template_len = _uniform_int(rng, sc.question_tokens, size=template_prefix.size)
-
-    order: deque[int] = deque()
-
-    def arrivals(count: int) -> Iterator[int]:
-        for _ in range(count):
-            if not order:
-                order.extend(rng.permutation(template_prefix.size).tolist())
-            yield order.popleft()
-
-    def new_node(parent: int, length: int) -> int:
-        node_parent.append(parent)
-        node_len.append(length)
-        return len(node_parent) - 1
-
-    def phase_tokens(level: int) -> int:
-        return _uniform_int(rng, sc.fork_after if level < len(sc.forks) else sc.output_tokens)
-
-    active: dict[int, _Request] = {}
-    group_live: dict[int, int] = {}
-    pending: deque[int] = deque(arrivals(initial))
-    reserved = 0
-    next_rid = next_group = 0
+    sim = _Simulation(sc, np.random.default_rng(seed), batch)
+    sim.arrive(initial)
     emitted = t = 0
     while emitted < steps:
         if t > 0 and rate > 0:
-            pending.extend(arrivals(int(rng.poisson(rate))))
-        while pending and reserved + slots <= batch:
-            tpl = pending.popleft()
-            prefix = int(template_prefix[tpl])
-            anchor = prefixes[prefix]
-            node = new_node(anchor, int(template_len[tpl]))
-            active[next_rid] = _Request(next_rid, next_group, prefix, anchor, node, phase_tokens(0), 0)
-            group_live[next_group] = 1
-            reserved += slots
-            next_rid += 1
-            next_group += 1
-        if not active:
+            sim.arrive(int(sim.rng.poisson(rate)))
+        sim.admit()
+        if not sim.active:
             if rate == 0:
                 return
             t += 1
             continue
-        yield _emit(t, active, node_parent, node_len)
+        yield _emit(t, sim.active, sim.node_parent, sim.node_len)
         emitted += 1
-        for rid in list(active):
-            req = active[rid]
-            node_len[req.node] += 1
+        sim.decode_one_token()
+        t += 1
+
+
+class _Simulation:
+    """One serving simulation's state: the node forest (static prefixes first, parents before
+    children), the active requests, the question queue and the reserved batch slots.
+
+    Every random draw comes from ``rng`` in a fixed order, so a seed fixes the trees.
+    """
+
+    def __init__(self, sc: ServingScenario, rng: np.random.Generator, batch: int) -> None:
+        self.sc = sc
+        self.rng = rng
+        self.batch = batch
+        self.slots = sc.slots_per_question
+        self.node_parent: list[int] = []
+        self.node_len: list[int] = []
+        self.prefixes = self._static_prefixes()
+        # the question templates: each prefix's questions, with their lengths
+        self.template_prefix = np.repeat(np.arange(len(self.prefixes)), sc.questions_per_prefix)
+        self.template_len = _uniform_int(rng, sc.question_tokens, size=self.template_prefix.size)
+        self.order: deque[int] = deque()  # templates not drawn yet in the current permutation
+        self.pending: deque[int] = deque()  # questions waiting for admission
+        self.active: dict[int, _Request] = {}
+        self.group_live: dict[int, int] = {}  # live requests per question
+        self.reserved = 0
+        self.next_rid = self.next_group = 0
+
+    def _static_prefixes(self) -> list[int]:
+        """Add the shared prefix nodes level by level; returns the last level's nodes."""
+        level_nodes: list[int] = [-1]
+        for lvl, (fan_out, lo, hi) in enumerate(self.sc.prefix_levels):
+            nodes: list[int] = []
+            for parent in level_nodes:
+                for _ in range(fan_out):
+                    nodes.append(self._new_node(parent if lvl else -1, _uniform_int(self.rng, (lo, hi))))
+            level_nodes = nodes
+        return level_nodes
+
+    def _new_node(self, parent: int, length: int) -> int:
+        self.node_parent.append(parent)
+        self.node_len.append(length)
+        return len(self.node_parent) - 1
+
+    def _phase_tokens(self, level: int) -> int:
+        """Tokens of a request's next phase: a trunk before a fork level, else the answer."""
+        sc = self.sc
+        return _uniform_int(self.rng, sc.fork_after if level < len(sc.forks) else sc.output_tokens)
+
+    def arrive(self, count: int) -> None:
+        """Queue ``count`` new questions, drawn from the templates by successive random permutations."""
+        for _ in range(count):
+            if not self.order:
+                self.order.extend(self.rng.permutation(self.template_prefix.size).tolist())
+            self.pending.append(self.order.popleft())
+
+    def admit(self) -> None:
+        """Admit queued questions while their reserved batch slots fit in ``batch``."""
+        while self.pending and self.reserved + self.slots <= self.batch:
+            tpl = self.pending.popleft()
+            prefix = int(self.template_prefix[tpl])
+            anchor = self.prefixes[prefix]
+            node = self._new_node(anchor, int(self.template_len[tpl]))
+            rid, group = self.next_rid, self.next_group
+            self.active[rid] = _Request(rid, group, prefix, anchor, node, self._phase_tokens(0), 0)
+            self.group_live[group] = 1
+            self.reserved += self.slots
+            self.next_rid += 1
+            self.next_group += 1
+
+    def decode_one_token(self) -> None:
+        """Every active request decodes one token; a request whose phase ends forks or finishes."""
+        for rid in list(self.active):
+            req = self.active[rid]
+            self.node_len[req.node] += 1
             req.remaining -= 1
             if req.remaining:
                 continue
-            del active[rid]
-            if req.level < len(sc.forks):  # the trunk becomes shared; forks start empty below it
-                n_forks = sc.forks[req.level]
-                for _ in range(n_forks):
-                    child = new_node(req.node, 0)
-                    active[next_rid] = _Request(
-                        next_rid, req.group, req.prefix, req.node, child, phase_tokens(req.level + 1), req.level + 1
-                    )
-                    next_rid += 1
-                group_live[req.group] += n_forks - 1
+            del self.active[rid]
+            if req.level < len(self.sc.forks):
+                self._fork(req)
             else:
-                group_live[req.group] -= 1
-                if group_live[req.group] == 0:
-                    del group_live[req.group]
-                    reserved -= slots
-        t += 1
+                self._finish(req)
+
+    def _fork(self, req: _Request) -> None:
+        """The trunk becomes shared; the forks start empty below it."""
+        n_forks = self.sc.forks[req.level]
+        for _ in range(n_forks):
+            child = self._new_node(req.node, 0)
+            level = req.level + 1
+            self.active[self.next_rid] = _Request(
+                self.next_rid, req.group, req.prefix, req.node, child, self._phase_tokens(level), level
+            )
+            self.next_rid += 1
+        self.group_live[req.group] += n_forks - 1
+
+    def _finish(self, req: _Request) -> None:
+        """The request leaves; its question's slots are freed once its last request has."""
+        self.group_live[req.group] -= 1
+        if self.group_live[req.group] == 0:
+            del self.group_live[req.group]
+            self.reserved -= self.slots
 
 
 def _emit(step: int, active: dict[int, _Request], node_parent: list[int], node_len: list[int]) -> ServingStep:
