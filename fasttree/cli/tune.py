@@ -122,7 +122,14 @@ def _trial_options() -> argparse.ArgumentParser:
 
 
 def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
-    """Add ``tune``, ``export`` and ``run`` to the ``fasttree-tune`` subparsers ``sub``."""
+    """Add ``tune``, ``export``, ``run``, ``validate``, ``refine`` and ``bench`` to the ``fasttree-tune``
+    subparsers ``sub``."""
+    for add in (_add_tune, _add_export, _add_run, _add_validate, _add_refine, _add_bench):
+        add(sub, common)
+
+
+def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``tune``: one Optuna study per bucket against the latency model."""
     t = sub.add_parser(
         "tune",
         help="tune configs per bucket against the latency model on workload traces",
@@ -140,6 +147,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     t.add_argument("--json", metavar="PATH", help="write the per-bucket results as JSON")
     t.set_defaults(func=_cmd_tune, subparser=t)
 
+
+def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``export``: the best config of each bucket's study as an export file."""
     e = sub.add_parser(
         "export",
         help="write the best config of each bucket's study as an export file",
@@ -154,6 +164,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
     e.set_defaults(func=_cmd_export, subparser=e)
 
+
+def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``run``: the main job, shipped traces in, tuned export and report out."""
     r = sub.add_parser(
         "run",
         help="the main job: shipped traces in, tuned export and report out",
@@ -171,6 +184,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
     r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S, every=RUN_EVERY, trials=RUN_TRIALS)
 
+
+def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``validate``: a tuned export against the defaults, measured on the GPU."""
     v = sub.add_parser(
         "validate",
         help="measure a tuned export against the defaults on the GPU",
@@ -189,6 +205,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     v.add_argument("--json", metavar="PATH", help="write the results as JSON")
     v.set_defaults(func=_cmd_validate, subparser=v)
 
+
+def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``refine``: an export's configs refined by timing them on the GPU."""
     f = sub.add_parser(
         "refine",
         help="refine an export's configs by timing them on the GPU",
@@ -213,6 +232,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     f.set_defaults(func=_cmd_refine, subparser=f)
 
+
+def _add_bench(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``bench``: the kernel benchmark on the paper suite."""
     b = sub.add_parser(
         "bench",
         help="the kernel benchmark on the paper suite (a GPU and a source checkout)",
