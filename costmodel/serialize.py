@@ -591,6 +591,14 @@ def _check_tree(
 ) -> None:
     """The structural checks of one tree (see the module docstring); raises ValueError naming the first bad node."""
     left, right = fields["left_child"].astype(np.int64), fields["right_child"].astype(np.int64)
+    leaf = _check_child_links(left, right, n, where)
+    _check_one_rooted_tree(left, right, leaf, n, max_depth, where)
+    _check_splits(fields, leaf, n_features, where)
+    _check_node_statistics(fields, value, n, where)
+
+
+def _check_child_links(left: np.ndarray, right: np.ndarray, n: int, where: str) -> np.ndarray:
+    """Children in range, none its own parent's, both or none per node; returns the leaf mask."""
     idx = np.arange(n, dtype=np.int64)
 
     for attr, child in (("children_left", left), ("children_right", right)):
@@ -606,8 +614,14 @@ def _check_tree(
     if bad.any():
         i = _first(bad)
         raise ValueError(f"{where}: node {i} has exactly one child (children {int(left[i])}, {int(right[i])})")
-    internal = ~leaf
+    return leaf
 
+
+def _check_one_rooted_tree(
+    left: np.ndarray, right: np.ndarray, leaf: np.ndarray, n: int, max_depth: int, where: str
+) -> None:
+    """One parent per node but the root, every node reachable from the root, and ``max_depth`` the true depth."""
+    internal = ~leaf
     # Every node but the root has exactly one parent; the root has none.
     children = np.concatenate([left[internal], right[internal]])
     n_parents = np.bincount(children, minlength=n)
@@ -634,6 +648,10 @@ def _check_tree(
         # scikit-learn sizes buffers by max_depth (decision_path), so it must be the true depth
         raise ValueError(f"{where}: max_depth is {max_depth} but the tree is {depth} deep")
 
+
+def _check_splits(fields: dict[str, np.ndarray], leaf: np.ndarray, n_features: int, where: str) -> None:
+    """Split features in range on internal nodes (undefined on leaves) and valid thresholds."""
+    internal = ~leaf
     feature = fields["feature"]
     bad = internal & ((feature < 0) | (feature >= n_features))
     if bad.any():
@@ -651,6 +669,9 @@ def _check_tree(
         i = _first(bad)
         raise ValueError(f"{where}: threshold[{i}] = {threshold[i]} is not a valid threshold")
 
+
+def _check_node_statistics(fields: dict[str, np.ndarray], value: np.ndarray, n: int, where: str) -> None:
+    """Missing-value routing 0 or 1, sample counts non-negative, weights, impurities and values finite."""
     if "missing_go_to_left" in fields:
         mgl = fields["missing_go_to_left"]
         bad = (mgl != 0) & (mgl != 1)

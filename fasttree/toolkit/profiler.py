@@ -448,22 +448,24 @@ def profile(
         raise ValueError(f"{out}: the profiler appends to a .jsonl file; gzip it once the set is finished")
     n = check_int("n", n, minimum=0)
     seed = check_int("seed", seed, minimum=0)
-    check_every = check_int("check_every", check_every, minimum=0)
-    batch_size = check_int("batch_size", batch_size, minimum=1)
-    repeat_every = check_int("repeat_every", repeat_every, minimum=0)
+    options = _loop_options(
+        precompile=precompile,
+        measure=measure,
+        check_every=check_every,
+        batch_size=batch_size,
+        repeat_every=repeat_every,
+        compile_workers=compile_workers,
+    )
     budget_s = _checked_budget(budget_s)
     fams = check_families(families)
-    deadline = None if budget_s is None else t0 + budget_s
+    options["deadline"] = deadline = None if budget_s is None else t0 + budget_s
     env_given = env is not None
     if env is None:
         env = collect_env(device)
     if sm_count is None:
         sm_count = int(env.get("gpu_sm_count") or 0) or device_sm_count(device)
-    if compile_workers is None:
-        compile_workers = default_compile_workers()
-    compile_workers = check_int("compile_workers", compile_workers, minimum=1)
     points = design(n, seed, sm_count=sm_count, families=fams, split=check_split(split), runtime=runtime)
-    run_id = uuid.uuid4().hex[:12]
+    options["run_id"] = run_id = uuid.uuid4().hex[:12]
     logger.info(
         "profile run %s: %d %s design points (seed %d, families %s) -> %s%s",
         run_id,
@@ -478,16 +480,6 @@ def profile(
     def make_progress(total: int) -> _Progress:
         return _Progress(total, enabled=progress, deadline=deadline)
 
-    options = dict(
-        deadline=deadline,
-        precompile=precompile,
-        compile_workers=compile_workers,
-        measure=measure,
-        check_every=check_every,
-        batch_size=batch_size,
-        run_id=run_id,
-        repeat_every=repeat_every,
-    )
     gpu_ids = _gpu_ids(gpus, device)
     if len(gpu_ids) > 1:  # each GPU worker collects its own env unless the caller fixed one
         shard_env = env if env_given else None
@@ -498,6 +490,27 @@ def profile(
     summary.elapsed_s = time.monotonic() - t0
     logger.info("profile run %s done: %s", run_id, summary.line())
     return summary
+
+
+def _loop_options(
+    *,
+    precompile: bool,
+    measure: Callable[..., dict[str, Any]],
+    check_every: Any,
+    batch_size: Any,
+    repeat_every: Any,
+    compile_workers: Any,
+) -> dict[str, Any]:
+    """The checked options of the loop each device runs (:func:`~fasttree.toolkit.profile_loop.run_points`)."""
+    workers = default_compile_workers() if compile_workers is None else compile_workers
+    return dict(
+        precompile=precompile,
+        measure=measure,
+        check_every=check_int("check_every", check_every, minimum=0),
+        batch_size=check_int("batch_size", batch_size, minimum=1),
+        repeat_every=check_int("repeat_every", repeat_every, minimum=0),
+        compile_workers=check_int("compile_workers", workers, minimum=1),
+    )
 
 
 def _checked_budget(budget_s: Any) -> float | None:
