@@ -371,7 +371,7 @@ def plan_work_batch(plans, *, elem_bytes: int | np.ndarray | list[int] = 2) -> W
     ptr = _class_unit_ptr(plans)
     shape = _tile_shapes(plans)
     seg = _class_segments(plans, ptr, block_n=shape[:, :, 1])
-    classes = _class_work(seg, shape, hkv=hkv, g=hq // hkv, d=d, eb=eb)
+    classes = _class_fields(seg, shape, hkv=hkv, g=hq // hkv, d=d, eb=eb)
     merge = _merge_work(plans, hq)
     return WorkBatch(
         classes=classes,
@@ -473,7 +473,7 @@ def _class_segments(plans: list, ptr: np.ndarray, *, block_n: np.ndarray) -> _Se
     )
 
 
-def _class_work(
+def _class_fields(
     seg: _Segments, shape: np.ndarray, *, hkv: np.ndarray, g: np.ndarray, d: np.ndarray, eb: np.ndarray
 ) -> dict[str, np.ndarray]:
     """:data:`CLASS_FIELDS` of both tile classes of every plan (``[n, 2]`` each)."""
