@@ -26,6 +26,7 @@ from fasttree.launch_rules import KERNEL_VERSION
 from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched
 from fasttree.traces import decode_tree, read_traces, record_launch
+from fasttree.validation import is_int
 
 from .features import (
     FEATURE_NAMES,
@@ -284,8 +285,8 @@ def measured_kernel_version(record: dict[str, Any]) -> int:
     """
     info = _profiler_info(record)
     version = info.get("kernel_version") if isinstance(info, dict) else None
-    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
-        return version
+    if is_int(version) and version >= 0:
+        return int(version)
     return KERNEL_VERSION_OF_COMMIT.get(_commit(record), KERNEL_VERSION)
 
 

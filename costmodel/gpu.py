@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from fasttree.validation import check_number, is_int
+
 __all__ = ["KNOWN_GPUS", "GpuSpec", "gpu_spec"]
 
 
@@ -58,8 +60,7 @@ class GpuSpec:
         spec = cls(**d)
         for field in ("sm_count", "hbm_bytes_per_s", "tensor_flops", "smem_per_sm", "max_warps_per_sm"):
             value = getattr(spec, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"GPU spec {field} must be a positive number, got {value!r}")
+            check_number(f"GPU spec {field}", value, above=0, finite=False, expected="a positive number")
         return spec
 
 
@@ -92,6 +93,6 @@ def gpu_spec(env_or_name: dict[str, Any] | str) -> GpuSpec:
             "(add a GpuSpec to fasttree.costmodel.gpu.KNOWN_GPUS)"
         )
     sms = env.get("gpu_sm_count")
-    if isinstance(sms, int) and not isinstance(sms, bool) and sms > 0 and sms != spec.sm_count:
-        spec = replace(spec, sm_count=sms)
+    if is_int(sms) and sms > 0 and sms != spec.sm_count:
+        spec = replace(spec, sm_count=int(sms))
     return spec

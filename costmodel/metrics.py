@@ -53,6 +53,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.stats import kendalltau
 
+from fasttree.validation import is_int
+
 __all__ = [
     "RankMetrics",
     "absolute_percentage_errors",
@@ -237,10 +239,8 @@ def _tree_groups(tree_ids: ArrayLike | Iterable[Any], n: int) -> tuple[list[Any]
 def _validated_ks(ks: Sequence[int]) -> tuple[int, ...]:
     out = []
     for k in ks:
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
-            raise ValueError(f"ks must hold integers, got {k!r}")
-        if k < 1:
-            raise ValueError(f"ks must hold integers >= 1, got {k}")
+        if not is_int(k) or k < 1:
+            raise ValueError(f"ks must hold integers >= 1, got {k!r}")
         out.append(int(k))
     if not out:
         raise ValueError("ks is empty")

@@ -21,6 +21,8 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from fasttree.validation import check_choice, check_int
+
 from .features import FEATURE_NAMES, SIM_TOTAL
 
 __all__ = ["KINDS", "LatencyModel"]
@@ -93,8 +95,7 @@ class LatencyModel(RegressorMixin, BaseEstimator):
 
     def _make_estimator(self, seed: int | None = None):
         """An unfitted regressor of this kind (``seed``: its random state, default ``random_state``)."""
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}")
+        check_choice("kind", self.kind, KINDS)
         seed = self.random_state if seed is None else seed
         if self.kind == "forest":
             return RandomForestRegressor(
@@ -135,8 +136,7 @@ class LatencyModel(RegressorMixin, BaseEstimator):
             raise ValueError(f"X has {X.shape[1]} feature columns, expected {len(FEATURE_NAMES)} (FEATURE_NAMES)")
         if not np.all(y > 0):
             raise ValueError("y must hold positive times (us)")
-        if not isinstance(self.n_seeds, (int, np.integer)) or isinstance(self.n_seeds, bool) or self.n_seeds < 1:
-            raise ValueError(f"n_seeds must be a positive integer, got {self.n_seeds!r}")
+        check_int("n_seeds", self.n_seeds, minimum=1, expected="a positive integer")
         target = np.log(y) - self._baseline(X)
         unfitted = [self._make_estimator(self.random_state + i) for i in range(self.n_seeds)]
         self.estimators_ = Parallel(n_jobs=self.n_jobs)(delayed(_fitted)(est, X, target) for est in unfitted)

@@ -24,6 +24,7 @@ from fasttree.planner import plan
 from fasttree.planner import prepare as prepare_tree
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.tree import KVTree
+from fasttree.validation import check_int
 
 from .features import FEATURE_NAMES, features_of_plans, mark_runtime
 from .gpu import GpuSpec
@@ -159,8 +160,7 @@ class PredictPool:
     """
 
     def __init__(self, trees: Sequence[KVTree], *, workers: int = 2, mp_context=None, prepare: bool = True) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        workers = check_int("workers", workers, minimum=1)
         trees = tuple(trees)
         for i, tree in enumerate(trees):
             if not isinstance(tree, KVTree):

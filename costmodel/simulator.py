@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from fasttree.validation import check_number
+
 from .gpu import GpuSpec
 from .work import ClassWork, MergeWork, PlanWork, WorkBatch
 
@@ -109,10 +111,11 @@ class SimParams:
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown simulator parameters {sorted(unknown)}")
-        for k, v in d.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v <= 0:
-                raise ValueError(f"simulator parameter {k} must be a positive finite number, got {v!r}")
-        return cls(**{k: float(v) for k, v in d.items()})
+        checked = {
+            k: check_number(f"simulator parameter {k}", v, above=0, expected="a positive finite number")
+            for k, v in d.items()
+        }
+        return cls(**checked)
 
 
 @dataclass(frozen=True)

@@ -364,25 +364,80 @@ def plan_work_batch(plans, *, elem_bytes: int | np.ndarray | list[int] = 2) -> W
     n = len(plans)
     if n == 0:
         raise ValueError("no plans given")
-    eb = np.broadcast_to(np.asarray(elem_bytes, dtype=np.int64), (n,)) if np.ndim(elem_bytes) == 0 else None
-    if eb is None:
-        eb = np.asarray(elem_bytes, dtype=np.int64)
-        if eb.shape != (n,):
-            raise ValueError(f"elem_bytes holds {eb.size} values for {n} plans")
+    eb = _elem_bytes_per_plan(elem_bytes, n)
     hq = np.array([p.num_q_heads for p in plans], dtype=np.int64)
     hkv = np.array([p.num_kv_heads for p in plans], dtype=np.int64)
     d = np.array([p.head_dim for p in plans], dtype=np.int64)
-    g = hq // hkv
-    ptr = np.array([p.class_unit_ptr for p in plans], dtype=np.int64)  # [n, 3]
+    ptr = _class_unit_ptr(plans)
+    shape = _tile_shapes(plans)
+    seg = _class_segments(plans, ptr, block_n=shape[:, :, 1])
+    classes = _class_fields(seg, shape, hkv=hkv, g=hq // hkv, d=d, eb=eb)
+    merge = _merge_work(plans, hq)
+    return WorkBatch(
+        classes=classes,
+        unit_iterations=seg.iters,
+        unit_ptr=np.append(seg.lo, seg.hi[-1]),
+        merge_programs=merge.programs,
+        merge_queries=merge.queries,
+        merge_partials=merge.partials,
+        merge_max_partials=merge.max_partials,
+        merge_bytes=merge.partials * hq * (d + 1) * _F32 + merge.queries * hq * d * eb,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        n_queries=np.array([p.n_queries for p in plans], dtype=np.int64),
+        unique_kv_tokens=np.array([unique_count(p.kv_indices) for p in plans], dtype=np.int64),
+        elem_bytes=np.ascontiguousarray(eb),
+        tile_mode=tuple(p.tile_mode for p in plans),
+    )
+
+
+def _elem_bytes_per_plan(elem_bytes: int | np.ndarray | list[int], n: int) -> np.ndarray:
+    """``elem_bytes`` as one int64 value per plan."""
+    if np.ndim(elem_bytes) == 0:
+        return np.broadcast_to(np.asarray(elem_bytes, dtype=np.int64), (n,))
+    eb = np.asarray(elem_bytes, dtype=np.int64)
+    if eb.shape != (n,):
+        raise ValueError(f"elem_bytes holds {eb.size} values for {n} plans")
+    return eb
+
+
+def _class_unit_ptr(plans: list) -> np.ndarray:
+    """Every plan's ``class_unit_ptr`` (int64 ``[n, 3]``), checked to cover its units in order."""
+    ptr = np.array([p.class_unit_ptr for p in plans], dtype=np.int64)
     n_units = np.array([p.unit_kv_len.size for p in plans], dtype=np.int64)
     bad = (ptr[:, 0] != 0) | (ptr[:, 2] != n_units) | (ptr[:, 1] < 0) | (ptr[:, 1] > n_units)
     if np.count_nonzero(bad):
         raise ValueError("a plan's tile classes do not cover its units (class_unit_ptr)")
-    tc = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.masked) for p in plans for c in p.tile_classes]
-    shape = np.array(tc, dtype=np.int64).reshape(n, 2, 5)
-    block_m, block_n = shape[:, :, 0], shape[:, :, 1]
+    return ptr
 
-    # units of every (plan, class) back to back: segment k = 2 * plan + class
+
+def _tile_shapes(plans: list) -> np.ndarray:
+    """``(block_m, block_n, num_warps, num_stages, masked)`` of both tile classes of every plan, int64 ``[n, 2, 5]``."""
+    tc = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.masked) for p in plans for c in p.tile_classes]
+    return np.array(tc, dtype=np.int64).reshape(len(plans), 2, 5)
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """The units of every (plan, class) back to back, segment ``k = 2 * plan + class`` being
+    ``lo[k]:hi[k]``, and per-segment sums (``[n, 2]``) of what the class work needs."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    units: np.ndarray  # [n, 2]
+    iters: np.ndarray  # KV-tile iterations of every unit
+    kv: np.ndarray  # KV tokens
+    iterations: np.ndarray
+    max_iterations: np.ndarray
+    pair_tokens: np.ndarray  # KV tokens x queries over the units
+    present: np.ndarray  # pairs that write something
+    direct: np.ndarray  # pairs that write the output directly
+
+
+def _class_segments(plans: list, ptr: np.ndarray, *, block_n: np.ndarray) -> _Segments:
+    n = len(plans)
+    n_units = ptr[:, 2]
     unit_off = _exclusive_cumsum(n_units)
     seg_lo = (unit_off[:-1, None] + ptr[:, :2]).ravel()
     seg_hi = (unit_off[:-1, None] + ptr[:, 1:]).ravel()
@@ -390,42 +445,53 @@ def plan_work_batch(plans, *, elem_bytes: int | np.ndarray | list[int] = 2) -> W
     kv_len = _concat([p.unit_kv_len for p in plans])
     q_len = _concat([p.unit_q_len for p in plans])
     iters = -(-kv_len // np.repeat(block_n.ravel(), seg_units))
-    cs_kv = _exclusive_cumsum(kv_len)
-    cs_iters = _exclusive_cumsum(iters)
-    cs_pair_tokens = _exclusive_cumsum(kv_len * q_len)
     # pairs that write something (-1: directly, >= 0: a partial row; -2: an absent row of a packed unit)
     out_row = _concat([p.pair_out_row for p in plans])
     pair_off = _exclusive_cumsum(np.array([p.pair_out_row.size for p in plans], dtype=np.int64))
     q_start = _concat([p.unit_q_start for p in plans]) + np.repeat(pair_off[:-1], n_units)
-    cs_present = _exclusive_cumsum(out_row != -2)
-    cs_direct = _exclusive_cumsum(out_row == -1)
-    unit_present = _seg_sum(cs_present, q_start, q_start + q_len)
-    unit_direct = _seg_sum(cs_direct, q_start, q_start + q_len)
-    present = _seg_sum(_exclusive_cumsum(unit_present), seg_lo, seg_hi).reshape(n, 2)
-    direct = _seg_sum(_exclusive_cumsum(unit_direct), seg_lo, seg_hi).reshape(n, 2)
-    partial = present - direct
-    kv_sum = _seg_sum(cs_kv, seg_lo, seg_hi).reshape(n, 2)
-    iters_sum = _seg_sum(cs_iters, seg_lo, seg_hi).reshape(n, 2)
-    pair_tokens = _seg_sum(cs_pair_tokens, seg_lo, seg_hi).reshape(n, 2)
+    unit_present = _seg_sum(_exclusive_cumsum(out_row != -2), q_start, q_start + q_len)
+    unit_direct = _seg_sum(_exclusive_cumsum(out_row == -1), q_start, q_start + q_len)
     max_iters = np.zeros(2 * n, dtype=np.int64)
     full = seg_units > 0
     if np.count_nonzero(full):
         max_iters[full] = np.maximum.reduceat(iters, seg_lo[full])
-    max_iters = max_iters.reshape(n, 2)
 
+    def per_class(per_unit: np.ndarray) -> np.ndarray:
+        return _seg_sum(_exclusive_cumsum(per_unit), seg_lo, seg_hi).reshape(n, 2)
+
+    return _Segments(
+        lo=seg_lo,
+        hi=seg_hi,
+        units=seg_units.reshape(n, 2),
+        iters=iters,
+        kv=per_class(kv_len),
+        iterations=per_class(iters),
+        max_iterations=max_iters.reshape(n, 2),
+        pair_tokens=per_class(kv_len * q_len),
+        present=per_class(unit_present),
+        direct=per_class(unit_direct),
+    )
+
+
+def _class_fields(
+    seg: _Segments, shape: np.ndarray, *, hkv: np.ndarray, g: np.ndarray, d: np.ndarray, eb: np.ndarray
+) -> dict[str, np.ndarray]:
+    """:data:`CLASS_FIELDS` of both tile classes of every plan (``[n, 2]`` each)."""
+    block_m, block_n = shape[:, :, 0], shape[:, :, 1]
     hkv2, g2, d2, eb2 = hkv[:, None], g[:, None], d[:, None], eb[:, None]
-    programs = seg_units.reshape(n, 2) * hkv2
-    kv_tokens = kv_sum * hkv2
-    padded = iters_sum * block_n * hkv2
-    rows = present * g2 * hkv2
+    partial = seg.present - seg.direct
+    programs = seg.units * hkv2
+    kv_tokens = seg.kv * hkv2
+    padded = seg.iterations * block_n * hkv2
+    rows = seg.present * g2 * hkv2
     index_bytes = 4 * (1 + shape[:, :, 4])  # kv_indices (and kv_row_mask) per token
     bytes_ = (
         kv_tokens * (2 * d2 * eb2 + index_bytes)
         + rows * d2 * eb2
-        + direct * g2 * hkv2 * d2 * eb2
+        + seg.direct * g2 * hkv2 * d2 * eb2
         + partial * g2 * hkv2 * (d2 + 1) * _F32
     )
-    classes = {
+    return {
         "programs": programs,
         "block_m": block_m,
         "block_n": block_n,
@@ -436,16 +502,29 @@ def plan_work_batch(plans, *, elem_bytes: int | np.ndarray | list[int] = 2) -> W
         "padded_rows": programs * block_m,
         "kv_tokens": kv_tokens,
         "padded_kv_tokens": padded,
-        "iterations": iters_sum * hkv2,
-        "max_iterations": max_iters,
+        "iterations": seg.iterations * hkv2,
+        "max_iterations": seg.max_iterations,
         "bytes": bytes_,
         "flops": 4 * block_m * padded * d2,
-        "useful_flops": 4 * pair_tokens * g2 * hkv2 * d2,
-        "direct_rows": direct * g2 * hkv2,
+        "useful_flops": 4 * seg.pair_tokens * g2 * hkv2 * d2,
+        "direct_rows": seg.direct * g2 * hkv2,
         "partial_rows": partial * g2 * hkv2,
     }
 
-    # merge: partials of every merged query, per plan
+
+@dataclass(frozen=True)
+class _MergeWork:
+    """The merge kernel's work per plan: programs, merged queries, their partials and the most of one query."""
+
+    programs: np.ndarray
+    queries: np.ndarray
+    partials: np.ndarray
+    max_partials: np.ndarray
+
+
+def _merge_work(plans: list, hq: np.ndarray) -> _MergeWork:
+    """Partials of every merged query, per plan."""
+    n = len(plans)
     n_merged = np.array([p.merge_queries.size for p in plans], dtype=np.int64)
     q_off = _exclusive_cumsum(np.array([p.query_num_partials.size for p in plans], dtype=np.int64))
     merged = _concat([p.merge_queries for p in plans]) + np.repeat(q_off[:-1], n_merged)
@@ -457,21 +536,6 @@ def plan_work_batch(plans, *, elem_bytes: int | np.ndarray | list[int] = 2) -> W
     if np.count_nonzero(has):
         m_max[has] = np.maximum.reduceat(parts, m_off[:-1][has])
     heads_per_prog = np.array([merge_heads_per_program(p) if p.merge_queries.size else 1 for p in plans])
-    m_programs = n_merged * -(-hq // heads_per_prog)
-    return WorkBatch(
-        classes=classes,
-        unit_iterations=iters,
-        unit_ptr=np.append(seg_lo, seg_hi[-1]),
-        merge_programs=m_programs,
-        merge_queries=n_merged,
-        merge_partials=m_partials,
-        merge_max_partials=m_max,
-        merge_bytes=m_partials * hq * (d + 1) * _F32 + n_merged * hq * d * eb,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        n_queries=np.array([p.n_queries for p in plans], dtype=np.int64),
-        unique_kv_tokens=np.array([unique_count(p.kv_indices) for p in plans], dtype=np.int64),
-        elem_bytes=np.ascontiguousarray(eb),
-        tile_mode=tuple(p.tile_mode for p in plans),
+    return _MergeWork(
+        programs=n_merged * -(-hq // heads_per_prog), queries=n_merged, partials=m_partials, max_partials=m_max
     )

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from .tree import KVTree, exclusive_sum, ragged_arange
+from .validation import check_int_array
 
 __all__ = ["tree_from_radix_nodes", "tree_from_req_to_token", "tree_from_token_slots"]
 
 logger = logging.getLogger(__name__)
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
-_INT64_MAX = int(np.iinfo(np.int64).max)
 #: Mean compared length (tokens per adjacent pair) from which the LCPs are found pair by pair.
 _LOOP_MIN_TOKENS = 128
 
@@ -61,20 +61,8 @@ def _host_array(
                     "(or use tree_from_req_to_token, which copies the rows it needs in one transfer)"
                 )
             value = value.detach().cpu()
-        arr = value.detach().numpy()
-    else:
-        arr = np.asarray(value)
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
-        raise ValueError(f"{name} holds {int(arr.max())}, beyond the int64 range")
-    if not arr.size:
-        return np.zeros(arr.shape, dtype=np.int64)
-    if keep_dtype and arr.dtype != np.uint64:
-        return arr
-    return arr.astype(np.int64, copy=False)
+        value = value.detach().numpy()
+    return check_int_array(name, value, ndim=ndim, keep_dtype=keep_dtype)
 
 
 def _check_slot_range(flat: np.ndarray, indptr: np.ndarray, where: Callable[[int, int], str]) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from .plan_arrays import Plan
 from .tree import KVTree, kept_mask, ragged_arange, splice
+from .validation import check_int
 
 _INT32_MAX = 0x7FFFFFFF
 
@@ -73,9 +74,7 @@ class PlanExtender:
     """
 
     def __init__(self, *, max_steps: int = 8) -> None:
-        if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
-        self.max_steps = int(max_steps)
+        self.max_steps = check_int("max_steps", max_steps, minimum=1, expected="a positive integer")
         self.reset()
 
     def reset(self) -> None:

@@ -26,31 +26,17 @@ from __future__ import annotations
 
 import json
 import logging
-import numbers
 import os
 from typing import Any
 
 from .plan_arrays import check_heads
 from .traces import DTYPES, TraceWriter, workload_record
 from .tree import KVTree
+from .validation import check_choice, check_int, check_nonempty_str
 
 __all__ = ["WorkloadRecorder"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return int(value)
-
-
-def _check_name(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    return value
 
 
 class WorkloadRecorder:
@@ -127,18 +113,16 @@ class WorkloadRecorder:
         fsync: bool = False,
     ) -> None:
         check_heads(num_q_heads, num_kv_heads, head_dim)
-        dtype_name = str(dtype).removeprefix("torch.")
-        if dtype_name not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-        self._every = _check_int("every", every, 1)
-        self._max_records = _check_int("max_records", max_records, 1)
-        self._max_tokens = _check_int("max_tokens", max_tokens, 1)
-        self._max_bytes = _check_int("max_bytes", max_bytes, 1)
+        dtype_name = check_choice("dtype", str(dtype).removeprefix("torch."), DTYPES)
+        self._every = check_int("every", every, minimum=1)
+        self._max_records = check_int("max_records", max_records, minimum=1)
+        self._max_tokens = check_int("max_tokens", max_tokens, minimum=1)
+        self._max_bytes = check_int("max_bytes", max_bytes, minimum=1)
         if seed is not None:
-            seed = _check_int("seed", seed, 0)
+            seed = check_int("seed", seed, minimum=0)
         self._fixed = {
-            "family": _check_name("family", family),
-            "scenario": _check_name("scenario", scenario),
+            "family": check_nonempty_str("family", family),
+            "scenario": check_nonempty_str("scenario", scenario),
             "seed": seed,
             "num_q_heads": int(num_q_heads),
             "num_kv_heads": int(num_kv_heads),
@@ -221,7 +205,7 @@ class WorkloadRecorder:
         return self._record(step, tree)
 
     def _record(self, step: int, tree: KVTree) -> bool:
-        _check_int("step", step, 0)
+        check_int("step", step, minimum=0)
         if not isinstance(tree, KVTree):
             raise ValueError(f"tree must be a KVTree, got {type(tree).__name__}")
         if self._tokens + tree.num_tokens > self._max_tokens:

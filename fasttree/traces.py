@@ -27,10 +27,9 @@ import hashlib
 import json
 import logging
 import math
-import numbers
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 
 from .config import PACKING_FIELDS, FastTreeConfig
 from .tree import KVTree
+from .validation import check_choice, check_int, check_nonempty_str, check_number, is_int
 
 try:  # POSIX advisory locks keep concurrent writers of one file from interleaving a repair
     import fcntl
@@ -187,7 +187,7 @@ def decode_tree(d: Any) -> KVTree:
         if isinstance(value, np.ndarray):
             ints = value.size == 0 or value.dtype.kind in "iu"
         else:  # fast path for parsed JSON (plain ints), then the general check (numpy scalars)
-            ints = set(map(type, value)) <= {int} or all(_is_int(v) for v in value)
+            ints = set(map(type, value)) <= {int} or all(is_int(v) for v in value)
         if not ints:
             raise ValueError(f"tree.{name} must hold only integers")
         try:
@@ -210,13 +210,13 @@ def _config_dict(
     ratio and head dim (``num_warps=None``, ``num_stages=None``) written out as the launches
     ran them, so one measurement has one key whatever the defaults are when it is written or read."""
     cfg = config if isinstance(config, FastTreeConfig) else FastTreeConfig.from_dict(config)
-    ratio_known = _is_int(num_q_heads) and _is_int(num_kv_heads) and min(num_q_heads, num_kv_heads) > 0
+    ratio_known = is_int(num_q_heads) and is_int(num_kv_heads) and min(num_q_heads, num_kv_heads) > 0
     if not ratio_known or num_q_heads % num_kv_heads:
         return cfg.to_dict()
     g = int(num_q_heads) // int(num_kv_heads)
     if cfg.num_warps is None:
         cfg = replace(cfg, num_warps=cfg.launch_warps(g))
-    if cfg.num_stages is None and _is_int(head_dim) and head_dim > 0:
+    if cfg.num_stages is None and is_int(head_dim) and head_dim > 0:
         cfg = replace(cfg, num_stages=cfg.launch_stages(g, int(head_dim)))
     return cfg.to_dict()
 
@@ -352,8 +352,8 @@ def _launch_problems(launch: Any) -> list[str]:
     p += [f"launch has an unknown field {k!r}" for k in launch if k not in _LAUNCH_VALUES]
     for k, allowed in _LAUNCH_VALUES.items():
         v = launch.get(k)
-        if k in launch and (isinstance(v, bool) or v not in allowed):
-            p.append(f"launch.{k} must be one of {list(allowed)}, got {v!r}")
+        if k in launch:
+            _collect(p, check_choice, f"launch.{k}", v, allowed)
     return p
 
 
@@ -571,37 +571,31 @@ def workload_record(
 
 
 # ---------------------------------------------------------------- validation
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+def _collect(p: list[str], check: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Run one of :mod:`fasttree.validation`'s checks; its ``ValueError`` becomes a problem in ``p``."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as exc:
+        p.append(str(exc))
+        return False
+    return True
 
 
 def _check_int(p: list[str], name: str, v: Any, lo: int, *, nullable: bool = False) -> bool:
     if v is None and nullable:
         return True
-    if not _is_int(v) or v < lo:
-        p.append(f"{name} must be an integer >= {lo}{' or null' if nullable else ''}, got {v!r}")
-        return False
-    return True
+    expected = f"an integer >= {lo}{' or null' if nullable else ''}"
+    return _collect(p, check_int, name, v, minimum=lo, expected=expected)
 
 
 def _check_str(p: list[str], name: str, v: Any, *, nullable: bool = False) -> bool:
     if v is None and nullable:
         return True
-    if not isinstance(v, str) or not v:
-        p.append(f"{name} must be a non-empty string{' or null' if nullable else ''}, got {v!r}")
-        return False
-    return True
+    return _collect(p, check_nonempty_str, name, v, expected="a non-empty string or null" if nullable else None)
 
 
 def _check_positive(p: list[str], name: str, v: Any) -> bool:
-    if not _is_real(v) or not math.isfinite(v) or v <= 0:
-        p.append(f"{name} must be a finite number > 0, got {v!r}")
-        return False
-    return True
+    return _collect(p, check_number, name, v, above=0, expected="a finite number > 0")
 
 
 def _check_free_form(p: list[str], name: str, v: Any) -> None:
@@ -713,13 +707,13 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
     if record.get("schema") != SCHEMA:
         return [f"schema must be {SCHEMA!r}, got {record.get('schema')!r}"], None, None
     version = record.get("schema_version")
-    if not _is_int(version) or version != SCHEMA_VERSION:
+    if not is_int(version) or version != SCHEMA_VERSION:
         return [f"schema_version {version!r} is not supported (this reader knows {SCHEMA_VERSION})"], None, None
     kind = record.get("kind")
-    if kind not in KINDS:
-        return [f"kind must be one of {list(KINDS)}, got {kind!r}"], None, None
-
     p: list[str] = []
+    if not _collect(p, check_choice, "kind", kind, KINDS):
+        return p, None, None
+
     _check_fields(p, "record", record, _REQUIRED[kind], _OPTIONAL[kind])
 
     tree: KVTree | None = None
@@ -751,8 +745,8 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
         p.append(f"num_q_heads ({record['num_q_heads']}) must be a multiple of num_kv_heads ({record['num_kv_heads']})")
     if "head_dim" in record:
         _check_int(p, "head_dim", record["head_dim"], 1)
-    if "dtype" in record and record["dtype"] not in DTYPES:
-        p.append(f"dtype must be one of {list(DTYPES)}, got {record['dtype']!r}")
+    if "dtype" in record:
+        _collect(p, check_choice, "dtype", record["dtype"], DTYPES)
     if "meta" in record:
         _check_free_form(p, "meta", record["meta"])
 
@@ -796,8 +790,8 @@ def _validate(record: Any) -> tuple[list[str], KVTree | None, FastTreeConfig | N
         p.append(f"correct must be true, false or null, got {record['correct']!r}")
     if "max_rel_err" in record:
         err = record["max_rel_err"]
-        if err is not None and (not _is_real(err) or not math.isfinite(err) or err < 0):
-            p.append(f"max_rel_err must be a finite number >= 0 or null, got {err!r}")
+        if err is not None:
+            _collect(p, check_number, "max_rel_err", err, minimum=0, expected="a finite number >= 0 or null")
     if "time_utc" in record:
         _check_time(p, record["time_utc"])
     key = record.get("key")
@@ -1131,8 +1125,8 @@ def read_traces(
         ``skip_invalid``. A file that cannot be read on (a gzip stream cut short, say)
         raises too, or, with ``skip_invalid``, counts as one invalid line and ends that file.
     """
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"kind must be one of {list(KINDS)} or None, got {kind!r}")
+    if kind is not None:
+        check_choice("kind", kind, KINDS, expected=f"one of {list(KINDS)} or None")
     out = TraceSet()
     for path in _expand(paths):
         name = str(path)

@@ -16,18 +16,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .validation import check_int_array
+
 _INT32_MAX = np.iinfo(np.int32).max
 
 
 def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
-    arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else np.asarray(value)
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D integer array, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} holds {arr.max()}, beyond the int64 range")
-    return arr.astype(np.int64, copy=False)
+    """``value`` (array-like, or a CPU tensor) as an int64 array of ``ndim`` dims (:func:`check_int_array`)."""
+    arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else value
+    return check_int_array(name, arr, ndim=ndim)
 
 
 def _parents_and_lengths(parents, lengths) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,11 @@ import pytest
 import torch
 
 import fasttree as ft
+import fasttree.toolkit.design as design_module
+import fasttree.toolkit.environment as environment
+import fasttree.toolkit.measure as measure_module
+import fasttree.toolkit.precompile as precompile
+import fasttree.toolkit.profile_loop as profile_loop
 import fasttree.toolkit.profiler as prof
 from fasttree.runtime_planning import plan_for_runtime
 from fasttree.toolkit.profiler import (
@@ -286,8 +291,8 @@ def test_design_rejects_bad_arguments(kwargs):
 
 def test_invalid_combinations_are_skipped_deterministically(monkeypatch):
     # 512 rows can never fit in a tile (> 256 for every GQA ratio); 64 small rows exceed 32 large rows
-    monkeypatch.setattr(prof, "Q_ROWS_LARGE", (32, 128, 512))
-    monkeypatch.setattr(prof, "Q_ROWS_SMALL", (8, 64))
+    monkeypatch.setattr(design_module, "Q_ROWS_LARGE", (32, 128, 512))
+    monkeypatch.setattr(design_module, "Q_ROWS_SMALL", (8, 64))
     pts = design(400, 5)
     assert pts == design(400, 5)
     assert len(pts) == 400 and [p.index for p in pts] == list(range(400))
@@ -300,7 +305,7 @@ def test_invalid_combinations_are_skipped_deterministically(monkeypatch):
 
 
 def test_a_search_space_without_valid_points_raises(monkeypatch):
-    monkeypatch.setattr(prof, "Q_ROWS_LARGE", (1024,))
+    monkeypatch.setattr(design_module, "Q_ROWS_LARGE", (1024,))
     with pytest.raises(ValueError, match="no valid point"):
         design(20, 0)
 
@@ -588,7 +593,8 @@ def cpu_measure(monkeypatch):
         calls.append("eager")
         return 33.0
 
-    monkeypatch.setattr(prof, "point_tree", lambda point: SMALL_TREE)
+    monkeypatch.setattr(design_module, "point_tree", lambda point: SMALL_TREE)
+    monkeypatch.setattr(measure_module, "point_tree", lambda point: SMALL_TREE)
     monkeypatch.setattr("fasttree.toolkit.timing.graph_time_us", graph_time_us)
     monkeypatch.setattr("fasttree.toolkit.timing.eager_time_us", eager_time_us)
     return calls
@@ -695,13 +701,13 @@ def test_measure_point_turns_a_kernel_error_into_a_failed_record(cpu_measure, mo
         raise RuntimeError("PassManager::run failed (fake compile error)")
 
     monkeypatch.setattr("fasttree.toolkit.timing.graph_time_us", broken)
-    monkeypatch.setattr(prof, "_device_healthy", lambda device: True)
+    monkeypatch.setattr(measure_module, "_device_healthy", lambda device: True)
     rec = measure_point(small_point(), device=device, check=False, env=FAKE_ENV)
     assert validate(rec) == []
     assert rec["status"] == "failed" and rec["error"] == "RuntimeError: PassManager::run failed (fake compile error)"
     assert rec["plan"] is not None and rec["timing"] is None
     # the same error leaving the device unusable: the record travels with DeviceLostError
-    monkeypatch.setattr(prof, "_device_healthy", lambda device: False)
+    monkeypatch.setattr(measure_module, "_device_healthy", lambda device: False)
     with pytest.raises(DeviceLostError) as info:
         measure_point(small_point(), device=device, check=False, env=FAKE_ENV)
     assert info.value.record["status"] == "failed" and "fake compile error" in info.value.record["error"]
@@ -719,7 +725,7 @@ def test_record_compiles_hook_records_and_skips_then_restores():
     knobs = triton.knobs.runtime
     before = knobs.jit_cache_hook
     found: dict = {}
-    with prof._record_compiles(found):
+    with precompile._record_compiles(found):
         hook = knobs.jit_cache_hook
         skip = hook(
             key="k",
@@ -735,7 +741,7 @@ def test_record_compiles_hook_records_and_skips_then_restores():
 
 
 def test_compile_pool_reports_failures_and_respects_the_deadline():
-    c = prof._Compiler(1)
+    c = precompile.CompilePool(1)
     try:
         c.compile({"{}": ("no_such_module_for_fasttree_tests", "kernel")}, deadline=None)
         assert (c.compiled, c.failed) == (0, 1)
@@ -746,7 +752,7 @@ def test_compile_pool_reports_failures_and_respects_the_deadline():
         assert c.submit({"{}": ("no_such_module_for_fasttree_tests", "kernel")}) == {}, "submitted once only"
     finally:
         c.close()
-    error, seconds = prof._compile_worker("os", "getcwd", "{}")  # os.getcwd has no preload: a clean error
+    error, seconds = precompile._compile_worker("os", "getcwd", "{}")  # os.getcwd has no preload: a clean error
     assert error.startswith("AttributeError") and seconds >= 0
 
 
@@ -775,8 +781,8 @@ class FakeCompiler:
 @pytest.fixture
 def fake_compiler(monkeypatch):
     FakeCompiler.events = events = []
-    monkeypatch.setattr(prof, "_Compiler", FakeCompiler)
-    monkeypatch.setattr(prof, "_cuda_device", lambda device: True)
+    monkeypatch.setattr(profile_loop, "CompilePool", FakeCompiler)
+    monkeypatch.setattr(profile_loop, "cuda_device", lambda device: True)
 
     def measure(point, **kw):
         events.append(("measure", point.index))
@@ -788,7 +794,7 @@ def fake_compiler(monkeypatch):
 def test_each_batch_is_compiled_ahead_before_it_is_measured(tmp_path, monkeypatch, fake_compiler):
     events, measure = fake_compiler
     monkeypatch.setattr(
-        prof, "kernel_specialisations", lambda batch, device: {f"s{p.index}": ("m", "k") for p in batch}
+        profile_loop, "kernel_specialisations", lambda batch, device: {f"s{p.index}": ("m", "k") for p in batch}
     )
     s = run(tmp_path / "t.jsonl", 10, precompile=True, batch_size=4, compile_workers=3, measure=measure)
     # batch k+1's kernels are queued before batch k is measured, and waited for before it is measured
@@ -822,7 +828,7 @@ def test_a_failing_compile_step_falls_back_to_compiling_in_the_measuring_process
             raise RuntimeError("BrokenProcessPool (fake)")
         return {"s": ("m", "k")}
 
-    monkeypatch.setattr(prof, "kernel_specialisations", discover)
+    monkeypatch.setattr(profile_loop, "kernel_specialisations", discover)
     caplog.set_level("WARNING", logger="fasttree")
     s = run(tmp_path / "t.jsonl", 8, precompile=True, batch_size=3, measure=measure)
     assert s.measured == 8
@@ -853,20 +859,20 @@ def test_nvidia_smi_query(monkeypatch):
         assert cmd[0] == "nvidia-smi" and "-i" in cmd and cmd[-1] == "GPU-123"
         return subprocess.CompletedProcess(cmd, 0, stdout="3201, 570.86.15\n", stderr="")
 
-    monkeypatch.setattr(prof.subprocess, "run", fake_run)
-    assert prof._nvidia_smi("GPU-123") == {"memory_clock_mhz": 3201, "driver": "570.86.15"}
+    monkeypatch.setattr(environment.subprocess, "run", fake_run)
+    assert environment._nvidia_smi("GPU-123") == {"memory_clock_mhz": 3201, "driver": "570.86.15"}
 
     def missing(cmd, **kw):
         raise FileNotFoundError("nvidia-smi")
 
-    monkeypatch.setattr(prof.subprocess, "run", missing)
-    assert prof._nvidia_smi("0") == {"memory_clock_mhz": None, "driver": None}
+    monkeypatch.setattr(environment.subprocess, "run", missing)
+    assert environment._nvidia_smi("0") == {"memory_clock_mhz": None, "driver": None}
 
 
 def test_physical_gpu_id(monkeypatch):
-    assert prof._physical_gpu_id(types.SimpleNamespace(uuid="abc-1"), 0) == "GPU-abc-1"
+    assert environment._physical_gpu_id(types.SimpleNamespace(uuid="abc-1"), 0) == "GPU-abc-1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert prof._physical_gpu_id(types.SimpleNamespace(), 1) == "5"
+    assert environment._physical_gpu_id(types.SimpleNamespace(), 1) == "5"
 
 
 def test_collect_env_needs_a_gpu(monkeypatch):

@@ -27,8 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +43,7 @@ from fasttree.plan_arrays import check_heads
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, encode_tree
 from fasttree.tree import KVTree
+from fasttree.validation import check_int, check_number
 
 from .space import Bucket, suggest_config
 
@@ -93,10 +92,7 @@ class WorkloadStep:
         if not isinstance(self.tree, KVTree):
             raise ValueError(f"a workload step needs a KVTree, got {type(self.tree).__name__}")
         check_heads(self.num_q_heads, self.num_kv_heads, _ANY_HEAD_DIM)
-        w = self.weight
-        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"a step weight must be a finite number >= 0, got {w!r}")
-        object.__setattr__(self, "weight", float(w))
+        object.__setattr__(self, "weight", check_number("a step weight", self.weight, minimum=0))
 
 
 def _record_label(record: Mapping[str, Any]) -> str:
@@ -192,8 +188,7 @@ def thin_steps(steps: Sequence[WorkloadStep], every: int, *, min_steps: int = 64
     ValueError
         On ``every < 1``.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an integer >= 1, got {every!r}")
+    every = check_int("every", every, minimum=1)
     if every == 1:
         return list(steps)
     counts: dict[str, int] = {}

@@ -1,8 +1,8 @@
 """The tuner's search space: the :class:`~fasttree.config.FastTreeConfig` a trial proposes for one bucket.
 
-The space is the profiling design's (:mod:`fasttree.toolkit.profiler`), never wider, because the
+The space is the profiling design's (:mod:`fasttree.toolkit.design`), never wider, because the
 latency model was trained only there: query-tile rows per tile class from
-:data:`~fasttree.toolkit.profiler.Q_ROWS_LARGE` / :data:`~fasttree.toolkit.profiler.Q_ROWS_SMALL` (turned
+:data:`~fasttree.toolkit.design.Q_ROWS_LARGE` / :data:`~fasttree.toolkit.design.Q_ROWS_SMALL` (turned
 into queries per tile with the bucket's GQA ratio, as the profiler does), KV tiles, split
 sizes, both parallelism-threshold pairs in ``[0, 4 * sm_count]``, alpha/beta/gamma in their
 ranges, warps and stages per tile class, and packing (``pack_min_units`` only when packing
@@ -28,7 +28,6 @@ FastTreeConfig()``.
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,7 @@ from fasttree.config import DEFAULT_NUM_STAGES_DEEP, DEFAULT_Q_TILE_ROWS, FastTr
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.predict import elem_bytes_of
 from fasttree.export import bucket_key
-from fasttree.toolkit.profiler import (
+from fasttree.toolkit.design import (
     ALPHA_RANGE,
     BETA_RANGE,
     GAMMA_RANGE,
@@ -54,6 +53,7 @@ from fasttree.toolkit.profiler import (
     SPLITS_LARGE,
     SPLITS_SMALL,
 )
+from fasttree.validation import check_int, is_int, is_number
 
 #: Pipeline stages the tuner searches: the profiler's and the defaults' 5 for the large class
 #: (:data:`fasttree.config.DEFAULT_NUM_STAGES_DEEP`). The traces behind the shipped latency
@@ -218,10 +218,9 @@ class Bucket:
 
     def __post_init__(self) -> None:
         g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= g <= MAX_TILE_ROWS:
-            raise ValueError(f"a bucket's GQA ratio must be an integer in [1, {MAX_TILE_ROWS}], got {g!r}")
-        _, d, dtype = bucket_key(num_q_heads=int(g), num_kv_heads=1, head_dim=self.head_dim, dtype=self.dtype)
-        object.__setattr__(self, "group_size", int(g))
+        g = check_int("a bucket's GQA ratio", g, minimum=1, maximum=MAX_TILE_ROWS)
+        _, d, dtype = bucket_key(num_q_heads=g, num_kv_heads=1, head_dim=self.head_dim, dtype=self.dtype)
+        object.__setattr__(self, "group_size", g)
         object.__setattr__(self, "head_dim", d)
         object.__setattr__(self, "dtype", dtype)
 
@@ -340,9 +339,9 @@ def _suggest(trial: optuna.trial.BaseTrial, name: str, dist: BaseDistribution) -
 def _contains(dist: BaseDistribution, value: Any) -> bool:
     if isinstance(dist, CategoricalDistribution):
         return value in dist.choices
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         return False
-    if isinstance(dist, IntDistribution) and not isinstance(value, numbers.Integral):
+    if isinstance(dist, IntDistribution) and not is_int(value):
         return False
     return dist.low <= value <= dist.high
 
@@ -387,10 +386,7 @@ def check_params(params: Mapping[str, Any], gpu: GpuSpec) -> None:
 def _int_param(params: Mapping[str, Any], name: str) -> int:
     if name not in params:
         raise ValueError(f"trial parameters lack {name!r}")
-    value = params[name]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"trial parameter {name!r} must be an integer, got {value!r}")
-    return int(value)
+    return check_int(f"trial parameter {name!r}", params[name])
 
 
 def _pair(params: Mapping[str, Any], fmt: str, *, log2: bool = False) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from fasttree.config import FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
+from fasttree.validation import check_choice, check_int, check_number
 
 from .objective import LatencyObjective, Predictor, WorkloadStep, steps_by_bucket
 from .polish import polish_config
@@ -94,10 +95,9 @@ def make_sampler(seed: int | None = 0, *, worker: int = 0) -> optuna.samplers.TP
         Index of this worker among concurrent workers of one study (>= 0): each gets its
         own seed stream, derived from ``(seed, worker)``.
     """
-    if isinstance(worker, bool) or not isinstance(worker, int) or worker < 0:
-        raise ValueError(f"worker must be an integer >= 0, got {worker!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be an integer >= 0 or None, got {seed!r}")
+    worker = check_int("worker", worker, minimum=0)
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0, expected="an integer >= 0 or None")
     stream = None if seed is None else int(np.random.SeedSequence([seed, worker]).generate_state(1)[0])
     with warnings.catch_warnings():  # ``group`` is marked experimental; it is what the tuner wants
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -142,8 +142,7 @@ def open_study(
     ValueError
         When an existing study has other objectives or another fingerprint.
     """
-    if n_objectives not in (1, 2):
-        raise ValueError(f"n_objectives must be 1 or 2, got {n_objectives!r}")
+    check_choice("n_objectives", n_objectives, (1, 2), expected="1 or 2")
     sampler = make_sampler() if sampler is None else sampler
     try:
         study = optuna.create_study(
@@ -304,10 +303,9 @@ def run_trials(
     max_pruned_in_a_row : int
         Stop (with a warning) after this many consecutive pruned trials of this worker.
     """
-    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
-        raise ValueError(f"n_trials must be an integer >= 1, got {n_trials!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    n_trials = check_int("n_trials", n_trials, minimum=1)
+    if timeout is not None:
+        check_number("timeout", timeout, above=0, finite=False, expected="a positive number of seconds or None")
     done = _count(study, (TrialState.COMPLETE,))
     if done >= n_trials:
         logger.info("study %s already has %d complete trials (target %d)", study.study_name, done, n_trials)
@@ -505,51 +503,31 @@ def tune_bucket(
     ValueError
         On bad arguments, a study made for another objective, or no COMPLETE trial.
     """
-    if isinstance(polish_passes, bool) or not isinstance(polish_passes, int) or polish_passes < 0:
-        raise ValueError(f"polish_passes must be an integer >= 0, got {polish_passes!r}")
+    polish_passes = check_int("polish_passes", polish_passes, minimum=0)
     t0 = time.monotonic()
     bucket = objective.bucket
     name = study_name(base_name, bucket)
-    store = open_storage(storage, folder=folder)
-    study, created = open_study(
-        store,
-        name,
-        n_objectives=objective.n_objectives,
-        sampler=make_sampler(seed, worker=worker),
-        fingerprint=objective.fingerprint(),
-    )
-    ensure_defaults(study, default_params(objective.gpu, bucket.group_size, bucket.head_dim), created=created)
-    if created:  # then one-knob neighbours of the defaults (see neighbour_params)
-        for params in neighbour_params(objective.gpu, bucket.group_size, bucket.head_dim):
-            study.enqueue_trial(params, user_attrs={"neighbour": True})
+    study = _bucket_study(objective, open_storage(storage, folder=folder), name, make_sampler(seed, worker=worker))
     run_trials(study, objective, n_trials=n_trials, timeout=timeout, progress=progress)
     best = _best_trial(study)
     if best is None:
         raise ValueError(f"study {name} has no complete trial")
-    config = config_from_params(best.params, bucket.group_size, bucket.head_dim)
-    trial_us = predicted = float(best.values[0])
-    worst = float(best.user_attrs.get("worst_step_us", math.nan))
-    moves, evaluations, start_label = [], 0, ""
+    trial_config = config_from_params(best.params, bucket.group_size, bucket.head_dim)
+    trial_us = float(best.values[0])
+    polished = _Polished(trial_config, trial_us)
     if polish_passes and objective.n_objectives == 1:
-        # from the best trial and from the defaults: TPE's best trials can sit in a worse basin
-        # than the defaults' one-knob descent reaches (the committed H200 GQA-4 workloads: 4.28 vs 3.98)
-        starts = [("best trial", config)] + ([("defaults", FastTreeConfig())] if config != FastTreeConfig() else [])
-        for label, start in starts:
-            polish = polish_config(objective, start, passes=polish_passes)
-            evaluations += polish.evaluations
-            total = polish.best_us["total"]
-            if polish.moves and total < predicted:
-                config, predicted, moves, start_label = polish.config, total, polish.moves, label
-        if moves:
-            worst = objective.evaluate(config).worst_us
+        polished = _polish(objective, trial_config, trial_us, polish_passes)
+    worst = float(best.user_attrs.get("worst_step_us", math.nan))
+    if polished.moves:
+        worst = objective.evaluate(polished.config).worst_us
     base = objective.defaults
     trials = study.get_trials(deepcopy=False)
     result = TuneResult(
         study_name=name,
         bucket=bucket,
-        best_config=config,
+        best_config=polished.config,
         best_trial=best.number,
-        predicted_us=predicted,
+        predicted_us=polished.predicted_us,
         worst_step_us=worst,
         defaults_predicted_us=base.total_us,
         defaults_worst_step_us=base.worst_us,
@@ -559,9 +537,9 @@ def tune_bucket(
         importances=param_importances(study) if importances else {},
         elapsed_s=time.monotonic() - t0,
         trial_predicted_us=trial_us,
-        polish_moves=moves,
-        polish_evaluations=evaluations,
-        polish_start=start_label,
+        polish_moves=polished.moves,
+        polish_evaluations=polished.evaluations,
+        polish_start=polished.start,
     )
     logger.info(
         "%s: best trial %d scores %.4g, %.4g polished (defaults %.4g, %.3fx) after %d complete trials",
@@ -574,6 +552,49 @@ def tune_bucket(
         result.n_complete,
     )
     return result
+
+
+def _bucket_study(objective: LatencyObjective, store: BaseStorage, name: str, sampler: Any) -> Study:
+    """Open (or create) the bucket's study; a new one gets the defaults, then their one-knob
+    neighbours (:func:`~fasttree.tuner.space.neighbour_params`), as its first trials."""
+    bucket = objective.bucket
+    study, created = open_study(
+        store, name, n_objectives=objective.n_objectives, sampler=sampler, fingerprint=objective.fingerprint()
+    )
+    ensure_defaults(study, default_params(objective.gpu, bucket.group_size, bucket.head_dim), created=created)
+    if created:
+        for params in neighbour_params(objective.gpu, bucket.group_size, bucket.head_dim):
+            study.enqueue_trial(params, user_attrs={"neighbour": True})
+    return study
+
+
+@dataclass(frozen=True)
+class _Polished:
+    """The config a study's result reports: the best trial's, or a polished one that beats it."""
+
+    config: FastTreeConfig
+    predicted_us: float
+    moves: list = field(default_factory=list)
+    evaluations: int = 0
+    start: str = ""  # where the kept polish started ("best trial" or "defaults"), "" for none
+
+
+def _polish(objective: LatencyObjective, config: FastTreeConfig, predicted_us: float, passes: int) -> _Polished:
+    """Polish from the best trial's config and from the defaults and keep what beats the trial.
+
+    Both starts: TPE's best trials can sit in a worse basin than the defaults' one-knob descent
+    reaches (the committed H200 GQA-4 workloads: 4.28 vs 3.98).
+    """
+    best = _Polished(config, predicted_us)
+    evaluations = 0
+    starts = [("best trial", config)] + ([("defaults", FastTreeConfig())] if config != FastTreeConfig() else [])
+    for label, start in starts:
+        polish = polish_config(objective, start, passes=passes)
+        evaluations += polish.evaluations
+        total = polish.best_us["total"]
+        if polish.moves and total < best.predicted_us:
+            best = _Polished(polish.config, total, polish.moves, start=label)
+    return replace(best, evaluations=evaluations)
 
 
 def tune_workload(

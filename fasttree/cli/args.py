@@ -10,6 +10,8 @@ import argparse
 import math
 import re
 
+from ..validation import check_int
+
 __all__ = ["duration_arg", "families_arg", "int_at_least", "non_negative_int", "parse_duration", "positive_int"]
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -52,17 +54,23 @@ def duration_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def int_at_least(minimum: int, what: str):
-    """An argparse ``type`` accepting integers >= ``minimum``; ``what`` names them in errors."""
+def int_at_least(minimum: int, what: str | None = None):
+    """An argparse ``type`` accepting integers >= ``minimum``.
+
+    ``what`` names them in errors (default ``"an integer >= {minimum}"``): ``expected
+    {what}, got {value}``.
+    """
+    what = f"an integer >= {minimum}" if what is None else what
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
+        try:
+            return check_int("value", value, minimum=minimum)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}") from None
 
     return parse
 

@@ -15,12 +15,6 @@ from .args import int_at_least
 
 __all__ = ["add_costmodel_commands", "fit_and_save"]
 
-
-def _at_least(minimum: int):
-    """An argparse ``type``: an integer >= ``minimum`` (``fasttree.cli``'s parser and messages)."""
-    return int_at_least(minimum, f"an integer >= {minimum}")
-
-
 logger = logging.getLogger("fasttree.cli")
 
 _KEYS = ("n", "mape", "p90_ape", "mean_kendall_tau", "top1_score", "top5_score", "a_peak@1", "n_trees")
@@ -34,7 +28,7 @@ def _trace_inputs() -> argparse.ArgumentParser:
     g.add_argument("--skip-invalid", action="store_true", help="skip bad lines (logged) instead of stopping")
     g.add_argument(
         "--workers",
-        type=_at_least(1),
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="processes that re-plan the traces (default: cpus, <= 8)",
@@ -46,19 +40,19 @@ def _model_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model")
     g.add_argument("--kind", choices=("gbrt", "forest", "residual"), default="gbrt", help="regressor (default gbrt)")
-    g.add_argument("--n-estimators", type=_at_least(1), default=400, metavar="N", help="trees (default 400)")
-    g.add_argument("--max-depth", type=_at_least(1), default=7, metavar="D", help="tree depth (default 7)")
+    g.add_argument("--n-estimators", type=int_at_least(1), default=400, metavar="N", help="trees (default 400)")
+    g.add_argument("--max-depth", type=int_at_least(1), default=7, metavar="D", help="tree depth (default 7)")
     g.add_argument(
         "--n-seeds",
-        type=_at_least(1),
+        type=int_at_least(1),
         default=3,
         metavar="N",
         help="regressors fitted with seeds SEED, SEED+1, ...; predictions are their geometric mean (default 3)",
     )
-    g.add_argument("--seed", type=_at_least(0), default=0, help="random seed of the first regressor (default 0)")
+    g.add_argument("--seed", type=int_at_least(0), default=0, help="random seed of the first regressor (default 0)")
     g.add_argument(
         "--jobs",
-        type=_at_least(1),
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="processes fitting the regressors side by side (default: every core)",
@@ -92,7 +86,7 @@ def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> N
         parents=[*common, _trace_inputs(), _model_options()],
     )
     e.add_argument("--model", metavar="MODEL", help="a model written by 'fasttree-tune fit'")
-    e.add_argument("--folds", type=_at_least(2), default=5, metavar="K", help="folds without --model (default 5)")
+    e.add_argument("--folds", type=int_at_least(2), default=5, metavar="K", help="folds without --model (default 5)")
     e.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
     e.add_argument("--json", metavar="PATH", help="also write the metrics as JSON")
     e.set_defaults(func=_cmd_evaluate, subparser=e)

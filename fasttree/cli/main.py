@@ -29,6 +29,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .args import duration_arg, families_arg, non_negative_int, parse_duration, positive_int
 
@@ -101,7 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     # Each subcommand adds a parser here and sets ``func``; new ones (fit, evaluate, tune, ...) go alongside.
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
     sub.required = True
+    _add_profile_command(sub)
+    _add_traces_command(sub)
 
+    from .costmodel import add_costmodel_commands
+
+    add_costmodel_commands(sub, [_common_options(suppress=True)])
+
+    from .tune import add_tune_commands
+
+    add_tune_commands(sub, [_common_options(suppress=True)])
+    return parser
+
+
+def _add_profile_command(sub: Any) -> None:
+    """``profile``: measure a design of points on the GPU into a trace file."""
     p = sub.add_parser(
         "profile",
         help=_PROFILE_HELP,
@@ -119,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop starting new points after this wall time: seconds ('90', '60s'), minutes ('10m') "
         "or hours ('1h'); default: no limit",
     )
+    _add_design_options(p)
+    _add_measurement_options(p)
+    p.set_defaults(func=_cmd_profile, subparser=p)
+
+
+def _add_design_options(p: argparse.ArgumentParser) -> None:
+    """``profile``'s design: points, seed, tree families and split."""
     p.add_argument(
         "-n",
         "--points",
@@ -144,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         "head dim 256, or trees deeper than the training ranges -- for the cost model's held-out "
         "evaluation; lines carry meta.split; write them to their own folder (traces/h200_heldout/)",
     )
+
+
+def _add_measurement_options(p: argparse.ArgumentParser) -> None:
+    """``profile``'s measurement: checks, repeats, the launches timed, compiling ahead and progress."""
     p.add_argument(
         "--check-every",
         type=non_negative_int,
@@ -178,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no progress bar (progress goes to the log once a minute)",
     )
-    p.set_defaults(func=_cmd_profile, subparser=p)
 
+
+def _add_traces_command(sub: Any) -> None:
+    """``traces``: validate trace files and summarise them."""
     t = sub.add_parser(
         "traces",
         help="validate trace files and summarise what they hold",
@@ -194,15 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-invalid", action="store_true", help="skip bad lines (counted and listed) instead of stopping"
     )
     t.set_defaults(func=_cmd_traces, subparser=t)
-
-    from .costmodel import add_costmodel_commands
-
-    add_costmodel_commands(sub, [_common_options(suppress=True)])
-
-    from .tune import add_tune_commands
-
-    add_tune_commands(sub, [_common_options(suppress=True)])
-    return parser
 
 
 def _setup_logging(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..validation import check_number
 from .args import duration_arg, int_at_least
 
 __all__ = ["add_tune_commands"]
@@ -67,7 +68,7 @@ def _study_options() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--every",
-        type=int_at_least(1, "an integer >= 1"),
+        type=int_at_least(1),
         default=1,
         metavar="K",
         help="tune on every K-th step of each workload of more than 64 steps, weighted K (consecutive decode "
@@ -88,7 +89,7 @@ def _trial_options() -> argparse.ArgumentParser:
     g = p.add_argument_group("trials")
     g.add_argument(
         "--trials",
-        type=int_at_least(1, "an integer >= 1"),
+        type=int_at_least(1),
         default=RUN_TRIALS,
         metavar="N",
         help=f"complete trials per bucket study, counting earlier runs and other workers (default {RUN_TRIALS})",
@@ -100,17 +101,17 @@ def _trial_options() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="stop starting trials of a bucket after this time ('90s', '5m'); default: none",
     )
-    g.add_argument("--seed", type=int_at_least(0, "an integer >= 0"), default=0, help="sampler seed (default 0)")
+    g.add_argument("--seed", type=int_at_least(0), default=0, help="sampler seed (default 0)")
     g.add_argument(
         "--worker",
-        type=int_at_least(0, "an integer >= 0"),
+        type=int_at_least(0),
         default=0,
         metavar="K",
         help="this worker's index when several run one study (distinct seeds; default 0)",
     )
     g.add_argument(
         "--polish-passes",
-        type=int_at_least(0, "an integer >= 0"),
+        type=int_at_least(0),
         default=POLISH_PASSES,
         metavar="N",
         help="passes of the coordinate search on the model that polishes each study's best config "
@@ -121,7 +122,14 @@ def _trial_options() -> argparse.ArgumentParser:
 
 
 def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
-    """Add ``tune``, ``export`` and ``run`` to the ``fasttree-tune`` subparsers ``sub``."""
+    """Add ``tune``, ``export``, ``run``, ``validate``, ``refine`` and ``bench`` to the ``fasttree-tune``
+    subparsers ``sub``."""
+    for add in (_add_tune, _add_export, _add_run, _add_validate, _add_refine, _add_bench):
+        add(sub, common)
+
+
+def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``tune``: one Optuna study per bucket against the latency model."""
     t = sub.add_parser(
         "tune",
         help="tune configs per bucket against the latency model on workload traces",
@@ -139,6 +147,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     t.add_argument("--json", metavar="PATH", help="write the per-bucket results as JSON")
     t.set_defaults(func=_cmd_tune, subparser=t)
 
+
+def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``export``: the best config of each bucket's study as an export file."""
     e = sub.add_parser(
         "export",
         help="write the best config of each bucket's study as an export file",
@@ -153,6 +164,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
     e.set_defaults(func=_cmd_export, subparser=e)
 
+
+def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``run``: the main job, shipped traces in, tuned export and report out."""
     r = sub.add_parser(
         "run",
         help="the main job: shipped traces in, tuned export and report out",
@@ -170,6 +184,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
     r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S, every=RUN_EVERY, trials=RUN_TRIALS)
 
+
+def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``validate``: a tuned export against the defaults, measured on the GPU."""
     v = sub.add_parser(
         "validate",
         help="measure a tuned export against the defaults on the GPU",
@@ -182,14 +199,15 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
     v.add_argument("workloads", nargs="*", default=[RUN_HELDOUT], metavar="WORKLOADS", help=f"default {RUN_HELDOUT}")
-    v.add_argument(
-        "--steps", type=int_at_least(1, "an integer >= 1"), default=8, metavar="K", help="steps per workload (8)"
-    )
+    v.add_argument("--steps", type=int_at_least(1), default=8, metavar="K", help="steps per workload (8)")
     v.add_argument("--model", default=None, metavar="MODEL", help="latency model for predicted speedups")
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
     v.add_argument("--json", metavar="PATH", help="write the results as JSON")
     v.set_defaults(func=_cmd_validate, subparser=v)
 
+
+def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``refine``: an export's configs refined by timing them on the GPU."""
     f = sub.add_parser(
         "refine",
         help="refine an export's configs by timing them on the GPU",
@@ -205,10 +223,8 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     f.add_argument(
         "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default {RUN_WORKLOADS}"
     )
-    f.add_argument(
-        "--steps", type=int_at_least(1, "an integer >= 1"), default=3, metavar="K", help="steps per workload (3)"
-    )
-    f.add_argument("--passes", type=int_at_least(1, "an integer >= 1"), default=2, help="search passes (2)")
+    f.add_argument("--steps", type=int_at_least(1), default=3, metavar="K", help="steps per workload (3)")
+    f.add_argument("--passes", type=int_at_least(1), default=2, help="search passes (2)")
     f.add_argument("--min-gain", type=float, default=0.015, help="relative gain a move must bring (0.015)")
     f.add_argument("--fields", default=None, help="comma list of coordinates to search (default: all)")
     f.add_argument(
@@ -216,6 +232,9 @@ def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     f.set_defaults(func=_cmd_refine, subparser=f)
 
+
+def _add_bench(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``bench``: the kernel benchmark on the paper suite."""
     b = sub.add_parser(
         "bench",
         help="the kernel benchmark on the paper suite (needs a GPU)",
@@ -602,9 +621,8 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         args.subparser.error("--device cpu needs TRITON_INTERPRET=1 (a smoke test: its times mean nothing)")
     if Path(args.out).exists():
         args.subparser.error(f"{args.out} exists; choose another path")
-    if not 0 <= args.min_gain < 1:
-        args.subparser.error(f"--min-gain must be in [0, 1), got {args.min_gain}")
     try:
+        check_number("--min-gain", args.min_gain, minimum=0, below=1)
         coordinates = None if args.fields is None else parse_fields(args.fields)
         export = read_export(args.config)
         records = read_traces(args.workloads, kind="workload").records

@@ -31,6 +31,7 @@ from triton.runtime.errors import OutOfResources
 from ..config import FastTreeConfig
 from ..runtime import TreeAttentionRuntime
 from ..tree import KVTree
+from ..validation import check_int, check_number
 
 __all__ = [
     "COORDINATES",
@@ -188,10 +189,8 @@ def coordinate_search(
     head_dim : int, optional
         Head dim of the workloads.
     """
-    if passes < 1:
-        raise ValueError(f"passes must be >= 1, got {passes}")
-    if not 0 <= min_gain < 1:
-        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+    passes = check_int("passes", passes, minimum=1)
+    min_gain = check_number("min_gain", min_gain, minimum=0, below=1)
     coordinates = COORDINATES if coordinates is None else coordinates
     g = group_size if group_size is not None else getattr(measure, "group_size", None)
     d = head_dim if head_dim is not None else getattr(measure, "head_dim", None)

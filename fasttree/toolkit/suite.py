@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from ..tree import KVTree
+from ..validation import check_choice
 
 #: case -> (nodes_per_level, tokens_per_node_per_level)
 PAPER_SUITE: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {
@@ -33,7 +34,6 @@ PAPER_HEADS: dict[str, tuple[int, int]] = {"mha": (32, 32), "gqa4": (32, 8), "gq
 
 def paper_tree(case: int) -> KVTree:
     """The paper-suite tree of ``case`` (1..15)."""
-    if case not in PAPER_SUITE:
-        raise ValueError(f"paper-suite case must be one of 1..{len(PAPER_SUITE)}, got {case!r}")
+    check_choice("paper-suite case", case, PAPER_SUITE, expected=f"one of 1..{len(PAPER_SUITE)}")
     nodes, tokens = PAPER_SUITE[case]
     return KVTree.from_levels(nodes, tokens)

@@ -2,7 +2,7 @@
 
 For every workload (one scenario and head shape of the workload traces) a few evenly
 spaced decode steps are measured with the export's config for their bucket and with
-``FastTreeConfig()``, by the profiler's own measurement (:func:`fasttree.toolkit.profiler.measure_point`:
+``FastTreeConfig()``, by the profiler's own measurement (:func:`fasttree.toolkit.measure.measure_point`:
 CUDA-graph replay on random inputs, the first step of each workload checked against the
 float64 reference). The measured speedup of a workload is the ratio of its summed step
 times. Every measurement is appended to a trace file (``meta.split = "validate"``), so
@@ -27,7 +27,10 @@ import numpy as np
 from ..config import FastTreeConfig
 from ..export import ConfigExport
 from ..traces import TraceWriter, decode_tree
-from .profiler import DesignPoint, collect_env, measure_point
+from ..validation import check_int
+from .design import DesignPoint
+from .environment import collect_env
+from .measure import measure_point
 
 __all__ = ["WorkloadValidation", "validate_export", "workload_steps"]
 
@@ -82,8 +85,7 @@ def workload_steps(records: Iterable[Mapping[str, Any]], per_workload: int) -> d
     ValueError
         On ``per_workload < 1`` or no workload records.
     """
-    if per_workload < 1:
-        raise ValueError(f"steps per workload must be >= 1, got {per_workload}")
+    per_workload = check_int("steps per workload", per_workload, minimum=1)
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         if r.get("kind") != "workload":
@@ -146,9 +148,9 @@ def validate_export(
         ``[(record, config), ...] -> predicted us`` (e.g. the latency model through the planner).
     device : str or torch.device
     env : dict, optional
-        :func:`fasttree.toolkit.profiler.collect_env` of ``device`` (collected when None).
+        :func:`fasttree.toolkit.environment.collect_env` of ``device`` (collected when None).
     measure : callable
-        :func:`fasttree.toolkit.profiler.measure_point` (replaceable in tests).
+        :func:`fasttree.toolkit.measure.measure_point` (replaceable in tests).
 
     Returns
     -------

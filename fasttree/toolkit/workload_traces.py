@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from ..traces import TraceWriter, read_traces, workload_record
+from ..validation import check_int
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from .workloads import SCENARIOS, iter_serving
 
@@ -116,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-paper-suite", dest="paper_suite", action="store_false", help="write only the serving scenarios"
     )
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
+    try:
+        check_int("--steps", args.steps, minimum=1)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     written = write_all(args.out, steps=args.steps, seed=args.seed, paper_suite=args.paper_suite)
     check = read_traces(args.out, kind="workload")

@@ -21,7 +21,6 @@ All trees are built with :meth:`fasttree.KVTree.from_lengths` (contiguous pool s
 from __future__ import annotations
 
 import math
-import numbers
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..tree import KVTree
+from ..validation import check_int, check_int_pair, check_number
 from .suite import PAPER_SUITE, paper_tree
 
 __all__ = [
@@ -59,28 +59,9 @@ MAX_TOTAL_TOKENS = 1 << 20
 
 
 # ------------------------------------------------------------------ helpers
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi]``, else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
 def _check_range(name: str, value, lo: int = 1) -> tuple[int, int]:
     """``value`` as an inclusive integer range ``(a, b)`` with ``lo <= a <= b``."""
-    try:
-        a, b = value
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a (min, max) pair of integers, got {value!r}") from None
-    a = _check_int(f"{name}[0]", a, lo)
-    b = _check_int(f"{name}[1]", b, lo)
-    if a > b:
-        raise ValueError(f"{name} = {value!r}: min exceeds max")
-    return a, b
+    return check_int_pair(name, value, minimum=lo, ordered=True)
 
 
 def _log_uniform_int(rng: np.random.Generator, lo: int, hi: int, size: int | None = None):
@@ -101,7 +82,7 @@ def _pick(rng: np.random.Generator, name: str, value, default: tuple[int, int], 
     """``value`` validated as an int ``>= lo``, or, when ``None``, drawn from ``default``."""
     if value is None:
         return _log_uniform_int(rng, *default) if log else _uniform_int(rng, default)
-    return _check_int(name, value, lo)
+    return check_int(name, value, minimum=lo)
 
 
 def _fit_budget(counts: np.ndarray, tokens: np.ndarray, budget: int) -> np.ndarray:
@@ -184,9 +165,9 @@ def paper_random(
         Token budget of the tree.
     """
     n_levels = _pick(rng, "levels", levels, (2, 9), lo=2, log=False)
-    max_leaves = _check_int("max_leaves", max_leaves, 2)
-    max_node_tokens = _check_int("max_node_tokens", max_node_tokens, 1)
-    max_total_tokens = _check_int("max_total_tokens", max_total_tokens, 1)
+    max_leaves = check_int("max_leaves", max_leaves, minimum=2)
+    max_node_tokens = check_int("max_node_tokens", max_node_tokens, minimum=1)
+    max_total_tokens = check_int("max_total_tokens", max_total_tokens, minimum=1)
     leaves = _log_uniform_int(rng, 2, max_leaves)
     inner = np.sort(_log_uniform_int(rng, 1, leaves, size=n_levels - 2))
     widths = np.array([1, *inner.tolist(), leaves], dtype=np.int64)
@@ -221,10 +202,9 @@ def random_recursive(
         Token budget of the tree (lengths are scaled down to fit).
     """
     n = _pick(rng, "n_nodes", n_nodes, (2, 1024), log=True)
-    max_node_tokens = _check_int("max_node_tokens", max_node_tokens, 1)
-    max_total_tokens = _check_int("max_total_tokens", max_total_tokens, 1)
-    if not 0.0 <= internal_query_prob <= 1.0:
-        raise ValueError(f"internal_query_prob must be in [0, 1], got {internal_query_prob!r}")
+    max_node_tokens = check_int("max_node_tokens", max_node_tokens, minimum=1)
+    max_total_tokens = check_int("max_total_tokens", max_total_tokens, minimum=1)
+    internal_query_prob = check_number("internal_query_prob", internal_query_prob, minimum=0, maximum=1)
     parents = np.empty(n, dtype=np.int64)
     parents[0] = -1
     parents[1:] = np.minimum(np.floor(rng.random(n - 1) * np.arange(1, n)), np.arange(n - 1))
@@ -354,7 +334,7 @@ def speculative(
     """
     n_req = _pick(rng, "n_requests", n_requests, (1, 16), log=True)
     if n_token_nodes is not None:
-        _check_int("n_token_nodes", n_token_nodes, 1)
+        check_int("n_token_nodes", n_token_nodes, minimum=1)
     depth_cap = _pick(rng, "max_depth", max_depth, (1, 12), log=False)
     p_range = _check_range("prompt_tokens", prompt_tokens)
     parents: list[int] = []
@@ -436,7 +416,7 @@ def no_sharing(
     """
     n = _pick(rng, "n_requests", n_requests, (1, 1024), log=True)
     c_range = _check_range("context_tokens", context_tokens)
-    max_total_tokens = _check_int("max_total_tokens", max_total_tokens, 1)
+    max_total_tokens = check_int("max_total_tokens", max_total_tokens, minimum=1)
     lengths = _fit_budget(np.ones(n), _log_uniform_int(rng, *c_range, size=n), max_total_tokens)
     return KVTree.from_lengths(np.full(n, -1, dtype=np.int64), lengths, np.arange(n))
 
@@ -474,7 +454,7 @@ def sample_tree(family: str, seed: int, **params) -> KVTree:
     """
     if family not in TREE_FAMILIES:
         raise ValueError(f"unknown tree family {family!r}; choose one of {sorted(TREE_FAMILIES)}")
-    seed = _check_int("seed", seed, 0)
+    seed = check_int("seed", seed, minimum=0)
     return TREE_FAMILIES[family](np.random.default_rng(seed), **params)
 
 
@@ -542,16 +522,16 @@ class ServingScenario:
         for lvl, spec in enumerate(self.prefix_levels):
             if len(spec) != 3:
                 raise ValueError(f"prefix_levels[{lvl}] must be (nodes, min tokens, max tokens), got {spec!r}")
-            _check_int(f"prefix_levels[{lvl}] nodes", spec[0], 1)
+            check_int(f"prefix_levels[{lvl}] nodes", spec[0], minimum=1)
             _check_range(f"prefix_levels[{lvl}] tokens", spec[1:])
-        _check_int("questions_per_prefix", self.questions_per_prefix, 1)
+        check_int("questions_per_prefix", self.questions_per_prefix, minimum=1)
         _check_range("question_tokens", self.question_tokens)
         _check_range("output_tokens", self.output_tokens)
         for f in self.forks:
-            _check_int("forks entry", f, 2)
+            check_int("forks entry", f, minimum=2)
         _check_range("fork_after", self.fork_after)
-        _check_int("max_batch", self.max_batch, self.slots_per_question)
-        _check_rate(self.arrival_rate)
+        check_int("max_batch", self.max_batch, minimum=self.slots_per_question)
+        check_number("arrival_rate", self.arrival_rate, minimum=0)
 
     @property
     def slots_per_question(self) -> int:
@@ -562,12 +542,6 @@ class ServingScenario:
     def mean_question_steps(self) -> float:
         """Mean decode steps from a question's admission until its last request finishes."""
         return len(self.forks) * sum(self.fork_after) / 2 + sum(self.output_tokens) / 2
-
-
-def _check_rate(rate) -> float:
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not math.isfinite(rate) or rate < 0:
-        raise ValueError(f"arrival_rate must be a finite number >= 0, got {rate!r}")
-    return float(rate)
 
 
 #: The four end-to-end scenarios of the FastTree paper (Llama-2-7B / Mistral-7B, up to 256 new tokens).
@@ -719,99 +693,134 @@ def iter_serving(
     ServingStep
     """
     sc = _resolve(scenario)
-    seed = _check_int("seed", seed, 0)
-    steps = _check_int("steps", steps, 1)
+    seed = check_int("seed", seed, minimum=0)
+    steps = check_int("steps", steps, minimum=1)
     slots = sc.slots_per_question
-    batch = sc.max_batch if max_batch is None else _check_int("max_batch", max_batch, slots)
-    rate = sc.arrival_rate if arrival_rate is None else _check_rate(arrival_rate)
+    batch = sc.max_batch if max_batch is None else check_int("max_batch", max_batch, minimum=slots)
+    rate = sc.arrival_rate if arrival_rate is None else check_number("arrival_rate", arrival_rate, minimum=0)
     if initial_requests is not None:
-        initial = _check_int("initial_requests", initial_requests, 0)
+        initial = check_int("initial_requests", initial_requests, minimum=0)
     elif rate == 0:
         initial = batch // slots
     else:  # about the steady-state number of questions in the system (Little's law), at most a full batch
         initial = min(batch // slots, round(rate * sc.mean_question_steps))
-    rng = np.random.default_rng(seed)
-
-    # Static shared prefixes, level by level; parents precede children throughout.
-    node_parent: list[int] = []
-    node_len: list[int] = []
-    level_nodes: list[int] = [-1]
-    for lvl, (fan_out, lo, hi) in enumerate(sc.prefix_levels):
-        nodes: list[int] = []
-        for parent in level_nodes:
-            for _ in range(fan_out):
-                nodes.append(len(node_parent))
-                node_parent.append(parent if lvl else -1)
-                node_len.append(_uniform_int(rng, (lo, hi)))
-        level_nodes = nodes
-    prefixes = level_nodes
-    template_prefix = np.repeat(np.arange(len(prefixes)), sc.questions_per_prefix)
-    template_len = _uniform_int(rng, sc.question_tokens, size=template_prefix.size)
-
-    order: deque[int] = deque()
-
-    def arrivals(count: int) -> Iterator[int]:
-        for _ in range(count):
-            if not order:
-                order.extend(rng.permutation(template_prefix.size).tolist())
-            yield order.popleft()
-
-    def new_node(parent: int, length: int) -> int:
-        node_parent.append(parent)
-        node_len.append(length)
-        return len(node_parent) - 1
-
-    def phase_tokens(level: int) -> int:
-        return _uniform_int(rng, sc.fork_after if level < len(sc.forks) else sc.output_tokens)
-
-    active: dict[int, _Request] = {}
-    group_live: dict[int, int] = {}
-    pending: deque[int] = deque(arrivals(initial))
-    reserved = 0
-    next_rid = next_group = 0
+    sim = _Simulation(sc, np.random.default_rng(seed), batch)
+    sim.arrive(initial)
     emitted = t = 0
     while emitted < steps:
         if t > 0 and rate > 0:
-            pending.extend(arrivals(int(rng.poisson(rate))))
-        while pending and reserved + slots <= batch:
-            tpl = pending.popleft()
-            prefix = int(template_prefix[tpl])
-            anchor = prefixes[prefix]
-            node = new_node(anchor, int(template_len[tpl]))
-            active[next_rid] = _Request(next_rid, next_group, prefix, anchor, node, phase_tokens(0), 0)
-            group_live[next_group] = 1
-            reserved += slots
-            next_rid += 1
-            next_group += 1
-        if not active:
+            sim.arrive(int(sim.rng.poisson(rate)))
+        sim.admit()
+        if not sim.active:
             if rate == 0:
                 return
             t += 1
             continue
-        yield _emit(t, active, node_parent, node_len)
+        yield _emit(t, sim.active, sim.node_parent, sim.node_len)
         emitted += 1
-        for rid in list(active):
-            req = active[rid]
-            node_len[req.node] += 1
+        sim.decode_one_token()
+        t += 1
+
+
+class _Simulation:
+    """One serving simulation's state: the node forest (static prefixes first, parents before
+    children), the active requests, the question queue and the reserved batch slots.
+
+    Every random draw comes from ``rng`` in a fixed order, so a seed fixes the trees.
+    """
+
+    def __init__(self, sc: ServingScenario, rng: np.random.Generator, batch: int) -> None:
+        self.sc = sc
+        self.rng = rng
+        self.batch = batch
+        self.slots = sc.slots_per_question
+        self.node_parent: list[int] = []
+        self.node_len: list[int] = []
+        self.prefixes = self._static_prefixes()
+        # the question templates: each prefix's questions, with their lengths
+        self.template_prefix = np.repeat(np.arange(len(self.prefixes)), sc.questions_per_prefix)
+        self.template_len = _uniform_int(rng, sc.question_tokens, size=self.template_prefix.size)
+        self.order: deque[int] = deque()  # templates not drawn yet in the current permutation
+        self.pending: deque[int] = deque()  # questions waiting for admission
+        self.active: dict[int, _Request] = {}
+        self.group_live: dict[int, int] = {}  # live requests per question
+        self.reserved = 0
+        self.next_rid = self.next_group = 0
+
+    def _static_prefixes(self) -> list[int]:
+        """Add the shared prefix nodes level by level; returns the last level's nodes."""
+        level_nodes: list[int] = [-1]
+        for lvl, (fan_out, lo, hi) in enumerate(self.sc.prefix_levels):
+            nodes: list[int] = []
+            for parent in level_nodes:
+                for _ in range(fan_out):
+                    nodes.append(self._new_node(parent if lvl else -1, _uniform_int(self.rng, (lo, hi))))
+            level_nodes = nodes
+        return level_nodes
+
+    def _new_node(self, parent: int, length: int) -> int:
+        self.node_parent.append(parent)
+        self.node_len.append(length)
+        return len(self.node_parent) - 1
+
+    def _phase_tokens(self, level: int) -> int:
+        """Tokens of a request's next phase: a trunk before a fork level, else the answer."""
+        sc = self.sc
+        return _uniform_int(self.rng, sc.fork_after if level < len(sc.forks) else sc.output_tokens)
+
+    def arrive(self, count: int) -> None:
+        """Queue ``count`` new questions, drawn from the templates by successive random permutations."""
+        for _ in range(count):
+            if not self.order:
+                self.order.extend(self.rng.permutation(self.template_prefix.size).tolist())
+            self.pending.append(self.order.popleft())
+
+    def admit(self) -> None:
+        """Admit queued questions while their reserved batch slots fit in ``batch``."""
+        while self.pending and self.reserved + self.slots <= self.batch:
+            tpl = self.pending.popleft()
+            prefix = int(self.template_prefix[tpl])
+            anchor = self.prefixes[prefix]
+            node = self._new_node(anchor, int(self.template_len[tpl]))
+            rid, group = self.next_rid, self.next_group
+            self.active[rid] = _Request(rid, group, prefix, anchor, node, self._phase_tokens(0), 0)
+            self.group_live[group] = 1
+            self.reserved += self.slots
+            self.next_rid += 1
+            self.next_group += 1
+
+    def decode_one_token(self) -> None:
+        """Every active request decodes one token; a request whose phase ends forks or finishes."""
+        for rid in list(self.active):
+            req = self.active[rid]
+            self.node_len[req.node] += 1
             req.remaining -= 1
             if req.remaining:
                 continue
-            del active[rid]
-            if req.level < len(sc.forks):  # the trunk becomes shared; forks start empty below it
-                n_forks = sc.forks[req.level]
-                for _ in range(n_forks):
-                    child = new_node(req.node, 0)
-                    active[next_rid] = _Request(
-                        next_rid, req.group, req.prefix, req.node, child, phase_tokens(req.level + 1), req.level + 1
-                    )
-                    next_rid += 1
-                group_live[req.group] += n_forks - 1
+            del self.active[rid]
+            if req.level < len(self.sc.forks):
+                self._fork(req)
             else:
-                group_live[req.group] -= 1
-                if group_live[req.group] == 0:
-                    del group_live[req.group]
-                    reserved -= slots
-        t += 1
+                self._finish(req)
+
+    def _fork(self, req: _Request) -> None:
+        """The trunk becomes shared; the forks start empty below it."""
+        n_forks = self.sc.forks[req.level]
+        for _ in range(n_forks):
+            child = self._new_node(req.node, 0)
+            level = req.level + 1
+            self.active[self.next_rid] = _Request(
+                self.next_rid, req.group, req.prefix, req.node, child, self._phase_tokens(level), level
+            )
+            self.next_rid += 1
+        self.group_live[req.group] += n_forks - 1
+
+    def _finish(self, req: _Request) -> None:
+        """The request leaves; its question's slots are freed once its last request has."""
+        self.group_live[req.group] -= 1
+        if self.group_live[req.group] == 0:
+            del self.group_live[req.group]
+            self.reserved -= self.slots
 
 
 def _emit(step: int, active: dict[int, _Request], node_parent: list[int], node_len: list[int]) -> ServingStep:
