@@ -12,7 +12,6 @@ outputs are ``[n_queries, Hq, D]`` in ``q``'s dtype. fp16 and bf16 are supported
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 import torch
@@ -48,6 +47,7 @@ from .launcher import (
 )
 from .plan_arrays import DevicePlan, Plan, check_heads, materialize
 from .tree import KVTree
+from .validation import check_int, check_number
 
 __all__ = ["output_like", "plan_query_separated", "query_separated_attention", "tree_attention"]
 
@@ -130,13 +130,7 @@ def output_like(q: torch.Tensor, out: object) -> torch.Tensor:
 
 
 def _check_sm_scale(sm_scale: object) -> None:
-    if (
-        isinstance(sm_scale, bool)
-        or not isinstance(sm_scale, numbers.Real)
-        or not math.isfinite(sm_scale)
-        or sm_scale <= 0
-    ):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    check_number("sm_scale", sm_scale, above=0.0, expected="a positive finite number")
 
 
 def _device_plan(plan: Plan | DevicePlan, device: torch.device) -> DevicePlan:
@@ -407,6 +401,8 @@ def plan_query_separated(
     ``g`` heads of one KV head of one query over one chunk, and chunks are merged.
     """
     check_heads(num_q_heads, num_kv_heads, head_dim)
+    if kv_split_size is not None:
+        kv_split_size = check_int("kv_split_size", kv_split_size, minimum=1)
     kv_indptr, kv_slots = tree.query_slots()
     nq = tree.n_queries
     lens = np.diff(kv_indptr)
@@ -414,8 +410,6 @@ def plan_query_separated(
         want_chunks = max(1, -(-4 * num_sms // (nq * num_kv_heads)))
         kv_split_size = max(kv_tile, -(-int(lens.max()) // want_chunks))
         kv_split_size = -(-kv_split_size // kv_tile) * kv_tile
-    if kv_split_size < 1:
-        raise ValueError(f"kv_split_size must be >= 1, got {kv_split_size}")
     groups = Groups(
         node=tree.query_nodes.copy(),
         kv_start=kv_indptr[:-1],

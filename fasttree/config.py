@@ -12,14 +12,13 @@ Vocabulary used across the package:
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from .fileio import write_atomic
+from .validation import check_int, check_int_pair, check_number
 
 CONFIG_SCHEMA_VERSION = 2
 #: Fields added in schema version 2 (packing).
@@ -49,6 +48,14 @@ DEFAULT_NUM_STAGES_DEEP = (5, 3)
 _DEEP_STAGES_MAX_GROUP = 8
 _DEEP_STAGES_MAX_HEAD_DIM = 128
 _MAX_Q_TILE_ROWS = 256  # == fasttree.plan_arrays.MAX_BLOCK_M
+#: Ranges of the cost weights: far wider than any tuned value (the planner multiplies them with
+#: token counts, so an extreme weight would only overflow its costs). gamma -10 and 10 are the
+#: paper's "never concatenate" and query-centric ablations.
+_WEIGHT_RANGES = {"alpha": (0.0, 1e4), "beta": (0.0, 1e4), "gamma": (-1e4, 1e4)}
+#: Largest tile, split size or threshold (the kernels index with int32).
+_MAX_COUNT = 2**31 - 1
+#: Largest pack_tokens and pack_min_units (2**24: far past any tree a plan can hold in one launch).
+_MAX_PACK = 1 << 24
 _PAIR_FIELDS = (
     "q_tile_queries",
     "kv_tile",
@@ -134,16 +141,20 @@ class FastTreeConfig:
     pack_min_units: int = 264
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"FastTreeConfig.{name} must be a finite number, got {value!r}")
-            object.__setattr__(self, name, float(value))
+        for name, (lo, hi) in _WEIGHT_RANGES.items():
+            value = check_number(f"FastTreeConfig.{name}", getattr(self, name), minimum=lo, maximum=hi)
+            object.__setattr__(self, name, value)
         for name in _PAIR_FIELDS:
             value = getattr(self, name)
             if value is None and name in ("q_tile_queries", "num_warps", "num_stages"):
                 continue
-            object.__setattr__(self, name, _int_pair(name, value))
+            try:
+                pair = check_int_pair(f"FastTreeConfig.{name}", value)
+            except ValueError:
+                raise ValueError(f"FastTreeConfig.{name} must be a pair of integers, got {value!r}") from None
+            if max(pair) > _MAX_COUNT:
+                raise ValueError(f"FastTreeConfig.{name} must be at most {_MAX_COUNT}, got {pair}")
+            object.__setattr__(self, name, pair)
         if self.q_tile_queries is not None:
             large, small = self.q_tile_queries
             if small < 1 or large < small:
@@ -167,9 +178,9 @@ class FastTreeConfig:
             raise ValueError(f"FastTreeConfig.num_stages must be in [1, 8], got {self.num_stages}")
         for name in ("pack_tokens", "pack_min_units"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise ValueError(f"FastTreeConfig.{name} must be an integer >= 0, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            check_int(f"FastTreeConfig.{name}", value, minimum=0, expected="an integer >= 0")
+            value = check_int(f"FastTreeConfig.{name}", value, maximum=_MAX_PACK)
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ tiles
     def query_tiles(self, group_size: int) -> tuple[int, int]:
@@ -271,13 +282,3 @@ class FastTreeConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"FastTreeConfig JSON is malformed: {exc}") from None
         return cls.from_dict(data)
-
-
-def _int_pair(name: str, value: Any) -> tuple[int, int]:
-    try:
-        items = tuple(value)
-    except TypeError:
-        raise ValueError(f"FastTreeConfig.{name} must be a pair of integers, got {value!r}") from None
-    if len(items) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in items):
-        raise ValueError(f"FastTreeConfig.{name} must be a pair of integers, got {value!r}")
-    return int(items[0]), int(items[1])

@@ -23,6 +23,7 @@ from .config import FastTreeConfig
 from .packing import MAX_PACK_QUERIES, PackedUnits, pack_units
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
+from .validation import check_int
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -55,8 +56,7 @@ ABSENT_ROW = -2  # pair_out_row of a packed unit's row that serves no query
 def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Validate head counts and head dim; return the GQA ratio ``g``."""
     for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_int(name, v, minimum=1, expected="a positive integer")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if not 16 <= head_dim <= 256:

@@ -11,10 +11,10 @@ persistent launches gain nothing from three of the rules. A plan records its rul
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from .validation import check_int, check_int_pair, check_number
 
 __all__ = ["PlanRules"]
 
@@ -81,25 +81,17 @@ class PlanRules:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
+            name, value = f"PlanRules.{f.name}", getattr(self, f.name)
             if f.type == "bool":
                 if not isinstance(value, bool):
-                    raise ValueError(f"PlanRules.{f.name} must be a bool, got {value!r}")
+                    raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
-                items = tuple(value) if isinstance(value, (tuple, list)) else ()
-                if len(items) != 2 or not all(_is_int(v) and v >= 0 for v in items):
-                    raise ValueError(f"PlanRules.{f.name} must be a pair of integers >= 0, got {value!r}")
-                object.__setattr__(self, f.name, (int(items[0]), int(items[1])))
+                value = check_int_pair(name, value, minimum=0)
             elif f.type == "int":
-                if not _is_int(value) or value < 1:
-                    raise ValueError(f"PlanRules.{f.name} must be a positive integer, got {value!r}")
-                object.__setattr__(self, f.name, int(value))
+                value = check_int(name, value, minimum=1, expected="a positive integer")
             else:
-                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise ValueError(f"PlanRules.{f.name} must be a finite number, got {value!r}")
-                if value < 0:
-                    raise ValueError(f"PlanRules.{f.name} must be >= 0, got {value!r}")
-                object.__setattr__(self, f.name, float(value))
+                value = check_number(name, value, minimum=0.0)
+            object.__setattr__(self, f.name, value)
 
     @classmethod
     def defaults(cls) -> PlanRules:
@@ -122,10 +114,6 @@ class PlanRules:
     def with_(self, **changes: Any) -> PlanRules:
         """A validated copy with some fields changed."""
         return replace(self, **changes)
-
-
-def _is_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 _DEFAULTS = PlanRules()

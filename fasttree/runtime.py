@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +77,7 @@ from .plan_extend import PlanExtender
 from .recording import WorkloadRecorder
 from .runtime_planning import QUERY_CENTRIC_CHOICES, launch_slots, plan_for_runtime, resolve_stage1_launches
 from .tree import KVTree
+from .validation import check_choice, check_int, check_number
 
 __all__ = ["PLAN_HEADER", "RuntimePlan", "TreeAttentionRuntime"]
 
@@ -132,9 +132,7 @@ class RuntimePlan:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return check_int(name, value, minimum=1, expected="a positive integer")
 
 
 def _runtime_device(device: torch.device | str) -> torch.device:
@@ -254,16 +252,12 @@ class TreeAttentionRuntime:
         self.dtype = getattr(torch, _dtype_name(dtype))
         self.device = _runtime_device(device)
         self._set_capacities(max_queries, max_kv_entries, max_units, max_partial_rows, max_pairs, pool_slots)
-        if query_centric not in QUERY_CENTRIC_CHOICES:
-            raise ValueError(f"query_centric must be one of {QUERY_CENTRIC_CHOICES}, got {query_centric!r}")
-        self.query_centric = query_centric
+        self.query_centric = check_choice("query_centric", query_centric, QUERY_CENTRIC_CHOICES)
         self.programs_per_sm = None if programs_per_sm is None else _positive_int("programs_per_sm", programs_per_sm)
         self.waves = _positive_int("waves", waves)
         self.stage1_launches = resolve_stage1_launches(stage1_launches, self.group_size, self.head_dim)
         self.recorder = self._checked_recorder(recorder)
-        if isinstance(extend_steps, bool) or not isinstance(extend_steps, numbers.Integral) or extend_steps < 0:
-            raise ValueError(f"extend_steps must be a non-negative integer, got {extend_steps!r}")
-        self.extend_steps = int(extend_steps)
+        self.extend_steps = check_int("extend_steps", extend_steps, minimum=0, expected="a non-negative integer")
         self._extender = PlanExtender(max_steps=self.extend_steps) if self.extend_steps else None
         self._steps = 0
         self.config = self._resolve_config(config)
@@ -531,6 +525,12 @@ class TreeAttentionRuntime:
         return self._current
 
     @property
+    def stage1_programs(self) -> tuple[int, ...]:
+        """Persistent programs of each stage-1 launch (0 until the first :meth:`forward` has
+        compiled the kernel and sized its grid from the kernel's occupancy)."""
+        return tuple(int(n) for n in self._programs[: self.stage1_launches])
+
+    @property
     def current_plan(self) -> RuntimePlan | None:
         """The last plan :meth:`plan` uploaded (None before the first)."""
         return self._current
@@ -576,8 +576,7 @@ class TreeAttentionRuntime:
         self._check(q, k_cache, v_cache, cur)
         out = output_like(q, out)
         scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else sm_scale
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+        check_number("sm_scale", scale, above=0.0, expected="a positive finite number")
         self._min_rows = min(self._min_rows, q.shape[0])
         pool = k_cache.shape[0]
         self._min_pool = pool if self._min_pool is None else min(self._min_pool, pool)

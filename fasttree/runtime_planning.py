@@ -23,6 +23,7 @@ from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, _tile_class, check_head
 from .plan_rules import PlanRules
 from .planner import plan as plan_tree
 from .tree import KVTree
+from .validation import check_choice
 
 __all__ = [
     "MIN_SHARING_GAIN",
@@ -121,8 +122,7 @@ def plan_for_runtime(
     """
     group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
     launches = resolve_stage1_launches(stage1_launches, group_size, head_dim)
-    if query_centric not in QUERY_CENTRIC_CHOICES:
-        raise ValueError(f"query_centric must be one of {QUERY_CENTRIC_CHOICES}, got {query_centric!r}")
+    check_choice("query_centric", query_centric, QUERY_CENTRIC_CHOICES)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
              "rules": PlanRules.runtime(launches)}  # fmt: skip
     centric_config = replace(config, gamma=QUERY_CENTRIC_GAMMA)

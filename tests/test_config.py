@@ -301,6 +301,26 @@ def test_constructor_rejects(kwargs, match):
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"alpha": -5}, r"FastTreeConfig.alpha must be in \[0.0, 10000.0\], got -5"),
+        ({"alpha": 1e308}, r"FastTreeConfig.alpha must be in \[0.0, 10000.0\], got 1e\+308"),
+        ({"gamma": -1e5}, r"FastTreeConfig.gamma must be in \[-10000.0, 10000.0\]"),
+        ({"pack_tokens": 10**30}, r"FastTreeConfig.pack_tokens must be <= 16777216"),
+        ({"para_threshs1": (0, 2**31)}, r"para_threshs1 must be at most 2147483647"),
+    ],
+)
+def test_constructor_rejects_values_outside_the_planners_range(kwargs, match):
+    """Weights, packing budgets and counts far outside any meaningful range are refused (a config
+    with alpha = 1e308 made the planner's costs overflow), also when an export carries them."""
+    with pytest.raises(ValueError, match=match):
+        FastTreeConfig(**kwargs)
+    data = FastTreeConfig().to_dict() | {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        FastTreeConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(
     "kwargs",
     [
         {"kv_tile": (16, 512)},
@@ -310,7 +330,8 @@ def test_constructor_rejects(kwargs, match):
         {"para_threshs1": (0, 0), "para_threshs2": (0, 0)},
         {"num_warps": (1, 16)},
         {"num_stages": (1, 8)},
-        {"alpha": -1e300, "beta": 0, "gamma": 10},
+        {"alpha": 0, "beta": 1e4, "gamma": -1e4},
+        {"pack_tokens": 1 << 24, "pack_min_units": 1 << 24, "kv_split_sizes": (2**31 - 1, 1)},
     ],
 )
 def test_constructor_accepts_the_boundaries(kwargs):

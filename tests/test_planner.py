@@ -465,3 +465,31 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ft.KVTree.from_flat([-1, 0], [2], [0, 1], [1])
     with pytest.raises(ValueError, match="negative slot id"):
         ft.KVTree.from_flat([-1, 0], [1, 1], [0, -5], [1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"solo_units": 1}, "PlanRules.solo_units must be a bool, got 1"),
+        ({"solo_min_tokens": 0}, "PlanRules.solo_min_tokens must be a positive integer, got 0"),
+        ({"wide_row_tokens": float("nan")}, "PlanRules.wide_row_tokens must be a finite number"),
+        ({"aligned_max_longer": -1.0}, "PlanRules.aligned_max_longer must be >= 0"),
+        ({"whole_groups_min_items": (1, -1)}, r"PlanRules.whole_groups_min_items\[1\] must be >= 0"),
+    ],
+)
+def test_plan_rules_refuse_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ft.PlanRules(**kwargs)
+
+
+def test_plan_refuses_what_is_not_plan_rules():
+    with pytest.raises(ValueError, match="rules must be a PlanRules, got dict"):
+        ft.plan(paper_tree(1), num_q_heads=4, num_kv_heads=1, head_dim=64, rules={"solo_units": False})
+
+
+def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
+    assert ft.PlanRules.defaults() == ft.PlanRules()
+    for launches in (1, 2):
+        rt = ft.PlanRules.runtime(launches)
+        assert (rt.solo_units, rt.wide_units, rt.aligned_blocks) == (launches == 2, False, False)
+        assert rt.with_(solo_units=True, wide_units=True, aligned_blocks=True) == ft.PlanRules()

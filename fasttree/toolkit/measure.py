@@ -243,7 +243,7 @@ def _profiler_meta(launch: _Launch, wall_s: float) -> dict[str, Any]:
         "kernel_version": KERNEL_VERSION,
     }
     if rt is not None:  # as sized from the compiled kernels
-        info["runtime_programs"] = [int(n) for n in rt._programs[: rt.stage1_launches]]
+        info["runtime_programs"] = list(rt.stage1_programs)
     return info
 
 
