@@ -46,15 +46,17 @@ _DEFAULT_CONFIG = FastTreeConfig()
 
 _INT32_MAX = 0x7FFFFFFF
 
-#: Levels with at most this many edges are decided by the scalar loop.
-_SCALAR_EDGES = 16
+#: Levels with at most this many edges are decided by the scalar loop (a speed threshold: both
+#: loops decide alike).
+SCALAR_EDGES = 16
 
-#: A vectorised level whose first pass leaves at most ``_SCALAR_REST_FACTOR * _SCALAR_EDGES``
+#: A vectorised level whose first pass leaves at most ``_SCALAR_REST_FACTOR * SCALAR_EDGES``
 #: edges undecided finishes them with the scalar loop (else with rounds of vector passes).
 _SCALAR_REST_FACTOR = 8
 
-#: Chained groups' slots are filled by strided copies only when a copy averages this many tokens.
-_STRIDED_FILL_TOKENS = 8192
+#: Chained groups' slots are filled by strided copies only when a copy averages this many tokens
+#: (a speed threshold: every fill gives the same slots).
+STRIDED_FILL_TOKENS = 8192
 
 
 # ---------------------------------------------------------------- tree index
@@ -309,13 +311,18 @@ def _pow2(x: int) -> bool:
     return x & (x - 1) == 0
 
 
-def greedy_edge_assignment(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def greedy_edge_assignment(
+    tree: KVTree, cost: PaddingCost, *, scalar_edges: int = SCALAR_EDGES
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy binary edge assignment of FastTree, correct for forests and internal queries.
 
     Parameters
     ----------
     tree : KVTree
     cost : PaddingCost
+    scalar_edges : int
+        Levels with at most this many edges are decided by a scalar loop, the others by
+        vectorised passes (a speed trade-off: the assignment is the same).
 
     Returns
     -------
@@ -333,7 +340,7 @@ def greedy_edge_assignment(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray,
     eff_len = tree.lengths.copy()
     if not ix.levels:
         return assign, n_cur, eff_len
-    threshold = _SCALAR_EDGES
+    threshold = scalar_edges
     ec = _EdgeCosts(ix, cost, ix.max_level > threshold)
     decided, group_len = [], []
     eff = None  # group lengths of the level above, in its edge order
@@ -342,7 +349,7 @@ def greedy_edge_assignment(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray,
         if lvl.size <= threshold:
             dec, eff = _decide_level_scalar(ix, lvl, ec, lv)
         else:
-            dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv)
+            dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv, scalar_edges)
         decided.append(dec)
         group_len.append(eff)
     dec = np.concatenate(decided) if len(decided) > 1 else decided[0]
@@ -439,7 +446,9 @@ def _greedy_scalar(ec: _EdgeCosts, pars, qs, lns, n_starts, lvs, ccs, gqs, ccats
     return dec, effs
 
 
-def _decide_level_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv: np.ndarray):
+def _decide_level_vector(
+    ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: PaddingCost, lv: np.ndarray, scalar_edges: int
+):
     # Every edge is evaluated under two hypotheses about its earlier siblings: all
     # concatenated (count n1) or none (count n_par). A parent whose first child is
     # concatenated follows the first, otherwise the second; the decisions stand up to
@@ -473,7 +482,7 @@ def _decide_level_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: Padd
     before -= brk
     resolved = before == before[lvl.sstart]
     n_rest = lvl.size - int(np.count_nonzero(resolved))
-    if n_rest > _SCALAR_EDGES * _SCALAR_REST_FACTOR:
+    if n_rest > scalar_edges * _SCALAR_REST_FACTOR:
         return _decide_rest_vector(ix, lvl, ec, cost, lv, c[4], use, resolved)
     # few edges left: the sequential greedy finishes every parent from its count there
     sl = slice(lo, hi)
@@ -551,7 +560,14 @@ def _decide_rest_vector(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, cost: Paddi
 
 
 # --------------------------------------------------------------------- groups
-def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, group_kv_len: np.ndarray) -> Groups:
+def build_groups(
+    tree: KVTree,
+    assign: np.ndarray,
+    group_queries: np.ndarray,
+    group_kv_len: np.ndarray,
+    *,
+    strided_fill_tokens: int = STRIDED_FILL_TOKENS,
+) -> Groups:
     """Materialise the context-query groups of an edge assignment.
 
     Parameters
@@ -562,8 +578,11 @@ def build_groups(tree: KVTree, assign: np.ndarray, group_queries: np.ndarray, gr
     group_queries, group_kv_len : ndarray, int64 [n_nodes]
         Query counts and KV lengths per group from the same call; the counts are
         checked against the memberships found here, groups without tokens are dropped.
+    strided_fill_tokens : int
+        Chained groups' slots are filled by strided copies only where a copy averages this many
+        tokens (a speed trade-off: the slots are the same).
     """
-    return _build_groups(tree, assign, group_queries, group_kv_len, check=True)
+    return _build_groups(tree, assign, group_queries, group_kv_len, check=True, fill_tokens=strided_fill_tokens)
 
 
 class _Kept:
@@ -580,7 +599,14 @@ class _Kept:
 
 
 def _build_groups(
-    tree: KVTree, assign, group_queries, group_kv_len, *, check: bool, kept: _Kept | None = None
+    tree: KVTree,
+    assign,
+    group_queries,
+    group_kv_len,
+    *,
+    check: bool,
+    kept: _Kept | None = None,
+    fill_tokens: int = STRIDED_FILL_TOKENS,
 ) -> Groups:
     # A query belongs to the group of its own node and to the parent of every 0-edge on
     # its path: node v's group holds the queries below v except those below a child of
@@ -632,7 +658,7 @@ def _build_groups(
         key = gx.perm[q_pos] + gid
         key.sort()
         q_ids = key - gid
-    kv_start, kv_slots = _chain_slots(tree, assign, node, roots_unmarked=not check)
+    kv_start, kv_slots = _chain_slots(tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens)
     identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
     return Groups(
         node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=kv_slots, q_indptr=q_indptr, q_ids=q_ids,
@@ -641,7 +667,12 @@ def _build_groups(
 
 
 def _chain_slots(
-    tree: KVTree, assign: np.ndarray, nodes: np.ndarray, *, roots_unmarked: bool = False
+    tree: KVTree,
+    assign: np.ndarray,
+    nodes: np.ndarray,
+    *,
+    roots_unmarked: bool = False,
+    fill_tokens: int = STRIDED_FILL_TOKENS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """KV of each group node's 1-chain (top of the chain first).
 
@@ -701,7 +732,7 @@ def _chain_slots(
     if total == 0:
         return kv_start, out
     tail = out[n_slots:]
-    if _fill_strided(tail, tree.slots, run_start, run_len, chain_first):
+    if _fill_strided(tail, tree.slots, run_start, run_len, chain_first, fill_tokens):
         return kv_start, out
     # every run as an arange of positions in the tree's slot array: position i of the tail
     # reads slot array entry i + (start - first) of its run
@@ -717,7 +748,7 @@ def _chain_slots(
     return kv_start, out
 
 
-def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
+def _fill_strided(tail, slots, run_start, run_len, chain_first, fill_tokens: int) -> bool:
     """Copy the chains' slot runs into ``tail`` as strided views of ``slots``, if they are regular.
 
     Consecutive chains with the same run lengths form a [chains, tokens] block; one
@@ -730,11 +761,11 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first) -> bool:
     row_changes = None if n_chains == 1 else run_len[1:] != run_len[:-1]
     if row_changes is None or not np.count_nonzero(row_changes):
         bounds = [0, n_chains]
-    elif 2 * k * _STRIDED_FILL_TOKENS > tail.size:
+    elif 2 * k * fill_tokens > tail.size:
         return False  # two blocks or more: already too many copies for the tokens
     else:
         bounds = [0, *(row_changes.any(axis=1).nonzero()[0] + 1).tolist(), n_chains]
-    if (len(bounds) - 1) * k * _STRIDED_FILL_TOKENS > tail.size:
+    if (len(bounds) - 1) * k * fill_tokens > tail.size:
         return False
     copies = []
     for b0, b1 in itertools.pairwise(bounds):

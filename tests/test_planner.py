@@ -102,14 +102,13 @@ def check_plan(tree: ft.KVTree, plan: ft.Plan) -> None:
 
 
 # ------------------------------------------------------------------- greedy
-@pytest.mark.parametrize("scalar_edges", [-1, 10**9, planner_mod._SCALAR_EDGES])
-def test_greedy_matches_plain_implementation(monkeypatch, scalar_edges):
-    monkeypatch.setattr(planner_mod, "_SCALAR_EDGES", scalar_edges)
+@pytest.mark.parametrize("scalar_edges", [-1, 10**9, planner_mod.SCALAR_EDGES])
+def test_greedy_matches_plain_implementation(scalar_edges):
     rng = np.random.default_rng(1234 + scalar_edges % 97)
     for _ in range(150):
         tree = random_tree(rng, max_nodes=120)
         cost = random_cost(rng)
-        assign, group_q, _ = ft.greedy_edge_assignment(tree, cost)
+        assign, group_q, _ = ft.greedy_edge_assignment(tree, cost, scalar_edges=scalar_edges)
         np.testing.assert_array_equal(assign, reference_greedy(tree, cost))
         assert np.all(assign[tree.parents < 0] == 0)
         assert np.all(group_q >= 0)
@@ -373,10 +372,9 @@ def test_greedy_counts_and_lengths_match_plain_implementation():
             assert a.dtype == b.dtype
 
 
-@pytest.mark.parametrize("fill_tokens", [0, planner_mod._STRIDED_FILL_TOKENS, 10**12])
-def test_groups_match_plain_membership_and_chains(monkeypatch, fill_tokens):
+@pytest.mark.parametrize("fill_tokens", [0, planner_mod.STRIDED_FILL_TOKENS, 10**12])
+def test_groups_match_plain_membership_and_chains(fill_tokens):
     # every chain fill (strided copies, cumulative sums over indices or over slot ids)
-    monkeypatch.setattr(planner_mod, "_STRIDED_FILL_TOKENS", fill_tokens)
     rng = np.random.default_rng(12 + fill_tokens % 89)
     trees = [paper_tree(case) for case in (1, 4, 6, 8)]
     trees += [_random_tree_any_order(rng, max_nodes=120) for _ in range(120)]
@@ -385,7 +383,7 @@ def test_groups_match_plain_membership_and_chains(monkeypatch, fill_tokens):
         if rng.random() < 0.5:  # long 1-chains
             cost = PaddingCost(cost.alpha, cost.beta, 10.0, cost.group_size, cost.q_tiles, cost.kv_tiles)
         assign, group_q, group_kv = ft.greedy_edge_assignment(tree, cost)
-        groups = ft.build_groups(tree, assign, group_q, group_kv)
+        groups = ft.build_groups(tree, assign, group_q, group_kv, strided_fill_tokens=fill_tokens)
         want = reference_groups(tree, assign)
         assert groups.node.tolist() == sorted(want)
         for i, v in enumerate(groups.node.tolist()):
@@ -396,18 +394,22 @@ def test_groups_match_plain_membership_and_chains(monkeypatch, fill_tokens):
         assert groups.kv_slots.dtype == np.int32 and groups.q_ids.dtype == np.int64
 
 
-def test_plans_do_not_depend_on_scalar_threshold(monkeypatch):
+def test_greedy_does_not_depend_on_scalar_threshold():
+    # the plan is a function of the greedy's assignment, so equal assignments make equal plans:
+    # random trees with random costs, and the paper trees with the costs ft.plan uses (every mode)
     rng = np.random.default_rng(13)
     cases = [(random_tree(rng, max_nodes=300), random_cost(rng)) for _ in range(40)]
-    cases += [(paper_tree(case), None) for case in (8, 10, 15)]
-    plans = {}
-    for threshold in (-1, 4, 10**9):
-        monkeypatch.setattr(planner_mod, "_SCALAR_EDGES", threshold)
-        plans[threshold] = [ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128) for tree, _ in cases]
-    for a, b, c in zip(*plans.values(), strict=True):
-        for name in (*DEVICE_ARRAYS, "edge_assignment"):
-            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
-            np.testing.assert_array_equal(getattr(a, name), getattr(c, name))
+    config = ft.FastTreeConfig()
+    q_tiles = config.query_tiles(16)
+    for mode in (TWO_CLASSES, ALL_LARGE, ALL_SMALL):
+        tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
+        cost = PaddingCost(config.alpha, config.beta, config.gamma, 16, tq, tk)
+        cases += [(paper_tree(case), cost) for case in (8, 10, 15)]
+    for tree, cost in cases:
+        got = [ft.greedy_edge_assignment(tree, cost, scalar_edges=t) for t in (-1, 4, 10**9)]
+        for other in got[1:]:
+            for a, b in zip(got[0], other, strict=True):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_cached_tree_index_plans_like_a_fresh_tree():
