@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from fasttree.config import FastTreeConfig
-from fasttree.launch_rules import KERNEL_VERSION
 from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched
 from fasttree.traces import decode_tree, read_traces, record_launch
 from fasttree.validation import is_int
+from fasttree.versions import KERNEL_VERSION
 
 from .features import (
     FEATURE_NAMES,
@@ -253,7 +253,7 @@ def measured_with_overlap(record: dict[str, Any]) -> bool:
     return _commit(record) not in PRE_OVERLAP_COMMITS
 
 
-#: Kernel version (:data:`fasttree.launch_rules.KERNEL_VERSION`: a row of ``docs/history.md``'s
+#: Kernel version (:data:`fasttree.versions.KERNEL_VERSION`: a row of ``docs/history.md``'s
 #: table) of the commits (7-character prefixes) of the shipped traces that predate
 #: ``meta.profiler.kernel_version``: the newest row that moved GPU time and whose commit is an
 #: ancestor of the trace's. Rows that change only the host path (v10) or the planner (v18, v31)
@@ -280,7 +280,7 @@ def measured_kernel_version(record: dict[str, Any]) -> int:
     """The kernel version a measurement record timed.
 
     ``meta.profiler.kernel_version`` when the profiler wrote it, else the record's commit in
-    :data:`KERNEL_VERSION_OF_COMMIT`, else the running kernels' (:data:`fasttree.launch_rules.KERNEL_VERSION`:
+    :data:`KERNEL_VERSION_OF_COMMIT`, else the running kernels' (:data:`fasttree.versions.KERNEL_VERSION`:
     a trace of an unknown commit is taken for a trace of these kernels).
     """
     info = _profiler_info(record)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fasttree.launch_rules import KERNEL_VERSION
+from fasttree.versions import KERNEL_VERSION
 
 from .gpu import GpuSpec
 from .resources import COMPILED_FIELDS, compiled_features
@@ -92,7 +92,7 @@ SIM_TOTAL = FEATURE_NAMES.index("sim_total_us")
 #: programs, as ``fasttree.tree_attention`` runs them from kernel v17 on; the dataset sets it
 #: to 0 for traces measured before (:func:`fasttree.costmodel.dataset.measured_with_overlap`).
 STAGE1_OVERLAP = FEATURE_NAMES.index("stage1_overlap")
-#: Column of the kernels' version (:data:`fasttree.launch_rules.KERNEL_VERSION`, the row of
+#: Column of the kernels' version (:data:`fasttree.versions.KERNEL_VERSION`, the row of
 #: ``docs/history.md``'s version table): the running kernels' for a plan, the measured ones' for a
 #: trace (:func:`fasttree.costmodel.dataset.measured_kernel_version`), so one model learns from traces
 #: of every kernel version and predicts the current one.

@@ -21,7 +21,6 @@ import triton
 from .plan_arrays import Plan, TileClass, tenth_longest
 
 __all__ = [
-    "KERNEL_VERSION",
     "MANY_PARTIALS",
     "MAX_GRID_Y",
     "MERGE_HEADS",
@@ -39,13 +38,6 @@ __all__ = [
     "small_tile_maxnreg",
     "units_grid",
 ]
-
-#: Version of the tree-attention kernels and their launch choices. Bump it when a change moves
-#: the GPU time of an unchanged plan (a planner-only change does not), and add its line to the
-#: version table of ``docs/history.md``. The profiler writes it into every trace
-#: (``meta.profiler.kernel_version``) and the latency model takes it as a feature, so traces of
-#: older kernels still teach it what did not change.
-KERNEL_VERSION = 30
 
 #: The largest second grid dimension a CUDA launch takes.
 MAX_GRID_Y = 65535

@@ -560,9 +560,9 @@ def test_kernel_version_feature_is_the_measured_kernels_for_traces_and_the_runni
     # traces of older kernels teach the model what did not change; the tuner asks about today's kernels
     from fasttree.costmodel.dataset import KERNEL_VERSION_OF_COMMIT, measured_kernel_version, record_features
     from fasttree.costmodel.features import KERNEL_VERSION_COLUMN, features_of_plan, features_of_plans
-    from fasttree.launch_rules import KERNEL_VERSION
     from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary
+    from fasttree.versions import KERNEL_VERSION
 
     heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
     plan = ft.plan(paper_tree(6), **heads)
@@ -641,8 +641,8 @@ def test_every_shipped_trace_names_the_kernels_it_timed():
     from pathlib import Path
 
     from fasttree.costmodel.dataset import KERNEL_VERSION_OF_COMMIT, _commit, _profiler_info
-    from fasttree.launch_rules import KERNEL_VERSION
     from fasttree.traces import _expand, _lines
+    from fasttree.versions import KERNEL_VERSION
 
     root = Path(__file__).parents[1] / "traces"
     unnamed, n = set(), 0

@@ -416,9 +416,7 @@ def test_failures_are_recorded_and_the_run_goes_on(tmp_path):
             assert r["status"] == "ok" and r["timing"] is not None
         else:
             assert r["status"] == "failed" and r["timing"] is None and r["plan"] is None
-            assert (
-                r["meta"]["profiler"]["kernel_version"] == ft.launch_rules.KERNEL_VERSION
-            )  # the latency model reads it
+            assert r["meta"]["profiler"]["kernel_version"] == ft.versions.KERNEL_VERSION  # the latency model reads it
             assert r["error"] == (
                 f"RuntimeError: boom at {i}" if i % 3 == 1 else "OutOfResources: shared memory (fake)"
             )
@@ -612,7 +610,7 @@ def test_measure_point_records_timings_plan_and_check(cpu_measure, tmp_path, dev
     }
     assert rec["plan"]["units"] and rec["plan"]["kv_tokens_read"] > 0
     assert rec["meta"]["profiler"]["stage1_overlap"] is True  # the latency model's stage1_overlap reads it
-    assert rec["meta"]["profiler"]["kernel_version"] == ft.launch_rules.KERNEL_VERSION  # and its kernel_version
+    assert rec["meta"]["profiler"]["kernel_version"] == ft.versions.KERNEL_VERSION  # and its kernel_version
     assert rec["key"] == measurement_key(
         SMALL_TREE,
         family=p.family,

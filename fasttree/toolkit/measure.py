@@ -234,7 +234,7 @@ def _profiler_meta(launch: _Launch, wall_s: float) -> dict[str, Any]:
     two-class plan ran side by side (the latency model's ``stage1_overlap``; always so for
     ``tree_attention``'s launches), which kernels ran (its ``kernel_version``), and a runtime's
     persistent stage-1 programs per launch."""
-    from ..launch_rules import KERNEL_VERSION
+    from ..versions import KERNEL_VERSION
 
     rt = launch.runtime
     info: dict[str, Any] = {

@@ -128,7 +128,7 @@ def annotate_record(record: dict[str, Any], point: DesignPoint, run_id: str, che
     point's design seed and index, whether it is a defaults point, whether it was checked, the
     kernel version (failed lines too: which kernels failed) and the GPU worker; ``meta.split``
     the point's split (``traces/README.md``: held-out lines say so at the top of ``meta``)."""
-    from ..launch_rules import KERNEL_VERSION
+    from ..versions import KERNEL_VERSION
 
     meta = record.get("meta")
     if not isinstance(meta, dict):
