@@ -40,6 +40,7 @@ from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
 from sklearn.tree import DecisionTreeRegressor
 from sklearn.tree._tree import Tree
 
+from .errors import MODEL_FORMAT, ModelFileError
 from .model import LatencyModel
 from .regressors import check_regressor
 
@@ -70,8 +71,6 @@ def read_json_model(path: str | Path) -> tuple[dict[str, Any], list[Any]]:
     ModelFileError
         Naming what is wrong with the file.
     """
-    from .persist import MODEL_FORMAT, ModelFileError
-
     path = Path(path)
     doc = _read_document(path)
     if not isinstance(doc, dict) or doc.get("format") != MODEL_FORMAT:
@@ -104,8 +103,6 @@ def read_json_model(path: str | Path) -> tuple[dict[str, Any], list[Any]]:
 
 
 def _read_document(path: Path) -> Any:
-    from .persist import ModelFileError
-
     size = path.stat().st_size
     if size > MAX_JSON_BYTES:
         raise ModelFileError(f"{path}: {size} bytes, more than any JSON model ({MAX_JSON_BYTES} bytes at most)")

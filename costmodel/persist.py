@@ -47,6 +47,7 @@ from sklearn._loss._loss import CyHalfSquaredError
 import fasttree
 from fasttree.fileio import write_atomic
 
+from .errors import MODEL_FORMAT, ModelFileError
 from .features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
 from .gpu import GpuSpec
 from .model import KINDS, LatencyModel
@@ -62,7 +63,6 @@ __all__ = [
     "save_model",
 ]
 
-MODEL_FORMAT = "fasttree-latency-model"
 MODEL_FORMAT_VERSION = 3
 #: The zip member holding the metadata (the rest of the archive is skops').
 META_MEMBER = "fasttree_model.json"
@@ -122,10 +122,6 @@ _META_KEYS = (
     "extra",
 )
 _PARAM_NAMES = frozenset(LatencyModel().get_params())
-
-
-class ModelFileError(ValueError):
-    """A model file that cannot be used here: malformed, or for another GPU or feature schema."""
 
 
 def save_model(

@@ -11,12 +11,13 @@ Quick use::
 from .adapter import tree_from_radix_nodes, tree_from_req_to_token, tree_from_token_slots
 from .attention import plan_query_separated, query_separated_attention, tree_attention
 from .config import FastTreeConfig
-from .export import ConfigExport, ExportEntry, config_from_export, read_export, write_export
+from .export import ConfigExport, ExportEntry, ExportGuard, load_portfolio, read_export, write_export
 from .groups import Groups
 from .plan_arrays import DevicePlan, Plan
 from .plan_extend import PlanExtender
 from .plan_rules import PlanRules
 from .planner import build_groups, greedy_edge_assignment, plan
+from .portfolio import Portfolio, Selector, tree_features
 from .recording import WorkloadRecorder
 from .reference import max_relative_error, reference_attention
 from .runtime import RuntimePlan, TreeAttentionRuntime
@@ -28,18 +29,21 @@ __all__ = [
     "ConfigExport",
     "DevicePlan",
     "ExportEntry",
+    "ExportGuard",
     "FastTreeConfig",
     "Groups",
     "KVTree",
     "Plan",
     "PlanExtender",
     "PlanRules",
+    "Portfolio",
     "RuntimePlan",
+    "Selector",
     "TreeAttentionRuntime",
     "WorkloadRecorder",
     "build_groups",
-    "config_from_export",
     "greedy_edge_assignment",
+    "load_portfolio",
     "max_relative_error",
     "plan",
     "plan_query_separated",
@@ -47,6 +51,7 @@ __all__ = [
     "read_export",
     "reference_attention",
     "tree_attention",
+    "tree_features",
     "tree_from_radix_nodes",
     "tree_from_req_to_token",
     "tree_from_token_slots",

@@ -1,19 +1,25 @@
-"""The tuned-config export: per GPU and bucket, the :class:`~fasttree.FastTreeConfig` to serve with.
+"""The tuned export: per GPU, bucket and target, a portfolio of configs and the selector that picks one per tree.
 
-The tuner writes one JSON file (:func:`write_export`); serving code reads it
-(:func:`read_export`, or :func:`config_from_export`) and looks up the
-entry of its GPU and *bucket*. A bucket is ``(group_size, head_dim, dtype)`` with
-``group_size = num_q_heads // num_kv_heads`` (the GQA ratio) and ``dtype`` a string such
-as ``"float16"``. A GPU or bucket the file does not hold falls back to the defaults,
-``FastTreeConfig()``.
+The tuner writes one JSON file (:func:`write_export`); serving code reads it (:func:`read_export`,
+or :func:`load_portfolio`) and looks up the :class:`~fasttree.portfolio.Portfolio` of its GPU,
+*bucket* and *target*. A bucket is ``(group_size, head_dim, dtype)`` with ``group_size =
+num_q_heads // num_kv_heads`` (the GQA ratio) and ``dtype`` a string such as ``"float16"``; the
+target is ``"tree_attention"`` (:func:`fasttree.plan` and :func:`fasttree.tree_attention`) or
+``"runtime"`` (:class:`fasttree.runtime.TreeAttentionRuntime`, whose portfolio members share their
+launch shapes). A GPU, bucket or target the file does not hold falls back to the defaults.
+
+Every entry carries a guard: the kernel version and the fingerprint of the defaults it was tuned
+against (:mod:`fasttree.versions`) and the latency model's hash. An entry whose kernel version or
+defaults differ from the installed package's is not served: the lookup logs a WARNING (once per
+entry) and falls back to the defaults, since its gains were predicted for other kernels and
+measured against another baseline. Files of schema version 1 (one config per bucket, no guard)
+still load, as one-member portfolios, with a deprecation WARNING.
 
 The file is plain JSON, schema-versioned and validated in full on load (unknown fields,
-duplicate buckets, invalid config values, NaN and duplicate keys are all refused with a
+duplicate entries, invalid config values, NaN and duplicate keys are all refused with a
 ``ValueError``); nothing in it is ever executed or unpickled. The format is described in
-``docs/export.md``.
-
-This module imports only the standard library and fasttree's own light modules, so a
-serving process needs neither scikit-learn nor Optuna (nor torch, unless it passes a
+``docs/export.md``. This module imports only the standard library, numpy and fasttree's own light
+modules, so a serving process needs neither scikit-learn nor Optuna (nor torch, unless it passes a
 ``torch.dtype``).
 """
 
@@ -31,14 +37,20 @@ from typing import Any
 from .config import CONFIG_SCHEMA_VERSION, FastTreeConfig
 from .fileio import write_atomic
 from .plan_arrays import check_heads
+from .portfolio import Portfolio
+from .validation import check_choice, check_int, check_nonempty_str, is_int, is_number
+from .versions import KERNEL_VERSION, defaults_fingerprint
 
 __all__ = [
     "EXPORT_SCHEMA",
     "EXPORT_SCHEMA_VERSION",
     "SUPPORTED_DTYPES",
+    "TARGETS",
     "ConfigExport",
     "ExportEntry",
+    "ExportGuard",
     "bucket_key",
+    "load_portfolio",
     "read_export",
     "write_export",
 ]
@@ -47,8 +59,10 @@ logger = logging.getLogger(__name__)
 
 #: The ``schema`` value of every export file.
 EXPORT_SCHEMA = "fasttree-export"
-#: The only ``schema_version`` this library reads and writes.
-EXPORT_SCHEMA_VERSION = 1
+#: The ``schema_version`` this library writes; it also reads version 1 (deprecated).
+EXPORT_SCHEMA_VERSION = 2
+#: What an entry's portfolio serves.
+TARGETS = ("tree_attention", "runtime")
 #: Dtype strings a bucket may name (the kernel's dtypes).
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 #: Largest export file read (bytes); a real one is a few kilobytes per entry.
@@ -57,35 +71,27 @@ MAX_EXPORT_BYTES = 64 * 2**20
 _MAX_PROVENANCE_DEPTH = 16
 
 _TOP_FIELDS = ("entries", "provenance", "schema", "schema_version")
-_ENTRY_FIELDS = ("config", "dtype", "gpu", "group_size", "head_dim", "provenance")
+_ENTRY_FIELDS = ("dtype", "gpu", "group_size", "guard", "head_dim", "portfolio", "provenance", "target")
+_ENTRY_FIELDS_V1 = ("config", "dtype", "gpu", "group_size", "head_dim", "provenance")
+_GUARD_FIELDS = ("defaults", "kernel_version", "model_sha256")
 
 
 # --------------------------------------------------------------------- validation helpers
-def _is_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
-
-
-def _is_finite_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-
-
 def _check_str(where: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{where} must be a non-empty string, got {value!r}")
+    check_nonempty_str(where, value)
 
 
 def _check_count(where: str, value: Any) -> None:
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"{where} must be an integer >= 0, got {value!r}")
+    check_int(where, value, minimum=0, expected="an integer >= 0")
 
 
 def _check_positive_number(where: str, value: Any) -> None:
-    if not _is_finite_number(value) or value <= 0:
+    if not is_number(value, finite=True) or value <= 0:
         raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
 
 
 def _check_number(where: str, value: Any) -> None:
-    if not _is_finite_number(value):
+    if not is_number(value, finite=True):
         raise ValueError(f"{where} must be a finite number, got {value!r}")
 
 
@@ -111,7 +117,7 @@ def _json_value(where: str, value: Any, depth: int = 0) -> Any:
         raise ValueError(f"{where} is nested deeper than {_MAX_PROVENANCE_DEPTH} levels")
     if value is None or isinstance(value, (bool, str)):
         return value
-    if _is_int(value):
+    if is_int(value):
         return int(value)
     if isinstance(value, numbers.Real):
         if not math.isfinite(value):
@@ -177,8 +183,56 @@ def bucket_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: Any
 
 # ---------------------------------------------------------------------------- the format
 @dataclass(frozen=True)
+class ExportGuard:
+    """What an entry was tuned against.
+
+    Parameters
+    ----------
+    kernel_version : int
+        :data:`fasttree.versions.KERNEL_VERSION` of the kernels the model predicted.
+    defaults : str
+        :func:`fasttree.versions.defaults_fingerprint` of the defaults the gains are relative to.
+    model_sha256 : str
+        SHA-256 of the latency model file the tuner predicted with (provenance; not checked).
+    """
+
+    kernel_version: int
+    defaults: str
+    model_sha256: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernel_version", check_int("guard.kernel_version", self.kernel_version, minimum=0))
+        _check_str("guard.defaults", self.defaults)
+        if not isinstance(self.model_sha256, str):
+            raise ValueError(f"guard.model_sha256 must be a string, got {self.model_sha256!r}")
+
+    @classmethod
+    def current(cls, model_sha256: str = "") -> ExportGuard:
+        """The guard of an entry tuned now, against the installed kernels and defaults."""
+        return cls(kernel_version=KERNEL_VERSION, defaults=defaults_fingerprint(), model_sha256=model_sha256)
+
+    def mismatch(self) -> str | None:
+        """Why the installed package cannot serve an entry with this guard, or None when it can."""
+        if self.kernel_version != KERNEL_VERSION:
+            return f"tuned for kernel version {self.kernel_version}, the installed kernels are version {KERNEL_VERSION}"
+        if self.defaults != defaults_fingerprint():
+            return f"tuned against other defaults ({self.defaults}; today's: {defaults_fingerprint()})"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"defaults": self.defaults, "kernel_version": self.kernel_version, "model_sha256": self.model_sha256}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ExportGuard:
+        if not isinstance(data, dict):
+            raise ValueError(f"guard must be a JSON object, got {type(data).__name__}")
+        _check_fields(data, _GUARD_FIELDS, "guard")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class ExportEntry:
-    """The tuned config of one GPU and bucket.
+    """The tuned portfolio of one GPU, bucket and target.
 
     Parameters
     ----------
@@ -190,38 +244,55 @@ class ExportEntry:
         Head dimension, in [16, 256].
     dtype : str
         ``"float16"`` or ``"bfloat16"``.
-    config : FastTreeConfig
-        The tuned config; its query tiles must fit ``group_size``.
+    portfolio : Portfolio
+        The configs and the selector; every member's query tiles must fit ``group_size``. In a
+        version-2 entry member 0 is ``FastTreeConfig()``; a runtime entry's members share their
+        launch fields.
     provenance : dict
-        JSON values describing where the config came from. Keys with a checked type:
+        JSON values describing where the entry came from. Keys with a checked type:
         ``study_name`` (str), ``n_trials`` (int >= 0), ``predicted_default_us`` and
         ``predicted_tuned_us`` (finite numbers > 0), ``predicted_gain`` (finite number);
         any other key is free. Stored as a deep copy.
+    target : str or None
+        ``"tree_attention"`` or ``"runtime"``; None for an entry of a version-1 file, which
+        served both.
+    guard : ExportGuard or None
+        What the entry was tuned against; None for an entry of a version-1 file.
     """
 
     gpu: str
     group_size: int
     head_dim: int
     dtype: str
-    config: FastTreeConfig
+    portfolio: Portfolio
     provenance: dict[str, Any]
+    target: str | None = "tree_attention"
+    guard: ExportGuard | None = None
 
     def __post_init__(self) -> None:
         _check_str("gpu", self.gpu)
-        if not _is_int(self.group_size) or self.group_size < 1:
-            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
-        if not _is_int(self.head_dim) or not 16 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be an integer in [16, 256], got {self.head_dim!r}")
+        object.__setattr__(self, "group_size", check_int("group_size", self.group_size, minimum=1))
+        object.__setattr__(self, "head_dim", check_int("head_dim", self.head_dim, minimum=16, maximum=256))
         if not isinstance(self.dtype, str) or self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {list(SUPPORTED_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.config, FastTreeConfig):
-            raise ValueError(f"config must be a FastTreeConfig, got {type(self.config).__name__}")
-        try:
-            self.config.query_tiles(self.group_size)
-        except ValueError as exc:
-            raise ValueError(f"config does not fit group_size {self.group_size}: {exc}") from None
-        object.__setattr__(self, "group_size", int(self.group_size))
-        object.__setattr__(self, "head_dim", int(self.head_dim))
+        if self.target is not None:
+            check_choice("target", self.target, TARGETS)
+        if not isinstance(self.portfolio, Portfolio):
+            raise ValueError(f"portfolio must be a Portfolio, got {type(self.portfolio).__name__}")
+        if self.guard is not None and not isinstance(self.guard, ExportGuard):
+            raise ValueError(f"guard must be an ExportGuard, got {type(self.guard).__name__}")
+        if self.target is not None and self.guard is None:
+            raise ValueError("an entry of this format needs a guard")
+        if self.target is not None:
+            if self.portfolio.members[0] != FastTreeConfig():
+                raise ValueError("portfolio member 0 must be FastTreeConfig(), the defaults")
+            if self.portfolio.runtime != (self.target == "runtime"):
+                raise ValueError(f"a {self.target} entry's portfolio has runtime={self.portfolio.runtime}")
+        for i, member in enumerate(self.portfolio.members):
+            try:
+                member.query_tiles(self.group_size)
+            except ValueError as exc:
+                raise ValueError(f"portfolio member {i} does not fit group_size {self.group_size}: {exc}") from None
         object.__setattr__(self, "provenance", _provenance("provenance", self.provenance, _ENTRY_PROVENANCE_TYPES))
 
     __hash__ = None  # type: ignore[assignment]  # holds a dict
@@ -231,28 +302,38 @@ class ExportEntry:
         """``(group_size, head_dim, dtype)``."""
         return self.group_size, self.head_dim, self.dtype
 
+    def serves(self, target: str) -> bool:
+        """Whether the entry is for ``target`` (a version-1 entry serves both)."""
+        return self.target is None or self.target == target
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON dict; the config is :meth:`FastTreeConfig.to_dict` output."""
+        """Plain-JSON dict (version 2)."""
+        if self.target is None or self.guard is None:
+            raise ValueError("a version-1 entry is not written again: re-tune it (fasttree-tune run)")
         return {
-            "config": self.config.to_dict(),
             "dtype": self.dtype,
             "gpu": self.gpu,
             "group_size": self.group_size,
+            "guard": self.guard.to_dict(),
             "head_dim": self.head_dim,
+            "portfolio": self.portfolio.to_dict(),
             "provenance": _json_value("provenance", self.provenance),
+            "target": self.target,
         }
 
     @classmethod
-    def from_dict(cls, data: Any) -> ExportEntry:
-        """Build from :meth:`to_dict` output, validating every field.
+    def from_dict(cls, data: Any, *, version: int = EXPORT_SCHEMA_VERSION) -> ExportEntry:
+        """Build from :meth:`to_dict` output (or a version-1 entry), validating every field.
 
         Parameters
         ----------
         data : dict
-            An entry object. Every field is required and unknown fields are refused.
-            ``config`` must hold its ``schema_version`` and, at the current config schema
-            version, every config field, so an entry means the same thing whatever a
-            later release's defaults are.
+            An entry object. Every field is required and unknown fields are refused. Every
+            config must hold its ``schema_version`` and, at the current config schema version,
+            every config field, so an entry means the same thing whatever a later release's
+            defaults are.
+        version : int
+            The file's schema version: 1 reads the old one-config entry as a one-member portfolio.
 
         Returns
         -------
@@ -265,28 +346,54 @@ class ExportEntry:
         """
         if not isinstance(data, dict):
             raise ValueError(f"must be a JSON object, got {type(data).__name__}")
+        if version == 1:
+            _check_fields(data, _ENTRY_FIELDS_V1, "entry")
+            config = _parse_config("config", data["config"])
+            return cls(
+                gpu=data["gpu"], group_size=data["group_size"], head_dim=data["head_dim"], dtype=data["dtype"],
+                portfolio=Portfolio(members=(config,)), provenance=data["provenance"], target=None, guard=None,
+            )  # fmt: skip
         _check_fields(data, _ENTRY_FIELDS, "entry")
-        config = data["config"]
-        if not isinstance(config, dict):
-            raise ValueError(f"config must be a JSON object, got {type(config).__name__}")
-        if "schema_version" not in config:
-            raise ValueError("config.schema_version is missing")
-        if config["schema_version"] == CONFIG_SCHEMA_VERSION and type(config["schema_version"]) is int:
-            missing = sorted({f.name for f in fields(FastTreeConfig)} - set(config))
-            if missing:
-                raise ValueError(f"config is missing fields {missing} (an entry lists every field)")
+        raw = data["portfolio"]
+        if not isinstance(raw, dict) or not isinstance(raw.get("members"), list):
+            raise ValueError("portfolio must be a JSON object with a members list")
+        for i, member in enumerate(raw["members"]):
+            _parse_config(f"portfolio.members[{i}]", member)
         try:
-            parsed = FastTreeConfig.from_dict(config)
+            portfolio = Portfolio.from_dict(raw)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"config: {exc}") from None
+            raise ValueError(f"portfolio: {exc}") from None
         return cls(
-            gpu=data["gpu"],
-            group_size=data["group_size"],
-            head_dim=data["head_dim"],
-            dtype=data["dtype"],
-            config=parsed,
-            provenance=data["provenance"],
-        )
+            gpu=data["gpu"], group_size=data["group_size"], head_dim=data["head_dim"], dtype=data["dtype"],
+            portfolio=portfolio, provenance=data["provenance"], target=data["target"],
+            guard=ExportGuard.from_dict(data["guard"]),
+        )  # fmt: skip
+
+
+def _parse_config(where: str, config: Any) -> FastTreeConfig:
+    """A config of an entry: a complete, schema-versioned config dict."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(config).__name__}")
+    if "schema_version" not in config:
+        raise ValueError(f"{where}.schema_version is missing")
+    if config["schema_version"] == CONFIG_SCHEMA_VERSION and type(config["schema_version"]) is int:
+        missing = sorted({f.name for f in fields(FastTreeConfig)} - set(config))
+        if missing:
+            raise ValueError(f"{where} is missing fields {missing} (an entry lists every field)")
+    try:
+        return FastTreeConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+#: Entries whose guard failed or whose version-1 format was deprecated, warned about once each.
+_WARNED: set[tuple] = set()
+
+
+def _warn_once(key: tuple, message: str, *args: Any) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message, *args)
 
 
 @dataclass(frozen=True)
@@ -296,8 +403,8 @@ class ConfigExport:
     Parameters
     ----------
     entries : tuple of ExportEntry
-        At most one per (gpu, bucket); stored sorted by (gpu, dtype, group_size,
-        head_dim) so equal exports compare and serialise equal.
+        At most one per (gpu, bucket, target); stored sorted by (gpu, dtype, group_size,
+        head_dim, target) so equal exports compare and serialise equal.
     provenance : dict
         JSON values describing the run that made the file. Keys with a checked type
         (strings): ``created_utc``, ``fasttree_version``, ``trace_set_hash``,
@@ -312,18 +419,18 @@ class ConfigExport:
             entries = tuple(self.entries)
         except TypeError:
             raise ValueError(f"entries must be a sequence of ExportEntry, got {self.entries!r}") from None
-        seen: dict[tuple[str, int, int, str], int] = {}
+        seen: dict[tuple, int] = {}
         for i, entry in enumerate(entries):
             if not isinstance(entry, ExportEntry):
                 raise ValueError(f"entries[{i}] must be an ExportEntry, got {type(entry).__name__}")
-            key = (entry.gpu, *entry.bucket)
+            key = (entry.gpu, *entry.bucket, entry.target or "")
             if key in seen:
                 raise ValueError(
                     f"entries[{i}] duplicates entries[{seen[key]}]: gpu {entry.gpu!r}, group_size "
-                    f"{entry.group_size}, head_dim {entry.head_dim}, dtype {entry.dtype!r}"
+                    f"{entry.group_size}, head_dim {entry.head_dim}, dtype {entry.dtype!r}, target {entry.target!r}"
                 )
             seen[key] = i
-        entries = tuple(sorted(entries, key=lambda e: (e.gpu, e.dtype, e.group_size, e.head_dim)))
+        entries = tuple(sorted(entries, key=lambda e: (e.gpu, e.dtype, e.group_size, e.head_dim, e.target or "")))
         object.__setattr__(self, "entries", entries)
         object.__setattr__(self, "provenance", _provenance("provenance", self.provenance, _TOP_PROVENANCE_TYPES))
 
@@ -340,14 +447,14 @@ class ConfigExport:
 
     @classmethod
     def from_dict(cls, data: Any) -> ConfigExport:
-        """Build from :meth:`to_dict` output, validating everything.
+        """Build from :meth:`to_dict` output (or a version-1 file), validating everything.
 
         Parameters
         ----------
         data : dict
-            The parsed file. ``schema`` must be :data:`EXPORT_SCHEMA` and
-            ``schema_version`` :data:`EXPORT_SCHEMA_VERSION`; every field is required
-            and unknown fields are refused, at the top level and in each entry.
+            The parsed file. ``schema`` must be :data:`EXPORT_SCHEMA` and ``schema_version``
+            1 or :data:`EXPORT_SCHEMA_VERSION`; every field is required and unknown fields are
+            refused, at the top level and in each entry.
 
         Returns
         -------
@@ -357,7 +464,7 @@ class ConfigExport:
         ------
         ValueError
             Naming the problem; an entry's problem names its index and field, e.g.
-            ``entries[2]: config: FastTreeConfig.kv_tile ...``.
+            ``entries[2]: portfolio.members[1]: FastTreeConfig.kv_tile ...``.
         """
         if not isinstance(data, dict):
             raise ValueError(f"an export must be a JSON object, got {type(data).__name__}")
@@ -365,9 +472,9 @@ class ConfigExport:
         if schema != EXPORT_SCHEMA:
             raise ValueError(f"not a {EXPORT_SCHEMA} file (schema is {schema!r})")
         version = data.get("schema_version")
-        if type(version) is not int or version != EXPORT_SCHEMA_VERSION:
+        if type(version) is not int or version not in (1, EXPORT_SCHEMA_VERSION):
             raise ValueError(
-                f"export schema_version {version!r} is not supported; this fasttree reads version "
+                f"export schema_version {version!r} is not supported; this fasttree reads versions 1 and "
                 f"{EXPORT_SCHEMA_VERSION}"
             )
         _check_fields(data, _TOP_FIELDS, "export")
@@ -377,15 +484,22 @@ class ConfigExport:
         entries = []
         for i, raw in enumerate(raw_entries):
             try:
-                entries.append(ExportEntry.from_dict(raw))
+                entries.append(ExportEntry.from_dict(raw, version=version))
             except ValueError as exc:
                 raise ValueError(f"entries[{i}]: {exc}") from None
         return cls(entries=tuple(entries), provenance=data["provenance"])
 
     def lookup(
-        self, *, gpu: str, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: Any
-    ) -> tuple[FastTreeConfig, ExportEntry | None]:
-        """The config to serve an attention shape with on a GPU.
+        self,
+        *,
+        gpu: str,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        target: str = "tree_attention",
+    ) -> tuple[Portfolio, ExportEntry | None]:
+        """The portfolio to serve an attention shape with on a GPU.
 
         Parameters
         ----------
@@ -399,42 +513,62 @@ class ConfigExport:
             Head dimension, in [16, 256].
         dtype : str or torch.dtype
             ``"float16"`` or ``"bfloat16"``, or the matching ``torch.dtype``.
+        target : {"tree_attention", "runtime"}
+            What will serve the portfolio.
 
         Returns
         -------
-        config : FastTreeConfig
-            The tuned config of the matching entry, or ``FastTreeConfig()`` when the file
-            has none for this GPU and bucket (logged at INFO).
+        portfolio : Portfolio
+            The matching entry's portfolio, or the defaults' (``FastTreeConfig()`` alone) when the
+            file has none for this GPU, bucket and target (logged at INFO) or when the entry was
+            tuned for other kernels or defaults (logged at WARNING, once per entry).
         entry : ExportEntry or None
-            The matching entry (for its provenance), or ``None`` on the fallback.
+            The entry served (for its provenance), or ``None`` on the fallback.
 
         Raises
         ------
         ValueError
-            On invalid head counts, head dim or dtype (checked before anything else).
+            On invalid head counts, head dim, dtype or target (checked before anything else).
         """
         key = bucket_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         _check_str("gpu", gpu)
-        on_gpu = [e for e in self.entries if e.gpu == gpu]
+        check_choice("target", target, TARGETS)
+        defaults = Portfolio(runtime=target == "runtime")
+        on_gpu = [e for e in self.entries if e.gpu == gpu and e.serves(target)]
         for entry in on_gpu:
-            if entry.bucket == key:
-                logger.debug("tuned FastTree config for %r, bucket %s", gpu, key)
-                return entry.config, entry
-        bucket = f"(group_size={key[0]}, head_dim={key[1]}, dtype={key[2]})"
-        if on_gpu:
-            logger.info(
-                "the export has no tuned FastTree config for %r bucket %s (it has %s); using the defaults",
-                gpu,
-                bucket,
-                sorted(e.bucket for e in on_gpu),
-            )
-        else:
-            logger.info(
-                "the export has no tuned FastTree config for GPU %r (it has %s); using the defaults",
-                gpu,
-                sorted({e.gpu for e in self.entries}),
-            )
-        return FastTreeConfig(), None
+            if entry.bucket != key:
+                continue
+            if entry.guard is None:
+                _warn_once(
+                    (id(self), key, target),
+                    "the export entry for %r bucket %s is of export format 1 (deprecated: no guard, one config "
+                    "for every tree); re-tune with fasttree-tune run",
+                    gpu,
+                    key,
+                )
+                return _v1_portfolio(entry, target), entry
+            reason = entry.guard.mismatch()
+            if reason is not None:
+                _warn_once(
+                    (id(self), key, target), "not serving the export entry for %r bucket %s %s: %s; using the defaults",
+                    gpu, key, target, reason,
+                )  # fmt: skip
+                return defaults, None
+            logger.debug("tuned FastTree portfolio for %r, bucket %s, %s", gpu, key, target)
+            return entry.portfolio, entry
+        logger.info(
+            "the export has no %s entry for %r bucket %s (it has %s); using the defaults",
+            target,
+            gpu,
+            key,
+            sorted({(e.gpu, *e.bucket, e.target) for e in self.entries}, key=str),
+        )
+        return defaults, None
+
+
+def _v1_portfolio(entry: ExportEntry, target: str) -> Portfolio:
+    """A version-1 entry's one config as a portfolio for ``target``."""
+    return Portfolio(members=entry.portfolio.members, runtime=target == "runtime")
 
 
 def _check_fields(data: dict[str, Any], expected: tuple[str, ...], what: str) -> None:
@@ -538,7 +672,7 @@ def read_export(path: str | os.PathLike) -> ConfigExport:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def config_from_export(
+def load_portfolio(
     path: str | os.PathLike,
     *,
     gpu: str,
@@ -546,44 +680,43 @@ def config_from_export(
     num_kv_heads: int,
     head_dim: int,
     dtype: Any,
-) -> FastTreeConfig:
-    """Load the tuned config of a GPU and attention shape from a tuner export.
+    target: str = "tree_attention",
+) -> Portfolio:
+    """Load the tuned portfolio of a GPU, attention shape and target from a tuner export.
 
-    Reads and validates the whole file (:func:`fasttree.export.read_export`), then
-    looks up the entry of ``gpu`` and the bucket ``(num_q_heads // num_kv_heads,
-    head_dim, dtype)``. A GPU or bucket the file does not hold gives the defaults,
-    ``FastTreeConfig()`` (logged at INFO). See ``docs/export.md``.
+    Reads and validates the whole file (:func:`read_export`), then looks up the entry of ``gpu``,
+    the bucket ``(num_q_heads // num_kv_heads, head_dim, dtype)`` and ``target``
+    (:meth:`ConfigExport.lookup`: the defaults when the file lacks it or when the entry was
+    tuned for other kernels or defaults). Pass the portfolio where a config goes:
+    ``ft.plan(tree, portfolio, ...)`` plans each tree with the member its selector picks.
 
     Parameters
     ----------
     path : str or PathLike
-        The export file (JSON written by :func:`fasttree.export.write_export`).
+        The export file (JSON written by :func:`write_export`).
     gpu : str
         The GPU's name as ``torch.cuda.get_device_name()`` reports it; matched exactly.
-    num_q_heads : int
-        Query heads; a positive multiple of ``num_kv_heads``.
-    num_kv_heads : int
-        KV heads.
+    num_q_heads, num_kv_heads : int
+        Query and KV heads.
     head_dim : int
         Head dimension, in [16, 256].
     dtype : str or torch.dtype
         ``"float16"`` or ``"bfloat16"``, or the matching ``torch.dtype``.
+    target : {"tree_attention", "runtime"}
 
     Returns
     -------
-    FastTreeConfig
-        The tuned config, or the defaults when the file has no entry for this GPU
-        and bucket.
+    Portfolio
 
     Raises
     ------
     ValueError
-        On invalid head counts, head dim or dtype, or a malformed or invalid file.
+        On invalid head counts, head dim, dtype or target, or a malformed or invalid file.
     FileNotFoundError
         When ``path`` does not exist.
     """
     bucket_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-    config, _ = read_export(path).lookup(
-        gpu=gpu, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    portfolio, _ = read_export(path).lookup(
+        gpu=gpu, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, target=target
     )
-    return config
+    return portfolio

@@ -40,6 +40,7 @@ from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
 from .plan_arrays import Plan, check_heads, materialize
 from .plan_rules import PlanRules
+from .portfolio import Portfolio
 from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
@@ -802,7 +803,7 @@ def _fill_strided(tail, slots, run_start, run_len, chain_first, fill_tokens: int
 # ----------------------------------------------------------------------- plan
 def plan(
     tree: KVTree,
-    config: FastTreeConfig | None = None,
+    config: FastTreeConfig | Portfolio | None = None,
     *,
     num_q_heads: int,
     num_kv_heads: int,
@@ -823,8 +824,9 @@ def plan(
     Parameters
     ----------
     tree : KVTree
-    config : FastTreeConfig, optional
-        Defaults to ``FastTreeConfig()``.
+    config : FastTreeConfig or Portfolio, optional
+        Defaults to ``FastTreeConfig()``; a tuned portfolio (:func:`fasttree.load_portfolio`) plans
+        the tree with the member its selector picks for it.
     num_q_heads, num_kv_heads : int
         ``Hq`` and ``Hkv``; ``Hq`` must be a multiple of ``Hkv``.
     head_dim : int
@@ -841,8 +843,10 @@ def plan(
     if not isinstance(tree, KVTree):
         raise ValueError(f"plan() needs a KVTree, got {type(tree).__name__}")
     config = _DEFAULT_CONFIG if config is None else config
+    if isinstance(config, Portfolio):
+        config = config.select(tree)
     if not isinstance(config, FastTreeConfig):
-        raise ValueError(f"config must be a FastTreeConfig, got {type(config).__name__}")
+        raise ValueError(f"config must be a FastTreeConfig or a Portfolio, got {type(config).__name__}")
     rules = PlanRules.defaults() if rules is None else rules
     if not isinstance(rules, PlanRules):
         raise ValueError(f"rules must be a PlanRules, got {type(rules).__name__}")

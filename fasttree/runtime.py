@@ -74,6 +74,7 @@ from .launcher import (
 )
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .plan_extend import PlanExtender
+from .portfolio import Portfolio
 from .recording import WorkloadRecorder
 from .runtime_planning import QUERY_CENTRIC_CHOICES, launch_slots, plan_for_runtime, resolve_stage1_launches
 from .tree import KVTree
@@ -163,9 +164,11 @@ class TreeAttentionRuntime:
 
     Parameters
     ----------
-    config : FastTreeConfig, ConfigExport, str, PathLike or None
-        The config, or a tuner export (object or path) whose entry for this GPU and bucket
-        is used (the defaults when it has none); ``None``: ``FastTreeConfig()``.
+    config : FastTreeConfig, Portfolio, ConfigExport, str, PathLike or None
+        The config; a runtime portfolio (its selector picks a member per tree, the members share
+        their launch shapes); or a tuner export (object or path) whose runtime entry for this GPU
+        and bucket is used (the defaults when it has none, or when it was tuned for other kernels
+        or defaults). ``None``: ``FastTreeConfig()``.
     num_q_heads, num_kv_heads, head_dim : int
         ``Hq``, ``Hkv`` (``Hq`` a multiple of it) and ``D`` in [16, 256].
     dtype : torch.dtype or str
@@ -227,7 +230,7 @@ class TreeAttentionRuntime:
 
     def __init__(
         self,
-        config: FastTreeConfig | ConfigExport | str | os.PathLike | None = None,
+        config: FastTreeConfig | Portfolio | ConfigExport | str | os.PathLike | None = None,
         *,
         num_q_heads: int,
         num_kv_heads: int,
@@ -260,7 +263,8 @@ class TreeAttentionRuntime:
         self.extend_steps = check_int("extend_steps", extend_steps, minimum=0, expected="a non-negative integer")
         self._extender = PlanExtender(max_steps=self.extend_steps) if self.extend_steps else None
         self._steps = 0
-        self.config = self._resolve_config(config)
+        self.portfolio = self._resolve_portfolio(config)
+        self.config = self.portfolio.launch_config  # the launch shapes every member shares
 
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class; both
         # run in one persistent launch, with the large class's warps and stages (the config's small-class
@@ -373,10 +377,19 @@ class TreeAttentionRuntime:
         return caps
 
     # ------------------------------------------------------------------ config
-    def _resolve_config(self, config) -> FastTreeConfig:
+    def _resolve_portfolio(self, config) -> Portfolio:
+        """The portfolio the runtime plans with: a config alone, a runtime portfolio, or the runtime
+        entry of an export (object or path) for this GPU and bucket."""
         if config is None:
-            return FastTreeConfig()
+            return Portfolio(runtime=True)
         if isinstance(config, FastTreeConfig):
+            return Portfolio(members=(config,), runtime=True)
+        if isinstance(config, Portfolio):
+            if len(config.members) > 1 and not config.runtime:
+                raise ValueError(
+                    "a portfolio for tree_attention (runtime=False) may switch launch shapes between trees, which "
+                    "the runtime's CUDA graphs cannot; use the export's runtime entry"
+                )
             return config
         if isinstance(config, (str, os.PathLike)):
             from .export import read_export
@@ -384,14 +397,15 @@ class TreeAttentionRuntime:
             config = read_export(config)
         if isinstance(config, ConfigExport):
             gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-            tuned, entry = config.lookup(
+            portfolio, entry = config.lookup(
                 gpu=gpu, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, dtype=self.dtype,
+                head_dim=self.head_dim, dtype=self.dtype, target="runtime",
             )  # fmt: skip
             logger.info("runtime config for %s: %s", gpu, "tuned export entry" if entry else "defaults")
-            return tuned
+            return portfolio
         raise ValueError(
-            f"config must be a FastTreeConfig, a ConfigExport or an export path, got {type(config).__name__}"
+            "config must be a FastTreeConfig, a Portfolio, a ConfigExport or an export path, "
+            f"got {type(config).__name__}"
         )
 
     # -------------------------------------------------------------------- plan
@@ -458,7 +472,7 @@ class TreeAttentionRuntime:
     def _plan_afresh(self, tree: KVTree) -> tuple[Plan, bool]:
         """Plan ``tree`` with the runtime's config; whether the plan is query-centric."""
         return plan_for_runtime(
-            tree, self.config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+            tree, self.portfolio.select(tree), num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,
         )  # fmt: skip
 
