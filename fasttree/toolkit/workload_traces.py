@@ -1,18 +1,23 @@
-"""Write the tuner's workload traces: the paper suite and the four serving scenarios.
+"""Write the tuner's workload traces: the paper suite, the serving scenarios and the tree families.
 
-Each file holds ``kind: "workload"`` lines (see ``traces/README.md``): one decode-step
-tree each, with the model's head shape, for the tuner to optimise over. The serving
-scenarios are simulated with :func:`fasttree.toolkit.workloads.iter_serving` (requests arrive,
-share prefixes, grow a token per step and finish) for a Llama-2-7B-shaped model (32 query
-and 32 KV heads) and a Mistral-7B-shaped one (GQA 4: 32 / 8), head dim 128, fp16.
+Each file holds ``kind: "workload"`` lines (see ``traces/README.md``): one tree each, with a
+model's head shape, for the tuner to optimise over. The serving scenarios are simulated with
+:func:`fasttree.toolkit.workloads.iter_serving` (requests arrive, share prefixes, grow a token per
+step and finish); the tree families are :data:`fasttree.toolkit.workloads.TREE_FAMILIES` (tuning)
+or :data:`fasttree.toolkit.unseen_families.UNSEEN_FAMILIES` (the frozen test). Model shapes: a
+Llama-2-7B-shaped model (32 query and 32 KV heads), a Mistral-7B-shaped one (GQA 4: 32 / 8) and a
+GQA-16 one (32 / 2), head dim 128, fp16.
 
-Run from the repository root::
+Run from the repository root (the three splits of the tuned export's protocol, ``docs/tune/protocol.md``)::
 
-    python -m fasttree.toolkit.workload_traces --out traces/workloads
-    python -m fasttree.toolkit.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite
+    python -m fasttree.toolkit.workload_traces --out traces/workloads --families 16
+    python -m fasttree.toolkit.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite \
+        --families 8 --family-seed 1000
+    python -m fasttree.toolkit.workload_traces --out traces/workloads_test --no-paper-suite --no-serving --unseen 6
 
-The second set (other arrivals, prompts and lengths of the same scenarios) is the tuner's
-held-out workloads: tune on ``traces/workloads``, judge on ``traces/workloads_heldout``.
+Tune on ``traces/workloads``, make every design choice on ``traces/workloads_heldout`` (other
+arrivals, prompts and lengths of the same scenarios, other seeds of the same families), and test
+on ``traces/workloads_test`` (families nothing else uses) and the paper suite.
 """
 
 from __future__ import annotations
@@ -29,12 +34,17 @@ from pathlib import Path
 from ..traces import TraceWriter, read_traces, workload_record
 from ..validation import check_int
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from .workloads import SCENARIOS, iter_serving
+from .unseen_families import UNSEEN_FAMILIES, sample_unseen_tree
+from .workloads import SCENARIOS, TREE_FAMILIES, iter_serving, sample_tree
 
 log = logging.getLogger(__name__)
 
 #: Model shapes of the end-to-end scenarios: name -> (num_q_heads, num_kv_heads, head_dim).
-MODELS: dict[str, tuple[int, int, int]] = {"llama2_7b": (32, 32, 128), "mistral_7b": (32, 8, 128)}
+MODELS: dict[str, tuple[int, int, int]] = {
+    "llama2_7b": (32, 32, 128),
+    "mistral_7b": (32, 8, 128),
+    "gqa16_7b": (32, 2, 128),
+}
 
 
 def _write_gz(path: Path, records) -> int:
@@ -90,19 +100,63 @@ def scenario_records(scenario: str, model: str, *, steps: int, seed: int):
         )
 
 
-def write_all(out: Path, *, steps: int = 256, seed: int = 0, paper_suite: bool = True) -> dict[str, int]:
-    """Write ``<scenario>_<model>.jsonl.gz`` and (with ``paper_suite``) ``paper_suite.jsonl.gz`` under ``out``.
+def family_records(model: str, *, per_family: int, first_seed: int, unseen: bool = False):
+    """``per_family`` trees of every tree family (seeds ``first_seed``, ``first_seed + 1``, ...), one
+    record each under the model's heads; ``unseen``: the families of the frozen test."""
+    hq, hkv, d = MODELS[model]
+    families = UNSEEN_FAMILIES if unseen else TREE_FAMILIES
+    draw = sample_unseen_tree if unseen else sample_tree
+    for family in families:
+        for seed in range(first_seed, first_seed + per_family):
+            yield workload_record(
+                family=family,
+                scenario="unseen" if unseen else "families",
+                step=0,
+                seed=seed,
+                tree=draw(family, seed),
+                num_q_heads=hq,
+                num_kv_heads=hkv,
+                head_dim=d,
+                dtype="float16",
+                meta={"model": model, "split": "test" if unseen else "families"},
+            )
+
+
+def write_all(
+    out: Path,
+    *,
+    steps: int = 256,
+    seed: int = 0,
+    paper_suite: bool = True,
+    serving: bool = True,
+    families: int = 0,
+    family_seed: int = 0,
+    unseen: int = 0,
+) -> dict[str, int]:
+    """Write the workload files under ``out``: ``paper_suite.jsonl.gz`` (with ``paper_suite``),
+    ``<scenario>_<model>.jsonl.gz`` (with ``serving``), ``families_<model>.jsonl.gz`` (``families``
+    trees of each tuning family) and ``unseen_<model>.jsonl.gz`` (``unseen`` trees of each family
+    of the frozen test).
 
     Returns the number of lines per file name.
     """
     written = {}
     if paper_suite:
         written["paper_suite.jsonl.gz"] = _write_gz(out / "paper_suite.jsonl.gz", paper_suite_records())
-    for scenario in SCENARIOS:
-        for model in MODELS:
-            name = f"{scenario}_{model}.jsonl.gz"
-            written[name] = _write_gz(out / name, scenario_records(scenario, model, steps=steps, seed=seed))
-            log.info("%s: %d steps", name, written[name])
+    for model in MODELS:
+        if serving:
+            for scenario in SCENARIOS:
+                name = f"{scenario}_{model}.jsonl.gz"
+                written[name] = _write_gz(out / name, scenario_records(scenario, model, steps=steps, seed=seed))
+        if families:
+            name = f"families_{model}.jsonl.gz"
+            records = family_records(model, per_family=families, first_seed=family_seed)
+            written[name] = _write_gz(out / name, records)
+        if unseen:
+            name = f"unseen_{model}.jsonl.gz"
+            written[name] = _write_gz(out / name, family_records(model, per_family=unseen, first_seed=0, unseen=True))
+    for name, n in written.items():
+        log.info("%s: %d lines", name, n)
     return written
 
 
@@ -113,16 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("traces/workloads"), help="output folder")
     parser.add_argument("--steps", type=int, default=256, help="decode steps per scenario (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default 0)")
-    parser.add_argument(
-        "--no-paper-suite", dest="paper_suite", action="store_false", help="write only the serving scenarios"
-    )
+    parser.add_argument("--no-paper-suite", dest="paper_suite", action="store_false", help="no paper-suite file")
+    parser.add_argument("--no-serving", dest="serving", action="store_false", help="no serving-scenario files")
+    parser.add_argument("--families", type=int, default=0, help="trees of each tuning family per model (default 0)")
+    parser.add_argument("--family-seed", type=int, default=0, help="first seed of the family trees (default 0)")
+    parser.add_argument("--unseen", type=int, default=0, help="trees of each unseen (test) family per model")
     args = parser.parse_args(argv)
     try:
         check_int("--steps", args.steps, minimum=1)
+        for name in ("families", "family_seed", "unseen"):
+            check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=0)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    written = write_all(args.out, steps=args.steps, seed=args.seed, paper_suite=args.paper_suite)
+    written = write_all(
+        args.out, steps=args.steps, seed=args.seed, paper_suite=args.paper_suite, serving=args.serving,
+        families=args.families, family_seed=args.family_seed, unseen=args.unseen,
+    )  # fmt: skip
     check = read_traces(args.out, kind="workload")
     if len(check) != sum(written.values()):
         print(f"read back {len(check)} lines, wrote {sum(written.values())}", file=sys.stderr)
