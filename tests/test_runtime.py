@@ -541,3 +541,43 @@ def test_device_bytes_counts_the_buffers(device):
     held = [rt._plan_buf, rt._part_o, rt._part_lse, rt._counters]
     assert rt.device_bytes == sum(t.numel() * t.element_size() for t in held)
     assert rt.device_bytes >= 100 * HEADS["num_q_heads"] * (HEADS["head_dim"] + 1) * 4
+
+
+# ------------------------------------------------------------------------ portfolios
+
+
+def _split_on_queries(threshold: float) -> ft.Selector:
+    """Trees of at most ``2**threshold`` queries get member 0, larger ones member 1."""
+    q = ft.portfolio.TREE_FEATURES.index("log2_queries")
+    return ft.Selector(feature=(q, -1, -1), threshold=(threshold, 0.0, 0.0), left=(1, -1, -1), right=(2, -1, -1),
+                       member=(0, 0, 1))  # fmt: skip
+
+
+def test_runtime_portfolio_plans_each_tree_with_the_selected_member(device):
+    tuned = ft.FastTreeConfig(kv_split_sizes=(32, 16), pack_tokens=0, gamma=-1.0)  # plan-level fields only
+    portfolio = ft.Portfolio(members=(ft.FastTreeConfig(), tuned), selector=_split_on_queries(3.0), runtime=True)
+    rt = _runtime(device, portfolio)
+    assert rt.portfolio is portfolio and rt.config == ft.FastTreeConfig()  # launches from member 0
+    small = ft.KVTree.from_levels((1, 4), (200, 8))  # 4 queries: member 0
+    large = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))  # 16 queries: member 1
+    assert [portfolio.member_of(t) for t in (small, large, small)] == [0, 1, 0]
+    for step, tree in enumerate((small, large, small)):
+        info = rt.plan(tree)
+        assert info.plan.config == portfolio.select(tree)
+        assert not info.query_centric
+        q, k, v = _inputs(tree, device, 64, seed=step)
+        out = rt.forward(q, k, v)
+        ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+        assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
+    # the members plan the large tree differently, so the check above could fail
+    assert ft.plan(large, tuned, **HEADS).stats() != ft.plan(large, ft.FastTreeConfig(), **HEADS).stats()
+
+
+def test_runtime_refuses_a_tree_attention_portfolio_with_other_launch_fields(device):
+    mixed = ft.Portfolio(
+        members=(ft.FastTreeConfig(), ft.FastTreeConfig(kv_tile=(32, 32))), selector=_split_on_queries(3.0)
+    )
+    with pytest.raises(ValueError, match=r"runtime=False"):
+        _runtime(device, mixed)
+    with pytest.raises(ValueError, match="launch fields"):  # nor can it be made a runtime portfolio
+        ft.Portfolio(members=mixed.members, selector=mixed.selector, runtime=True)
