@@ -178,13 +178,29 @@ def check_group(rows: list[dict], pred: dict[str, np.ndarray], names: list[str])
     return out
 
 
+def sweep_base_config(export, hq: int, hkv: int) -> FastTreeConfig:
+    """The ``tuned`` config the sweeps varied: the export's runtime entry for the shape.
+
+    The sweeps timed one config per shape, so this needs one: the portfolio's last member (a
+    version-1 export, as the sweeps used, holds exactly one config per bucket; a version-2 entry's
+    last member is its last tuned config). An export without an entry for the shape is an error:
+    the defaults would silently stand in for the config the sweeps measured.
+    """
+    portfolio, entry = export.lookup(
+        gpu=GPU, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype="float16", target="runtime"
+    )
+    if entry is None:
+        raise ValueError(f"the export serves no runtime entry for {GPU!r} heads {hq}/{hkv} d{HEAD_DIM} float16")
+    return portfolio.members[-1]
+
+
 def run_sweep(path: str, kind: str, model, sim: SimulatorBaseline, gpu: GpuSpec, export) -> list[dict]:
     doc = json.loads(Path(path).read_text())
     if doc["gpu"] != GPU:
         raise ValueError(f"{path}: measured on {doc['gpu']!r}, the model is for {GPU!r}")
     groups = []
     for model_name, (hq, hkv) in MODELS.items():
-        base, _ = export.lookup(gpu=GPU, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype="float16")
+        base = sweep_base_config(export, hq, hkv)
         for scenario in dict.fromkeys(r["scenario"] for r in doc["results"]):
             rows = [r for r in doc["results"] if r["model"] == model_name and r["scenario"] == scenario]
             if not rows:

@@ -7,6 +7,16 @@ each model shape it starts from the export's entry for that bucket and runs a co
 search over the config fields, timing :class:`fasttree.runtime.TreeAttentionRuntime` by
 CUDA-graph replay on trees of the serving scenarios, and writes a new export whose entries
 carry the measured gain in their provenance. Entries of other buckets are copied unchanged.
+
+The refined entries are ``runtime`` entries of export format 2: a portfolio of the defaults
+(member 0) and the refined config (member 1), whose selector picks member 1 for every tree, and
+the guard of the installed kernels and defaults. A runtime portfolio's members share the launch
+fields (:data:`fasttree.portfolio.LAUNCH_FIELDS`), so a refined config whose launch fields left
+the defaults' keeps only its plan-level changes (the dropped values are logged and recorded in
+the provenance); when nothing else moved, no entry is written for the bucket. The search starts
+from the start export's runtime entry for the bucket, its last portfolio member (a version-1
+entry's one config). Version-1 entries of the start export are not copied (format 2 cannot hold
+them; re-tune those buckets).
 The search and the measurement are :mod:`fasttree.toolkit.refine`'s (``fasttree-tune refine`` runs
 them on workload traces); this script feeds them the serving scenarios' trees.
 
@@ -23,6 +33,7 @@ than ``--min-gain``; the search stops after ``--passes`` passes or a pass withou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -33,12 +44,30 @@ import torch
 
 import fasttree as ft
 from bench.decode import MODELS
-from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
+from fasttree.export import ConfigExport, ExportEntry, ExportGuard, read_export, write_export
+from fasttree.portfolio import LAUNCH_FIELDS, Portfolio, Selector
 from fasttree.toolkit.bench_common import environment
 from fasttree.toolkit.refine import RuntimeBench, Timer, coordinate_search, parse_fields, search_provenance
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.tune_measured")
+
+#: The refined entries' selector: member 1, the refined config, for every tree.
+REFINED_MEMBER = Selector(member=(1,))
+
+
+def runtime_member(config: ft.FastTreeConfig) -> tuple[ft.FastTreeConfig | None, dict]:
+    """``config`` as member 1 of a runtime portfolio whose member 0 is ``FastTreeConfig()``.
+
+    Returns the member (``config`` with the defaults' launch fields; None when nothing else
+    differs from the defaults) and the launch fields that were dropped, ``{field: value}``.
+    """
+    defaults = ft.FastTreeConfig()
+    dropped = {f: getattr(config, f) for f in LAUNCH_FIELDS if getattr(config, f) != getattr(defaults, f)}
+    if not dropped:
+        return config, {}
+    member = dataclasses.replace(config, **{f: getattr(defaults, f) for f in dropped})
+    return (None if member == defaults else member), dropped
 
 
 def serving_trees(scenarios: list[str], *, seed: int, steps: int, trees: int) -> dict[str, list[ft.KVTree]]:
@@ -98,12 +127,20 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     dtype = getattr(torch, args.dtype)
     start_export = read_export(args.export)
-    entries = {(e.gpu, *e.bucket): e for e in start_export.entries}
+    entries = {(e.gpu, *e.bucket, e.target): e for e in start_export.entries if e.target is not None}
+    for e in start_export.entries:
+        if e.target is None:
+            log.info("not copied: the version-1 entry for %r bucket %s (format 2 cannot hold it; re-tune it)",
+                     e.gpu, e.bucket)  # fmt: skip
     for name in args.models:
         spec = MODELS[name]
-        start, entry = start_export.lookup(
-            gpu=gpu, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype
-        )
+        portfolio, entry = start_export.lookup(
+            gpu=gpu, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
+            target="runtime",
+        )  # fmt: skip
+        # the search refines one config: the runtime portfolio's last member (a version-1 entry's one
+        # config; the defaults when the export has no runtime entry for the bucket)
+        start = portfolio.members[-1]
         t0 = time.perf_counter()
         trees = serving_trees(args.scenarios, seed=args.seed, steps=args.steps, trees=args.trees)
         heads = {"num_q_heads": spec.num_q_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
@@ -120,12 +157,29 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
             "seed": args.seed,
             "trees_per_scenario": args.trees,
         }
-        new = ExportEntry(gpu, group, spec.head_dim, args.dtype, found.config, provenance)
-        entries[(gpu, *new.bucket)] = new
         log.info(
             "%s: objective %.4f after %d evaluations in %.0f s; moves %s",
             name, found.objective, found.evaluations, seconds, found.moves,
         )  # fmt: skip
+        member, dropped = runtime_member(found.config)
+        if member is None:
+            log.info(
+                "%s: no entry written: the refined config differs from the defaults only in launch fields %s, "
+                "which a runtime portfolio's members share with member 0 (the defaults)", name, dropped,
+            )  # fmt: skip
+            continue
+        if dropped:
+            log.info(
+                "%s: launch fields %s dropped from the refined config (a runtime portfolio's members share member "
+                "0's); the measured times include them", name, dropped,
+            )  # fmt: skip
+            provenance["launch_fields_dropped"] = dropped
+        new = ExportEntry(
+            gpu, group, spec.head_dim, args.dtype,
+            Portfolio(members=(ft.FastTreeConfig(), member), selector=REFINED_MEMBER, runtime=True), provenance,
+            target="runtime", guard=ExportGuard.current(),
+        )  # fmt: skip
+        entries[(gpu, *new.bucket, new.target)] = new
     env = environment(gpu=device.type == "cuda")
     export = ConfigExport(
         tuple(entries.values()),

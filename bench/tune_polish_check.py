@@ -2,8 +2,9 @@
 
 For every bucket of ``traces/workloads`` (thinned and balanced as ``fasttree-tune run`` does):
 the tuner objective's predicted total of the defaults, of the committed tuner export's
-config, of the GPU-refined export's config (``docs/tune/export_measured.json``), and of
-:func:`fasttree.tuner.polish_config` started from the tuner export's config. Writes
+config, of the GPU-refined export's runtime config (``docs/tune/export_measured.json``), and of
+:func:`fasttree.tuner.polish_config` started from the tuner export's config. An export's config is
+its entry's last portfolio member (a version-1 export's one config per bucket). Writes
 ``docs/tune/polish_check.md``.
 
     TRITON_INTERPRET=1 python -m bench.tune_polish_check
@@ -57,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
             balance_workloads(thin_steps(steps, EVERY), model, gpu, bucket), model, gpu, bucket
         )
         shape = {"head_dim": bucket.head_dim, "dtype": bucket.dtype, "num_kv_heads": 1}
-        start, _ = tuned.lookup(gpu=GPU, num_q_heads=bucket.group_size, **shape)
-        other, _ = refined.lookup(gpu=GPU, num_q_heads=bucket.group_size, **shape)
+        # polish_config and the objective take one config: each export's last portfolio member (its one
+        # config in a version-1 export, the defaults where it has no entry). The tuner export serves
+        # tree_attention; the GPU-refined one (bench.tune_measured) the runtime.
+        start = tuned.lookup(gpu=GPU, num_q_heads=bucket.group_size, **shape)[0].members[-1]
+        other = refined.lookup(gpu=GPU, num_q_heads=bucket.group_size, target="runtime", **shape)[0].members[-1]
         t0 = time.perf_counter()
         found = polish_config(objective, start, passes=args.passes)
         seconds = time.perf_counter() - t0

@@ -1,15 +1,21 @@
 """The kernel benchmark's host side on the CPU (:mod:`fasttree.toolkit.kernel_bench`, run as
 ``python -m bench.kernel`` or ``fasttree-tune bench``): argument parsing (the tuned export), the
-anchors it ships and the summary."""
+anchors it ships, the summary and the ``tuned`` variant's per-tree member."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+import torch
 
+from fasttree import ExportEntry, ExportGuard, FastTreeConfig, Portfolio, Selector
 from fasttree.export import ConfigExport
+from fasttree.portfolio import TREE_FEATURES
 from fasttree.toolkit import kernel_bench as kernel
+from fasttree.toolkit.suite import paper_tree
+from fasttree.versions import KERNEL_VERSION
 
 
 def _row(case, published, ours, tuned=None, runtime=None, floor=30.0):
@@ -107,3 +113,45 @@ def test_summary_and_table_report_the_back_to_back_eager_gap():
     # rows without the loop time (older results) leave it out of the summary
     del rows[0]["variants"]["fasttree"]["eager_loop_us"], rows[1]["variants"]["fasttree"]["eager_loop_us"]
     assert "max_eager_loop_minus_graph_us" not in kernel.summarize(rows)
+
+
+def _split_export(gpu: str, tuned) -> ConfigExport:
+    """An export whose g4/d128/fp16 entry keeps the defaults for trees of at most 64 queries."""
+    q = TREE_FEATURES.index("log2_queries")
+    selector = Selector(feature=(q, -1, -1), threshold=(6.0, 0.0, 0.0), left=(1, -1, -1), right=(2, -1, -1),
+                        member=(0, 0, 1))  # fmt: skip
+    entry = ExportEntry(
+        gpu=gpu, group_size=4, head_dim=128, dtype="float16",
+        portfolio=Portfolio(members=(FastTreeConfig(), tuned), selector=selector), provenance={},
+        guard=ExportGuard.current(),
+    )  # fmt: skip
+    return ConfigExport(entries=(entry,), provenance={})
+
+
+def test_the_tuned_variant_plans_each_case_with_the_selected_member():
+    tuned = FastTreeConfig(kv_split_sizes=(512, 64), pack_tokens=0)
+    export = _split_export("NVIDIA H200", tuned)
+    shape = {"gpu": "NVIDIA H200", "hq": 32, "hkv": 8, "d": 128, "dtype": torch.float16}
+    assert paper_tree(1).n_queries == 64 and paper_tree(2).n_queries == 256
+    assert kernel.tuned_config(export, paper_tree(1), **shape) == (FastTreeConfig(), 0)
+    assert kernel.tuned_config(export, paper_tree(2), **shape) == (tuned, 1)
+    # no entry for the shape or the GPU, or no export: the variant is skipped
+    assert kernel.tuned_config(export, paper_tree(2), **{**shape, "hkv": 32}) is None
+    assert kernel.tuned_config(export, paper_tree(2), **{**shape, "gpu": "NVIDIA H100"}) is None
+    assert kernel.tuned_config(None, paper_tree(2), **shape) is None
+
+
+def test_the_tuned_variant_skips_an_entry_of_other_kernels():
+    entry = _split_export("NVIDIA H200", FastTreeConfig(pack_tokens=0)).entries[0]
+    stale = dataclasses.replace(entry, guard=dataclasses.replace(entry.guard, kernel_version=KERNEL_VERSION - 1))
+    export = ConfigExport(entries=(stale,), provenance={})
+    shape = {"gpu": "NVIDIA H200", "hq": 32, "hkv": 8, "d": 128, "dtype": torch.float16}
+    assert kernel.tuned_config(export, paper_tree(2), **shape) is None
+
+
+def test_the_tuned_variant_reads_a_version_1_export():
+    export = kernel.parse_args([]).export  # docs/tune/export.json
+    (entry,) = [e for e in export.entries if e.bucket == (4, 128, "float16")]
+    shape = {"gpu": entry.gpu, "hq": 32, "hkv": 8, "d": 128, "dtype": torch.float16}
+    for case in (1, 9):
+        assert kernel.tuned_config(export, paper_tree(case), **shape) == (entry.portfolio.members[-1], 0)

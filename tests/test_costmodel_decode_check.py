@@ -3,10 +3,13 @@ report is rebuilt from them with metrics that react to the predictions."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from bench import costmodel_decode_check as check
+from fasttree import ConfigExport, ExportEntry, ExportGuard, FastTreeConfig, Portfolio, Selector, read_export
 
 
 def test_rank_metrics_follow_the_scores():
@@ -25,3 +28,24 @@ def test_report_is_rebuilt_from_the_committed_sweeps(tmp_path):
     text = out.read_text()
     assert "## Findings" in text and "decode_config_sweep2_f18595e.json" in text
     assert text.count("| learned |") == 8  # 2 sweeps x 2 models x 2 scenarios
+
+
+def test_the_sweeps_base_config_is_the_exports_runtime_config():
+    v1 = read_export("docs/tune/export.json")  # the export the sweeps varied (format 1: one config per bucket)
+    (entry,) = [e for e in v1.entries if e.bucket == (4, 128, "float16")]
+    assert check.sweep_base_config(v1, 32, 8) == entry.portfolio.members[0]
+    tuned = FastTreeConfig(kv_split_sizes=(512, 64))
+    runtime = ExportEntry(
+        gpu=check.GPU, group_size=4, head_dim=128, dtype="float16",
+        portfolio=Portfolio(members=(FastTreeConfig(), tuned), selector=Selector(member=(1,)), runtime=True),
+        provenance={}, target="runtime", guard=ExportGuard.current(),
+    )  # fmt: skip
+    v2 = ConfigExport(entries=(runtime,), provenance={})
+    assert check.sweep_base_config(v2, 32, 8) == tuned
+    with pytest.raises(ValueError, match="no runtime entry"):
+        check.sweep_base_config(v2, 32, 32)  # no entry: not the defaults in its place
+    only_kernels = ConfigExport(entries=(dataclasses.replace(runtime, target="tree_attention",
+                                        portfolio=dataclasses.replace(runtime.portfolio, runtime=False)),),
+                                provenance={})  # fmt: skip
+    with pytest.raises(ValueError, match="no runtime entry"):
+        check.sweep_base_config(only_kernels, 32, 8)

@@ -1,15 +1,19 @@
-"""bench.tune_measured: the coordinate search and the export it writes, with a fake timer (CPU)."""
+"""bench.tune_measured with a fake timer (CPU): the coordinate search, the format-2 runtime entries it
+writes (launch fields kept at the defaults), the start entry it refines and the entries it copies."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import pytest
 import torch
 
+import fasttree as ft
 from bench import tune_measured
-from fasttree import FastTreeConfig
-from fasttree.export import read_export
+from fasttree import ConfigExport, ExportEntry, ExportGuard, FastTreeConfig, Portfolio, Selector
+from fasttree.export import read_export, write_export
 from fasttree.toolkit import refine
 
 
@@ -35,33 +39,131 @@ def _gpu(device) -> str:
     return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
 
 
-def test_search_finds_the_fastest_config_and_keeps_other_entries(tmp_path, device):
+def _refined_entry(path, device):
+    """The refined export's runtime entry of the tiny model's bucket."""
+    entries = read_export(path).entries
+    (entry,) = [e for e in entries if (e.gpu, e.bucket, e.target) == (_gpu(device), (2, 16, "float16"), "runtime")]
+    return entry
+
+
+def test_search_finds_the_fastest_config(tmp_path, device, caplog):
+    caplog.set_level(logging.INFO, logger="bench.tune_measured")
     calls = []
     args = _args(tmp_path, "--fields", "pack_tokens,kv_split_sizes[0]", "--passes", "3", device=device)
     assert tune_measured.main(args, timer=_fake_timer(calls)) == 0
-    refined = read_export(tmp_path / "refined.json")
-    start = read_export("docs/tune/export.json")
-    (entry,) = [e for e in refined.entries if e.gpu == _gpu(device) and e.bucket == (2, 16, "float16")]
-    assert entry.config.pack_tokens == 768
-    assert entry.config.kv_split_sizes[0] == 256
+    entry = _refined_entry(tmp_path / "refined.json", device)
+    assert entry.target == "runtime" and entry.guard == ExportGuard.current()
+    portfolio = entry.portfolio
+    assert portfolio.runtime and portfolio.members[0] == FastTreeConfig()
+    assert portfolio.selector == Selector(member=(1,))
+    tuned = portfolio.members[1]
+    assert tuned.pack_tokens == 768
+    assert tuned.kv_split_sizes[0] == 256
+    assert portfolio.select(ft.KVTree.from_levels((1, 3), (40, 5))) == tuned  # every tree gets member 1
     prov = entry.provenance
     assert prov["measured_objective"] < 1
     assert [m[0] for m in prov["moves"]] == ["pack_tokens", "kv_split_sizes[0]"]
     assert prov["evaluations"] == len(calls)  # one tree per scenario, one scenario: one call per evaluation
     assert prov["seed"] == 1
-    # every start entry (other buckets) is kept unchanged
-    assert [e.to_dict() for e in refined.entries if e is not entry] == [e.to_dict() for e in start.entries]
+    assert "launch_fields_dropped" not in prov
     json.loads((tmp_path / "refined.json").read_text())
+    # the start export is of format 1: its entries are not copied, and each says so
+    start = read_export("docs/tune/export.json")
+    assert start.entries and all(e.target is None for e in start.entries)
+    assert read_export(tmp_path / "refined.json").entries == (entry,)
+    not_copied = [r.getMessage() for r in caplog.records if "not copied" in r.getMessage()]
+    assert len(not_copied) == len(start.entries)
+
+
+def _v2_start(tmp_path, gpu: str) -> tuple[Path, ConfigExport]:
+    """A format-2 start export: both targets of the tiny bucket and of another bucket."""
+    guard = ExportGuard.current("e" * 64)
+    one = Selector(member=(1,))
+    start_config = FastTreeConfig(pack_tokens=256, kv_split_sizes=(512, 128))
+
+    def entry(g, d, config, target):
+        portfolio = Portfolio(members=(FastTreeConfig(), config), selector=one, runtime=target == "runtime")
+        return ExportEntry(gpu, g, d, "float16", portfolio, {"study_name": f"g{g}-d{d}-{target}"}, target, guard)
+
+    export = ConfigExport(
+        (
+            entry(2, 16, start_config, "runtime"),
+            entry(2, 16, FastTreeConfig(kv_tile=(32, 32)), "tree_attention"),
+            entry(4, 128, FastTreeConfig(gamma=0.5), "runtime"),
+            entry(4, 128, FastTreeConfig(num_warps=(8, 4)), "tree_attention"),
+        ),
+        {"trace_set_hash": "f" * 64},
+    )
+    return write_export(tmp_path / "start.json", export), export
+
+
+def test_a_format_2_start_is_refined_from_its_runtime_entry_and_other_entries_are_kept(tmp_path, device):
+    path, start = _v2_start(tmp_path, _gpu(device))
+    (start_entry,) = [e for e in start.entries if e.bucket == (2, 16, "float16") and e.target == "runtime"]
+    calls = []
+    args = _args(tmp_path, "--fields", "pack_tokens", device=device)
+    args[args.index("--export") + 1] = str(path)
+    assert tune_measured.main(args, timer=_fake_timer(calls)) == 0
+    assert calls[0] == start_entry.portfolio.members[1]  # the search started from the runtime entry's member
+    refined = read_export(tmp_path / "refined.json")
+    (entry,) = [e for e in refined.entries if e.bucket == (2, 16, "float16") and e.target == "runtime"]
+    assert entry.portfolio.members[1] == FastTreeConfig(pack_tokens=768, kv_split_sizes=(512, 128))
+    assert entry.provenance["start_provenance"] == {"study_name": "g2-d16-runtime"}
+    assert entry.provenance["start_config"] == start_entry.portfolio.members[1].to_dict()
+    # every other start entry (the bucket's tree_attention entry, the other bucket's two) is kept unchanged
+    assert [e.to_dict() for e in refined.entries if e is not entry] == [
+        e.to_dict() for e in start.entries if e is not start_entry
+    ]
+    assert refined.provenance["trace_set_hash"] == "f" * 64
+
+
+def _launch_timer(calls, *, plan_level: bool):
+    """Faster with a 32-wide small KV tile (a launch field) and, when ``plan_level``, pack_tokens 768."""
+
+    def timer(rt, q, k, v, out):
+        calls.append(rt.config)
+        c = rt.config
+        return 100.0 - 10 * (c.kv_tile[1] == 32) + (abs(c.pack_tokens - 768) / 10 if plan_level else 0.0)
+
+    return timer
+
+
+def test_a_launch_field_move_is_dropped_from_the_runtime_member(tmp_path, device, caplog):
+    caplog.set_level(logging.INFO, logger="bench.tune_measured")
+    args = _args(tmp_path, "--fields", "kv_tile[1],pack_tokens", device=device)
+    assert tune_measured.main(args, timer=_launch_timer([], plan_level=True)) == 0
+    entry = _refined_entry(tmp_path / "refined.json", device)
+    assert [m[0] for m in entry.provenance["moves"]] == ["kv_tile[1]", "pack_tokens"]
+    assert entry.portfolio.members[1] == FastTreeConfig(pack_tokens=768)  # the defaults' kv_tile
+    assert entry.provenance["launch_fields_dropped"] == {"kv_tile": [64, 32]}
+    assert any("launch fields" in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_a_search_that_moved_only_launch_fields_writes_no_entry(tmp_path, device, caplog):
+    caplog.set_level(logging.INFO, logger="bench.tune_measured")
+    args = _args(tmp_path, "--fields", "kv_tile[1],pack_min_units", "--min-gain", "0.05", device=device)
+    assert tune_measured.main(args, timer=_launch_timer([], plan_level=False)) == 0
+    assert read_export(tmp_path / "refined.json").entries == ()
+    assert any("no entry written" in r.getMessage() for r in caplog.records)
+
+
+def test_runtime_member():
+    assert tune_measured.runtime_member(FastTreeConfig(gamma=0.5)) == (FastTreeConfig(gamma=0.5), {})
+    assert tune_measured.runtime_member(FastTreeConfig(num_stages=(2, 2), gamma=0.5)) == (
+        FastTreeConfig(gamma=0.5),
+        {"num_stages": (2, 2)},
+    )
+    assert tune_measured.runtime_member(FastTreeConfig(kv_tile=(32, 32))) == (None, {"kv_tile": (32, 32)})
+    assert tune_measured.runtime_member(FastTreeConfig()) == (FastTreeConfig(), {})
 
 
 def test_min_gain_keeps_the_start_config(tmp_path, device):
     calls = []
     args = _args(tmp_path, "--fields", "pack_min_units", "--min-gain", "0.5", device=device)
     assert tune_measured.main(args, timer=_fake_timer(calls)) == 0
-    entries = read_export(tmp_path / "refined.json").entries
-    (entry,) = [e for e in entries if e.gpu == _gpu(device) and e.bucket == (2, 16, "float16")]
+    entry = _refined_entry(tmp_path / "refined.json", device)
     assert entry.provenance["moves"] == []
-    assert entry.config == FastTreeConfig()
+    assert entry.portfolio.members == (FastTreeConfig(), FastTreeConfig())
     assert len(calls) == 1 + len(refine.COORDINATES["pack_min_units"]) - 1  # the default's value skipped
 
 

@@ -10,8 +10,9 @@ measured in one run on random N(0, 1) inputs:
   ``no_greedy`` (gamma = -10), ``query_centric`` (gamma = 10, split 81920) and
   ``no_split`` (no long-context split), ``query_separated`` (FlashDecoding-style split-KV
   per query), ``sdpa`` (torch SDPA over per-query duplicated KV; skipped when the
-  duplicated KV would not fit), ``tuned`` (the ``--export`` entry for this GPU and head
-  shape; skipped when the export has none) and ``runtime`` (the serving path:
+  duplicated KV would not fit), ``tuned`` (the member of the ``--export`` entry's portfolio
+  for this GPU and head shape that its selector picks for the case's tree; skipped when the
+  export has no entry, or one tuned for other kernels or defaults) and ``runtime`` (the serving path:
   :class:`fasttree.runtime.TreeAttentionRuntime` with the default config, the case's tree
   planned and uploaded, its fixed launches replayed);
 * every variant's worst per-query relative error against the float64 reference on a
@@ -45,7 +46,7 @@ import torch
 
 import fasttree as ft
 
-from ..export import read_export
+from ..export import ConfigExport, read_export
 from ..fileio import write_atomic
 from ..runtime import TreeAttentionRuntime
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
@@ -104,6 +105,20 @@ def sdpa_runner(q, k, v, tree: ft.KVTree) -> Callable[[], torch.Tensor] | None:
         return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=gqa).squeeze(2)
 
     return call
+
+
+def tuned_config(
+    export: ConfigExport | None, tree: ft.KVTree, *, gpu: str, hq: int, hkv: int, d: int, dtype: torch.dtype
+) -> tuple[ft.FastTreeConfig, int] | None:
+    """The ``tuned`` variant's config for ``tree``: the member of the export's ``tree_attention``
+    portfolio for this GPU and head shape that its selector picks, and the member's index; None
+    when the export has no entry for the shape (or one tuned for other kernels or defaults)."""
+    if export is None:
+        return None
+    portfolio, entry = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    if entry is None:
+        return None
+    return portfolio.select(tree), portfolio.member_of(tree)
 
 
 def worst_rel_error(out: torch.Tensor, ref: torch.Tensor, rows: np.ndarray) -> float:
@@ -175,16 +190,17 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
     if "sdpa" in args.variants:
         runners["sdpa"] = sdpa_runner(q, k, v, tree)
     if "tuned" in args.variants:
-        tuned, entry = (None, None) if args.export is None else args.export.lookup(
-            gpu=torch.cuda.get_device_name(0), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype
-        )  # fmt: skip
-        if entry is None:
+        picked = tuned_config(args.export, tree, gpu=torch.cuda.get_device_name(0), hq=hq, hkv=hkv, d=d, dtype=dtype)
+        if picked is None:
             runners["tuned"] = None
         else:
+            tuned, member = picked
             p = ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
             outs["tuned"] = torch.empty_like(q)
             runners["tuned"] = lambda p=p, o=outs["tuned"]: ft.tree_attention(q, k, v, p, out=o)
-            row.setdefault("variant_plans", {})["tuned"] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
+            row.setdefault("variant_plans", {})["tuned"] = {
+                "tile_mode": p.tile_mode, "units": p.units_per_class(), "member": member,
+            }  # fmt: skip
     if "runtime" in args.variants:
         rt = TreeAttentionRuntime(
             base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
