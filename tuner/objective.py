@@ -40,6 +40,7 @@ from fasttree.config import FastTreeConfig
 from fasttree.costmodel.features import features_of_plans, mark_runtime
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.plan_arrays import check_heads
+from fasttree.portfolio import LAUNCH_FIELDS
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, encode_tree
 from fasttree.tree import KVTree
@@ -47,7 +48,17 @@ from fasttree.validation import check_int, check_number
 
 from .space import Bucket, suggest_config
 
-__all__ = ["Evaluation", "LatencyObjective", "PlanningError", "Predictor", "WorkloadStep", "steps_by_bucket"]
+__all__ = [
+    "Evaluation",
+    "LatencyObjective",
+    "PlanningError",
+    "Predictor",
+    "WorkloadStep",
+    "balance_families",
+    "family_of",
+    "runtime_member",
+    "steps_by_bucket",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +155,44 @@ def steps_by_bucket(records: Iterable[Mapping[str, Any]]) -> dict[Bucket, list[W
 def workload_of(step: WorkloadStep) -> str:
     """The workload a step belongs to: its label less the step (``family/scenario/seed``)."""
     return step.label.rsplit("/", 1)[0] if "/" in step.label else step.label
+
+
+def family_of(step: WorkloadStep) -> str:
+    """The tree family a step belongs to: a generator family (``few_shot``), ``serving/<scenario>``
+    for a serving scenario's steps, ``paper`` for the paper suite."""
+    parts = step.label.split("/")
+    return "/".join(parts[:2]) if parts[0] == "serving" and len(parts) > 1 else parts[0]
+
+
+def balance_families(
+    steps: Sequence[WorkloadStep], model: Predictor, gpu: GpuSpec, bucket: Bucket, *, runtime: bool = False
+) -> list[WorkloadStep]:
+    """The steps re-weighted so that the objective is the mean over families of the mean over each
+    family's steps of (predicted time with the config / with the defaults).
+
+    Each step's weight becomes ``1 / (n_families * steps_in_its_family * defaults_us)``: every family
+    counts the same whatever its number of steps, every step of a family the same whatever its
+    size, and the defaults score exactly 1 (:func:`family_of` names the families).
+
+    Returns
+    -------
+    list of WorkloadStep
+    """
+    base = LatencyObjective(steps, model, gpu, bucket, runtime=runtime).defaults.step_us
+    families = [family_of(s) for s in steps]
+    counts: dict[str, int] = {}
+    for f in families:
+        counts[f] = counts.get(f, 0) + 1
+    n = len(counts)
+    weights = (1.0 / (n * counts[f] * float(us)) for f, us in zip(families, base, strict=True))
+    return [replace(s, weight=w) for s, w in zip(steps, weights, strict=True)]
+
+
+def runtime_member(config: FastTreeConfig) -> FastTreeConfig:
+    """``config`` with the defaults' launch fields (query and KV tiles, warps, stages): what a runtime
+    portfolio member may differ in is the planning (:data:`fasttree.portfolio.LAUNCH_FIELDS`)."""
+    defaults = FastTreeConfig()
+    return replace(config, **{f: getattr(defaults, f) for f in LAUNCH_FIELDS})
 
 
 def balance_workloads(
@@ -244,7 +293,8 @@ class LatencyObjective:
     runtime : bool
         Predict each step as the production runtime plans and launches it (the model must have
         been fitted with runtime measurements: ``fasttree-tune profile --runtime``), not as
-        ``fasttree.plan`` and ``fasttree.tree_attention`` do.
+        ``fasttree.plan`` and ``fasttree.tree_attention`` do. A config is then evaluated with the
+        defaults' launch fields (:func:`runtime_member`): a runtime portfolio's members share them.
 
     Attributes
     ----------
@@ -295,6 +345,11 @@ class LatencyObjective:
     def gpu(self) -> GpuSpec:
         """The GPU."""
         return self._gpu
+
+    @property
+    def model(self) -> Predictor:
+        """The latency model."""
+        return self._model
 
     @property
     def steps(self) -> tuple[WorkloadStep, ...]:
@@ -360,6 +415,8 @@ class LatencyObjective:
             When the model returns the wrong number of predictions, or a non-finite or
             negative one.
         """
+        if self._runtime:
+            config = runtime_member(config)
         X = self.features(config)
         pred = np.asarray(self._model.predict(X), dtype=np.float64).reshape(-1)
         if pred.shape != (len(self._steps),):
@@ -369,6 +426,17 @@ class LatencyObjective:
         total = float(self._weights @ pred)
         worst = float(pred[self._weights > 0].max())
         return Evaluation(total_us=total, worst_us=worst, step_us=pred)
+
+    def family_ratios(self, result: Evaluation) -> dict[str, float]:
+        """Per family (:func:`family_of`): the weighted predicted time of ``result`` over the defaults'."""
+        base = self.defaults.step_us
+        num: dict[str, float] = {}
+        den: dict[str, float] = {}
+        for s, w, us, d in zip(self._steps, self._weights, result.step_us, base, strict=True):
+            f = family_of(s)
+            num[f] = num.get(f, 0.0) + w * float(us)
+            den[f] = den.get(f, 0.0) + w * float(d)
+        return {f: num[f] / den[f] for f in sorted(num) if den[f] > 0}
 
     @property
     def defaults(self) -> Evaluation:
@@ -396,6 +464,7 @@ class LatencyObjective:
         trial.set_user_attr("speedup_vs_defaults", base.total_us / result.total_us if result.total_us > 0 else None)
         trial.set_user_attr("config", config.to_dict())
         trial.set_user_attr("eval_s", elapsed)
+        trial.set_user_attr("family_ratio", self.family_ratios(result))
         if self._worst_step:
             return result.total_us, result.worst_us
         return result.total_us

@@ -40,7 +40,7 @@ from fasttree.config import FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.validation import check_choice, check_int, check_number
 
-from .objective import LatencyObjective, Predictor, WorkloadStep, steps_by_bucket
+from .objective import LatencyObjective, Predictor, WorkloadStep, family_of, runtime_member, steps_by_bucket
 from .polish import polish_config
 from .space import Bucket, config_from_params, default_params, neighbour_params
 from .storage import StorageSpec, open_storage
@@ -401,6 +401,9 @@ class TuneResult:
         Configs the polishes evaluated (0: no polish).
     polish_start : str
         Where the winning polish started: ``"best trial"``, ``"defaults"`` or ``""`` (none won).
+    candidates : tuple of FastTreeConfig
+        Configs for a portfolio (:func:`candidate_configs`): the defaults first, then the best
+        config, the best trials overall and the best trial of each tree family.
     """
 
     study_name: str
@@ -420,6 +423,7 @@ class TuneResult:
     polish_moves: list = field(default_factory=list)
     polish_evaluations: int = 0
     polish_start: str = ""
+    candidates: tuple[FastTreeConfig, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -461,12 +465,16 @@ def tune_bucket(
     progress: bool = False,
     importances: bool = True,
     polish_passes: int = 2,
+    family_polish: bool = False,
 ) -> TuneResult:
     """Create or join the bucket's study, run it to ``n_trials`` COMPLETE trials, report the best.
 
     With one objective and ``polish_passes > 0``, a coordinate search on the same objective
     (:func:`~fasttree.tuner.polish.polish_config`) then runs from the best trial's config and
-    from the defaults; the result is the best of the trial and the two polished configs.
+    from the defaults; the result is the best of the trial and the two polished configs. With
+    ``family_polish``, a coordinate search from the defaults on each tree family's steps alone
+    (:func:`~fasttree.tuner.objective.family_of`) adds each family's best config to the
+    portfolio candidates.
 
     Parameters
     ----------
@@ -493,6 +501,8 @@ def tune_bucket(
         Compute parameter importances.
     polish_passes : int
         Passes of the polish (>= 0; 0: none). Ignored with two objectives.
+    family_polish : bool
+        Also polish from the defaults on each family's steps (``polish_passes`` passes, at least 1).
 
     Returns
     -------
@@ -513,10 +523,14 @@ def tune_bucket(
     if best is None:
         raise ValueError(f"study {name} has no complete trial")
     trial_config = config_from_params(best.params, bucket.group_size, bucket.head_dim)
+    if objective.runtime:  # what the objective evaluated
+        trial_config = runtime_member(trial_config)
     trial_us = float(best.values[0])
     polished = _Polished(trial_config, trial_us)
     if polish_passes and objective.n_objectives == 1:
         polished = _polish(objective, trial_config, trial_us, polish_passes)
+    if objective.runtime:
+        polished = replace(polished, config=runtime_member(polished.config))
     worst = float(best.user_attrs.get("worst_step_us", math.nan))
     if polished.moves:
         worst = objective.evaluate(polished.config).worst_us
@@ -540,6 +554,12 @@ def tune_bucket(
         polish_moves=polished.moves,
         polish_evaluations=polished.evaluations,
         polish_start=polished.start,
+        candidates=tuple(
+            dict.fromkeys(
+                candidate_configs(trials, objective, polished.config)
+                + (_family_polishes(objective, max(1, polish_passes)) if family_polish else ())
+            )
+        ),
     )
     logger.info(
         "%s: best trial %d scores %.4g, %.4g polished (defaults %.4g, %.3fx) after %d complete trials",
@@ -552,6 +572,31 @@ def tune_bucket(
         result.n_complete,
     )
     return result
+
+
+def candidate_configs(
+    trials: Sequence[FrozenTrial], objective: LatencyObjective, best: FastTreeConfig, *, top: int = 6
+) -> tuple[FastTreeConfig, ...]:
+    """Distinct configs for a portfolio from a study's COMPLETE trials: the defaults, ``best`` (the
+    study's polished best), the ``top`` best trials and the best trial of every tree family by its
+    ``family_ratio`` user attribute; a runtime objective's configs keep the defaults' launch fields."""
+    bucket = objective.bucket
+    done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.values[0])
+    chosen = list(done[:top])
+    families = sorted({f for t in done for f in t.user_attrs.get("family_ratio", {})})
+    for family in families:
+        scored = [t for t in done if family in t.user_attrs.get("family_ratio", {})]
+        if scored:
+            chosen.append(min(scored, key=lambda t: t.user_attrs["family_ratio"][family]))
+    configs = [FastTreeConfig(), best]
+    for trial in chosen:
+        try:
+            configs.append(config_from_params(trial.params, bucket.group_size, bucket.head_dim))
+        except ValueError:  # a trial of an older space
+            continue
+    if objective.runtime:
+        configs = [runtime_member(c) for c in configs]
+    return tuple(dict.fromkeys(configs))
 
 
 def _bucket_study(objective: LatencyObjective, store: BaseStorage, name: str, sampler: Any) -> Study:
@@ -577,6 +622,23 @@ class _Polished:
     moves: list = field(default_factory=list)
     evaluations: int = 0
     start: str = ""  # where the kept polish started ("best trial" or "defaults"), "" for none
+
+
+def _family_polishes(objective: LatencyObjective, passes: int) -> tuple[FastTreeConfig, ...]:
+    """The config a coordinate search from the defaults reaches on each family's steps alone."""
+    by_family: dict[str, list[WorkloadStep]] = {}
+    for step in objective.steps:
+        by_family.setdefault(family_of(step), []).append(step)
+    out = []
+    for family, steps in sorted(by_family.items()):
+        if not any(s.weight > 0 for s in steps):
+            continue
+        sub = LatencyObjective(steps, objective.model, objective.gpu, objective.bucket, runtime=objective.runtime)
+        polish = polish_config(sub, FastTreeConfig(), passes=passes)
+        logger.info("%s %s: family polish %.3f of the defaults", objective.bucket.label, family,
+                    polish.best_us["total"] / sub.defaults.total_us)  # fmt: skip
+        out.append(runtime_member(polish.config) if objective.runtime else polish.config)
+    return tuple(out)
 
 
 def _polish(objective: LatencyObjective, config: FastTreeConfig, predicted_us: float, passes: int) -> _Polished:
