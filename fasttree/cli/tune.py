@@ -9,10 +9,11 @@ seed) come from parent parsers, :func:`_study_options` and :func:`_trial_options
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
-import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,15 +29,21 @@ logger = logging.getLogger("fasttree.cli")
 RUN_TRACES = "traces/h200"
 RUN_WORKLOADS = "traces/workloads"
 RUN_HELDOUT = "traces/workloads_heldout"
+#: The frozen test of a tuned export: families no tuning step or design choice uses.
+RUN_TEST = "traces/workloads_test"
 RUN_MODEL = "models/h200_latency_model.skops"
 RUN_OUT = "fasttree-run"
 RUN_TRIALS = 250
-#: ``run`` tunes on every 4th step of each long workload (``--every``).
-RUN_EVERY = 4
+#: Tuning and export use every 16th step of each long workload (``--every``): consecutive decode
+#: steps differ by a token, and the portfolio's candidates are planned on every step many times.
+RUN_EVERY = 16
 #: Passes of the polish after each study (``fasttree.tuner.polish``); ``export`` uses it too.
-POLISH_PASSES = 2
-#: Seconds per bucket after which ``run`` starts no new trial (keeps the main job under 10 minutes).
-RUN_TIMEOUT_S = 150.0
+POLISH_PASSES = 1
+#: Seconds per study after which ``run`` starts no new trial: six studies (three buckets, two
+#: targets), their polishes and the portfolio choice fit the main job in 10 minutes on 2 cores.
+RUN_TIMEOUT_S = 15.0
+#: What ``run`` and ``export`` tune portfolios for.
+RUN_TARGETS = ("tree_attention", "runtime")
 
 
 def _study_options() -> argparse.ArgumentParser:
@@ -60,19 +67,12 @@ def _study_options() -> argparse.ArgumentParser:
     g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default {RUN_MODEL})")
     g.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
     g.add_argument(
-        "--no-balance",
-        dest="balance",
-        action="store_false",
-        help="minimise the predicted total time of all steps (default: every workload weighs the same: the "
-        "objective is the sum over workloads of predicted time / time with the defaults)",
-    )
-    g.add_argument(
         "--every",
         type=int_at_least(1),
-        default=1,
+        default=RUN_EVERY,
         metavar="K",
-        help="tune on every K-th step of each workload of more than 64 steps, weighted K (consecutive decode "
-        "steps differ by a token; default 1: every step, 'run': 4)",
+        help="tune on every K-th step of each workload of more than 64 steps (consecutive decode steps differ "
+        f"by a token; default {RUN_EVERY})",
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument(
@@ -121,6 +121,34 @@ def _trial_options() -> argparse.ArgumentParser:
     return p
 
 
+def _target_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("portfolios")
+    g.add_argument(
+        "--targets",
+        type=_targets_arg,
+        default=RUN_TARGETS,
+        metavar="LIST",
+        help="what to tune portfolios for: tree_attention, runtime or both, comma separated (default both)",
+    )
+    g.add_argument(
+        "--jobs",
+        type=int_at_least(1),
+        default=min(4, os.cpu_count() or 1),
+        metavar="N",
+        help="parallel processes, one (bucket, target) each (default: the cores, at most 4)",
+    )
+    return p
+
+
+def _targets_arg(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [n for n in names if n not in RUN_TARGETS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(RUN_TARGETS)}, got {text!r}")
+    return names
+
+
 def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     """Add ``tune``, ``export``, ``run``, ``validate``, ``refine`` and ``bench`` to the ``fasttree-tune``
     subparsers ``sub``."""
@@ -142,8 +170,6 @@ def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     t.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="workload trace files or folders")
     t.add_argument("--out", default=".", metavar="DIR", help="folder of the default storage and --json (default .)")
-    t.add_argument("--export", metavar="PATH", help="also write the tuned configs as an export file")
-    t.add_argument("--overwrite", action="store_true", help="replace --export if it exists")
     t.add_argument("--json", metavar="PATH", help="write the per-bucket results as JSON")
     t.set_defaults(func=_cmd_tune, subparser=t)
 
@@ -153,12 +179,14 @@ def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     e = sub.add_parser(
         "export",
         help="write the best config of each bucket's study as an export file",
-        description="Read the studies of WORKLOADS' buckets from --storage (no new trials) and write their "
-        "best configs, with provenance (model and trace-set hashes, study names, predicted gain over the "
-        "defaults), as a schema-versioned JSON export for fasttree.config_from_export.",
-        parents=[*common, _study_options()],
+        description="Read the studies of WORKLOADS' buckets from --storage (no new trials; 'fasttree-tune run' "
+        "made them), find each family's best config and choose each bucket's portfolio and selector on the "
+        "predictions (the design on --heldout), and write them, guarded and with provenance, as a "
+        "schema-versioned JSON export (fasttree.load_portfolio, docs/export.md).",
+        parents=[*common, _study_options(), _target_options()],
     )
     e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
+    e.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"validation workloads ({RUN_HELDOUT})")
     e.add_argument("-o", "--out", required=True, metavar="PATH", help="export file to write (.json)")
     e.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
     e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
@@ -171,11 +199,12 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "run",
         help="the main job: shipped traces in, tuned export and report out",
         description="Load the shipped H200 latency model (or fit it from --traces when it is missing or "
-        "--refit is given), tune every bucket of --workloads with the embedded SQLite storage in --out, "
-        "write --out/export.json, predict the held-out workloads (--heldout) with the tuned and the "
-        "default configs, and write a report (report.md, report.json and PNG plots: optimisation "
-        "history, parameter importances, predicted latency per step). Rerunning resumes the studies.",
-        parents=[*common, _study_options(), _trial_options()],
+        "--refit is given) and, for every bucket of --workloads and every target (tree_attention, runtime): "
+        "run an Optuna study on the family-balanced predicted time (embedded SQLite storage in --out), "
+        "polish its best config and find every family's own best config, and choose a portfolio of at most "
+        "3 configs (the defaults first) and its selector on the predictions, the design on --heldout. "
+        "Writes --out/export.json and a report (report.md, report.json). Rerunning resumes the studies.",
+        parents=[*common, _study_options(), _trial_options(), _target_options()],
     )
     r.add_argument("--traces", default=RUN_TRACES, metavar="DIR", help=f"measurement traces (default {RUN_TRACES})")
     r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({RUN_WORKLOADS})")
@@ -190,19 +219,21 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     v = sub.add_parser(
         "validate",
         help="measure a tuned export against the defaults on the GPU",
-        description="On a CUDA GPU: measure evenly spaced decode steps of each workload in WORKLOADS with "
-        "the export's config for their bucket and with the defaults (CUDA-graph replay, the first step "
-        "checked against the float64 reference), print the measured speedup per workload next to the "
-        "model's prediction and error, and append every measurement to --traces-out (closing the loop: "
-        "the next 'fasttree-tune fit' can use them).",
+        description="On a CUDA GPU: for every tree of WORKLOADS and every target, measure every member of the "
+        "export's portfolio for its bucket (CUDA-graph replay, the first tree of each family checked against "
+        "the float64 reference); report the measured speedup of the selector's pick over the defaults for every "
+        "case, per family and per target, and the selector's regret against the best member; append every "
+        "measurement to --traces-out (the next 'fasttree-tune fit' can use them).",
         parents=[*common],
     )
     v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
-    v.add_argument("workloads", nargs="*", default=[RUN_HELDOUT], metavar="WORKLOADS", help=f"default {RUN_HELDOUT}")
-    v.add_argument("--steps", type=int_at_least(1), default=8, metavar="K", help="steps per workload (8)")
-    v.add_argument("--model", default=None, metavar="MODEL", help="latency model for predicted speedups")
+    v.add_argument("workloads", nargs="*", default=[RUN_TEST], metavar="WORKLOADS", help=f"default {RUN_TEST}")
+    v.add_argument(
+        "--targets", type=_targets_arg, default=RUN_TARGETS, metavar="LIST", help="tree_attention, runtime (both)"
+    )
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
     v.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    v.add_argument("--markdown", metavar="PATH", help="write the report as markdown")
     v.set_defaults(func=_cmd_validate, subparser=v)
 
 
@@ -287,16 +318,12 @@ def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
 def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int):
     import optuna
 
-    from fasttree.tuner import tune_workload
+    from fasttree.tuner import balance_families, thin_steps, tune_workload
 
     if not logging.getLogger("fasttree").isEnabledFor(logging.DEBUG):
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial only with -v
-    from fasttree.tuner import balance_workloads, thin_steps
-
     grouped = {b: thin_steps(steps, args.every) for b, steps in grouped.items()}
-    if args.balance:
-        grouped = {b: balance_workloads(steps, model, gpu, b, runtime=args.runtime) for b, steps in grouped.items()}
-
+    grouped = {b: balance_families(steps, model, gpu, b, runtime=args.runtime) for b, steps in grouped.items()}
     try:
         return tune_workload(
             grouped,
@@ -306,7 +333,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             folder=folder,
             base_name=args.study,
             n_trials=trials,
-            timeout=getattr(args, "timeout", None),  # the trial options; 'export' runs no trial
+            timeout=getattr(args, "timeout", None),
             seed=getattr(args, "seed", 0),
             worker=getattr(args, "worker", 0),
             worst_step=args.worst_step,
@@ -318,65 +345,87 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
         args.subparser.error(str(exc))
 
 
-def _results_table(results, totals) -> str:
-    head = (
-        "| bucket | study | trials (complete / pruned) | objective: defaults -> tuned | predicted us: defaults "
-        "-> tuned | predicted speedup (total) |"
-    )
-    lines = [head, "|---|---|---:|---:|---:|---:|"]
+def _results_table(results) -> str:
+    lines = ["| bucket | study | trials (complete / pruned) | objective: defaults -> tuned | predicted speedup |",
+             "|---|---|---:|---:|---:|"]  # fmt: skip
     for b, r in results.items():
-        d, t = totals[b]
         lines.append(
             f"| {b.label} | {r.study_name} | {r.n_complete} / {r.n_pruned} | {r.defaults_predicted_us:.4g} -> "
-            f"{r.predicted_us:.4g} | {d:.1f} -> {t:.1f} | {d / t:.3f}x |"
+            f"{r.predicted_us:.4g} | {r.speedup:.3f}x |"
         )
     return "\n".join(lines)
 
 
-def _predicted_totals(grouped, results, model, gpu, runtime: bool) -> dict:
-    """Per bucket: (defaults, exported config) predicted total us over the steps with their own weights."""
-    from fasttree.tuner import LatencyObjective
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from fasttree.fileio import write_atomic
 
-    out = {}
-    for b, r in results.items():
-        objective = LatencyObjective(grouped[b], model, gpu, b, runtime=runtime)
-        out[b] = (objective.defaults.total_us, objective.evaluate(_chosen(r)).total_us)
-    return out
-
-
-def _chosen(r):
-    """The config exported for a bucket: the best trial's when the objective ranks it above the defaults."""
-    return r.best_config if r.predicted_us < r.defaults_predicted_us else _defaults()
+    model, gpu, _ = _load_model(args)
+    grouped = _workload_steps(args, args.workloads, "WORKLOADS")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials)
+    print(_results_table(results))
+    if args.json:
+        write_atomic(args.json, json.dumps({b.label: r.to_dict() for b, r in results.items()}, indent=1) + "\n")
+    return 0
 
 
-def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path, runtime: bool):
+def _portfolios(args: argparse.Namespace, folder: Path, *, trials: int, timeout: float | None):
+    """Tune (or, with a study at ``trials`` already, only read) and choose every portfolio."""
+    import optuna
+
+    from fasttree.tuner.pipeline import tune_portfolios
+
+    if not logging.getLogger("fasttree").isEnabledFor(logging.DEBUG):
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    grouped = _workload_steps(args, list(args.workloads) if isinstance(args.workloads, list) else [args.workloads],
+                              "WORKLOADS")  # fmt: skip
+    heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
+    try:
+        return tune_portfolios(
+            grouped, heldout, args.model, targets=args.targets, folder=folder, storage=args.storage,
+            base_name=args.study, n_trials=trials, timeout=timeout, seed=getattr(args, "seed", 0),
+            every=args.every, polish_passes=getattr(args, "polish_passes", POLISH_PASSES), jobs=args.jobs,
+            force=args.force,
+        )  # fmt: skip
+    except ValueError as exc:
+        args.subparser.error(str(exc))
+
+
+def _portfolio_export(results, gpu, meta: dict[str, Any], model_path: Path):
+    """The format-2 export of ``results`` (:func:`fasttree.tuner.pipeline.tune_portfolios`)."""
     from fasttree import __version__
-    from fasttree.export import ConfigExport, ExportEntry
+    from fasttree.export import ConfigExport, ExportEntry, ExportGuard
     from fasttree.traces import utc_now
 
+    model_hash = _sha256_file(model_path)
     entries = []
-    for b, r in results.items():
-        default_us, tuned_us = totals[b]
+    for r in results:
+        p = r.portfolio
         entries.append(
             ExportEntry(
                 gpu=gpu.name,
-                group_size=b.group_size,
-                head_dim=b.head_dim,
-                dtype=b.dtype,
-                config=_chosen(r),
+                group_size=r.bucket.group_size,
+                head_dim=r.bucket.head_dim,
+                dtype=r.bucket.dtype,
+                portfolio=p.portfolio,
+                target=r.target,
+                guard=ExportGuard.current(model_hash),
                 provenance={
-                    "study_name": r.study_name,
-                    "n_trials": r.n_complete,
-                    "best_trial": r.best_trial,
-                    "best_trial_objective": r.trial_predicted_us,
-                    "polish_moves": r.polish_moves,
-                    "polish_start": r.polish_start,
-                    "polish_evaluations": r.polish_evaluations,
-                    "predicted_default_us": default_us,
-                    "predicted_tuned_us": tuned_us,
-                    "predicted_gain": 1.0 - tuned_us / default_us,
-                    "objective_default": r.defaults_predicted_us,
-                    "objective_tuned": min(r.predicted_us, r.defaults_predicted_us),
+                    "study_name": r.tune.study_name,
+                    "n_trials": r.tune.n_complete,
+                    "candidates": r.n_candidates,
+                    "tuning_steps": r.n_steps,
+                    "validation_steps": r.n_valid_steps,
+                    "rules": {
+                        "margin": p.rules.margin,
+                        "max_depth": p.rules.max_depth,
+                        "min_leaf": p.rules.min_leaf,
+                        "family_loss": p.rules.family_loss,
+                        "tree_loss": p.rules.tree_loss,
+                    },
+                    "predicted_train": p.train["objective"],
+                    "predicted_valid": None if p.valid is None else p.valid["objective"],
+                    "predicted_gain": 1.0 - (p.valid or p.train)["objective"],
                 },
             )
         )
@@ -386,17 +435,29 @@ def _export_of(results, totals, gpu, meta: dict[str, Any], model_path: Path, run
             "created_utc": utc_now(),
             "fasttree_version": __version__,
             "trace_set_hash": str(meta.get("trace_set", {}).get("sha256", "")),
-            "model_hash": _sha256_file(model_path),
+            "model_hash": model_hash,
             "model_path": str(model_path),
-            "predicted_launches": "runtime" if runtime else "tree_attention",
         },
     )
 
 
-def _defaults():
-    from fasttree.config import FastTreeConfig
-
-    return FastTreeConfig()
+def _portfolio_table(results) -> str:
+    lines = [
+        "| target | bucket | members | selector leaves | design (margin, depth, min leaf) | predicted tuning | "
+        "predicted validation | validation trees switched |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in results:
+        p = r.portfolio
+        leaves = sum(f < 0 for f in p.portfolio.selector.feature)
+        valid = "-" if p.valid is None else f"{p.valid['objective']:.3f}"
+        switched = "-" if p.valid is None else f"{sum(p.valid['picks'][1:])} / {sum(p.valid['picks'])}"
+        lines.append(
+            f"| {r.target} | {r.bucket.label} | {len(p.portfolio.members)} | {leaves} | "
+            f"{p.rules.margin}, {p.rules.max_depth}, {p.rules.min_leaf} | {p.train['objective']:.3f} | {valid} | "
+            f"{switched} |"
+        )
+    return "\n".join(lines)
 
 
 def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: bool) -> None:
@@ -408,26 +469,6 @@ def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: boo
         args.subparser.error(f"{exc}; pass --overwrite to replace it")
 
 
-def _cmd_tune(args: argparse.Namespace) -> int:
-    from fasttree.fileio import write_atomic
-
-    if args.export and Path(args.export).exists() and not args.overwrite:
-        args.subparser.error(f"--export {args.export} exists; pass --overwrite to replace it")
-    model, gpu, meta = _load_model(args)
-    grouped = _workload_steps(args, args.workloads, "WORKLOADS")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials)
-    totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
-    print(_results_table(results, totals))
-    if args.json:
-        write_atomic(args.json, json.dumps({b.label: r.to_dict() for b, r in results.items()}, indent=1) + "\n")
-    if args.export:
-        export = _export_of(results, totals, gpu, meta, Path(args.model), args.runtime)
-        _write_export(args, args.export, export, overwrite=args.overwrite)
-        print(f"export: {args.export}")
-    return 0
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not args.overwrite:
         args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
@@ -435,13 +476,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     if args.storage is None and not (Path(args.folder) / DEFAULT_DB_NAME).exists():
         args.subparser.error(f"no --storage given and no {DEFAULT_DB_NAME} in {args.folder}: nothing was tuned there")
-    model, gpu, meta = _load_model(args)
-    grouped = _workload_steps(args, args.workloads, "WORKLOADS")
-    results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1)  # runs no trial in a tuned study
-    totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
-    export = _export_of(results, totals, gpu, meta, Path(args.model), args.runtime)
+    _, gpu, meta = _load_model(args)
+    results = _portfolios(args, Path(args.folder), trials=1, timeout=None)  # a tuned study runs no new trial
+    export = _portfolio_export(results, gpu, meta, Path(args.model))
     _write_export(args, args.out, export, overwrite=args.overwrite)
-    print(_results_table(results, totals))
+    print(_portfolio_table(results))
     print(f"export: {args.out}")
     return 0
 
@@ -470,72 +509,57 @@ def _cmd_run(args: argparse.Namespace) -> int:
     model_path = Path(args.model)
     if args.refit or not model_path.exists():
         if args.refit:
-            model_path = out / "latency_model.json"
+            model_path = out / "latency_model.skops"
             args.model = str(model_path)
         _fit_model(args, model_path)
-    model, gpu, meta = _load_model(args)
-    grouped = _workload_steps(args, [args.workloads], "--workloads")
-    heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
-    print(f"model {model_path} ({gpu.name}); {sum(map(len, grouped.values()))} tuning steps in {len(grouped)} buckets")
-    results = _tune(args, grouped, model, gpu, out, trials=args.trials)
-    totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
-    export = _export_of(results, totals, gpu, meta, model_path, args.runtime)
+    _, gpu, meta = _load_model(args)
+    print(f"model {model_path} ({gpu.name}); targets {', '.join(args.targets)}; {args.jobs} processes")
+    results = _portfolios(args, out, trials=args.trials, timeout=args.timeout)
+    export = _portfolio_export(results, gpu, meta, model_path)
     _write_export(args, str(out / "export.json"), export, overwrite=True)
-    judged = _heldout_predictions(heldout, export, model, gpu, args.runtime)
-    from fasttree.tuner.report import write_report
-
-    report = write_report(out, results, judged, storage=args.storage, folder=out)
+    elapsed = round(time.perf_counter() - t0, 1)
+    table = _portfolio_table(results)
     summary = {
         "gpu": gpu.name,
         "model": str(model_path),
-        "buckets": {b.label: r.to_dict() for b, r in results.items()},
-        "heldout": judged,
-        "elapsed_s": round(time.perf_counter() - t0, 1),
-    }
+        "elapsed_s": elapsed,
+        "jobs": [
+            {"target": r.target, "bucket": r.bucket.label, "study": r.tune.to_dict(), "candidates": r.n_candidates,
+             "rules": dataclasses.asdict(r.portfolio.rules), "train": r.portfolio.train, "valid": r.portfolio.valid,
+             "designs": r.portfolio.tried, "elapsed_s": r.elapsed_s}
+            for r in results
+        ],
+    }  # fmt: skip
     write_atomic(out / "report.json", json.dumps(summary, indent=1, default=float) + "\n")
-    print(_results_table(results, totals))
-    for label, h in judged.items():
-        print(
-            f"held-out {label}: {h['steps']} steps, predicted defaults {h['defaults_us']:.0f} us, "
-            f"tuned {h['tuned_us']:.0f} us ({h['speedup']:.3f}x; per workload: geomean "
-            f"{h['geomean_workload_speedup']:.3f}x, worst {h['worst_workload_speedup']:.3f}x)"
-        )
-    print(f"export: {out / 'export.json'}; report: {report}; {summary['elapsed_s']:.0f} s")
+    report = out / "report.md"
+    write_atomic(report, _run_report(results, summary, table))
+    print(table)
+    print(f"export: {out / 'export.json'}; report: {report}; {elapsed:.0f} s")
     return 0
 
 
-def _heldout_predictions(heldout, export, model, gpu, runtime: bool) -> dict[str, dict[str, Any]]:
-    """Per bucket of the held-out workloads: predicted latency with the export's config and the defaults."""
-    from fasttree.tuner import LatencyObjective, workload_of
-
-    judged = {}
-    for bucket, steps in heldout.items():
-        config, _ = export.lookup(
-            gpu=gpu.name,
-            num_q_heads=steps[0].num_q_heads,
-            num_kv_heads=steps[0].num_kv_heads,
-            head_dim=bucket.head_dim,
-            dtype=bucket.dtype,
-        )
-        objective = LatencyObjective(steps, model, gpu, bucket, runtime=runtime)
-        tuned, base = objective.evaluate(config), objective.defaults
-        # per workload (scenario and model shape): the target is judged per workload, not only in sum
-        by_workload: dict[str, list[int]] = {}
-        for i, s in enumerate(steps):
-            by_workload.setdefault(workload_of(s), []).append(i)
-        ratios = {w: float(base.step_us[idx].sum() / tuned.step_us[idx].sum()) for w, idx in by_workload.items()}
-        judged[bucket.label] = {
-            "steps": len(steps),
-            "defaults_us": base.total_us,
-            "tuned_us": tuned.total_us,
-            "speedup": base.total_us / tuned.total_us,
-            "workload_speedups": ratios,
-            "geomean_workload_speedup": math.exp(sum(math.log(v) for v in ratios.values()) / len(ratios)),
-            "worst_workload_speedup": min(ratios.values()),
-            "step_defaults_us": base.step_us.tolist(),
-            "step_tuned_us": tuned.step_us.tolist(),
-        }
-    return judged
+def _run_report(results, summary: dict[str, Any], table: str) -> str:
+    """``report.md`` of a run: the portfolios, then every family's predicted ratio on both splits."""
+    lines = [
+        "# fasttree-tune run",
+        "",
+        f"Model `{summary['model']}` ({summary['gpu']}), {summary['elapsed_s']:.0f} s. Predicted by the latency "
+        "model: every ratio is the portfolio's predicted time over the defaults' (mean over families of each "
+        "family's mean over its trees). Measured on a GPU: `fasttree-tune validate`.",
+        "",
+        table,
+        "",
+    ]
+    for r in results:
+        p = r.portfolio
+        lines += [f"## {r.target} {r.bucket.label}", "", "| family | tuning | validation |", "|---|---:|---:|"]
+        valid = {} if p.valid is None else p.valid["families"]
+        for family in sorted(set(p.train["families"]) | set(valid)):
+            a = p.train["families"].get(family)
+            b = valid.get(family)
+            lines.append(f"| {family} | {'-' if a is None else f'{a:.3f}'} | {'-' if b is None else f'{b:.3f}'} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def _predictor(args: argparse.Namespace):
@@ -566,7 +590,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
-    from fasttree.toolkit.validate import validate_export
+    from fasttree.toolkit.validate import summarise, validate_portfolios
     from fasttree.traces import TraceError, TraceWriter, read_traces
 
     if not torch.cuda.is_available():
@@ -578,28 +602,41 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         args.subparser.error(str(exc))
     if not records:
         args.subparser.error(f"no workload lines in {' '.join(args.workloads)}")
-    predict = _predictor(args)
     gpu_name = torch.cuda.get_device_name()
     with TraceWriter(args.traces_out) as writer:
-        results = validate_export(export, records, gpu_name=gpu_name, steps_per_workload=args.steps, writer=writer,
-                                  predict=predict)  # fmt: skip
-    lines = ["| workload | steps | defaults (us) | tuned (us) | measured speedup | predicted | model MAPE |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for v in results:
-        pred = f"{v.predicted_speedup:.3f}x" if v.predicted_speedup else "-"
-        mape = f"{sum(v.abs_errors) / len(v.abs_errors):.3f}" if v.abs_errors else "-"
-        tag = " (defaults)" if v.tuned_is_default else ""
-        lines.append(f"| {v.workload}{tag} | {len(v.steps)} | {v.default_us:.1f} | {v.tuned_us:.1f} | "
-                     f"{v.speedup:.3f}x | {pred} | {mape} |")  # fmt: skip
-    speedups = [v.speedup for v in results]
-    geo = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
-    lines.append(f"\ngeomean measured speedup {geo:.3f}x, worst {min(speedups):.3f}x ({gpu_name})")
-    print("\n".join(lines))
+        results = validate_portfolios(export, records, gpu_name=gpu_name, targets=args.targets, writer=writer)
+    summary = summarise(results)
+    text = _validation_report(results, summary, gpu_name)
+    print(text)
     if args.json:
-        rows = [dict(vars(v), speedup=v.speedup, predicted_speedup=v.predicted_speedup) for v in results]
-        doc = {"gpu": gpu_name, "geomean_speedup": geo, "worst_speedup": min(speedups), "workloads": rows}
+        doc = {"gpu": gpu_name, "export": str(args.config), **summary,
+               "cases": [dict(vars(v), speedup=v.speedup) for v in results]}  # fmt: skip
         write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
+    if args.markdown:
+        write_atomic(args.markdown, text + "\n")
     return 0
+
+
+def _validation_report(results, summary: dict[str, Any], gpu_name: str) -> str:
+    """The measured speedups of an export's picks over the defaults: per target, per family, every case."""
+    lines = [f"Measured on {gpu_name} (CUDA-graph replay medians): the defaults' time over the picked member's.", ""]
+    lines += [
+        "| target | cases | geomean | worst | cases below 0.97x | worst family regret |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for target, s in summary["targets"].items():
+        lines.append(f"| {target} | {s['cases']} | {s['geomean']:.3f}x | {s['worst']:.3f}x | {s['below_0.97']} | "
+                     f"{s['worst_family_regret']:.3f} |")  # fmt: skip
+    lines += ["", "| target | bucket | family | cases | switched | geomean | worst | regret |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in summary["families"]:
+        lines.append(f"| {r['target']} | {r['bucket']} | {r['family']} | {r['cases']} | {r['switched']} | "
+                     f"{r['geomean']:.3f}x | {r['worst']:.3f}x | {r['regret']:.3f} |")  # fmt: skip
+    lines += ["", "| target | case | member picked | members (us) | speedup |", "|---|---|---:|---|---:|"]
+    for v in results:
+        times = ", ".join(f"{t:.1f}" for t in v.member_us)
+        lines.append(f"| {v.target} | {v.case} | {v.picked} | {times} | {v.speedup:.3f}x |")
+    return "\n".join(lines)
 
 
 def _cmd_refine(args: argparse.Namespace) -> int:
@@ -607,10 +644,13 @@ def _cmd_refine(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fasttree.export import ConfigExport, ExportEntry, read_export, write_export
+    from fasttree.config import FastTreeConfig
+    from fasttree.export import ConfigExport, ExportEntry, ExportGuard, read_export, write_export
+    from fasttree.portfolio import Portfolio, Selector
     from fasttree.toolkit.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
     from fasttree.toolkit.validate import workload_steps
     from fasttree.traces import TraceError, decode_tree, read_traces
+    from fasttree.tuner.objective import runtime_member
 
     if args.device.split(":")[0] not in ("cuda", "cpu"):
         args.subparser.error(f"--device must be cuda or cpu, got {args.device!r}")
@@ -635,10 +675,13 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         r = rs[0]
         key = (int(r["num_q_heads"]), int(r["num_kv_heads"]), int(r["head_dim"]), str(r["dtype"]))
         buckets.setdefault(key, {})[name] = [decode_tree(x["workload"]["tree"]) for x in rs]
-    entries = {(e.gpu, *e.bucket): e for e in export.entries}
+    entries = {(e.gpu, *e.bucket, e.target): e for e in export.entries if e.target is not None}
     lines = ["| bucket | workload | start (us) | refined (us) | ratio |", "|---|---|---:|---:|---:|"]
     for (hq, hkv, d, dtype), trees in buckets.items():
-        start, entry = export.lookup(gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+        portfolio, entry = export.lookup(
+            gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, target="runtime"
+        )
+        start = portfolio.members[-1]  # the runtime entry's last member (the defaults when it has one)
         logger.info("bucket %d/%d D %d %s: %d workloads, start from %s", hq, hkv, d, dtype, len(trees),
                  "the export's entry" if entry else "the defaults")  # fmt: skip
         t0 = time.perf_counter()
@@ -653,8 +696,16 @@ def _cmd_refine(args: argparse.Namespace) -> int:
             "steps_per_workload": args.steps,
             "failed": found.failed,
         }
-        new = ExportEntry(gpu, hq // hkv, d, dtype, found.config, provenance)
-        entries[(gpu, *new.bucket)] = new
+        refined = runtime_member(found.config)  # a runtime member keeps the defaults' launch shapes
+        if refined != found.config:
+            provenance["launch_fields_not_kept"] = found.config.to_dict()
+        members = (FastTreeConfig(),) if refined == FastTreeConfig() else (FastTreeConfig(), refined)
+        selector = Selector(member=(len(members) - 1,))  # measured on these workloads: every tree
+        new = ExportEntry(
+            gpu, hq // hkv, d, dtype, Portfolio(members, selector, runtime=True), provenance, target="runtime",
+            guard=ExportGuard.current(),
+        )  # fmt: skip
+        entries[(gpu, *new.bucket, "runtime")] = new
         for w in sorted(trees):
             a, b = found.start_us[w], found.best_us[w]
             lines.append(f"| g{hq // hkv} D{d} {dtype} | {w} | {a:.1f} | {b:.1f} | {b / a:.3f} |")

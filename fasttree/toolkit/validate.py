@@ -1,17 +1,17 @@
-"""Measure a tuned export against the defaults on workload traces, on the GPU (``fasttree-tune validate``).
+"""Measure a tuned export against the defaults on workload trees, on the GPU (``fasttree-tune validate``).
 
-For every workload (one scenario and head shape of the workload traces) a few evenly
-spaced decode steps are measured with the export's config for their bucket and with
-``FastTreeConfig()``, by the profiler's own measurement (:func:`fasttree.toolkit.measure.measure_point`:
-CUDA-graph replay on random inputs, the first step of each workload checked against the
-float64 reference). The measured speedup of a workload is the ratio of its summed step
-times. Every measurement is appended to a trace file (``meta.split = "validate"``), so
-the loop closes: the next fit of the latency model can use them. With a latency model,
-its predictions of the same (step, config) pairs give the predicted speedup and the
-model's error on them.
+For every workload tree and every target of the export (``tree_attention``: ``fasttree.plan`` and
+``fasttree.tree_attention``; ``runtime``: :class:`fasttree.runtime.TreeAttentionRuntime`), every
+member of the entry's portfolio is measured, by the profiler's own measurement
+(:func:`fasttree.toolkit.measure.measure_point`: CUDA-graph replay on random inputs, the first tree of
+each family checked against the float64 reference). A case's speedup is the defaults' time (member
+0) over the time of the member the selector picks; the selector's regret is the picked members'
+summed time over the best member's per tree, per family. A member the selector picks is the
+defaults for most trees: its time is then the defaults' own measurement (the same plan and kernels).
+Every measurement is appended to a trace file (``meta.split = "validate"``), so the loop closes: the
+next fit of the latency model can use them.
 
-Runs on the GPU machine: imports torch, numpy and fasttree (scikit-learn only for the
-optional model), never Optuna.
+Runs on the GPU machine: imports torch, numpy and fasttree, never Optuna or scikit-learn.
 """
 
 from __future__ import annotations
@@ -25,56 +25,54 @@ from typing import Any
 import numpy as np
 
 from ..config import FastTreeConfig
-from ..export import ConfigExport
+from ..export import TARGETS, ConfigExport
 from ..traces import TraceWriter, decode_tree
 from ..validation import check_int
 from .design import DesignPoint
 from .environment import collect_env
 from .measure import measure_point
 
-__all__ = ["WorkloadValidation", "validate_export", "workload_steps"]
+__all__ = ["CaseValidation", "family_of_record", "summarise", "validate_portfolios", "workload_steps"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class WorkloadValidation:
-    """Measured (and predicted) totals of one workload's sampled steps.
+class CaseValidation:
+    """The measured members of one tree and target.
 
     Attributes
     ----------
-    workload : str
-        ``family/scenario/seed`` of the workload traces, with the head shape.
-    steps : list of int
-        The decode steps measured.
-    tuned_is_default : bool
-        The export has no entry for this bucket (or its entry is the defaults).
-    default_us, tuned_us : float
-        Summed graph-replay medians of the steps.
-    predicted_default_us, predicted_tuned_us : float or None
-        The model's sums for the same steps (None without a model).
+    family : str
+        The tree's family (a generator family, ``serving/<scenario>`` or ``paper``).
+    case : str
+        ``family/scenario/seed/step Hq/Hkv``: which tree.
+    bucket : str
+        ``g<G>-d<D>-<dtype>``.
+    target : str
+        ``"tree_attention"`` or ``"runtime"``.
+    picked : int
+        The member the selector picks.
+    member_us : list of float
+        Graph-replay median of every member (member 0: the defaults).
     """
 
-    workload: str
-    steps: list[int]
-    tuned_is_default: bool
-    default_us: float = 0.0
-    tuned_us: float = 0.0
-    predicted_default_us: float | None = None
-    predicted_tuned_us: float | None = None
-    abs_errors: list[float] = field(default_factory=list)
+    family: str
+    case: str
+    bucket: str
+    target: str
+    picked: int
+    member_us: list[float] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
-        """Measured defaults / tuned time."""
-        return self.default_us / self.tuned_us if self.tuned_us > 0 else math.nan
+        """The defaults' time over the picked member's."""
+        return self.member_us[0] / self.member_us[self.picked]
 
     @property
-    def predicted_speedup(self) -> float | None:
-        """Predicted defaults / tuned time."""
-        if self.predicted_default_us is None or not self.predicted_tuned_us:
-            return None
-        return self.predicted_default_us / self.predicted_tuned_us
+    def best_us(self) -> float:
+        """The fastest member's time."""
+        return min(self.member_us)
 
 
 def workload_steps(records: Iterable[Mapping[str, Any]], per_workload: int) -> dict[str, list[Mapping[str, Any]]]:
@@ -102,7 +100,13 @@ def workload_steps(records: Iterable[Mapping[str, Any]], per_workload: int) -> d
     return out
 
 
-def _point(record: Mapping[str, Any], config: FastTreeConfig, index: int) -> DesignPoint:
+def family_of_record(record: Mapping[str, Any]) -> str:
+    """A workload record's family: the generator family, ``serving/<scenario>`` or ``paper``."""
+    w = record["workload"]
+    return f"serving/{w['scenario']}" if w["family"] == "serving" else str(w["family"])
+
+
+def _point(record: Mapping[str, Any], config: FastTreeConfig, index: int, runtime: bool) -> DesignPoint:
     w = record["workload"]
     return DesignPoint(
         index=index,
@@ -116,36 +120,34 @@ def _point(record: Mapping[str, Any], config: FastTreeConfig, index: int) -> Des
         default_config=config == FastTreeConfig(),
         split="validate",
         tree_index=int(w["step"]),
+        runtime=runtime,
     )
 
 
-def validate_export(
+def validate_portfolios(
     export: ConfigExport,
     records: Iterable[Mapping[str, Any]],
     *,
     gpu_name: str,
-    steps_per_workload: int = 8,
+    targets: tuple[str, ...] = TARGETS,
     writer: TraceWriter | None = None,
-    predict: Callable[[list[tuple[Mapping[str, Any], FastTreeConfig]]], np.ndarray] | None = None,
     device: Any = "cuda",
     env: dict[str, Any] | None = None,
     measure: Callable[..., dict[str, Any]] = measure_point,
-) -> list[WorkloadValidation]:
-    """Measure the export's configs and the defaults on sampled workload steps.
+) -> list[CaseValidation]:
+    """Measure every member of the export's portfolio of each record's bucket and target.
 
     Parameters
     ----------
     export : ConfigExport
     records : iterable of dict
-        Workload trace records.
+        Workload trace records: the trees to measure.
     gpu_name : str
         The GPU's name as ``torch.cuda.get_device_name()`` reports it (picks the export's entries).
-    steps_per_workload : int
-        Steps measured per workload (evenly spaced).
+    targets : tuple of str
+        ``"tree_attention"`` and/or ``"runtime"``.
     writer : TraceWriter, optional
         Receives every measurement record.
-    predict : callable, optional
-        ``[(record, config), ...] -> predicted us`` (e.g. the latency model through the planner).
     device : str or torch.device
     env : dict, optional
         :func:`fasttree.toolkit.environment.collect_env` of ``device`` (collected when None).
@@ -154,7 +156,7 @@ def validate_export(
 
     Returns
     -------
-    list of WorkloadValidation
+    list of CaseValidation
 
     Raises
     ------
@@ -164,43 +166,65 @@ def validate_export(
     env = collect_env(device) if env is None else env
     results = []
     index = 0
-    for name, steps in workload_steps(records, steps_per_workload).items():
-        r0 = steps[0]
-        tuned, _ = export.lookup(
-            gpu=gpu_name,
-            num_q_heads=r0["num_q_heads"],
-            num_kv_heads=r0["num_kv_heads"],
-            head_dim=r0["head_dim"],
-            dtype=r0["dtype"],
-        )
-        same = tuned == FastTreeConfig()
-        v = WorkloadValidation(workload=name, steps=[int(r["workload"]["step"]) for r in steps], tuned_is_default=same)
-        pairs = []
-        for i, r in enumerate(steps):
-            tree = decode_tree(r["workload"]["tree"])
-            times = {}
-            for which, config in (("default", FastTreeConfig()), ("tuned", tuned)):
-                if which == "tuned" and same:
-                    times["tuned"] = times["default"]
-                    continue
-                rec = measure(_point(r, config, index), device=device, check=i == 0, env=env, tree=tree)
+    checked: set[tuple[str, str, int]] = set()
+    for r in records:
+        if r.get("kind") != "workload":
+            raise ValueError(f"expected workload records, got kind {r.get('kind')!r}")
+        tree = decode_tree(r["workload"]["tree"])
+        w = r["workload"]
+        case = f"{w['family']}/{w['scenario']}/seed{w['seed']}/step{w['step']} {r['num_q_heads']}/{r['num_kv_heads']}"
+        family = family_of_record(r)
+        bucket = f"g{r['num_q_heads'] // r['num_kv_heads']}-d{r['head_dim']}-{r['dtype']}"
+        for target in targets:
+            portfolio, _ = export.lookup(
+                gpu=gpu_name, num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"],
+                head_dim=r["head_dim"], dtype=r["dtype"], target=target,
+            )  # fmt: skip
+            v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree))
+            key = (family, bucket, int(r["num_q_heads"]))
+            for m, config in enumerate(portfolio.members):
+                check = key not in checked
+                rec = measure(_point(r, config, index, target == "runtime"), device=device, check=check, env=env,
+                              tree=tree)  # fmt: skip
+                checked.add(key)
                 index += 1
-                rec.setdefault("meta", {}).update({"split": "validate", "workload": name, "config": which})
+                rec.setdefault("meta", {}).update(
+                    {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked}
+                )
                 if writer is not None:
                     writer.append(rec)
                 if rec["status"] != "ok":
-                    raise RuntimeError(f"{name} step {r['workload']['step']} ({which}): {rec.get('error')}")
-                times[which] = float(rec["timing"]["graph_us"]["median"])
-                pairs.append((r, config, times[which]))
-            v.default_us += times["default"]
-            v.tuned_us += times["tuned"]
-        if predict is not None:
-            pred = np.asarray(predict([(r, c) for r, c, _ in pairs]), dtype=np.float64)
-            meas = np.array([t for _, _, t in pairs])
-            is_default = np.array([c == FastTreeConfig() for _, c, _ in pairs])
-            v.abs_errors = np.abs(pred / meas - 1).tolist()
-            v.predicted_default_us = float(pred[is_default].sum())
-            v.predicted_tuned_us = float(pred[~is_default].sum()) if (~is_default).any() else v.predicted_default_us
-        logger.info("%s: measured %.3fx over %d steps", name, v.speedup, len(steps))
-        results.append(v)
+                    raise RuntimeError(f"{case} {target} member {m}: {rec.get('error')}")
+                v.member_us.append(float(rec["timing"]["graph_us"]["median"]))
+            logger.info("%s %s: picks member %d, %.3fx", case, target, v.picked, v.speedup)
+            results.append(v)
     return results
+
+
+def summarise(results: list[CaseValidation]) -> dict[str, Any]:
+    """Per (target, bucket, family) and per target: cases, geomean and worst speedup of the picks, and the
+    selector's regret (picked time over the best member's, summed per family, minus 1)."""
+    groups: dict[tuple[str, str, str], list[CaseValidation]] = {}
+    for v in results:
+        groups.setdefault((v.target, v.bucket, v.family), []).append(v)
+    rows = []
+    for (target, bucket, family), vs in sorted(groups.items()):
+        speedups = [v.speedup for v in vs]
+        picked = sum(v.member_us[v.picked] for v in vs)
+        rows.append({
+            "target": target, "bucket": bucket, "family": family, "cases": len(vs),
+            "geomean": math.exp(sum(math.log(s) for s in speedups) / len(speedups)), "worst": min(speedups),
+            "regret": picked / sum(v.best_us for v in vs) - 1.0,
+            "switched": sum(v.picked != 0 for v in vs),
+        })  # fmt: skip
+    totals = {}
+    for target in sorted({v.target for v in results}):
+        speedups = [v.speedup for v in results if v.target == target]
+        totals[target] = {
+            "cases": len(speedups),
+            "geomean": math.exp(sum(math.log(s) for s in speedups) / len(speedups)),
+            "worst": min(speedups),
+            "below_0.97": sum(s < 0.97 for s in speedups),
+            "worst_family_regret": max(r["regret"] for r in rows if r["target"] == target),
+        }
+    return {"families": rows, "targets": totals}
