@@ -354,6 +354,7 @@ class ExportEntry:
                 portfolio=Portfolio(members=(config,)), provenance=data["provenance"], target=None, guard=None,
             )  # fmt: skip
         _check_fields(data, _ENTRY_FIELDS, "entry")
+        check_choice("target", data["target"], TARGETS)  # null would mean a version-1 entry
         raw = data["portfolio"]
         if not isinstance(raw, dict) or not isinstance(raw.get("members"), list):
             raise ValueError("portfolio must be a JSON object with a members list")
@@ -540,7 +541,7 @@ class ConfigExport:
                 continue
             if entry.guard is None:
                 _warn_once(
-                    (id(self), key, target),
+                    (gpu, key, target, "format 1"),
                     "the export entry for %r bucket %s is of export format 1 (deprecated: no guard, one config "
                     "for every tree); re-tune with fasttree-tune run",
                     gpu,
@@ -550,7 +551,8 @@ class ConfigExport:
             reason = entry.guard.mismatch()
             if reason is not None:
                 _warn_once(
-                    (id(self), key, target), "not serving the export entry for %r bucket %s %s: %s; using the defaults",
+                    (gpu, key, target, reason),
+                    "not serving the export entry for %r bucket %s %s: %s; using the defaults",
                     gpu, key, target, reason,
                 )  # fmt: skip
                 return defaults, None
@@ -716,6 +718,8 @@ def load_portfolio(
         When ``path`` does not exist.
     """
     bucket_key(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    _check_str("gpu", gpu)
+    check_choice("target", target, TARGETS)
     portfolio, _ = read_export(path).lookup(
         gpu=gpu, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, target=target
     )

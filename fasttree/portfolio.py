@@ -108,6 +108,8 @@ class Selector:
             if not all(is_int(v) for v in arrays[name]):
                 raise ValueError(f"selector.{name} must hold integers")
             arrays[name] = tuple(int(v) for v in arrays[name])
+        if min(arrays["member"]) < 0:
+            raise ValueError(f"selector.member must hold member indices >= 0, got {arrays['member']}")
         if not all(is_number(v, finite=True) for v in arrays["threshold"]):
             raise ValueError("selector.threshold must hold finite numbers")
         arrays["threshold"] = tuple(float(v) for v in arrays["threshold"])

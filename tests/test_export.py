@@ -346,11 +346,6 @@ def test_every_stale_entry_warns_once(caplog, fresh_warnings):
     assert len(_warnings(caplog)) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ConfigExport.lookup keys its once-per-entry warning by (id(export), bucket, target) "
-    "without the GPU, so a second GPU's stale entry of the same bucket is never reported",
-)
 def test_stale_entries_of_two_gpus_each_warn(caplog, fresh_warnings):
     old = ExportGuard(kernel_version=KERNEL_VERSION - 1, defaults=defaults_fingerprint(), model_sha256="")
     export = ConfigExport(
@@ -556,12 +551,6 @@ def test_invalid_shape_is_reported_before_the_file_is_read(tmp_path):
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=FileNotFoundError,
-    reason="bug: load_portfolio checks only the bucket before reading the file; gpu and target are first "
-    "checked by lookup, after read_export",
-)
 @pytest.mark.parametrize(("gpu", "target"), [(H200, "serving"), ("", "tree_attention")])
 def test_invalid_gpu_or_target_is_reported_before_the_file_is_read(tmp_path, gpu, target):
     with pytest.raises(ValueError, match=r"target|gpu"):
@@ -891,11 +880,6 @@ def test_invalid_document_is_refused(tmp_path, mutate, match):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='bug: ExportEntry.from_dict passes a version-2 entry\'s "target": null on, and target None '
-    "means a version-1 entry: the member-0 and runtime-flag checks are skipped",
-)
 def test_a_null_target_is_refused(tmp_path):
     doc = _doc()
     doc["entries"][4]["target"] = None

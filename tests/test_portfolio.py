@@ -324,11 +324,6 @@ def test_selector_refuses_bad_node_arrays(kw, match):
         Selector(**kw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Selector accepts a negative member index; Portfolio.select then indexes members from the end "
-    "(or raises IndexError), and n_members does not see it",
-)
 def test_selector_refuses_a_negative_member():
     with pytest.raises(ValueError, match="member"):
         Portfolio(members=(DEFAULTS, A), selector=Selector(member=(-1,)))
