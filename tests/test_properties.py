@@ -96,8 +96,8 @@ def configs(draw, *, group_size: int) -> ft.FastTreeConfig:
     big = draw(st.sampled_from((1, 16, 64, 100, 1024, 1 << 20)))
     small_split = draw(st.sampled_from((1, 7, 16, 128, 512)))
     return ft.FastTreeConfig(
-        alpha=draw(st.floats(-2, 2)),
-        beta=draw(st.floats(-2, 2)),
+        alpha=draw(st.floats(0, 2)),
+        beta=draw(st.floats(0, 2)),
         gamma=draw(st.one_of(st.sampled_from((-10.0, 10.0, 0.0)), st.floats(-1, 1))),
         q_tile_queries=q_tiles,
         kv_tile=kv,
@@ -123,8 +123,8 @@ def planned(draw, *, max_nodes: int = 24, lengths: tuple[int, ...] = LENGTHS, he
     hkv = draw(st.integers(1, 3))
     d = draw(st.sampled_from(head_dims))
     config = draw(configs(group_size=g))
-    rules = {name: draw(st.booleans()) for name in RULES}
-    plan_args = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, **rules}
+    rules = ft.PlanRules(**{name: draw(st.booleans()) for name in RULES})
+    plan_args = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, "rules": rules}
     return tree, ft.plan(tree, config, **plan_args), plan_args
 
 
