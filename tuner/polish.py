@@ -21,12 +21,38 @@ from __future__ import annotations
 from typing import Any
 
 from fasttree.config import FastTreeConfig
-from fasttree.toolkit.refine import COORDINATES, SearchResult, coordinate_search
+from fasttree.toolkit.design import (
+    GAMMA_RANGE,
+    KV_TILES,
+    NUM_STAGES,
+    NUM_WARPS,
+    PACK_TOKENS,
+    SPLITS_LARGE,
+    SPLITS_SMALL,
+)
+from fasttree.toolkit.refine import SearchResult, coordinate_search
 
 from .objective import LatencyObjective, PlanningError
 from .space import invalid_reason
 
-__all__ = ["polish_config"]
+__all__ = ["MODEL_COORDINATES", "polish_config"]
+
+#: What the polish tries per coordinate: only values the profiling design measured (the latency
+#: model extrapolates elsewhere: the GPU search of ``fasttree-tune refine`` goes wider).
+MODEL_COORDINATES: dict[Any, tuple[Any, ...]] = {
+    ("kv_split_sizes", 0): SPLITS_LARGE,
+    ("kv_split_sizes", 1): SPLITS_SMALL,
+    "pack_tokens": PACK_TOKENS,
+    "pack_min_units": (132, 264, 528),
+    ("num_warps", 0): tuple(w for w in NUM_WARPS if w >= 4),
+    ("num_warps", 1): NUM_WARPS,
+    ("num_stages", 0): tuple(s for s in NUM_STAGES if s >= 2),
+    ("num_stages", 1): tuple(s for s in NUM_STAGES if s >= 2),
+    ("kv_tile", 0): tuple(k for k in KV_TILES if k >= 32),
+    ("kv_tile", 1): tuple(k for k in KV_TILES if k >= 32),
+    "gamma": tuple(g for g in (-1.0, 0.1, 0.5, 1.0, 2.0) if GAMMA_RANGE[0] <= g <= GAMMA_RANGE[1]),
+    "para_threshs1": ((66, 264), (132, 528), (264, 1056)),
+}
 
 
 class _InvalidConfigError(Exception):
@@ -53,7 +79,8 @@ def polish_config(
     start : FastTreeConfig
         Usually the study's best trial's config.
     passes, min_gain, coordinates
-        See :func:`fasttree.toolkit.refine.coordinate_search`.
+        See :func:`fasttree.toolkit.refine.coordinate_search`; the coordinates default to
+        :data:`MODEL_COORDINATES`.
 
     Returns
     -------
@@ -72,7 +99,7 @@ def polish_config(
     return coordinate_search(
         start,
         measure,
-        coordinates=COORDINATES if coordinates is None else coordinates,
+        coordinates=MODEL_COORDINATES if coordinates is None else coordinates,
         passes=passes,
         min_gain=min_gain,
         skip_errors=(_InvalidConfigError, PlanningError),
