@@ -202,8 +202,9 @@ def validate_portfolios(
 
 
 def summarise(results: list[CaseValidation]) -> dict[str, Any]:
-    """Per (target, bucket, family) and per target: cases, geomean and worst speedup of the picks, and the
-    selector's regret (picked time over the best member's, summed per family, minus 1)."""
+    """Per (target, bucket, family) and per target: cases, geomean and worst speedup of the picks, the
+    selector's regret (picked time over the best member's, summed per family, minus 1) and, beside it,
+    the regret of always picking the defaults (member 0): the trivial baseline."""
     groups: dict[tuple[str, str, str], list[CaseValidation]] = {}
     for v in results:
         groups.setdefault((v.target, v.bucket, v.family), []).append(v)
@@ -215,6 +216,7 @@ def summarise(results: list[CaseValidation]) -> dict[str, Any]:
             "target": target, "bucket": bucket, "family": family, "cases": len(vs),
             "geomean": math.exp(sum(math.log(s) for s in speedups) / len(speedups)), "worst": min(speedups),
             "regret": picked / sum(v.best_us for v in vs) - 1.0,
+            "default_regret": sum(v.member_us[0] for v in vs) / sum(v.best_us for v in vs) - 1.0,
             "switched": sum(v.picked != 0 for v in vs),
         })  # fmt: skip
     totals = {}
@@ -226,5 +228,6 @@ def summarise(results: list[CaseValidation]) -> dict[str, Any]:
             "worst": min(speedups),
             "below_0.97": sum(s < 0.97 for s in speedups),
             "worst_family_regret": max(r["regret"] for r in rows if r["target"] == target),
+            "worst_family_default_regret": max(r["default_regret"] for r in rows if r["target"] == target),
         }
     return {"families": rows, "targets": totals}
