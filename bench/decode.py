@@ -1373,10 +1373,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--export",
-        default="docs/tune/export_measured.json",
-        help="tuned config export for the fasttree backends (its entry for this GPU and bucket, else the "
-        "defaults; default: the tuner's export refined on the GPU by bench.tune_measured, "
-        "docs/tune/export.json is the tuner's own); 'none': FastTreeConfig()",
+        default="docs/tune/export.json",
+        help="tuned export for the fasttree backends (its runtime entry for this GPU and bucket, else the "
+        "defaults; default: the committed export of fasttree-tune run); 'none': FastTreeConfig()",
     )
     p.add_argument("--sdpa-max-gib", type=float, default=40.0, help="skip sdpa above this padded KV per layer")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
