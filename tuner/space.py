@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import optuna
@@ -66,6 +66,7 @@ __all__ = [
     "PIPELINE_BUFFERS",
     "SMEM_RESERVE_BYTES",
     "Bucket",
+    "canonical_config",
     "check_params",
     "config_from_params",
     "config_smem_bytes",
@@ -499,8 +500,28 @@ def neighbour_params(gpu: GpuSpec, group_size: int, head_dim: int) -> list[dict[
     return out
 
 
+def canonical_config(config: FastTreeConfig, group_size: int, head_dim: int) -> FastTreeConfig:
+    """``config`` with ``num_warps`` and ``num_stages`` set back to None where they equal what None
+    derives for the bucket: the launch rules that apply only to derived settings (deeper one-wave
+    pipelines, fewer stages where shared memory ends) then keep working."""
+    defaults = FastTreeConfig()
+    changes = {}
+    if config.num_warps is not None and config.num_warps == defaults.launch_warps(group_size):
+        changes["num_warps"] = None
+    if config.num_stages is not None and config.num_stages == defaults.launch_stages(group_size, head_dim):
+        changes["num_stages"] = None
+    return replace(config, **changes) if changes else config
+
+
 def invalid_reason(config: FastTreeConfig, bucket: Bucket, gpu: GpuSpec) -> str | None:
-    """Why ``config`` cannot run in ``bucket`` on ``gpu`` (tile rows, shared memory), or None."""
+    """Why ``config`` cannot run in ``bucket`` on ``gpu`` (tile rows, shared memory), or cannot be
+    predicted there (pipeline stages no trace measured: the profiling design's, or the defaults'
+    own for the bucket), or None."""
+    stages = config.launch_stages(bucket.group_size, bucket.head_dim)
+    default_stages = FastTreeConfig().launch_stages(bucket.group_size, bucket.head_dim)
+    for c, (s, d) in enumerate(zip(stages, default_stages, strict=True)):
+        if s not in NUM_STAGES and s != d:
+            return f"{s} pipeline stages for tile class {c} were never profiled at {bucket.label}"
     try:
         need = config_smem_bytes(config, bucket.group_size, bucket.head_dim, bucket.elem_bytes)
     except ValueError as exc:

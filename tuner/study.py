@@ -42,7 +42,7 @@ from fasttree.validation import check_choice, check_int, check_number
 
 from .objective import LatencyObjective, Predictor, WorkloadStep, family_of, runtime_member, steps_by_bucket
 from .polish import polish_config
-from .space import Bucket, config_from_params, default_params, neighbour_params
+from .space import Bucket, canonical_config, config_from_params, default_params, invalid_reason, neighbour_params
 from .storage import StorageSpec, open_storage
 
 __all__ = [
@@ -531,6 +531,7 @@ def tune_bucket(
         polished = _polish(objective, trial_config, trial_us, polish_passes)
     if objective.runtime:
         polished = replace(polished, config=runtime_member(polished.config))
+    polished = replace(polished, config=canonical_config(polished.config, bucket.group_size, bucket.head_dim))
     worst = float(best.user_attrs.get("worst_step_us", math.nan))
     if polished.moves:
         worst = objective.evaluate(polished.config).worst_us
@@ -596,6 +597,8 @@ def candidate_configs(
             continue
     if objective.runtime:
         configs = [runtime_member(c) for c in configs]
+    configs = [canonical_config(c, bucket.group_size, bucket.head_dim) for c in configs]
+    configs = [c for c in configs if invalid_reason(c, bucket, objective.gpu) is None]
     return tuple(dict.fromkeys(configs))
 
 
@@ -637,7 +640,8 @@ def _family_polishes(objective: LatencyObjective, passes: int) -> tuple[FastTree
         polish = polish_config(sub, FastTreeConfig(), passes=passes)
         logger.info("%s %s: family polish %.3f of the defaults", objective.bucket.label, family,
                     polish.best_us["total"] / sub.defaults.total_us)  # fmt: skip
-        out.append(runtime_member(polish.config) if objective.runtime else polish.config)
+        config = runtime_member(polish.config) if objective.runtime else polish.config
+        out.append(canonical_config(config, objective.bucket.group_size, objective.bucket.head_dim))
     return tuple(out)
 
 

@@ -13,7 +13,8 @@ Run from the repository root (the three splits of the tuned export's protocol, `
     python -m fasttree.toolkit.workload_traces --out traces/workloads --families 16
     python -m fasttree.toolkit.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite \
         --families 8 --family-seed 1000
-    python -m fasttree.toolkit.workload_traces --out traces/workloads_test --no-paper-suite --no-serving --unseen 6
+    python -m fasttree.toolkit.workload_traces --out traces/workloads_test --no-paper-suite --no-serving --unseen 6 \
+        --unseen-seed 100
 
 Tune on ``traces/workloads``, make every design choice on ``traces/workloads_heldout`` (other
 arrivals, prompts and lengths of the same scenarios, other seeds of the same families), and test
@@ -132,6 +133,7 @@ def write_all(
     families: int = 0,
     family_seed: int = 0,
     unseen: int = 0,
+    unseen_seed: int = 0,
 ) -> dict[str, int]:
     """Write the workload files under ``out``: ``paper_suite.jsonl.gz`` (with ``paper_suite``),
     ``<scenario>_<model>.jsonl.gz`` (with ``serving``), ``families_<model>.jsonl.gz`` (``families``
@@ -154,7 +156,8 @@ def write_all(
             written[name] = _write_gz(out / name, records)
         if unseen:
             name = f"unseen_{model}.jsonl.gz"
-            written[name] = _write_gz(out / name, family_records(model, per_family=unseen, first_seed=0, unseen=True))
+            records = family_records(model, per_family=unseen, first_seed=unseen_seed, unseen=True)
+            written[name] = _write_gz(out / name, records)
     for name, n in written.items():
         log.info("%s: %d lines", name, n)
     return written
@@ -172,17 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", type=int, default=0, help="trees of each tuning family per model (default 0)")
     parser.add_argument("--family-seed", type=int, default=0, help="first seed of the family trees (default 0)")
     parser.add_argument("--unseen", type=int, default=0, help="trees of each unseen (test) family per model")
+    parser.add_argument("--unseen-seed", type=int, default=0, help="first seed of the unseen trees (default 0)")
     args = parser.parse_args(argv)
     try:
         check_int("--steps", args.steps, minimum=1)
-        for name in ("families", "family_seed", "unseen"):
+        for name in ("families", "family_seed", "unseen", "unseen_seed"):
             check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=0)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     written = write_all(
         args.out, steps=args.steps, seed=args.seed, paper_suite=args.paper_suite, serving=args.serving,
-        families=args.families, family_seed=args.family_seed, unseen=args.unseen,
+        families=args.families, family_seed=args.family_seed, unseen=args.unseen, unseen_seed=args.unseen_seed,
     )  # fmt: skip
     check = read_traces(args.out, kind="workload")
     if len(check) != sum(written.values()):
