@@ -1,4 +1,5 @@
-"""``fasttree-tune tune / export / run`` through the real entry point, against temporary storages.
+"""``fasttree-tune tune / export / run`` through the real entry point, against temporary storages: the
+studies, the format-2 export of portfolios per bucket and target, the run's report.
 
 The PostgreSQL test needs a server: ``.ci/run`` starts one on loopback and sets
 ``FASTTREE_TEST_POSTGRES_URL``; with ``FASTTREE_REQUIRE_POSTGRES=1`` (set there too) a
@@ -20,8 +21,9 @@ import pytest
 
 from fasttree import FastTreeConfig
 from fasttree.cli import main
-from fasttree.export import read_export
+from fasttree.export import ExportGuard, load_portfolio, read_export
 from fasttree.traces import read_traces
+from fasttree.tuner import runtime_member
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "h200_latency_model.skops"
@@ -38,35 +40,52 @@ def workload(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def workload_g4(workload, tmp_path_factory) -> Path:
+    """A folder holding the small workload's 4 GQA-4 trees: one bucket."""
+    folder = tmp_path_factory.mktemp("wl4")
+    records = [r for r in read_traces(workload, kind="workload").records if r["num_q_heads"] == 4 * r["num_kv_heads"]]
+    assert len(records) == 4
+    (folder / "g4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+#: What keeps a run short: two trials, the default polish, one process.
+FAST = ["--trials", "2", "--timeout", "60s", "--jobs", "1", "--no-progress"]
+BUCKETS = ("g1-d128-float16", "g4-d128-float16", "g16-d128-float16")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _studies(storage: str) -> dict[str, list[optuna.trial.FrozenTrial]]:
     summaries = optuna.get_all_study_summaries(storage)
     return {s.study_name: optuna.load_study(study_name=s.study_name, storage=storage).trials for s in summaries}
 
 
-def test_tune_writes_studies_export_and_resumes(tmp_path, workload, capsys):
+def test_tune_writes_studies_and_resumes(tmp_path, workload, capsys):
     db = tmp_path / "s.db"
-    export = tmp_path / "e.json"
     args = ["tune", str(workload), "--model", str(MODEL), "--storage", str(db), "--study", "t", "--no-progress"]
-    assert main([*args, "--trials", "3", "--export", str(export), "--json", str(tmp_path / "r.json")]) == 0
+    assert main([*args, "--trials", "3", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "g4-d128-float16" in out and "predicted speedup" in out
     url = f"sqlite:///{db}"
     studies = _studies(url)
     assert sorted(studies) == ["t-g1-d128-float16", "t-g16-d128-float16", "t-g4-d128-float16"]
     for trials in studies.values():
-        assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 3
-    # the export holds one entry per bucket, never predicted slower than the defaults
-    ex = read_export(export)
-    assert {e.bucket for e in ex.entries} == {(1, 128, "float16"), (4, 128, "float16"), (16, 128, "float16")}
-    for e in ex.entries:
-        assert e.provenance["predicted_tuned_us"] <= e.provenance["predicted_default_us"]
-        assert e.provenance["polish_evaluations"] > 1  # the best trial's config was polished (2 passes)
-        moves = e.provenance["polish_moves"]
-        assert all(isinstance(m[0], str) and 0 < m[2] < 1 for m in moves)
-    assert any(e.provenance["polish_moves"] for e in ex.entries), "3 trials leave room to polish somewhere"
-    assert len(ex.provenance["model_hash"]) == 64
+        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+        assert len(complete) == 3
+        # one family (the paper suite), balanced: a trial's value is its ratio to the defaults
+        assert all(t.user_attrs["family_ratio"] == pytest.approx({"paper": t.values[0]}) for t in complete)
     summary = json.loads((tmp_path / "r.json").read_text())
-    assert set(summary) == {"g1-d128-float16", "g4-d128-float16", "g16-d128-float16"}
+    assert set(summary) == set(BUCKETS)
+    for r in summary.values():
+        assert r["defaults_predicted_us"] == pytest.approx(1.0)  # family-balanced: the defaults score 1
+        assert r["predicted_us"] <= r["defaults_predicted_us"]  # never predicted slower than the defaults
+        assert r["n_complete"] == 3
     # rerun: resumes to 5 complete trials, the defaults enqueued once (trial 0)
     assert main([*args, "--trials", "5"]) == 0
     for trials in _studies(url).values():
@@ -79,15 +98,28 @@ def test_tune_writes_studies_export_and_resumes(tmp_path, workload, capsys):
 
 def test_tune_for_the_runtime_keeps_its_studies_apart(tmp_path, workload, capsys):
     # --runtime predicts the runtime's plans and launches: its studies carry that in their fingerprint, so
-    # a study tuned for tree_attention is not resumed by it, and the export says which launches it predicted
+    # a study tuned for tree_attention is not resumed by it, and its configs keep the defaults' launch shapes
     db = str(tmp_path / "s.db")
     args = ["tune", str(workload), "--model", str(MODEL), "--storage", db, "--no-progress", "--trials", "2"]
     assert main([*args, "--study", "k"]) == 0
     with pytest.raises(SystemExit) as exc:
         main([*args, "--study", "k", "--runtime"])
     assert exc.value.code == 2 and "launch" in capsys.readouterr().err
-    assert main([*args, "--study", "r", "--runtime", "--export", str(tmp_path / "r.json")]) == 0
-    assert read_export(tmp_path / "r.json").provenance["predicted_launches"] == "runtime"
+    assert main([*args, "--study", "r", "--runtime", "--json", str(tmp_path / "r.json")]) == 0
+    study = optuna.load_study(study_name="r-g4-d128-float16", storage=f"sqlite:///{db}")
+    assert study.user_attrs["fasttree_objective"]["launch"] == "runtime"
+    for r in json.loads((tmp_path / "r.json").read_text()).values():
+        best = FastTreeConfig.from_dict(r["best_config"])
+        assert runtime_member(best) == best
+
+
+@pytest.mark.parametrize("flags", [["--export", "e.json"], ["--no-balance"]])
+def test_tune_has_no_export_and_always_balances_families(tmp_path, workload, capsys, flags):
+    # exports are portfolios now ('run' and 'export' write them); families are always balanced
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(workload), "--model", str(MODEL), "--storage", str(tmp_path / "s.db"), *flags])
+    assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    assert not (tmp_path / "s.db").exists()
 
 
 def _journal(path: Path):
@@ -97,19 +129,31 @@ def _journal(path: Path):
     return JournalStorage(JournalFileBackend(str(path)))
 
 
-def test_export_subcommand_reads_the_studies(tmp_path, workload):
+def test_export_subcommand_reads_the_studies(tmp_path, workload_g4, capsys):
     journal = tmp_path / "s.log"
-    common = ["--model", str(MODEL), "--storage", str(journal), "--study", "j"]
-    tune = ["tune", str(workload), *common, "--trials", "2", "--no-progress", "--export", str(tmp_path / "a.json")]
-    assert main(tune) == 0
-    with pytest.raises(SystemExit) as exc:  # the export exists: refused before any trial runs
-        main(tune)
-    assert exc.value.code == 2
-    assert main(["export", str(workload), *common, "-o", str(tmp_path / "b.json")]) == 0
-    a, b = read_export(tmp_path / "a.json"), read_export(tmp_path / "b.json")
-    assert [(e.bucket, e.config) for e in a.entries] == [(e.bucket, e.config) for e in b.entries]
+    common = ["--model", str(MODEL), "--storage", str(journal), "--study", "j", "--targets", "tree_attention",
+              "--jobs", "1", "--heldout", str(workload_g4)]  # fmt: skip
+    run = ["run", "--workloads", str(workload_g4), *common, "--out", str(tmp_path / "out"), *FAST]
+    assert main(run) == 0
+    capsys.readouterr()
+    export = ["export", str(workload_g4), *common, "-o", str(tmp_path / "b.json")]
+    assert main(export) == 0
+    assert "g4-d128-float16" in capsys.readouterr().out
+    a, b = read_export(tmp_path / "out" / "export.json"), read_export(tmp_path / "b.json")
+    assert [(e.bucket, e.target, e.portfolio, e.guard) for e in a.entries] == [
+        (e.bucket, e.target, e.portfolio, e.guard) for e in b.entries
+    ]
+    assert [(e.bucket, e.target) for e in b.entries] == [((4, 128, "float16"), "tree_attention")]
+    assert b.entries[0].provenance["n_trials"] == 2 and b.entries[0].provenance["study_name"] == "j-g4-d128-float16"
     for trials in _studies(_journal(journal)).values():  # export ran no trial
         assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 2
+    with pytest.raises(SystemExit) as exc:  # the export exists: refused before anything runs
+        main(export)
+    assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # no storage given and none in --folder: nothing was tuned there
+        main(["export", str(workload_g4), "--model", str(MODEL), "--folder", str(tmp_path / "none"),
+              "-o", str(tmp_path / "c.json")])  # fmt: skip
+    assert exc.value.code == 2 and "nothing was tuned" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -139,26 +183,73 @@ def test_tune_refuses_a_file_without_workload_lines(tmp_path, capsys):
     assert "no workload" in capsys.readouterr().err
 
 
-def test_run_writes_export_report_and_plots(tmp_path, workload, capsys):
+def test_run_writes_portfolio_export_and_report(tmp_path, workload, capsys):
     wl = tmp_path / "wl"
     wl.mkdir()
     shutil.copy(workload, wl / "small.jsonl")
     out = tmp_path / "out"
-    argv = ["run", "--workloads", str(wl), "--heldout", str(wl), "--out", str(out), "--trials", "2", "--no-progress"]
+    argv = ["run", "--workloads", str(wl), "--heldout", str(wl), "--out", str(out), "--model", str(MODEL),
+            "--targets", "tree_attention,runtime", "--every", "4", *FAST]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "held-out g4-d128-float16" in text and "export:" in text
+    assert "| target | bucket | members |" in text and "export:" in text and "report:" in text
     ex = read_export(out / "export.json")
-    assert len(ex.entries) == 3
+    targets = ("tree_attention", "runtime")
+    assert sorted((e.bucket, e.target) for e in ex.entries) == sorted(
+        ((g, 128, "float16"), t) for g in (1, 4, 16) for t in targets
+    )
+    sha = _sha256(MODEL)
+    assert ex.provenance["model_hash"] == sha and ex.provenance["model_path"] == str(MODEL)
+    for e in ex.entries:
+        assert e.gpu == "NVIDIA H200" and e.guard == ExportGuard.current(sha) and e.guard.mismatch() is None
+        p = e.portfolio
+        assert p.members[0] == FastTreeConfig() and p.runtime == (e.target == "runtime")
+        if p.runtime:
+            assert all(runtime_member(m) == m for m in p.members)
+        bucket = f"g{e.group_size}-d128-float16"
+        assert e.provenance["study_name"] == (f"fasttree-rt-{bucket}" if p.runtime else f"fasttree-{bucket}")
+        assert e.provenance["n_trials"] == 2
+        # the selection rules never let a tuning family lose; the held-out trees are the same trees
+        assert e.provenance["predicted_train"] <= 1.0 + 1e-12 and e.provenance["predicted_valid"] <= 1.0 + 1e-12
+        served = load_portfolio(out / "export.json", gpu="NVIDIA H200", num_q_heads=8 * e.group_size, num_kv_heads=8,
+                                head_dim=128, dtype="float16", target=e.target)  # fmt: skip
+        assert served == p
+    studies = _studies(f"sqlite:///{out / 'fasttree-tune.db'}")
+    assert sorted(studies) == sorted(f"fasttree-{rt}{b}" for b in BUCKETS for rt in ("", "rt-"))
     report = json.loads((out / "report.json").read_text())
-    assert set(report["heldout"]) == {"g1-d128-float16", "g4-d128-float16", "g16-d128-float16"}
-    for h in report["heldout"].values():
-        assert h["tuned_us"] <= h["defaults_us"] * (1 + 1e-12)  # same steps as tuned: never worse than defaults
-    pngs = sorted(p.name for p in out.glob("*.png"))
-    assert any(p.startswith("history_") for p in pngs) and any(p.startswith("heldout_steps_") for p in pngs)
-    assert (out / "report.md").read_text().count("![") == len(pngs)
-    assert all((out / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for name in pngs)
+    assert report["gpu"] == "NVIDIA H200" and report["model"] == str(MODEL)
+    assert sorted((j["target"], j["bucket"]) for j in report["jobs"]) == sorted(
+        (t, b) for t in targets for b in BUCKETS
+    )
+    for j in report["jobs"]:
+        assert j["study"]["n_complete"] == 2 and j["candidates"] >= 2 and len(j["designs"]) > 1
+        assert set(j["rules"]) == {"margin", "family_loss", "tree_loss", "max_depth", "min_leaf"}
+        assert j["train"]["families"].keys() == {"paper"} and j["train"]["objective"] <= 1.0 + 1e-12
+        assert sum(j["valid"]["picks"]) == 4  # the held-out steps: 4 trees per bucket
+    md = (out / "report.md").read_text()
+    assert md.startswith("# fasttree-tune run")
+    for t in targets:
+        for b in BUCKETS:
+            assert f"| {t} | {b} |" in md and f"## {t} {b}" in md
+    assert "| paper |" in md
     assert not list(out.glob(".*.tmp")), "a temporary file of an atomic write was left behind"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--targets", "bogus"], "expected a comma list"),
+        (["run", "--targets", ","], "expected a comma list"),
+        (["run", "--jobs", "0"], "integer >= 1"),
+        (["run", "--every", "0"], "integer >= 1"),
+        (["export", "w.jsonl", "-o", "e.json", "--targets", "runtime,tree"], "expected a comma list"),
+    ],
+)
+def test_run_and_export_usage_errors(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out" if argv[0] == "run" else "--folder", str(tmp_path / "o")])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def _postgres_url() -> str:
@@ -225,19 +316,20 @@ def test_bench_runs_from_the_package_outside_a_checkout(tmp_path, monkeypatch, c
     assert "bench" not in sys.modules
 
 
-def test_run_refit_fits_the_model_from_traces(tmp_path, workload, capsys):
+def test_run_refit_fits_the_model_from_traces(tmp_path, workload_g4, capsys):
     from fasttree.costmodel.persist import load_model
 
-    wl = tmp_path / "wl"
-    wl.mkdir()
-    shutil.copy(workload, wl / "small.jsonl")
     out = tmp_path / "out"
-    argv = ["run", "--refit", "--traces", str(ROOT / "traces" / "h200_smoke"), "--workloads", str(wl),
-            "--heldout", str(wl), "--out", str(out), "--trials", "2", "--no-progress"]  # fmt: skip
+    argv = ["run", "--refit", "--traces", str(ROOT / "traces" / "h200_smoke"), "--workloads", str(workload_g4),
+            "--heldout", str(workload_g4), "--out", str(out), "--targets", "tree_attention", *FAST]  # fmt: skip
     assert main(argv) == 0
     assert "fitted" in capsys.readouterr().out
-    _, meta = load_model(out / "latency_model.json")
+    model = out / "latency_model.skops"
+    _, meta = load_model(model)
     smoke = read_traces(ROOT / "traces" / "h200_smoke", kind="measurement").records
     assert meta["trace_set"]["rows"] == len({r["key"] for r in smoke if r["status"] == "ok"})  # one row per key
     assert "simulator_baseline" in meta["extra"] and "training_metrics" in meta["extra"]
-    assert read_export(out / "export.json").provenance["model_path"] == str(out / "latency_model.json")
+    ex = read_export(out / "export.json")
+    assert ex.provenance["model_path"] == str(model) and ex.provenance["model_hash"] == _sha256(model)
+    ((entry,),) = [ex.entries]
+    assert entry.target == "tree_attention" and entry.guard.model_sha256 == _sha256(model)

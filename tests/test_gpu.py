@@ -235,24 +235,37 @@ def test_two_class_plans_run_their_stage1_launches_side_by_side_and_stay_correct
 def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
     from pathlib import Path
 
-    from fasttree.export import ConfigExport, ExportEntry
-    from fasttree.toolkit.validate import validate_export
+    from fasttree.export import ConfigExport, ExportEntry, ExportGuard
+    from fasttree.toolkit.validate import summarise, validate_portfolios, workload_steps
     from fasttree.traces import TraceWriter, read_traces
 
     root = Path(__file__).resolve().parents[1]
     records = read_traces(root / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz", kind="workload")
+    (steps,) = workload_steps(records.records, 2).values()
     gpu = torch.cuda.get_device_name()
     tuned = ft.FastTreeConfig(num_warps=(4, 2))
-    export = ConfigExport(
-        entries=(ExportEntry(gpu=gpu, group_size=4, head_dim=128, dtype="float16", config=tuned, provenance={}),),
-        provenance={},
-    )
+    portfolio = ft.Portfolio((ft.FastTreeConfig(), tuned), ft.Selector(member=(1,)))  # member 1 for every tree
+    entry = ExportEntry(gpu=gpu, group_size=4, head_dim=128, dtype="float16", portfolio=portfolio, provenance={},
+                        target="tree_attention", guard=ExportGuard.current())  # fmt: skip
+    export = ConfigExport(entries=(entry,), provenance={})
     with TraceWriter(tmp_path / "v.jsonl") as w:
-        (v,) = validate_export(export, records.records, gpu_name=gpu, steps_per_workload=2, writer=w)
-    assert v.default_us > 0 and v.tuned_us > 0 and not v.tuned_is_default
+        results = validate_portfolios(export, steps, gpu_name=gpu, writer=w)
+    # per tree: both members for tree_attention, the defaults alone for the runtime (no runtime entry)
+    assert [(v.target, v.picked, len(v.member_us)) for v in results] == [
+        ("tree_attention", 1, 2), ("runtime", 0, 1)
+    ] * 2  # fmt: skip
+    assert all(us > 0 for v in results for us in v.member_us)
+    assert all(v.speedup == 1.0 for v in results if v.target == "runtime")
     lines = read_traces(tmp_path / "v.jsonl", kind="measurement").records
-    assert len(lines) == 4 and all(r["status"] == "ok" for r in lines)
-    assert lines[0]["correct"] is True  # the first step of the workload is checked against the reference
+    assert len(lines) == 6 and all(r["status"] == "ok" for r in lines)
+    assert [(r["meta"]["target"], r["meta"]["member"]) for r in lines] == [
+        ("tree_attention", 0), ("tree_attention", 1), ("runtime", 0)
+    ] * 2  # fmt: skip
+    assert [r["meta"]["picked"] for r in lines] == [1, 1, 0] * 2
+    assert lines[0]["correct"] is True  # the first tree of the family is checked against the reference
+    assert lines[1]["config"]["num_warps"] == [4, 2] and "launch" in lines[2]  # the tuned member; the runtime
+    s = summarise(results)
+    assert set(s["targets"]) == {"tree_attention", "runtime"} and s["targets"]["tree_attention"]["cases"] == 2
 
 
 def test_non_blocking_upload_does_not_wait_for_the_stream():

@@ -11,7 +11,7 @@ import torch
 from trees import random_tree
 
 import fasttree as ft
-from fasttree.export import ConfigExport, ExportEntry, write_export
+from fasttree.export import ConfigExport, ExportEntry, ExportGuard, load_portfolio, write_export
 from fasttree.runtime import PLAN_HEADER, TreeAttentionRuntime
 
 HEADS = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16}
@@ -204,17 +204,34 @@ def test_constructor_errors(device, kw, match):
         _runtime(device, **kw)
 
 
-def test_config_from_export_file_and_fallback(device, tmp_path):
-    tuned = ft.FastTreeConfig(gamma=0.5, pack_tokens=0)
+def test_portfolio_from_export_file_and_fallback(device, tmp_path):
+    # the runtime serves the export's runtime entry (not its tree_attention entry) for its GPU and bucket
+    tuned = ft.FastTreeConfig(gamma=0.5, pack_tokens=0)  # planning fields only: a runtime member
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    entry = ExportEntry(gpu=gpu, group_size=2, head_dim=16, dtype="float16", config=tuned, provenance={})
+    common = {"gpu": gpu, "group_size": 2, "head_dim": 16, "dtype": "float16", "provenance": {},
+              "guard": ExportGuard.current()}  # fmt: skip
+    runtime = ft.Portfolio((ft.FastTreeConfig(), tuned), ft.Selector(member=(1,)), runtime=True)
+    kernels = ft.Portfolio((ft.FastTreeConfig(), ft.FastTreeConfig(alpha=0.2)), ft.Selector(member=(1,)))
+    entries = (
+        ExportEntry(**common, portfolio=runtime, target="runtime"),
+        ExportEntry(**common, portfolio=kernels, target="tree_attention"),
+    )
     path = tmp_path / "export.json"
-    write_export(path, ConfigExport(entries=(entry,), provenance={}))
-    assert _runtime(device, str(path)).config == tuned
-    assert not _runtime(device, str(path)).masked
+    write_export(path, ConfigExport(entries=entries, provenance={}))
+    shape = {**HEADS, "dtype": "float16", "gpu": gpu}
+    assert load_portfolio(path, **shape, target="runtime") == runtime
+    assert load_portfolio(path, **shape) == kernels
+    rt = _runtime(device, str(path))
+    assert rt.portfolio == runtime and rt.config == ft.FastTreeConfig()  # launches from member 0
+    tree = ft.KVTree.from_levels([1, 3], [40, 5])
+    assert rt.plan(tree).plan.config == tuned  # every tree planned with member 1
+    # another bucket, or an entry tuned against other defaults: the defaults
     other = {**HEADS, "num_kv_heads": 4}
-    rt = TreeAttentionRuntime(path, dtype="float16", device=device, max_queries=4, max_kv_entries=64, **other)
-    assert rt.config == ft.FastTreeConfig()
+    fallback = TreeAttentionRuntime(path, dtype="float16", device=device, max_queries=4, max_kv_entries=64, **other)
+    assert fallback.config == ft.FastTreeConfig() and fallback.portfolio == ft.Portfolio(runtime=True)
+    stale = ExportEntry(**{**common, "guard": ExportGuard(0, "other", "")}, portfolio=runtime, target="runtime")
+    write_export(tmp_path / "stale.json", ConfigExport(entries=(stale,), provenance={}))
+    assert _runtime(device, tmp_path / "stale.json").portfolio == ft.Portfolio(runtime=True)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"entries": 3}))
     with pytest.raises(ValueError):

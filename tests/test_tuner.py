@@ -1,7 +1,9 @@
 """Tuner (CPU): search space validity and pruning, the shared-memory estimate against the H200
-traces, the defaults as first trial, the objective against a hand computation, storage
-normalisation, resuming (also after a SIGKILL), two worker processes on one study, per-bucket
-studies, determinism, two objectives and parameter importances."""
+traces, the defaults as first trial, the objective against a hand computation, family balancing and
+the per-family ratios of every trial, storage normalisation, resuming (also after a SIGKILL), two
+worker processes on one study, per-bucket studies, determinism, two objectives, parameter
+importances, and the portfolio candidates of a study (best trials, each family's best, the family
+polishes)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from fasttree.costmodel.dataset import record_plan
 from fasttree.costmodel.features import SIM_TOTAL, features_of_plan
 from fasttree.costmodel.gpu import gpu_spec
 from fasttree.costmodel.persist import load_model
+from fasttree.toolkit.design import NUM_STAGES
 from fasttree.traces import read_traces
 from fasttree.tuner import (
     Bucket,
@@ -51,6 +54,7 @@ from fasttree.tuner import (
     plan_smem_bytes,
     polish_config,
     run_trials,
+    runtime_member,
     search_space,
     steps_by_bucket,
     study_name,
@@ -58,7 +62,7 @@ from fasttree.tuner import (
     tune_bucket,
     tune_workload,
 )
-from fasttree.tuner.space import PARAM_NAMES, check_params
+from fasttree.tuner.space import PARAM_NAMES, canonical_config, check_params
 from fasttree.tuner.storage import DEFAULT_DB_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +120,8 @@ def _assert_numbers_unique(study: optuna.Study) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_space_yields_only_valid_configs(g: int, head_dim: int) -> None:
     """25 random trials per bucket (300 in all): every config is accepted by FastTreeConfig and
-    plans; only head dim 256 prunes, and only for shared memory."""
+    plans; a trial is pruned only for shared memory (head dim 256 alone) or for 5 pipeline stages where
+    the bucket's defaults have fewer (no trace measured them)."""
     bucket = Bucket(g, head_dim, "float16")
     tree = ft.KVTree.from_levels([1, 3, 12], [300, 90, 7])
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=g * 1000 + head_dim))
@@ -125,8 +130,13 @@ def test_space_yields_only_valid_configs(g: int, head_dim: int) -> None:
         try:
             config = suggest_config(trial, bucket, GPU)
         except optuna.TrialPruned as exc:
-            assert head_dim == 256, f"pruned at head dim {head_dim}: {exc}"
-            assert "shared memory" in trial.user_attrs["invalid"]
+            reason = trial.user_attrs["invalid"]
+            if "shared memory" in reason:
+                assert head_dim == 256, f"pruned at head dim {head_dim}: {exc}"
+            else:
+                assert "were never profiled" in reason, reason
+                stages = (trial.params["num_stages_large"], trial.params["num_stages_small"])
+                assert 5 in stages and 5 not in NUM_STAGES, reason
             study.tell(trial, state=TrialState.PRUNED)
             continue
         assert FastTreeConfig.from_dict(config.to_dict()) == config
@@ -282,16 +292,25 @@ def test_runtime_objective_predicts_the_runtimes_plans_and_launches(paper_steps)
 
 def test_objective_records_defaults_vs_tuned(paper_steps) -> None:
     objective = _objective(paper_steps)
-    study = optuna.create_study()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     study.enqueue_trial(default_params(GPU, 4, 128))
-    study.optimize(objective, n_trials=3)
+    study.optimize(objective, n_trials=6)
     first, *rest = study.trials
+    for t in rest:  # a config no trace can predict is pruned before any planning, and says why
+        assert (t.state == TrialState.PRUNED) == ("invalid" in t.user_attrs)
+    rest = [t for t in rest if t.state == TrialState.COMPLETE]
+    assert rest
     assert first.user_attrs["predicted_us"] == pytest.approx(first.user_attrs["defaults_predicted_us"])
     assert first.user_attrs["speedup_vs_defaults"] == pytest.approx(1.0)
     assert first.user_attrs["config"] == FastTreeConfig().to_dict()
+    assert first.user_attrs["family_ratio"] == pytest.approx({"paper": 1.0})
     for t in rest:
         assert t.user_attrs["speedup_vs_defaults"] == pytest.approx(t.user_attrs["defaults_predicted_us"] / t.values[0])
-        assert FastTreeConfig.from_dict(t.user_attrs["config"]) == config_from_params(t.params, 4, 128)
+        config = config_from_params(t.params, 4, 128)
+        assert FastTreeConfig.from_dict(t.user_attrs["config"]) == config
+        # one family (the paper suite): its ratio is the trial's total over the defaults'
+        assert t.user_attrs["family_ratio"] == pytest.approx({"paper": t.values[0] / objective.defaults.total_us})
+        assert t.user_attrs["family_ratio"] == pytest.approx(objective.family_ratios(objective.evaluate(config)))
 
 
 def test_objective_refuses_bad_input(paper_steps) -> None:
@@ -390,8 +409,10 @@ def test_resume_counts_complete_trials_once(tmp_path: Path, paper_steps) -> None
     assert second.n_complete == len(_complete(study)) == 8
     assert len(_defaults_trials(study)) == 1
     _assert_numbers_unique(study)
+    trials = len(study.get_trials(deepcopy=False))  # 8 complete, the running one, any pruned
+    assert trials - second.n_pruned == 9
     third = tune_bucket(objective, storage=path, base_name="r", n_trials=8)  # nothing left to do
-    assert third.n_complete == 8 and len(study.get_trials(deepcopy=False)) == 9
+    assert third.n_complete == 8 and len(study.get_trials(deepcopy=False)) == trials
 
 
 def test_resume_after_sigkill(tmp_path: Path) -> None:
@@ -554,23 +575,26 @@ def test_sampler_arguments() -> None:
         study_name("", G4)
 
 
-def test_balanced_workloads_count_each_workload_the_same(paper_steps) -> None:
+def test_balanced_families_count_each_family_the_same(paper_steps) -> None:
     from dataclasses import replace
 
-    from fasttree.tuner import balance_workloads, workload_of
+    from fasttree.tuner import balance_families, family_of
 
-    # two workloads of one bucket: the first 3 steps relabelled as workload "a", the next 3 as "b"
-    steps = [replace(s, label=f"x/{'a' if i < 3 else 'b'}/seed0/step{i}") for i, s in enumerate(paper_steps[G4][:6])]
-    assert [workload_of(s) for s in steps] == ["x/a/seed0"] * 3 + ["x/b/seed0"] * 3
+    # two families of one bucket: 2 steps of generator family "x", 4 of the serving scenario "chat"
+    labels = ["x/a/seed0/step0", "x/b/seed1/step0"] + [f"serving/chat/seed0/step{i}" for i in range(4)]
+    steps = [replace(s, label=label) for s, label in zip(paper_steps[G4][:6], labels, strict=True)]
+    assert [family_of(s) for s in steps] == ["x"] * 2 + ["serving/chat"] * 4
     model = SimModel()
-    balanced = balance_workloads(steps, model, GPU, G4)
+    balanced = balance_families(steps, model, GPU, G4)
     objective = LatencyObjective(balanced, model, GPU, G4)
-    assert objective.defaults.total_us == pytest.approx(2.0)  # one per workload
+    assert objective.defaults.total_us == pytest.approx(1.0)  # the defaults score 1, whatever the families
     other = FastTreeConfig(kv_tile=(32, 32))
     raw = LatencyObjective(steps, model, GPU, G4)
-    per = [raw.evaluate(other).step_us[k].sum() / raw.defaults.step_us[k].sum() for k in (slice(0, 3), slice(3, 6))]
-    assert objective.evaluate(other).total_us == pytest.approx(sum(per))
-    assert len({round(s.weight, 12) for s in balanced}) == 2  # the weights differ between the workloads
+    ratio = raw.evaluate(other).step_us / raw.defaults.step_us
+    per = {"serving/chat": ratio[2:].mean(), "x": ratio[:2].mean()}  # every step of a family counts the same
+    assert objective.evaluate(other).total_us == pytest.approx(np.mean(list(per.values())))
+    assert objective.family_ratios(objective.evaluate(other)) == pytest.approx(per)
+    assert objective.family_ratios(objective.defaults) == pytest.approx({"serving/chat": 1.0, "x": 1.0})
 
 
 def test_thin_steps_strides_long_workloads_only(paper_steps) -> None:
@@ -711,3 +735,70 @@ def test_tune_bucket_polishes_the_best_trial(tmp_path: Path, paper_steps, passes
         assert bool(result.polish_start) == bool(result.polish_moves)
     with pytest.raises(ValueError, match="polish_passes"):
         tune_bucket(objective, storage=tmp_path / "p.db", base_name="p", n_trials=3, polish_passes=-1)
+
+
+# ------------------------------------------------------------------------- candidates
+def _trial(value: float, family_ratio: dict, state: TrialState = TrialState.COMPLETE, **params):
+    space = search_space(GPU)
+    p = default_params(GPU, 4, 128) | params
+    return optuna.trial.create_trial(
+        params=p, distributions={k: space[k] for k in p}, value=value if state == TrialState.COMPLETE else None,
+        state=state, user_attrs={"family_ratio": family_ratio},
+    )  # fmt: skip
+
+
+def test_candidate_configs_are_the_best_trials_and_each_familys_best() -> None:
+    from fasttree.tuner.study import candidate_configs
+
+    trials = [
+        _trial(1.0, {"a": 1.0, "b": 1.0}),  # the defaults
+        _trial(0.90, {"a": 0.8, "b": 1.0}, alpha=0.3),  # best overall, best for a
+        _trial(0.97, {"a": 1.1, "b": 0.85}, alpha=0.5),
+        _trial(0.95, {"a": 0.9, "b": 0.9}, alpha=0.2),
+        _trial(0.99, {"a": 1.2, "b": 0.7}, alpha=1.5),  # best for b
+        _trial(0.5, {"a": 0.1, "b": 0.1}, TrialState.FAIL, alpha=0.1),  # not complete: never a candidate
+        _trial(0.96, {"a": 0.95, "b": 0.95}, log2_kv_tile_large=5, gamma=0.7),  # another launch shape
+        _trial(0.98, {"a": 1.0, "b": 1.0}, num_stages_small=5, alpha=0.7),  # stages no trace measured (GQA 4: 3)
+    ]
+    cfg = {t.params["alpha"]: canonical_config(config_from_params(t.params, 4, 128), 4, 128) for t in trials[1:5]}
+    kv = canonical_config(config_from_params(trials[6].params, 4, 128), 4, 128)
+    unprofiled = config_from_params(trials[7].params, 4, 128)
+    assert "never profiled" in invalid_reason(unprofiled, G4, GPU)
+    best = FastTreeConfig(gamma=0.3)  # the polished best
+    kernels = SimpleNamespace(bucket=G4, runtime=False, gpu=GPU)
+    assert candidate_configs(trials, kernels, best, top=1) == (FastTreeConfig(), best, cfg[0.3], cfg[1.5])
+    assert candidate_configs(trials, kernels, best, top=3) == (FastTreeConfig(), best, cfg[0.3], cfg[0.2], kv, cfg[1.5])
+    every = candidate_configs(trials, kernels, best)
+    assert set(every) == {FastTreeConfig(), best, kv, *cfg.values()} and len(every) == len(set(every)) == 7
+    assert unprofiled not in every and canonical_config(unprofiled, 4, 128) not in every
+    assert candidate_configs(trials, kernels, FastTreeConfig(), top=1)[:2] == (FastTreeConfig(), cfg[0.3])
+    # for the runtime every candidate keeps the defaults' launch fields
+    runtime = candidate_configs(trials, SimpleNamespace(bucket=G4, runtime=True, gpu=GPU), best)
+    assert all(runtime_member(c) == c and invalid_reason(c, G4, GPU) is None for c in runtime)
+    assert runtime_member(kv) in runtime and kv not in runtime
+    # the runtime member of the unprofiled config has the defaults' stages: it is a candidate there
+    assert runtime_member(unprofiled) in runtime and len(runtime) == 8
+
+
+@pytest.mark.parametrize("runtime", [False, True])
+def test_tune_bucket_returns_portfolio_candidates(tmp_path: Path, paper_steps, runtime: bool) -> None:
+    from dataclasses import replace
+
+    from fasttree.tuner.study import _family_polishes
+
+    # two families: the family polish adds what a search from the defaults finds on each family alone
+    steps = [replace(s, label=f"{'x' if i < 2 else 'y'}/w/seed0/step{i}") for i, s in enumerate(paper_steps[G4][:4])]
+    objective = LatencyObjective(steps, SimModel(), GPU, G4, runtime=runtime)
+    plain = tune_bucket(objective, storage=tmp_path / "c.db", base_name="c", n_trials=3, polish_passes=1)
+    assert plain.candidates[0] == FastTreeConfig() and plain.best_config in plain.candidates
+    assert len(set(plain.candidates)) == len(plain.candidates)
+    family = tune_bucket(objective, storage=tmp_path / "c.db", base_name="c", n_trials=3, polish_passes=1,
+                         family_polish=True)  # fmt: skip
+    assert family.n_complete == 3  # the same study, no new trial
+    polished = _family_polishes(objective, 1)
+    assert len(polished) == 2
+    assert family.candidates == tuple(dict.fromkeys(plain.candidates + polished))
+    if runtime:
+        assert all(runtime_member(c) == c for c in family.candidates)
+    for name, config in zip(("x", "y"), polished, strict=True):  # no worse than the defaults on its family
+        assert objective.family_ratios(objective.evaluate(config))[name] <= 1.0 + 1e-12

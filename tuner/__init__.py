@@ -12,6 +12,10 @@ Modules, each with one job:
   complete trials (resumable, many workers), best config and parameter importances.
 * :mod:`~fasttree.tuner.polish` -- a coordinate search on the same objective from the best
   trial's config (what TPE's sampling can step over).
+* :mod:`~fasttree.tuner.portfolio` -- a bucket's portfolio of candidate configs and the selector
+  that picks one per tree, chosen together on the model's predictions.
+* :mod:`~fasttree.tuner.pipeline` -- every (bucket, target) job of ``fasttree-tune run``: study,
+  candidates, portfolio, in parallel processes.
 
 Needs Optuna and scikit-learn (the ``tune`` extra).
 """
@@ -21,7 +25,9 @@ from .objective import (
     LatencyObjective,
     PlanningError,
     WorkloadStep,
-    balance_workloads,
+    balance_families,
+    family_of,
+    runtime_member,
     steps_by_bucket,
     thin_steps,
     workload_of,
@@ -59,11 +65,12 @@ __all__ = [
     "StorageSpec",
     "TuneResult",
     "WorkloadStep",
-    "balance_workloads",
+    "balance_families",
     "config_from_params",
     "config_smem_bytes",
     "default_params",
     "ensure_defaults",
+    "family_of",
     "invalid_reason",
     "make_sampler",
     "open_storage",
@@ -73,6 +80,7 @@ __all__ = [
     "plan_smem_bytes",
     "polish_config",
     "run_trials",
+    "runtime_member",
     "search_space",
     "steps_by_bucket",
     "study_name",

@@ -195,36 +195,6 @@ def runtime_member(config: FastTreeConfig) -> FastTreeConfig:
     return replace(config, **{f: getattr(defaults, f) for f in LAUNCH_FIELDS})
 
 
-def balance_workloads(
-    steps: Sequence[WorkloadStep], model: Predictor, gpu: GpuSpec, bucket: Bucket, *, runtime: bool = False
-) -> list[WorkloadStep]:
-    """The steps re-weighted so that every workload counts the same, relative to the defaults.
-
-    Each step's weight is divided by its workload's weighted total predicted latency with
-    ``FastTreeConfig()``, so the objective becomes the sum over workloads of (time with
-    the config / time with the defaults): the defaults score the number of workloads, and
-    a large workload cannot buy its gain with a loss on a small one.
-
-    Parameters
-    ----------
-    steps : sequence of WorkloadStep
-    model : Predictor
-    gpu : GpuSpec
-    bucket : Bucket
-    runtime : bool
-        Predict the runtime's plans and launches (:class:`LatencyObjective`).
-
-    Returns
-    -------
-    list of WorkloadStep
-    """
-    base = LatencyObjective(steps, model, gpu, bucket, runtime=runtime).defaults.step_us
-    totals: dict[str, float] = {}
-    for s, us in zip(steps, base, strict=True):
-        totals[workload_of(s)] = totals.get(workload_of(s), 0.0) + s.weight * float(us)
-    return [replace(s, weight=s.weight / totals[workload_of(s)]) if s.weight else s for s in steps]
-
-
 def thin_steps(steps: Sequence[WorkloadStep], every: int, *, min_steps: int = 64) -> list[WorkloadStep]:
     """Every ``every``-th step of each workload with more than ``min_steps`` steps, its weight x ``every``.
 
