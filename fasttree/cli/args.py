@@ -9,10 +9,20 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
+from typing import TextIO
 
 from ..validation import check_int
 
-__all__ = ["duration_arg", "families_arg", "int_at_least", "non_negative_int", "parse_duration", "positive_int"]
+__all__ = [
+    "duration_arg",
+    "families_arg",
+    "int_at_least",
+    "non_negative_int",
+    "parse_duration",
+    "positive_int",
+    "progress_bar_wanted",
+]
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", re.IGNORECASE)
@@ -92,3 +102,14 @@ def families_arg(text: str) -> list[str]:
             f"choose from {', '.join(TREE_FAMILIES)}"
         )
     return names
+
+
+def progress_bar_wanted(requested: bool, stream: TextIO | None = None) -> bool:
+    """Whether to draw a progress bar: asked for (no ``--no-progress``) and ``stream`` (default
+    ``sys.stderr``, where tqdm draws) is a terminal. A bar redraws itself with ``\\r``, which a log file
+    or a pipe keeps as one garbled line per redraw."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(requested) and stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False

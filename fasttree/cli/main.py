@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .args import duration_arg, families_arg, non_negative_int, parse_duration, positive_int
+from .args import duration_arg, families_arg, non_negative_int, parse_duration, positive_int, progress_bar_wanted
 
 __all__ = ["build_parser", "main", "parse_duration"]
 
@@ -202,7 +202,7 @@ def _add_measurement_options(p: argparse.ArgumentParser) -> None:
         "--no-progress",
         dest="progress",
         action="store_false",
-        help="no progress bar (progress goes to the log once a minute)",
+        help="no progress bar: progress goes to the log once a minute (so it does when stderr is not a terminal)",
     )
 
 
@@ -269,7 +269,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             families=args.families,
             split=args.split,
             precompile=args.precompile,
-            progress=args.progress,
+            progress=progress_bar_wanted(args.progress),
             check_every=args.check_every,
             repeat_every=args.repeat_every,
             runtime=args.runtime,

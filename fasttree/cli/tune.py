@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..validation import check_number
-from .args import duration_arg, int_at_least
+from .args import duration_arg, int_at_least, progress_bar_wanted
 
 __all__ = ["add_tune_commands"]
 
@@ -76,6 +76,12 @@ def _study_options() -> argparse.ArgumentParser:
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip bad workload lines (counted and logged) instead of stopping; 'export' of the studies must skip "
+        "them too",
+    )
+    g.add_argument(
         "--runtime",
         action="store_true",
         help="predict each step as the production runtime (TreeAttentionRuntime) plans and launches it, not as "
@@ -117,7 +123,12 @@ def _trial_options() -> argparse.ArgumentParser:
         help="passes of the coordinate search on the model that polishes each study's best config "
         f"(0: none; default {POLISH_PASSES})",
     )
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (there is none either when stderr is not a terminal: a log gets no \\r frames)",
+    )
     return p
 
 
@@ -270,12 +281,22 @@ def _load_model(args: argparse.Namespace):
 
 
 def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
-    """Workload steps of ``paths`` grouped by bucket; a usage error when there are none."""
-    from fasttree.traces import TraceError, read_traces
+    """Workload steps of ``paths`` grouped by bucket; a usage error when there are none or they hold more
+    tokens than a tuning run takes (:data:`fasttree.traces.MAX_WORKLOAD_TOKENS`)."""
+    from fasttree.traces import MAX_WORKLOAD_TOKENS, TraceError, read_traces
     from fasttree.tuner import steps_by_bucket
 
     try:
-        records = read_traces(paths, kind="workload").records
+        ts = read_traces(paths, kind="workload", skip_invalid=getattr(args, "skip_invalid", False))
+        records = ts.records
+        for name, line, reason in ts.invalid[:20]:  # read_traces logs how many, and the first
+            logger.info("skipped %s:%d: %s", name, line, reason)
+        tokens = sum(sum(r["workload"]["tree"]["lengths"]) for r in records)
+        if tokens > MAX_WORKLOAD_TOKENS:
+            raise ValueError(
+                f"the workload steps hold {tokens} KV tokens in all, more than a tuning run takes "
+                f"({MAX_WORKLOAD_TOKENS}, MAX_WORKLOAD_TOKENS); tune fewer files at a time"
+            )
         grouped = steps_by_bucket(records)
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(f"{what} {' '.join(paths)}: {exc}")
@@ -310,7 +331,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             seed=getattr(args, "seed", 0),
             worker=getattr(args, "worker", 0),
             worst_step=args.worst_step,
-            progress=getattr(args, "progress", False),
+            progress=progress_bar_wanted(getattr(args, "progress", False)),
             polish_passes=getattr(args, "polish_passes", POLISH_PASSES),
             runtime=args.runtime,
         )

@@ -1,0 +1,164 @@
+"""Issue 38 through the real entry points (``python -m fasttree.cli``, ``python -m fasttree``): crafted inputs
+get one clear error line and exit status 2, in bounded memory, and the CLI's rough edges are gone.
+
+The memory tests run the command under an address-space limit (``RLIMIT_AS``): what the same command
+needs on a small valid input plus 1 GiB, far below what the crafted input would take if it were read
+whole or allocated per token.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fasttree.traces import MAX_LINE_BYTES, read_traces
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz"
+MODEL = ROOT / "models" / "h200_latency_model.skops"
+
+resource = pytest.importorskip("resource")
+_HAS_PROC = Path("/proc/self/status").exists()
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[k] = "1"  # the address space of thread pools grows with the machine's cores
+    return env
+
+
+def run(*args: str, module: str = "fasttree.cli", limit: int | None = None, cwd: Path = ROOT, timeout: int = 300):
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=cwd,
+        timeout=timeout,
+        preexec_fn=cap if limit else None,
+    )
+
+
+def peak_address_space(*args: str) -> int:
+    """Bytes of address space ``fasttree-tune ARGS`` peaks at (VmPeak); the command must succeed."""
+    code = (
+        "import sys\n"
+        "from fasttree.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "peak = [l for l in open('/proc/self/status') if l.startswith('VmPeak:')][0].split()[1]\n"
+        "print('VMPEAK', peak, file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    kb = next(line.split()[1] for line in r.stderr.splitlines() if line.startswith("VMPEAK"))
+    return int(kb) * 1024
+
+
+def assert_usage_error(r: subprocess.CompletedProcess, command: str, *fragments: str) -> str:
+    """Exit status 2, no traceback, and the last stderr line is argparse's one error line holding ``fragments``."""
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"{command}: error: "), line
+    for fragment in fragments:
+        assert fragment in line, line
+    return line
+
+
+def small_workload(path: Path, *, kv_heads: int = 1, every: int = 15) -> Path:
+    records = read_traces(PAPER, kind="workload").records
+    keep = [r for r in records if r["num_kv_heads"] == kv_heads and int(r["workload"]["step"]) % every == 0]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return path
+
+
+# ------------------------------------------------------------------ D2: one huge line
+@pytest.mark.skipif(not _HAS_PROC, reason="reads VmPeak from /proc (Linux)")
+def test_traces_refuses_a_3_gib_line_in_bounded_memory(tmp_path):
+    # 3 GiB of one line in a 3 MB gzip: 3072 gzip members of 1 MiB each (a reader inflates them back to back)
+    member = gzip.compress(b"x" * 2**20, compresslevel=9)
+    huge = tmp_path / "huge.jsonl.gz"
+    with open(huge, "wb") as f:
+        for _ in range(3 * 1024):
+            f.write(member)
+    assert huge.stat().st_size < 8 * 2**20
+    small = small_workload(tmp_path / "small.jsonl")
+    limit = peak_address_space("traces", str(small)) + 2**30  # 1 GiB more than reading a valid file needs
+    ok = run("traces", str(small), limit=limit)
+    assert ok.returncode == 0, ok.stderr
+    r = run("traces", str(huge), limit=limit)
+    assert_usage_error(r, "fasttree-tune traces", f"{huge}:1: a line longer than {MAX_LINE_BYTES} bytes")
+    assert "MemoryError" not in r.stderr
+
+
+# ------------------------------------------------------------------ D3: a node of 2**31 - 1 tokens
+@pytest.mark.skipif(not _HAS_PROC, reason="reads VmPeak from /proc (Linux)")
+def test_tune_refuses_a_tree_beyond_the_resource_limits_at_read_time(tmp_path):
+    record = json.loads(small_workload(tmp_path / "one.jsonl").read_text().splitlines()[0])
+    record["workload"]["tree"] = {"parents": [-1], "lengths": [2**31 - 1], "query_nodes": [0]}
+    crafted = tmp_path / "crafted.jsonl"
+    crafted.write_text(json.dumps(record) + "\n")
+    assert crafted.stat().st_size < 1024
+    # the same command on the valid file: model, workloads, one trial and its polish
+    args = ["--model", str(MODEL), "--trials", "1", "--polish-passes", "0", "--no-progress"]
+    limit = peak_address_space("tune", str(tmp_path / "one.jsonl"), *args, "--out", str(tmp_path / "ok")) + 2**30
+    r = run("tune", str(crafted), *args, "--out", str(tmp_path / "out"), limit=limit, timeout=120)
+    assert_usage_error(r, "fasttree-tune tune", f"{crafted}:1:", "a node holds 2147483647 tokens", "16777216")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tune_refuses_workloads_holding_more_tokens_than_a_run_takes(tmp_path):
+    from fasttree.traces import MAX_TREE_TOKENS, MAX_WORKLOAD_TOKENS
+
+    record = json.loads(small_workload(tmp_path / "one.jsonl").read_text().splitlines()[0])
+    record["workload"]["tree"] = {"parents": [-1], "lengths": [MAX_TREE_TOKENS], "query_nodes": [0]}
+    n = MAX_WORKLOAD_TOKENS // MAX_TREE_TOKENS + 1  # each line within the limits, together beyond the budget
+    crafted = tmp_path / "many.jsonl"
+    crafted.write_text((json.dumps(record) + "\n") * n)
+    r = run("tune", str(crafted), "--model", str(MODEL), "--trials", "1", "--out", str(tmp_path / "out"))
+    assert_usage_error(r, "fasttree-tune tune", f"hold {n * MAX_TREE_TOKENS} KV tokens in all", "MAX_WORKLOAD_TOKENS")
+
+
+# ------------------------------------------------------------------ D15 + D16: --skip-invalid, no bar in a log
+def test_tune_skips_invalid_lines_and_draws_no_bar_into_a_pipe(tmp_path):
+    wl = small_workload(tmp_path / "wl.jsonl")
+    lines = wl.read_text().splitlines()
+    wl.write_text("\n".join([lines[0], '{"schema": "oops"}', *lines[1:]]) + "\n")
+    common = ["--model", str(MODEL), "--trials", "1", "--polish-passes", "0", "--out", str(tmp_path / "o")]
+    r = run("tune", str(wl), *common)
+    assert_usage_error(r, "fasttree-tune tune", f"{wl}:2: schema must be")
+    r = run("tune", str(wl), *common, "--skip-invalid")  # progress bar not turned off: stderr is a pipe
+    assert r.returncode == 0, r.stderr
+    assert f"skipped 1 invalid trace line(s); first: {wl}:2" in r.stderr
+    assert "\r" not in r.stderr and "trial/s" not in r.stderr, "a progress bar was drawn into a pipe"
+    assert "g16-d128-float16" in r.stdout
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    import io
+
+    from fasttree.cli.args import progress_bar_wanted
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_bar_wanted(True, Tty())
+    assert not progress_bar_wanted(False, Tty())
+    assert not progress_bar_wanted(True, io.StringIO())
+    with open(tmp_path / "log", "w") as f:
+        assert not progress_bar_wanted(True, f)
+    assert not progress_bar_wanted(True, f)  # closed: isatty raises ValueError
