@@ -162,3 +162,38 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     with open(tmp_path / "log", "w") as f:
         assert not progress_bar_wanted(True, f)
     assert not progress_bar_wanted(True, f)  # closed: isatty raises ValueError
+
+
+# ------------------------------------------------------------------ D8 + D10: python -m fasttree, --version
+def test_python_m_fasttree_without_a_gpu_or_interpreter_is_one_line():
+    env = _env()
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-m", "fasttree", "--case", "1"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)  # fmt: skip
+    line = assert_usage_error(r, "python -m fasttree", "no CUDA GPU found", "TRITON_INTERPRET=1")
+    assert r.stdout == "" and line == r.stderr.strip().splitlines()[-1]
+
+
+def test_python_m_fasttree_refuses_bad_heads_in_one_line():
+    env = {**_env(), "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "fasttree", "--num-q-heads", "3", "--num-kv-heads", "2"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert_usage_error(r, "python -m fasttree", "num_q_heads (3) must be a multiple of num_kv_heads (2)")
+
+
+@pytest.mark.parametrize("module", ["fasttree.cli", "fasttree"])
+def test_version(module):
+    import fasttree
+
+    r = run("--version", module=module)
+    assert r.returncode == 0, r.stderr
+    prog = "fasttree-tune" if module == "fasttree.cli" else "python -m fasttree"
+    assert r.stdout.strip() == f"{prog} {fasttree.__version__}"
+
+
+def test_top_level_help_names_every_subcommand():
+    r = run("--help")
+    assert r.returncode == 0
+    description = r.stdout.split("options:")[0]
+    for command in ("profile", "traces", "fit", "evaluate", "tune", "export", "run", "validate", "refine", "bench"):
+        assert f" {command} " in description, command

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .. import __version__
 from .args import duration_arg, families_arg, non_negative_int, parse_duration, positive_int, progress_bar_wanted
 
 __all__ = ["build_parser", "main", "parse_duration"]
@@ -58,6 +59,19 @@ def _common_options(*, suppress: bool) -> argparse.ArgumentParser:
     )
     return p
 
+
+_DESCRIPTION = """\
+FastTree's offline toolkit: measure the kernels, fit a latency model on the measurements,
+tune configs against it, and check the tuned configs on the GPU.
+
+  measure     profile (GPU) writes versioned trace files; traces validates and summarises them
+  model       fit trains the learned latency model on measurement traces; evaluate scores it
+  tune        tune runs one Optuna study per bucket of workload traces; export writes the
+              studies' best configs; run is the main job (shipped model and workloads in,
+              tuned export and report out)
+  check (GPU) validate measures an export against the defaults; refine searches from an
+              export's configs by timing them; bench runs the kernel benchmark
+"""
 
 _PROFILE_HELP = "measure sampled (tree, heads, dtype, config) points on the GPU into a trace file"
 _PROFILE_DESCRIPTION = """\
@@ -91,14 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``fasttree-tune`` argument parser (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
         prog="fasttree-tune",
-        description=(
-            "FastTree tuning tools. 'profile' measures the tree-attention kernels on the GPU "
-            "and writes versioned trace files, the training data of the learned cost model."
-        ),
+        description=_DESCRIPTION,
         parents=[_common_options(suppress=False)],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run 'fasttree-tune SUBCOMMAND --help' for what a subcommand does and its options.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     # Each subcommand adds a parser here and sets ``func``; new ones (fit, evaluate, tune, ...) go alongside.
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
     sub.required = True
