@@ -197,3 +197,35 @@ def test_top_level_help_names_every_subcommand():
     description = r.stdout.split("options:")[0]
     for command in ("profile", "traces", "fit", "evaluate", "tune", "export", "run", "validate", "refine", "bench"):
         assert f" {command} " in description, command
+
+
+# ------------------------------------------------------------------ D5 + D6: export after run, run's --timeout
+def test_export_names_the_every_setting_the_studies_were_tuned_with(tmp_path):
+    records = read_traces(PAPER.parent / "chain_reasoning_mistral_7b.jsonl.gz", kind="workload").records[:80]
+    wl = tmp_path / "long.jsonl"  # one workload of 80 steps: --every thins it
+    wl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    folder = tmp_path / "run"
+    common = ["--model", str(MODEL)]
+    r = run("tune", str(wl), *common, "--every", "4", "--trials", "1", "--polish-passes", "0", "--out", str(folder))
+    assert r.returncode == 0, r.stderr
+    export = ["export", str(wl), *common, "--folder", str(folder), "-o", str(tmp_path / "x.json")]
+    r = run(*export)
+    line = assert_usage_error(r, "fasttree-tune export", "was tuned with --every 4 (20 steps)", "pass --every 4")
+    assert "another objective" not in line
+    r = run(*export, "--every", "4")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "x.json").exists()
+
+
+def test_run_help_states_the_real_timeout():
+    from fasttree.cli import build_parser
+    from fasttree.cli.tune import RUN_EVERY, RUN_TIMEOUT_S
+
+    r = run("run", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert f"default: {RUN_TIMEOUT_S:.0f}s per bucket" in text and "default: none" not in text
+    assert f"default {RUN_EVERY};" in text
+    args = build_parser().parse_args(["run"])
+    assert (args.timeout, args.every) == (RUN_TIMEOUT_S, RUN_EVERY)
+    assert "default: none" in " ".join(run("tune", "--help").stdout.split())

@@ -39,8 +39,8 @@ POLISH_PASSES = 2
 RUN_TIMEOUT_S = 150.0
 
 
-def _study_options() -> argparse.ArgumentParser:
-    """Options shared by the subcommands that open tuning studies."""
+def _study_options(*, every: int = 1) -> argparse.ArgumentParser:
+    """Options shared by the subcommands that open tuning studies; ``every`` is ``--every``'s default."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("study")
     g.add_argument(
@@ -69,10 +69,11 @@ def _study_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--every",
         type=int_at_least(1),
-        default=1,
+        default=every,
         metavar="K",
         help="tune on every K-th step of each workload of more than 64 steps, weighted K (consecutive decode "
-        "steps differ by a token; default 1: every step, 'run': 4)",
+        f"steps differ by a token; default {every}; 'run' tunes with {RUN_EVERY}, and 'export' of its studies "
+        f"needs --every {RUN_EVERY} too)",
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument(
@@ -90,7 +91,8 @@ def _study_options() -> argparse.ArgumentParser:
     return p
 
 
-def _trial_options() -> argparse.ArgumentParser:
+def _trial_options(*, timeout: float | None = None) -> argparse.ArgumentParser:
+    """Options of the subcommands that run trials; ``timeout`` is ``--timeout``'s default (seconds per bucket)."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("trials")
     g.add_argument(
@@ -103,9 +105,10 @@ def _trial_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--timeout",
         type=duration_arg,
-        default=None,
+        default=timeout,
         metavar="DURATION",
-        help="stop starting trials of a bucket after this time ('90s', '5m'); default: none",
+        help="stop starting trials of a bucket after this time ('90s', '5m'); default: "
+        + ("none" if timeout is None else f"{timeout:.0f}s per bucket"),
     )
     g.add_argument("--seed", type=int_at_least(0), default=0, help="sampler seed (default 0)")
     g.add_argument(
@@ -186,14 +189,14 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "write --out/export.json, predict the held-out workloads (--heldout) with the tuned and the "
         "default configs, and write a report (report.md, report.json and PNG plots: optimisation "
         "history, parameter importances, predicted latency per step). Rerunning resumes the studies.",
-        parents=[*common, _study_options(), _trial_options()],
+        parents=[*common, _study_options(every=RUN_EVERY), _trial_options(timeout=RUN_TIMEOUT_S)],
     )
     r.add_argument("--traces", default=RUN_TRACES, metavar="DIR", help=f"measurement traces (default {RUN_TRACES})")
     r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({RUN_WORKLOADS})")
     r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({RUN_HELDOUT})")
     r.add_argument("--out", default=RUN_OUT, metavar="DIR", help=f"output folder (default {RUN_OUT})")
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
-    r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S, every=RUN_EVERY, trials=RUN_TRIALS)
+    r.set_defaults(func=_cmd_run, subparser=r)
 
 
 def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -314,6 +317,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial only with -v
     from fasttree.tuner import balance_workloads, thin_steps
 
+    raw = grouped
     grouped = {b: thin_steps(steps, args.every) for b, steps in grouped.items()}
     if args.balance:
         grouped = {b: balance_workloads(steps, model, gpu, b, runtime=args.runtime) for b, steps in grouped.items()}
@@ -336,7 +340,51 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             runtime=args.runtime,
         )
     except ValueError as exc:
-        args.subparser.error(str(exc))
+        hint = _mismatch_hint(args, raw, grouped, model, gpu, folder) if "another objective" in str(exc) else None
+        args.subparser.error(hint or str(exc))
+
+
+def _mismatch_hint(args: argparse.Namespace, raw, grouped, model, gpu, folder: Path) -> str | None:
+    """Which setting of this command differs from the one a bucket's existing study was tuned with
+    (``--every``, ``--no-balance``, ``--runtime``), or None when none of them explains it."""
+    import optuna
+
+    from fasttree.tuner import LatencyObjective, balance_workloads, open_storage, study_name, thin_steps
+    from fasttree.tuner.study import _FINGERPRINT_ATTR
+
+    store = open_storage(args.storage, folder=folder)
+    for b, steps in grouped.items():
+        name = study_name(args.study, b)
+        try:
+            stored = optuna.load_study(study_name=name, storage=store).user_attrs.get(_FINGERPRINT_ATTR)
+        except KeyError:  # no such study
+            continue
+        heads = {"worst_step": args.worst_step, "runtime": args.runtime}
+        current = LatencyObjective(steps, model, gpu, b, **heads).fingerprint()
+        if not stored or stored == current:
+            continue
+        if stored.get("launch") != current.get("launch"):
+            flag = "with" if stored.get("launch") else "without"
+            return f"study {name} was tuned {flag} --runtime: pass the same --runtime setting (or another --study)"
+        if stored.get("n_steps") != current["n_steps"]:
+            every = [k for k in range(1, 257) if len(thin_steps(raw[b], k)) == stored.get("n_steps")]
+            if not every:
+                return (
+                    f"study {name} was tuned on {stored.get('n_steps')} steps, this command reads "
+                    f"{current['n_steps']}: other workloads (or another --study)"
+                )
+            return (
+                f"study {name} was tuned with --every {every[0]} ({stored.get('n_steps')} steps), this command "
+                f"reads with --every {args.every} ({current['n_steps']} steps): pass --every {every[0]} "
+                f"('fasttree-tune run' tunes with --every {RUN_EVERY})"
+            )
+        thinned = thin_steps(raw[b], args.every)
+        other = thinned if args.balance else balance_workloads(thinned, model, gpu, b, runtime=args.runtime)
+        if LatencyObjective(other, model, gpu, b, **heads).fingerprint() == stored:
+            flag = "with" if args.balance else "without"
+            return f"study {name} was tuned {flag} --no-balance: pass the same --no-balance setting"
+        return f"study {name} was tuned on other workload steps (same count, other trees or weights)"
+    return None
 
 
 def _results_table(results, totals) -> str:
