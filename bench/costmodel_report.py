@@ -1,6 +1,6 @@
 """The latency model's evaluation report and the committed H200 model, from the shipped traces (CPU).
 
-    python -m bench.costmodel_report            # docs/costmodel.{md,json,png files}, models/h200_latency_model.skops
+    python -m bench.costmodel_report  # docs/costmodel.{md,json,png files}, costmodel/data/h200_latency_model.skops
 
 Two protocols, never random row splits:
 
@@ -112,7 +112,7 @@ def main() -> int:
     p.add_argument("--train", nargs="+", default=["traces/h200"])
     p.add_argument("--heldout", nargs="+", default=["traces/h200_heldout"])
     p.add_argument("--docs", type=Path, default=Path("docs"))
-    p.add_argument("--model-out", type=Path, default=Path("models/h200_latency_model.skops"))
+    p.add_argument("--model-out", type=Path, default=Path("costmodel/data/h200_latency_model.skops"))
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--workers", type=int, default=None)

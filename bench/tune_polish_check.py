@@ -1,6 +1,7 @@
 """What the tuner's polish finds from the committed export, under the committed model (CPU).
 
-For every bucket of ``traces/workloads`` (thinned and balanced as ``fasttree-tune run`` does):
+For every bucket of the shipped workloads (``fasttree/toolkit/data/workloads``; thinned and balanced as
+``fasttree-tune run`` does):
 the tuner objective's predicted total of the defaults, of the committed tuner export's
 config, of the GPU-refined export's config (``docs/tune/export_measured.json``), and of
 :func:`fasttree.tuner.polish_config` started from the tuner export's config. Writes
@@ -20,6 +21,7 @@ from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.persist import load_model
 from fasttree.export import read_export
 from fasttree.fileio import write_atomic
+from fasttree.toolkit import shipped
 from fasttree.traces import read_traces
 from fasttree.tuner import LatencyObjective, balance_workloads, polish_config, steps_by_bucket, thin_steps
 
@@ -29,8 +31,8 @@ EVERY = 4  # fasttree-tune run's --every
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.tune_polish_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="traces/workloads")
-    p.add_argument("--model", default="models/h200_latency_model.skops")
+    p.add_argument("--workloads", default=str(shipped.workloads_path()))
+    p.add_argument("--model", default=str(shipped.model_path()))
     p.add_argument("--export", default="docs/tune/export.json")
     p.add_argument("--refined", default="docs/tune/export_measured.json")
     p.add_argument("--passes", type=int, default=2)

@@ -78,7 +78,7 @@ _TREE_FIELDS = ("parents", "lengths", "query_nodes")
 # exhausting memory (the tuner keeps every workload step's tree, 4 bytes per token, and the cost
 # model's work arrays allocate per token). The shipped trace files' largest tree holds 1,048,543
 # tokens (traces/h200), 2,865 nodes and 2,044 queries (traces/h200_heldout); the largest workload
-# tree 278,816 tokens, 1,401 nodes and 1,024 queries (traces/workloads, paper-suite case 8).
+# tree 278,816 tokens, 1,401 nodes and 1,024 queries (the shipped workloads, paper-suite case 8).
 #: Most KV tokens (the sum of ``lengths``) a tree of a trace line may hold: 16x the largest shipped.
 MAX_TREE_TOKENS = 2**24
 #: Most nodes a tree of a trace line may hold: 366x the largest shipped.
@@ -86,7 +86,7 @@ MAX_TREE_NODES = 2**20
 #: Most queries a tree of a trace line may hold: 64x the largest shipped.
 MAX_TREE_QUERIES = 2**17
 #: Most KV tokens the workload steps one tuning run reads may hold together (``fasttree-tune tune`` keeps
-#: every step's tree): 4.8x the shipped ``traces/workloads`` (55,723,566 tokens in 2,093 steps).
+#: every step's tree): 4.8x the shipped tuning workloads (55,723,566 tokens in 2,093 steps).
 MAX_WORKLOAD_TOKENS = 2**28
 #: Longest trace line (bytes, its newline included) :func:`read_traces` reads: a line is read with a
 #: bounded ``readline``, so a crafted line (a 3 GiB run in a 3 MB gzip) costs at most this much

@@ -20,8 +20,8 @@ import pytest
 from fasttree.traces import MAX_LINE_BYTES, read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER = ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz"
-MODEL = ROOT / "models" / "h200_latency_model.skops"
+PAPER = ROOT / "fasttree" / "toolkit" / "data" / "workloads" / "paper_suite.jsonl.gz"
+MODEL = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
 
 resource = pytest.importorskip("resource")
 _HAS_PROC = Path("/proc/self/status").exists()
@@ -229,3 +229,122 @@ def test_run_help_states_the_real_timeout():
     args = build_parser().parse_args(["run"])
     assert (args.timeout, args.every) == (RUN_TIMEOUT_S, RUN_EVERY)
     assert "default: none" in " ".join(run("tune", "--help").stdout.split())
+
+
+# ------------------------------------------------------------------ D11: one --out convention, one overwrite rule
+@pytest.mark.parametrize(
+    ("command", "argv", "flag"),
+    [
+        ("fit", ["traces/h200_smoke", "-o", "{existing}"], "--out"),
+        ("evaluate", ["traces/h200_smoke", "--model", "{model}", "--json", "{existing}"], "--json"),
+        ("tune", ["{workload}", "--json", "{existing}"], "--json"),
+        ("tune", ["{workload}", "--export", "{existing}"], "--export"),
+        ("export", ["{workload}", "-o", "{existing}"], "--out"),
+        ("refine", ["--config", "docs/tune/export.json", "--out", "{existing}"], "--out"),
+        ("validate", ["--config", "docs/tune/export.json", "--traces-out", "{tmp}/t.jsonl", "--json", "{existing}"],
+         "--json"),
+    ],
+)  # fmt: skip
+def test_every_subcommand_refuses_an_existing_output_without_overwrite(tmp_path, command, argv, flag):
+    existing = tmp_path / "existing.json"
+    existing.write_text("{}\n")
+    values = {"existing": existing, "model": MODEL, "workload": small_workload(tmp_path / "w.jsonl"), "tmp": tmp_path}
+    r = run(command, *[a.format(**values) for a in argv])
+    assert_usage_error(r, f"fasttree-tune {command}", f"{flag} {existing} exists; pass --overwrite to replace it")
+    assert existing.read_text() == "{}\n"
+
+
+def test_run_refuses_to_replace_a_finished_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "export.json").write_text("{}\n")
+    r = run("run", "--out", str(out))
+    assert_usage_error(r, "fasttree-tune run", f"{out / 'export.json'} exists", "--overwrite")
+    assert "--overwrite" in " ".join(run("run", "--help").stdout.split())
+
+
+def test_bench_refuses_to_replace_its_reports(tmp_path):
+    (tmp_path / "kernel_x.md").write_text("old\n")
+    r = run("bench", "--", "--out", str(tmp_path), "--label", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{tmp_path / 'kernel_x.md'} exist; pass --overwrite" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_missing_model_is_one_clean_line(tmp_path):
+    missing = tmp_path / "nope.skops"
+    for command in (["evaluate", "traces/h200_smoke"], ["tune", str(small_workload(tmp_path / "w.jsonl"))]):
+        r = run(*command, "--model", str(missing))
+        line = assert_usage_error(r, f"fasttree-tune {command[0]}", f"--model {missing} does not exist")
+        assert "Errno" not in line
+
+
+def test_a_run_that_fails_early_leaves_no_empty_output_folder(tmp_path):
+    out = tmp_path / "new" / "run"
+    r = run("run", "--out", str(out), "--model", str(tmp_path / "nope.skops"), "--traces", str(tmp_path / "none"))
+    assert_usage_error(r, "fasttree-tune run", f"--traces {tmp_path / 'none'}")
+    assert not (tmp_path / "new").exists()
+    r = run("tune", str(tmp_path / "missing.jsonl"), "--model", str(MODEL), "--out", str(out))
+    assert_usage_error(r, "fasttree-tune tune", "no such trace file or folder")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_documents_the_output_convention():
+    top = " ".join(run("--help").stdout.split())
+    assert "--out (-o) is a FILE" in top and "a FOLDER for those that write several" in top
+    for command, kind in [("fit", "FILE"), ("export", "FILE"), ("refine", "FILE"), ("profile", "FILE"),
+                          ("tune", "FOLDER"), ("run", "FOLDER")]:  # fmt: skip
+        text = " ".join(run(command, "--help").stdout.split())
+        assert kind in text.split("--out", 1)[1], command
+        if command != "profile":
+            assert "--overwrite" in text, command
+
+
+# ------------------------------------------------------------------ D7: a non-editable install runs from anywhere
+@pytest.mark.skipif(not _HAS_PROC, reason="POSIX paths")
+def test_a_wheel_install_runs_the_main_job_from_another_folder(tmp_path):
+    """Build the wheel from a copy of the sources (the checkout stays clean), install it without its
+    dependencies into a folder put first on PYTHONPATH, and run from a folder that holds nothing: the
+    model and workloads come from the package (about 40 s on 2 CPU cores)."""
+    import shutil
+
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("fasttree", "kernels", "costmodel", "tuner"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("fasttree-*.whl")
+    site = tmp_path / "site"
+    installed = subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert installed.returncode == 0, installed.stderr
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    env = {**_env(), "PYTHONPATH": str(site)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fasttree.cli", *args], capture_output=True, text=True, env=env,
+                              cwd=here, timeout=300)  # fmt: skip
+
+    where = subprocess.run([sys.executable, "-c", "import fasttree; print(fasttree.__file__)"], capture_output=True,
+                           text=True, env=env, cwd=here)  # fmt: skip
+    assert where.stdout.strip() == str(site / "fasttree" / "__init__.py"), "the installed package is imported"
+    assert cli("run", "--help").returncode == 0
+    # --refit needs the measurement traces, which only a checkout has: one clear line, no folder left behind
+    r = cli("run", "--refit")
+    assert_usage_error(r, "fasttree-tune run", "--refit fits the model from measurement traces: pass --traces DIR")
+    assert list(here.iterdir()) == []
+    r = cli("run", "--trials", "1", "--polish-passes", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    export = json.loads((here / "fasttree-run" / "export.json").read_text())
+    assert export["provenance"]["model_path"] == str(
+        site / "fasttree" / "costmodel" / "data" / "h200_latency_model.skops"
+    )
+    assert (here / "fasttree-run" / "report.md").exists()
+    r = cli("run", "--trials", "1")  # a finished run is replaced only with --overwrite
+    assert_usage_error(r, "fasttree-tune run", "export.json exists", "--overwrite")

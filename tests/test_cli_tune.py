@@ -24,8 +24,8 @@ from fasttree.export import read_export
 from fasttree.traces import read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "h200_latency_model.skops"
-PAPER = ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz"
+MODEL = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
+PAPER = ROOT / "fasttree" / "toolkit" / "data" / "workloads" / "paper_suite.jsonl.gz"
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,12 @@ import pytest
 from fasttree import FastTreeConfig
 from fasttree.cli import main
 from fasttree.export import ConfigExport, ExportEntry
+from fasttree.toolkit.shipped import workloads_path
 from fasttree.toolkit.validate import validate_export, workload_steps
 from fasttree.traces import TraceWriter, measurement_record, read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDS = read_traces(ROOT / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz", kind="workload").records
+RECORDS = read_traces(workloads_path(heldout=True) / "few_shot_mistral_7b.jsonl.gz", kind="workload").records
 TUNED = FastTreeConfig(num_warps=(4, 2), kv_tile=(64, 32))
 ENV = {"gpu_name": "NVIDIA H200", "gpu_sm_count": 132, "compute_capability": "9.0", "memory_clock_mhz": None,
        "driver": None, "torch": "x", "triton": "x", "fasttree": "0.1.0", "git_commit": None}  # fmt: skip

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..toolkit import shipped
 from ..validation import check_number
 from .args import duration_arg, int_at_least, progress_bar_wanted
 
@@ -24,12 +25,20 @@ __all__ = ["add_tune_commands"]
 
 logger = logging.getLogger("fasttree.cli")
 
-#: Defaults of ``fasttree-tune run`` (paths relative to the repository root).
-RUN_TRACES = "traces/h200"
-RUN_WORKLOADS = "traces/workloads"
-RUN_HELDOUT = "traces/workloads_heldout"
-RUN_MODEL = "models/h200_latency_model.skops"
+#: Defaults of ``fasttree-tune run``: the shipped model and workloads are package data
+#: (:mod:`fasttree.toolkit.shipped`), found from any folder; the measurement traces that ``--refit``
+#: fits on only in a source checkout (None elsewhere: ``--refit`` then needs ``--traces``).
+RUN_TRACES = shipped.measurement_traces()
+RUN_WORKLOADS = str(shipped.workloads_path())
+RUN_HELDOUT = str(shipped.workloads_path(heldout=True))
+RUN_MODEL = str(shipped.model_path())
 RUN_OUT = "fasttree-run"
+#: The files ``run`` writes into ``--out`` that a rerun replaces only with ``--overwrite``.
+RUN_OUTPUTS = ("export.json", "report.md", "report.json")
+#: How help texts name the shipped data.
+_SHIPPED_MODEL = "the shipped H200 model (package data: fasttree/costmodel/data/h200_latency_model.skops)"
+_SHIPPED_WORKLOADS = "the shipped workloads (package data: fasttree/toolkit/data/workloads)"
+_SHIPPED_HELDOUT = "the shipped held-out workloads (package data: fasttree/toolkit/data/workloads_heldout)"
 RUN_TRIALS = 250
 #: ``run`` tunes on every 4th step of each long workload (``--every``).
 RUN_EVERY = 4
@@ -57,7 +66,7 @@ def _study_options(*, every: int = 1) -> argparse.ArgumentParser:
         metavar="NAME",
         help="study base name; each (GQA ratio, head dim, dtype) bucket gets NAME-g<G>-d<D>-<dtype> (default fasttree)",
     )
-    g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default {RUN_MODEL})")
+    g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default: {_SHIPPED_MODEL})")
     g.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
     g.add_argument(
         "--no-balance",
@@ -155,11 +164,16 @@ def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common, _study_options(), _trial_options()],
     )
     t.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="workload trace files or folders")
-    t.add_argument("--out", default=".", metavar="DIR", help="folder of the default storage and --json (default .)")
-    t.add_argument("--export", metavar="PATH", help="also write the tuned configs as an export file")
-    t.add_argument("--overwrite", action="store_true", help="replace --export if it exists")
-    t.add_argument("--json", metavar="PATH", help="write the per-bucket results as JSON")
-    t.set_defaults(func=_cmd_tune, subparser=t)
+    t.add_argument(
+        "--out",
+        default=".",
+        metavar="DIR",
+        help="FOLDER of the default study storage (fasttree-tune.db: its studies resume; default .)",
+    )
+    t.add_argument("--export", metavar="FILE", help="also write the tuned configs as an export file")
+    t.add_argument("--json", metavar="FILE", help="write the per-bucket results as JSON")
+    t.add_argument("--overwrite", action="store_true", help="replace --export and --json if they exist (else: refuse)")
+    t.set_defaults(func=_cmd_tune, subparser=t, output_files=("export", "json"), output_folder=True)
 
 
 def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -173,10 +187,10 @@ def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common, _study_options()],
     )
     e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
-    e.add_argument("-o", "--out", required=True, metavar="PATH", help="export file to write (.json)")
-    e.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
+    e.add_argument("-o", "--out", required=True, metavar="FILE", help="export FILE to write (.json)")
+    e.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
     e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
-    e.set_defaults(func=_cmd_export, subparser=e)
+    e.set_defaults(func=_cmd_export, subparser=e, output_files=("out",))
 
 
 def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -188,15 +202,32 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "--refit is given), tune every bucket of --workloads with the embedded SQLite storage in --out, "
         "write --out/export.json, predict the held-out workloads (--heldout) with the tuned and the "
         "default configs, and write a report (report.md, report.json and PNG plots: optimisation "
-        "history, parameter importances, predicted latency per step). Rerunning resumes the studies.",
+        "history, parameter importances, predicted latency per step). Rerunning after a kill resumes the "
+        "studies; a finished run's --out is replaced only with --overwrite.",
         parents=[*common, _study_options(every=RUN_EVERY), _trial_options(timeout=RUN_TIMEOUT_S)],
     )
-    r.add_argument("--traces", default=RUN_TRACES, metavar="DIR", help=f"measurement traces (default {RUN_TRACES})")
-    r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({RUN_WORKLOADS})")
-    r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({RUN_HELDOUT})")
-    r.add_argument("--out", default=RUN_OUT, metavar="DIR", help=f"output folder (default {RUN_OUT})")
+    r.add_argument(
+        "--traces",
+        default=RUN_TRACES,
+        metavar="DIR",
+        help="measurement traces to fit the model from (--refit, or a --model that does not exist; default: "
+        "traces/h200 of a source checkout; an installed package holds only the fitted model)",
+    )
+    r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({_SHIPPED_WORKLOADS})")
+    r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({_SHIPPED_HELDOUT})")
+    r.add_argument(
+        "--out",
+        default=RUN_OUT,
+        metavar="DIR",
+        help=f"output FOLDER: studies, {', '.join(RUN_OUTPUTS)} and plots (default {RUN_OUT})",
+    )
+    r.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the export and report of a finished run in --out (else: refuse; a killed run resumes either way)",
+    )
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
-    r.set_defaults(func=_cmd_run, subparser=r)
+    r.set_defaults(func=_cmd_run, subparser=r, output_folder_files=RUN_OUTPUTS, output_folder=True)
 
 
 def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -212,12 +243,15 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common],
     )
     v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
-    v.add_argument("workloads", nargs="*", default=[RUN_HELDOUT], metavar="WORKLOADS", help=f"default {RUN_HELDOUT}")
+    v.add_argument(
+        "workloads", nargs="*", default=[RUN_HELDOUT], metavar="WORKLOADS", help=f"default: {_SHIPPED_HELDOUT}"
+    )
     v.add_argument("--steps", type=int_at_least(1), default=8, metavar="K", help="steps per workload (8)")
     v.add_argument("--model", default=None, metavar="MODEL", help="latency model for predicted speedups")
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
-    v.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    v.set_defaults(func=_cmd_validate, subparser=v)
+    v.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    v.add_argument("--overwrite", action="store_true", help="replace --json if it exists (else: refuse)")
+    v.set_defaults(func=_cmd_validate, subparser=v, output_files=("json",))
 
 
 def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -233,9 +267,10 @@ def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common],
     )
     f.add_argument("--config", required=True, metavar="EXPORT", help="the export to start from")
-    f.add_argument("--out", required=True, metavar="PATH", help="the refined export to write (must not exist)")
+    f.add_argument("--out", required=True, metavar="FILE", help="the refined export FILE to write")
+    f.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
     f.add_argument(
-        "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default {RUN_WORKLOADS}"
+        "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default: {_SHIPPED_WORKLOADS}"
     )
     f.add_argument("--steps", type=int_at_least(1), default=3, metavar="K", help="steps per workload (3)")
     f.add_argument("--passes", type=int_at_least(1), default=2, help="search passes (2)")
@@ -244,7 +279,7 @@ def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     f.add_argument(
         "--device", default="cuda", help="cuda (default); cpu only for a smoke test under TRITON_INTERPRET=1"
     )
-    f.set_defaults(func=_cmd_refine, subparser=f)
+    f.set_defaults(func=_cmd_refine, subparser=f, output_files=("out",))
 
 
 def _add_bench(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -278,7 +313,9 @@ def _load_model(args: argparse.Namespace):
         gpu = GpuSpec.from_dict(meta["gpu"])
     except FileNotFoundError:
         args.subparser.error(f"--model {args.model} does not exist (fit one with 'fasttree-tune fit')")
-    except (ModelFileError, OSError, KeyError, ValueError) as exc:
+    except OSError as exc:
+        args.subparser.error(f"--model {args.model}: {exc.strerror or exc}")
+    except (ModelFileError, KeyError, ValueError) as exc:
         args.subparser.error(f"--model {args.model}: {exc}")
     return model, gpu, meta
 
@@ -364,8 +401,12 @@ def _mismatch_hint(args: argparse.Namespace, raw, grouped, model, gpu, folder: P
         if not stored or stored == current:
             continue
         if stored.get("launch") != current.get("launch"):
-            flag = "with" if stored.get("launch") else "without"
-            return f"study {name} was tuned {flag} --runtime: pass the same --runtime setting (or another --study)"
+            launches = ["tree_attention's launches (no --runtime)", "the runtime's launches (--runtime)"]
+            theirs, ours = launches[::-1] if stored.get("launch") else launches
+            return (
+                f"study {name} was tuned predicting {theirs}, this command predicts {ours}: pass the same "
+                "--runtime setting (or another --study)"
+            )
         if stored.get("n_steps") != current["n_steps"]:
             every = [k for k in range(1, 257) if len(thin_steps(raw[b], k)) == stored.get("n_steps")]
             if not every:
@@ -480,8 +521,6 @@ def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: boo
 def _cmd_tune(args: argparse.Namespace) -> int:
     from fasttree.fileio import write_atomic
 
-    if args.export and Path(args.export).exists() and not args.overwrite:
-        args.subparser.error(f"--export {args.export} exists; pass --overwrite to replace it")
     model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -498,8 +537,6 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    if Path(args.out).exists() and not args.overwrite:
-        args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
     from fasttree.tuner.storage import DEFAULT_DB_NAME
 
     if args.storage is None and not (Path(args.folder) / DEFAULT_DB_NAME).exists():
@@ -521,6 +558,12 @@ def _fit_model(args: argparse.Namespace, path: Path) -> None:
 
     from .costmodel import fit_and_save
 
+    if args.traces is None:
+        why = "--refit fits" if args.refit else f"--model {args.model} does not exist, so run fits"
+        args.subparser.error(
+            f"{why} the model from measurement traces: pass --traces DIR (traces/h200 of a source checkout; "
+            "an installed package holds only the fitted model)"
+        )
     try:
         data = load_dataset(args.traces)
     except (ValueError, OSError) as exc:
@@ -688,8 +731,6 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         args.subparser.error("refine measures on a CUDA GPU and none is visible")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         args.subparser.error("--device cpu needs TRITON_INTERPRET=1 (a smoke test: its times mean nothing)")
-    if Path(args.out).exists():
-        args.subparser.error(f"{args.out} exists; choose another path")
     try:
         check_number("--min-gain", args.min_gain, minimum=0, below=1)
         coordinates = None if args.fields is None else parse_fields(args.fields)
@@ -730,7 +771,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         lines.append(f"| g{hq // hkv} D{d} {dtype} | geomean ({found.evaluations} configs, {seconds:.0f} s) | | | "
                      f"{found.objective:.3f} |")  # fmt: skip
     provenance = {**export.provenance, "refined_by": "fasttree-tune refine", "refined_from": str(args.config)}
-    write_export(args.out, ConfigExport(tuple(entries.values()), provenance))
+    write_export(args.out, ConfigExport(tuple(entries.values()), provenance), overwrite=args.overwrite)
     print("\n".join(lines))
     print(f"wrote {args.out} ({gpu})")
     return 0

@@ -8,11 +8,12 @@ and 32 KV heads) and a Mistral-7B-shaped one (GQA 4: 32 / 8), head dim 128, fp16
 
 Run from the repository root::
 
-    python -m fasttree.toolkit.workload_traces --out traces/workloads
-    python -m fasttree.toolkit.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite
+    python -m fasttree.toolkit.workload_traces --out fasttree/toolkit/data/workloads
+    python -m fasttree.toolkit.workload_traces --out fasttree/toolkit/data/workloads_heldout --seed 1 --no-paper-suite
 
 The second set (other arrivals, prompts and lengths of the same scenarios) is the tuner's
-held-out workloads: tune on ``traces/workloads``, judge on ``traces/workloads_heldout``.
+held-out workloads: tune on ``workloads``, judge on ``workloads_heldout``. Both are package data
+(:mod:`fasttree.toolkit.shipped`), the defaults of ``fasttree-tune run``.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fasttree.toolkit.workload_traces", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--out", type=Path, default=Path("traces/workloads"), help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("fasttree/toolkit/data/workloads"), help="output folder")
     parser.add_argument("--steps", type=int, default=256, help="decode steps per scenario (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default 0)")
     parser.add_argument(
