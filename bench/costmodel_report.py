@@ -206,7 +206,8 @@ def main() -> int:
     save_model(args.model_out, chosen, gpu=train.gpu, trace_hash=train.trace_hash, trace_rows=len(train),
                trace_paths=args.train, overwrite=True,
                extra={"simulator_baseline": {"coef": [float(c) for c in sim.coef_]},
-                      "heldout_metrics": ho[f"learned ({best})"], "fit_seconds": round(fit_s[best], 2)})  # fmt: skip
+                      "heldout_metrics": ho[f"learned ({best})"], "fit_seconds": round(fit_s[best], 2),
+                      "training_domain": train.domain()})  # fmt: skip
 
     args.docs.mkdir(parents=True, exist_ok=True)
     plot(args.docs / "costmodel_heldout_scatter.png", held, {"simulator": preds["simulator"],

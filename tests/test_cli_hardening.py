@@ -348,3 +348,40 @@ def test_a_wheel_install_runs_the_main_job_from_another_folder(tmp_path):
     assert (here / "fasttree-run" / "report.md").exists()
     r = cli("run", "--trials", "1")  # a finished run is replaced only with --overwrite
     assert_usage_error(r, "fasttree-tune run", "export.json exists", "--overwrite")
+
+
+# ------------------------------------------------------------------ D14: buckets outside the model's training data
+def test_tune_warns_once_per_bucket_outside_the_training_domain(tmp_path):
+    from fasttree.costmodel.persist import load_model
+
+    _, meta = load_model(MODEL)
+    assert meta["extra"]["training_domain"] == {"group_sizes": [1, 4, 16], "head_dims": [64, 128]}
+    lines = small_workload(tmp_path / "w.jsonl").read_text().splitlines()
+    records = []
+    for line in lines:
+        d100, g8 = json.loads(line), json.loads(line)
+        d100["head_dim"] = 100  # GQA 16 as trained, head dim never seen
+        g8["num_q_heads"], g8["num_kv_heads"] = 32, 4  # GQA 8: only in the held-out traces
+        records += [json.loads(line), d100, g8]
+    wl = tmp_path / "mixed.jsonl"
+    wl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = run("tune", str(wl), "--model", str(MODEL), "--trials", "1", "--polish-passes", "0", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    warnings = [line for line in r.stderr.splitlines() if "outside the model's training data" in line]
+    assert len(warnings) == 2, warnings
+    assert any("bucket g16-d100-float16: head dim 100 (trained on 64, 128)" in w for w in warnings)
+    assert any("bucket g8-d128-float16: GQA ratio 8 (trained on 1, 4, 16)" in w for w in warnings)
+    assert "g16-d128-float16:" not in " ".join(warnings)
+
+
+def test_fit_records_the_training_domain(tmp_path):
+    from fasttree.costmodel.dataset import load_dataset
+    from fasttree.costmodel.persist import load_model
+
+    out = tmp_path / "m.skops"
+    args = ["fit", "traces/h200_smoke", "-o", str(out), "--n-estimators", "5", "--n-seeds", "1", "--jobs", "1"]
+    r = run(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, meta = load_model(out)
+    assert meta["extra"]["training_domain"] == load_dataset("traces/h200_smoke", workers=1).domain()
+    assert set(meta["extra"]["training_domain"]) == {"group_sizes", "head_dims"}

@@ -143,6 +143,7 @@ def fit_and_save(model, data, path, *, trace_paths: list[str], overwrite: bool) 
         "fit_seconds": round(fit_s, 2),
         "training_metrics": {k: train[k] for k in _KEYS if k in train},
         "simulator_baseline": {"coef": [float(c) for c in sim.coef_]},
+        "training_domain": data.domain(),
     }
     save_model(
         path,

@@ -345,7 +345,31 @@ def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
     return grouped
 
 
-def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int):
+def _warn_outside_training(grouped, meta: dict[str, Any]) -> None:
+    """A WARNING per bucket whose GQA ratio or head dim the model never saw (``extra.training_domain``, which
+    ``fasttree-tune fit`` records): the model's predictions there, and the configs tuned on them, are
+    extrapolations."""
+    domain = meta.get("extra", {}).get("training_domain")
+    if not isinstance(domain, dict):
+        logger.info("the model records no training domain (GQA ratios, head dims): buckets are not checked against it")
+        return
+    known = {"GQA ratio": domain.get("group_sizes", []), "head dim": domain.get("head_dims", [])}
+    for b in grouped:
+        outside = [
+            f"{what} {value} (trained on {', '.join(map(str, known[what]))})"
+            for what, value in (("GQA ratio", b.group_size), ("head dim", b.head_dim))
+            if value not in known[what]
+        ]
+        if outside:
+            logger.warning(
+                "bucket %s: %s outside the model's training data: its predictions, and the configs tuned on them, "
+                "are extrapolations",
+                b.label,
+                " and ".join(outside),
+            )
+
+
+def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int, meta: dict[str, Any]):
     import optuna
 
     from fasttree.tuner import tune_workload
@@ -354,6 +378,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial only with -v
     from fasttree.tuner import balance_workloads, thin_steps
 
+    _warn_outside_training(grouped, meta)
     raw = grouped
     grouped = {b: thin_steps(steps, args.every) for b, steps in grouped.items()}
     if args.balance:
@@ -524,7 +549,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials)
+    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials, meta=meta)
     totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
     print(_results_table(results, totals))
     if args.json:
@@ -543,7 +568,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         args.subparser.error(f"no --storage given and no {DEFAULT_DB_NAME} in {args.folder}: nothing was tuned there")
     model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
-    results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1)  # runs no trial in a tuned study
+    results = _tune(args, grouped, model, gpu, Path(args.folder), trials=1, meta=meta)  # runs no trial in a tuned study
     totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
     export = _export_of(results, totals, gpu, meta, Path(args.model), args.runtime)
     _write_export(args, args.out, export, overwrite=args.overwrite)
@@ -589,7 +614,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     grouped = _workload_steps(args, [args.workloads], "--workloads")
     heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
     print(f"model {model_path} ({gpu.name}); {sum(map(len, grouped.values()))} tuning steps in {len(grouped)} buckets")
-    results = _tune(args, grouped, model, gpu, out, trials=args.trials)
+    results = _tune(args, grouped, model, gpu, out, trials=args.trials, meta=meta)
     totals = _predicted_totals(grouped, results, model, gpu, args.runtime)
     export = _export_of(results, totals, gpu, meta, model_path, args.runtime)
     _write_export(args, str(out / "export.json"), export, overwrite=True)
