@@ -385,3 +385,59 @@ def test_fit_records_the_training_domain(tmp_path):
     _, meta = load_model(out)
     assert meta["extra"]["training_domain"] == load_dataset("traces/h200_smoke", workers=1).domain()
     assert set(meta["extra"]["training_domain"]) == {"group_sizes", "head_dims"}
+
+
+# ------------------------------------------------------------------ D9 + the report
+def test_bucket_summaries_are_the_exported_configs_numbers():
+    from types import SimpleNamespace
+
+    from fasttree.tuner import Bucket
+    from fasttree.tuner.report import OBJECTIVE_NOTE, bucket_summaries, results_table
+
+    b1 = Bucket.of(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16")
+    b2 = Bucket.of(num_q_heads=16, num_kv_heads=1, head_dim=128, dtype="float16")
+    tuned = SimpleNamespace(study_name="s-g4", n_complete=9, n_pruned=1, predicted_us=2.5, defaults_predicted_us=3.0)
+    worse = SimpleNamespace(study_name="s-g16", n_complete=9, n_pruned=0, predicted_us=1.2, defaults_predicted_us=1.0)
+    s = bucket_summaries({b1: tuned, b2: worse}, {b1: (600.0, 480.0), b2: (100.0, 100.0)})
+    assert s["g4-d128-float16"]["objective_ratio"] == pytest.approx(1.2)  # unitless: defaults / exported
+    assert s["g4-d128-float16"]["predicted_speedup"] == pytest.approx(1.25)  # microseconds: another number
+    assert s["g16-d128-float16"]["objective_exported"] == 1.0  # the defaults are exported when nothing beats them
+    table = results_table(s)
+    assert "| 3 -> 2.5 | 1.200x | 600.0 -> 480.0 | 1.250x |" in table
+    assert table.endswith(OBJECTIVE_NOTE) and "unitless" in OBJECTIVE_NOTE
+
+
+def test_run_report_names_model_date_time_exported_config_and_missing_heldout(tmp_path, monkeypatch, capsys):
+    import fasttree.tuner.report as report
+    from fasttree.cli import main
+
+    legends: dict[str, list[str]] = {}
+    save = report._save
+
+    def keep_legend(fig, path):
+        legend = fig.axes[0].get_legend()
+        legends[path.name] = [t.get_text() for t in legend.get_texts()] if legend else []
+        save(fig, path)
+
+    monkeypatch.setattr(report, "_save", keep_legend)
+    wl = small_workload(tmp_path / "wl.jsonl", kv_heads=8)  # GQA 4
+    (tmp_path / "g16").mkdir()
+    ho = small_workload(tmp_path / "g16" / "ho.jsonl", kv_heads=1)  # held-out: GQA 16 only
+    wl.write_text(wl.read_text() + ho.read_text())
+    out = tmp_path / "out"
+    argv = ["run", "--workloads", str(wl), "--heldout", str(tmp_path / "g16"), "--out", str(out), "--trials", "3",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    text = (out / "report.md").read_text()
+    table = printed[printed.index("| bucket | study |") : printed.index("Each ratio is defaults / exported config.")]
+    assert table and table in text, "the report's table is the one the command printed"
+    assert "- date: 20" in text and "- run time: " in text
+    assert f"- model: `{MODEL}` (SHA-256 " in text
+    assert "- g4-d128-float16: no held-out workloads in this bucket" in text
+    assert "g16-d128-float16: no held-out" not in text
+    for label in ("g4-d128-float16", "g16-d128-float16"):
+        assert any(t.startswith("exported: ") for t in legends[f"history_{label}.png"]), legends
+    summary = json.loads((out / "report.json").read_text())
+    row = summary["exported"]["g4-d128-float16"]
+    assert f"{row['objective_ratio']:.3f}x | {row['predicted_us_defaults']:.1f}" in text

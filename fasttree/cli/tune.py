@@ -454,18 +454,17 @@ def _mismatch_hint(args: argparse.Namespace, raw, grouped, model, gpu, folder: P
 
 
 def _results_table(results, totals) -> str:
-    head = (
-        "| bucket | study | trials (complete / pruned) | objective: defaults -> tuned | predicted us: defaults "
-        "-> tuned | predicted speedup (total) |"
-    )
-    lines = [head, "|---|---|---:|---:|---:|---:|"]
-    for b, r in results.items():
-        d, t = totals[b]
-        lines.append(
-            f"| {b.label} | {r.study_name} | {r.n_complete} / {r.n_pruned} | {r.defaults_predicted_us:.4g} -> "
-            f"{r.predicted_us:.4g} | {d:.1f} -> {t:.1f} | {d / t:.3f}x |"
-        )
-    return "\n".join(lines)
+    """The per-bucket table every tuning command prints and ``run``'s report holds (one computation:
+    :func:`fasttree.tuner.report.bucket_summaries`)."""
+    from fasttree.tuner.report import results_table
+
+    return results_table(_summaries(results, totals))
+
+
+def _summaries(results, totals) -> dict[str, dict[str, Any]]:
+    from fasttree.tuner.report import bucket_summaries
+
+    return bucket_summaries(results, totals)
 
 
 def _predicted_totals(grouped, results, model, gpu, runtime: bool) -> dict:
@@ -621,11 +620,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     judged = _heldout_predictions(heldout, export, model, gpu, args.runtime)
     from fasttree.tuner.report import write_report
 
-    report = write_report(out, results, judged, storage=args.storage, folder=out)
+    report = write_report(out, results, judged, storage=args.storage, folder=out, totals=totals,
+                          model={"path": model_path, "gpu": gpu.name}, elapsed_s=time.perf_counter() - t0)  # fmt: skip
     summary = {
         "gpu": gpu.name,
         "model": str(model_path),
         "buckets": {b.label: r.to_dict() for b, r in results.items()},
+        "exported": _summaries(results, totals),
         "heldout": judged,
         "elapsed_s": round(time.perf_counter() - t0, 1),
     }
