@@ -212,6 +212,8 @@ def test_export_names_the_every_setting_the_studies_were_tuned_with(tmp_path):
     r = run(*export)
     line = assert_usage_error(r, "fasttree-tune export", "was tuned with --every 4 (20 steps)", "pass --every 4")
     assert "another objective" not in line
+    r = run(*export, "--every", "4", "--no-balance")  # same steps, other weights
+    assert_usage_error(r, "fasttree-tune export", "was tuned without --no-balance: pass the same --no-balance")
     r = run(*export, "--every", "4")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "x.json").exists()

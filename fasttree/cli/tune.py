@@ -402,7 +402,12 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             runtime=args.runtime,
         )
     except ValueError as exc:
-        hint = _mismatch_hint(args, raw, grouped, model, gpu, folder) if "another objective" in str(exc) else None
+        hint = None
+        if "another objective" in str(exc):  # open_study's refusal of a study made with other settings
+            try:
+                hint = _mismatch_hint(args, raw, grouped, model, gpu, folder)
+            except Exception as why:  # only a hint: the refusal stands without it
+                logger.debug("no hint for %s: %s", exc, why)
         args.subparser.error(hint or str(exc))
 
 
