@@ -13,7 +13,7 @@ matched to the rows by position (their names are checked too).
 
 Each (tree, config) is planned as the runtime plans it (a ``TreeAttentionRuntime`` on the
 CPU, hence ``TRITON_INTERPRET=1``: it may re-plan a step query-centric), then predicted by
-``models/h200_latency_model.skops`` (``predict_plans``' feature rows and model call), by
+the shipped model (``costmodel/data/h200_latency_model.skops``; ``predict_plans``' feature rows and model call), by
 the model file's calibrated simulator, and scored by the published planner's cost (ranks
 only). Per (model, scenario), the predictions of a config are summed over the three trees
 and compared with the measured sum: Kendall tau-b over configs, the fraction of config
@@ -45,6 +45,7 @@ from fasttree.export import read_export
 from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.runtime_planning import launch_view, resolve_stage1_launches
+from fasttree.toolkit import shipped
 from fasttree.toolkit.workloads import iter_serving
 
 log = logging.getLogger("bench.costmodel_decode_check")
@@ -367,7 +368,7 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         "on the trees of steps 10, 25 and 39 of `iter_serving(scenario, seed=0, steps=40)`; Llama 32/32 and "
         "Mistral 32/8 heads, head dim 128, fp16, at f18595e (the one-off sweep script `bench/decode_config_sweep.py` "
         "at the tag `lab-archive`, `--grid one` and `--grid combos`).",
-        f"Predicted: `models/h200_latency_model.skops` ({meta['model_params']['kind']}, fitted on "
+        f"Predicted: `costmodel/data/h200_latency_model.skops` ({meta['model_params']['kind']}, fitted on "
         f"{meta['trace_set']['rows']} measurements of `{' '.join(meta['trace_set']['paths'])}`) for the plan the "
         "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included; the "
         f"`kernel_version` feature set to the sweeps' kernels, v{SWEEP_KERNEL_VERSION}; the `default` row is "
@@ -414,7 +415,7 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=Path("models/h200_latency_model.skops"))
+    p.add_argument("--model", type=Path, default=shipped.model_path())
     p.add_argument("--export", type=Path, default=Path("docs/tune/export.json"))
     p.add_argument("--out", type=Path, default=Path("docs/results/costmodel_decode_check.md"))
     args = p.parse_args(argv)

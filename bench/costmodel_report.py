@@ -1,6 +1,6 @@
 """The latency model's evaluation report and the committed H200 model, from the shipped traces (CPU).
 
-    python -m bench.costmodel_report            # docs/costmodel.{md,json,png files}, models/h200_latency_model.skops
+    python -m bench.costmodel_report  # docs/costmodel.{md,json,png files}, costmodel/data/h200_latency_model.skops
 
 Two protocols, never random row splits:
 
@@ -112,7 +112,7 @@ def main() -> int:
     p.add_argument("--train", nargs="+", default=["traces/h200"])
     p.add_argument("--heldout", nargs="+", default=["traces/h200_heldout"])
     p.add_argument("--docs", type=Path, default=Path("docs"))
-    p.add_argument("--model-out", type=Path, default=Path("models/h200_latency_model.skops"))
+    p.add_argument("--model-out", type=Path, default=Path("costmodel/data/h200_latency_model.skops"))
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--workers", type=int, default=None)
@@ -206,7 +206,8 @@ def main() -> int:
     save_model(args.model_out, chosen, gpu=train.gpu, trace_hash=train.trace_hash, trace_rows=len(train),
                trace_paths=args.train, overwrite=True,
                extra={"simulator_baseline": {"coef": [float(c) for c in sim.coef_]},
-                      "heldout_metrics": ho[f"learned ({best})"], "fit_seconds": round(fit_s[best], 2)})  # fmt: skip
+                      "heldout_metrics": ho[f"learned ({best})"], "fit_seconds": round(fit_s[best], 2),
+                      "training_domain": train.domain()})  # fmt: skip
 
     args.docs.mkdir(parents=True, exist_ok=True)
     plot(args.docs / "costmodel_heldout_scatter.png", held, {"simulator": preds["simulator"],

@@ -5,8 +5,9 @@ Two samples of (tree, config, heads, head dim, dtype):
 * ``heldout``: a fixed sample of the ``ok`` measurements of the held-out traces
   (``traces/h200_heldout``), each re-planned as :func:`fasttree.costmodel.dataset.record_plan`
   does (its tree, heads and config);
-* ``tuner``: the tuner's use: one config (the defaults) over every workload tree of
-  ``traces/workloads`` with one head setting (default 32 query / 8 KV heads, head dim 128, fp16).
+* ``tuner``: the tuner's use: one config (the defaults) over every workload tree of the shipped
+  workloads (``fasttree/toolkit/data/workloads``) with one head setting (default 32 query / 8 KV
+  heads, head dim 128, fp16).
 
 Trees are decoded once per distinct tree before timing (a tuner holds its trees), and the
 warm-up pass builds the planner's per-tree index (cached on the tree, as in a tuner that
@@ -53,6 +54,7 @@ from fasttree.costmodel.predict import PlanJob, PredictPool, elem_bytes_of, plan
 from fasttree.costmodel.simulator import SimParams, simulate
 from fasttree.costmodel.work import plan_work
 from fasttree.fileio import write_atomic
+from fasttree.toolkit import shipped
 from fasttree.toolkit.bench_common import environment
 from fasttree.traces import decode_tree, read_traces
 
@@ -254,9 +256,9 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Nam
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.costmodel_throughput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=Path("models/h200_latency_model.skops"))
+    p.add_argument("--model", type=Path, default=shipped.model_path())
     p.add_argument("--heldout", nargs="+", default=["traces/h200_heldout"])
-    p.add_argument("--workloads", nargs="+", default=["traces/workloads"])
+    p.add_argument("--workloads", nargs="+", default=[str(shipped.workloads_path())])
     p.add_argument("--heads", default="32,8,128", help="Hq,Hkv,D of the tuner sample (default 32,8,128)")
     p.add_argument("--dtype", default="float16", help="dtype of the tuner sample (default float16)")
     p.add_argument("--sample", type=int, default=512, help="held-out measurements sampled (0: all; default 512)")

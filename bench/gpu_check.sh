@@ -30,7 +30,7 @@ for step in $steps; do
       done
       ;;
     kernel)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite paper --out "$out" --label h200 \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite paper --out "$out" --label h200 --overwrite \
         >"$out/kernel.log" 2>&1
       echo "kernel benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200.md
       ;;

@@ -92,6 +92,15 @@ class Dataset:
     def __len__(self) -> int:
         return int(self.y_us.size)
 
+    def domain(self) -> dict[str, list[int]]:
+        """The GQA ratios and head dims the rows hold: a model fitted on them records this as
+        ``extra["training_domain"]``, and the tuner warns about buckets outside it."""
+        column = {name: self.X[:, FEATURE_NAMES.index(name)] for name in ("gqa", "head_dim")}
+        return {
+            "group_sizes": sorted({int(v) for v in np.unique(column["gqa"])}),
+            "head_dims": sorted({int(v) for v in np.unique(column["head_dim"])}),
+        }
+
     def subset(self, mask: np.ndarray) -> Dataset:
         """Rows where ``mask`` (bool [n] or indices) selects."""
         return Dataset(

@@ -10,9 +10,9 @@ the model's parameters) and what it was fitted with (``extra``: fit time, traini
 simulator's calibration).
 
 :func:`load_model` checks a file before it builds anything from it, with limits about four
-times the shipped model's (``models/h200_latency_model.skops``): the file size, the number of
-zip members and their declared inflated sizes (zipfile never inflates a member past its
-declared size), the JSON tokens of ``schema.json``, the metadata, every object's type against
+times the shipped model's (``costmodel/data/h200_latency_model.skops``, package data): the
+file size, the number of zip members and their declared inflated sizes (zipfile never
+inflates a member past its declared size), the JSON tokens of ``schema.json``, the metadata, every object's type against
 :data:`TRUSTED_TYPES` (exactly the types the three model kinds are made of), and every array's
 header against its member's size. After skops has rebuilt the regressors,
 :func:`fasttree.costmodel.regressors.check_regressor` checks what scikit-learn's prediction

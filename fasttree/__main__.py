@@ -13,6 +13,7 @@ import time
 import torch
 
 import fasttree as ft
+from fasttree.launcher import interpreting
 from fasttree.toolkit.suite import PAPER_SUITE, paper_tree
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,12 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="head dim D (default 128)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {ft.__version__}")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not interpreting():
+        parser.error(
+            "no CUDA GPU found: the kernels run on a CUDA GPU, or on the CPU in Triton's interpreter "
+            "(slow): set TRITON_INTERPRET=1"
+        )
     tree = paper_tree(args.case)
     t0 = time.perf_counter()
-    plan = ft.plan(tree, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    try:
+        plan = ft.plan(tree, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    except ValueError as exc:  # heads or head dim the planner refuses
+        parser.error(str(exc))
     plan_ms = (time.perf_counter() - t0) * 1e3
 
     dtype = _DTYPES[args.dtype]
@@ -45,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     k = torch.randn(shape_kv, generator=gen).to(dtype).to(device)
     v = torch.randn(shape_kv, generator=gen).to(dtype).to(device)
     t0 = time.perf_counter()
-    out = ft.tree_attention(q, k, v, plan)
+    try:
+        out = ft.tree_attention(q, k, v, plan)
+    except ValueError as exc:  # arguments the planner took but the kernels cannot run
+        parser.error(str(exc))
     if device.type == "cuda":
         torch.cuda.synchronize()
     run_s = time.perf_counter() - t0

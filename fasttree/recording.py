@@ -9,7 +9,7 @@ integer check, and recording stops for good after ``max_records`` records, when 
 recorded trees' tokens would pass ``max_tokens`` or when the lines written would pass
 ``max_bytes``.
 
-Feed the file to ``fasttree-tune tune`` / ``run`` like the shipped ``traces/workloads``::
+Feed the file to ``fasttree-tune tune`` / ``run`` like the shipped workloads (``fasttree/toolkit/data/workloads``)::
 
     rec = WorkloadRecorder("traces/recorded/server.jsonl", num_q_heads=32, num_kv_heads=8,
                            head_dim=128, dtype="float16")

@@ -73,6 +73,26 @@ ENV_FIELDS = (
 )
 
 _TREE_FIELDS = ("parents", "lengths", "query_nodes")
+
+# Resource limits of a file's input, each far above what the shipped traces hold and far below
+# exhausting memory (the tuner keeps every workload step's tree, 4 bytes per token, and the cost
+# model's work arrays allocate per token). The shipped trace files' largest tree holds 1,048,543
+# tokens (traces/h200), 2,865 nodes and 2,044 queries (traces/h200_heldout); the largest workload
+# tree 278,816 tokens, 1,401 nodes and 1,024 queries (the shipped workloads, paper-suite case 8).
+#: Most KV tokens (the sum of ``lengths``) a tree of a trace line may hold: 16x the largest shipped.
+MAX_TREE_TOKENS = 2**24
+#: Most nodes a tree of a trace line may hold: 366x the largest shipped.
+MAX_TREE_NODES = 2**20
+#: Most queries a tree of a trace line may hold: 64x the largest shipped.
+MAX_TREE_QUERIES = 2**17
+#: Most KV tokens the workload steps one tuning run reads may hold together (``fasttree-tune tune`` keeps
+#: every step's tree): 4.8x the shipped tuning workloads (55,723,566 tokens in 2,093 steps).
+MAX_WORKLOAD_TOKENS = 2**28
+#: Longest trace line (bytes, its newline included) :func:`read_traces` reads: a line is read with a
+#: bounded ``readline``, so a crafted line (a 3 GiB run in a 3 MB gzip) costs at most this much
+#: memory. The longest shipped line is 28,216 bytes (a measurement, traces/h200_heldout); a tree at
+#: the limits above encodes in about 18 MB.
+MAX_LINE_BYTES = 64 * 2**20
 _COMMON_REQUIRED = ("schema", "schema_version", "kind", "workload", "num_q_heads", "num_kv_heads", "head_dim", "dtype")
 _REQUIRED = {
     "measurement": (
@@ -167,9 +187,11 @@ def decode_tree(d: Any) -> KVTree:
     Raises
     ------
     ValueError
-        When ``d`` is not such a dict (missing or unknown keys, non-integer entries) or
-        does not describe a valid tree (empty, parent out of range, cycle, negative
-        length, query out of range or with an empty context).
+        When ``d`` is not such a dict (missing or unknown keys, non-integer entries),
+        holds more than a trace tree may (:data:`MAX_TREE_NODES` nodes,
+        :data:`MAX_TREE_QUERIES` queries, :data:`MAX_TREE_TOKENS` tokens: checked before
+        anything is allocated per token), or does not describe a valid tree (empty, parent
+        out of range, cycle, negative length, query out of range or with an empty context).
     """
     if not isinstance(d, dict):
         raise ValueError(f"a tree encoding must be an object, got {type(d).__name__}")
@@ -184,6 +206,9 @@ def decode_tree(d: Any) -> KVTree:
         value = d[name]
         if not isinstance(value, (list, tuple, np.ndarray)):
             raise ValueError(f"tree.{name} must be a list of integers, got {type(value).__name__}")
+        limit, what = (MAX_TREE_QUERIES, "queries") if name == "query_nodes" else (MAX_TREE_NODES, "nodes")
+        if len(value) > limit:
+            raise ValueError(f"tree.{name} holds {len(value)} {what}, more than a trace tree may hold ({limit})")
         if isinstance(value, np.ndarray):
             ints = value.size == 0 or value.dtype.kind in "iu"
         else:  # fast path for parsed JSON (plain ints), then the general check (numpy scalars)
@@ -195,6 +220,12 @@ def decode_tree(d: Any) -> KVTree:
         except OverflowError:
             raise ValueError(f"tree.{name} holds an integer beyond the int64 range") from None
     parents, lengths, query_nodes = arrays
+    largest = int(lengths.max()) if lengths.size else 0  # first: then the sum of the lengths fits int64
+    if largest > MAX_TREE_TOKENS:
+        raise ValueError(f"a node holds {largest} tokens, more than a trace tree may hold ({MAX_TREE_TOKENS})")
+    total = int(lengths.clip(min=0).sum())
+    if total > MAX_TREE_TOKENS:
+        raise ValueError(f"the tree holds {total} tokens, more than a trace tree may hold ({MAX_TREE_TOKENS})")
     return KVTree.from_lengths(parents, lengths, query_nodes)
 
 
@@ -1090,10 +1121,28 @@ def _expand(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path
     return out
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def _lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
+    """``(line number, bytes)`` of each line of ``path``, each read with a bounded ``readline``; a line
+    longer than :data:`MAX_LINE_BYTES` comes as ``(line number, None)``, and only when the caller asks
+    for the next line is the rest of it read through (in bounded chunks) and dropped."""
     opener = gzip.open if _is_gzip_path(path) else open
     with opener(path, "rb") as f:
-        yield from enumerate(f, 1)
+        lineno = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            if len(raw) <= MAX_LINE_BYTES:
+                yield lineno, raw
+                continue
+            yield lineno, None
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(MAX_LINE_BYTES)
+
+
+def _too_long() -> str:
+    return (
+        f"a line longer than {MAX_LINE_BYTES} bytes (MAX_LINE_BYTES; the longest shipped trace line is 28 kB): "
+        "not a trace line"
+    )
 
 
 def read_traces(
@@ -1121,7 +1170,8 @@ def read_traces(
     Raises
     ------
     TraceError
-        On a missing path; on the first bad line (``file:line: reason``) unless
+        On a missing path; on the first bad line (``file:line: reason``; a line longer than
+        :data:`MAX_LINE_BYTES` is one, found without reading more of it) unless
         ``skip_invalid``. A file that cannot be read on (a gzip stream cut short, say)
         raises too, or, with ``skip_invalid``, counts as one invalid line and ends that file.
     """
@@ -1134,7 +1184,10 @@ def read_traces(
         lineno = 0
         try:
             for lineno, raw in _lines(path):
-                reason, record = _parse_line(raw)
+                if raw is None:
+                    reason, record = _too_long(), None
+                else:
+                    reason, record = _parse_line(raw)
                 if reason is not None:
                     if not skip_invalid:
                         raise TraceError(reason, name, lineno)

@@ -26,8 +26,8 @@ from fasttree.traces import read_traces
 from fasttree.tuner import runtime_member
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "h200_latency_model.skops"
-PAPER = ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz"
+MODEL = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
+PAPER = ROOT / "fasttree" / "toolkit" / "data" / "workloads" / "paper_suite.jsonl.gz"
 
 
 @pytest.fixture(scope="module")

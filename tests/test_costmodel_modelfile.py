@@ -25,7 +25,7 @@ from fasttree.costmodel.model import KINDS, LatencyModel
 from fasttree.costmodel.persist import META_MEMBER, SCHEMA_MEMBER, ModelFileError, load_model, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "models" / "h200_latency_model.skops"
+SHIPPED = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
 DATA = ROOT / "tests" / "data" / "costmodel"
 H200 = KNOWN_GPUS["NVIDIA H200"]
 
@@ -370,7 +370,7 @@ def test_the_cli_refuses_a_crafted_model_with_one_line(command, which, no_kind, 
     if command == "evaluate":
         r = _cli("evaluate", "--model", model, "traces/h200_heldout")
     else:
-        workloads = "traces/workloads/paper_suite.jsonl.gz"
+        workloads = "fasttree/toolkit/data/workloads/paper_suite.jsonl.gz"
         r = _cli("tune", workloads, "--model", model, "--trials", "1", "--storage", str(tmp_path / "s.db"))
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr

@@ -30,8 +30,8 @@ from fasttree.traces import decode_tree, read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "traces" / "h200_heldout"
-WORKLOADS = ROOT / "traces" / "workloads"
-MODEL = ROOT / "models" / "h200_latency_model.skops"
+WORKLOADS = ROOT / "fasttree" / "toolkit" / "data" / "workloads"
+MODEL = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
 H200 = KNOWN_GPUS["NVIDIA H200"]
 H100 = KNOWN_GPUS["NVIDIA H100 80GB HBM3"]
 

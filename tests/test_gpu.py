@@ -233,14 +233,12 @@ def test_two_class_plans_run_their_stage1_launches_side_by_side_and_stay_correct
 
 
 def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
-    from pathlib import Path
-
     from fasttree.export import ConfigExport, ExportEntry, ExportGuard
+    from fasttree.toolkit.shipped import workloads_path
     from fasttree.toolkit.validate import summarise, validate_portfolios, workload_steps
     from fasttree.traces import TraceWriter, read_traces
 
-    root = Path(__file__).resolve().parents[1]
-    records = read_traces(root / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz", kind="workload")
+    records = read_traces(workloads_path("heldout") / "few_shot_mistral_7b.jsonl.gz", kind="workload")
     (steps,) = workload_steps(records.records, 2).values()
     gpu = torch.cuda.get_device_name()
     tuned = ft.FastTreeConfig(num_warps=(4, 2))

@@ -467,7 +467,9 @@ def test_runtime_refuses_an_out_whose_rows_share_memory():
 def _latency_model():
     from fasttree.costmodel.persist import load_model
 
-    model, _ = load_model(Path(__file__).parents[1] / "models" / "h200_latency_model.skops", gpu_name="NVIDIA H200")
+    model, _ = load_model(
+        Path(__file__).parents[1] / "costmodel" / "data" / "h200_latency_model.skops", gpu_name="NVIDIA H200"
+    )
     return model
 
 

@@ -13,6 +13,7 @@ from fasttree import FastTreeConfig
 from fasttree.cli import main
 from fasttree.export import read_export
 from fasttree.toolkit import refine
+from fasttree.toolkit.shipped import workloads_path
 from fasttree.traces import read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ def workload(tmp_path_factory) -> Path:
     """Two workloads of one bucket (GQA 4): three few-shot and three multi-document serving steps."""
     keep = []
     for name in ("few_shot_mistral_7b", "multi_document_qa_mistral_7b"):
-        records = read_traces(ROOT / "traces" / "workloads" / f"{name}.jsonl.gz", kind="workload").records
+        records = read_traces(workloads_path() / f"{name}.jsonl.gz", kind="workload").records
         keep += records[40:43]
     path = tmp_path_factory.mktemp("wl") / "serving.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in keep))

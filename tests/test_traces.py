@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import fasttree as ft
+import fasttree.traces as traces
 from fasttree.traces import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -158,6 +159,35 @@ def test_encode_paper_tree_round_trip():
 def test_decode_tree_rejects_bad_encodings(enc, match):
     with pytest.raises(ValueError, match=match):
         decode_tree(enc)
+
+
+@pytest.mark.parametrize(
+    ("enc", "match"),
+    [
+        ({"parents": [-1], "lengths": [2**31 - 1], "query_nodes": [0]}, r"a node holds 2147483647 tokens"),
+        ({"parents": [-1, 0], "lengths": [2**23, 2**23 + 1], "query_nodes": [1]}, r"holds 16777217 tokens"),
+        ({"parents": [-1] * (2**20 + 1), "lengths": [1] * (2**20 + 1), "query_nodes": [0]}, r"1048577 nodes"),
+        ({"parents": [-1], "lengths": [1], "query_nodes": [0] * (2**17 + 1)}, r"131073 queries"),
+    ],
+    ids=["node", "tokens", "nodes", "queries"],
+)
+def test_decode_tree_refuses_trees_beyond_the_resource_limits(enc, match):
+    with pytest.raises(ValueError, match=match + r".*more than a trace tree may hold"):
+        decode_tree(enc)
+
+
+def test_decode_tree_takes_trees_at_the_resource_limits():
+    tree = decode_tree({"parents": [-1, 0], "lengths": [2**23, 2**23], "query_nodes": [1] * 2**17})
+    assert (tree.num_tokens, tree.n_queries) == (traces.MAX_TREE_TOKENS, traces.MAX_TREE_QUERIES)
+
+
+def test_a_workload_line_beyond_the_limits_is_invalid(tmp_path):
+    big = workload(0)
+    big["workload"]["tree"] = {"parents": [-1], "lengths": [2**31 - 1], "query_nodes": [0]}
+    assert any("more than a trace tree may hold" in p for p in validate(big))
+    path = write_lines(tmp_path / "w.jsonl", [workload(1), big])
+    with pytest.raises(TraceError, match=r"w\.jsonl:2: workload\.tree is not a valid tree: a node holds"):
+        read_traces(path)
 
 
 # ------------------------------------------------------------------------- keys
@@ -652,6 +682,42 @@ def test_reader_rejects_bad_utf8(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_bytes(json.dumps(measurement(0)).encode() + b"\n\xff\xfe\n")
     with pytest.raises(TraceError, match=r":2: not UTF-8"):
+        read_traces(path)
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["jsonl", "gzip"])
+def test_a_line_longer_than_the_cap_is_refused_without_reading_it_whole(tmp_path, monkeypatch, gz):
+    monkeypatch.setattr(traces, "MAX_LINE_BYTES", 4096)
+    reads = []
+    real_lines = traces._lines
+
+    def lines(path):  # the largest readline the reader asks for
+        for item in real_lines(path):
+            reads.append(item)
+            yield item
+
+    monkeypatch.setattr(traces, "_lines", lines)
+    body = [json.dumps(workload(0)), "x" * 100_000, json.dumps(workload(2)), "y" * 4096, json.dumps(workload(4))]
+    data = ("\n".join(body) + "\n").encode()
+    path = tmp_path / ("t.jsonl.gz" if gz else "t.jsonl")
+    path.write_bytes(gzip.compress(data) if gz else data)
+    with pytest.raises(TraceError, match=r":2: a line longer than 4096 bytes"):
+        read_traces(path)
+    assert len(reads) == 2 and reads[1] == (2, None)  # stopped at the long line
+    ts = read_traces(path, skip_invalid=True)  # skipping reads through it in bounded chunks and goes on
+    assert [r["workload"]["step"] for r in ts] == [0, 2, 4]
+    assert [n for _, n, _ in ts.invalid] == [2, 4]
+    assert all(reason.startswith("a line longer than 4096 bytes") for _, _, reason in ts.invalid)
+
+
+def test_a_line_of_exactly_the_cap_is_read(tmp_path, monkeypatch):
+    line = json.dumps(workload(0)).encode() + b"\n"
+    monkeypatch.setattr(traces, "MAX_LINE_BYTES", len(line))
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(line + line[:-1])  # the last line without its newline
+    assert len(read_traces(path)) == 2
+    monkeypatch.setattr(traces, "MAX_LINE_BYTES", len(line) - 1)
+    with pytest.raises(TraceError, match=":1: a line longer than"):
         read_traces(path)
 
 

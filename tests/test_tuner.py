@@ -66,9 +66,9 @@ from fasttree.tuner.space import PARAM_NAMES, canonical_config, check_params
 from fasttree.tuner.storage import DEFAULT_DB_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER = ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz"
+PAPER = ROOT / "fasttree" / "toolkit" / "data" / "workloads" / "paper_suite.jsonl.gz"
 HELDOUT = sorted((ROOT / "traces" / "h200_heldout").glob("*.jsonl.gz"))
-MODEL = ROOT / "models" / "h200_latency_model.skops"
+MODEL = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
 GPU = gpu_spec("NVIDIA H200")
 G4 = Bucket(4, 128, "float16")
 

@@ -19,6 +19,7 @@ import fasttree as ft
 from fasttree import FastTreeConfig, Portfolio, tree_features
 from fasttree.costmodel.features import FEATURE_NAMES, features_of_plans
 from fasttree.costmodel.gpu import gpu_spec
+from fasttree.toolkit.shipped import model_path, workloads_path
 from fasttree.toolkit.validate import family_of_record
 from fasttree.traces import read_traces
 from fasttree.tuner import Bucket, LatencyObjective, WorkloadStep, steps_by_bucket
@@ -27,7 +28,7 @@ from fasttree.tuner.pipeline import tune_portfolios
 from fasttree.tuner.portfolio import DESIGNS, build_portfolio, score, selection_problem
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "h200_latency_model.skops"
+MODEL = model_path()
 GPU = gpu_spec("NVIDIA H200")
 G4 = Bucket(4, 128, "float16")
 HEADS = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -99,9 +100,9 @@ def test_family_of_a_step_label(label, family):
 
 def test_family_of_a_step_is_the_family_of_its_record():
     paths = [
-        ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz",
-        ROOT / "traces" / "workloads_heldout" / "few_shot_mistral_7b.jsonl.gz",
-        ROOT / "traces" / "workloads_heldout" / "families_mistral_7b.jsonl.gz",
+        workloads_path() / "paper_suite.jsonl.gz",
+        workloads_path("heldout") / "few_shot_mistral_7b.jsonl.gz",
+        workloads_path("heldout") / "families_mistral_7b.jsonl.gz",
     ]
     seen = set()
     for path in paths:
@@ -192,9 +193,7 @@ def test_build_portfolio_on_the_predictions_switches_only_the_large_trees(train_
 
 # --------------------------------------------------------------------- tune_portfolios
 def test_tune_portfolios_on_a_few_paper_trees(tmp_path):
-    paper = steps_by_bucket(
-        read_traces(ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz", kind="workload").records
-    )
+    paper = steps_by_bucket(read_traces(workloads_path() / "paper_suite.jsonl.gz", kind="workload").records)
     train = {G4: paper[G4][:4]}
     valid = {G4: paper[G4][4:7]}
     results = tune_portfolios(train, valid, MODEL, folder=tmp_path, base_name="t", n_trials=2, polish_passes=0,

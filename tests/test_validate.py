@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,7 @@ from fasttree.export import ConfigExport, ExportEntry, ExportGuard
 from fasttree.portfolio import TREE_FEATURES
 from fasttree.toolkit.design import point_launch
 from fasttree.toolkit.measure import point_plan
+from fasttree.toolkit.shipped import workloads_path
 from fasttree.toolkit.validate import (
     CaseValidation,
     family_of_record,
@@ -24,8 +24,7 @@ from fasttree.toolkit.validate import (
 )
 from fasttree.traces import TraceWriter, decode_tree, measurement_record, read_traces
 
-ROOT = Path(__file__).resolve().parents[1]
-HELDOUT = ROOT / "traces" / "workloads_heldout"
+HELDOUT = workloads_path("heldout")
 RECORDS = read_traces(HELDOUT / "few_shot_mistral_7b.jsonl.gz", kind="workload").records
 FAMILIES = read_traces(HELDOUT / "families_mistral_7b.jsonl.gz", kind="workload").records
 TUNED = FastTreeConfig(num_warps=(4, 2), kv_tile=(64, 32))
@@ -108,7 +107,7 @@ def test_family_of_record():
     assert family_of_record(RECORDS[0]) == "serving/few_shot"
     assert {family_of_record(r) for r in FAMILIES} == {r["workload"]["family"] for r in FAMILIES}
     assert "paper_random" in {family_of_record(r) for r in FAMILIES}
-    paper = read_traces(ROOT / "traces" / "workloads" / "paper_suite.jsonl.gz", kind="workload").records[0]
+    paper = read_traces(workloads_path() / "paper_suite.jsonl.gz", kind="workload").records[0]
     assert family_of_record(paper) == "paper"
 
 

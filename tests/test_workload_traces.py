@@ -9,7 +9,7 @@ from fasttree.toolkit import workload_traces
 from fasttree.toolkit.workloads import SCENARIOS
 from fasttree.traces import decode_tree, read_traces
 
-COMMITTED = Path(__file__).resolve().parents[1] / "traces" / "workloads"
+COMMITTED = Path(__file__).resolve().parents[1] / "fasttree" / "toolkit" / "data" / "workloads"
 
 
 def test_generator_writes_every_scenario_and_model(tmp_path):

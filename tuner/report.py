@@ -1,132 +1,101 @@
-"""The report of ``fasttree-tune run``: a markdown summary and PNG plots.
+"""The text the tuning commands print and ``fasttree-tune run`` writes as ``report.md``.
 
-Plots (matplotlib, Agg backend): per bucket study, the optimisation history and the
-parameter importances (Optuna's own matplotlib visualisations), and per held-out bucket
-the predicted latency of every workload step with the tuned config and with the defaults.
+:func:`study_table` is ``tune``'s per-bucket summary of its studies; :func:`portfolio_table` the
+per-(target, bucket) summary of the portfolios ``run`` and ``export`` choose (printed, and the head of
+``report.md``); :func:`run_report` the whole ``report.md``. Every number is a prediction of the latency
+model; ``fasttree-tune validate`` measures on a GPU.
 """
 
 from __future__ import annotations
 
-import io
-import logging
-import warnings
-from pathlib import Path
 from typing import Any
 
-__all__ = ["write_report"]
+__all__ = ["OBJECTIVE_NOTE", "portfolio_table", "run_report", "study_table"]
 
-logger = logging.getLogger(__name__)
-
-
-def _save(fig, path: Path) -> None:
-    """Write ``fig`` as a PNG atomically (a crash leaves the old plot or the whole new one) and close it."""
-    import matplotlib.pyplot as plt
-
-    from fasttree.fileio import write_atomic
-
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, png.getvalue())
+#: What :func:`study_table`'s numbers mean (printed under it).
+OBJECTIVE_NOTE = (
+    "objective: what the study minimises, unitless (each family's mean over its trees of the predicted time "
+    "over the defaults' predicted time, averaged over families, so the defaults score 1); speed-up: the "
+    "defaults' objective over the tuned config's."
+)
 
 
-def _study_plots(out: Path, results, storage, folder: Path) -> list[str]:
-    import matplotlib.pyplot as plt
-    import optuna
-    from optuna.visualization import matplotlib as ovm
-
-    from fasttree.tuner import open_storage
-
-    store = open_storage(storage, folder=folder)
-    names = []
-    for bucket, r in results.items():
-        study = optuna.load_study(study_name=r.study_name, storage=store)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
-            ax = ovm.plot_optimization_history(study, target=lambda t: t.values[0], target_name="objective")
-            ax.axhline(r.defaults_predicted_us, color="k", lw=0.8, ls="--", label="defaults")
-            ax.set_yscale("log")
-            ax.set_title(f"{bucket.label}: optimisation history")
-            ax.legend(fontsize=8)
-            name = f"history_{bucket.label}.png"
-            _save(ax.figure, out / name)
-            names.append(name)
-            if r.importances:
-                fig, ax = plt.subplots(figsize=(6, 0.3 * len(r.importances) + 1.2))
-                items = sorted(r.importances.items(), key=lambda kv: kv[1])
-                ax.barh([k for k, _ in items], [v for _, v in items])
-                ax.set_xlabel("importance (PED-ANOVA)")
-                ax.set_title(f"{bucket.label}: parameter importances")
-                name = f"importances_{bucket.label}.png"
-                _save(fig, out / name)
-                names.append(name)
-    return names
-
-
-def _step_plots(out: Path, judged: dict[str, dict[str, Any]]) -> list[str]:
-    import matplotlib.pyplot as plt
-
-    names = []
-    for label, h in judged.items():
-        fig, ax = plt.subplots(figsize=(9, 3.4))
-        ax.plot(h["step_defaults_us"], lw=0.8, label="defaults")
-        ax.plot(h["step_tuned_us"], lw=0.8, label="tuned")
-        ax.set_xlabel("held-out workload step")
-        ax.set_ylabel("predicted latency (us)")
-        ax.set_title(f"{label}: predicted latency per step ({h['speedup']:.3f}x in total)")
-        ax.legend(fontsize=8)
-        name = f"heldout_steps_{label}.png"
-        _save(fig, out / name)
-        names.append(name)
-    return names
-
-
-def write_report(out: Path, results, judged: dict[str, dict[str, Any]], *, storage, folder: Path) -> Path:
-    """Write ``out/report.md`` and its PNG plots; returns the markdown file's path.
+def study_table(results) -> str:
+    """The markdown table of ``tune``'s studies, then :data:`OBJECTIVE_NOTE`.
 
     Parameters
     ----------
-    out : Path
-        Output folder (exists).
     results : dict of Bucket to TuneResult
         :func:`fasttree.tuner.tune_workload`'s results.
-    judged : dict of str to dict
-        Per held-out bucket label: ``steps``, ``defaults_us``, ``tuned_us``, ``speedup``,
-        ``workload_speedups``, ``worst_workload_speedup``, ``step_defaults_us``,
-        ``step_tuned_us``.
-    storage : str or None
-        The studies' storage argument; ``folder`` holds its default file.
-    folder : Path
     """
-    import matplotlib
+    lines = [
+        "| bucket | study | trials (complete / pruned) | objective: defaults -> tuned | speed-up (objective) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for b, r in results.items():
+        lines.append(
+            f"| {b.label} | {r.study_name} | {r.n_complete} / {r.n_pruned} | {r.defaults_predicted_us:.4g} -> "
+            f"{r.predicted_us:.4g} | {r.speedup:.3f}x |"
+        )
+    return "\n".join(lines) + "\n\n" + OBJECTIVE_NOTE
 
-    from fasttree.fileio import write_atomic
 
-    matplotlib.use("Agg")
-    plots = _study_plots(out, results, storage, folder) + _step_plots(out, judged)
-    lines = ["# fasttree-tune run", "", "## Tuning (predicted by the latency model)", ""]
-    lines += [
-        "The objective is the model's predicted time over the tuning workloads: by default the sum over",
-        "workloads of (time / time with the defaults), so the defaults score the number of workloads;",
-        "with --no-balance the total predicted us of all steps.",
+def portfolio_table(results) -> str:
+    """The markdown table of the portfolios of ``run`` and ``export``, one row per (target, bucket).
+
+    Parameters
+    ----------
+    results : list of PortfolioResult
+        :func:`fasttree.tuner.pipeline.tune_portfolios`'s results.
+    """
+    lines = [
+        "| target | bucket | members | selector leaves | design (margin, depth, min leaf) | predicted tuning | "
+        "predicted validation | validation trees switched |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in results:
+        p = r.portfolio
+        leaves = sum(f < 0 for f in p.portfolio.selector.feature)
+        valid = "-" if p.valid is None else f"{p.valid['objective']:.3f}"
+        switched = "-" if p.valid is None else f"{sum(p.valid['picks'][1:])} / {sum(p.valid['picks'])}"
+        lines.append(
+            f"| {r.target} | {r.bucket.label} | {len(p.portfolio.members)} | {leaves} | "
+            f"{p.rules.margin}, {p.rules.max_depth}, {p.rules.min_leaf} | {p.train['objective']:.3f} | {valid} | "
+            f"{switched} |"
+        )
+    return "\n".join(lines)
+
+
+def run_report(results, summary: dict[str, Any], table: str) -> str:
+    """``report.md`` of a run: when, with which model, the portfolios, then every family's predicted ratio.
+
+    Parameters
+    ----------
+    results : list of PortfolioResult
+    summary : dict
+        ``report.json``'s content: ``date``, ``model``, ``model_sha256``, ``gpu``, ``elapsed_s``.
+    table : str
+        :func:`portfolio_table` of ``results``.
+    """
+    lines = [
+        "# fasttree-tune run",
+        "",
+        f"- date: {summary['date']} (UTC); run time {summary['elapsed_s']:.0f} s",
+        f"- model: `{summary['model']}` (SHA-256 {summary['model_sha256'][:16]}...), fitted for {summary['gpu']}",
+        "",
+        "Predicted by the latency model: every ratio is the portfolio's predicted time over the defaults' (mean "
+        "over families of each family's mean over its trees). Measured on a GPU: `fasttree-tune validate`.",
+        "",
+        table,
         "",
     ]
-    lines += [
-        "| bucket | study | complete / pruned trials | objective: defaults | tuned | ratio |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for bucket, r in results.items():
-        lines.append(
-            f"| {bucket.label} | {r.study_name} | {r.n_complete} / {r.n_pruned} | {r.defaults_predicted_us:.1f} "
-            f"| {r.predicted_us:.1f} | {r.speedup:.3f}x |"
-        )
-    if judged:
-        lines += ["", "## Held-out workloads (predicted)", "", "| bucket | workload | speedup |", "|---|---|---:|"]
-        for label, h in judged.items():
-            for w, s in h["workload_speedups"].items():
-                lines.append(f"| {label} | {w} | {s:.3f}x |")
-    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    path = out / "report.md"
-    write_atomic(path, "\n".join(lines) + "\n")
-    return path
+    for r in results:
+        p = r.portfolio
+        lines += [f"## {r.target} {r.bucket.label}", "", "| family | tuning | validation |", "|---|---:|---:|"]
+        valid = {} if p.valid is None else p.valid["families"]
+        for family in sorted(set(p.train["families"]) | set(valid)):
+            a = p.train["families"].get(family)
+            b = valid.get(family)
+            lines.append(f"| {family} | {'-' if a is None else f'{a:.3f}'} | {'-' if b is None else f'{b:.3f}'} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"

@@ -9,10 +9,22 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
+from pathlib import Path
+from typing import TextIO
 
 from ..validation import check_int
 
-__all__ = ["duration_arg", "families_arg", "int_at_least", "non_negative_int", "parse_duration", "positive_int"]
+__all__ = [
+    "duration_arg",
+    "families_arg",
+    "int_at_least",
+    "non_negative_int",
+    "parse_duration",
+    "positive_int",
+    "progress_bar_wanted",
+    "refuse_existing_outputs",
+]
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*", re.IGNORECASE)
@@ -92,3 +104,37 @@ def families_arg(text: str) -> list[str]:
             f"choose from {', '.join(TREE_FAMILIES)}"
         )
     return names
+
+
+def progress_bar_wanted(requested: bool, stream: TextIO | None = None) -> bool:
+    """Whether to draw a progress bar: asked for (no ``--no-progress``) and ``stream`` (default
+    ``sys.stderr``, where tqdm draws) is a terminal. A bar redraws itself with ``\\r``, which a log file
+    or a pipe keeps as one garbled line per redraw."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(requested) and stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def refuse_existing_outputs(args: argparse.Namespace) -> None:
+    """The output rule of every subcommand: an output that exists is replaced only with ``--overwrite``.
+
+    A subcommand names its outputs in its parser's defaults: ``output_files``, the attributes holding
+    FILE paths (``--out``, ``--json``, ``--export``, ...), and ``output_folder_files``, the files it
+    writes into its ``--out`` FOLDER. Checked before the subcommand starts, so a refused run does no
+    work. A usage error (exit status 2) names the first output that exists.
+    """
+    if getattr(args, "overwrite", False):
+        return
+    for attr in getattr(args, "output_files", ()):
+        value = getattr(args, attr, None)
+        if value and Path(value).exists():
+            args.subparser.error(f"--{attr.replace('_', '-')} {value} exists; pass --overwrite to replace it")
+    for name in getattr(args, "output_folder_files", ()):
+        path = Path(args.out) / name
+        if path.exists():
+            args.subparser.error(
+                f"{path} exists (--out {args.out} holds a finished run); pass --overwrite to replace it, or "
+                "choose another --out"
+            )

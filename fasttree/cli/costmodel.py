@@ -67,14 +67,12 @@ def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> N
         help="fit the learned latency model on measurement traces",
         description="Re-plan every ok measurement of TRACES (one GPU), compute its plan features and the "
         "simulator's estimate, fit the latency model on log time, and save it with its metadata (GPU, "
-        "feature schema, trace-set hash, library versions) as JSON.",
+        "feature schema, trace-set hash, library versions) as a skops archive (no pickle).",
         parents=[*common, _trace_inputs(), _model_options()],
     )
-    f.add_argument(
-        "-o", "--out", required=True, metavar="MODEL", help="model file to write (.json, or .json.gz compressed)"
-    )
-    f.add_argument("--overwrite", action="store_true", help="replace MODEL if it exists")
-    f.set_defaults(func=_cmd_fit, subparser=f)
+    f.add_argument("-o", "--out", required=True, metavar="FILE", help="model FILE to write (a skops archive, *.skops)")
+    f.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
+    f.set_defaults(func=_cmd_fit, subparser=f, output_files=("out",))
 
     e = sub.add_parser(
         "evaluate",
@@ -88,8 +86,9 @@ def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> N
     e.add_argument("--model", metavar="MODEL", help="a model written by 'fasttree-tune fit'")
     e.add_argument("--folds", type=int_at_least(2), default=5, metavar="K", help="folds without --model (default 5)")
     e.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
-    e.add_argument("--json", metavar="PATH", help="also write the metrics as JSON")
-    e.set_defaults(func=_cmd_evaluate, subparser=e)
+    e.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
+    e.add_argument("--overwrite", action="store_true", help="replace --json if it exists (else: refuse)")
+    e.set_defaults(func=_cmd_evaluate, subparser=e, output_files=("json",))
 
 
 def _load(args: argparse.Namespace):
@@ -144,6 +143,7 @@ def fit_and_save(model, data, path, *, trace_paths: list[str], overwrite: bool) 
         "fit_seconds": round(fit_s, 2),
         "training_metrics": {k: train[k] for k in _KEYS if k in train},
         "simulator_baseline": {"coef": [float(c) for c in sim.coef_]},
+        "training_domain": data.domain(),
     }
     save_model(
         path,
@@ -159,10 +159,6 @@ def fit_and_save(model, data, path, *, trace_paths: list[str], overwrite: bool) 
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    if Path(args.out).exists() and not args.overwrite:
-        args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
     data = _load(args)
     fit_s, train = fit_and_save(
         _make_model(args), data, args.out, trace_paths=[str(p) for p in args.paths], overwrite=args.overwrite
@@ -188,7 +184,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.model:
         try:
             model, meta = load_model(args.model, force=args.force)
-        except (ModelFileError, OSError) as exc:
+        except FileNotFoundError:
+            args.subparser.error(f"--model {args.model} does not exist (fit one with 'fasttree-tune fit')")
+        except OSError as exc:
+            args.subparser.error(f"--model {args.model}: {exc.strerror or exc}")
+        except ModelFileError as exc:
             args.subparser.error(str(exc))
         data = _load(args)
         if data.gpu.name != meta["gpu"]["name"] and not args.force:

@@ -6,8 +6,8 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
   visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.toolkit.profiler.profile`).
 * ``traces`` -- validate trace files and summarise them: lines per split, family and
   status, profiling rate, spread of repeat measurements (:mod:`fasttree.toolkit.trace_stats`).
-* ``fit`` -- fit the learned latency model on measurement traces and save it as JSON
-  (:mod:`fasttree.costmodel`; needs scikit-learn).
+* ``fit`` -- fit the learned latency model on measurement traces and save it as a skops
+  archive (:mod:`fasttree.costmodel`; needs scikit-learn).
 * ``evaluate`` -- held-out metrics of a saved model on other traces, or group k-fold by
   tree family on one set, side by side with the simulator and the published cost.
 * ``tune`` -- one Optuna study per (GQA ratio, head dim, dtype) bucket of workload traces,
@@ -19,8 +19,12 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
 * ``bench`` -- on a GPU: the kernel benchmark on the paper suite (:mod:`fasttree.toolkit.kernel_bench`).
 
 Options shared by every subcommand (``-v/--verbose``, ``--log-level``) go before or after
-the subcommand. Bad arguments and a missing GPU exit with status 2 and a message naming
-the problem; a run stopped by a lost GPU exits with 1.
+the subcommand. Outputs follow one convention (:data:`_DESCRIPTION`,
+:func:`~fasttree.cli.args.refuse_existing_outputs`): ``--out`` is a FILE for the subcommands
+that write one file and a FOLDER for those that write several; an existing output is replaced
+only with ``--overwrite``; a failed run leaves no empty ``--out`` folder behind. Bad arguments
+and a missing GPU exit with status 2 and a message naming the problem; a run stopped by a
+lost GPU exits with 1.
 """
 
 from __future__ import annotations
@@ -29,9 +33,19 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from .args import duration_arg, families_arg, non_negative_int, parse_duration, positive_int
+from .. import __version__
+from .args import (
+    duration_arg,
+    families_arg,
+    non_negative_int,
+    parse_duration,
+    positive_int,
+    progress_bar_wanted,
+    refuse_existing_outputs,
+)
 
 __all__ = ["build_parser", "main", "parse_duration"]
 
@@ -58,6 +72,25 @@ def _common_options(*, suppress: bool) -> argparse.ArgumentParser:
     )
     return p
 
+
+_DESCRIPTION = """\
+FastTree's offline toolkit: measure the kernels, fit a latency model on the measurements,
+tune configs against it, and check the tuned configs on the GPU.
+
+  measure     profile (GPU) writes versioned trace files; traces validates and summarises them
+  model       fit trains the learned latency model on measurement traces; evaluate scores it
+  tune        tune runs one Optuna study per bucket of workload traces; export writes the
+              studies' best configs; run is the main job (shipped model and workloads in,
+              tuned export and report out)
+  check (GPU) validate measures an export against the defaults; refine searches from an
+              export's configs by timing them; bench runs the kernel benchmark
+
+Outputs: --out (-o) is a FILE for the subcommands that write one file (fit, export, refine;
+profile appends to its trace file, so a rerun resumes) and a FOLDER for those that write
+several (tune: its study storage; run: studies, export and report; bench: its reports). An
+output that exists (--out, --json, --export; a finished run in run's --out; bench's reports)
+is replaced only with --overwrite, else the subcommand refuses before doing any work.
+"""
 
 _PROFILE_HELP = "measure sampled (tree, heads, dtype, config) points on the GPU into a trace file"
 _PROFILE_DESCRIPTION = """\
@@ -91,14 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``fasttree-tune`` argument parser (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
         prog="fasttree-tune",
-        description=(
-            "FastTree tuning tools. 'profile' measures the tree-attention kernels on the GPU "
-            "and writes versioned trace files, the training data of the learned cost model."
-        ),
+        description=_DESCRIPTION,
         parents=[_common_options(suppress=False)],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run 'fasttree-tune SUBCOMMAND --help' for what a subcommand does and its options.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     # Each subcommand adds a parser here and sets ``func``; new ones (fit, evaluate, tune, ...) go alongside.
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
     sub.required = True
@@ -125,7 +156,12 @@ def _add_profile_command(sub: Any) -> None:
         parents=[_common_options(suppress=True)],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", required=True, metavar="PATH", help="trace file to append to (.jsonl; created if missing)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="trace FILE to append to (.jsonl; created if missing; never replaced: a rerun resumes it)",
+    )
     p.add_argument(
         "--budget",
         type=duration_arg,
@@ -202,7 +238,7 @@ def _add_measurement_options(p: argparse.ArgumentParser) -> None:
         "--no-progress",
         dest="progress",
         action="store_false",
-        help="no progress bar (progress goes to the log once a minute)",
+        help="no progress bar: progress goes to the log once a minute (so it does when stderr is not a terminal)",
     )
 
 
@@ -269,7 +305,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             families=args.families,
             split=args.split,
             precompile=args.precompile,
-            progress=args.progress,
+            progress=progress_bar_wanted(args.progress),
             check_every=args.check_every,
             repeat_every=args.repeat_every,
             runtime=args.runtime,
@@ -303,7 +339,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args)
-    return args.func(args)
+    refuse_existing_outputs(args)
+    created = _missing_output_folders(args)
+    status = 1
+    try:
+        status = args.func(args)
+        return status
+    finally:
+        if status != 0:  # failed (an exception, a usage error or a non-zero status): no empty --out left behind
+            for folder in created:
+                try:
+                    folder.rmdir()  # only while empty
+                except OSError:
+                    break
+
+
+def _missing_output_folders(args: argparse.Namespace) -> list[Path]:
+    """The folders an ``--out`` FOLDER (of a subcommand that sets ``output_folder``) needs that do not
+    exist yet, deepest first: what a failed run removes again while they are empty."""
+    if not getattr(args, "output_folder", False):
+        return []
+    created = []
+    path = Path(args.out).absolute()
+    while not path.exists() and path.parent != path:
+        created.append(path)
+        path = path.parent
+    return created
 
 
 if __name__ == "__main__":

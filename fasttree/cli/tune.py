@@ -18,20 +18,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..toolkit import shipped
 from ..validation import check_number
-from .args import duration_arg, int_at_least
+from .args import duration_arg, int_at_least, progress_bar_wanted
 
 __all__ = ["add_tune_commands"]
 
 logger = logging.getLogger("fasttree.cli")
 
-#: Defaults of ``fasttree-tune run`` (paths relative to the repository root).
-RUN_TRACES = "traces/h200"
-RUN_WORKLOADS = "traces/workloads"
-RUN_HELDOUT = "traces/workloads_heldout"
-#: The frozen test of a tuned export: families no tuning step or design choice uses.
-RUN_TEST = "traces/workloads_test"
-RUN_MODEL = "models/h200_latency_model.skops"
+#: Defaults of ``fasttree-tune run``: the shipped model and workloads are package data
+#: (:mod:`fasttree.toolkit.shipped`), found from any folder; the measurement traces that ``--refit``
+#: fits on only in a source checkout (None elsewhere: ``--refit`` then needs ``--traces``).
+RUN_TRACES = shipped.measurement_traces()
+RUN_WORKLOADS = str(shipped.workloads_path("tuning"))
+RUN_HELDOUT = str(shipped.workloads_path("heldout"))
+#: The frozen test of a tuned export (``validate``'s default): families no tuning step or design choice uses.
+RUN_TEST = str(shipped.workloads_path("test"))
+RUN_MODEL = str(shipped.model_path())
+#: The files ``run`` writes into ``--out`` that a rerun replaces only with ``--overwrite``.
+RUN_OUTPUTS = ("export.json", "report.md", "report.json")
+#: How help texts name the shipped data.
+_SHIPPED_MODEL = "the shipped H200 model (package data: fasttree/costmodel/data/h200_latency_model.skops)"
+_SHIPPED_WORKLOADS = "the shipped workloads (package data: fasttree/toolkit/data/workloads)"
+_SHIPPED_HELDOUT = "the shipped held-out workloads (package data: fasttree/toolkit/data/workloads_heldout)"
+_SHIPPED_TEST = "the shipped test workloads (package data: fasttree/toolkit/data/workloads_test)"
 RUN_OUT = "fasttree-run"
 RUN_TRIALS = 250
 #: Tuning and export use every 16th step of each long workload (``--every``): consecutive decode
@@ -64,7 +74,7 @@ def _study_options() -> argparse.ArgumentParser:
         metavar="NAME",
         help="study base name; each (GQA ratio, head dim, dtype) bucket gets NAME-g<G>-d<D>-<dtype> (default fasttree)",
     )
-    g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default {RUN_MODEL})")
+    g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default: {_SHIPPED_MODEL})")
     g.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
     g.add_argument(
         "--every",
@@ -76,6 +86,12 @@ def _study_options() -> argparse.ArgumentParser:
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip bad workload lines (counted and logged) instead of stopping; 'export' of the studies must skip "
+        "them too",
+    )
+    g.add_argument(
         "--runtime",
         action="store_true",
         help="predict each step as the production runtime (TreeAttentionRuntime) plans and launches it, not as "
@@ -84,7 +100,8 @@ def _study_options() -> argparse.ArgumentParser:
     return p
 
 
-def _trial_options() -> argparse.ArgumentParser:
+def _trial_options(*, timeout: float | None = None) -> argparse.ArgumentParser:
+    """Options of the subcommands that run trials; ``timeout`` is ``--timeout``'s default (seconds per bucket)."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("trials")
     g.add_argument(
@@ -97,9 +114,10 @@ def _trial_options() -> argparse.ArgumentParser:
     g.add_argument(
         "--timeout",
         type=duration_arg,
-        default=None,
+        default=timeout,
         metavar="DURATION",
-        help="stop starting trials of a bucket after this time ('90s', '5m'); default: none",
+        help="stop starting trials of a bucket after this time ('90s', '5m'); default: "
+        + ("none" if timeout is None else f"{timeout:.0f}s per bucket"),
     )
     g.add_argument("--seed", type=int_at_least(0), default=0, help="sampler seed (default 0)")
     g.add_argument(
@@ -117,7 +135,12 @@ def _trial_options() -> argparse.ArgumentParser:
         help="passes of the coordinate search on the model that polishes each study's best config "
         f"(0: none; default {POLISH_PASSES})",
     )
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (there is none either when stderr is not a terminal: a log gets no \\r frames)",
+    )
     return p
 
 
@@ -169,9 +192,15 @@ def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common, _study_options(), _trial_options()],
     )
     t.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="workload trace files or folders")
-    t.add_argument("--out", default=".", metavar="DIR", help="folder of the default storage and --json (default .)")
-    t.add_argument("--json", metavar="PATH", help="write the per-bucket results as JSON")
-    t.set_defaults(func=_cmd_tune, subparser=t)
+    t.add_argument(
+        "--out",
+        default=".",
+        metavar="DIR",
+        help="FOLDER of the default study storage (fasttree-tune.db: its studies resume; default .)",
+    )
+    t.add_argument("--json", metavar="FILE", help="write the per-bucket results as JSON")
+    t.add_argument("--overwrite", action="store_true", help="replace --json if it exists (else: refuse)")
+    t.set_defaults(func=_cmd_tune, subparser=t, output_files=("json",), output_folder=True)
 
 
 def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -186,11 +215,11 @@ def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common, _study_options(), _target_options()],
     )
     e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
-    e.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"validation workloads ({RUN_HELDOUT})")
-    e.add_argument("-o", "--out", required=True, metavar="PATH", help="export file to write (.json)")
-    e.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
+    e.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"validation workloads ({_SHIPPED_HELDOUT})")
+    e.add_argument("-o", "--out", required=True, metavar="FILE", help="export FILE to write (.json)")
+    e.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
     e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
-    e.set_defaults(func=_cmd_export, subparser=e)
+    e.set_defaults(func=_cmd_export, subparser=e, output_files=("out",))
 
 
 def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -203,15 +232,32 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "run an Optuna study on the family-balanced predicted time (embedded SQLite storage in --out), "
         "polish its best config and find every family's own best config, and choose a portfolio of at most "
         "3 configs (the defaults first) and its selector on the predictions, the design on --heldout. "
-        "Writes --out/export.json and a report (report.md, report.json). Rerunning resumes the studies.",
-        parents=[*common, _study_options(), _trial_options(), _target_options()],
+        "Writes --out/export.json and a report (report.md, report.json). Rerunning after a kill resumes the "
+        "studies; a finished run's --out is replaced only with --overwrite.",
+        parents=[*common, _study_options(), _trial_options(timeout=RUN_TIMEOUT_S), _target_options()],
     )
-    r.add_argument("--traces", default=RUN_TRACES, metavar="DIR", help=f"measurement traces (default {RUN_TRACES})")
-    r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({RUN_WORKLOADS})")
-    r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({RUN_HELDOUT})")
-    r.add_argument("--out", default=RUN_OUT, metavar="DIR", help=f"output folder (default {RUN_OUT})")
+    r.add_argument(
+        "--traces",
+        default=RUN_TRACES,
+        metavar="DIR",
+        help="measurement traces to fit the model from (--refit, or a --model that does not exist; default: "
+        "traces/h200 of a source checkout; an installed package holds only the fitted model)",
+    )
+    r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({_SHIPPED_WORKLOADS})")
+    r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({_SHIPPED_HELDOUT})")
+    r.add_argument(
+        "--out",
+        default=RUN_OUT,
+        metavar="DIR",
+        help=f"output FOLDER: studies, {', '.join(RUN_OUTPUTS)} (default {RUN_OUT})",
+    )
+    r.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the export and report of a finished run in --out (else: refuse; a killed run resumes either way)",
+    )
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
-    r.set_defaults(func=_cmd_run, subparser=r, timeout=RUN_TIMEOUT_S, every=RUN_EVERY, trials=RUN_TRIALS)
+    r.set_defaults(func=_cmd_run, subparser=r, output_folder_files=RUN_OUTPUTS, output_folder=True)
 
 
 def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -227,14 +273,17 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common],
     )
     v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
-    v.add_argument("workloads", nargs="*", default=[RUN_TEST], metavar="WORKLOADS", help=f"default {RUN_TEST}")
+    v.add_argument("workloads", nargs="*", default=[RUN_TEST], metavar="WORKLOADS", help=f"default: {_SHIPPED_TEST}")
     v.add_argument(
         "--targets", type=_targets_arg, default=RUN_TARGETS, metavar="LIST", help="tree_attention, runtime (both)"
     )
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
-    v.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    v.add_argument("--markdown", metavar="PATH", help="write the report as markdown")
-    v.set_defaults(func=_cmd_validate, subparser=v)
+    v.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    v.add_argument("--markdown", metavar="FILE", help="write the report as markdown")
+    v.add_argument(
+        "--overwrite", action="store_true", help="replace --json and --markdown if they exist (else: refuse)"
+    )
+    v.set_defaults(func=_cmd_validate, subparser=v, output_files=("json", "markdown"))
 
 
 def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -250,9 +299,10 @@ def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common],
     )
     f.add_argument("--config", required=True, metavar="EXPORT", help="the export to start from")
-    f.add_argument("--out", required=True, metavar="PATH", help="the refined export to write (must not exist)")
+    f.add_argument("--out", required=True, metavar="FILE", help="the refined export FILE to write")
+    f.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
     f.add_argument(
-        "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default {RUN_WORKLOADS}"
+        "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default: {_SHIPPED_WORKLOADS}"
     )
     f.add_argument("--steps", type=int_at_least(1), default=3, metavar="K", help="steps per workload (3)")
     f.add_argument("--passes", type=int_at_least(1), default=2, help="search passes (2)")
@@ -261,7 +311,7 @@ def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     f.add_argument(
         "--device", default="cuda", help="cuda (default); cpu only for a smoke test under TRITON_INTERPRET=1"
     )
-    f.set_defaults(func=_cmd_refine, subparser=f)
+    f.set_defaults(func=_cmd_refine, subparser=f, output_files=("out",))
 
 
 def _add_bench(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -295,18 +345,30 @@ def _load_model(args: argparse.Namespace):
         gpu = GpuSpec.from_dict(meta["gpu"])
     except FileNotFoundError:
         args.subparser.error(f"--model {args.model} does not exist (fit one with 'fasttree-tune fit')")
-    except (ModelFileError, OSError, KeyError, ValueError) as exc:
+    except OSError as exc:
+        args.subparser.error(f"--model {args.model}: {exc.strerror or exc}")
+    except (ModelFileError, KeyError, ValueError) as exc:
         args.subparser.error(f"--model {args.model}: {exc}")
     return model, gpu, meta
 
 
 def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
-    """Workload steps of ``paths`` grouped by bucket; a usage error when there are none."""
-    from fasttree.traces import TraceError, read_traces
+    """Workload steps of ``paths`` grouped by bucket; a usage error when there are none or they hold more
+    tokens than a tuning run takes (:data:`fasttree.traces.MAX_WORKLOAD_TOKENS`)."""
+    from fasttree.traces import MAX_WORKLOAD_TOKENS, TraceError, read_traces
     from fasttree.tuner import steps_by_bucket
 
     try:
-        records = read_traces(paths, kind="workload").records
+        ts = read_traces(paths, kind="workload", skip_invalid=getattr(args, "skip_invalid", False))
+        records = ts.records
+        for name, line, reason in ts.invalid[:20]:  # read_traces logs how many, and the first
+            logger.info("skipped %s:%d: %s", name, line, reason)
+        tokens = sum(sum(r["workload"]["tree"]["lengths"]) for r in records)
+        if tokens > MAX_WORKLOAD_TOKENS:
+            raise ValueError(
+                f"the workload steps hold {tokens} KV tokens in all, more than a tuning run takes "
+                f"({MAX_WORKLOAD_TOKENS}, MAX_WORKLOAD_TOKENS); tune fewer files at a time"
+            )
         grouped = steps_by_bucket(records)
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(f"{what} {' '.join(paths)}: {exc}")
@@ -315,13 +377,39 @@ def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
     return grouped
 
 
-def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int):
+def _warn_outside_training(grouped, meta: dict[str, Any]) -> None:
+    """A WARNING per bucket whose GQA ratio or head dim the model never saw (``extra.training_domain``, which
+    ``fasttree-tune fit`` records): the model's predictions there, and the configs tuned on them, are
+    extrapolations."""
+    domain = meta.get("extra", {}).get("training_domain")
+    if not isinstance(domain, dict):
+        logger.info("the model records no training domain (GQA ratios, head dims): buckets are not checked against it")
+        return
+    known = {"GQA ratio": domain.get("group_sizes", []), "head dim": domain.get("head_dims", [])}
+    for b in grouped:
+        outside = [
+            f"{what} {value} (trained on {', '.join(map(str, known[what]))})"
+            for what, value in (("GQA ratio", b.group_size), ("head dim", b.head_dim))
+            if value not in known[what]
+        ]
+        if outside:
+            logger.warning(
+                "bucket %s: %s outside the model's training data: its predictions, and the configs tuned on them, "
+                "are extrapolations",
+                b.label,
+                " and ".join(outside),
+            )
+
+
+def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int, meta: dict[str, Any]):
     import optuna
 
     from fasttree.tuner import balance_families, thin_steps, tune_workload
 
     if not logging.getLogger("fasttree").isEnabledFor(logging.DEBUG):
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial only with -v
+    _warn_outside_training(grouped, meta)
+    raw = grouped
     grouped = {b: thin_steps(steps, args.every) for b, steps in grouped.items()}
     grouped = {b: balance_families(steps, model, gpu, b, runtime=args.runtime) for b, steps in grouped.items()}
     try:
@@ -337,39 +425,78 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             seed=getattr(args, "seed", 0),
             worker=getattr(args, "worker", 0),
             worst_step=args.worst_step,
-            progress=getattr(args, "progress", False),
+            progress=progress_bar_wanted(getattr(args, "progress", False)),
             polish_passes=getattr(args, "polish_passes", POLISH_PASSES),
             runtime=args.runtime,
         )
     except ValueError as exc:
-        args.subparser.error(str(exc))
+        hint = None
+        if "another objective" in str(exc):  # open_study's refusal of a study made with other settings
+            try:
+                hint = _mismatch_hint(args, raw, grouped, model, gpu, folder)
+            except Exception as why:  # only a hint: the refusal stands without it
+                logger.debug("no hint for %s: %s", exc, why)
+        args.subparser.error(hint or str(exc))
 
 
-def _results_table(results) -> str:
-    lines = ["| bucket | study | trials (complete / pruned) | objective: defaults -> tuned | predicted speedup |",
-             "|---|---|---:|---:|---:|"]  # fmt: skip
-    for b, r in results.items():
-        lines.append(
-            f"| {b.label} | {r.study_name} | {r.n_complete} / {r.n_pruned} | {r.defaults_predicted_us:.4g} -> "
-            f"{r.predicted_us:.4g} | {r.speedup:.3f}x |"
-        )
-    return "\n".join(lines)
+def _mismatch_hint(args: argparse.Namespace, raw, grouped, model, gpu, folder: Path) -> str | None:
+    """Which setting of this command differs from the one a bucket's existing study was tuned with
+    (``--every``, ``--runtime``), or None when none of them explains it."""
+    import optuna
+
+    from fasttree.tuner import LatencyObjective, open_storage, study_name, thin_steps
+    from fasttree.tuner.study import _FINGERPRINT_ATTR
+
+    store = open_storage(args.storage, folder=folder)
+    for b, steps in grouped.items():
+        name = study_name(args.study, b)
+        try:
+            stored = optuna.load_study(study_name=name, storage=store).user_attrs.get(_FINGERPRINT_ATTR)
+        except KeyError:  # no such study
+            continue
+        heads = {"worst_step": args.worst_step, "runtime": args.runtime}
+        current = LatencyObjective(steps, model, gpu, b, **heads).fingerprint()
+        if not stored or stored == current:
+            continue
+        if stored.get("launch") != current.get("launch"):
+            launches = ["tree_attention's launches (no --runtime)", "the runtime's launches (--runtime)"]
+            theirs, ours = launches[::-1] if stored.get("launch") else launches
+            return (
+                f"study {name} was tuned predicting {theirs}, this command predicts {ours}: pass the same "
+                "--runtime setting (or another --study)"
+            )
+        if stored.get("n_steps") != current["n_steps"]:
+            every = [k for k in range(1, 257) if len(thin_steps(raw[b], k)) == stored.get("n_steps")]
+            if not every:
+                return (
+                    f"study {name} was tuned on {stored.get('n_steps')} steps, this command reads "
+                    f"{current['n_steps']}: other workloads (or another --study)"
+                )
+            return (
+                f"study {name} was tuned with --every {every[0]} ({stored.get('n_steps')} steps), this command "
+                f"reads with --every {args.every} ({current['n_steps']} steps): pass --every {every[0]} "
+                f"('fasttree-tune run' tunes with --every {RUN_EVERY})"
+            )
+        return f"study {name} was tuned on other workload steps (same count, other trees or weights)"
+    return None
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from fasttree.fileio import write_atomic
 
-    model, gpu, _ = _load_model(args)
+    model, gpu, meta = _load_model(args)
     grouped = _workload_steps(args, args.workloads, "WORKLOADS")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials)
-    print(_results_table(results))
+    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials, meta=meta)
+    from fasttree.tuner.report import study_table
+
+    print(study_table(results))
     if args.json:
         write_atomic(args.json, json.dumps({b.label: r.to_dict() for b, r in results.items()}, indent=1) + "\n")
     return 0
 
 
-def _portfolios(args: argparse.Namespace, folder: Path, *, trials: int, timeout: float | None):
+def _portfolios(args: argparse.Namespace, folder: Path, meta: dict[str, Any], *, trials: int, timeout: float | None):
     """Tune (or, with a study at ``trials`` already, only read) and choose every portfolio."""
     import optuna
 
@@ -380,6 +507,7 @@ def _portfolios(args: argparse.Namespace, folder: Path, *, trials: int, timeout:
     grouped = _workload_steps(args, list(args.workloads) if isinstance(args.workloads, list) else [args.workloads],
                               "WORKLOADS")  # fmt: skip
     heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
+    _warn_outside_training(grouped, meta)
     try:
         return tune_portfolios(
             grouped, heldout, args.model, targets=args.targets, folder=folder, storage=args.storage,
@@ -441,25 +569,6 @@ def _portfolio_export(results, gpu, meta: dict[str, Any], model_path: Path):
     )
 
 
-def _portfolio_table(results) -> str:
-    lines = [
-        "| target | bucket | members | selector leaves | design (margin, depth, min leaf) | predicted tuning | "
-        "predicted validation | validation trees switched |",
-        "|---|---|---:|---:|---|---:|---:|---:|",
-    ]
-    for r in results:
-        p = r.portfolio
-        leaves = sum(f < 0 for f in p.portfolio.selector.feature)
-        valid = "-" if p.valid is None else f"{p.valid['objective']:.3f}"
-        switched = "-" if p.valid is None else f"{sum(p.valid['picks'][1:])} / {sum(p.valid['picks'])}"
-        lines.append(
-            f"| {r.target} | {r.bucket.label} | {len(p.portfolio.members)} | {leaves} | "
-            f"{p.rules.margin}, {p.rules.max_depth}, {p.rules.min_leaf} | {p.train['objective']:.3f} | {valid} | "
-            f"{switched} |"
-        )
-    return "\n".join(lines)
-
-
 def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: bool) -> None:
     from fasttree.export import write_export
 
@@ -470,17 +579,17 @@ def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: boo
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    if Path(args.out).exists() and not args.overwrite:
-        args.subparser.error(f"--out {args.out} exists; pass --overwrite to replace it")
     from fasttree.tuner.storage import DEFAULT_DB_NAME
 
     if args.storage is None and not (Path(args.folder) / DEFAULT_DB_NAME).exists():
         args.subparser.error(f"no --storage given and no {DEFAULT_DB_NAME} in {args.folder}: nothing was tuned there")
     _, gpu, meta = _load_model(args)
-    results = _portfolios(args, Path(args.folder), trials=1, timeout=None)  # a tuned study runs no new trial
+    results = _portfolios(args, Path(args.folder), meta, trials=1, timeout=None)  # a tuned study runs no new trial
     export = _portfolio_export(results, gpu, meta, Path(args.model))
     _write_export(args, args.out, export, overwrite=args.overwrite)
-    print(_portfolio_table(results))
+    from fasttree.tuner.report import portfolio_table
+
+    print(portfolio_table(results))
     print(f"export: {args.out}")
     return 0
 
@@ -491,6 +600,12 @@ def _fit_model(args: argparse.Namespace, path: Path) -> None:
 
     from .costmodel import fit_and_save
 
+    if args.traces is None:
+        why = "--refit fits" if args.refit else f"--model {args.model} does not exist, so run fits"
+        args.subparser.error(
+            f"{why} the model from measurement traces: pass --traces DIR (traces/h200 of a source checkout; "
+            "an installed package holds only the fitted model)"
+        )
     try:
         data = load_dataset(args.traces)
     except (ValueError, OSError) as exc:
@@ -502,6 +617,8 @@ def _fit_model(args: argparse.Namespace, path: Path) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fasttree.fileio import write_atomic
+    from fasttree.traces import utc_now
+    from fasttree.tuner.report import portfolio_table, run_report
 
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -514,14 +631,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _fit_model(args, model_path)
     _, gpu, meta = _load_model(args)
     print(f"model {model_path} ({gpu.name}); targets {', '.join(args.targets)}; {args.jobs} processes")
-    results = _portfolios(args, out, trials=args.trials, timeout=args.timeout)
+    results = _portfolios(args, out, meta, trials=args.trials, timeout=args.timeout)
     export = _portfolio_export(results, gpu, meta, model_path)
     _write_export(args, str(out / "export.json"), export, overwrite=True)
     elapsed = round(time.perf_counter() - t0, 1)
-    table = _portfolio_table(results)
+    table = portfolio_table(results)
     summary = {
+        "date": utc_now()[:19],
         "gpu": gpu.name,
         "model": str(model_path),
+        "model_sha256": export.provenance["model_hash"],
         "elapsed_s": elapsed,
         "jobs": [
             {"target": r.target, "bucket": r.bucket.label, "study": r.tune.to_dict(), "candidates": r.n_candidates,
@@ -532,57 +651,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     }  # fmt: skip
     write_atomic(out / "report.json", json.dumps(summary, indent=1, default=float) + "\n")
     report = out / "report.md"
-    write_atomic(report, _run_report(results, summary, table))
+    write_atomic(report, run_report(results, summary, table))
     print(table)
     print(f"export: {out / 'export.json'}; report: {report}; {elapsed:.0f} s")
     return 0
-
-
-def _run_report(results, summary: dict[str, Any], table: str) -> str:
-    """``report.md`` of a run: the portfolios, then every family's predicted ratio on both splits."""
-    lines = [
-        "# fasttree-tune run",
-        "",
-        f"Model `{summary['model']}` ({summary['gpu']}), {summary['elapsed_s']:.0f} s. Predicted by the latency "
-        "model: every ratio is the portfolio's predicted time over the defaults' (mean over families of each "
-        "family's mean over its trees). Measured on a GPU: `fasttree-tune validate`.",
-        "",
-        table,
-        "",
-    ]
-    for r in results:
-        p = r.portfolio
-        lines += [f"## {r.target} {r.bucket.label}", "", "| family | tuning | validation |", "|---|---:|---:|"]
-        valid = {} if p.valid is None else p.valid["families"]
-        for family in sorted(set(p.train["families"]) | set(valid)):
-            a = p.train["families"].get(family)
-            b = valid.get(family)
-            lines.append(f"| {family} | {'-' if a is None else f'{a:.3f}'} | {'-' if b is None else f'{b:.3f}'} |")
-        lines.append("")
-    return "\n".join(lines) + "\n"
-
-
-def _predictor(args: argparse.Namespace):
-    """``[(record, config), ...] -> predicted us`` with ``--model`` (None without one)."""
-    if not args.model:
-        return None
-    import numpy as np
-
-    import fasttree as ft
-    from fasttree.costmodel.features import features_of_plans
-    from fasttree.traces import decode_tree
-
-    model, gpu, _ = _load_model(args)
-
-    def predict(pairs) -> np.ndarray:
-        plans = [
-            ft.plan(decode_tree(r["workload"]["tree"]), c, num_q_heads=r["num_q_heads"],
-                    num_kv_heads=r["num_kv_heads"], head_dim=r["head_dim"])
-            for r, c in pairs
-        ]  # fmt: skip
-        return model.predict(features_of_plans(plans, gpu))
-
-    return predict
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -660,8 +732,6 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         args.subparser.error("refine measures on a CUDA GPU and none is visible")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         args.subparser.error("--device cpu needs TRITON_INTERPRET=1 (a smoke test: its times mean nothing)")
-    if Path(args.out).exists():
-        args.subparser.error(f"{args.out} exists; choose another path")
     try:
         check_number("--min-gain", args.min_gain, minimum=0, below=1)
         coordinates = None if args.fields is None else parse_fields(args.fields)
@@ -713,7 +783,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         lines.append(f"| g{hq // hkv} D{d} {dtype} | geomean ({found.evaluations} configs, {seconds:.0f} s) | | | "
                      f"{found.objective:.3f} |")  # fmt: skip
     provenance = {**export.provenance, "refined_by": "fasttree-tune refine", "refined_from": str(args.config)}
-    write_export(args.out, ConfigExport(tuple(entries.values()), provenance))
+    write_export(args.out, ConfigExport(tuple(entries.values()), provenance), overwrite=args.overwrite)
     print("\n".join(lines))
     print(f"wrote {args.out} ({gpu})")
     return 0

@@ -390,8 +390,11 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
     p.add_argument("--variants", default=",".join(VARIANTS), help="variants to run, comma separated")
-    p.add_argument("--out", type=Path, default=Path("docs/results"), help="output folder (default: docs/results)")
+    p.add_argument("--out", type=Path, default=Path("docs/results"), help="output FOLDER (default: docs/results)")
     p.add_argument("--label", default="h200", help="names the outputs kernel_<label>.* (default: h200)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace kernel_<label>.{json,md,png} in --out if they exist"
+    )
     p.add_argument(
         "--export",
         default=None,
@@ -428,6 +431,15 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
     """Run the benchmark (``argv``: its command-line arguments, ``prog``: the command named in its
     usage), write the reports; 0 when every variant was correct, 1 when one was not, 2 without a GPU."""
     args = parse_args(argv, prog=prog)
+    existing = [args.out / f"kernel_{args.label}.{ext}" for ext in ("json", "md", "png")]
+    existing = [str(path) for path in existing if path.exists()]
+    if existing and not args.overwrite:  # the outputs rule of fasttree-tune: refused before any work
+        print(
+            f"{prog}: error: {', '.join(existing)} exist; pass --overwrite to replace the reports (or another "
+            "--out or --label)",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         log.error("the kernel benchmark needs a CUDA GPU")

@@ -10,15 +10,17 @@ GQA-16 one (32 / 2), head dim 128, fp16.
 
 Run from the repository root (the three splits of the tuned export's protocol, ``docs/tune/protocol.md``)::
 
-    python -m fasttree.toolkit.workload_traces --out traces/workloads --families 16
-    python -m fasttree.toolkit.workload_traces --out traces/workloads_heldout --seed 1 --no-paper-suite \
-        --families 8 --family-seed 1000
-    python -m fasttree.toolkit.workload_traces --out traces/workloads_test --no-paper-suite --no-serving --unseen 6 \
-        --unseen-seed 100
+    python -m fasttree.toolkit.workload_traces --out fasttree/toolkit/data/workloads --families 16
+    python -m fasttree.toolkit.workload_traces --out fasttree/toolkit/data/workloads_heldout --seed 1 \
+        --no-paper-suite --families 8 --family-seed 1000
+    python -m fasttree.toolkit.workload_traces --out fasttree/toolkit/data/workloads_test --no-paper-suite \
+        --no-serving --unseen 6 --unseen-seed 100
 
-Tune on ``traces/workloads``, make every design choice on ``traces/workloads_heldout`` (other
-arrivals, prompts and lengths of the same scenarios, other seeds of the same families), and test
-on ``traces/workloads_test`` (families nothing else uses) and the paper suite.
+Tune on ``workloads``, make every design choice on ``workloads_heldout`` (other arrivals, prompts
+and lengths of the same scenarios, other seeds of the same families), and test on
+``workloads_test`` (families nothing else uses) and the paper suite. All three are package data
+(:func:`fasttree.toolkit.shipped.workloads_path`), the defaults of ``fasttree-tune run`` and
+``validate``.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fasttree.toolkit.workload_traces", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--out", type=Path, default=Path("traces/workloads"), help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("fasttree/toolkit/data/workloads"), help="output folder")
     parser.add_argument("--steps", type=int, default=256, help="decode steps per scenario (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default 0)")
     parser.add_argument("--no-paper-suite", dest="paper_suite", action="store_false", help="no paper-suite file")
