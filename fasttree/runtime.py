@@ -273,7 +273,7 @@ class TreeAttentionRuntime:
         if max(s[0] for s in self.slots) > MAX_BLOCK_M:
             q_tiles = self.config.query_tiles(self.group_size)
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
-        self.masked = self.config.pack_tokens > 0
+        self.masked = any(m.pack_tokens > 0 for m in self.portfolio.members)  # row masks if any member packs
         self._capacity = {
             "kv_indices": self.max_kv_entries,
             "kv_row_mask": self.max_kv_entries if self.masked else 1,

@@ -9,6 +9,7 @@ whole or allocated per token.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -208,12 +209,11 @@ def test_export_names_the_every_setting_the_studies_were_tuned_with(tmp_path):
     common = ["--model", str(MODEL)]
     r = run("tune", str(wl), *common, "--every", "4", "--trials", "1", "--polish-passes", "0", "--out", str(folder))
     assert r.returncode == 0, r.stderr
-    export = ["export", str(wl), *common, "--folder", str(folder), "-o", str(tmp_path / "x.json")]
+    export = ["export", str(wl), *common, "--folder", str(folder), "-o", str(tmp_path / "x.json"), "--heldout", "",
+              "--targets", "tree_attention", "--jobs", "1"]  # fmt: skip
     r = run(*export)
     line = assert_usage_error(r, "fasttree-tune export", "was tuned with --every 4 (20 steps)", "pass --every 4")
     assert "another objective" not in line
-    r = run(*export, "--every", "4", "--no-balance")  # same steps, other weights
-    assert_usage_error(r, "fasttree-tune export", "was tuned without --no-balance: pass the same --no-balance")
     r = run(*export, "--every", "4")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "x.json").exists()
@@ -240,7 +240,6 @@ def test_run_help_states_the_real_timeout():
         ("fit", ["traces/h200_smoke", "-o", "{existing}"], "--out"),
         ("evaluate", ["traces/h200_smoke", "--model", "{model}", "--json", "{existing}"], "--json"),
         ("tune", ["{workload}", "--json", "{existing}"], "--json"),
-        ("tune", ["{workload}", "--export", "{existing}"], "--export"),
         ("export", ["{workload}", "-o", "{existing}"], "--out"),
         ("refine", ["--config", "docs/tune/export.json", "--out", "{existing}"], "--out"),
         ("validate", ["--config", "docs/tune/export.json", "--traces-out", "{tmp}/t.jsonl", "--json", "{existing}"],
@@ -390,56 +389,37 @@ def test_fit_records_the_training_domain(tmp_path):
 
 
 # ------------------------------------------------------------------ D9 + the report
-def test_bucket_summaries_are_the_exported_configs_numbers():
+def test_study_table_labels_its_unitless_objective():
     from types import SimpleNamespace
 
     from fasttree.tuner import Bucket
-    from fasttree.tuner.report import OBJECTIVE_NOTE, bucket_summaries, results_table
+    from fasttree.tuner.report import OBJECTIVE_NOTE, study_table
 
-    b1 = Bucket.of(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16")
-    b2 = Bucket.of(num_q_heads=16, num_kv_heads=1, head_dim=128, dtype="float16")
-    tuned = SimpleNamespace(study_name="s-g4", n_complete=9, n_pruned=1, predicted_us=2.5, defaults_predicted_us=3.0)
-    worse = SimpleNamespace(study_name="s-g16", n_complete=9, n_pruned=0, predicted_us=1.2, defaults_predicted_us=1.0)
-    s = bucket_summaries({b1: tuned, b2: worse}, {b1: (600.0, 480.0), b2: (100.0, 100.0)})
-    assert s["g4-d128-float16"]["objective_ratio"] == pytest.approx(1.2)  # unitless: defaults / exported
-    assert s["g4-d128-float16"]["predicted_speedup"] == pytest.approx(1.25)  # microseconds: another number
-    assert s["g16-d128-float16"]["objective_exported"] == 1.0  # the defaults are exported when nothing beats them
-    table = results_table(s)
-    assert "| 3 -> 2.5 | 1.200x | 600.0 -> 480.0 | 1.250x |" in table
+    b = Bucket.of(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16")
+    r = SimpleNamespace(study_name="s-g4", n_complete=9, n_pruned=1, predicted_us=0.8, defaults_predicted_us=1.0,
+                        speedup=1.25)  # fmt: skip
+    table = study_table({b: r})
+    assert "| g4-d128-float16 | s-g4 | 9 / 1 | 1 -> 0.8 | 1.250x |" in table
     assert table.endswith(OBJECTIVE_NOTE) and "unitless" in OBJECTIVE_NOTE
 
 
-def test_run_report_names_model_date_time_exported_config_and_missing_heldout(tmp_path, monkeypatch, capsys):
-    import fasttree.tuner.report as report
+def test_run_report_names_model_date_time_and_holds_the_printed_table(tmp_path, capsys):
     from fasttree.cli import main
 
-    legends: dict[str, list[str]] = {}
-    save = report._save
-
-    def keep_legend(fig, path):
-        legend = fig.axes[0].get_legend()
-        legends[path.name] = [t.get_text() for t in legend.get_texts()] if legend else []
-        save(fig, path)
-
-    monkeypatch.setattr(report, "_save", keep_legend)
     wl = small_workload(tmp_path / "wl.jsonl", kv_heads=8)  # GQA 4
-    (tmp_path / "g16").mkdir()
-    ho = small_workload(tmp_path / "g16" / "ho.jsonl", kv_heads=1)  # held-out: GQA 16 only
-    wl.write_text(wl.read_text() + ho.read_text())
+    (tmp_path / "ho").mkdir()
+    small_workload(tmp_path / "ho" / "ho.jsonl", kv_heads=8)
     out = tmp_path / "out"
-    argv = ["run", "--workloads", str(wl), "--heldout", str(tmp_path / "g16"), "--out", str(out), "--trials", "3",
-            "--no-progress"]  # fmt: skip
+    argv = ["run", "--workloads", str(wl), "--heldout", str(tmp_path / "ho"), "--out", str(out), "--trials", "3",
+            "--polish-passes", "0", "--targets", "tree_attention", "--jobs", "1", "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     text = (out / "report.md").read_text()
-    table = printed[printed.index("| bucket | study |") : printed.index("Each ratio is defaults / exported config.")]
-    assert table and table in text, "the report's table is the one the command printed"
-    assert "- date: 20" in text and "- run time: " in text
+    start = printed.index("| target | bucket | members |")
+    table = printed[start : printed.index("\nexport: ", start)]
+    assert table.count("\n") >= 2 and table in text, "the report's table is the one the command printed"
+    assert "- date: 20" in text and "(UTC); run time " in text
     assert f"- model: `{MODEL}` (SHA-256 " in text
-    assert "- g4-d128-float16: no held-out workloads in this bucket" in text
-    assert "g16-d128-float16: no held-out" not in text
-    for label in ("g4-d128-float16", "g16-d128-float16"):
-        assert any(t.startswith("exported: ") for t in legends[f"history_{label}.png"]), legends
     summary = json.loads((out / "report.json").read_text())
-    row = summary["exported"]["g4-d128-float16"]
-    assert f"{row['objective_ratio']:.3f}x | {row['predicted_us_defaults']:.1f}" in text
+    assert summary["model_sha256"] == hashlib.sha256(MODEL.read_bytes()).hexdigest()
+    assert [(j["target"], j["bucket"]) for j in summary["jobs"]] == [("tree_attention", "g4-d128-float16")]

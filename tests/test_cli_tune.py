@@ -71,7 +71,7 @@ def test_tune_writes_studies_and_resumes(tmp_path, workload, capsys):
     args = ["tune", str(workload), "--model", str(MODEL), "--storage", str(db), "--study", "t", "--no-progress"]
     assert main([*args, "--trials", "3", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert "g4-d128-float16" in out and "predicted speedup" in out
+    assert "g4-d128-float16" in out and "speed-up (objective)" in out
     url = f"sqlite:///{db}"
     studies = _studies(url)
     assert sorted(studies) == ["t-g1-d128-float16", "t-g16-d128-float16", "t-g4-d128-float16"]

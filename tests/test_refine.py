@@ -54,14 +54,20 @@ def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(
     assert main(argv) == 0
     refined, start = read_export(out), read_export(EXPORT)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    (entry,) = [e for e in refined.entries if e.gpu == gpu and e.bucket == (4, 128, "float16")]
-    assert entry.config.pack_tokens == 768 and entry.config.kv_split_sizes[0] == 256
+    (entry,) = [
+        e for e in refined.entries if e.gpu == gpu and e.bucket == (4, 128, "float16") and e.target == "runtime"
+    ]
+    members = entry.portfolio.members
+    assert entry.portfolio.runtime and members[0] == FastTreeConfig()
+    assert entry.portfolio.selector.member == (len(members) - 1,)  # measured on these trees: every tree
+    assert members[-1].pack_tokens == 768 and members[-1].kv_split_sizes[0] == 256
     prov = entry.provenance
     assert prov["measured_objective"] < 1 and prov["evaluations"] * 4 == len(calls)  # 2 workloads x 2 steps
     assert {m[0] for m in prov["moves"]} == {"pack_tokens", "kv_split_sizes[0]"}  # the start differs by GPU
     assert sorted(prov["measured_start_us"]) == prov["workloads"] and len(prov["workloads"]) == 2
     others = [e.to_dict() for e in refined.entries if e is not entry]
-    assert others == [e.to_dict() for e in start.entries if (e.gpu, *e.bucket) != (gpu, *entry.bucket)]
+    key = (gpu, *entry.bucket, "runtime")
+    assert others == [e.to_dict() for e in start.entries if (e.gpu, *e.bucket, e.target) != key]
     assert "geomean" in capsys.readouterr().out
 
 

@@ -598,3 +598,17 @@ def test_runtime_refuses_a_tree_attention_portfolio_with_other_launch_fields(dev
         _runtime(device, mixed)
     with pytest.raises(ValueError, match="launch fields"):  # nor can it be made a runtime portfolio
         ft.Portfolio(members=mixed.members, selector=mixed.selector, runtime=True)
+
+
+def test_runtime_masks_rows_when_any_member_packs(device):
+    # member 0 packs nothing, member 1 packs every unit: the runtime must carry row masks for member 1
+    members = (ft.FastTreeConfig(pack_tokens=0), ft.FastTreeConfig(pack_min_units=0))
+    portfolio = ft.Portfolio(members=members, selector=ft.Selector(member=(1,)), runtime=True)
+    rt = _runtime(device, portfolio)
+    tree = ft.KVTree.from_levels([1, 8], [64, 20])
+    info = rt.plan(tree)
+    assert info.plan.config == members[1] and info.plan.kv_row_mask.size > 0  # the plan packs
+    q, k, v = _inputs(tree, device, 64, seed=3)
+    out = rt.forward(q, k, v)
+    ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+    assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3

@@ -780,6 +780,16 @@ def test_candidate_configs_are_the_best_trials_and_each_familys_best() -> None:
     assert runtime_member(unprofiled) in runtime and len(runtime) == 8
 
 
+def test_candidate_configs_pass_over_invalid_trials_before_choosing() -> None:
+    from fasttree.tuner.study import candidate_configs
+
+    invalid = _trial(0.5, {"c": 0.5}, num_stages_small=5, alpha=0.9)  # best overall and for c, never profiled
+    valid = _trial(0.8, {"c": 0.8}, alpha=0.4)
+    kernels = SimpleNamespace(bucket=G4, runtime=False, gpu=GPU)
+    second = canonical_config(config_from_params(valid.params, 4, 128), 4, 128)
+    assert candidate_configs([invalid, valid], kernels, FastTreeConfig(), top=1) == (FastTreeConfig(), second)
+
+
 @pytest.mark.parametrize("runtime", [False, True])
 def test_tune_bucket_returns_portfolio_candidates(tmp_path: Path, paper_steps, runtime: bool) -> None:
     from dataclasses import replace

@@ -114,6 +114,19 @@ def test_family_of_a_step_is_the_family_of_its_record():
     assert {"paper", "serving/few_shot", "paper_random"} <= seen and len(seen) >= 5
 
 
+class ZeroModel:
+    """A broken stub model: every step takes 0 us."""
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return np.zeros(len(X))
+
+
+def test_balance_families_refuses_a_model_predicting_no_time():
+    steps = [WorkloadStep(ft.KVTree.from_levels([1, 4], [100, 9]), 32, 8, 1.0, "a/x/seed0/step0")]
+    with pytest.raises(ValueError, match="must be positive and finite"):
+        balance_families(steps, ZeroModel(), GPU, G4)
+
+
 def test_balance_families_counts_every_family_and_every_step_of_a_family_the_same():
     tree = lambda q, p: ft.KVTree.from_levels([1, q], [p, 9])  # noqa: E731
     steps = [

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import pytest
 
 import fasttree as ft
 from fasttree.toolkit import workload_traces
-from fasttree.toolkit.workloads import SCENARIOS
+from fasttree.toolkit.shipped import workloads_path
+from fasttree.toolkit.workloads import SCENARIOS, TREE_FAMILIES
 from fasttree.traces import decode_tree, read_traces
 
-COMMITTED = Path(__file__).resolve().parents[1] / "fasttree" / "toolkit" / "data" / "workloads"
+COMMITTED = workloads_path("tuning")
+#: The generator's arguments of each shipped split (the commands of fasttree.toolkit.workload_traces).
+SPLITS = {
+    "tuning": {"families": 16},
+    "heldout": {"seed": 1, "paper_suite": False, "families": 8, "family_seed": 1000},
+    "test": {"paper_suite": False, "serving": False, "unseen": 6, "unseen_seed": 100},
+}
 
 
 def test_generator_writes_every_scenario_and_model(tmp_path):
@@ -23,28 +30,22 @@ def test_generator_writes_every_scenario_and_model(tmp_path):
             assert all(r["workload"]["scenario"] == scenario for r in records)
 
 
-def test_committed_workload_traces_are_reproducible(tmp_path):
-    workload_traces.write_all(tmp_path)  # the defaults the committed files were made with
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_shipped_workloads_are_what_the_generator_writes(tmp_path, split):
+    workload_traces.write_all(tmp_path, **SPLITS[split])
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(p.name for p in COMMITTED.glob("*.jsonl.gz"))
+    shipped = workloads_path(split)
+    assert names == sorted(p.name for p in shipped.glob("*.jsonl.gz"))
     for name in names:
-        assert (tmp_path / name).read_bytes() == (COMMITTED / name).read_bytes(), name
-
-
-def test_committed_heldout_workloads_are_reproducible_and_differ(tmp_path):
-    heldout = COMMITTED.parent / "workloads_heldout"
-    workload_traces.write_all(tmp_path, seed=1, paper_suite=False)  # as traces/README.md says
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(p.name for p in heldout.glob("*.jsonl.gz"))
-    assert "paper_suite.jsonl.gz" not in names
-    for name in names:
-        assert (tmp_path / name).read_bytes() == (heldout / name).read_bytes(), name
-        assert (tmp_path / name).read_bytes() != (COMMITTED / name).read_bytes(), f"{name}: same as the tuning set"
+        assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
+        if split != "tuning" and (COMMITTED / name).exists():
+            assert (tmp_path / name).read_bytes() != (COMMITTED / name).read_bytes(), f"{name}: same as tuning"
 
 
 def test_committed_workloads_plan():
     records = read_traces(COMMITTED, kind="workload").records
-    assert len(records) == 45 + 256 * len(SCENARIOS) * len(workload_traces.MODELS)
+    n_models = len(workload_traces.MODELS)
+    assert len(records) == 45 + 256 * len(SCENARIOS) * n_models + 16 * len(TREE_FAMILIES) * n_models
     for r in records[::97]:
         tree = decode_tree(r["workload"]["tree"])
         plan = ft.plan(tree, num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"], head_dim=r["head_dim"])

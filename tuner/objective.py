@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -179,6 +180,12 @@ def balance_families(
     list of WorkloadStep
     """
     base = LatencyObjective(steps, model, gpu, bucket, runtime=runtime).defaults.step_us
+    bad = [i for i, us in enumerate(base) if not (math.isfinite(float(us)) and us > 0)]
+    if bad:
+        raise ValueError(
+            f"the model predicts {float(base[bad[0]])} us for step {bad[0]} with the defaults: family balancing "
+            "divides by the defaults' time, which must be positive and finite (a broken or foreign model?)"
+        )
     families = [family_of(s) for s in steps]
     counts: dict[str, int] = {}
     for f in families:

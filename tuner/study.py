@@ -250,7 +250,7 @@ class _Progress:
             self._bar.update(max(0, min(done, self._target) - self._bar.n))
             best = _best_trial(study)
             if best is not None:
-                self._bar.set_postfix(best_us=f"{best.values[0]:.1f}", refresh=False)
+                self._bar.set_postfix(best_objective=f"{best.values[0]:.4g}", refresh=False)
         elif done != self._last:
             logger.log(self._level, "%s: %d/%d complete trials", self._name, done, self._target)
         self._last = done
@@ -582,23 +582,28 @@ def candidate_configs(
     study's polished best), the ``top`` best trials and the best trial of every tree family by its
     ``family_ratio`` user attribute; a runtime objective's configs keep the defaults' launch fields."""
     bucket = objective.bucket
-    done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.values[0])
-    chosen = list(done[:top])
-    families = sorted({f for t in done for f in t.user_attrs.get("family_ratio", {})})
-    for family in families:
-        scored = [t for t in done if family in t.user_attrs.get("family_ratio", {})]
-        if scored:
-            chosen.append(min(scored, key=lambda t: t.user_attrs["family_ratio"][family]))
-    configs = [FastTreeConfig(), best]
-    for trial in chosen:
+
+    def usable(config: FastTreeConfig) -> FastTreeConfig | None:
+        if objective.runtime:
+            config = runtime_member(config)
+        config = canonical_config(config, bucket.group_size, bucket.head_dim)
+        return config if invalid_reason(config, bucket, objective.gpu) is None else None
+
+    done: list[tuple[FrozenTrial, FastTreeConfig]] = []  # valid trials only, best first
+    for trial in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.values[0]):
         try:
-            configs.append(config_from_params(trial.params, bucket.group_size, bucket.head_dim))
+            config = usable(config_from_params(trial.params, bucket.group_size, bucket.head_dim))
         except ValueError:  # a trial of an older space
             continue
-    if objective.runtime:
-        configs = [runtime_member(c) for c in configs]
-    configs = [canonical_config(c, bucket.group_size, bucket.head_dim) for c in configs]
-    configs = [c for c in configs if invalid_reason(c, bucket, objective.gpu) is None]
+        if config is not None:
+            done.append((trial, config))
+    chosen = [c for _, c in done[:top]]
+    families = sorted({f for t, _ in done for f in t.user_attrs.get("family_ratio", {})})
+    for family in families:
+        scored = [(t, c) for t, c in done if family in t.user_attrs.get("family_ratio", {})]
+        if scored:
+            chosen.append(min(scored, key=lambda tc: tc[0].user_attrs["family_ratio"][family])[1])
+    configs = [c for c in (usable(FastTreeConfig()), usable(best)) if c is not None] + chosen
     return tuple(dict.fromkeys(configs))
 
 

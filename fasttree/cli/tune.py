@@ -82,7 +82,7 @@ def _study_options() -> argparse.ArgumentParser:
         default=RUN_EVERY,
         metavar="K",
         help="tune on every K-th step of each workload of more than 64 steps (consecutive decode steps differ "
-        f"by a token; default {RUN_EVERY})",
+        f"by a token; default {RUN_EVERY}; 'export' of studies tuned with another K needs the same --every)",
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument(
@@ -516,7 +516,17 @@ def _portfolios(args: argparse.Namespace, folder: Path, meta: dict[str, Any], *,
             force=args.force,
         )  # fmt: skip
     except ValueError as exc:
-        args.subparser.error(str(exc))
+        hint = None
+        if "another objective" in str(exc):  # a study of this --folder/--storage made with other settings
+            try:
+                from fasttree.tuner import balance_families, thin_steps
+
+                model, gpu, _ = _load_model(args)
+                tuned = {b: balance_families(thin_steps(s, args.every), model, gpu, b) for b, s in grouped.items()}
+                hint = _mismatch_hint(args, grouped, tuned, model, gpu, folder)
+            except Exception as why:  # only a hint: the refusal stands without it
+                logger.debug("no hint for %s: %s", exc, why)
+        args.subparser.error(hint or str(exc))
 
 
 def _portfolio_export(results, gpu, meta: dict[str, Any], model_path: Path):

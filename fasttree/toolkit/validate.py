@@ -166,7 +166,7 @@ def validate_portfolios(
     env = collect_env(device) if env is None else env
     results = []
     index = 0
-    checked: set[tuple[str, str, int]] = set()
+    checked: set[tuple[str, str, int, str, int]] = set()  # (family, bucket, q heads, target, member) checked
     for r in records:
         if r.get("kind") != "workload":
             raise ValueError(f"expected workload records, got kind {r.get('kind')!r}")
@@ -181,9 +181,9 @@ def validate_portfolios(
                 head_dim=r["head_dim"], dtype=r["dtype"], target=target,
             )  # fmt: skip
             v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree))
-            key = (family, bucket, int(r["num_q_heads"]))
             for m, config in enumerate(portfolio.members):
-                check = key not in checked
+                key = (family, bucket, int(r["num_q_heads"]), target, m)
+                check = key not in checked  # every member of every target on the family's first tree
                 rec = measure(_point(r, config, index, target == "runtime"), device=device, check=check, env=env,
                               tree=tree)  # fmt: skip
                 checked.add(key)
