@@ -1,14 +1,10 @@
 """Polish a tuned config by a coordinate search on the tuner's own objective.
 
 The study's TPE sampler can stay next to a good trial without trying its one-knob
-neighbours: on the committed H200 workloads, starting from the exported configs, a
-coordinate search over :data:`fasttree.toolkit.refine.COORDINATES` on the same objective (the
-latency model's weighted total) found configs predicted 0.968x (GQA 1), 0.883x (GQA 4) and
-0.972x (GQA 16) of the tuned totals in 65-71 evaluations (1-10 s on one core;
-``docs/tune/polish_check.md``, ``python -m bench.tune_polish_check``). Several of its moves
-match what the GPU search of ``fasttree-tune refine`` measured (MHA: 2 warps for the small
-class; GQA 4: shorter splits and 128-token KV tiles for the small class). Not yet measured on
-a GPU: a polished export has not been validated there.
+neighbours: a coordinate search over :data:`MODEL_COORDINATES` (values the profiling design
+measured) on the same objective finds configs the study missed in tens of evaluations (seconds
+on one core). Its configs are portfolio candidates; what they are worth on the GPU is
+``fasttree-tune validate``'s to say (``docs/tune/validation.md``).
 
 :func:`fasttree.tuner.tune_bucket` polishes from the best trial and from the defaults and keeps
 the best: in a fresh ``fasttree-tune run`` (seed 0, 250 trials per bucket) the best trials of
