@@ -149,9 +149,14 @@ def test_the_tuned_variant_skips_an_entry_of_other_kernels():
     assert kernel.tuned_config(export, paper_tree(2), **shape) is None
 
 
-def test_the_tuned_variant_reads_a_version_1_export():
+def test_the_tuned_variant_reads_the_committed_export():
     export = kernel.parse_args([]).export  # docs/tune/export.json
-    (entry,) = [e for e in export.entries if e.bucket == (4, 128, "float16")]
-    shape = {"gpu": entry.gpu, "hq": 32, "hkv": 8, "d": 128, "dtype": torch.float16}
-    for case in (1, 9):
-        assert kernel.tuned_config(export, paper_tree(case), **shape) == (entry.portfolio.members[-1], 0)
+    (entry,) = [e for e in export.entries if e.bucket == (16, 128, "float16") and e.target == "tree_attention"]
+    shape = {"gpu": entry.gpu, "hq": 32, "hkv": 2, "d": 128, "dtype": torch.float16}
+    picks = set()
+    for case in range(1, 16):
+        tree = paper_tree(case)
+        member = entry.portfolio.member_of(tree)
+        picks.add(member)
+        assert kernel.tuned_config(export, tree, **shape) == (entry.portfolio.members[member], member)
+    assert picks <= set(range(len(entry.portfolio.members)))
