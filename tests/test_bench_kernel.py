@@ -153,10 +153,7 @@ def test_the_tuned_variant_reads_the_committed_export():
     export = kernel.parse_args([]).export  # docs/tune/export.json
     (entry,) = [e for e in export.entries if e.bucket == (16, 128, "float16") and e.target == "tree_attention"]
     shape = {"gpu": entry.gpu, "hq": 32, "hkv": 2, "d": 128, "dtype": torch.float16}
-    picks = set()
-    for case in range(1, 16):
+    for case in range(1, 16):  # the tree_attention entry's pick (the runtime entry has other members)
         tree = paper_tree(case)
         member = entry.portfolio.member_of(tree)
-        picks.add(member)
         assert kernel.tuned_config(export, tree, **shape) == (entry.portfolio.members[member], member)
-    assert picks <= set(range(len(entry.portfolio.members)))

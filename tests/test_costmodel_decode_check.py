@@ -31,7 +31,7 @@ def test_report_is_rebuilt_from_the_committed_sweeps(tmp_path):
 
 
 def test_the_sweeps_base_config_is_the_exports_runtime_config():
-    v1 = read_export("docs/tune/export.json")  # the export the sweeps varied (format 1: one config per bucket)
+    v1 = read_export("traces/decode_sweeps/export_f18595e.json")  # the export the sweeps varied (format 1)
     (entry,) = [e for e in v1.entries if e.bucket == (4, 128, "float16")]
     assert check.sweep_base_config(v1, 32, 8) == entry.portfolio.members[0]
     tuned = FastTreeConfig(kv_split_sizes=(512, 64))
