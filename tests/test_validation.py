@@ -215,7 +215,7 @@ def test_plan_rejects_non_kvtree(not_a_tree):
 
 @pytest.mark.parametrize("not_a_config", [{}, "config", ft.FastTreeConfig().to_dict()])
 def test_plan_rejects_non_config(tree, not_a_config):
-    with pytest.raises(ValueError, match="config must be a FastTreeConfig, got"):
+    with pytest.raises(ValueError, match="config must be a FastTreeConfig or a Portfolio, got"):
         ft.plan(tree, not_a_config, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 
