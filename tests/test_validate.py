@@ -125,8 +125,9 @@ def test_validate_measures_every_member_per_tree_and_target(tmp_path):
         large = tree_features(tree)[Q] > THRESHOLD
         assert (kernels.family, kernels.bucket) == (family_of_record(r), "g4-d128-float16")
         assert kernels.picked == int(large) and kernels.member_us == [100.0, 80.0]
+        assert kernels.leaf == (2 if large else 1)  # the selector node the tree reaches
         assert kernels.speedup == pytest.approx(1.25 if large else 1.0) and kernels.best_us == 80.0
-        assert runtime.picked == 1 and runtime.member_us == [100.0, 90.0]
+        assert runtime.picked == 1 and runtime.member_us == [100.0, 90.0] and runtime.leaf == 0
         assert runtime.speedup == pytest.approx(100 / 90)
     assert {v.picked for v in results[::2]} == {0, 1}  # the selector splits the cases
     # every member measured once per tree and target, as that target runs it
@@ -150,8 +151,8 @@ def test_validate_measures_every_member_per_tree_and_target(tmp_path):
     lines = read_traces(tmp_path / "v.jsonl", kind="measurement").records
     assert len(lines) == len(CASES) * 4 and all(r["status"] == "ok" for r in lines)
     assert {r["meta"]["split"] for r in lines} == {"validate"}
-    meta = [(r["meta"]["case"], r["meta"]["target"], r["meta"]["member"], r["meta"]["picked"]) for r in lines]
-    assert meta == [(v.case, v.target, m, v.picked) for v in results for m in range(2)]
+    meta = [tuple(r["meta"][k] for k in ("case", "target", "member", "picked", "leaf")) for r in lines]
+    assert meta == [(v.case, v.target, m, v.picked, v.leaf) for v in results for m in range(2)]
     assert [("launch" in r) for r in lines] == [r["meta"]["target"] == "runtime" for r in lines]
 
 

@@ -15,6 +15,8 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
 * ``export`` -- the studies' best configs as a JSON export (:mod:`fasttree.export`).
 * ``run`` -- the main job: shipped model and workloads in, tuned export and report out.
 * ``validate`` -- on a GPU: measured speedup of an export over the defaults on workloads.
+* ``confirm`` -- an export whose selectors keep only the choices ``validate``'s measurements on
+  the validation split support (:mod:`fasttree.toolkit.confirm`).
 * ``refine`` -- on a GPU: a coordinate search from an export's configs, timed on workloads.
 * ``bench`` -- on a GPU: the kernel benchmark on the paper suite (:mod:`fasttree.toolkit.kernel_bench`).
 
@@ -83,9 +85,10 @@ tune configs against it, and check the tuned configs on the GPU.
               studies' best configs; run is the main job (shipped model and workloads in,
               tuned export and report out)
   check (GPU) validate measures an export against the defaults; refine searches from an
-              export's configs by timing them; bench runs the kernel benchmark
+              export's configs by timing them; bench runs the kernel benchmark; confirm (CPU)
+              keeps the selector choices validate's measurements support
 
-Outputs: --out (-o) is a FILE for the subcommands that write one file (fit, export, refine;
+Outputs: --out (-o) is a FILE for the subcommands that write one file (fit, export, confirm, refine;
 profile appends to its trace file, so a rerun resumes) and a FOLDER for those that write
 several (tune: its study storage; run: studies, export and report; bench: its reports). An
 output that exists (--out, --json, --export; a finished run in run's --out; bench's reports)

@@ -175,7 +175,7 @@ def _targets_arg(text: str) -> tuple[str, ...]:
 def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     """Add ``tune``, ``export``, ``run``, ``validate``, ``refine`` and ``bench`` to the ``fasttree-tune``
     subparsers ``sub``."""
-    for add in (_add_tune, _add_export, _add_run, _add_validate, _add_refine, _add_bench):
+    for add in (_add_tune, _add_export, _add_run, _add_validate, _add_confirm, _add_refine, _add_bench):
         add(sub, common)
 
 
@@ -278,12 +278,44 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "--targets", type=_targets_arg, default=RUN_TARGETS, metavar="LIST", help="tree_attention, runtime (both)"
     )
     v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
-    v.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    v.add_argument(
+        "--steps",
+        type=int_at_least(1),
+        metavar="K",
+        help="measure K evenly spaced steps of each workload (default: every step)",
+    )
+    v.add_argument("--json", metavar="FILE", help="write the results as JSON ('fasttree-tune confirm' reads it)")
     v.add_argument("--markdown", metavar="FILE", help="write the report as markdown")
     v.add_argument(
         "--overwrite", action="store_true", help="replace --json and --markdown if they exist (else: refuse)"
     )
     v.set_defaults(func=_cmd_validate, subparser=v, output_files=("json", "markdown"))
+
+
+def _add_confirm(sub: Any, common: list[argparse.ArgumentParser]) -> None:
+    """``confirm``: keep only the selector choices that GPU measurement on the validation split supports."""
+    from fasttree.toolkit.confirm import ConfirmRules
+
+    rules = ConfirmRules()
+    c = sub.add_parser(
+        "confirm",
+        help="keep only the selector choices that measurements on the validation split confirm",
+        description="Read 'fasttree-tune validate --json' results of --config measured on the validation split "
+        "(the held-out workloads, never the frozen test) and relabel every selector leaf: a leaf leaves the "
+        f"defaults only for a member measured at least {rules.min_gain:.0%} faster in summed time over at least "
+        f"{rules.min_trees} of its trees, none of them below {rules.tree_floor}x of the defaults; other leaves "
+        "serve the defaults, and members no leaf names are dropped. Writes the confirmed export and prints one "
+        "line per leaf. No GPU, no Optuna.",
+        parents=[*common],
+    )
+    c.add_argument("--config", required=True, metavar="EXPORT", help="the export that was measured")
+    c.add_argument(
+        "--measured", required=True, nargs="+", metavar="FILE", help="'fasttree-tune validate --json' outputs"
+    )
+    c.add_argument("-o", "--out", required=True, metavar="FILE", help="confirmed export FILE to write (.json)")
+    c.add_argument("--markdown", metavar="FILE", help="write the leaf decisions as markdown")
+    c.add_argument("--overwrite", action="store_true", help="replace --out and --markdown if they exist (else: refuse)")
+    c.set_defaults(func=_cmd_confirm, subparser=c, output_files=("out", "markdown"))
 
 
 def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -672,7 +704,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
-    from fasttree.toolkit.validate import summarise, validate_portfolios
+    from fasttree.toolkit.validate import summarise, validate_portfolios, workload_steps
     from fasttree.traces import TraceError, TraceWriter, read_traces
 
     if not torch.cuda.is_available():
@@ -680,6 +712,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         export = read_export(args.config)
         records = read_traces(args.workloads, kind="workload").records
+        if records and args.steps is not None:
+            records = [r for rs in workload_steps(records, args.steps).values() for r in rs]
+        export_sha256 = hashlib.sha256(Path(args.config).read_bytes()).hexdigest()
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(str(exc))
     if not records:
@@ -691,7 +726,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     text = _validation_report(results, summary, gpu_name)
     print(text)
     if args.json:
-        doc = {"gpu": gpu_name, "export": str(args.config), **summary,
+        doc = {"gpu": gpu_name, "export": str(args.config), "export_sha256": export_sha256, **summary,
                "cases": [dict(vars(v), speedup=v.speedup) for v in results]}  # fmt: skip
         write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
     if args.markdown:
@@ -720,6 +755,78 @@ def _validation_report(results, summary: dict[str, Any], gpu_name: str) -> str:
         times = ", ".join(f"{t:.1f}" for t in v.member_us)
         lines.append(f"| {v.target} | {v.case} | {v.picked} | {times} | {v.speedup:.3f}x |")
     return "\n".join(lines)
+
+
+#: Largest ``validate --json`` file ``confirm`` reads (a full validation of every bucket is ~1 MB).
+MAX_MEASURED_BYTES = 64 * 2**20
+
+
+def _read_measured(path: str, export_path: str):
+    """The cases of a ``validate --json`` file of the export at ``export_path``; ValueError otherwise."""
+    from fasttree.toolkit.validate import CaseValidation
+
+    p = Path(path)
+    if p.stat().st_size > MAX_MEASURED_BYTES:
+        raise ValueError(f"--measured {path}: larger than {MAX_MEASURED_BYTES} bytes; not a validate --json file")
+    try:
+        doc = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"--measured {path}: not a JSON file ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list) or not isinstance(doc.get("gpu"), str):
+        raise ValueError(f"--measured {path}: not a 'fasttree-tune validate --json' file")
+    if doc.get("export_sha256") != hashlib.sha256(Path(export_path).read_bytes()).hexdigest():
+        raise ValueError(f"--measured {path} measured another export than --config {export_path} (export_sha256)")
+    cases = []
+    for i, c in enumerate(doc["cases"]):
+        try:
+            us = [check_number("member_us", t, above=0) for t in c["member_us"]]
+            cases.append(CaseValidation(str(c["family"]), str(c["case"]), str(c["bucket"]), str(c["target"]),
+                                        int(c["picked"]), us, leaf=int(c["leaf"])))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"--measured {path}: case {i} is malformed ({exc!r})") from None
+    return doc["gpu"], cases
+
+
+def _cmd_confirm(args: argparse.Namespace) -> int:
+    from fasttree.export import read_export
+    from fasttree.fileio import write_atomic
+    from fasttree.toolkit.confirm import confirm_export
+
+    cases = []
+    try:
+        export = read_export(args.config)
+        gpus = set()
+        for path in args.measured:
+            gpu, more = _read_measured(path, args.config)
+            gpus.add(gpu)
+            cases += more
+    except (ValueError, OSError) as exc:
+        args.subparser.error(str(exc))
+    if len(gpus) > 1:
+        args.subparser.error(
+            f"--measured files come from several GPUs ({', '.join(sorted(gpus))}); confirm one at a time"
+        )
+    source = ", ".join(Path(p).name for p in args.measured)
+    confirmed, decisions = confirm_export(export, cases, gpu=gpu, source=source)
+    lines = [
+        f"Selector leaves of {args.config}, confirmed on {len(cases)} measured cases ({gpu}). Ratio: a member's "
+        "summed time over the defaults'; worst: its slowest tree's speed relative to the defaults.",
+        "",
+        "| target | bucket | leaf | trees | model's pick | confirmed | ratio per member | worst per member |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for d in decisions:
+        ratios = ", ".join(f"{r:.3f}" for r in d.ratios)
+        worst = ", ".join(f"{w:.3f}" for w in d.worst)
+        lines.append(f"| {d.target} | {d.bucket} | {d.leaf} | {d.trees} | {d.predicted} | {d.confirmed} | "
+                     f"{ratios} | {worst} |")  # fmt: skip
+    text = "\n".join(lines)
+    _write_export(args, args.out, confirmed, overwrite=args.overwrite)
+    if args.markdown:
+        write_atomic(args.markdown, text + "\n")
+    print(text)
+    print(f"export: {args.out}")
+    return 0
 
 
 def _cmd_refine(args: argparse.Namespace) -> int:

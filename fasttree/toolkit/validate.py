@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import FastTreeConfig
 from ..export import TARGETS, ConfigExport
+from ..portfolio import tree_features
 from ..traces import TraceWriter, decode_tree
 from ..validation import check_int
 from .design import DesignPoint
@@ -55,6 +56,9 @@ class CaseValidation:
         The member the selector picks.
     member_us : list of float
         Graph-replay median of every member (member 0: the defaults).
+    leaf : int
+        The selector node the tree reaches (0 for a one-member portfolio), which
+        :mod:`fasttree.toolkit.confirm` groups by.
     """
 
     family: str
@@ -63,6 +67,7 @@ class CaseValidation:
     target: str
     picked: int
     member_us: list[float] = field(default_factory=list)
+    leaf: int = 0
 
     @property
     def speedup(self) -> float:
@@ -180,7 +185,8 @@ def validate_portfolios(
                 gpu=gpu_name, num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"],
                 head_dim=r["head_dim"], dtype=r["dtype"], target=target,
             )  # fmt: skip
-            v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree))
+            leaf = 0 if len(portfolio.members) == 1 else portfolio.selector.leaf_of(tree_features(tree))
+            v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree), leaf=leaf)
             for m, config in enumerate(portfolio.members):
                 key = (family, bucket, int(r["num_q_heads"]), target, m)
                 check = key not in checked  # every member of every target on the family's first tree
@@ -189,7 +195,7 @@ def validate_portfolios(
                 checked.add(key)
                 index += 1
                 rec.setdefault("meta", {}).update(
-                    {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked}
+                    {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked, "leaf": leaf}
                 )
                 if writer is not None:
                     writer.append(rec)

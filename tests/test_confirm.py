@@ -1,0 +1,172 @@
+"""``fasttree.toolkit.confirm`` and ``fasttree-tune confirm``: selector leaves relabelled from measured
+cases, by hand, and through the command line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from fasttree import FastTreeConfig, Portfolio, Selector
+from fasttree.cli import main
+from fasttree.export import ConfigExport, ExportEntry, ExportGuard, read_export
+from fasttree.toolkit.confirm import ConfirmRules, confirm_export, confirm_portfolio
+from fasttree.toolkit.validate import CaseValidation
+
+A = FastTreeConfig(alpha=0.4)
+B = FastTreeConfig(pack_tokens=0)
+#: Root splits on feature 0; node 1 (left) is a leaf naming A, node 2 splits again into leaves 3 (B)
+#: and 4 (the defaults).
+SELECTOR = Selector(feature=(0, -1, 1, -1, -1), threshold=(1.0, 0, 2.0, 0, 0), left=(1, -1, 3, -1, -1),
+                    right=(2, -1, 4, -1, -1), member=(0, 1, 0, 2, 0))  # fmt: skip
+PORTFOLIO = Portfolio((FastTreeConfig(), A, B), SELECTOR)
+BUCKET = "g4-d128-float16"
+
+
+def cases(leaf: int, times: list[list[float]], target: str = "tree_attention", bucket: str = BUCKET):
+    return [
+        CaseValidation("f", f"f/x/seed0/step{i} 32/8", bucket, target, SELECTOR.member[leaf], list(us), leaf=leaf)
+        for i, us in enumerate(times)
+    ]
+
+
+def test_a_leaf_keeps_a_member_measured_faster_on_every_tree():
+    measured = cases(1, [[100, 90, 100]] * 5) + cases(3, [[100, 100, 100]] * 5) + cases(4, [[100, 100, 100]] * 5)
+    confirmed, decisions = confirm_portfolio(PORTFOLIO, measured, target="tree_attention", bucket=BUCKET)
+    assert [(d.leaf, d.trees, d.predicted, d.confirmed) for d in decisions] == [
+        (1, 5, 1, 1),
+        (3, 5, 2, 0),
+        (4, 5, 0, 0),
+    ]
+    assert decisions[0].ratios == pytest.approx((1.0, 0.9, 1.0)) and decisions[0].worst == pytest.approx(
+        (1, 100 / 90, 1)
+    )
+    # B is named by no leaf any more: dropped, the selector renumbered
+    assert confirmed.members == (FastTreeConfig(), A)
+    assert confirmed.selector.member == (0, 1, 0, 0, 0)
+    assert confirmed.selector.feature == SELECTOR.feature and confirmed.selector.threshold == SELECTOR.threshold
+
+
+def test_one_slow_tree_small_gains_and_few_trees_keep_the_defaults():
+    slow_tree = [[100, 85, 100]] * 4 + [[100, 104, 100]]  # 1/1.04 = 0.96x on one tree: below the floor
+    small_gain = [[100, 100, 98]] * 5  # 2% faster: under the 3% gain
+    few = [[100, 100, 50]] * 3  # 3 trees: under min_trees
+    measured = cases(1, slow_tree) + cases(3, small_gain) + cases(4, few)
+    confirmed, decisions = confirm_portfolio(PORTFOLIO, measured)
+    assert [d.confirmed for d in decisions] == [0, 0, 0]
+    assert confirmed.members == (FastTreeConfig(),) and confirmed.selector == Selector()
+    # looser rules accept the same measurements
+    loose = ConfirmRules(min_trees=3, min_gain=0.01, tree_floor=0.95)
+    _, decisions = confirm_portfolio(PORTFOLIO, measured, loose)
+    assert [d.confirmed for d in decisions] == [1, 2, 2]
+
+
+def test_a_leaf_the_model_left_at_the_defaults_gets_the_fastest_member_that_passes():
+    measured = cases(4, [[100, 95, 90]] * 6) + cases(3, [[100, 80, 90]] * 4)
+    confirmed, decisions = confirm_portfolio(PORTFOLIO, measured)
+    by_leaf = {d.leaf: d for d in decisions}
+    assert (by_leaf[4].predicted, by_leaf[4].confirmed) == (0, 2)  # B: 0.90 beats A: 0.95
+    assert (by_leaf[3].predicted, by_leaf[3].confirmed) == (2, 1)  # A measured faster than the model's B
+    assert by_leaf[1].trees == 0 and by_leaf[1].confirmed == 0  # no measured tree: the defaults
+    assert confirmed.members == (FastTreeConfig(), A, B) and confirmed.selector.member == (0, 0, 0, 1, 2)
+
+
+def test_mismatched_measurements_are_refused():
+    with pytest.raises(ValueError, match="2 members measured, the portfolio has 3"):
+        confirm_portfolio(PORTFOLIO, [CaseValidation("f", "c", BUCKET, "tree_attention", 0, [1.0, 1.0], leaf=1)])
+    with pytest.raises(ValueError, match="leaf 2 is not a leaf"):
+        confirm_portfolio(PORTFOLIO, [CaseValidation("f", "c", BUCKET, "tree_attention", 0, [1.0] * 3, leaf=2)])
+    with pytest.raises(ValueError, match="tree_floor"):
+        ConfirmRules(tree_floor=1.5)
+
+
+def _export(gpu: str = "NVIDIA H200") -> ConfigExport:
+    common = {"gpu": gpu, "head_dim": 128, "dtype": "float16", "guard": ExportGuard.current(),
+              "provenance": {"n_trials": 3}}  # fmt: skip
+    return ConfigExport(
+        entries=(
+            ExportEntry(**common, group_size=4, portfolio=PORTFOLIO, target="tree_attention"),
+            ExportEntry(
+                **common,
+                group_size=1,
+                portfolio=Portfolio((FastTreeConfig(), A), Selector(member=(1,))),
+                target="tree_attention",
+            ),
+            ExportEntry(**common, group_size=4, portfolio=Portfolio(runtime=True), target="runtime"),
+        ),
+        provenance={},
+    )
+
+
+def test_confirm_export_changes_only_the_measured_gpus_multi_member_entries():
+    measured = cases(1, [[100, 90, 100]] * 5)
+    confirmed, decisions = confirm_export(_export(), measured, gpu="NVIDIA H200", source="v.json")
+    entries = {(e.group_size, e.target): e for e in confirmed.entries}
+    assert entries[(4, "tree_attention")].portfolio.members == (FastTreeConfig(), A)
+    assert entries[(4, "tree_attention")].provenance["confirmed"] == {
+        "source": "v.json", "trees": 5, "rules": {"min_trees": 4, "min_gain": 0.03, "tree_floor": 0.97},
+        "leaves_changed": 1, "members_before": 3,
+    }  # fmt: skip
+    assert entries[(4, "tree_attention")].provenance["n_trials"] == 3
+    # g1 had no measured tree: its one leaf goes back to the defaults
+    assert entries[(1, "tree_attention")].portfolio.members == (FastTreeConfig(),)
+    runtime = entries[(4, "runtime")]  # one member: nothing to confirm, untouched
+    assert runtime.portfolio == Portfolio(runtime=True) and "confirmed" not in runtime.provenance
+    assert {(d.bucket, d.leaf) for d in decisions} == {(BUCKET, 1), (BUCKET, 3), (BUCKET, 4), ("g1-d128-float16", 0)}
+    assert ConfigExport.from_dict(confirmed.to_dict()) == confirmed  # a valid export
+    # another GPU's measurements change nothing
+    same, decisions = confirm_export(_export(), measured, gpu="NVIDIA H100")
+    assert same == _export() and decisions == []
+
+
+def _measured_file(tmp_path, export_path, cases_, gpu="NVIDIA H200"):
+    doc = {"gpu": gpu, "export": str(export_path),
+           "export_sha256": hashlib.sha256(export_path.read_bytes()).hexdigest(),
+           "cases": [dict(vars(c), speedup=c.speedup) for c in cases_]}  # fmt: skip
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_confirm_cli_writes_the_confirmed_export_and_the_leaf_table(tmp_path, capsys):
+    export_path = tmp_path / "export.json"
+    export_path.write_text(json.dumps(_export().to_dict()))
+    measured = _measured_file(tmp_path, export_path, cases(1, [[100, 90, 100]] * 5) + cases(4, [[100, 99, 80]] * 4))
+    out, md = tmp_path / "confirmed.json", tmp_path / "leaves.md"
+    assert main(["confirm", "--config", str(export_path), "--measured", str(measured), "-o", str(out),
+                 "--markdown", str(md)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "| tree_attention | g4-d128-float16 | 4 | 4 | 0 | 2 | 1.000, 0.990, 0.800 | 1.000, 1.010, 1.250 |" in text
+    assert md.read_text().startswith("Selector leaves of")
+    entry = {(e.group_size, e.target): e for e in read_export(out).entries}[(4, "tree_attention")]
+    assert entry.portfolio.members == (FastTreeConfig(), A, B) and entry.portfolio.selector.member == (0, 1, 0, 0, 2)
+    # an existing output is replaced only with --overwrite
+    with pytest.raises(SystemExit) as exc:
+        main(["confirm", "--config", str(export_path), "--measured", str(measured), "-o", str(out)])
+    assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
+
+
+def test_confirm_cli_refuses_measurements_of_another_export_or_malformed_ones(tmp_path, capsys):
+    export_path = tmp_path / "export.json"
+    export_path.write_text(json.dumps(_export().to_dict()))
+    measured = _measured_file(tmp_path, export_path, cases(1, [[100, 90, 100]] * 5))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_export("NVIDIA H100").to_dict()))
+    for config, doc, message in [
+        (other, measured, "measured another export"),
+        (export_path, None, "not a 'fasttree-tune validate --json' file"),
+        (export_path, "bad", "case 0 is malformed"),
+    ]:
+        if doc is None:
+            doc = tmp_path / "list.json"
+            doc.write_text("[]")
+        elif doc == "bad":
+            data = json.loads(measured.read_text())
+            data["cases"][0]["member_us"] = [100, -1, 100]
+            doc = tmp_path / "bad.json"
+            doc.write_text(json.dumps(data))
+        with pytest.raises(SystemExit) as exc:
+            main(["confirm", "--config", str(config), "--measured", str(doc), "-o", str(tmp_path / "o.json")])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+        assert not (tmp_path / "o.json").exists()
