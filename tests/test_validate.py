@@ -230,6 +230,21 @@ def test_validate_cli_needs_a_gpu(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_validate_cli_refuses_a_gzip_trace_output_before_measuring(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps(export().to_dict()))
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", "--config", str(path), str(HELDOUT / "few_shot_mistral_7b.jsonl.gz"), "--steps", "1",
+              "--traces-out", str(tmp_path / "t.jsonl.gz")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--traces-out" in err and "cannot append to a gzip file" in err
+    assert not (tmp_path / "t.jsonl.gz").exists()
+
+
 def test_validate_path_never_imports_optuna():
     code = (
         "import sys; sys.modules['optuna'] = None\n"  # an import of optuna would raise

@@ -720,7 +720,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not records:
         args.subparser.error(f"no workload lines in {' '.join(args.workloads)}")
     gpu_name = torch.cuda.get_device_name()
-    with TraceWriter(args.traces_out) as writer:
+    try:
+        writer = TraceWriter(args.traces_out)
+    except (ValueError, OSError) as exc:
+        args.subparser.error(f"--traces-out: {exc}")
+    with writer:
         results = validate_portfolios(export, records, gpu_name=gpu_name, targets=args.targets, writer=writer)
     summary = summarise(results)
     text = _validation_report(results, summary, gpu_name)
