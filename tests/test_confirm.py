@@ -157,10 +157,16 @@ def test_confirm_cli_refuses_measurements_of_another_export_or_malformed_ones(tm
         (other, measured, "measured another export"),
         (export_path, None, "not a 'fasttree-tune validate --json' file"),
         (export_path, "bad", "case 0 is malformed"),
+        (export_path, "old", "no export_sha256"),
     ]:
         if doc is None:
             doc = tmp_path / "list.json"
             doc.write_text("[]")
+        elif doc == "old":
+            data = json.loads(measured.read_text())
+            del data["export_sha256"]
+            doc = tmp_path / "old.json"
+            doc.write_text(json.dumps(data))
         elif doc == "bad":
             data = json.loads(measured.read_text())
             data["cases"][0]["member_us"] = [100, -1, 100]

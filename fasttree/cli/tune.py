@@ -778,7 +778,9 @@ def _read_measured(path: str, export_path: str):
         raise ValueError(f"--measured {path}: not a JSON file ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list) or not isinstance(doc.get("gpu"), str):
         raise ValueError(f"--measured {path}: not a 'fasttree-tune validate --json' file")
-    if doc.get("export_sha256") != hashlib.sha256(Path(export_path).read_bytes()).hexdigest():
+    if "export_sha256" not in doc:
+        raise ValueError(f"--measured {path}: no export_sha256 (written by an older validate: measure again)")
+    if doc["export_sha256"] != hashlib.sha256(Path(export_path).read_bytes()).hexdigest():
         raise ValueError(f"--measured {path} measured another export than --config {export_path} (export_sha256)")
     cases = []
     for i, c in enumerate(doc["cases"]):
