@@ -181,6 +181,11 @@ def bucket_key(*, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: Any
     return int(group_size), int(head_dim), _dtype_name(dtype)
 
 
+def bucket_label(group_size: int, head_dim: int, dtype: str) -> str:
+    """``g{G}-d{D}-{dtype}``: how study names, validation reports and confirmations name a bucket."""
+    return f"g{group_size}-d{head_dim}-{dtype}"
+
+
 # ---------------------------------------------------------------------------- the format
 @dataclass(frozen=True)
 class ExportGuard:

@@ -38,7 +38,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from fasttree.config import DEFAULT_NUM_STAGES_DEEP, DEFAULT_Q_TILE_ROWS, FastTreeConfig
 from fasttree.costmodel.gpu import GpuSpec
 from fasttree.costmodel.predict import elem_bytes_of
-from fasttree.export import bucket_key
+from fasttree.export import bucket_key, bucket_label
 from fasttree.toolkit.design import (
     ALPHA_RANGE,
     BETA_RANGE,
@@ -239,7 +239,7 @@ class Bucket:
     @property
     def label(self) -> str:
         """``g{G}-d{D}-{dtype}``, the suffix of the bucket's study name."""
-        return f"g{self.group_size}-d{self.head_dim}-{self.dtype}"
+        return bucket_label(self.group_size, self.head_dim, self.dtype)
 
 
 # ------------------------------------------------------------------------- space

@@ -714,7 +714,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         records = read_traces(args.workloads, kind="workload").records
         if records and args.steps is not None:
             records = [r for rs in workload_steps(records, args.steps).values() for r in rs]
-        export_sha256 = hashlib.sha256(Path(args.config).read_bytes()).hexdigest()
+        export_sha256 = _sha256_file(Path(args.config))
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(str(exc))
     if not records:
@@ -765,8 +765,9 @@ def _validation_report(results, summary: dict[str, Any], gpu_name: str) -> str:
 MAX_MEASURED_BYTES = 64 * 2**20
 
 
-def _read_measured(path: str, export_path: str):
-    """The cases of a ``validate --json`` file of the export at ``export_path``; ValueError otherwise."""
+def _read_measured(path: str, export_sha256: str):
+    """The GPU and cases of a ``validate --json`` file of the export whose SHA-256 is ``export_sha256``;
+    ValueError otherwise."""
     from fasttree.toolkit.validate import CaseValidation
 
     p = Path(path)
@@ -780,8 +781,8 @@ def _read_measured(path: str, export_path: str):
         raise ValueError(f"--measured {path}: not a 'fasttree-tune validate --json' file")
     if "export_sha256" not in doc:
         raise ValueError(f"--measured {path}: no export_sha256 (written by an older validate: measure again)")
-    if doc["export_sha256"] != hashlib.sha256(Path(export_path).read_bytes()).hexdigest():
-        raise ValueError(f"--measured {path} measured another export than --config {export_path} (export_sha256)")
+    if doc["export_sha256"] != export_sha256:
+        raise ValueError(f"--measured {path} measured another export than --config (export_sha256)")
     cases = []
     for i, c in enumerate(doc["cases"]):
         try:
@@ -801,9 +802,10 @@ def _cmd_confirm(args: argparse.Namespace) -> int:
     cases = []
     try:
         export = read_export(args.config)
+        export_sha256 = _sha256_file(Path(args.config))
         gpus = set()
         for path in args.measured:
-            gpu, more = _read_measured(path, args.config)
+            gpu, more = _read_measured(path, export_sha256)
             gpus.add(gpu)
             cases += more
     except (ValueError, OSError) as exc:

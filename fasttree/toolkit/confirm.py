@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..export import ConfigExport, ExportEntry
+from ..export import ConfigExport, bucket_label
 from ..portfolio import Portfolio, Selector
 from ..validation import check_int, check_number
 from .validate import CaseValidation
@@ -165,10 +165,6 @@ def confirm_portfolio(
     return dataclasses.replace(portfolio, members=members, selector=confirmed), decisions
 
 
-def _bucket_name(entry: ExportEntry) -> str:
-    return f"g{entry.group_size}-d{entry.head_dim}-{entry.dtype}"
-
-
 def confirm_export(
     export: ConfigExport,
     cases: Iterable[CaseValidation],
@@ -206,7 +202,7 @@ def confirm_export(
         if entry.gpu != gpu or entry.target is None or len(entry.portfolio.members) == 1:
             entries.append(entry)
             continue
-        bucket = _bucket_name(entry)
+        bucket = bucket_label(*entry.bucket)
         measured = groups.get((entry.target, bucket), [])
         portfolio, leaf_decisions = confirm_portfolio(
             entry.portfolio, measured, rules, target=entry.target, bucket=bucket

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..config import FastTreeConfig
-from ..export import TARGETS, ConfigExport
+from ..export import TARGETS, ConfigExport, bucket_label
 from ..portfolio import tree_features
 from ..traces import TraceWriter, decode_tree
 from ..validation import check_int
@@ -179,7 +179,7 @@ def validate_portfolios(
         w = r["workload"]
         case = f"{w['family']}/{w['scenario']}/seed{w['seed']}/step{w['step']} {r['num_q_heads']}/{r['num_kv_heads']}"
         family = family_of_record(r)
-        bucket = f"g{r['num_q_heads'] // r['num_kv_heads']}-d{r['head_dim']}-{r['dtype']}"
+        bucket = bucket_label(r["num_q_heads"] // r["num_kv_heads"], r["head_dim"], r["dtype"])
         for target in targets:
             portfolio, _ = export.lookup(
                 gpu=gpu_name, num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"],
