@@ -25,12 +25,14 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..export import ConfigExport, bucket_label
 from ..portfolio import Portfolio, Selector
 from ..validation import check_int, check_number
-from .validate import CaseValidation
+
+if TYPE_CHECKING:  # annotations only: the CLI imports this module to build its help
+    from .validate import CaseValidation
 
 __all__ = ["ConfirmRules", "LeafDecision", "confirm_export", "confirm_portfolio"]
 
