@@ -128,7 +128,7 @@ def runtime_plans(trees, configs, hq: int, hkv: int) -> tuple[list, int, list]:
         rt = TreeAttentionRuntime(
             cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype=torch.float16, device="cpu",
             max_queries=nq, max_kv_entries=8 * slots, max_units=1 << 16, max_partial_rows=64 * nq, pool_slots=slots,
-            extend_steps=0,  # the plans the model predicts: fresh ones
+            extend_steps=0, max_variants=0,  # the fixed launch's fresh plans, as the sweeps measured them
         )  # fmt: skip
         for tree in trees:
             up = rt.plan(tree)

@@ -4,12 +4,13 @@
 #             (attention, launch cache, runtime, packing), in parallel workers
 #   memcheck  compute-sanitizer memcheck and racecheck of tests/memcheck_sample.py
 #   kernel    the paper-suite kernel benchmark (docs/results/kernel_h200.*)
-# Usage: OUT=folder bash bench/gpu_check.sh [tests] [memcheck] [kernel]   (no argument: all three)
+#   families  the kernel benchmark on the other tree families (docs/results/kernel_h200_families.*)
+# Usage: OUT=folder bash bench/gpu_check.sh [tests] [memcheck] [kernel] [families]   (no argument: all four)
 # Each step has a time limit; its log goes to $OUT and its last lines to the terminal.
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
-steps=${*:-tests memcheck kernel}
+steps=${*:-tests memcheck kernel families}
 workers=${WORKERS:-8}
 for step in $steps; do
   case $step in
@@ -34,6 +35,11 @@ for step in $steps; do
         >"$out/kernel.log" 2>&1
       echo "kernel benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200.md
       ;;
-    *) echo "unknown step $step (tests, memcheck, kernel)"; exit 2 ;;
+    families)
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite families --out "$out" --label h200_families \
+        --overwrite >"$out/kernel_families.log" 2>&1
+      echo "families benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200_families.md
+      ;;
+    *) echo "unknown step $step (tests, memcheck, kernel, families)"; exit 2 ;;
   esac
 done

@@ -20,20 +20,7 @@ import triton
 from .config import FastTreeConfig
 from .groups import Groups
 from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
-from .launch_rules import (
-    MANY_PARTIALS,
-    MERGE_HEADS,
-    MERGE_PARTIALS_PER_STEP,
-    GpuTarget,
-    kv_offsets_fit_int32,
-    launch_kv_tile,
-    launch_num_stages,
-    merge_max_partials,
-    pdl_wait,
-    peel_tiles,
-    small_tile_maxnreg,
-    units_grid,
-)
+from .launch_rules import GpuTarget, kv_offsets_fit_int32, merge_launch, pdl_wait, stage1_launches, units_grid
 from .launcher import (
     current_stream,
     direct_launcher,
@@ -307,61 +294,44 @@ def plan_launches(
     """
     a = dev.arrays
     part_o, part_lse = _workspace(host, q.device)
-    ptr = host.class_unit_ptr
     hq, d = host.num_q_heads, host.head_dim
     block_d = triton.next_power_of_2(d)
     upcast = interpreting() and q.dtype == torch.bfloat16  # the interpreter's bf16 dots need fp32
     offsets_32 = kv_offsets_fit_int32(host.max_slot, k_cache, v_cache)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    stage1 = stage1_launches(host, target)
     # two non-empty classes: two stage-1 launches, which run side by side (_forks) on a GPU
-    forked = all(host.units_per_class())
-    pdl_stage1 = pdl_wait("stage1_forked" if forked else "stage1", target)
+    pdl_stage1 = pdl_wait("stage1_forked" if len(stage1) == 2 else "stage1", target)
     pdl_merge = pdl_wait("merge", target)
-    sms = target.one_wave_sms
     out_launches = []
-    for c, tc in enumerate(host.tile_classes):
-        n_units = ptr[c + 1] - ptr[c]
-        if n_units == 0:
-            continue
+    for s in stage1:
         args = (
             q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["kv_row_mask"], a["unit_kv_start"],
             a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
-            ptr[c], qk_scale, *strides, out.stride(0), out.stride(1),
+            s.first_unit, qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        lengths = host.unit_kv_len[ptr[c] : ptr[c + 1]]
-        items = n_units * host.num_kv_heads
-        block_n = launch_kv_tile(host.group_size, d, tc, lengths, items, sms)
-        num_stages = tc.num_stages  # stages the config sets are kept; its defaults may deepen
-        if host.config.num_stages is None:
-            num_stages = launch_num_stages(host.group_size, d, tc, items, sms)
-        peel = peel_tiles(tc.block_m, float(np.mean(-(-lengths // block_n))))
-        grid, heads_fastest = units_grid(n_units, host.num_kv_heads)
-        constexprs = (d, block_d, host.group_size, tc.block_m, block_n, tc.masked, upcast, offsets_32, peel,
+        grid, heads_fastest = units_grid(s.n_units, host.num_kv_heads)
+        constexprs = (d, block_d, host.group_size, s.block_m, s.block_n, s.masked, upcast, offsets_32, s.peel,
                       heads_fastest, pdl_stage1)  # fmt: skip
-        maxnreg = None
-        if host.group_size == 1 and tc.block_m <= 16 and target.cuda:
-            maxnreg = small_tile_maxnreg(host.group_size, d, tc.block_m, tc.num_warps, items, target.sms)
         out_launches.append(
-            (tree_attention_units_kernel, grid, args, constexprs, tc.num_warps, num_stages, maxnreg)
+            (tree_attention_units_kernel, grid, args, constexprs, s.num_warps, s.num_stages, s.maxnreg)
         )  # fmt: skip
-    n_merge = int(host.merge_queries.size)
-    if n_merge:
+    merge = merge_launch(host, block_d)
+    if merge is not None:
         args = (
             out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],
             out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        most = merge_max_partials(host)
-        if most >= MANY_PARTIALS:
-            block_p = min(MERGE_PARTIALS_PER_STEP, triton.next_power_of_2(most))
-            warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
-            constexprs = (d, block_p, block_d, pdl_merge)
-            out_launches.append((merge_many_partials_kernel, (n_merge, hq), args, constexprs, warps, 1, None))
+        if merge.many:
+            constexprs = (d, merge.block_p, block_d, pdl_merge)
+            out_launches.append(
+                (merge_many_partials_kernel, (merge.n_merge, hq), args, constexprs, merge.num_warps, 1, None)
+            )
         else:
-            block_h = min(triton.next_power_of_2(hq), MERGE_HEADS)
-            grid = (n_merge, triton.cdiv(hq, block_h))
-            constexprs = (hq, d, block_h, block_d, pdl_merge)
-            out_launches.append((merge_partials_kernel, grid, args, constexprs, 4, 3, None))
+            grid = (merge.n_merge, triton.cdiv(hq, merge.block_h))
+            constexprs = (hq, d, merge.block_h, block_d, pdl_merge)
+            out_launches.append((merge_partials_kernel, grid, args, constexprs, merge.num_warps, 3, None))
     return out_launches
 
 

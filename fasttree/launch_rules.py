@@ -27,15 +27,19 @@ __all__ = [
     "MERGE_PARTIALS_PER_STEP",
     "SMALL_TILE_CAPPED_PROGRAMS",
     "GpuTarget",
+    "MergeLaunch",
+    "Stage1Launch",
     "capped_registers",
     "kv_offsets_fit_int32",
     "launch_kv_tile",
     "launch_num_stages",
     "merge_heads_per_program",
+    "merge_launch",
     "merge_max_partials",
     "pdl_wait",
     "peel_tiles",
     "small_tile_maxnreg",
+    "stage1_launches",
     "units_grid",
 ]
 
@@ -277,3 +281,118 @@ def merge_heads_per_program(plan: Plan) -> int:
     if merge_max_partials(plan) >= MANY_PARTIALS:
         return 1
     return min(triton.next_power_of_2(plan.num_q_heads), MERGE_HEADS)
+
+
+@dataclass(frozen=True)
+class Stage1Launch:
+    """The launch of one tile class's stage 1, as :func:`stage1_launches` decides it for a plan.
+
+    Attributes
+    ----------
+    tile_class : int
+        The class (0 large tiles, 1 small tiles).
+    first_unit, n_units : int
+        The class's units: ``first_unit ... first_unit + n_units - 1``.
+    block_m, block_n : int
+        Matrix rows of a program and KV tokens per inner-loop tile.
+    num_warps, num_stages : int
+        Warps per program and pipeline stages.
+    maxnreg : int or None
+        Register cap per thread (None: the compiler's choice).
+    masked : bool
+        The class holds packed units (row masks apply).
+    peel : bool
+        Whole KV tiles unmasked, then one masked tail tile.
+    shrink_stages : bool
+        The stages are the config's defaults: fewer may be compiled where shared memory ends.
+    """
+
+    tile_class: int
+    first_unit: int
+    n_units: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+    masked: bool
+    peel: bool
+    shrink_stages: bool
+
+
+@dataclass(frozen=True)
+class MergeLaunch:
+    """The merge launch of a plan, as :func:`merge_launch` decides it.
+
+    Attributes
+    ----------
+    many : bool
+        The many-partials merge (one program per merged query and head, ``block_p`` partial
+        rows at a time); else the few-partials one (``block_h`` heads per program).
+    n_merge : int
+        Merged queries.
+    block_h, block_p : int
+        Heads per program (few-partials) and partial rows per step (many-partials; 0 otherwise).
+    num_warps, num_stages : int
+    """
+
+    many: bool
+    n_merge: int
+    block_h: int
+    block_p: int
+    num_warps: int
+    num_stages: int
+
+
+def stage1_launches(plan: Plan, target: GpuTarget) -> tuple[Stage1Launch, ...]:
+    """The stage-1 launch of each non-empty tile class of ``plan`` on ``target``.
+
+    One place for the per-plan choices :func:`fasttree.tree_attention` and the runtime's launch
+    variants make alike: the KV tile (:func:`launch_kv_tile`), the stages
+    (:func:`launch_num_stages`, only where the config leaves them to their defaults), peeling
+    (:func:`peel_tiles`) and MHA's register cap (:func:`small_tile_maxnreg`).
+    """
+    ptr = plan.class_unit_ptr
+    d, g = plan.head_dim, plan.group_size
+    sms = target.one_wave_sms
+    default_stages = plan.config.num_stages is None
+    out = []
+    for c, tc in enumerate(plan.tile_classes):
+        n_units = int(ptr[c + 1] - ptr[c])
+        if n_units == 0:
+            continue
+        lengths = plan.unit_kv_len[ptr[c] : ptr[c + 1]]
+        items = n_units * plan.num_kv_heads
+        block_n = launch_kv_tile(g, d, tc, lengths, items, sms)
+        num_stages = launch_num_stages(g, d, tc, items, sms) if default_stages else tc.num_stages
+        mean_tiles = float(np.add.reduce(-(-lengths // block_n), dtype=np.int64)) / n_units
+        maxnreg = None
+        if g == 1 and tc.block_m <= 16 and target.cuda:
+            maxnreg = small_tile_maxnreg(g, d, tc.block_m, tc.num_warps, items, target.sms)
+        out.append(
+            Stage1Launch(
+                tile_class=c, first_unit=int(ptr[c]), n_units=n_units, block_m=tc.block_m, block_n=block_n,
+                num_warps=tc.num_warps, num_stages=num_stages, maxnreg=maxnreg, masked=tc.masked,
+                peel=peel_tiles(tc.block_m, mean_tiles), shrink_stages=default_stages,
+            )
+        )  # fmt: skip
+    return tuple(out)
+
+
+def merge_launch(plan: Plan, block_d: int) -> MergeLaunch | None:
+    """The merge launch of ``plan`` (None when no query has several partials); ``block_d`` is
+    the head dim rounded up to a power of two.
+
+    Every merged query goes to the many-partials merge when one has :data:`MANY_PARTIALS` or
+    more partial rows, else to the few-partials merge.
+    """
+    n_merge = int(plan.merge_queries.size)
+    if n_merge == 0:
+        return None
+    most = merge_max_partials(plan)
+    if most >= MANY_PARTIALS:
+        block_p = min(MERGE_PARTIALS_PER_STEP, triton.next_power_of_2(most))
+        warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
+        return MergeLaunch(many=True, n_merge=n_merge, block_h=1, block_p=block_p, num_warps=warps, num_stages=1)
+    block_h = min(triton.next_power_of_2(plan.num_q_heads), MERGE_HEADS)
+    return MergeLaunch(many=False, n_merge=n_merge, block_h=block_h, block_p=0, num_warps=4, num_stages=3)

@@ -20,8 +20,10 @@ from .kernels import (
     merge_many_partials_kernel,
     merge_partials_kernel,
     merge_partials_persistent_kernel,
+    merge_variant_kernel,
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
+    tree_attention_variant_kernel,
 )
 
 __all__ = [
@@ -44,7 +46,8 @@ _COMPILED: dict[tuple, object] = {}
 GDC_KERNELS = frozenset(
     (
         tree_attention_units_kernel, merge_partials_kernel, merge_many_partials_kernel,
-        tree_attention_persistent_kernel, merge_partials_persistent_kernel,
+        tree_attention_persistent_kernel, merge_partials_persistent_kernel, tree_attention_variant_kernel,
+        merge_variant_kernel,
     )
 )  # fmt: skip
 #: The Triton release whose ``CudaLauncher`` C launch function :func:`_launch_entry` calls directly

@@ -51,7 +51,12 @@ from .attention import LOG2E, output_like
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
-from .kernels import merge_partials_persistent_kernel, tree_attention_persistent_kernel
+from .kernels import (
+    merge_partials_persistent_kernel,
+    merge_variant_kernel,
+    tree_attention_persistent_kernel,
+    tree_attention_variant_kernel,
+)
 from .launch_rules import (
     MANY_PARTIALS,
     MERGE_HEADS,
@@ -61,7 +66,9 @@ from .launch_rules import (
     kv_offsets_fit_int32,
     pdl_wait,
     peel_tiles,
+    units_grid,
 )
+from .launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, launch_variant
 from .launcher import (
     current_stream,
     direct_launcher,
@@ -70,24 +77,30 @@ from .launcher import (
     launch_hooks_active,
     launch_pointers,
     on_device,
+    side_stream,
     tensor_layout,
 )
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .plan_extend import PlanExtender
+from .plan_rules import PlanRules
 from .portfolio import Portfolio
 from .recording import WorkloadRecorder
 from .runtime_planning import QUERY_CENTRIC_CHOICES, launch_slots, plan_for_runtime, resolve_stage1_launches
+from .step_graphs import StepGraphs
 from .tree import KVTree
 from .validation import check_choice, check_int, check_number
 
-__all__ = ["PLAN_HEADER", "RuntimePlan", "TreeAttentionRuntime"]
+__all__ = ["PLAN_HEADER", "RuntimePlan", "StepGraphs", "TreeAttentionRuntime"]
 
 logger = logging.getLogger(__name__)
 
 #: The plan buffer's header, in int32 words: the offset of each plan array (in
 #: :data:`~fasttree.plan_arrays.DEVICE_ARRAYS` order), the unit range of launch slot 0 and 1,
 #: and the merged-query counts of the few- and many-partials merges (kernels' ``HDR_*``).
-PLAN_HEADER = (*DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many")
+PLAN_HEADER = (
+    *DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many",
+    "class0_first", "class0_end", "class1_first", "class1_end", "variant",
+)  # fmt: skip
 _HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
 _ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
 #: Partial rows the many-partials merge reads per step (merged queries with at least
@@ -118,6 +131,12 @@ class RuntimePlan:
     extended : bool
         The plan is the previous step's, extended to this tree's new tokens
         (``extend_steps``), not planned afresh.
+    variant_id : int
+        The launch variant :meth:`TreeAttentionRuntime.forward` runs the plan with: 1, 2, ...
+        (the plan's own launches, grids bucketed) or 0 (the fixed persistent launch). A server
+        replays the CUDA graph it captured for this id (:class:`StepGraphs` does it).
+    variant : LaunchVariant or None
+        The launches of ``variant_id`` (None for the fixed launch).
     """
 
     plan: Plan
@@ -126,6 +145,8 @@ class RuntimePlan:
     merge_counts: tuple[int, int]
     words: int
     extended: bool = False
+    variant_id: int = FIXED_VARIANT
+    variant: LaunchVariant | None = None
 
     @property
     def n_queries(self) -> int:
@@ -157,6 +178,10 @@ def _aligned(words: int) -> int:
 _MERGE_ARGS = 11
 #: Position of ``qk_scale`` among ``tree_attention_persistent_kernel``'s arguments.
 _STAGE1_QK_ARG = 9
+#: Position of ``qk_scale`` among ``tree_attention_variant_kernel``'s arguments.
+_VARIANT_QK_ARG = 8
+#: Launch variants a runtime hands out by default before further new ones run the fixed launch.
+DEFAULT_MAX_VARIANTS = 32
 
 
 class TreeAttentionRuntime:
@@ -221,6 +246,14 @@ class TreeAttentionRuntime:
         planning afresh (:class:`fasttree.plan_extend.PlanExtender`: the same tokens read
         exactly once, in O(KV entries) numpy work), for at most ``extend_steps`` steps in a
         row; the cost decisions are redone at the next fresh plan. 0: plan every tree.
+    max_variants : int
+        Launch variants handed out (:mod:`fasttree.launch_variants`): each plan runs with the
+        launches :func:`fasttree.tree_attention` would give it, grids rounded up to a bucket,
+        under the variant id :meth:`plan` returns; a server captures one CUDA graph per id it
+        meets (:class:`StepGraphs`). Once ``max_variants`` ids exist, plans of new variants run
+        the fixed persistent launch (id 0), so a server holds at most ``max_variants + 1``
+        graphs. 0: every plan runs the fixed launch (one graph for every step, planned with
+        :meth:`fasttree.PlanRules.runtime`; slower than the variants).
 
     Raises
     ------
@@ -249,6 +282,7 @@ class TreeAttentionRuntime:
         stage1_launches: int | str = "auto",
         recorder: WorkloadRecorder | None = None,
         extend_steps: int = 8,
+        max_variants: int = DEFAULT_MAX_VARIANTS,
     ) -> None:
         self.group_size = check_heads(num_q_heads, num_kv_heads, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = int(num_q_heads), int(num_kv_heads), int(head_dim)
@@ -263,6 +297,11 @@ class TreeAttentionRuntime:
         self.extend_steps = check_int("extend_steps", extend_steps, minimum=0, expected="a non-negative integer")
         self._extender = PlanExtender(max_steps=self.extend_steps) if self.extend_steps else None
         self._steps = 0
+        self.variants = VariantTable(
+            check_int("max_variants", max_variants, minimum=0, expected="a non-negative integer")
+        )
+        self._target = GpuTarget.of(self.device, interpreting())
+        self._rules = PlanRules.defaults() if self.variants.max_variants else None
         self.portfolio = self._resolve_portfolio(config)
         self.config = self.portfolio.launch_config  # the launch shapes every member shares
 
@@ -474,6 +513,7 @@ class TreeAttentionRuntime:
         return plan_for_runtime(
             tree, self.portfolio.select(tree), num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,
+            rules=self._rules,
         )  # fmt: skip
 
     def _upload(self, plan: Plan, query_centric: bool, *, extended: bool = False) -> RuntimePlan:
@@ -504,13 +544,20 @@ class TreeAttentionRuntime:
             merge = np.concatenate([merge[~many], merge[many]])
         merge_counts = (int(merge.size) - n_many, n_many)
 
+        variant = launch_variant(plan, self._target) if self.variants.max_variants else None
+        variant_id = FIXED_VARIANT if variant is None else self.variants.id_of(variant)
+        if variant_id == FIXED_VARIANT:
+            variant = None
+
         i = self._next_staging
         self._next_staging ^= 1
         if self._copied[i] is not None:
             self._copied[i].synchronize()  # the copy out of this staging buffer (two plans ago) is done
         buf = self._staged[i]
         n_kv = plan.kv_indices.size
-        no_mask = self.masked and plan.kv_row_mask.size == 0  # no packed unit: every query attends every entry
+        # the fixed launch reads row masks whenever a member packs: a plan with no packed unit gets
+        # all-ones masks (every query attends every entry); a variant reads them only for masked classes
+        no_mask = variant is None and self.masked and plan.kv_row_mask.size == 0
         offsets = []
         off = _HEADER_WORDS
         for name in DEVICE_ARRAYS:
@@ -526,15 +573,18 @@ class TreeAttentionRuntime:
             n = arr.size
             buf[off : off + n] = arr
             off += _aligned(max(1, n))
-        buf[: len(offsets) + 6] = (*offsets, *slot_units[0], *slot_units[1], *merge_counts)
+        ptr = plan.class_unit_ptr
+        buf[: len(PLAN_HEADER)] = (
+            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], variant_id,
+        )  # fmt: skip
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
         self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)
         if self._copied[i] is not None:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
-            plan=plan, query_centric=query_centric, slot_units=slot_units,
-            merge_counts=merge_counts, words=off, extended=extended,
+            plan=plan, query_centric=query_centric, slot_units=slot_units, merge_counts=merge_counts,
+            words=off, extended=extended, variant_id=variant_id, variant=variant,
         )  # fmt: skip
         return self._current
 
@@ -638,6 +688,10 @@ class TreeAttentionRuntime:
         return tensor_layout(q, k_cache, v_cache, out)
 
     def _launch_all(self, q, k_cache, v_cache, out, qk_scale: float) -> None:
+        cur = self._current
+        if cur.variant_id != FIXED_VARIANT:
+            self._launch_variant(cur.variant_id, cur.variant, q, k_cache, v_cache, out, qk_scale)
+            return
         key = self._layout_key(q, k_cache, v_cache, out)
         cached = self._launchers.get(key) if key is not None else None
         if cached is not None:  # every kernel compiled for this layout: call the launchers directly
@@ -658,6 +712,87 @@ class TreeAttentionRuntime:
                 for c, grid, args, constexprs in launched
             )
 
+    def _offsets_32(self, k_cache, v_cache) -> bool:
+        """Whether stage 1 may form K/V addresses from int32 offsets: only when every slot a later
+        plan may read is known to fit (``pool_slots`` fixed), since the launches, and graphs
+        captured from them, serve every later plan."""
+        return self.pool_slots is not None and kv_offsets_fit_int32(self.pool_slots - 1, k_cache, v_cache)
+
+    def _launch_variant(self, vid: int, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> None:
+        """Launch variant ``vid``: its stage-1 launches (two side by side on two streams) and merge."""
+        key = self._layout_key(q, k_cache, v_cache, out)
+        cached = self._launchers.get((vid, key)) if key is not None else None
+        if cached is not None:  # compiled for this layout: call the launchers directly
+            ptrs = launch_pointers(q, k_cache, v_cache, out)
+            stream = current_stream(q.device)
+            if variant.forked:
+                main, side, side_raw, fork, join = side_stream(q.device, stream)
+                fork.record(main)
+                side.wait_event(fork)
+                cached[0](side_raw, *ptrs, qk_scale)
+                join.record(side)
+                cached[1](stream, *ptrs, qk_scale)
+                main.wait_event(join)
+                for run in cached[2:]:
+                    run(stream, *ptrs, qk_scale)
+            else:
+                for run in cached:
+                    run(stream, *ptrs, qk_scale)
+            return
+        launches = self._variant_launches(vid, variant, q, k_cache, v_cache, out, qk_scale)
+        forked = variant.forked and self._target.cuda
+        compiled = []
+        if forked:
+            main, side, _, fork, join = side_stream(q.device, current_stream(q.device))
+            fork.record(main)
+            side.wait_event(fork)
+        for i, (kernel, grid, args, constexprs, warps, stages, maxnreg, shrink) in enumerate(launches):
+            if forked and i == 0:
+                with torch.cuda.stream(side):
+                    compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
+                join.record(side)
+                continue
+            compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
+            if forked and i == 1:
+                main.wait_event(join)
+        if key is not None and all(c is not None for c in compiled):
+            self._launchers[(vid, key)] = tuple(
+                direct_launcher(c, grid, args, constexprs, None if kernel is merge_variant_kernel else _VARIANT_QK_ARG)
+                for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
+            )
+
+    def _variant_launches(self, vid: int, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> list:
+        """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, shrink_stages)`` of each
+        launch of variant ``vid``: stage 1 per tile class, then the merge (if any). The grids are
+        the variant's buckets; the kernels take the class's unit range and the merge list's length
+        from the plan buffer's header."""
+        d, hq = self.head_dim, self.num_q_heads
+        block_d = triton.next_power_of_2(d)
+        upcast = interpreting() and q.dtype == torch.bfloat16
+        offsets_32 = self._offsets_32(k_cache, v_cache)
+        part_o, part_lse = self._part_o, self._part_lse
+        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                   out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
+        pdl_stage1 = pdl_wait("stage1_forked" if variant.forked else "stage1", self._target)
+        launches = []
+        for s in variant.stage1:
+            grid, heads_fastest = units_grid(s.units, self.num_kv_heads)
+            args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, vid, qk_scale, *strides)
+            constexprs = (d, block_d, self.group_size, s.block_m, s.block_n, s.tile_class, s.masked, upcast,
+                          offsets_32, s.peel, heads_fastest, pdl_stage1)  # fmt: skip
+            launches.append(
+                (tree_attention_variant_kernel, grid, args, constexprs, s.num_warps, s.num_stages, s.maxnreg,
+                 s.shrink_stages)
+            )  # fmt: skip
+        m = variant.merge
+        if m is not None:
+            args = (out, part_o, part_lse, self._plan_buf, vid, out.stride(0), out.stride(1), part_o.stride(0),
+                    part_o.stride(1), part_lse.stride(0))  # fmt: skip
+            grid = (m.queries, hq if m.many else triton.cdiv(hq, m.block_h))
+            constexprs = (hq, d, m.block_h, max(m.block_p, 1), block_d, m.many, pdl_wait("merge", self._target))
+            launches.append((merge_variant_kernel, grid, args, constexprs, m.num_warps, m.num_stages, None, False))
+        return launches
+
     def _launch_through_triton(self, q, k_cache, v_cache, out, qk_scale: float) -> list[tuple]:
         """Launch through :func:`fasttree.launcher.launch`; returns ``(compiled, grid, args, constexprs)``
         of each launch, stage 1 first, the merge last."""
@@ -665,9 +800,7 @@ class TreeAttentionRuntime:
         d, hq = self.head_dim, self.num_q_heads
         block_d = triton.next_power_of_2(d)
         upcast = interpreting() and q.dtype == torch.bfloat16
-        # int32 K/V offsets only when every slot a later plan may read is known to fit (pool_slots
-        # fixed): the launches, and graphs captured from them, serve every later plan
-        offsets_32 = self.pool_slots is not None and kv_offsets_fit_int32(self.pool_slots - 1, k_cache, v_cache)
+        offsets_32 = self._offsets_32(k_cache, v_cache)
         part_o, part_lse = self._part_o, self._part_lse
         (m0, n0, warps0, stages0), (m1, n1, warps1, stages1) = self.slots
         strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

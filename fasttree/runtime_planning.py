@@ -92,6 +92,7 @@ def plan_for_runtime(
     head_dim: int,
     stage1_launches: int | str = "auto",
     query_centric: str = "auto",
+    rules: PlanRules | None = None,
 ) -> tuple[Plan, bool]:
     """Plan ``tree`` as :meth:`fasttree.runtime.TreeAttentionRuntime.plan` does when it plans afresh.
 
@@ -107,6 +108,10 @@ def plan_for_runtime(
     query_centric : {"auto", "never", "always"}
         ``"auto"``: plan query-centric when grouping would save less than
         :data:`MIN_SHARING_GAIN` of the KV reads.
+    rules : PlanRules, optional
+        The planning rules; by default those of the fixed persistent launch
+        (:meth:`PlanRules.runtime` of the resolved ``stage1_launches``). A runtime with launch
+        variants plans with :meth:`PlanRules.defaults`, as :func:`fasttree.tree_attention`'s plans are made.
 
     Returns
     -------
@@ -124,7 +129,7 @@ def plan_for_runtime(
     launches = resolve_stage1_launches(stage1_launches, group_size, head_dim)
     check_choice("query_centric", query_centric, QUERY_CENTRIC_CHOICES)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-             "rules": PlanRules.runtime(launches)}  # fmt: skip
+             "rules": PlanRules.runtime(launches) if rules is None else rules}  # fmt: skip
     centric_config = replace(config, gamma=QUERY_CENTRIC_GAMMA)
     if query_centric == "always":
         return plan_tree(tree, centric_config, **heads), True

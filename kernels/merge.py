@@ -14,6 +14,8 @@ Two kernels, the host picks one per plan:
   reading ``BLOCK_P`` partial rows as one ``[BLOCK_P, D]`` tile, so a query's loads are
   all in flight at once. Best when some queries have many partials (long split chains).
 
+:func:`merge_variant_kernel` runs either of them as a launch variant of :mod:`fasttree.runtime`
+(the merge list and its length read from the plan buffer; programs past it exit at once), and
 :func:`merge_partials_persistent_kernel` runs both for :mod:`fasttree.runtime`: a fixed
 number of programs loop over the items of the plan buffer's merge list (its two parts'
 lengths read from the buffer's header), so the launch does not depend on the plan.
@@ -23,7 +25,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .tree_attention import HDR_MERGE_COUNTS, HDR_MERGE_QUERIES, HDR_QUERY_NUM_PARTIALS, HDR_QUERY_PARTIAL_START
+from .tree_attention import (
+    HDR_MERGE_COUNTS,
+    HDR_MERGE_QUERIES,
+    HDR_QUERY_NUM_PARTIALS,
+    HDR_QUERY_PARTIAL_START,
+    HDR_VARIANT,
+)
 
 
 @triton.jit
@@ -246,3 +254,49 @@ def merge_partials_persistent_kernel(
             n_few + index, item - index * num_heads, Out, PartO, PartLse, MergeQueries, QueryPartialStart,
             QueryNumPartials, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
         )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["variant", "stride_ln"])
+def merge_variant_kernel(
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [max_partial_rows, Hq, D], fp32
+    PartLse,  # [max_partial_rows, Hq], fp32
+    PlanBuf,  # int32 [plan_words]: header and plan arrays (see .tree_attention)
+    variant,  # the launch variant this launch belongs to (compared with the header's)
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MANY: tl.constexpr,  # merge_many_partials_kernel's programs (one head each), else merge_partials_kernel's
+    GDC_WAIT: tl.constexpr = 0,
+):
+    """Program (merged query, head block) of the uploaded plan's whole merge list, as the per-plan
+    merge kernel ``MANY`` names runs it; programs past the list, or of another variant's launch, return."""
+    if GDC_WAIT == 2:
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:
+        gdc_wait()
+    index = tl.program_id(0)
+    n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS) + tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
+    uploaded = tl.load(PlanBuf + HDR_VARIANT)
+    if (index < n_merge) & (uploaded == variant):
+        MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
+        QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
+        QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
+        if MANY:
+            _merge_one_head(
+                index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+                stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D, GDC_WAIT == 2,
+            )  # fmt: skip
+        else:
+            _merge_head_block(
+                index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+                stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
+                GDC_WAIT == 2,
+            )  # fmt: skip

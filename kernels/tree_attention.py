@@ -4,6 +4,11 @@ Two entry points share the unit's code (:func:`_attend_unit`):
 
 - :func:`tree_attention_units_kernel`: a grid of (the class's units, KV heads), sized by the
   host for each plan (:func:`fasttree.tree_attention`).
+- :func:`tree_attention_variant_kernel`: the per-plan launch of one tile class with every plan
+  array and the class's unit range read from the runtime's plan buffer, over a grid that a
+  *launch variant* fixes (at least the class's units): programs past the units, or launched for
+  another variant than the uploaded plan's, exit at once. A CUDA graph captured for a variant
+  replays every later plan of that variant.
 - :func:`tree_attention_persistent_kernel`: a fixed number of programs that loop over the
   (unit, KV head) items of both tile classes' unit ranges, with every plan array and the
   ranges read from one device buffer behind a header (:mod:`fasttree.runtime`): the launch
@@ -63,6 +68,8 @@ HDR_QUERY_NUM_PARTIALS = tl.constexpr(9)
 HDR_MERGE_QUERIES = tl.constexpr(10)
 HDR_SLOT_RANGES = tl.constexpr(11)  # (first unit, end) of slot 0, then of slot 1
 HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel, then of the many-partials one
+HDR_CLASS_RANGES = tl.constexpr(17)  # (first unit, end) of tile class 0, then of class 1 (launch variants)
+HDR_VARIANT = tl.constexpr(21)  # the launch variant the uploaded plan was planned for (launch variants)
 
 
 @triton.jit
@@ -304,6 +311,74 @@ def tree_attention_units_kernel(
         stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
         HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
     )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["variant", "stride_ln"])
+def tree_attention_variant_kernel(
+    Q,  # [n_queries, Hq, D], fp16/bf16 (rows past the plan's queries are not read)
+    K,  # [pool_slots, Hkv, D]
+    V,  # [pool_slots, Hkv, D]
+    Out,  # [n_queries, Hq, D], q's dtype
+    PartO,  # [max_partial_rows, Hq, D], fp32
+    PartLse,  # [max_partial_rows, Hq], fp32
+    PlanBuf,  # int32 [plan_words]: header (HDR_*) and the plan arrays
+    variant,  # the launch variant this launch belongs to (compared with the header's)
+    qk_scale,  # sm_scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ln,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_CLASS: tl.constexpr,  # 0 or 1: the unit range of the header this launch runs
+    MASKED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    OFFSETS_32: tl.constexpr = False,
+    PEEL: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units) (else (units, KV heads))
+    GDC_WAIT: tl.constexpr = 0,
+):
+    """One (unit, KV head) of tile class ``TILE_CLASS`` of the uploaded plan, as
+    :func:`tree_attention_units_kernel` runs it; a program past the class's units, or of a launch
+    whose ``variant`` is not the uploaded plan's, returns before touching Q, the pools or the outputs."""
+    if GDC_WAIT == 2:
+        gdc_launch_dependents()
+    if GDC_WAIT == 1:
+        gdc_wait()
+    if HEADS_FASTEST:
+        unit, kv_head = tl.program_id(1), tl.program_id(0)
+    else:
+        unit, kv_head = tl.program_id(0), tl.program_id(1)
+    first = tl.load(PlanBuf + HDR_CLASS_RANGES + 2 * TILE_CLASS)
+    end = tl.load(PlanBuf + HDR_CLASS_RANGES + 2 * TILE_CLASS + 1)
+    uploaded = tl.load(PlanBuf + HDR_VARIANT)
+    unit += first
+    if (unit < end) & (uploaded == variant):
+        # every array starts at a multiple of 32 words (fasttree.runtime aligns them)
+        KvIndices = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_KV_INDICES), 32)
+        KvRowMask = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_KV_ROW_MASK), 32)
+        UnitKvStart = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_KV_START), 32)
+        UnitKvLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_KV_LEN), 32)
+        UnitQStart = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_START), 32)
+        UnitQLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_LEN), 32)
+        PairQuery = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_QUERY), 32)
+        PairOutRow = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_OUT_ROW), 32)
+        _attend_unit(
+            unit, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -66,8 +66,9 @@ def run_peeled(tree, hq, hkv, d, dtype) -> float:
     return float((out[: rows.size].double() - ref).norm() / ref.norm())
 
 
-def run_runtime(tree, hq, hkv, d, dtype) -> float:
-    """The runtime's launches on a pool exactly as large as the tree."""
+def run_runtime(tree, hq, hkv, d, dtype, max_variants: int = 32) -> float:
+    """The runtime's launches (launch variants, or the fixed launch with ``max_variants=0``) on a pool
+    exactly as large as the tree."""
     gen = torch.Generator().manual_seed(0)
     pool = tree.max_slot + 1
     q = torch.randn(tree.n_queries, hq, d, generator=gen).to(dtype).cuda()
@@ -76,7 +77,7 @@ def run_runtime(tree, hq, hkv, d, dtype) -> float:
     rt = ft.TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device=q.device, max_queries=tree.n_queries,
         max_kv_entries=8 * pool + int(tree.path_lengths[tree.query_nodes].sum()), max_units=1 << 14,
-        max_partial_rows=64 * tree.n_queries, pool_slots=pool,
+        max_partial_rows=64 * tree.n_queries, pool_slots=pool, max_variants=max_variants,
     )  # fmt: skip
     rt.plan(tree)
     out = rt.forward(q, k, v)
@@ -108,6 +109,14 @@ def main() -> int:
         ),
         ("runtime gqa4 d128", lambda: run_runtime(random_tree(rng, max_nodes=80, max_len=700), 8, 2, 128, torch.half)),
         ("runtime gqa1 d64", lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 4, 4, 64, torch.half)),
+        (
+            "fixed runtime gqa4 d128",
+            lambda: run_runtime(random_tree(rng, max_nodes=80, max_len=700), 8, 2, 128, torch.half, max_variants=0),
+        ),
+        (
+            "fixed runtime gqa1 d64",
+            lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 4, 4, 64, torch.half, max_variants=0),
+        ),
     ]
     worst = 0.0
     for name, fn in cases:

@@ -263,7 +263,7 @@ def test_every_launch_passes_one_value_per_kernel_parameter(monkeypatch, device)
     ft.tree_attention(q, k, v, plan)
     rt = runtime_module.TreeAttentionRuntime(
         None, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device=device, max_queries=32,
-        max_kv_entries=2048,
+        max_kv_entries=2048, max_variants=0,
     )  # fmt: skip
     rt.plan(_setup_tree())
     rt.forward(q, k, v)

@@ -131,7 +131,7 @@ def test_runtime_graph_with_pdl_replays_new_trees(launches, heads):
     q = torch.randn(rows, hq, d, device="cuda", dtype=dtype, generator=gen)
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
+        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches, max_variants=0,
     )  # fmt: skip
     outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
     graph = capture_layers(rt, trees[0], q, ks, vs, outs)

@@ -25,11 +25,14 @@ import fasttree as ft
 from fasttree import packing as _packing
 from fasttree.packing import pack_units
 from fasttree.plan_arrays import DEVICE_ARRAYS
+from fasttree.runtime import PLAN_HEADER
 from fasttree.toolkit.suite import paper_tree
 from fasttree.toolkit.workloads import iter_serving
 from fasttree.tree import ragged_arange
 
 DIGESTS = Path(__file__).parent / "data" / "plan_digests.json"
+#: The header words of the launch variants (zeroed before hashing the fixed launch's staged words).
+_VARIANT_HEADER = slice(PLAN_HEADER.index("class0_first"), PLAN_HEADER.index("variant") + 1)
 #: The runtime's device for the staged-words digest: the CPU only runs it under TRITON_INTERPRET=1 (conftest).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,12 +128,13 @@ def staged_digests() -> dict[str, str]:
             rt = TreeAttentionRuntime(
                 CONFIGS[cname], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype="float16", device=DEVICE,
                 max_queries=1024, max_kv_entries=8 * pool, max_units=1 << 16, max_partial_rows=32 * 1024,
-                pool_slots=pool,
+                pool_slots=pool, max_variants=0,
             )  # fmt: skip
             h = hashlib.sha256()
             for name, tree in trees:
                 up = rt.plan(tree)
-                words = rt._staged[rt._next_staging ^ 1][: up.words]
+                words = rt._staged[rt._next_staging ^ 1][: up.words].copy()
+                words[_VARIANT_HEADER] = 0  # the launch-variant words (class ranges, variant id) came later
                 h.update(name.encode())
                 _update(h, "words", words)
                 h.update(repr((up.query_centric, up.slot_units, up.merge_counts, up.words)).encode())

@@ -40,8 +40,9 @@ def test_header_matches_the_kernels():
     values = {n: int(getattr(kt, n).value) for n in names}
     assert values["HDR_SLOT_RANGES"] == PLAN_HEADER.index("slot0_first")
     assert values["HDR_MERGE_COUNTS"] == PLAN_HEADER.index("merge_few")
+    assert values["HDR_CLASS_RANGES"] == PLAN_HEADER.index("class0_first")
     for n, v in values.items():
-        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS"):
+        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS", "HDR_CLASS_RANGES"):
             assert PLAN_HEADER[v] == n[4:].lower()
 
 
@@ -54,11 +55,12 @@ def test_header_matches_the_kernels():
         ft.FastTreeConfig(kv_split_sizes=(32, 16), para_threshs1=(1, 1)),  # groups past 32 tokens whole
     ],
 )
-@pytest.mark.parametrize("launches", [1, 2, "auto"])
-def test_runtime_matches_reference_over_several_trees(device, config, launches):
-    """One runtime, one q/out buffer, many trees: every step equals the float64 reference
-    (stage 1 as one launch over both tile classes, or one launch per class)."""
-    rt = _runtime(device, config, stage1_launches=launches)
+@pytest.mark.parametrize(("launches", "max_variants"), [(1, 0), (2, 0), ("auto", 0), ("auto", 32), ("auto", 1)])
+def test_runtime_matches_reference_over_several_trees(device, config, launches, max_variants):
+    """One runtime, one q/out buffer, many trees: every step equals the float64 reference (the fixed
+    launch with stage 1 as one launch over both tile classes or one per class; launch variants; one
+    variant, then the fixed launch for the other plans)."""
+    rt = _runtime(device, config, stage1_launches=launches, max_variants=max_variants)
     rng = np.random.default_rng(5)
     q_rows = 64
     for step in range(4):
@@ -114,7 +116,7 @@ def test_host_runtime_planning_is_what_the_runtime_uploads(device, heads, query_
     shape = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
     rng = np.random.default_rng(hq + hkv)
     config = ft.FastTreeConfig(kv_tile=(32, 16), num_warps=(8, 4), kv_split_sizes=(64, 32), pack_tokens=64)
-    rt = _runtime(device, config, **shape, query_centric=query_centric, extend_steps=0)
+    rt = _runtime(device, config, **shape, query_centric=query_centric, extend_steps=0, max_variants=0)
     assert rt.slots == launch_slots(config, hq // hkv, d)
     for _ in range(6):
         tree = random_tree(rng, max_nodes=12, max_len=60)
@@ -131,6 +133,15 @@ def test_host_runtime_planning_is_what_the_runtime_uploads(device, heads, query_
             slot = rt.slots[0 if plan.tile_mode == "all_large" else c]
             warps_stages = rt.slots[0][2:] if fused else slot[2:]
             assert (tc.block_m, tc.block_n, tc.num_warps, tc.num_stages) == (*slot[:2], *warps_stages)
+    # with launch variants the runtime uploads what fasttree.plan makes (tree_attention's plan)
+    rt = _runtime(device, config, **shape, query_centric="never", extend_steps=0)
+    for _ in range(4):
+        tree = random_tree(rng, max_nodes=12, max_len=60)
+        uploaded = rt.plan(tree)
+        plan = ft.plan(tree, config, **shape)
+        for name in ("kv_indices", "kv_row_mask", "unit_kv_len", "unit_q_len", "pair_out_row", "merge_queries"):
+            assert np.array_equal(getattr(plan, name), getattr(uploaded.plan, name)), name
+        assert uploaded.variant_id >= 1 and uploaded.variant is not None
     with pytest.raises(ValueError, match="stage1_launches"):
         plan_for_runtime(tree, config, **shape, stage1_launches=3)
 
@@ -352,7 +363,7 @@ def test_programs_claim_items_past_the_first_wave(device, launches, hq, hkv, d, 
     )  # two tile classes: the root's 64-token chunks (40 queries) and the leaves
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
     rt = TreeAttentionRuntime(config, dtype=dtype, device=device, max_queries=512, max_kv_entries=32768,
-                              stage1_launches=launches, programs_per_sm=1, **heads)  # fmt: skip
+                              stage1_launches=launches, programs_per_sm=1, max_variants=0, **heads)  # fmt: skip
     n = max(40, rt._sm_count // hkv + 8)  # leaves: more small-class items than one program per SM
     lengths = [300] + [1 + (7 * i) % 45 for i in range(n)]
     starts = np.cumsum([0, *lengths])
@@ -401,7 +412,7 @@ def test_one_launch_stage1_keeps_long_units_in_bins(hq, hkv, launches, device):
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype="float16", device=device,
         max_queries=tree.n_queries, max_kv_entries=1 << 20, max_units=1 << 14, max_partial_rows=1 << 14,
-        pool_slots=tree.max_slot + 1, stage1_launches=launches,
+        pool_slots=tree.max_slot + 1, stage1_launches=launches, max_variants=0,
     )  # fmt: skip
     got = rt.plan(tree).plan
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
@@ -473,10 +484,11 @@ def test_extension_over_a_capacity_plans_afresh(device):
     assert rt.current_plan is first
 
 
+@pytest.mark.parametrize("max_variants", [0, 8])
 @pytest.mark.parametrize(("pool_slots", "expected"), [(None, False), (1003, True)])
-def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots, expected):
-    """The persistent stage 1 uses int32 K/V offsets only when the runtime knows every slot a
-    later plan may read (pool_slots): its launches, and graphs of them, serve every later plan."""
+def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots, expected, max_variants):
+    """Stage 1 (fixed or variant launches) uses int32 K/V offsets only when the runtime knows every
+    slot a later plan may read (pool_slots): its launches, and graphs of them, serve every later plan."""
     import fasttree.runtime as runtime_module
 
     seen = []
@@ -485,10 +497,12 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     def recording(kernel, grid, args, constexprs, *rest, **kw):
         if kernel is runtime_module.tree_attention_persistent_kernel:
             seen.append(constexprs[10])  # OFFSETS_32
+        if kernel is runtime_module.tree_attention_variant_kernel:
+            seen.append(constexprs[8])
         return real(kernel, grid, args, constexprs, *rest, **kw)
 
     monkeypatch.setattr(runtime_module, "launch", recording)
-    rt = _runtime(device, pool_slots=pool_slots)
+    rt = _runtime(device, pool_slots=pool_slots, max_variants=max_variants)
     tree = random_tree(np.random.default_rng(8), max_nodes=10, max_len=60)
     q, k, v = _inputs(tree, device, 64)
     assert k.shape[0] == 1003
@@ -518,7 +532,7 @@ def _runtime_outputs(device, monkeypatch, tree, q, k, v, launches, forced: dict)
         return real(kernel, grid, args, constexprs, *rest, **kw)
 
     monkeypatch.setattr(runtime_module, "launch", forcing)
-    rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0])
+    rt = _runtime(device, stage1_launches=launches, pool_slots=k.shape[0], max_variants=0)
     rt.plan(tree)
     for _ in range(2):
         out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))

@@ -10,7 +10,7 @@ from test_attention import TOL
 from trees import random_tree
 
 import fasttree as ft
-from fasttree.runtime import TreeAttentionRuntime
+from fasttree.runtime import StepGraphs, TreeAttentionRuntime
 from fasttree.toolkit.workloads import iter_serving
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +48,8 @@ def capture_layers(rt: TreeAttentionRuntime, tree, q, ks, vs, outs) -> torch.cud
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
 @pytest.mark.parametrize("launches", [1, 2])
 def test_graph_replay_with_a_new_tree_every_step(scenario, heads, launches):
-    """Three layers captured once; each later step plans a new tree and replays the graph."""
+    """The fixed launch (max_variants=0): three layers captured once; each later step plans a new
+    tree and replays the graph."""
     hq, hkv = heads
     d, dtype, layers, rows = 128, torch.float16, 3, 256
     trees = [s.tree for s in iter_serving(scenario, seed=3, steps=40)][::8]
@@ -60,13 +61,14 @@ def test_graph_replay_with_a_new_tree_every_step(scenario, heads, launches):
     outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches,
+        max_queries=rows, max_kv_entries=4 * pool, pool_slots=pool, stage1_launches=launches, max_variants=0,
     )  # fmt: skip
 
     q.normal_(generator=gen)
     graph = capture_layers(rt, trees[0], q, ks, vs, outs)
     for i, tree in enumerate(trees[1:]):
         info = rt.plan(tree)
+        assert info.variant_id == 0
         q.normal_(generator=gen)
         for o in outs:
             o.fill_(float("nan"))
@@ -82,15 +84,102 @@ def test_graph_replay_with_a_new_tree_every_step(scenario, heads, launches):
             _check(outs[layer][:n], q[:n], ks[layer], vs[layer], tree, dtype, seed=i * layers + layer)
 
 
+@pytest.mark.parametrize("scenario", ["few_shot", "multi_document_qa", "chain_reasoning", "multi_level_system_prompts"])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "dtype"),
+    [
+        (32, 32, 128, torch.float16),
+        (32, 8, 128, torch.float16),
+        (16, 1, 128, torch.bfloat16),
+        (28, 4, 64, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("max_variants", [32, 2])
+def test_variant_graphs_replay_a_new_tree_every_step(scenario, hq, hkv, d, dtype, max_variants):
+    """Launch variants: StepGraphs captures one graph of three layers per variant met and replays
+    the one of each step's plan; every replay equals tree_attention on the same plan bit for bit
+    (same kernels, tiles and order), and the reference. With max_variants=2 most plans run the
+    fixed launch (variant 0), in the same graphs object."""
+    layers, rows = 3, 256
+    trees = [s.tree for s in iter_serving(scenario, seed=3, steps=60)][::3]
+    pool = max(t.max_slot for t in trees) + 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ks = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
+    vs = [torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(layers)]
+    q = torch.empty(rows, hq, d, device="cuda", dtype=dtype)
+    outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda", max_queries=rows,
+        max_kv_entries=4 * pool, pool_slots=pool, query_centric="never", max_variants=max_variants,
+    )  # fmt: skip
+
+    def step():
+        for k, v, out in zip(ks, vs, outs, strict=True):
+            rt.forward(q, k, v, out=out)
+
+    graphs = StepGraphs(step, [rt])
+    ids = set()
+    for i, tree in enumerate(trees):
+        info = rt.plan(tree)
+        ids.add(info.variant_id)
+        q.normal_(generator=gen)
+        for o in outs:
+            o.fill_(float("nan"))
+        graphs.replay()
+        torch.cuda.synchronize()
+        n = tree.n_queries
+        assert len(rt.variants) <= max_variants
+        for layer in range(layers):
+            fresh = ft.tree_attention(q[:n], ks[layer], vs[layer], info.plan)
+            if info.variant_id:
+                assert torch.equal(outs[layer][:n], fresh), (i, layer)
+            else:
+                assert ft.max_relative_error(outs[layer][:n], fresh) <= TOL[dtype]
+            assert torch.isnan(outs[layer][n:]).all()
+            _check(outs[layer][:n], q[:n], ks[layer], vs[layer], tree, dtype, seed=i * layers + layer)
+    assert len(graphs) == len(ids) == graphs.captures
+    assert len(ids) > 1  # the steps met several variants
+
+
+def test_a_graph_of_another_variant_writes_nothing():
+    """Replaying a graph captured for one variant after uploading a plan of another leaves the
+    outputs untouched (every program checks the uploaded plan's variant before any read or write)."""
+    hq, hkv, d, dtype = 32, 8, 128, torch.float16
+    small = ft.KVTree.from_lengths([-1, 0, 0], [100, 20, 30], [1, 2])
+    large = ft.KVTree.from_lengths([-1] + [0] * 40, [3000] + [50] * 40, list(range(1, 41)))
+    pool = large.max_slot + 1
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    q = torch.randn(64, hq, d, device="cuda", dtype=dtype, generator=gen)
+    out = torch.empty_like(q)
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda", max_queries=64,
+        max_kv_entries=1 << 16, pool_slots=pool,
+    )  # fmt: skip
+    first = rt.plan(small)
+    rt.forward(q, k, v, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rt.forward(q, k, v, out=out)
+    assert rt.plan(large).variant_id != first.variant_id
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 16, 64), (32, 8, 128), (28, 4, 128), (32, 4, 256), (16, 1, 128)])
-@pytest.mark.parametrize("launches", [1, 2])
-def test_random_forests_through_one_runtime(hq, hkv, d, dtype, launches):
+@pytest.mark.parametrize(("launches", "max_variants"), [(1, 0), (2, 0), ("auto", 32)])
+def test_random_forests_through_one_runtime(hq, hkv, d, dtype, launches, max_variants):
     rng = np.random.default_rng(hq * 1000 + hkv * 10 + d)
     rt = TreeAttentionRuntime(
         ft.FastTreeConfig(kv_tile=(32, 32)) if d == 256 else None,
         num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
         max_queries=512, max_kv_entries=1 << 17, pool_slots=1 << 16, stage1_launches=launches,
+        max_variants=max_variants,
     )  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(1)
     k = torch.randn(1 << 16, hkv, d, device="cuda", dtype=dtype, generator=gen)
@@ -123,7 +212,7 @@ def test_one_graph_per_batch_bucket():
     out = torch.empty_like(q)
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-        max_queries=256, max_kv_entries=4 * pool, pool_slots=pool,
+        max_queries=256, max_kv_entries=4 * pool, pool_slots=pool, max_variants=0,
     )  # fmt: skip
     graphs = {}
     for bucket in (64, 256):

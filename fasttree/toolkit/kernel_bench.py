@@ -50,6 +50,7 @@ from ..export import ConfigExport, read_export
 from ..fileio import write_atomic
 from ..runtime import TreeAttentionRuntime
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
+from .family_suite import FAMILY_CASES, FamilyCase, family_tree
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us
 
@@ -127,15 +128,33 @@ def worst_rel_error(out: torch.Tensor, ref: torch.Tensor, rows: np.ndarray) -> f
 
 
 def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -> dict[str, Any]:
+    """One paper-suite case (tree ``case`` at head setting ``heads``) at ``args``' head dim and dtype."""
     hq, hkv = PAPER_HEADS[heads]
-    d, dtype = args.head_dim, DTYPES[args.dtype]
-    tree = paper_tree(case)
-    gen = torch.Generator(device="cuda").manual_seed(1000 * case + hq + hkv)
+    return bench_tree(
+        paper_tree(case), case, heads, hq, hkv, args.head_dim, args.dtype, args, anchors.get((case, heads)), case
+    )
+
+
+def bench_family_case(fc: FamilyCase, args: argparse.Namespace) -> dict[str, Any]:
+    """One case of the families suite (:mod:`.family_suite`)."""
+    hq, hkv = fc.heads
+    return bench_tree(family_tree(fc), fc.name, f"{hq}/{hkv}", hq, hkv, fc.head_dim, fc.dtype, args, None, fc.seed)
+
+
+def bench_tree(
+    tree: ft.KVTree, case: int | str, heads: str, hq: int, hkv: int, d: int, dtype_name: str,
+    args: argparse.Namespace, anchor: dict | None, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Every variant of ``args`` on ``tree`` at ``Hq = hq``, ``Hkv = hkv``, head dim ``d`` and dtype
+    ``dtype_name``, on random N(0, 1) inputs seeded by ``seed``; ``anchor``: the published
+    kernel's row of the anchors file, if any."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(1000 * seed + hq + hkv)
     pool = tree.max_slot + 1
     q = torch.randn(tree.n_queries, hq, d, device="cuda", dtype=dtype, generator=gen)
     k = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
-    rows = np.sort(np.random.default_rng(case).choice(tree.n_queries, min(tree.n_queries, 64), replace=False))
+    rows = np.sort(np.random.default_rng(seed).choice(tree.n_queries, min(tree.n_queries, 64), replace=False))
     ref = ft.reference_attention(q, k, v, tree, queries=rows)
     row: dict[str, Any] = {
         "case": case,
@@ -143,12 +162,11 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
         "num_q_heads": hq,
         "num_kv_heads": hkv,
         "head_dim": d,
-        "dtype": args.dtype,
+        "dtype": dtype_name,
         "n_queries": tree.n_queries,
         "unique_kv_tokens": tree.num_tokens,
         **roofline_floor_us(tree, hq, hkv, d, q.element_size()),
     }
-    anchor = anchors.get((case, heads))
     if anchor and d == 128 and dtype == torch.float16:
         row["published_graph_us"] = anchor["published_fasttree_graph_us"]
         row["published_eager_us"] = anchor["published_fasttree_eager_us"]
@@ -207,7 +225,10 @@ def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -
             max_queries=tree.n_queries, max_kv_entries=2 * plan.kv_indices.size + 4096, max_units=2 * plan.n_units + 64,
             max_partial_rows=2 * plan.n_partial_rows + 64, max_pairs=2 * plan.pair_query.size + 64, pool_slots=pool,
         )  # fmt: skip
-        rt.plan(tree)
+        uploaded = rt.plan(tree)
+        row.setdefault("variant_plans", {})["runtime"] = {
+            "variant_id": uploaded.variant_id, "units": uploaded.plan.units_per_class(),
+        }  # fmt: skip
         outs["runtime"] = torch.empty_like(q)
         runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
 
@@ -307,7 +328,40 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if ours is not None and t is not None and t < ours:
                 losses.append(f"{r['case']}/{r['heads']} vs {other}: {ours:.1f} > {t:.1f} us")
     s["losses_to_baselines"] = losses
+    s.update(_ratio_summary(rows))
     return s
+
+
+#: Ratios the summary reports, as (key, faster variant's time in the numerator, slower's in the denominator):
+#: ``runtime_vs_fasttree`` is tree_attention's time over the runtime's (>= 1: the runtime as fast).
+_RATIOS = (
+    ("runtime_vs_fasttree", "fasttree", "runtime"),
+    ("fasttree_vs_query_separated", "query_separated", "fasttree"),
+    ("runtime_vs_query_separated", "query_separated", "runtime"),
+)
+
+
+def _ratio(row: dict[str, Any], num: str, den: str) -> float | None:
+    """``num``'s graph time over ``den``'s in ``row`` (None when either is missing)."""
+    a = row["variants"].get(num, {}).get("graph_us")
+    b = row["variants"].get(den, {}).get("graph_us")
+    return None if a is None or b is None else a / b
+
+
+def _ratio_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Geomean, worst case and count below 0.97 of each of :data:`_RATIOS` over the rows with both times."""
+    out: dict[str, Any] = {}
+    for key, num, den in _RATIOS:
+        pairs = [(_ratio(r, num, den), f"{r['case']}/{r['heads']}") for r in rows]
+        pairs = [(p, name) for p, name in pairs if p is not None]
+        if not pairs:
+            continue
+        worst = min(pairs)
+        out[key] = {
+            "geomean": geomean([p for p, _ in pairs]), "worst": worst[0], "worst_case": worst[1],
+            "below_0.97": sum(p < 0.97 for p, _ in pairs), "n": len(pairs),
+        }  # fmt: skip
+    return out
 
 
 def _f(x, fmt=".1f") -> str:
@@ -319,7 +373,7 @@ def markdown(rows, summary, env, label) -> str:
     head = (
         "| case | heads | floor us | published us | "
         + " | ".join(names)
-        + " | eager | graph cold | eager loop | speedup | floor/ours |"
+        + " | eager | graph cold | eager loop | speedup | floor/ours | runtime/ours |"
     )
     lines = [
         f"# Tree-attention kernel benchmark ({label})",
@@ -329,10 +383,11 @@ def markdown(rows, summary, env, label) -> str:
         "GPU time in us by CUDA-graph replay (20 calls per graph, median / 20); eager = do_bench median "
         "of our default call (one call at a time, L2 cleared before each); graph cold = the same call replayed "
         "from a CUDA graph, timed as eager is (one at a time, L2 cleared); eager loop = 20 of our default calls "
-        "issued back to back without a graph, timed like the replay (median / 20). `x` marks a wrong result.",
+        "issued back to back without a graph, timed like the replay (median / 20); runtime/ours = our default "
+        "call's time over the runtime's (>= 1: the runtime as fast). `x` marks a wrong result.",
         "",
         head,
-        "|" + "---:|" * (len(names) + 9),
+        "|" + "---:|" * (len(names) + 10),
     ]
     for r in rows:
         cells = []
@@ -345,7 +400,8 @@ def markdown(rows, summary, env, label) -> str:
             + " | ".join(cells)
             + f" | {_f(ours.get('eager_us'))} | {_f(ours.get('graph_cold_us'))} | {_f(ours.get('eager_loop_us'))}"
             + f" | {_f(r.get('speedup_vs_published'), '.2f')}"
-            + f" | {_f(r.get('floor_over_ours'), '.2f')} |"
+            + f" | {_f(r.get('floor_over_ours'), '.2f')}"
+            + f" | {_f(_ratio(r, 'fasttree', 'runtime'), '.3f')} |"
         )
     lines += ["", "Summary:", ""]
     lines += [f"- {k}: {v}" for k, v in summary.items()]
@@ -384,7 +440,14 @@ def plot(rows, path: Path) -> bool:
 
 def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["paper"], default="paper", help="benchmark suite (default: paper)")
+    p.add_argument(
+        "--suite",
+        choices=["paper", "families"],
+        default="paper",
+        help="benchmark suite: the paper's 15 trees at --heads, --head-dim and --dtype, or 'families': "
+        "other tree families at fixed head shapes, head dims and dtypes (fasttree.toolkit.family_suite; "
+        "--cases, --heads, --head-dim and --dtype do not apply) (default: paper)",
+    )
     p.add_argument("--heads", default=",".join(PAPER_HEADS), help="head settings, comma separated")
     p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
     p.add_argument("--head-dim", type=int, default=128)
@@ -449,24 +512,28 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
     env = environment(gpu=True)
     anchors = anchor_rows()
     rows = []
-    for case in args.cases:
-        for heads in args.heads:
-            row = bench_case(case, heads, args, anchors)
-            rows.append(row)
-            v = row["variants"].get("fasttree", {})
-            log.info(
-                "case %2d %-5s ours %.1f us (eager %.1f), published %s, floor %.1f, err %.1e",
-                case,
-                heads,
-                v.get("graph_us", float("nan")),
-                v.get("eager_us", float("nan")),
-                row.get("published_graph_us"),
-                row["floor_us"],
-                v.get("max_rel_err", float("nan")),
-            )
+    if args.suite == "paper":
+        runs = [lambda c=case, h=heads: bench_case(c, h, args, anchors) for case in args.cases for heads in args.heads]
+    else:
+        runs = [lambda fc=fc: bench_family_case(fc, args) for fc in FAMILY_CASES]
+    for run in runs:
+        row = run()
+        rows.append(row)
+        v = row["variants"].get("fasttree", {})
+        log.info(
+            "case %s %-5s ours %.1f us (eager %.1f), runtime %.1f us, published %s, floor %.1f, err %.1e",
+            row["case"],
+            row["heads"],
+            v.get("graph_us", float("nan")),
+            v.get("eager_us", float("nan")),
+            row["variants"].get("runtime", {}).get("graph_us", float("nan")),
+            row.get("published_graph_us"),
+            row["floor_us"],
+            v.get("max_rel_err", float("nan")),
+        )
     summary = summarize(rows)
     report = {
-        "benchmark": "tree attention kernel, paper suite",
+        "benchmark": f"tree attention kernel, {args.suite} suite",
         "label": args.label,
         "export": args.export_path,
         "env": env,

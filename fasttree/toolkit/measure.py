@@ -160,7 +160,7 @@ def runtime_for(point: DesignPoint, tree: KVTree, plan, device: Any):
         max_kv_entries=max(1, int(plan.kv_indices.size)), max_units=max(1, plan.n_units),
         max_partial_rows=max(1, int(plan.n_partial_rows)), max_pairs=max(1, int(plan.pair_query.size)),
         pool_slots=tree.max_slot + 1, query_centric=launch["query_centric"],
-        stage1_launches=launch["stage1_launches"], extend_steps=0,
+        stage1_launches=launch["stage1_launches"], extend_steps=0, max_variants=0,
     )  # fmt: skip
     rt.plan(tree)
     return rt

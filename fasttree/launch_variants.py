@@ -1,0 +1,145 @@
+"""Launch variants of the decode runtime: per-plan launches that a CUDA graph can replay.
+
+:func:`fasttree.tree_attention` sizes each launch for its plan: a grid of exactly the plan's
+(unit, KV head) items per tile class, and per-plan tiles, stages, register caps and peeling
+(:func:`fasttree.launch_rules.stage1_launches`, :func:`fasttree.launch_rules.merge_launch`). A
+graph cannot replay such a launch for another plan. A :class:`LaunchVariant` is those same
+launch decisions with each grid rounded up to a *grid bucket* (:func:`grid_bucket`): every plan
+of a variant runs from one set of launches (the kernels read the plan's arrays and unit ranges
+from the runtime's plan buffer; programs past a plan's units exit at once), so a server captures
+one graph per variant it meets and replays the one of each step's plan, as serving engines keep
+one graph per batch-size bucket. :class:`VariantTable` numbers the variants a runtime hands out
+and bounds them; plans beyond the bound run the runtime's fixed persistent launch (variant 0).
+
+Numpy only (no device work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from .launch_rules import GpuTarget, merge_launch, stage1_launches
+from .plan_arrays import Plan
+
+__all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "launch_variant"]
+
+#: Variant id of the runtime's fixed persistent launch (serves any plan within the capacities).
+FIXED_VARIANT = 0
+#: Counts up to this many are their own bucket.
+_EXACT_BUCKETS = 16
+#: Mantissa bits of a bucket above that: 3 bits, so a bucket holds at most 1/8 idle programs.
+_BUCKET_BITS = 3
+
+
+def grid_bucket(n: int) -> int:
+    """The grid size (>= ``n``) a launch variant gives a launch of ``n`` programs along its
+    unit (or merged-query) dimension: ``n`` itself up to 16, above that ``n`` rounded up to
+    ``m * 2**e`` with ``8 <= m < 16``, so at most one program in eight exits idle and a server
+    meets at most eight buckets per doubling of its plans' sizes."""
+    if n <= _EXACT_BUCKETS:
+        return max(int(n), 0)
+    shift = int(n).bit_length() - 1 - _BUCKET_BITS
+    return -(-int(n) >> shift) << shift
+
+
+@dataclass(frozen=True)
+class Stage1Shape:
+    """What a stage-1 launch of a variant is compiled and launched with (a tile class's
+    :class:`fasttree.launch_rules.Stage1Launch` without its plan-specific unit range)."""
+
+    tile_class: int
+    units: int  # grid bucket of the class's units
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+    masked: bool
+    peel: bool
+    shrink_stages: bool
+
+
+@dataclass(frozen=True)
+class MergeShape:
+    """What the merge launch of a variant is compiled and launched with."""
+
+    many: bool
+    queries: int  # grid bucket of the merged queries
+    block_h: int
+    block_p: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class LaunchVariant:
+    """The launches of one step: the stage-1 launch of each non-empty tile class (two run side by
+    side on two streams, as :func:`fasttree.tree_attention` runs them) and the merge, if any.
+
+    Hashable: a server keys its CUDA graphs by it (with :class:`fasttree.runtime.StepGraphs`,
+    or by :attr:`fasttree.runtime.RuntimePlan.variant_id`).
+    """
+
+    stage1: tuple[Stage1Shape, ...]
+    merge: MergeShape | None
+
+    @property
+    def forked(self) -> bool:
+        """Two stage-1 launches, run side by side."""
+        return len(self.stage1) == 2
+
+
+def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
+    """The launch variant of ``plan`` on ``target``: ``plan``'s own launch decisions, grids bucketed."""
+    stage1 = tuple(
+        Stage1Shape(
+            tile_class=s.tile_class, units=grid_bucket(s.n_units), block_m=s.block_m, block_n=s.block_n,
+            num_warps=s.num_warps, num_stages=s.num_stages, maxnreg=s.maxnreg, masked=s.masked, peel=s.peel,
+            shrink_stages=s.shrink_stages,
+        )
+        for s in stage1_launches(plan, target)
+    )  # fmt: skip
+    m = merge_launch(plan, triton.next_power_of_2(plan.head_dim))
+    merge = None
+    if m is not None:
+        merge = MergeShape(
+            many=m.many, queries=grid_bucket(m.n_merge), block_h=m.block_h, block_p=m.block_p,
+            num_warps=m.num_warps, num_stages=m.num_stages,
+        )  # fmt: skip
+    return LaunchVariant(stage1=stage1, merge=merge)
+
+
+class VariantTable:
+    """Numbers the launch variants a runtime hands out, at most ``max_variants`` of them.
+
+    Parameters
+    ----------
+    max_variants : int
+        Variants numbered 1, 2, ... in the order they are first met; a plan whose variant is new
+        once that many exist gets :data:`FIXED_VARIANT` (0: the fixed persistent launch). 0: every
+        plan runs the fixed launch (one graph serves every step).
+    """
+
+    def __init__(self, max_variants: int) -> None:
+        self.max_variants = int(max_variants)
+        self._ids: dict[LaunchVariant, int] = {}
+        self._by_id: dict[int, LaunchVariant] = {}
+
+    def id_of(self, variant: LaunchVariant) -> int:
+        """The id of ``variant``: its number when it has one or one is still free, else 0."""
+        vid = self._ids.get(variant)
+        if vid is None:
+            if len(self._ids) >= self.max_variants:
+                return FIXED_VARIANT
+            vid = self._ids[variant] = len(self._ids) + 1
+            self._by_id[vid] = variant
+        return vid
+
+    def variant(self, variant_id: int) -> LaunchVariant | None:
+        """The variant numbered ``variant_id`` (None for :data:`FIXED_VARIANT`)."""
+        return self._by_id.get(variant_id)
+
+    def __len__(self) -> int:
+        return len(self._ids)

@@ -1,0 +1,115 @@
+"""The kernel benchmark's suite of other tree families: trees and head shapes a new user tries.
+
+The paper suite (:mod:`.suite`) is 15 trees at head dim 128, fp16. This suite adds, fixed
+before measuring: forests with queries at internal nodes, speculative token trees, beam-search
+forests, long documents, wide few-shot prompts and batches with no sharing, at GQA 1/4/7/8/16
+and one KV head (tensor-parallel shapes: 4, 8 or 16 query heads over one KV head), head dims
+64/128/256, fp16 and bf16. Each case is ``(name, family, seed, params, (Hq, Hkv), D, dtype)``;
+:func:`family_tree` builds its tree deterministically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tree import KVTree
+from .workloads import sample_tree
+
+__all__ = ["FAMILY_CASES", "FamilyCase", "family_tree"]
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One case of the families suite.
+
+    Attributes
+    ----------
+    name : str
+        Unique label (family, tree and head shape).
+    family : str
+        A key of :data:`fasttree.toolkit.workloads.TREE_FAMILIES`.
+    seed : int
+        The tree's seed.
+    params : dict
+        The family's size parameters.
+    heads : (int, int)
+        ``(Hq, Hkv)``.
+    head_dim : int
+    dtype : str
+        ``"float16"`` or ``"bfloat16"``.
+    """
+
+    name: str
+    family: str
+    seed: int
+    params: dict[str, Any] = field(default_factory=dict)
+    heads: tuple[int, int] = (32, 8)
+    head_dim: int = 128
+    dtype: str = "float16"
+
+
+_TREES: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "forest_internal": ("random_recursive", 11, {"n_nodes": 600, "max_node_tokens": 512, "internal_query_prob": 0.3}),
+    "token_tree": ("speculative", 12, {"n_requests": 8, "n_token_nodes": 128, "max_depth": 8}),
+    "token_tree_1k": ("speculative", 13, {"n_requests": 4, "n_token_nodes": 256, "max_depth": 12}),
+    "beams": ("beam_search", 14, {"width": 8, "depth": 8, "n_prompts": 4}),
+    "beams_wide": ("beam_search", 15, {"width": 16, "depth": 4, "n_prompts": 8}),
+    "long_docs": (
+        "multi_document", 16,
+        {"n_documents": 2, "doc_tokens": (30000, 30000), "questions_per_doc": (8, 8)},
+    ),
+    "many_docs": ("multi_document", 17, {"n_documents": 24, "doc_tokens": (1000, 4000)}),
+    "few_shot_wide": ("few_shot", 18, {"prompt_tokens": 4096, "n_questions": 50}),
+    "few_shot_512": ("few_shot", 19, {"prompt_tokens": 2048, "n_questions": 512}),
+    "no_sharing_2k": ("no_sharing", 20, {"n_requests": 64, "context_tokens": (2048, 2048)}),
+    "no_sharing_mixed": ("no_sharing", 21, {"n_requests": 256, "context_tokens": (16, 8192)}),
+    "paper_random": ("paper_random", 22, {"levels": 4, "max_leaves": 256}),
+}  # fmt: skip
+
+#: (tree, (Hq, Hkv), D, dtype) of each case.
+_SHAPES: tuple[tuple[str, tuple[int, int], int, str], ...] = (
+    ("forest_internal", (32, 32), 128, "float16"),
+    ("forest_internal", (32, 2), 128, "float16"),
+    ("forest_internal", (16, 1), 128, "float16"),
+    ("token_tree", (28, 4), 128, "float16"),
+    ("token_tree", (32, 32), 128, "float16"),
+    ("token_tree_1k", (32, 2), 128, "bfloat16"),
+    ("token_tree_1k", (32, 4), 64, "bfloat16"),
+    ("beams", (28, 4), 128, "float16"),
+    ("beams", (32, 8), 256, "bfloat16"),
+    ("beams_wide", (32, 32), 128, "float16"),
+    ("beams_wide", (8, 1), 128, "float16"),
+    ("long_docs", (16, 1), 128, "float16"),
+    ("long_docs", (32, 8), 128, "float16"),
+    ("long_docs", (32, 32), 128, "float16"),
+    ("long_docs", (4, 1), 128, "bfloat16"),
+    ("many_docs", (28, 4), 128, "float16"),
+    ("many_docs", (32, 4), 64, "bfloat16"),
+    ("few_shot_wide", (16, 1), 128, "float16"),
+    ("few_shot_wide", (32, 8), 256, "bfloat16"),
+    ("few_shot_512", (32, 4), 64, "bfloat16"),
+    ("few_shot_512", (8, 1), 128, "float16"),
+    ("few_shot_512", (32, 32), 128, "float16"),
+    ("no_sharing_2k", (16, 1), 128, "float16"),
+    ("no_sharing_2k", (32, 8), 128, "float16"),
+    ("no_sharing_2k", (32, 32), 128, "float16"),
+    ("no_sharing_mixed", (28, 4), 128, "bfloat16"),
+    ("paper_random", (32, 4), 64, "bfloat16"),
+    ("paper_random", (16, 2), 256, "bfloat16"),
+    ("paper_random", (32, 2), 128, "float16"),
+)
+
+FAMILY_CASES: tuple[FamilyCase, ...] = tuple(
+    FamilyCase(
+        name=f"{tree}/{hq}x{hkv}/d{d}/{'bf16' if dtype == 'bfloat16' else 'fp16'}",
+        family=_TREES[tree][0], seed=_TREES[tree][1], params=_TREES[tree][2], heads=(hq, hkv), head_dim=d,
+        dtype=dtype,
+    )
+    for tree, (hq, hkv), d, dtype in _SHAPES
+)  # fmt: skip
+
+
+def family_tree(case: FamilyCase) -> KVTree:
+    """The tree of ``case`` (deterministic: the family's generator with the case's seed)."""
+    return sample_tree(case.family, case.seed, **case.params)
