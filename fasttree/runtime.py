@@ -54,6 +54,7 @@ from .export import ConfigExport, _dtype_name
 from .kernels import (
     merge_partials_persistent_kernel,
     merge_variant_kernel,
+    relocate_plan_kernel,
     tree_attention_persistent_kernel,
     tree_attention_variant_kernel,
 )
@@ -99,7 +100,7 @@ logger = logging.getLogger(__name__)
 #: and the merged-query counts of the few- and many-partials merges (kernels' ``HDR_*``).
 PLAN_HEADER = (
     *DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many",
-    "class0_first", "class0_end", "class1_first", "class1_end", "variant",
+    "class0_first", "class0_end", "class1_first", "class1_end", "variant", "words_end",
 )  # fmt: skip
 _HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
 _ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
@@ -179,7 +180,11 @@ _MERGE_ARGS = 11
 #: Position of ``qk_scale`` among ``tree_attention_persistent_kernel``'s arguments.
 _STAGE1_QK_ARG = 9
 #: Position of ``qk_scale`` among ``tree_attention_variant_kernel``'s arguments.
-_VARIANT_QK_ARG = 8
+_VARIANT_QK_ARG = 18
+#: Words one program of the plan relocation copies per step.
+_RELOCATE_BLOCK = 1024
+#: Most programs of the plan relocation per array.
+_RELOCATE_PROGRAMS = 64
 #: Launch variants a runtime hands out by default before further new ones run the fixed launch.
 DEFAULT_MAX_VARIANTS = 32
 
@@ -327,6 +332,11 @@ class TreeAttentionRuntime:
             "merge_queries": self.max_queries,
         }
         self.plan_words = _HEADER_WORDS + sum(_aligned(n) for n in self._capacity.values())
+        # launch variants read the arrays at fixed offsets of a second buffer (each array at its
+        # capacity; a unit array holds tile class 0's units from 0 and class 1's from max_units)
+        fixed = {n: 2 * c if n.startswith("unit_") else c for n, c in self._capacity.items()}
+        self._fixed_offsets = np.cumsum([0] + [_aligned(c) for c in fixed.values()])[:-1].tolist()
+        self.fixed_words = sum(_aligned(c) for c in fixed.values()) if self.variants.max_variants else 0
         if self.plan_words > 0x7FFFFFFF:
             raise ValueError(f"the capacities need {self.plan_words} int32 words of plan buffer, more than 2**31 - 1")
         self._allocate_buffers()
@@ -368,6 +378,17 @@ class TreeAttentionRuntime:
                 )
         pin = self.device.type == "cuda"
         self._plan_buf = torch.zeros(self.plan_words, dtype=torch.int32, device=self.device)
+        self._fixed = torch.zeros(max(1, self.fixed_words), dtype=torch.int32, device=self.device)
+        self._fixed_dst = torch.tensor(self._fixed_offsets, dtype=torch.int32, device=self.device)
+        sizes = (
+            np.diff([*self._fixed_offsets, self.fixed_words]).tolist()
+            if self.fixed_words
+            else [1] * len(self._fixed_offsets)
+        )
+        self._fixed_arrays = {
+            name: self._fixed[o : o + n] if self.fixed_words else self._fixed
+            for name, o, n in zip(DEVICE_ARRAYS, self._fixed_offsets, sizes, strict=True)
+        }
         self._staging = [torch.zeros(self.plan_words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._staged = [s.numpy() for s in self._staging]
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
@@ -398,7 +419,7 @@ class TreeAttentionRuntime:
         """Bytes of device memory the runtime's buffers take: the plan buffer, the fp32 partial
         outputs and LSEs (``max_partial_rows`` rows of every query head) and the item counters."""
         partial_rows = self.max_partial_rows * self.num_q_heads
-        return 4 * (self.plan_words + partial_rows * (self.head_dim + 1) + 2 * _COUNTER_WORDS)
+        return 4 * (self.plan_words + self.fixed_words + partial_rows * (self.head_dim + 1) + 2 * _COUNTER_WORDS)
 
     def _register_caps(self) -> list[int | None]:
         """Register cap per stage-1 launch (None: the compiler's choice).
@@ -575,11 +596,13 @@ class TreeAttentionRuntime:
             off += _aligned(max(1, n))
         ptr = plan.class_unit_ptr
         buf[: len(PLAN_HEADER)] = (
-            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], variant_id,
+            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], variant_id, off,
         )  # fmt: skip
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
         self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)
+        if variant is not None:
+            self._relocate(max(n_kv, plan.pair_query.size, plan.n_units, self.max_queries))
         if self._copied[i] is not None:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
@@ -587,6 +610,16 @@ class TreeAttentionRuntime:
             words=off, extended=extended, variant_id=variant_id, variant=variant,
         )  # fmt: skip
         return self._current
+
+    def _relocate(self, longest: int) -> None:
+        """Copy the uploaded plan's arrays to their fixed offsets (one launch, on the current stream
+        after the upload), where the launch variants' kernels read them; ``longest``: the most
+        words of one array."""
+        programs = max(1, min(_RELOCATE_PROGRAMS, -(-longest // _RELOCATE_BLOCK)))
+        args = (self._plan_buf, self._fixed, self._fixed_dst, self.max_units)
+        constexprs = (len(DEVICE_ARRAYS), DEVICE_ARRAYS.index("unit_kv_start"), _RELOCATE_BLOCK)
+        with on_device(self.device):
+            launch(relocate_plan_kernel, (len(DEVICE_ARRAYS), programs), args, constexprs, 4, 1)
 
     @property
     def stage1_programs(self) -> tuple[int, ...]:
@@ -774,10 +807,14 @@ class TreeAttentionRuntime:
         strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                    out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
         pdl_stage1 = pdl_wait("stage1_forked" if variant.forked else "stage1", self._target)
+        fixed = self._fixed_arrays
+        arrays = tuple(fixed[name] for name in DEVICE_ARRAYS[:8])  # kv_indices ... pair_out_row
         launches = []
         for s in variant.stage1:
             grid, heads_fastest = units_grid(s.units, self.num_kv_heads)
-            args = (q, k_cache, v_cache, out, part_o, part_lse, self._plan_buf, vid, qk_scale, *strides)
+            base = 0 if s.tile_class == 0 else self.max_units
+            args = (q, k_cache, v_cache, out, part_o, part_lse, *arrays, self._plan_buf, base, self.max_units, vid,
+                    qk_scale, *strides)  # fmt: skip
             constexprs = (d, block_d, self.group_size, s.block_m, s.block_n, s.tile_class, s.masked, upcast,
                           offsets_32, s.peel, heads_fastest, pdl_stage1)  # fmt: skip
             launches.append(
@@ -786,8 +823,9 @@ class TreeAttentionRuntime:
             )  # fmt: skip
         m = variant.merge
         if m is not None:
-            args = (out, part_o, part_lse, self._plan_buf, vid, out.stride(0), out.stride(1), part_o.stride(0),
-                    part_o.stride(1), part_lse.stride(0))  # fmt: skip
+            args = (out, part_o, part_lse, fixed["merge_queries"], fixed["query_partial_start"],
+                    fixed["query_num_partials"], self._plan_buf, self.max_queries, vid, out.stride(0), out.stride(1),
+                    part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
             grid = (m.queries, hq if m.many else triton.cdiv(hq, m.block_h))
             constexprs = (hq, d, m.block_h, max(m.block_p, 1), block_d, m.many, pdl_wait("merge", self._target))
             launches.append((merge_variant_kernel, grid, args, constexprs, m.num_warps, m.num_stages, None, False))

@@ -11,6 +11,7 @@ from .merge import (
     merge_variant_kernel,
 )
 from .tree_attention import (
+    relocate_plan_kernel,
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
     tree_attention_variant_kernel,
@@ -21,6 +22,7 @@ __all__ = [
     "merge_partials_kernel",
     "merge_partials_persistent_kernel",
     "merge_variant_kernel",
+    "relocate_plan_kernel",
     "tree_attention_persistent_kernel",
     "tree_attention_units_kernel",
     "tree_attention_variant_kernel",

@@ -15,7 +15,8 @@ Two kernels, the host picks one per plan:
   all in flight at once. Best when some queries have many partials (long split chains).
 
 :func:`merge_variant_kernel` runs either of them as a launch variant of :mod:`fasttree.runtime`
-(the merge list and its length read from the plan buffer; programs past it exit at once), and
+(the merge list at a fixed address, its length read from the plan buffer's header; programs past
+it merge nothing), and
 :func:`merge_partials_persistent_kernel` runs both for :mod:`fasttree.runtime`: a fixed
 number of programs loop over the items of the plan buffer's merge list (its two parts'
 lengths read from the buffer's header), so the launch does not depend on the plan.
@@ -54,16 +55,19 @@ def _merge_head_block(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WAIT: tl.constexpr = False,
+    active=True,
 ):
     """Merge entry ``index`` of ``MergeQueries``, heads ``head_block * BLOCK_H ...``, one partial row at a time.
-    ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays."""
+    ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays.
+    ``active`` False: read no partial, write nothing (a launch variant's programs past the list)."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_valid = h < NUM_HEADS
+    h_valid = (h < NUM_HEADS) & active
     d = tl.arange(0, BLOCK_D)
     mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
+    count = tl.where(active, count, 0)
     if WAIT:
         gdc_wait()
 
@@ -103,16 +107,19 @@ def _merge_one_head(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WAIT: tl.constexpr = False,
+    active=True,
 ):
     """Merge entry ``index`` of ``MergeQueries``, one head, ``BLOCK_P`` partial rows at a time.
-    ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays."""
+    ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays.
+    ``active`` False: read no partial, write nothing (a launch variant's programs past the list)."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_valid = d < HEAD_DIM
+    d_valid = (d < HEAD_DIM) & active
     p = tl.arange(0, BLOCK_P)
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
+    count = tl.where(active, count, 0)
     if WAIT:
         gdc_wait()
 
@@ -256,12 +263,16 @@ def merge_partials_persistent_kernel(
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["variant", "stride_ln"])
+@triton.jit(do_not_specialize=["merge_capacity", "variant", "stride_ln"])
 def merge_variant_kernel(
     Out,  # [n_queries, Hq, D], q's dtype
     PartO,  # [max_partial_rows, Hq, D], fp32
     PartLse,  # [max_partial_rows, Hq], fp32
-    PlanBuf,  # int32 [plan_words]: header and plan arrays (see .tree_attention)
+    MergeQueries,  # int32 [merge_capacity], the runtime's fixed-offset copies of the plan arrays
+    QueryPartialStart,  # int32 [max_queries]
+    QueryNumPartials,  # int32 [max_queries]
+    PlanBuf,  # int32: the plan buffer's header
+    merge_capacity,
     variant,  # the launch variant this launch belongs to (compared with the header's)
     stride_on,
     stride_oh,
@@ -277,7 +288,9 @@ def merge_variant_kernel(
     GDC_WAIT: tl.constexpr = 0,
 ):
     """Program (merged query, head block) of the uploaded plan's whole merge list, as the per-plan
-    merge kernel ``MANY`` names runs it; programs past the list, or of another variant's launch, return."""
+    merge kernel ``MANY`` names runs it, from arrays at fixed addresses; the header's list length and
+    variant are read alongside them, and programs past the list (or of another variant's launch)
+    read no partial and write nothing."""
     if GDC_WAIT == 2:
         gdc_launch_dependents()
     if GDC_WAIT == 1:
@@ -285,18 +298,16 @@ def merge_variant_kernel(
     index = tl.program_id(0)
     n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS) + tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
     uploaded = tl.load(PlanBuf + HDR_VARIANT)
-    if (index < n_merge) & (uploaded == variant):
-        MergeQueries = PlanBuf + tl.load(PlanBuf + HDR_MERGE_QUERIES)
-        QueryPartialStart = PlanBuf + tl.load(PlanBuf + HDR_QUERY_PARTIAL_START)
-        QueryNumPartials = PlanBuf + tl.load(PlanBuf + HDR_QUERY_NUM_PARTIALS)
-        if MANY:
-            _merge_one_head(
-                index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-                stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D, GDC_WAIT == 2,
-            )  # fmt: skip
-        else:
-            _merge_head_block(
-                index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-                stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
-                GDC_WAIT == 2,
-            )  # fmt: skip
+    active = (index < n_merge) & (uploaded == variant)
+    index = tl.minimum(index, merge_capacity - 1)
+    if MANY:
+        _merge_one_head(
+            index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D, GDC_WAIT == 2, active,
+        )  # fmt: skip
+    else:
+        _merge_head_block(
+            index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
+            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
+            GDC_WAIT == 2, active,
+        )  # fmt: skip

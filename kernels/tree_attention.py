@@ -4,11 +4,12 @@ Two entry points share the unit's code (:func:`_attend_unit`):
 
 - :func:`tree_attention_units_kernel`: a grid of (the class's units, KV heads), sized by the
   host for each plan (:func:`fasttree.tree_attention`).
-- :func:`tree_attention_variant_kernel`: the per-plan launch of one tile class with every plan
-  array and the class's unit range read from the runtime's plan buffer, over a grid that a
-  *launch variant* fixes (at least the class's units): programs past the units, or launched for
-  another variant than the uploaded plan's, exit at once. A CUDA graph captured for a variant
-  replays every later plan of that variant.
+- :func:`tree_attention_variant_kernel`: the per-plan launch of one tile class over a grid that a
+  *launch variant* fixes (at least the class's units), reading the plan arrays at fixed addresses
+  (:func:`relocate_plan_kernel` copies each uploaded plan there) and the class's unit count from
+  the plan buffer's header: programs past the units, or launched for another variant than the
+  uploaded plan's, run an empty unit. A CUDA graph captured for a variant replays every later
+  plan of that variant.
 - :func:`tree_attention_persistent_kernel`: a fixed number of programs that loop over the
   (unit, KV head) items of both tile classes' unit ranges, with every plan array and the
   ranges read from one device buffer behind a header (:mod:`fasttree.runtime`): the launch
@@ -70,6 +71,7 @@ HDR_SLOT_RANGES = tl.constexpr(11)  # (first unit, end) of slot 0, then of slot 
 HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel, then of the many-partials one
 HDR_CLASS_RANGES = tl.constexpr(17)  # (first unit, end) of tile class 0, then of class 1 (launch variants)
 HDR_VARIANT = tl.constexpr(21)  # the launch variant the uploaded plan was planned for (launch variants)
+HDR_WORDS_END = tl.constexpr(22)  # the end of the last array (merge_queries) of the uploaded plan
 
 
 @triton.jit
@@ -165,6 +167,7 @@ def _attend_unit(
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
     WAIT: tl.constexpr = False,
+    active=True,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -173,11 +176,15 @@ def _attend_unit(
     64-bit ones (fewer registers and instructions per gathered row; H200 serving trees: 1-3%
     less stage-1 time). ``PEEL``: the unit's whole KV tiles
     run without masks, then one masked tail tile (see :func:`_kv_tile`). ``WAIT``: wait for the
-    prior grid (``griddepcontrol.wait``) after reading the plan's arrays, before Q and the pools."""
+    prior grid (``griddepcontrol.wait``) after reading the plan's arrays, before Q and the pools.
+    ``active`` False: the unit counts as empty (no query, no KV entry: nothing read past its
+    arrays, nothing written), for programs of a launch variant's grid past the plan's units."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
     q_len = tl.load(UnitQLen + unit)
+    kv_len = tl.where(active, kv_len, 0)
+    q_len = tl.where(active, q_len, 0)
 
     rows = tl.arange(0, BLOCK_M)
     row_query = rows // GROUP
@@ -313,7 +320,7 @@ def tree_attention_units_kernel(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["variant", "stride_ln"])
+@triton.jit(do_not_specialize=["unit_base", "unit_capacity", "variant", "stride_ln"])
 def tree_attention_variant_kernel(
     Q,  # [n_queries, Hq, D], fp16/bf16 (rows past the plan's queries are not read)
     K,  # [pool_slots, Hkv, D]
@@ -321,7 +328,17 @@ def tree_attention_variant_kernel(
     Out,  # [n_queries, Hq, D], q's dtype
     PartO,  # [max_partial_rows, Hq, D], fp32
     PartLse,  # [max_partial_rows, Hq], fp32
-    PlanBuf,  # int32 [plan_words]: header (HDR_*) and the plan arrays
+    KvIndices,  # the runtime's fixed-offset copies of the plan arrays (as tree_attention_units_kernel's)
+    KvRowMask,
+    UnitKvStart,  # int32 [2 * unit_capacity]: tile class 0's units from 0, class 1's from unit_capacity
+    UnitKvLen,
+    UnitQStart,
+    UnitQLen,
+    PairQuery,
+    PairOutRow,
+    PlanBuf,  # int32: the plan buffer's header (HDR_*)
+    unit_base,  # 0 or unit_capacity: where this launch's tile class starts in the unit arrays
+    unit_capacity,
     variant,  # the launch variant this launch belongs to (compared with the header's)
     qk_scale,  # sm_scale * log2(e)
     stride_qn,
@@ -349,8 +366,10 @@ def tree_attention_variant_kernel(
     GDC_WAIT: tl.constexpr = 0,
 ):
     """One (unit, KV head) of tile class ``TILE_CLASS`` of the uploaded plan, as
-    :func:`tree_attention_units_kernel` runs it; a program past the class's units, or of a launch
-    whose ``variant`` is not the uploaded plan's, returns before touching Q, the pools or the outputs."""
+    :func:`tree_attention_units_kernel` runs it, from arrays at fixed addresses. The header words
+    (the class's unit count and the uploaded plan's variant) are read alongside the unit's arrays,
+    not before them: a program past the class's units, or of a launch whose ``variant`` is not the
+    uploaded plan's, runs its unit as an empty one (reads nothing past the unit arrays, writes nothing)."""
     if GDC_WAIT == 2:
         gdc_launch_dependents()
     if GDC_WAIT == 1:
@@ -362,23 +381,52 @@ def tree_attention_variant_kernel(
     first = tl.load(PlanBuf + HDR_CLASS_RANGES + 2 * TILE_CLASS)
     end = tl.load(PlanBuf + HDR_CLASS_RANGES + 2 * TILE_CLASS + 1)
     uploaded = tl.load(PlanBuf + HDR_VARIANT)
-    unit += first
-    if (unit < end) & (uploaded == variant):
-        # every array starts at a multiple of 32 words (fasttree.runtime aligns them)
-        KvIndices = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_KV_INDICES), 32)
-        KvRowMask = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_KV_ROW_MASK), 32)
-        UnitKvStart = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_KV_START), 32)
-        UnitKvLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_KV_LEN), 32)
-        UnitQStart = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_START), 32)
-        UnitQLen = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_UNIT_Q_LEN), 32)
-        PairQuery = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_QUERY), 32)
-        PairOutRow = PlanBuf + tl.multiple_of(tl.load(PlanBuf + HDR_PAIR_OUT_ROW), 32)
-        _attend_unit(
-            unit, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
-        )  # fmt: skip
+    active = (unit < end - first) & (uploaded == variant)
+    _attend_unit(
+        unit_base + tl.minimum(unit, unit_capacity - 1), kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+        UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2, active,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["unit_capacity"])
+def relocate_plan_kernel(
+    PlanBuf,  # int32: header (HDR_*), then the uploaded plan's arrays back to back
+    Fixed,  # int32: the plan arrays at fixed offsets (DstOffsets), unit arrays split by tile class
+    DstOffsets,  # int32 [N_ARRAYS]: each array's offset in Fixed
+    unit_capacity,  # a unit array's class-1 part starts at unit_capacity in Fixed
+    N_ARRAYS: tl.constexpr,
+    FIRST_UNIT_ARRAY: tl.constexpr,  # the 4 unit arrays' index among the arrays
+    BLOCK: tl.constexpr,
+):
+    """Copy array ``program_id(0)`` of the uploaded plan to its fixed offset (programs along axis 1
+    share its words): what :func:`tree_attention_variant_kernel` and :func:`.merge.merge_variant_kernel`
+    read through fixed pointers, so a CUDA graph of them replays every plan of their variant. An
+    array's length is the distance to the next array's offset (the last one's end is header word
+    ``HDR_WORDS_END``; a unit array's, the plan's units); a unit array's class-1 units move to
+    ``unit_capacity``."""
+    a = tl.program_id(0)
+    src = tl.load(PlanBuf + a)
+    if a + 1 < N_ARRAYS:
+        n = tl.load(PlanBuf + a + 1) - src
+    else:
+        n = tl.load(PlanBuf + HDR_WORDS_END) - src
+    dst = tl.load(DstOffsets + a)
+    is_unit = (a >= FIRST_UNIT_ARRAY) & (a < FIRST_UNIT_ARRAY + 4)
+    n0 = tl.load(PlanBuf + HDR_CLASS_RANGES + 1)  # class 1 starts here
+    n_all = tl.load(PlanBuf + HDR_CLASS_RANGES + 3)
+    if is_unit:
+        n = n_all
+    offs = tl.arange(0, BLOCK)
+    for start in range(tl.program_id(1) * BLOCK, n, tl.num_programs(1) * BLOCK):
+        i = start + offs
+        valid = i < n
+        w = tl.load(PlanBuf + src + i, mask=valid)
+        to = i
+        if is_unit:
+            to = tl.where(i < n0, i, unit_capacity + i - n0)
+        tl.store(Fixed + dst + to, w, mask=valid)
 
 
 @triton.jit

@@ -110,7 +110,8 @@ def test_variant_graphs_replay_a_new_tree_every_step(scenario, hq, hkv, d, dtype
     outs = [torch.empty(rows, hq, d, device="cuda", dtype=dtype) for _ in range(layers)]
     rt = TreeAttentionRuntime(
         None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda", max_queries=rows,
-        max_kv_entries=4 * pool, pool_slots=pool, query_centric="never", max_variants=max_variants,
+        max_kv_entries=max(int(t.path_lengths[t.query_nodes].sum()) for t in trees), pool_slots=pool,
+        query_centric="never", max_variants=max_variants,
     )  # fmt: skip
 
     def step():
