@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import triton
 
-from .attention import LOG2E, output_like
+from .attention import LOG2E, output_like, plan_query_separated
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
@@ -91,7 +91,7 @@ from .step_graphs import StepGraphs
 from .tree import KVTree
 from .validation import check_choice, check_int, check_number
 
-__all__ = ["PLAN_HEADER", "RuntimePlan", "StepGraphs", "TreeAttentionRuntime"]
+__all__ = ["PLAN_HEADER", "CapacityError", "RuntimePlan", "StepGraphs", "TreeAttentionRuntime"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class RuntimePlan:
         replays the CUDA graph it captured for this id (:class:`StepGraphs` does it).
     variant : LaunchVariant or None
         The launches of ``variant_id`` (None for the fixed launch).
+    bounded : bool
+        The tree's plan was over a capacity: this is :meth:`TreeAttentionRuntime.bounded_plan`
+        (every query alone over its context).
     """
 
     plan: Plan
@@ -148,10 +151,16 @@ class RuntimePlan:
     extended: bool = False
     variant_id: int = FIXED_VARIANT
     variant: LaunchVariant | None = None
+    bounded: bool = False
 
     @property
     def n_queries(self) -> int:
         return self.plan.n_queries
+
+
+class CapacityError(ValueError):
+    """A plan over one of the runtime's capacities (the message names it); :meth:`TreeAttentionRuntime.plan`
+    then uploads the bounded fallback plan."""
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -181,10 +190,14 @@ _MERGE_ARGS = 11
 _STAGE1_QK_ARG = 9
 #: Position of ``qk_scale`` among ``tree_attention_variant_kernel``'s arguments.
 _VARIANT_QK_ARG = 18
+#: KV tile of the bounded fallback plan (and its chunk sizes' multiple).
+_BOUNDED_KV_TILE = 64
 #: Words one program of the plan relocation copies per step.
 _RELOCATE_BLOCK = 1024
 #: Most programs of the plan relocation per array.
 _RELOCATE_PROGRAMS = 64
+#: Fewest work units of the default ``max_units``.
+_MIN_UNITS = 16384
 #: Launch variants a runtime hands out by default before further new ones run the fixed launch.
 DEFAULT_MAX_VARIANTS = 32
 
@@ -209,14 +222,20 @@ class TreeAttentionRuntime:
         Most decode queries of one step.
     max_kv_entries : int
         Most KV entries of one plan: the tokens its units read (shared tokens once per
-        group that reads them, packed units' tokens again); about the tree's tokens.
-    max_units : int
-        Most work units of one plan.
+        group that reads them, packed units' tokens again). **Capacity guarantee**: a tree
+        within ``max_queries`` whose context entries (its queries' summed context lengths,
+        what query-separated decode reads) fit ``max_kv_entries`` always plans: when its plan
+        is over any capacity, :meth:`bounded_plan` (which provably fits) is uploaded instead.
+        :meth:`capacities` sizes it for a batch and a context length.
+    max_units : int, optional
+        Most work units of one plan; ``max(16384, max_partial_rows)`` by default (at least
+        ``max_queries``).
     max_partial_rows : int, optional
         Most fp32 partial rows (queries with several partials hold one per partial);
         ``16 * max_queries`` by default. Sizes the ``[max_partial_rows, Hq, D]`` workspace.
     max_pairs : int, optional
-        Most (unit, query) pairs; ``2 * (max_queries + max_partial_rows)`` by default.
+        Most (unit, query) pairs; ``2 * (max_queries + max_partial_rows)`` by default (at
+        least ``max_queries``).
     pool_slots : int, optional
         Rows of the KV pools; when given, :meth:`plan` refuses trees reading beyond them
         and :meth:`forward` pools of another size. Only then can stage 1 form K/V addresses
@@ -277,7 +296,7 @@ class TreeAttentionRuntime:
         device: torch.device | str,
         max_queries: int,
         max_kv_entries: int,
-        max_units: int = 16384,
+        max_units: int | None = None,
         max_partial_rows: int | None = None,
         max_pairs: int | None = None,
         pool_slots: int | None = None,
@@ -345,13 +364,21 @@ class TreeAttentionRuntime:
         """Validate the capacities (positive integers; partial rows and pairs derived when None)."""
         self.max_queries = _positive_int("max_queries", max_queries)
         self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
-        self.max_units = _positive_int("max_units", max_units)
         self.max_partial_rows = _positive_int(
             "max_partial_rows", 16 * self.max_queries if max_partial_rows is None else max_partial_rows
+        )
+        self.max_units = _positive_int(
+            "max_units", max(_MIN_UNITS, self.max_partial_rows) if max_units is None else max_units
         )
         self.max_pairs = _positive_int(
             "max_pairs", 2 * (self.max_queries + self.max_partial_rows) if max_pairs is None else max_pairs
         )
+        for name in ("max_units", "max_pairs"):
+            if getattr(self, name) < self.max_queries:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is below max_queries={self.max_queries}: the bounded plan "
+                    "of a full batch needs one unit and one pair per query"
+                )
         self.pool_slots = None if pool_slots is None else _positive_int("pool_slots", pool_slots)
 
     def _checked_recorder(self, recorder: WorkloadRecorder | None) -> WorkloadRecorder | None:
@@ -468,6 +495,20 @@ class TreeAttentionRuntime:
             f"got {type(config).__name__}"
         )
 
+    @staticmethod
+    def capacities(*, max_queries: int, max_context_tokens: int) -> dict[str, int]:
+        """Capacities under which every decode step of at most ``max_queries`` requests, each
+        with a context of at most ``max_context_tokens`` tokens (shared prefixes counted in
+        every context that holds them), plans without an exception: ``max_queries`` and
+        ``max_kv_entries = max_queries * max_context_tokens`` (the other capacities keep their
+        defaults, derived from these). Pass them on: ``TreeAttentionRuntime(config,
+        **TreeAttentionRuntime.capacities(...), ...)``; :attr:`device_bytes` then gives the
+        device memory they take (an int32 word per KV entry in the plan buffers, plus the fp32
+        partials).
+        """
+        q = _positive_int("max_queries", max_queries)
+        return {"max_queries": q, "max_kv_entries": q * _positive_int("max_context_tokens", max_context_tokens)}
+
     # -------------------------------------------------------------------- plan
     def plan(self, tree: KVTree, *, rows: int | None = None) -> RuntimePlan:
         """Plan ``tree`` on the host and upload it into the runtime's buffers (one copy).
@@ -493,8 +534,9 @@ class TreeAttentionRuntime:
             When the tree has more queries than ``rows``, ``max_queries`` or (without
             ``rows``) the smallest ``q`` passed to :meth:`forward`, reads a slot beyond
             ``pool_slots`` or the smallest KV pool passed to :meth:`forward`, or its plan
-            exceeds a capacity (named in the message). Nothing is uploaded then: the
-            previous plan stays in place.
+            exceeds a capacity while its context entries exceed ``max_kv_entries`` (both named
+            in the message; within them the bounded plan is uploaded instead). Nothing is
+            uploaded then: the previous plan stays in place.
         """
         if not isinstance(tree, KVTree):
             raise ValueError(f"plan() needs a KVTree, got {type(tree).__name__}")
@@ -518,10 +560,13 @@ class TreeAttentionRuntime:
         if plan is not None:  # the extender only holds uploaded plans: _current is the one extended
             try:
                 uploaded = self._upload(plan, self._current.query_centric, extended=True)
-            except ValueError:  # over a capacity (checked before anything is written): plan afresh
+            except CapacityError:  # over a capacity (checked before anything is written): plan afresh
                 uploaded = None
         if uploaded is None:
-            uploaded = self._upload(*self._plan_afresh(tree))
+            try:
+                uploaded = self._upload(*self._plan_afresh(tree))
+            except CapacityError as err:
+                uploaded = self._upload_bounded(tree, err)
         if extender is not None:
             extender.remember(tree, uploaded.plan)
         if self.recorder is not None:
@@ -537,20 +582,58 @@ class TreeAttentionRuntime:
             rules=self._rules,
         )  # fmt: skip
 
-    def _upload(self, plan: Plan, query_centric: bool, *, extended: bool = False) -> RuntimePlan:
-        if plan.n_partial_rows > self.max_partial_rows:
+    def _upload_bounded(self, tree: KVTree, err: CapacityError) -> RuntimePlan:
+        """Upload the bounded fallback plan of ``tree`` (:meth:`bounded_plan`) after its plan was over
+        a capacity (``err``); raises ValueError naming ``max_kv_entries`` when the tree's context
+        entries exceed it (no plan is then guaranteed to fit)."""
+        context = int(np.add.reduce(tree.path_lengths[tree.query_nodes], dtype=np.int64))
+        if context > self.max_kv_entries:
             raise ValueError(
+                f"{err}; the tree's queries read {context} context entries in all, more than "
+                f"max_kv_entries={self.max_kv_entries}, so no plan is guaranteed to fit: size max_kv_entries for "
+                "the batch's summed context lengths (TreeAttentionRuntime.capacities)"
+            ) from err
+        logger.info("%s: serving this step with the bounded query-separated plan", err)
+        return self._upload(self.bounded_plan(tree), True, bounded=True)
+
+    def bounded_plan(self, tree: KVTree) -> Plan:
+        """The plan that fits the capacities whenever ``tree`` fits ``max_queries`` and its context
+        entries (the sum of its queries' context lengths) fit ``max_kv_entries``.
+
+        Every query alone over its context (:func:`fasttree.plan_query_separated`), cut into
+        chunks of ``s`` tokens, a multiple of 64, with ``s >= C / (m - n)`` for ``C`` context
+        entries, ``n`` queries and ``m = min(max_units, max_partial_rows, max_pairs)``, or no cut
+        when ``m <= n``. Bound: a query of ``c`` entries has ``ceil(c / s) <= c / s + 1`` chunks,
+        one unit, one pair and (with two or more) one partial row each, so units = pairs <=
+        ``C / s + n <= m`` and partial rows <= units; its KV entries are ``C``. The constructor
+        checks ``max_units, max_pairs >= max_queries``, so the uncut plan fits too.
+        """
+        lens = tree.path_lengths[tree.query_nodes]
+        n = tree.n_queries
+        context = int(np.add.reduce(lens, dtype=np.int64))
+        longest = max(1, int(lens.max()) if lens.size else 1)
+        room = min(self.max_units, self.max_partial_rows, self.max_pairs) - n
+        split = longest if room <= 0 else max(1, -(-context // room))
+        split = -(-split // _BOUNDED_KV_TILE) * _BOUNDED_KV_TILE
+        return plan_query_separated(
+            tree, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            kv_split_size=max(split, _BOUNDED_KV_TILE), num_sms=self._sm_count, kv_tile=_BOUNDED_KV_TILE,
+        )  # fmt: skip
+
+    def _upload(self, plan: Plan, query_centric: bool, *, extended: bool = False, bounded: bool = False) -> RuntimePlan:
+        if plan.n_partial_rows > self.max_partial_rows:
+            raise CapacityError(
                 f"the plan needs {plan.n_partial_rows} partial rows, more than max_partial_rows={self.max_partial_rows}"
             )
         n_units = plan.n_units
         if n_units > self.max_units:
-            raise ValueError(f"the plan has {n_units} work units, more than max_units={self.max_units}")
+            raise CapacityError(f"the plan has {n_units} work units, more than max_units={self.max_units}")
         if plan.pair_query.size > self.max_pairs:
-            raise ValueError(
+            raise CapacityError(
                 f"the plan has {plan.pair_query.size} (unit, query) pairs, more than max_pairs={self.max_pairs}"
             )
         if plan.kv_indices.size > self.max_kv_entries:
-            raise ValueError(
+            raise CapacityError(
                 f"the plan reads {plan.kv_indices.size} KV entries, more than max_kv_entries={self.max_kv_entries}"
             )
         n0 = plan.class_unit_ptr[1]
@@ -607,7 +690,7 @@ class TreeAttentionRuntime:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
             plan=plan, query_centric=query_centric, slot_units=slot_units, merge_counts=merge_counts,
-            words=off, extended=extended, variant_id=variant_id, variant=variant,
+            words=off, extended=extended, variant_id=variant_id, variant=variant, bounded=bounded,
         )  # fmt: skip
         return self._current
 

@@ -1,0 +1,149 @@
+"""The runtime's capacity guarantee: a tree within ``max_queries`` whose context entries fit
+``max_kv_entries`` always plans (the other capacities at their defaults, derived from those two);
+outside them, a ``ValueError`` names the limit. Host planning only (CPU; the upload's relocation
+runs in the interpreter)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from trees import random_tree
+
+import fasttree as ft
+from fasttree.runtime import CapacityError, TreeAttentionRuntime
+from fasttree.toolkit.suite import paper_tree
+from fasttree.toolkit.workloads import sample_tree
+
+
+def _context(tree: ft.KVTree) -> int:
+    return int(tree.path_lengths[tree.query_nodes].sum())
+
+
+def _runtime(device, tree, hq, hkv, d=128, **kw) -> TreeAttentionRuntime:
+    """A runtime sized as a server sizes it for ``tree``'s batch: its queries and context entries."""
+    caps = TreeAttentionRuntime.capacities(max_queries=tree.n_queries, max_context_tokens=1)
+    caps["max_kv_entries"] = _context(tree)
+    return TreeAttentionRuntime(
+        None, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float16, device=device, **caps, **kw
+    )
+
+
+#: The trees that raised with the default max_partial_rows (paper case 9 at GQA 4, GQA 16 and one KV
+#: head; a width-50 few-shot prompt at 16 query heads over one KV head; two 30k-token documents with
+#: 8 questions each at every head setting).
+_RAISED = [
+    ("paper 9", lambda: paper_tree(9), [(32, 8), (32, 2), (16, 1)]),
+    ("few-shot width 50", lambda: sample_tree("few_shot", 18, prompt_tokens=4096, n_questions=50), [(16, 1)]),
+    (
+        "two 30k documents",
+        lambda: sample_tree("multi_document", 16, n_documents=2, doc_tokens=(30000, 30000), questions_per_doc=(8, 8)),
+        [(32, 32), (32, 8), (16, 1), (4, 1)],
+    ),
+]
+
+
+@pytest.mark.parametrize("max_variants", [0, 32])
+@pytest.mark.parametrize(("name", "make", "heads"), _RAISED, ids=[r[0] for r in _RAISED])
+def test_the_trees_that_raised_now_plan(device, name, make, heads, max_variants):
+    tree = make()
+    for hq, hkv in heads:
+        rt = _runtime(device, tree, hq, hkv, max_variants=max_variants)
+        up = rt.plan(tree)
+        assert up.plan.n_partial_rows <= rt.max_partial_rows and up.plan.n_units <= rt.max_units
+        assert up.plan.pair_query.size <= rt.max_pairs and up.plan.kv_indices.size <= rt.max_kv_entries
+
+
+_FAMILIES = [
+    ("multi_document", {"n_documents": 3, "doc_tokens": (8000, 30000), "questions_per_doc": (2, 16)}),
+    ("few_shot", {"prompt_tokens": 6000, "n_questions": 64, "question_tokens": (1, 32)}),
+    ("beam_search", {"width": 16, "depth": 6, "n_prompts": 3}),
+    ("speculative", {"n_requests": 4, "n_token_nodes": 200, "max_depth": 12}),
+    ("random_recursive", {"n_nodes": 300, "internal_query_prob": 0.3}),
+    ("no_sharing", {"n_requests": 40, "context_tokens": (1, 30000)}),
+]
+
+
+@pytest.mark.parametrize(("family", "params"), _FAMILIES, ids=[f for f, _ in _FAMILIES])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 32), (32, 8), (16, 1), (8, 1)])
+def test_no_capacity_exception_within_the_limits(device, family, params, hq, hkv):
+    """Random trees of each family, several through one runtime sized for the largest: every one
+    plans, and the small capacities (a quarter of the default partial rows) force the bounded plan
+    on some, which still fits."""
+    trees = [sample_tree(family, seed, **params) for seed in range(3)]
+    q = max(t.n_queries for t in trees)
+    e = max(_context(t) for t in trees)
+    for partial_rows in (None, max(q + 1, 4 * q)):
+        rt = TreeAttentionRuntime(
+            None, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype=torch.float16, device=device,
+            max_queries=q, max_kv_entries=e, max_partial_rows=partial_rows, max_variants=4,
+        )  # fmt: skip
+        for tree in trees:
+            up = rt.plan(tree)
+            plan = up.plan
+            assert plan.n_partial_rows <= rt.max_partial_rows and plan.n_units <= rt.max_units
+            assert plan.pair_query.size <= rt.max_pairs and plan.kv_indices.size <= rt.max_kv_entries
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bounded_plan_fits_any_capacities_at_the_limits(device, seed):
+    """The bound of bounded_plan's docstring, on random forests and capacities drawn down to their
+    minimum (max_units = max_pairs = max_queries): the plan fits and covers every query's context."""
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, max_nodes=30, max_len=400)
+    q = tree.n_queries + int(rng.integers(0, 4))
+    low = int(rng.integers(q, 3 * q + 2))
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float16, device=device, max_queries=q,
+        max_kv_entries=max(1, _context(tree)), max_units=low, max_pairs=max(q, low - int(rng.integers(0, 2))),
+        max_partial_rows=int(rng.integers(1, 3 * q + 2)),
+    )  # fmt: skip
+    plan = rt.bounded_plan(tree)
+    assert plan.n_units <= rt.max_units and plan.pair_query.size <= rt.max_pairs
+    assert plan.n_partial_rows <= rt.max_partial_rows and plan.kv_indices.size == _context(tree)
+    up = rt.plan(tree)  # the planner's own plan, or the bounded one when that is over a capacity
+    assert up.plan.n_units <= rt.max_units
+
+
+def test_bounded_plan_is_correct(device):
+    """A step served by the bounded plan (tiny partial-row capacity) equals the float64 reference."""
+    rng = np.random.default_rng(3)
+    tree = random_tree(rng, max_nodes=12, max_len=150)
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float16, device=device,
+        max_queries=tree.n_queries, max_kv_entries=_context(tree), max_partial_rows=tree.n_queries + 1,
+        max_units=tree.n_queries + 1, max_pairs=tree.n_queries + 1, pool_slots=tree.max_slot + 1,
+    )  # fmt: skip
+    up = rt.plan(tree)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tree.n_queries, 4, 16, generator=gen).to(device, torch.float16)
+    k = torch.randn(tree.max_slot + 1, 2, 16, generator=gen).to(device, torch.float16)
+    v = torch.randn(tree.max_slot + 1, 2, 16, generator=gen).to(device, torch.float16)
+    out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+    assert ft.max_relative_error(out, ft.reference_attention(q, k, v, tree)) < 2e-3
+    assert up.bounded or up.plan.n_units <= tree.n_queries + 1
+
+
+def test_outside_the_limits_the_error_names_them(device):
+    tree = sample_tree("multi_document", 16, n_documents=2, doc_tokens=(30000, 30000), questions_per_doc=(8, 8))
+    rt = TreeAttentionRuntime(
+        None, num_q_heads=16, num_kv_heads=1, head_dim=128, dtype=torch.float16, device=device,
+        max_queries=tree.n_queries, max_kv_entries=tree.num_tokens, max_partial_rows=tree.n_queries + 1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="max_kv_entries") as err:
+        rt.plan(tree)
+    assert isinstance(err.value.__cause__, CapacityError)
+    with pytest.raises(ValueError, match="max_units=3 is below max_queries=4"):
+        TreeAttentionRuntime(
+            None, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float16, device=device, max_queries=4,
+            max_kv_entries=64, max_units=3,
+        )  # fmt: skip
+
+
+def test_capacities_helper():
+    assert TreeAttentionRuntime.capacities(max_queries=256, max_context_tokens=32768) == {
+        "max_queries": 256,
+        "max_kv_entries": 256 * 32768,
+    }
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        TreeAttentionRuntime.capacities(max_queries=4, max_context_tokens=0)
