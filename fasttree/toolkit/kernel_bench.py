@@ -222,8 +222,8 @@ def bench_tree(
     if "runtime" in args.variants:
         rt = TreeAttentionRuntime(
             base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-            max_queries=tree.n_queries, max_kv_entries=2 * plan.kv_indices.size + 4096, max_units=2 * plan.n_units + 64,
-            max_partial_rows=2 * plan.n_partial_rows + 64, max_pairs=2 * plan.pair_query.size + 64, pool_slots=pool,
+            max_queries=tree.n_queries, max_kv_entries=int(tree.path_lengths[tree.query_nodes].sum()),
+            pool_slots=pool,
         )  # fmt: skip
         uploaded = rt.plan(tree)
         row.setdefault("variant_plans", {})["runtime"] = {
