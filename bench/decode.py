@@ -33,7 +33,8 @@ from CUDA graphs. Attention backends, all on the same model code (an
 
 * ``fasttree``: one :class:`fasttree.runtime.TreeAttentionRuntime` shared by all layers;
   per step ``plan(tree)`` on the host, then the whole step (all layers and the LM head)
-  replayed from one CUDA graph captured after the first warm-up step.
+  replayed from CUDA graphs, one per launch variant of the runtime's plans (captured in the
+  compile pass).
 * ``fasttree_overlap``: ``fasttree`` with the host planning of step ``i + 1`` (and its
   upload, stream-ordered after step ``i``) done while the GPU runs step ``i``, as a server
   with an overlapping scheduler would; a step's time is then the time between two
@@ -648,6 +649,7 @@ class StepRunner:
         self._pool = torch.cuda.graph_pool_handle() if graphs != "none" else None
         self._full: dict[str, torch.cuda.CUDAGraph] = {}
         self._segments: list[torch.cuda.CUDAGraph] | None = None
+        self.late_captures = 0
 
     def eager(self, attention: Attention) -> None:
         """One step, every op launched from Python."""
@@ -666,12 +668,15 @@ class StepRunner:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-    def capture(self, attention: Attention, key: str) -> None:
+    def capture(self, attention: Attention, key: str | Callable[[], str]) -> None:
         """Capture the graphs; a no-op without graphs or when done.
 
         Call after an eager step whose inputs and plan are still in place: it is rerun on a
-        side stream first, then the capture records without running anything.
+        side stream first, then the capture records without running anything. ``key`` names
+        the full graph, or gives its name for the current step (the runtime's launch variant:
+        one full graph per variant).
         """
+        key = key() if callable(key) else key
         if self.graphs == "none" or (self.graphs == "full" and key in self._full) or self._segments is not None:
             return
         self._side_stream_step(attention)
@@ -689,9 +694,17 @@ class StepRunner:
                 segments.append(graph)
             self._segments = segments
 
-    def run(self, attention: Attention, key: str) -> None:
-        """One step with ``attention`` (its full graph is the one captured under ``key``)."""
-        if self.graphs == "full" and key in self._full:
+    def run(self, attention: Attention, key: str | Callable[[], str]) -> None:
+        """One step with ``attention`` (its full graph is the one captured under ``key``, or under
+        ``key()``; a full graph not captured yet is captured after an eager step, counted in
+        :attr:`late_captures`)."""
+        per_variant = callable(key)
+        key = key() if per_variant else key
+        if self.graphs == "full" and per_variant and key not in self._full:
+            self.eager(attention)
+            self.capture(attention, key)
+            self.late_captures += 1
+        elif self.graphs == "full" and key in self._full:
             self._full[key].replay()
         elif self.graphs == "piecewise" and self._segments is not None:
             b = self.buf
@@ -739,13 +752,19 @@ class FastTreeBackend:
             dtype=model.dtype,
             device=model.device,
             max_queries=rows,
-            max_kv_entries=4 * workload.pool_rows,
+            max_kv_entries=max(
+                4 * workload.pool_rows, *(int(t.path_lengths[t.query_nodes].sum()) for t in workload.trees)
+            ),
             max_units=1 << 16,
             max_partial_rows=32 * rows,
             pool_slots=workload.pool_rows,
             extend_steps=extend_steps,
         )
         self.plans = self.query_centric_plans = self.extended_plans = 0
+
+    def graph_key(self) -> str:
+        """The full-step graph of the current plan: one per launch variant of the runtime."""
+        return f"attention/{self.rt.current_plan.variant_id}"
 
     def prepare_step(self, tree: ft.KVTree) -> None:
         """Plan ``tree`` on the host and upload the plan into the runtime's buffer."""
@@ -948,10 +967,12 @@ def time_steps(
         ``step_s`` and ``plan_s`` (float64 [steps]) and ``queries`` (int64 [steps]).
     """
     buf, dev = runner.buf, runner.model.device
-    if prepare is not None:  # compile pass
+    if prepare is not None:  # compile pass (and, for per-variant keys, one full graph per launch variant)
         for tree in workload.trees:
             prepare(tree)
             attention(0, buf.q, buf.attn_out)
+            if callable(key) and runner.graphs == "full":
+                runner.capture(attention, key)
         sync(dev)
     for i in range(workload.warmup):
         upload_inputs(buf, workload, i)
@@ -1083,7 +1104,7 @@ def run_backend(
         runner,
         workload,
         backend.attention,
-        "attention",
+        getattr(backend, "graph_key", "attention"),
         backend.prepare_step,
         on_first_timed=check_first,
         after_first_timed=check_last,
@@ -1101,7 +1122,7 @@ def run_backend(
         max_rel_err_layer0=errors["layer0"],
         max_rel_err_last_layer=errors["last_layer"],
         correct=bool(math.isfinite(err) and err <= tol),
-        backend_info=backend.info(),
+        backend_info={**backend.info(), "full_graphs": len(runner._full), "late_captures": runner.late_captures},
     )
     return row
 

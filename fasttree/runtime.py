@@ -190,12 +190,17 @@ _MERGE_ARGS = 11
 _STAGE1_QK_ARG = 9
 #: Position of ``qk_scale`` among ``tree_attention_variant_kernel``'s arguments.
 _VARIANT_QK_ARG = 18
+#: Factors of the KV split sizes a plan over a capacity is tried again with, before the bounded plan.
+_SPLIT_SCALES = (4, 32)
 #: KV tile of the bounded fallback plan (and its chunk sizes' multiple).
 _BOUNDED_KV_TILE = 64
 #: Words one program of the plan relocation copies per step.
 _RELOCATE_BLOCK = 1024
 #: Most programs of the plan relocation per array.
 _RELOCATE_PROGRAMS = 64
+#: Context entries per partial row of the default ``max_partial_rows`` (a plan's partial rows grow
+#: with its context entries over its KV split sizes, 1024 and 128 by default).
+_CONTEXT_PER_PARTIAL_ROW = 256
 #: Fewest work units of the default ``max_units``.
 _MIN_UNITS = 16384
 #: Launch variants a runtime hands out by default before further new ones run the fixed launch.
@@ -232,7 +237,9 @@ class TreeAttentionRuntime:
         ``max_queries``).
     max_partial_rows : int, optional
         Most fp32 partial rows (queries with several partials hold one per partial);
-        ``16 * max_queries`` by default. Sizes the ``[max_partial_rows, Hq, D]`` workspace.
+        ``16 * max_queries + max_kv_entries / 256`` by default. Sizes the
+        ``[max_partial_rows, Hq, D]`` workspace. A plan over a capacity is tried again with
+        larger KV splits (fewer partial rows), then replaced by the bounded plan.
     max_pairs : int, optional
         Most (unit, query) pairs; ``2 * (max_queries + max_partial_rows)`` by default (at
         least ``max_queries``).
@@ -365,7 +372,10 @@ class TreeAttentionRuntime:
         self.max_queries = _positive_int("max_queries", max_queries)
         self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
         self.max_partial_rows = _positive_int(
-            "max_partial_rows", 16 * self.max_queries if max_partial_rows is None else max_partial_rows
+            "max_partial_rows",
+            16 * self.max_queries + -(-self.max_kv_entries // _CONTEXT_PER_PARTIAL_ROW)
+            if max_partial_rows is None
+            else max_partial_rows,
         )
         self.max_units = _positive_int(
             "max_units", max(_MIN_UNITS, self.max_partial_rows) if max_units is None else max_units
@@ -566,7 +576,7 @@ class TreeAttentionRuntime:
             try:
                 uploaded = self._upload(*self._plan_afresh(tree))
             except CapacityError as err:
-                uploaded = self._upload_bounded(tree, err)
+                uploaded = self._upload_within_capacity(tree, err)
         if extender is not None:
             extender.remember(tree, uploaded.plan)
         if self.recorder is not None:
@@ -574,18 +584,28 @@ class TreeAttentionRuntime:
         self._steps += 1
         return uploaded
 
-    def _plan_afresh(self, tree: KVTree) -> tuple[Plan, bool]:
-        """Plan ``tree`` with the runtime's config; whether the plan is query-centric."""
+    def _plan_afresh(self, tree: KVTree, split_scale: int = 1) -> tuple[Plan, bool]:
+        """Plan ``tree`` with the runtime's config (its KV split sizes times ``split_scale``);
+        whether the plan is query-centric."""
+        config = self.portfolio.select(tree)
+        if split_scale != 1:
+            config = config.with_(kv_split_sizes=tuple(split_scale * s for s in config.kv_split_sizes))
         return plan_for_runtime(
-            tree, self.portfolio.select(tree), num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+            tree, config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,
             rules=self._rules,
         )  # fmt: skip
 
-    def _upload_bounded(self, tree: KVTree, err: CapacityError) -> RuntimePlan:
-        """Upload the bounded fallback plan of ``tree`` (:meth:`bounded_plan`) after its plan was over
-        a capacity (``err``); raises ValueError naming ``max_kv_entries`` when the tree's context
-        entries exceed it (no plan is then guaranteed to fit)."""
+    def _upload_within_capacity(self, tree: KVTree, err: CapacityError) -> RuntimePlan:
+        """Upload a plan of ``tree`` that fits after its plan was over a capacity (``err``): the plan
+        with the KV split sizes :data:`_SPLIT_SCALES` times larger (fewer chunks, partial rows and
+        units; the grouping kept), else the bounded plan (:meth:`bounded_plan`); raises ValueError
+        naming ``max_kv_entries`` when the tree's context entries exceed it and neither fits."""
+        for scale in _SPLIT_SCALES:
+            try:
+                return self._upload(*self._plan_afresh(tree, scale))
+            except CapacityError:
+                continue
         context = int(np.add.reduce(tree.path_lengths[tree.query_nodes], dtype=np.int64))
         if context > self.max_kv_entries:
             raise ValueError(
