@@ -4,7 +4,7 @@
 #             (attention, launch cache, runtime, packing), in parallel workers
 #   memcheck  compute-sanitizer memcheck and racecheck of tests/memcheck_sample.py
 #   kernel    the paper-suite kernel benchmark (docs/results/kernel_h200.*)
-#   families  the kernel benchmark on the other tree families (docs/results/kernel_h200_families.*)
+#   families  the kernel benchmark on the other tree families (docs/results/kernel_h200_fam.*)
 # Usage: OUT=folder bash bench/gpu_check.sh [tests] [memcheck] [kernel] [families]   (no argument: all four)
 # Each step has a time limit; its log goes to $OUT and its last lines to the terminal.
 set -u
@@ -36,9 +36,9 @@ for step in $steps; do
       echo "kernel benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200.md
       ;;
     families)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite families --out "$out" --label h200_families \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite families --out "$out" --label h200_fam \
         --overwrite >"$out/kernel_families.log" 2>&1
-      echo "families benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200_families.md
+      echo "families benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200_fam.md
       ;;
     *) echo "unknown step $step (tests, memcheck, kernel, families)"; exit 2 ;;
   esac
