@@ -32,6 +32,7 @@ import numpy as np
 
 import fasttree
 from fasttree.fileio import write_atomic
+from fasttree.toolkit import workloads
 from fasttree.toolkit.bench_common import anchor_rows, environment
 from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 
@@ -45,6 +46,55 @@ HEAD_DIM = 128
 PUBLISHED_PLAN_MS: dict[int, dict[str, float]] = {}
 for (_case, _heads), _row in anchor_rows().items():
     PUBLISHED_PLAN_MS.setdefault(_case, {})[_heads] = _row["published_fasttree_plan_ms"]
+
+
+def forest(trees: list[fasttree.KVTree]) -> fasttree.KVTree:
+    """The trees side by side as one forest (node ids and contiguous slots in the given order)."""
+    parents, lengths, queries = [], [], []
+    offset = 0
+    for t in trees:
+        parents.append(np.where(t.parents >= 0, t.parents + offset, -1))
+        lengths.append(t.lengths)
+        queries.append(t.query_nodes + offset)
+        offset += t.n_nodes
+    return fasttree.KVTree.from_lengths(np.concatenate(parents), np.concatenate(lengths), np.concatenate(queries))
+
+
+def family_trees() -> dict[str, fasttree.KVTree]:
+    """Large trees of the families beside the paper suite (seeded: the same trees every run).
+
+    * ``forest_internal``: 8 random recursive trees of 256 nodes (up to 512 tokens each) side by
+      side, queries at every leaf and at 30% of the internal nodes (170k tokens, 1,353 queries);
+    * ``speculative``: 16 requests with 6-8k-token prompts and 64 one-token draft nodes each,
+      at most 8 deep, one query per draft token (113k tokens, 1,024 queries);
+    * ``beam``: 32 beam searches of width 32 over 8 rounds from 3-4k-token prompts (158k tokens,
+      1,024 queries);
+    * ``multi_document``: 64 documents of 1.5-2.5k tokens with 16 questions each (197k tokens,
+      1,024 queries);
+    * ``few_shot``: one 8k-token prompt with 2,048 questions of 32-96 tokens (140k tokens, 2,048
+      queries).
+    """
+    rr = np.random.default_rng(43)
+    return {
+        "forest_internal": forest(
+            [
+                workloads.random_recursive(rr, n_nodes=256, max_node_tokens=512, internal_query_prob=0.3)
+                for _ in range(8)
+            ]
+        ),
+        "speculative": workloads.speculative(
+            np.random.default_rng(1), n_requests=16, n_token_nodes=64, max_depth=8, prompt_tokens=(6144, 8192)
+        ),
+        "beam": workloads.beam_search(
+            np.random.default_rng(2), width=32, depth=8, n_prompts=32, prompt_tokens=(3072, 4096)
+        ),
+        "multi_document": workloads.multi_document(
+            np.random.default_rng(3), n_documents=64, doc_tokens=(1536, 2560), questions_per_doc=(16, 16)
+        ),
+        "few_shot": workloads.few_shot(
+            np.random.default_rng(4), prompt_tokens=8192, n_questions=2048, question_tokens=(32, 96)
+        ),
+    }
 
 
 def bench_case(case: int, heads: str, repeats: int, warmup: int) -> dict[str, Any]:
