@@ -1,4 +1,4 @@
-"""Host planning time of :func:`fasttree.plan` on the FastTree paper suite.
+"""Host planning time of :func:`fasttree.plan` on the FastTree paper suite and large trees of other families.
 
 For every paper-suite tree (``fasttree.toolkit.suite.PAPER_SUITE``, 15 cases) crossed with every head
 setting (``fasttree.toolkit.suite.PAPER_HEADS``: mha 32/32, gqa4 32/8, gqa16 16/1), head_dim 128 and the
@@ -8,7 +8,11 @@ default :class:`fasttree.FastTreeConfig`, this script
 * warms the planner up with a few calls, then times ``--repeats`` calls of ``fasttree.plan`` with
   :func:`time.perf_counter` and reports the median ("plan_ms") and 90th percentile ("plan_p90_ms"),
 * records the plan's tile mode, units per tile class and partial-row count, and the tree's size,
-* sets the result beside the published FastTree planner's time for the same case.
+* sets the result beside the published FastTree planner's time for the same case;
+
+then does the same (without a published time) for the trees of :func:`family_trees` (100k+ tokens and
+1,000+ queries each: a forest with internal queries, speculative token trees, beams, documents, a
+few-shot fan-out), summarised apart from the paper suite.
 
 Outputs ``plan_time_<label>.json`` and ``plan_time_<label>.md`` under ``--out`` (written
 atomically) and prints the markdown table to stdout.
@@ -25,6 +29,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +65,31 @@ def forest(trees: list[fasttree.KVTree]) -> fasttree.KVTree:
     return fasttree.KVTree.from_lengths(np.concatenate(parents), np.concatenate(lengths), np.concatenate(queries))
 
 
+def _forest_internal() -> fasttree.KVTree:
+    rng = np.random.default_rng(43)
+    return forest(
+        [workloads.random_recursive(rng, n_nodes=256, max_node_tokens=512, internal_query_prob=0.3) for _ in range(8)]
+    )
+
+
+#: Builders of the large trees beside the paper suite (see :func:`family_trees`).
+FAMILY_BUILDERS: dict[str, Callable[[], fasttree.KVTree]] = {
+    "forest_internal": _forest_internal,
+    "speculative": lambda: workloads.speculative(
+        np.random.default_rng(1), n_requests=16, n_token_nodes=64, max_depth=8, prompt_tokens=(6144, 8192)
+    ),
+    "beam": lambda: workloads.beam_search(
+        np.random.default_rng(2), width=32, depth=8, n_prompts=32, prompt_tokens=(3072, 4096)
+    ),
+    "multi_document": lambda: workloads.multi_document(
+        np.random.default_rng(3), n_documents=64, doc_tokens=(1536, 2560), questions_per_doc=(16, 16)
+    ),
+    "few_shot": lambda: workloads.few_shot(
+        np.random.default_rng(4), prompt_tokens=8192, n_questions=2048, question_tokens=(32, 96)
+    ),
+}
+
+
 def family_trees() -> dict[str, fasttree.KVTree]:
     """Large trees of the families beside the paper suite (seeded: the same trees every run).
 
@@ -74,36 +104,17 @@ def family_trees() -> dict[str, fasttree.KVTree]:
     * ``few_shot``: one 8k-token prompt with 2,048 questions of 32-96 tokens (140k tokens, 2,048
       queries).
     """
-    rr = np.random.default_rng(43)
-    return {
-        "forest_internal": forest(
-            [
-                workloads.random_recursive(rr, n_nodes=256, max_node_tokens=512, internal_query_prob=0.3)
-                for _ in range(8)
-            ]
-        ),
-        "speculative": workloads.speculative(
-            np.random.default_rng(1), n_requests=16, n_token_nodes=64, max_depth=8, prompt_tokens=(6144, 8192)
-        ),
-        "beam": workloads.beam_search(
-            np.random.default_rng(2), width=32, depth=8, n_prompts=32, prompt_tokens=(3072, 4096)
-        ),
-        "multi_document": workloads.multi_document(
-            np.random.default_rng(3), n_documents=64, doc_tokens=(1536, 2560), questions_per_doc=(16, 16)
-        ),
-        "few_shot": workloads.few_shot(
-            np.random.default_rng(4), prompt_tokens=8192, n_questions=2048, question_tokens=(32, 96)
-        ),
-    }
+    return {name: build() for name, build in FAMILY_BUILDERS.items()}
 
 
-def bench_case(case: int, heads: str, repeats: int, warmup: int) -> dict[str, Any]:
-    """Time tree build and planning of one (case, heads) pair."""
+def bench_case(case: int | str, heads: str, repeats: int, warmup: int) -> dict[str, Any]:
+    """Time tree build and planning of one (case, heads) pair; ``case`` is a paper-suite case
+    number or a :func:`family_trees` name."""
     num_q_heads, num_kv_heads = PAPER_HEADS[heads]
     config = fasttree.FastTreeConfig()
 
     t0 = time.perf_counter()
-    tree = paper_tree(case)
+    tree = paper_tree(case) if isinstance(case, int) else FAMILY_BUILDERS[case]()
     tree_ms = (time.perf_counter() - t0) * 1e3
 
     plan = None
@@ -119,7 +130,7 @@ def bench_case(case: int, heads: str, repeats: int, warmup: int) -> dict[str, An
     times *= 1e3
 
     plan_ms = float(np.median(times))
-    published = PUBLISHED_PLAN_MS.get(case, {}).get(heads)
+    published = PUBLISHED_PLAN_MS.get(case, {}).get(heads) if isinstance(case, int) else None
     return {
         "case": case,
         "heads": heads,
@@ -128,6 +139,7 @@ def bench_case(case: int, heads: str, repeats: int, warmup: int) -> dict[str, An
         "head_dim": HEAD_DIM,
         "n_nodes": int(tree.n_nodes),
         "n_queries": int(tree.n_queries),
+        "n_tokens": int(tree.num_tokens),
         "tree_ms": tree_ms,
         "plan_ms": plan_ms,
         "plan_p90_ms": float(np.percentile(times, 90)),
@@ -161,8 +173,15 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any], label: str) -> str:
-    """Markdown table of all rows followed by summary lines."""
+def markdown(
+    rows: list[dict[str, Any]],
+    summary: dict[str, Any],
+    env: dict[str, Any],
+    label: str,
+    family_rows: list[dict[str, Any]] | None = None,
+    family_summary: dict[str, Any] | None = None,
+) -> str:
+    """Markdown table of all rows followed by summary lines, then the other families' table."""
     lines = [
         f"# fasttree.plan host planning time ({label})",
         "",
@@ -190,6 +209,27 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], env: dict[str,
             f"- speedup vs published: median {summary['median_speedup_vs_published']:.1f}x, "
             f"min {summary['min_speedup_vs_published']:.1f}x"
         )
+    if family_rows:
+        lines += [
+            "",
+            "## Large trees of other families",
+            "",
+            "| tree | heads | nodes | queries | tokens | tree_ms | plan_ms | p90_ms | mode |",
+            "|:---|:---|---:|---:|---:|---:|---:|---:|:---|",
+        ]
+        for r in family_rows:
+            lines.append(
+                f"| {r['case']} | {r['heads']} | {r['n_nodes']} | {r['n_queries']} | {r['n_tokens']} "
+                f"| {_fmt(r['tree_ms'])} | {_fmt(r['plan_ms'])} | {_fmt(r['plan_p90_ms'])} | {r['tile_mode']} |"
+            )
+        assert family_summary is not None
+        lines += [
+            "",
+            f"- max plan_ms: {family_summary['max_plan_ms']:.3f} ({family_summary['max_plan_case']})",
+            f"- median plan_ms: {family_summary['median_plan_ms']:.3f}",
+            f"- rows with plan_ms <= 1 ms: {family_summary['rows_le_1ms']} / {family_summary['n_rows']}",
+            "",
+        ]
     lines.append(
         f"- env: {env['cpu_model'] or env['processor'] or env['machine']}, python {env['python']}, "
         f"numpy {env['numpy']}, fasttree {env['fasttree']}, commit {(env['git_commit'] or 'unknown')[:12]}, "
@@ -242,9 +282,18 @@ def main(argv: list[str] | None = None) -> int:
                 row["tile_mode"],
             )
 
+    family_rows: list[dict[str, Any]] = []
+    for name in FAMILY_BUILDERS:
+        for heads in PAPER_HEADS:
+            row = bench_case(name, heads, args.repeats, args.warmup)
+            family_rows.append(row)
+            log.info("%s %-5s plan %.3f ms (p90 %.3f), mode %s", name, heads, row["plan_ms"], row["plan_p90_ms"],
+                     row["tile_mode"])  # fmt: skip
+
     summary = summarize(rows)
+    family_summary = summarize(family_rows)
     report = {
-        "benchmark": "fasttree.plan host planning time, paper suite",
+        "benchmark": "fasttree.plan host planning time, paper suite and large trees of other families",
         "label": args.label,
         "head_dim": HEAD_DIM,
         "config": "FastTreeConfig() defaults",
@@ -254,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         "env": env,
         "summary": summary,
         "rows": rows,
+        "family_summary": family_summary,
+        "family_rows": family_rows,
     }
-    md = markdown(rows, summary, env, args.label)
+    md = markdown(rows, summary, env, args.label, family_rows, family_summary)
     json_path = args.out / f"plan_time_{args.label}.json"
     md_path = args.out / f"plan_time_{args.label}.md"
     write_atomic(json_path, json.dumps(report, indent=2) + "\n")
