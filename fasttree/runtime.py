@@ -453,10 +453,12 @@ class TreeAttentionRuntime:
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of device memory the runtime's buffers take: the plan buffer, the fp32 partial
-        outputs and LSEs (``max_partial_rows`` rows of every query head) and the item counters."""
+        """Bytes of device memory the runtime's buffers take: the plan buffer, its fixed-offset copy
+        for the launch variants, the fp32 partial outputs and LSEs (``max_partial_rows`` rows of every
+        query head) and the item counters."""
         partial_rows = self.max_partial_rows * self.num_q_heads
-        return 4 * (self.plan_words + self.fixed_words + partial_rows * (self.head_dim + 1) + 2 * _COUNTER_WORDS)
+        fixed = max(1, self.fixed_words) + len(self._fixed_offsets)  # the fixed-offset arrays and their offsets
+        return 4 * (self.plan_words + fixed + partial_rows * (self.head_dim + 1) + 2 * _COUNTER_WORDS)
 
     def _register_caps(self) -> list[int | None]:
         """Register cap per stage-1 launch (None: the compiler's choice).

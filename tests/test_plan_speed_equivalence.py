@@ -32,7 +32,7 @@ from fasttree.tree import ragged_arange
 
 DIGESTS = Path(__file__).parent / "data" / "plan_digests.json"
 #: The header words of the launch variants (zeroed before hashing the fixed launch's staged words).
-_VARIANT_HEADER = slice(PLAN_HEADER.index("class0_first"), PLAN_HEADER.index("variant") + 1)
+_VARIANT_HEADER = slice(PLAN_HEADER.index("class0_first"), PLAN_HEADER.index("words_end") + 1)
 #: The runtime's device for the staged-words digest: the CPU only runs it under TRITON_INTERPRET=1 (conftest).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -569,7 +569,7 @@ def test_device_bytes_counts_the_buffers(device):
     """device_bytes is what the runtime allocates on its device: plan buffer, fp32 partials and LSEs,
     counters (the GPU refuses a runtime whose buffers exceed its memory before allocating them)."""
     rt = _runtime(device, max_partial_rows=100)
-    held = [rt._plan_buf, rt._part_o, rt._part_lse, rt._counters]
+    held = [rt._plan_buf, rt._fixed, rt._fixed_dst, rt._part_o, rt._part_lse, rt._counters]
     assert rt.device_bytes == sum(t.numel() * t.element_size() for t in held)
     assert rt.device_bytes >= 100 * HEADS["num_q_heads"] * (HEADS["head_dim"] + 1) * 4
 
