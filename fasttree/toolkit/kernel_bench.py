@@ -227,7 +227,8 @@ def bench_tree(
         )  # fmt: skip
         uploaded = rt.plan(tree)
         row.setdefault("variant_plans", {})["runtime"] = {
-            "variant_id": uploaded.variant_id, "units": uploaded.plan.units_per_class(),
+            "variant_id": uploaded.variant_id, "units": uploaded.plan.units_per_class(), "bounded": uploaded.bounded,
+            "same_plan_as_fasttree": bool(np.array_equal(uploaded.plan.kv_indices, plan.kv_indices)),
         }  # fmt: skip
         outs["runtime"] = torch.empty_like(q)
         runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
