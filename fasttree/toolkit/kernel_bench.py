@@ -330,6 +330,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 losses.append(f"{r['case']}/{r['heads']} vs {other}: {ours:.1f} > {t:.1f} us")
     s["losses_to_baselines"] = losses
     s.update(_ratio_summary(rows))
+    same = [r for r in rows if r.get("variant_plans", {}).get("runtime", {}).get("same_plan_as_fasttree")]
+    if same:  # the runtime's launches alone: the rows it planned as tree_attention did (no capacity retry)
+        s["runtime_vs_fasttree_same_plan"] = _ratio_summary(same).get("runtime_vs_fasttree")
     return s
 
 
