@@ -96,7 +96,7 @@ def test_traces_refuses_a_3_gib_line_in_bounded_memory(tmp_path):
         for _ in range(3 * 1024):
             f.write(member)
     assert huge.stat().st_size < 8 * 2**20
-    small = small_workload(tmp_path / "small.jsonl")
+    small = ROOT / "traces" / "h200_smoke" / "run0_smoke_1fd251a.jsonl"  # a valid measurement file
     limit = peak_address_space("traces", str(small)) + 2**30  # 1 GiB more than reading a valid file needs
     ok = run("traces", str(small), limit=limit)
     assert ok.returncode == 0, ok.stderr
