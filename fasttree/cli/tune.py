@@ -454,21 +454,28 @@ def _load_model(args: argparse.Namespace):
 
 
 def _read_workloads(args: argparse.Namespace, paths: list[str], heldout: str):
-    """:func:`~.study_settings.read_workloads`; a usage error when they cannot be read."""
-    from fasttree.traces import TraceError
+    """:func:`~.study_settings.read_workloads`; a usage error when they cannot be read or hold more tokens than
+    a tuning run takes (:data:`fasttree.traces.MAX_WORKLOAD_TOKENS`, the tuning and held-out steps together)."""
+    from fasttree.traces import MAX_WORKLOAD_TOKENS, TraceError
 
     from .study_settings import read_workloads
 
     try:
-        return read_workloads(paths, heldout, skip_invalid=getattr(args, "skip_invalid", False))
+        workloads = read_workloads(paths, heldout, skip_invalid=getattr(args, "skip_invalid", False))
+        steps = workloads.tuning + workloads.heldout
+        tokens = sum(sum(r["workload"]["tree"]["lengths"]) for r in steps)
+        if tokens > MAX_WORKLOAD_TOKENS:
+            raise ValueError(
+                f"the workload steps hold {tokens} KV tokens in all, more than a tuning run takes "
+                f"({MAX_WORKLOAD_TOKENS}, MAX_WORKLOAD_TOKENS); tune fewer files at a time"
+            )
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(f"WORKLOADS {' '.join(paths)} (held out: {heldout or 'none'}): {exc}")
+    return workloads
 
 
 def _grouped(args: argparse.Namespace, records: list, what: str, *, required: bool = True):
-    """Workload steps of ``records`` grouped by bucket; a usage error when there are none (``required``) or they
-    hold more tokens than a tuning run takes (:data:`fasttree.traces.MAX_WORKLOAD_TOKENS`)."""
-    from fasttree.traces import MAX_WORKLOAD_TOKENS
+    """Workload steps of ``records`` grouped by bucket; a usage error when there are none (``required``)."""
     from fasttree.tuner import steps_by_bucket
 
     if not records:
@@ -476,12 +483,6 @@ def _grouped(args: argparse.Namespace, records: list, what: str, *, required: bo
             args.subparser.error(f"{what}: no workload lines")
         return {}
     try:
-        tokens = sum(sum(r["workload"]["tree"]["lengths"]) for r in records)
-        if tokens > MAX_WORKLOAD_TOKENS:
-            raise ValueError(
-                f"the workload steps hold {tokens} KV tokens in all, more than a tuning run takes "
-                f"({MAX_WORKLOAD_TOKENS}, MAX_WORKLOAD_TOKENS); tune fewer files at a time"
-            )
         return steps_by_bucket(records)
     except ValueError as exc:
         args.subparser.error(f"{what}: {exc}")
