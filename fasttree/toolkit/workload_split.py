@@ -2,7 +2,7 @@
 
 When ``fasttree-tune tune``, ``export`` or ``run`` get workloads of their own and no held-out workloads,
 the portfolio designs are chosen on a split of those workloads: the last fifth of the steps of each
-workload (``family/scenario/seed`` and head shape), in recorded order, is held out of tuning
+workload (``family/scenario/seed``, head shape and dtype), in recorded order, is held out of tuning
 (:func:`split_heldout`). Holding out the latest steps rather than every fifth keeps the two sets
 apart: consecutive decode steps differ by a token. ``validate --split heldout`` measures the same
 steps, so ``confirm`` reads measurements of trees nothing was tuned on.
@@ -31,9 +31,12 @@ HELDOUT_FRACTION = 0.2
 
 
 def workload_name(record: Mapping[str, Any]) -> str:
-    """``family/scenario/seed<S> Hq/Hkv``: the workload a workload record belongs to."""
+    """``family/scenario/seed<S> Hq/Hkv d<D> <dtype>``: the workload (and bucket) a workload record belongs to."""
     w = record["workload"]
-    return f"{w['family']}/{w.get('scenario')}/seed{w.get('seed')} {record['num_q_heads']}/{record['num_kv_heads']}"
+    return (
+        f"{w['family']}/{w.get('scenario')}/seed{w.get('seed')} {record['num_q_heads']}/{record['num_kv_heads']} "
+        f"d{record['head_dim']} {record['dtype']}"
+    )
 
 
 def case_name(record: Mapping[str, Any]) -> str:
