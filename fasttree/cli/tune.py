@@ -829,8 +829,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     _write_export(args, args.out, export, overwrite=args.overwrite)
     from fasttree.tuner.report import portfolio_table
 
-    print(portfolio_table(results))
     print("\n".join(_exported(results, heldout)))
+    print(portfolio_table(results))
     print(f"export: {args.out}")
     return 0
 
@@ -898,8 +898,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     write_atomic(out / "report.json", json.dumps(summary, indent=1, default=float) + "\n")
     report = out / "report.md"
     write_atomic(report, run_report(results, summary, table))
-    print(table)
     print("\n".join(_exported(results, heldout)))
+    print(table)
     print(f"export: {out / 'export.json'}; report: {report}; {elapsed:.0f} s")
     return 0
 
