@@ -1081,12 +1081,6 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     if args.device.split(":")[0] not in ("cuda", "cpu"):
         args.subparser.error(f"--device must be cuda or cpu, got {args.device!r}")
     device = torch.device(args.device)
-    if not torch.cuda.is_available() and (device.type == "cuda" or getattr(refine.graph_timer, "needs_cuda", False)):
-        # the timer replays CUDA graphs whatever --device says (cpu only serves tests with a stand-in timer)
-        args.subparser.error(
-            "refine times the runtime by CUDA-graph replay and no CUDA GPU is visible "
-            "(torch.cuda.is_available() is False): run it on a GPU machine"
-        )
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         args.subparser.error("--device cpu needs TRITON_INTERPRET=1 (a smoke test: its times mean nothing)")
     try:
@@ -1097,6 +1091,12 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         steps = workload_steps(records, args.steps)
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(str(exc))
+    if not torch.cuda.is_available() and (device.type == "cuda" or getattr(refine.graph_timer, "needs_cuda", False)):
+        # the timer replays CUDA graphs whatever --device says (cpu only serves tests with a stand-in timer)
+        args.subparser.error(
+            "refine times the runtime by CUDA-graph replay and no CUDA GPU is visible "
+            "(torch.cuda.is_available() is False): run it on a GPU machine"
+        )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     buckets: dict[tuple, dict[str, list]] = {}
     for name, rs in steps.items():
