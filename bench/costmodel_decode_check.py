@@ -3,8 +3,8 @@
     TRITON_INTERPRET=1 python -m bench.costmodel_decode_check    # writes docs/results/costmodel_decode_check.md
 
 Input: the H200 decode config sweeps (``traces/decode_sweeps/decode_config_sweep*_f18595e.json``,
-made at f18595e by a one-off GPU sweep script, ``bench/decode_config_sweep.py`` at the git tag
-``lab-archive``, with ``--grid one`` and ``--grid combos``): per (model, scenario),
+made at f18595e by a one-off GPU sweep script, ``decode_config_sweep.py``, not part of the
+repository, with ``--grid one`` and ``--grid combos``): per (model, scenario),
 configs (the tuned one of the export they varied, kept as ``traces/decode_sweeps/export_f18595e.json``,
 and variations of it) timed by CUDA-graph replay of
 ``TreeAttentionRuntime.forward`` on three ``iter_serving(scenario, seed=0, steps=40)``
@@ -369,7 +369,7 @@ def markdown(groups: list[dict], meta: dict, noise: list[float]) -> str:
         "replay of `TreeAttentionRuntime.forward` (median), "
         "on the trees of steps 10, 25 and 39 of `iter_serving(scenario, seed=0, steps=40)`; Llama 32/32 and "
         "Mistral 32/8 heads, head dim 128, fp16, at f18595e (the one-off sweep script `bench/decode_config_sweep.py` "
-        "at the tag `lab-archive`, `--grid one` and `--grid combos`).",
+        "not part of the repository, `--grid one` and `--grid combos`).",
         f"Predicted: `costmodel/data/h200_latency_model.skops` ({meta['model_params']['kind']}, fitted on "
         f"{meta['trace_set']['rows']} measurements of `{' '.join(meta['trace_set']['paths'])}`) for the plan the "
         "runtime uploads (a CPU runtime with the sweep's capacities; query-centric re-planning included; the "

@@ -10,7 +10,7 @@ ratio of the measured time to the simulator's, the column ``sim_total_us``).
 
 It fits ``n_seeds`` regressors that differ only in their random seed and predicts the
 geometric mean of theirs: with row and feature subsampling one fit's held-out top-1 score
-moved by up to 0.03 with the seed alone (``docs/costmodel_notes.md``).
+moved by up to 0.03 with the seed alone (``docs/history.md``, the latency model).
 """
 
 from __future__ import annotations

@@ -526,8 +526,9 @@ class ConfigExport:
         -------
         portfolio : Portfolio
             The matching entry's portfolio, or the defaults' (``FastTreeConfig()`` alone) when the
-            file has none for this GPU, bucket and target (logged at INFO) or when the entry was
-            tuned for other kernels or defaults (logged at WARNING, once per entry).
+            file has none for this GPU (logged at WARNING, once per GPU, naming the GPUs it has and
+            how to tune for this one), none for this bucket and target (logged at INFO) or when the
+            entry was tuned for other kernels or defaults (logged at WARNING, once per entry).
         entry : ExportEntry or None
             The entry served (for its provenance), or ``None`` on the fallback.
 
@@ -563,6 +564,15 @@ class ConfigExport:
                 return defaults, None
             logger.debug("tuned FastTree portfolio for %r, bucket %s, %s", gpu, key, target)
             return entry.portfolio, entry
+        if not any(e.gpu == gpu for e in self.entries):
+            _warn_once(
+                (gpu, "no gpu"),
+                "the export has no entry for GPU %r (it has %s): serving the defaults; to tune for this GPU, "
+                "profile it and fit its latency model, then tune against that model ('fasttree-tune profile', "
+                "'fit', 'run --model': docs/walkthrough.md)",
+                gpu, ", ".join(repr(g) for g in sorted({e.gpu for e in self.entries})) or "no entries",
+            )  # fmt: skip
+            return defaults, None
         logger.info(
             "the export has no %s entry for %r bucket %s (it has %s); using the defaults",
             target,
@@ -617,7 +627,12 @@ def write_export(path: str | os.PathLike, export: ConfigExport, *, overwrite: bo
         raise FileExistsError(f"{path} exists; choose another path or pass overwrite=True to replace it")
     text = json.dumps(export.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_atomic(path, text)
-    logger.info("wrote %d tuned FastTree configs to %s", len(export.entries), path)
+    default = Portfolio().members
+    tuned = sum(any(m not in default for m in e.portfolio.members) for e in export.entries)
+    logger.info(
+        "wrote %s: %d entries, %d with tuned configs, %d serving the defaults only",
+        path, len(export.entries), tuned, len(export.entries) - tuned,
+    )  # fmt: skip
     return path
 
 

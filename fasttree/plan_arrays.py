@@ -284,6 +284,15 @@ class Plan:
         return cached
 
     # ------------------------------------------------------------ summary
+    def __repr__(self) -> str:
+        """Shapes and counts only (``summary()`` says more; the arrays are attributes)."""
+        units = self.units_per_class()
+        return (
+            f"Plan(n_queries={self.n_queries}, heads={self.num_q_heads}/{self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, groups={self.groups.n_groups}, units={units}, pairs={self.pair_query.size}, "
+            f"kv_indices={self.kv_indices.size}, partial_rows={self.n_partial_rows}, tile_mode={self.tile_mode!r})"
+        )
+
     def stats(self) -> dict[str, Any]:
         """Work counts of the plan (per launch, all KV heads)."""
         elem = 2  # fp16 / bf16 bytes

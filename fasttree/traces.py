@@ -1150,6 +1150,7 @@ def read_traces(
     *,
     kind: str | None = None,
     skip_invalid: bool = False,
+    on_file: Callable[[int, int, str, int], None] | None = None,
 ) -> TraceSet:
     """Read and validate trace files.
 
@@ -1162,6 +1163,9 @@ def read_traces(
         Keep only records of this kind (lines of other kinds are still validated).
     skip_invalid : bool
         Skip bad lines and list them in ``TraceSet.invalid`` instead of raising.
+    on_file : callable, optional
+        Called after each file as ``on_file(index, n_files, name, n_lines)`` (progress of long reads;
+        ``index`` counts from 1, ``n_lines`` the file's lines).
 
     Returns
     -------
@@ -1178,7 +1182,8 @@ def read_traces(
     if kind is not None:
         check_choice("kind", kind, KINDS, expected=f"one of {list(KINDS)} or None")
     out = TraceSet()
-    for path in _expand(paths):
+    files = _expand(paths)
+    for index, path in enumerate(files, 1):
         name = str(path)
         out.files.append(name)
         lineno = 0
@@ -1200,6 +1205,8 @@ def read_traces(
             if not skip_invalid:
                 raise TraceError(reason, name, lineno + 1) from None
             out.invalid.append((name, lineno + 1, reason))
+        if on_file is not None:
+            on_file(index, len(files), name, lineno)
     if out.invalid:
         logger.warning("skipped %d invalid trace line(s); first: %s:%d: %s", out.n_invalid, *out.invalid[0])
     return out

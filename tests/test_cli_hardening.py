@@ -96,7 +96,7 @@ def test_traces_refuses_a_3_gib_line_in_bounded_memory(tmp_path):
         for _ in range(3 * 1024):
             f.write(member)
     assert huge.stat().st_size < 8 * 2**20
-    small = small_workload(tmp_path / "small.jsonl")
+    small = ROOT / "traces" / "h200_smoke" / "run0_smoke_1fd251a.jsonl"  # a valid measurement file
     limit = peak_address_space("traces", str(small)) + 2**30  # 1 GiB more than reading a valid file needs
     ok = run("traces", str(small), limit=limit)
     assert ok.returncode == 0, ok.stderr
@@ -201,7 +201,7 @@ def test_top_level_help_names_every_subcommand():
 
 
 # ------------------------------------------------------------------ D5 + D6: export after run, run's --timeout
-def test_export_names_the_every_setting_the_studies_were_tuned_with(tmp_path):
+def test_export_reuses_the_every_setting_the_studies_were_tuned_with(tmp_path):
     records = read_traces(PAPER.parent / "chain_reasoning_mistral_7b.jsonl.gz", kind="workload").records[:80]
     wl = tmp_path / "long.jsonl"  # one workload of 80 steps: --every thins it
     wl.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -209,12 +209,11 @@ def test_export_names_the_every_setting_the_studies_were_tuned_with(tmp_path):
     common = ["--model", str(MODEL)]
     r = run("tune", str(wl), *common, "--every", "4", "--trials", "1", "--polish-passes", "0", "--out", str(folder))
     assert r.returncode == 0, r.stderr
-    export = ["export", str(wl), *common, "--folder", str(folder), "-o", str(tmp_path / "x.json"), "--heldout", "",
-              "--targets", "tree_attention", "--jobs", "1"]  # fmt: skip
-    r = run(*export)
-    line = assert_usage_error(r, "fasttree-tune export", "was tuned with --every 4 (20 steps)", "pass --every 4")
+    export = ["export", str(wl), "--studies", str(folder), "-o", str(tmp_path / "x.json"), "--jobs", "1"]
+    r = run(*export, "--every", "8")
+    line = assert_usage_error(r, "fasttree-tune export", "was tuned with --every 4", "leave --every out")
     assert "another objective" not in line
-    r = run(*export, "--every", "4")
+    r = run(*export)  # the study's --every 4 (and model, held-out split, target)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "x.json").exists()
 
@@ -238,12 +237,12 @@ def test_run_help_states_the_real_timeout():
     ("command", "argv", "flag"),
     [
         ("fit", ["traces/h200_smoke", "-o", "{existing}"], "--out"),
-        ("evaluate", ["traces/h200_smoke", "--model", "{model}", "--json", "{existing}"], "--json"),
+        ("evaluate", ["traces/h200_smoke", "--model", "{model}", "-o", "{existing}"], "--out"),
         ("tune", ["{workload}", "--json", "{existing}"], "--json"),
         ("export", ["{workload}", "-o", "{existing}"], "--out"),
         ("refine", ["--config", "docs/tune/export.json", "--out", "{existing}"], "--out"),
-        ("validate", ["--config", "docs/tune/export.json", "--traces-out", "{tmp}/t.jsonl", "--json", "{existing}"],
-         "--json"),
+        ("validate", ["--config", "docs/tune/export.json", "--traces-out", "{tmp}/t.jsonl", "-o", "{existing}"],
+         "--out"),
     ],
 )  # fmt: skip
 def test_every_subcommand_refuses_an_existing_output_without_overwrite(tmp_path, command, argv, flag):

@@ -97,17 +97,17 @@ def test_tune_writes_studies_and_resumes(tmp_path, workload, capsys):
 
 
 def test_tune_for_the_runtime_keeps_its_studies_apart(tmp_path, workload, capsys):
-    # --runtime predicts the runtime's plans and launches: its studies carry that in their fingerprint, so
-    # a study tuned for tree_attention is not resumed by it, and its configs keep the defaults' launch shapes
+    # --runtime predicts the runtime's plans and launches: its studies are NAME-rt-... (as run names them, so
+    # export finds them), carry the runtime in their fingerprint, and their configs keep the defaults' launch shapes
     db = str(tmp_path / "s.db")
     args = ["tune", str(workload), "--model", str(MODEL), "--storage", db, "--no-progress", "--trials", "2"]
     assert main([*args, "--study", "k"]) == 0
-    with pytest.raises(SystemExit) as exc:
-        main([*args, "--study", "k", "--runtime"])
-    assert exc.value.code == 2 and "launch" in capsys.readouterr().err
-    assert main([*args, "--study", "r", "--runtime", "--json", str(tmp_path / "r.json")]) == 0
-    study = optuna.load_study(study_name="r-g4-d128-float16", storage=f"sqlite:///{db}")
+    assert main([*args, "--study", "k", "--runtime", "--json", str(tmp_path / "r.json")]) == 0
+    study = optuna.load_study(study_name="k-rt-g4-d128-float16", storage=f"sqlite:///{db}")
     assert study.user_attrs["fasttree_objective"]["launch"] == "runtime"
+    assert study.user_attrs["fasttree_settings"]["target"] == "runtime"
+    plain = optuna.load_study(study_name="k-g4-d128-float16", storage=f"sqlite:///{db}")
+    assert plain.user_attrs["fasttree_objective"].get("launch") != "runtime"
     for r in json.loads((tmp_path / "r.json").read_text()).values():
         best = FastTreeConfig.from_dict(r["best_config"])
         assert runtime_member(best) == best

@@ -84,6 +84,7 @@ def _job(
         importances=options.get("importances", True),
         polish_passes=options["polish_passes"],
         family_polish=True,
+        settings=None if options.get("settings") is None else {**options["settings"], "target": target},
     )
     candidates = list(result.candidates)
     train_problem = selection_problem(objective, candidates)
@@ -130,6 +131,7 @@ def tune_portfolios(
     jobs: int = 1,
     force: bool = False,
     importances: bool = True,
+    settings: Mapping[str, Any] | None = None,
 ) -> list[BucketTuning]:
     """Tune a portfolio for every bucket of ``train`` and every target (see the module docstring).
 
@@ -150,6 +152,9 @@ def tune_portfolios(
         Processes (1: in this process).
     force : bool
         Use a model fitted for another GPU or feature schema.
+    settings : mapping, optional
+        The command's settings, stored in every study with the job's ``target`` added
+        (:data:`~fasttree.tuner.study.SETTINGS_ATTR`).
 
     Returns
     -------
@@ -159,6 +164,7 @@ def tune_portfolios(
     options = {
         "folder": str(folder), "storage": storage, "base_name": base_name, "n_trials": n_trials, "timeout": timeout,
         "seed": seed, "every": every, "polish_passes": polish_passes, "force": force, "importances": importances,
+        "settings": None if settings is None else dict(settings),
     }  # fmt: skip
     work = [(b, t, train[b], valid.get(b, []), str(model_path), options) for t in targets for b in sorted(train)]
     names = {study_name(base_name, b) for b in train}

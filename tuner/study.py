@@ -47,6 +47,7 @@ from .storage import StorageSpec, open_storage
 
 __all__ = [
     "MIN_TRIALS_FOR_IMPORTANCE",
+    "SETTINGS_ATTR",
     "TuneResult",
     "ensure_defaults",
     "make_sampler",
@@ -67,6 +68,9 @@ MIN_TRIALS_FOR_IMPORTANCE = 4
 _LIVE_STATES = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
 #: Study user attribute holding the objective's fingerprint.
 _FINGERPRINT_ATTR = "fasttree_objective"
+#: Study user attribute holding the settings of the command that tuned it (model, workloads, --every, target,
+#: held-out source), which ``fasttree-tune export`` reuses.
+SETTINGS_ATTR = "fasttree_settings"
 
 
 def study_name(base: str, bucket: Bucket) -> str:
@@ -466,6 +470,7 @@ def tune_bucket(
     importances: bool = True,
     polish_passes: int = 2,
     family_polish: bool = False,
+    settings: Mapping[str, Any] | None = None,
 ) -> TuneResult:
     """Create or join the bucket's study, run it to ``n_trials`` COMPLETE trials, report the best.
 
@@ -503,6 +508,9 @@ def tune_bucket(
         Passes of the polish (>= 0; 0: none). Ignored with two objectives.
     family_polish : bool
         Also polish from the defaults on each family's steps (``polish_passes`` passes, at least 1).
+    settings : mapping, optional
+        JSON values: the settings of the command that tunes (model, workloads, ...), stored in the study's
+        user attribute :data:`SETTINGS_ATTR` before any trial runs.
 
     Returns
     -------
@@ -518,6 +526,8 @@ def tune_bucket(
     bucket = objective.bucket
     name = study_name(base_name, bucket)
     study = _bucket_study(objective, open_storage(storage, folder=folder), name, make_sampler(seed, worker=worker))
+    if settings is not None:
+        study.set_user_attr(SETTINGS_ATTR, dict(settings))
     run_trials(study, objective, n_trials=n_trials, timeout=timeout, progress=progress)
     best = _best_trial(study)
     if best is None:
@@ -685,6 +695,7 @@ def tune_workload(
     buckets: Iterable[Bucket] | None = None,
     polish_passes: int = 2,
     runtime: bool = False,
+    settings: Mapping[str, Any] | None = None,
 ) -> dict[Bucket, TuneResult]:
     """Tune every bucket of a workload, each in its own study (see :func:`tune_bucket`).
 
@@ -700,7 +711,7 @@ def tune_workload(
         Tune only these (each must be in the workload).
     timeout : float, optional
         Seconds for each bucket.
-    storage, folder, base_name, n_trials, seed, worker, worst_step, progress, polish_passes, runtime
+    storage, folder, base_name, n_trials, seed, worker, worst_step, progress, polish_passes, runtime, settings
         As in :func:`tune_bucket` and :class:`LatencyObjective`.
 
     Returns
@@ -726,5 +737,6 @@ def tune_workload(
             worker=worker,
             progress=progress,
             polish_passes=polish_passes,
+            settings=settings,
         )
     return results

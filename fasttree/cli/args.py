@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import TextIO
 
@@ -24,6 +26,8 @@ __all__ = [
     "positive_int",
     "progress_bar_wanted",
     "refuse_existing_outputs",
+    "refuse_unwritable_outputs",
+    "unwritable_reason",
 ]
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -129,7 +133,7 @@ def refuse_existing_outputs(args: argparse.Namespace) -> None:
         return
     for attr in getattr(args, "output_files", ()):
         value = getattr(args, attr, None)
-        if value and Path(value).exists():
+        if value and Path(value).exists() and not Path(value).is_dir():  # a folder: refuse_unwritable_outputs
             args.subparser.error(f"--{attr.replace('_', '-')} {value} exists; pass --overwrite to replace it")
     for name in getattr(args, "output_folder_files", ()):
         path = Path(args.out) / name
@@ -138,3 +142,59 @@ def refuse_existing_outputs(args: argparse.Namespace) -> None:
                 f"{path} exists (--out {args.out} holds a finished run); pass --overwrite to replace it, or "
                 "choose another --out"
             )
+
+
+def unwritable_reason(path: str | os.PathLike, *, folder: bool = False) -> str | None:
+    """Why ``path`` cannot be written (a FILE, or with ``folder`` a FOLDER to create or fill), or None.
+
+    Checked by trying: a temporary file is created and removed in ``path`` (a folder that exists) or
+    in the nearest folder above it that exists, since permission bits do not tell the whole story
+    (``/proc``, read-only mounts, running as root).
+
+    Parameters
+    ----------
+    path : str or PathLike
+    folder : bool
+        Whether ``path`` is a folder (else a file).
+
+    Returns
+    -------
+    str or None
+        A short reason (``"is a folder"``, ``"... is not writable (Permission denied)"``), or None.
+    """
+    p = Path(path)
+    if p.exists():
+        if folder and not p.is_dir():
+            return "is a file, not a folder"
+        if not folder and p.is_dir():
+            return "is a folder; give a FILE"
+    probe = p if folder and p.is_dir() else p.parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".fasttree-probe-"):
+            pass
+    except OSError as exc:
+        return f"{probe} is not writable ({exc.strerror or exc})"
+    return None
+
+
+def refuse_unwritable_outputs(args: argparse.Namespace) -> None:
+    """A usage error (exit status 2) naming the first output of the subcommand that cannot be written.
+
+    The outputs are those :func:`refuse_existing_outputs` reads, plus ``append_files`` (files a
+    subcommand appends to) and the ``--out`` FOLDER of a subcommand that sets ``output_folder``.
+    Checked before the subcommand starts, so nothing is computed for an output that would fail.
+    """
+    files = [*getattr(args, "output_files", ()), *getattr(args, "append_files", ())]
+    for attr in files:
+        value = getattr(args, attr, None)
+        reason = unwritable_reason(value) if value else None
+        if reason:
+            args.subparser.error(f"--{attr.replace('_', '-')} {value}: {reason}")
+    if getattr(args, "output_folder", False) or getattr(args, "output_folder_files", ()):
+        reason = unwritable_reason(args.out, folder=True)
+        if reason:
+            args.subparser.error(f"--out {args.out}: {reason}")

@@ -86,9 +86,10 @@ def add_costmodel_commands(sub: Any, common: list[argparse.ArgumentParser]) -> N
     e.add_argument("--model", metavar="MODEL", help="a model written by 'fasttree-tune fit'")
     e.add_argument("--folds", type=int_at_least(2), default=5, metavar="K", help="folds without --model (default 5)")
     e.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
-    e.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
-    e.add_argument("--overwrite", action="store_true", help="replace --json if it exists (else: refuse)")
-    e.set_defaults(func=_cmd_evaluate, subparser=e, output_files=("json",))
+    e.add_argument("-o", "--out", metavar="FILE", help="also write the metrics as a JSON FILE")
+    e.add_argument("--json", dest="out", help=argparse.SUPPRESS)  # the old name of --out
+    e.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
+    e.set_defaults(func=_cmd_evaluate, subparser=e, output_files=("out",))
 
 
 def _load(args: argparse.Namespace):
@@ -169,6 +170,18 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranked(data) -> bool:
+    """Whether some tree of ``data`` was measured two or more times (the rank metrics need one); a WARNING
+    when none was."""
+    if len(set(data.tree.tolist())) < len(data):
+        return True
+    logger.warning(
+        "no tree of TRACES was measured under two or more configs: the rank metrics (Kendall tau, top-k) and "
+        "the published cost's row are skipped"
+    )
+    return False
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from fasttree.costmodel.evaluate import (
         SimulatorBaseline,
@@ -176,7 +189,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         prediction_metrics,
         rank_only_metrics,
     )
-    from fasttree.costmodel.metrics import evaluation_table
+    from fasttree.costmodel.metrics import evaluation_table, regression_metrics
     from fasttree.costmodel.persist import ModelFileError, load_model
     from fasttree.fileio import write_atomic
 
@@ -199,10 +212,14 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             sim = SimulatorBaseline.from_coef(meta["extra"]["simulator_baseline"]["coef"])
         except (KeyError, TypeError, ValueError) as exc:
             args.subparser.error(f"{args.model}: no usable simulator calibration ({exc})")
-        rows.append(("simulator", prediction_metrics(sim.predict(data.X), data)))
-        rows.append((f"learned ({meta['model_params']['kind']})", prediction_metrics(model.predict(data.X), data)))
+        ranked = _ranked(data)
+        metrics = prediction_metrics if ranked else (lambda pred, d: dict(regression_metrics(pred, d.y_us)))
+        rows.append(("simulator", metrics(sim.predict(data.X), data)))
+        rows.append((f"learned ({meta['model_params']['kind']})", metrics(model.predict(data.X), data)))
     else:
         data = _load(args)
+        ranked = _ranked(data)  # before the folds: they take minutes
+        metrics = prediction_metrics if ranked else (lambda pred, d: dict(regression_metrics(pred, d.y_us)))
         done = []
 
         def progress(i: int) -> None:
@@ -214,10 +231,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             pred = cross_validated_predictions(lambda: _make_model(args), data, n_splits=args.folds, on_fold=progress)
         except ValueError as exc:
             args.subparser.error(str(exc))
-        rows.append(("simulator", prediction_metrics(sim_pred, data)))
-        rows.append((f"learned ({args.kind})", prediction_metrics(pred, data)))
-    rows.append(("published cost (ranks)", rank_only_metrics(data.published_cost, data)))
-    print(evaluation_table(rows, list(_KEYS)))
-    if args.json:
-        write_atomic(args.json, json.dumps({name: m for name, m in rows}, indent=1, default=float) + "\n")
+        rows.append(("simulator", metrics(sim_pred, data)))
+        rows.append((f"learned ({args.kind})", metrics(pred, data)))
+    if ranked:
+        rows.append(("published cost (ranks)", rank_only_metrics(data.published_cost, data)))
+    keys = list(_KEYS) if ranked else [k for k in _KEYS if k in rows[0][1]]
+    print(evaluation_table(rows, keys))
+    if args.out:
+        write_atomic(args.out, json.dumps({name: m for name, m in rows}, indent=1, default=float) + "\n")
     return 0

@@ -47,6 +47,7 @@ from .args import (
     positive_int,
     progress_bar_wanted,
     refuse_existing_outputs,
+    refuse_unwritable_outputs,
 )
 
 __all__ = ["build_parser", "main", "parse_duration"]
@@ -88,11 +89,13 @@ tune configs against it, and check the tuned configs on the GPU.
               export's configs by timing them; bench runs the kernel benchmark; confirm (CPU)
               keeps the selector choices validate's measurements support
 
-Outputs: --out (-o) is a FILE for the subcommands that write one file (fit, export, confirm, refine;
-profile appends to its trace file, so a rerun resumes) and a FOLDER for those that write
-several (tune: its study storage; run: studies, export and report; bench: its reports). An
-output that exists (--out, --json, --export; a finished run in run's --out; bench's reports)
-is replaced only with --overwrite, else the subcommand refuses before doing any work.
+Outputs: --out (-o) is a FILE for the subcommands that write one file (fit, export, confirm, refine,
+evaluate and validate: their JSON; profile appends to its trace file, so a rerun resumes) and a
+FOLDER for those that write several (tune: its study storage; run: studies, export and report;
+bench: its reports). An output that exists (--out, --json, --markdown; a finished run in run's
+--out; bench's reports) is replaced only with --overwrite, else the subcommand refuses before
+doing any work; so does an output that cannot be written (a folder given for a FILE, a read-only
+place). Ctrl-C ends a subcommand with one line saying what was kept (exit status 130).
 """
 
 _PROFILE_HELP = "measure sampled (tree, heads, dtype, config) points on the GPU into a trace file"
@@ -160,6 +163,7 @@ def _add_profile_command(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
+        "-o",
         "--out",
         required=True,
         metavar="FILE",
@@ -175,7 +179,7 @@ def _add_profile_command(sub: Any) -> None:
     )
     _add_design_options(p)
     _add_measurement_options(p)
-    p.set_defaults(func=_cmd_profile, subparser=p)
+    p.set_defaults(func=_cmd_profile, subparser=p, append_files=("out",))
 
 
 def _add_design_options(p: argparse.ArgumentParser) -> None:
@@ -271,13 +275,34 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
 
 def _cmd_traces(args: argparse.Namespace) -> int:
+    import time
+
     from ..toolkit.trace_stats import trace_stats
     from ..traces import TraceError, read_traces
 
+    log = logging.getLogger("fasttree.cli")
+    t0 = time.perf_counter()
+
+    def progress(index: int, n: int, name: str, lines: int) -> None:
+        log.info("read %d/%d %s: %d lines (%.0f s)", index, n, name, lines, time.perf_counter() - t0)
+
     try:
-        ts = read_traces(args.paths, skip_invalid=args.skip_invalid)
+        ts = read_traces(args.paths, skip_invalid=args.skip_invalid, on_file=progress)
     except TraceError as exc:
         args.subparser.error(str(exc))
+    paths = " ".join(args.paths)
+    if not ts.files:
+        args.subparser.error(f"{paths}: no trace files (*.jsonl, *.jsonl.gz)")
+    n_measured = len(ts.of_kind("measurement"))
+    if not n_measured:
+        workload = len(ts.of_kind("workload"))
+        what = (
+            f"{workload} workload lines and no measurement lines: 'traces' summarises measurements; workload "
+            "traces are read by 'tune', 'export', 'run' and 'validate'"
+            if workload
+            else "no valid measurement lines"
+        )
+        args.subparser.error(f"{paths}: {what}")
     print(f"{len(ts.files)} file(s), {len(ts)} valid line(s), {ts.n_invalid} invalid")
     for name, line, reason in ts.invalid[:20]:
         print(f"  {name}:{line}: {reason}")
@@ -340,13 +365,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         GPU (``argparse`` exits with it), 130 when interrupted.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's usage names the subcommand and its options
+        args.subparser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args)
     refuse_existing_outputs(args)
+    refuse_unwritable_outputs(args)
     created = _missing_output_folders(args)
     status = 1
     try:
         status = args.func(args)
+        return status
+    except KeyboardInterrupt:
+        kept = getattr(args, "on_interrupt", None)
+        print(f"fasttree-tune {args.command}: interrupted; {kept(args) if kept else 'nothing was written'}",
+              file=sys.stderr)  # fmt: skip
+        status = 130
         return status
     finally:
         if status != 0:  # failed (an exception, a usage error or a non-zero status): no empty --out left behind

@@ -56,8 +56,9 @@ RUN_TIMEOUT_S = 15.0
 RUN_TARGETS = ("tree_attention", "runtime")
 
 
-def _study_options() -> argparse.ArgumentParser:
-    """Options shared by the subcommands that open tuning studies."""
+def _study_options(*, settings_from_study: bool = False) -> argparse.ArgumentParser:
+    """Options shared by the subcommands that open tuning studies; with ``settings_from_study`` (``export``),
+    ``--model`` and ``--every`` default to what the studies recorded."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("study")
     g.add_argument(
@@ -72,17 +73,27 @@ def _study_options() -> argparse.ArgumentParser:
         "--study",
         default="fasttree",
         metavar="NAME",
-        help="study base name; each (GQA ratio, head dim, dtype) bucket gets NAME-g<G>-d<D>-<dtype> (default fasttree)",
+        help="study base name; each (GQA ratio, head dim, dtype) bucket gets NAME-g<G>-d<D>-<dtype>, NAME-rt-... "
+        "for the runtime (default fasttree)",
     )
-    g.add_argument("--model", default=RUN_MODEL, metavar="MODEL", help=f"latency model (default: {_SHIPPED_MODEL})")
+    g.add_argument(
+        "--model",
+        default=None if settings_from_study else RUN_MODEL,
+        metavar="MODEL",
+        help="latency model (default: "
+        + ("the one the studies recorded, else " if settings_from_study else "")
+        + f"{_SHIPPED_MODEL})",
+    )
     g.add_argument("--force", action="store_true", help="use a model fitted for another GPU or feature schema")
     g.add_argument(
         "--every",
         type=int_at_least(1),
-        default=RUN_EVERY,
+        default=None if settings_from_study else RUN_EVERY,
         metavar="K",
         help="tune on every K-th step of each workload of more than 64 steps (consecutive decode steps differ "
-        f"by a token; default {RUN_EVERY}; 'export' of studies tuned with another K needs the same --every)",
+        "by a token; default "
+        + ("the K the studies recorded, else " if settings_from_study else "")
+        + f"{RUN_EVERY}; 'export' reuses the studies' K)",
     )
     g.add_argument("--worst-step", action="store_true", help="second objective: the worst step's latency")
     g.add_argument(
@@ -144,16 +155,18 @@ def _trial_options(*, timeout: float | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def _target_options() -> argparse.ArgumentParser:
+def _target_options(*, settings_from_study: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("portfolios")
     g.add_argument(
         "--targets",
         type=_targets_arg,
-        default=RUN_TARGETS,
+        default=None if settings_from_study else RUN_TARGETS,
         metavar="LIST",
-        help="what to tune portfolios for: tree_attention, runtime or both, comma separated (default both)",
-    )
+        help="what to tune portfolios for: tree_attention, runtime or both, comma separated (default "
+        + ("the targets the storage holds studies of: 'tune' makes tree_attention's, 'tune --runtime' the "
+           "runtime's)" if settings_from_study else "both)"),
+    )  # fmt: skip
     g.add_argument(
         "--jobs",
         type=int_at_least(1),
@@ -170,6 +183,31 @@ def _targets_arg(text: str) -> tuple[str, ...]:
     if not names or bad:
         raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(RUN_TARGETS)}, got {text!r}")
     return names
+
+
+#: ``--heldout`` values: hold out the last fifth of each workload of WORKLOADS / no held-out workloads.
+HELDOUT_SPLIT = "split"
+HELDOUT_NONE = ("", "none")
+
+
+def _heldout_option(p: argparse.ArgumentParser, command: str) -> None:
+    """``--heldout``: the workloads each portfolio's design is chosen on (a path, ``split`` or ``none``)."""
+    default = {
+        "tune": "recorded in the studies for 'export'",
+        "export": "what the studies recorded, else as 'tune'",
+        "run": "",
+    }[command]
+    p.add_argument(
+        "--heldout",
+        default=None,
+        metavar="PATH|split|none",
+        help="held-out (validation) workloads, on which each portfolio's design is chosen: a trace file or folder; "
+        "'split': the last fifth of the steps of each workload of "
+        + ("--workloads" if command == "run" else "WORKLOADS")
+        + ", left out of tuning; 'none': no held-out workloads (the most cautious design). Default: "
+        f"{_SHIPPED_HELDOUT} when the workloads are the shipped ones, else 'split'"
+        + (f" ({default})" if default else ""),
+    )
 
 
 def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -193,14 +231,17 @@ def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     t.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="workload trace files or folders")
     t.add_argument(
+        "-o",
         "--out",
         default=".",
         metavar="DIR",
-        help="FOLDER of the default study storage (fasttree-tune.db: its studies resume; default .)",
+        help="output FOLDER: the default study storage (fasttree-tune.db: its studies resume; 'export --studies' "
+        "reads it; default .)",
     )
-    t.add_argument("--json", metavar="FILE", help="write the per-bucket results as JSON")
+    _heldout_option(t, "tune")
+    t.add_argument("--json", metavar="FILE", help="also write the per-bucket results as JSON")
     t.add_argument("--overwrite", action="store_true", help="replace --json if it exists (else: refuse)")
-    t.set_defaults(func=_cmd_tune, subparser=t, output_files=("json",), output_folder=True)
+    t.set_defaults(func=_cmd_tune, subparser=t, output_files=("json",), output_folder=True, on_interrupt=_studies_kept)
 
 
 def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -208,17 +249,26 @@ def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     e = sub.add_parser(
         "export",
         help="write the best config of each bucket's study as an export file",
-        description="Read the studies of WORKLOADS' buckets from --storage (no new trials; 'fasttree-tune run' "
-        "made them), find each family's best config and choose each bucket's portfolio and selector on the "
-        "predictions (the design on --heldout), and write them, guarded and with provenance, as a "
-        "schema-versioned JSON export (fasttree.load_portfolio, docs/export.md).",
-        parents=[*common, _study_options(), _target_options()],
+        description="Read the studies of WORKLOADS' buckets that 'fasttree-tune tune' or 'run' made (never runs "
+        "a trial: a study that is missing or has no complete trial is an error naming the command that makes it), "
+        "find each family's best config and choose each bucket's portfolio and selector on the predictions (the "
+        "design on the held-out workloads), and write them, guarded and with provenance, as a schema-versioned "
+        "JSON export (fasttree.load_portfolio, docs/export.md). The settings the studies were tuned with "
+        "(--model, --every, --heldout, the targets and the workloads, recorded in each study) are reused; an "
+        "option given with another value is refused, naming the setting.",
+        parents=[*common, _study_options(settings_from_study=True), _target_options(settings_from_study=True)],
     )
     e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
-    e.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"validation workloads ({_SHIPPED_HELDOUT})")
+    _heldout_option(e, "export")
     e.add_argument("-o", "--out", required=True, metavar="FILE", help="export FILE to write (.json)")
     e.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
-    e.add_argument("--folder", default=".", metavar="DIR", help="folder of the default storage (default .)")
+    e.add_argument(
+        "--studies",
+        default=".",
+        metavar="DIR",
+        help="the FOLDER 'tune --out' (or 'run --out') wrote the default study storage into (default .)",
+    )
+    e.add_argument("--folder", dest="studies", help=argparse.SUPPRESS)  # the old name of --studies
     e.set_defaults(func=_cmd_export, subparser=e, output_files=("out",))
 
 
@@ -244,8 +294,9 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "traces/h200 of a source checkout; an installed package holds only the fitted model)",
     )
     r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({_SHIPPED_WORKLOADS})")
-    r.add_argument("--heldout", default=RUN_HELDOUT, metavar="DIR", help=f"held-out workloads ({_SHIPPED_HELDOUT})")
+    _heldout_option(r, "run")
     r.add_argument(
+        "-o",
         "--out",
         default=RUN_OUT,
         metavar="DIR",
@@ -257,7 +308,9 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         help="replace the export and report of a finished run in --out (else: refuse; a killed run resumes either way)",
     )
     r.add_argument("--refit", action="store_true", help="fit the model from --traces even if --model exists")
-    r.set_defaults(func=_cmd_run, subparser=r, output_folder_files=RUN_OUTPUTS, output_folder=True)
+    r.set_defaults(
+        func=_cmd_run, subparser=r, output_folder_files=RUN_OUTPUTS, output_folder=True, on_interrupt=_studies_kept
+    )
 
 
 def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -273,23 +326,42 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common],
     )
     v.add_argument("--config", required=True, metavar="EXPORT", help="export file ('fasttree-tune run' writes one)")
-    v.add_argument("workloads", nargs="*", default=[RUN_TEST], metavar="WORKLOADS", help=f"default: {_SHIPPED_TEST}")
+    v.add_argument(
+        "workloads",
+        nargs="*",
+        default=[RUN_HELDOUT],
+        metavar="WORKLOADS",
+        help=f"workload traces to measure (default: {_SHIPPED_HELDOUT}, the validation split 'confirm' reads; the "
+        f"frozen test, {RUN_TEST}, only for a final check that nothing is chosen from)",
+    )
+    v.add_argument(
+        "--split",
+        choices=("all", "heldout"),
+        default="all",
+        help="all: every step of WORKLOADS (default); heldout: only the steps 'tune' and 'export' hold out of "
+        "WORKLOADS when no --heldout is given (the last fifth of each workload): the validation split of your own "
+        "workloads, what 'confirm' reads",
+    )
     v.add_argument(
         "--targets", type=_targets_arg, default=RUN_TARGETS, metavar="LIST", help="tree_attention, runtime (both)"
     )
-    v.add_argument("--traces-out", required=True, metavar="PATH", help="measurement trace file to append to")
+    v.add_argument("--traces-out", required=True, metavar="FILE", help="measurement trace FILE to append to")
     v.add_argument(
         "--steps",
         type=int_at_least(1),
         metavar="K",
         help="measure K evenly spaced steps of each workload (default: every step)",
     )
-    v.add_argument("--json", metavar="FILE", help="write the results as JSON ('fasttree-tune confirm' reads it)")
-    v.add_argument("--markdown", metavar="FILE", help="write the report as markdown")
     v.add_argument(
-        "--overwrite", action="store_true", help="replace --json and --markdown if they exist (else: refuse)"
+        "-o",
+        "--out",
+        metavar="FILE",
+        help="write the results as JSON: the FILE 'fasttree-tune confirm --measured' reads",
     )
-    v.set_defaults(func=_cmd_validate, subparser=v, output_files=("json", "markdown"))
+    v.add_argument("--json", dest="out", help=argparse.SUPPRESS)  # the old name of --out
+    v.add_argument("--markdown", metavar="FILE", help="write the report as markdown")
+    v.add_argument("--overwrite", action="store_true", help="replace --out and --markdown if they exist (else: refuse)")
+    v.set_defaults(func=_cmd_validate, subparser=v, output_files=("out", "markdown"), append_files=("traces_out",))
 
 
 def _add_confirm(sub: Any, common: list[argparse.ArgumentParser]) -> None:
@@ -300,18 +372,17 @@ def _add_confirm(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     c = sub.add_parser(
         "confirm",
         help="keep only the selector choices that measurements on the validation split confirm",
-        description="Read 'fasttree-tune validate --json' results of --config measured on the validation split "
-        "(the held-out workloads, never the frozen test) and relabel every selector leaf: a leaf leaves the "
-        f"defaults only for a member measured at least {rules.min_gain:.0%} faster in summed time over at least "
+        description="Read 'fasttree-tune validate --out' results of --config measured on the validation split "
+        "(held-out workloads; measurements of the frozen test split are refused) and relabel every selector leaf: "
+        f"a leaf leaves the defaults only for a member measured at least {rules.min_gain:.0%} faster in summed time "
+        "over at least "
         f"{rules.min_trees} of its trees, none of them below {rules.tree_floor}x of the defaults; other leaves "
         "serve the defaults, and members no leaf names are dropped. Writes the confirmed export and prints one "
         "line per leaf. No GPU, no Optuna.",
         parents=[*common],
     )
     c.add_argument("--config", required=True, metavar="EXPORT", help="the export that was measured")
-    c.add_argument(
-        "--measured", required=True, nargs="+", metavar="FILE", help="'fasttree-tune validate --json' outputs"
-    )
+    c.add_argument("--measured", required=True, nargs="+", metavar="FILE", help="'fasttree-tune validate --out' files")
     c.add_argument("-o", "--out", required=True, metavar="FILE", help="confirmed export FILE to write (.json)")
     c.add_argument("--markdown", metavar="FILE", help="write the leaf decisions as markdown")
     c.add_argument("--overwrite", action="store_true", help="replace --out and --markdown if they exist (else: refuse)")
@@ -331,7 +402,7 @@ def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         parents=[*common],
     )
     f.add_argument("--config", required=True, metavar="EXPORT", help="the export to start from")
-    f.add_argument("--out", required=True, metavar="FILE", help="the refined export FILE to write")
+    f.add_argument("-o", "--out", required=True, metavar="FILE", help="the refined export FILE to write")
     f.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
     f.add_argument(
         "workloads", nargs="*", default=[RUN_WORKLOADS], metavar="WORKLOADS", help=f"default: {_SHIPPED_WORKLOADS}"
@@ -340,9 +411,7 @@ def _add_refine(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     f.add_argument("--passes", type=int_at_least(1), default=2, help="search passes (2)")
     f.add_argument("--min-gain", type=float, default=0.015, help="relative gain a move must bring (0.015)")
     f.add_argument("--fields", default=None, help="comma list of coordinates to search (default: all)")
-    f.add_argument(
-        "--device", default="cuda", help="cuda (default); cpu only for a smoke test under TRITON_INTERPRET=1"
-    )
+    f.add_argument("--device", default="cuda", help="the CUDA device to time on (default cuda; e.g. cuda:1)")
     f.set_defaults(func=_cmd_refine, subparser=f, output_files=("out",))
 
 
@@ -384,29 +453,39 @@ def _load_model(args: argparse.Namespace):
     return model, gpu, meta
 
 
-def _workload_steps(args: argparse.Namespace, paths: list[str], what: str):
-    """Workload steps of ``paths`` grouped by bucket; a usage error when there are none or they hold more
-    tokens than a tuning run takes (:data:`fasttree.traces.MAX_WORKLOAD_TOKENS`)."""
-    from fasttree.traces import MAX_WORKLOAD_TOKENS, TraceError, read_traces
-    from fasttree.tuner import steps_by_bucket
+def _read_workloads(args: argparse.Namespace, paths: list[str], heldout: str):
+    """:func:`~.study_settings.read_workloads`; a usage error when they cannot be read or hold more tokens than
+    a tuning run takes (:data:`fasttree.traces.MAX_WORKLOAD_TOKENS`, the tuning and held-out steps together)."""
+    from fasttree.traces import MAX_WORKLOAD_TOKENS, TraceError
+
+    from .study_settings import read_workloads
 
     try:
-        ts = read_traces(paths, kind="workload", skip_invalid=getattr(args, "skip_invalid", False))
-        records = ts.records
-        for name, line, reason in ts.invalid[:20]:  # read_traces logs how many, and the first
-            logger.info("skipped %s:%d: %s", name, line, reason)
-        tokens = sum(sum(r["workload"]["tree"]["lengths"]) for r in records)
+        workloads = read_workloads(paths, heldout, skip_invalid=getattr(args, "skip_invalid", False))
+        steps = workloads.tuning + workloads.heldout
+        tokens = sum(sum(r["workload"]["tree"]["lengths"]) for r in steps)
         if tokens > MAX_WORKLOAD_TOKENS:
             raise ValueError(
                 f"the workload steps hold {tokens} KV tokens in all, more than a tuning run takes "
                 f"({MAX_WORKLOAD_TOKENS}, MAX_WORKLOAD_TOKENS); tune fewer files at a time"
             )
-        grouped = steps_by_bucket(records)
     except (TraceError, ValueError, OSError) as exc:
-        args.subparser.error(f"{what} {' '.join(paths)}: {exc}")
-    if not grouped:
-        args.subparser.error(f"{what} {' '.join(paths)}: no workload lines")
-    return grouped
+        args.subparser.error(f"WORKLOADS {' '.join(paths)} (held out: {heldout or 'none'}): {exc}")
+    return workloads
+
+
+def _grouped(args: argparse.Namespace, records: list, what: str, *, required: bool = True):
+    """Workload steps of ``records`` grouped by bucket; a usage error when there are none (``required``)."""
+    from fasttree.tuner import steps_by_bucket
+
+    if not records:
+        if required:
+            args.subparser.error(f"{what}: no workload lines")
+        return {}
+    try:
+        return steps_by_bucket(records)
+    except ValueError as exc:
+        args.subparser.error(f"{what}: {exc}")
 
 
 def _warn_outside_training(grouped, meta: dict[str, Any]) -> None:
@@ -433,7 +512,7 @@ def _warn_outside_training(grouped, meta: dict[str, Any]) -> None:
             )
 
 
-def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int, meta: dict[str, Any]):
+def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials: int, meta: dict[str, Any], settings):
     import optuna
 
     from fasttree.tuner import balance_families, thin_steps, tune_workload
@@ -451,7 +530,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             gpu,
             storage=args.storage,
             folder=folder,
-            base_name=args.study,
+            base_name=_base_name(args.study, "runtime" if args.runtime else "tree_attention"),
             n_trials=trials,
             timeout=getattr(args, "timeout", None),
             seed=getattr(args, "seed", 0),
@@ -460,6 +539,7 @@ def _tune(args: argparse.Namespace, grouped, model, gpu, folder: Path, *, trials
             progress=progress_bar_wanted(getattr(args, "progress", False)),
             polish_passes=getattr(args, "polish_passes", POLISH_PASSES),
             runtime=args.runtime,
+            settings=settings,
         )
     except ValueError as exc:
         hint = None
@@ -481,7 +561,7 @@ def _mismatch_hint(args: argparse.Namespace, raw, grouped, model, gpu, folder: P
 
     store = open_storage(args.storage, folder=folder)
     for b, steps in grouped.items():
-        name = study_name(args.study, b)
+        name = study_name(_base_name(args.study, "runtime" if args.runtime else "tree_attention"), b)
         try:
             stored = optuna.load_study(study_name=name, storage=store).user_attrs.get(_FINGERPRINT_ATTR)
         except KeyError:  # no such study
@@ -513,13 +593,41 @@ def _mismatch_hint(args: argparse.Namespace, raw, grouped, model, gpu, folder: P
     return None
 
 
+def _base_name(study: str, target: str) -> str:
+    """The study base name of a target: ``NAME`` for tree_attention, ``NAME-rt`` for the runtime (as ``run``)."""
+    return f"{study}-rt" if target == "runtime" else study
+
+
+def _storage_text(args: argparse.Namespace, folder: str) -> str:
+    from fasttree.tuner.storage import DEFAULT_DB_NAME
+
+    return args.storage or str(Path(folder) / DEFAULT_DB_NAME)
+
+
+def _studies_kept(args: argparse.Namespace) -> str:
+    """What an interrupted ``tune`` or ``run`` keeps (``main`` prints it on Ctrl-C)."""
+    return (
+        f"the studies in {_storage_text(args, args.out)} keep every complete trial; rerun the same command to "
+        "resume (nothing else was written)"
+    )
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from fasttree.fileio import write_atomic
 
+    from .study_settings import describe_heldout, resolve_heldout, study_settings
+
     model, gpu, meta = _load_model(args)
-    grouped = _workload_steps(args, args.workloads, "WORKLOADS")
+    heldout = resolve_heldout(args.heldout, args.workloads)
+    workloads = _read_workloads(args, list(args.workloads), heldout)
+    grouped = _grouped(args, workloads.tuning, f"WORKLOADS {' '.join(args.workloads)}")
+    if heldout:
+        logger.info("tuning on %d steps of WORKLOADS; held out for 'export': %d steps of %s",
+                    len(workloads.tuning), len(workloads.heldout), describe_heldout(heldout))  # fmt: skip
+    settings = {**study_settings(args.model, workloads, args.every),
+                "target": "runtime" if args.runtime else "tree_attention"}  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials, meta=meta)
+    results = _tune(args, grouped, model, gpu, Path(args.out), trials=args.trials, meta=meta, settings=settings)
     from fasttree.tuner.report import study_table
 
     print(study_table(results))
@@ -528,28 +636,30 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _portfolios(args: argparse.Namespace, folder: Path, meta: dict[str, Any], *, trials: int, timeout: float | None):
-    """Tune (or, with a study at ``trials`` already, only read) and choose every portfolio."""
+def _portfolios(
+    args: argparse.Namespace, folder: Path, meta: dict[str, Any], workloads, *, trials: int, timeout: float | None,
+    settings: dict[str, Any] | None,
+):  # fmt: skip
+    """Tune (or, with a study at ``trials`` already, only read) and choose every portfolio of ``workloads``."""
     import optuna
 
     from fasttree.tuner.pipeline import tune_portfolios
 
     if not logging.getLogger("fasttree").isEnabledFor(logging.DEBUG):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-    grouped = _workload_steps(args, list(args.workloads) if isinstance(args.workloads, list) else [args.workloads],
-                              "WORKLOADS")  # fmt: skip
-    heldout = _workload_steps(args, [args.heldout], "--heldout") if args.heldout else {}
+    grouped = _grouped(args, workloads.tuning, f"WORKLOADS {' '.join(workloads.paths)}")
+    heldout = _grouped(args, workloads.heldout, f"--heldout {workloads.heldout_source}", required=False)
     _warn_outside_training(grouped, meta)
     try:
         return tune_portfolios(
             grouped, heldout, args.model, targets=args.targets, folder=folder, storage=args.storage,
             base_name=args.study, n_trials=trials, timeout=timeout, seed=getattr(args, "seed", 0),
             every=args.every, polish_passes=getattr(args, "polish_passes", POLISH_PASSES), jobs=args.jobs,
-            force=args.force,
+            force=args.force, settings=settings,
         )  # fmt: skip
     except ValueError as exc:
         hint = None
-        if "another objective" in str(exc):  # a study of this --folder/--storage made with other settings
+        if "another objective" in str(exc):  # a study of this folder/--storage made with other settings
             try:
                 from fasttree.tuner import balance_families, thin_steps
 
@@ -559,6 +669,29 @@ def _portfolios(args: argparse.Namespace, folder: Path, meta: dict[str, Any], *,
             except Exception as why:  # only a hint: the refusal stands without it
                 logger.debug("no hint for %s: %s", exc, why)
         args.subparser.error(hint or str(exc))
+
+
+def _exported(results, heldout: str) -> list[str]:
+    """One line per exported entry: what it serves, as the held-out predictions say."""
+    from fasttree.config import FastTreeConfig
+
+    from .study_settings import describe_heldout
+
+    lines = []
+    for r in results:
+        p = r.portfolio
+        members = p.portfolio.members
+        if all(m == FastTreeConfig() for m in members):
+            what = "serves the defaults only (no tuned config was predicted to pay off)"
+        elif p.valid is None:
+            what = f"{len(members)} members, predicted {p.train['objective']:.3f} of the defaults' time on the " \
+                   "tuning steps (no held-out steps)"  # fmt: skip
+        else:
+            picks = p.valid["picks"]
+            what = (f"{len(members)} members, switches {sum(picks[1:])} of {sum(picks)} held-out steps from the "
+                    f"defaults, predicted {p.valid['objective']:.3f} of their time")  # fmt: skip
+        lines.append(f"  {r.target} {r.bucket.label}: {what}")
+    return [f"exported {len(results)} entries (held out: {describe_heldout(heldout)}):", *lines]
 
 
 def _portfolio_export(results, gpu, meta: dict[str, Any], model_path: Path):
@@ -620,17 +753,83 @@ def _write_export(args: argparse.Namespace, path: str, export, *, overwrite: boo
         args.subparser.error(f"{exc}; pass --overwrite to replace it")
 
 
+def _tuned_studies(args: argparse.Namespace, grouped) -> dict[str, dict[str, Any] | None]:
+    """The studies ``export`` reads, name -> recorded settings; sets ``args.targets`` when it was left out.
+
+    A usage error, before anything else runs, when a study is missing or has no complete trial: ``export``
+    runs no trial."""
+    import optuna
+
+    from fasttree.tuner import open_storage, study_name
+    from fasttree.tuner.study import SETTINGS_ATTR
+
+    store = open_storage(args.storage, folder=args.studies)
+    found: dict[str, dict[str, Any]] = {}
+    for target in RUN_TARGETS:
+        for b in grouped:
+            name = study_name(_base_name(args.study, target), b)
+            try:
+                study = optuna.load_study(study_name=name, storage=store)
+            except KeyError:
+                continue
+            complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            found[name] = {"target": target, "complete": len(complete), "settings": study.user_attrs.get(SETTINGS_ATTR)}
+    where = _storage_text(args, args.studies)
+    if args.targets is None:
+        args.targets = tuple(t for t in RUN_TARGETS if any(f["target"] == t for f in found.values()))
+        if not args.targets:
+            names = ", ".join(study_name(args.study, b) for b in grouped)
+            args.subparser.error(
+                f"{where} holds no study of WORKLOADS' buckets ({names}): 'export' runs no trial; tune them first "
+                "('fasttree-tune tune WORKLOADS --out DIR', then 'export --studies DIR')"
+            )
+    chosen = {}
+    for target in args.targets:
+        for b in grouped:
+            name = study_name(_base_name(args.study, target), b)
+            how = "fasttree-tune tune WORKLOADS" + (" --runtime" if target == "runtime" else "")
+            if name not in found:
+                args.subparser.error(
+                    f"{where} holds no study {name} ({target}, bucket {b.label}): 'export' runs no trial; tune it "
+                    f"with '{how}' (same --out or --storage), or pass --targets without {target}"
+                )
+            if not found[name]["complete"]:
+                args.subparser.error(f"study {name} in {where} has no complete trial: 'export' runs none; '{how}'")
+            chosen[name] = found[name]["settings"]
+    return chosen
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from fasttree.tuner.storage import DEFAULT_DB_NAME
 
-    if args.storage is None and not (Path(args.folder) / DEFAULT_DB_NAME).exists():
-        args.subparser.error(f"no --storage given and no {DEFAULT_DB_NAME} in {args.folder}: nothing was tuned there")
+    from .study_settings import check_workloads, reconcile, resolve_heldout
+
+    if args.storage is None and not (Path(args.studies) / DEFAULT_DB_NAME).exists():
+        args.subparser.error(
+            f"no --storage given and no {DEFAULT_DB_NAME} in {args.studies}: nothing was tuned there "
+            "(--studies DIR: the folder 'tune --out' wrote)"
+        )
+    given_heldout = None if args.heldout is None else resolve_heldout(args.heldout, args.workloads)
+    everything = _read_workloads(args, list(args.workloads), "")  # all steps: their buckets name the studies
+    recorded = _tuned_studies(args, _grouped(args, everything.records, f"WORKLOADS {' '.join(args.workloads)}"))
+    try:
+        check_workloads(recorded, everything)
+        settings = reconcile(recorded, model=args.model, every=args.every, heldout=given_heldout)
+    except ValueError as exc:
+        args.subparser.error(str(exc))
+    args.model = settings["model"] or RUN_MODEL
+    args.every = settings["every"] or RUN_EVERY
+    heldout = settings["heldout"] if settings["heldout"] is not None else resolve_heldout(None, args.workloads)
+    logger.info("exporting %s with --model %s, --every %d, held out: %s", ", ".join(sorted(recorded)), args.model,
+                args.every, heldout or "none")  # fmt: skip
+    workloads = _read_workloads(args, list(args.workloads), heldout)
     _, gpu, meta = _load_model(args)
-    results = _portfolios(args, Path(args.folder), meta, trials=1, timeout=None)  # a tuned study runs no new trial
+    results = _portfolios(args, Path(args.studies), meta, workloads, trials=1, timeout=None, settings=None)
     export = _portfolio_export(results, gpu, meta, Path(args.model))
     _write_export(args, args.out, export, overwrite=args.overwrite)
     from fasttree.tuner.report import portfolio_table
 
+    print("\n".join(_exported(results, heldout)))
     print(portfolio_table(results))
     print(f"export: {args.out}")
     return 0
@@ -672,8 +871,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.model = str(model_path)
         _fit_model(args, model_path)
     _, gpu, meta = _load_model(args)
+    from .study_settings import resolve_heldout, study_settings
+
+    heldout = resolve_heldout(args.heldout, [args.workloads])
+    workloads = _read_workloads(args, [args.workloads], heldout)
     print(f"model {model_path} ({gpu.name}); targets {', '.join(args.targets)}; {args.jobs} processes")
-    results = _portfolios(args, out, meta, trials=args.trials, timeout=args.timeout)
+    settings = study_settings(str(model_path), workloads, args.every)
+    results = _portfolios(args, out, meta, workloads, trials=args.trials, timeout=args.timeout, settings=settings)
     export = _portfolio_export(results, gpu, meta, model_path)
     _write_export(args, str(out / "export.json"), export, overwrite=True)
     elapsed = round(time.perf_counter() - t0, 1)
@@ -694,6 +898,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     write_atomic(out / "report.json", json.dumps(summary, indent=1, default=float) + "\n")
     report = out / "report.md"
     write_atomic(report, run_report(results, summary, table))
+    print("\n".join(_exported(results, heldout)))
     print(table)
     print(f"export: {out / 'export.json'}; report: {report}; {elapsed:.0f} s")
     return 0
@@ -712,6 +917,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         export = read_export(args.config)
         records = read_traces(args.workloads, kind="workload").records
+        if args.split == "heldout":
+            from fasttree.toolkit.workload_split import split_heldout
+
+            records = split_heldout(records)[1]
         if records and args.steps is not None:
             records = [r for rs in workload_steps(records, args.steps).values() for r in rs]
         export_sha256 = _sha256_file(Path(args.config))
@@ -794,6 +1003,16 @@ def _read_measured(path: str, export_sha256: str):
     return doc["gpu"], cases
 
 
+def _frozen_test_cases(cases) -> list[str]:
+    """The cases of ``cases`` (:class:`~fasttree.toolkit.validate.CaseValidation`) that are trees of the frozen
+    test split (the shipped test workloads), by the case name ``validate`` records."""
+    from fasttree.toolkit.workload_split import case_name
+    from fasttree.traces import read_traces
+
+    test = {case_name(r) for r in read_traces(RUN_TEST, kind="workload").records}
+    return [c.case for c in cases if c.case in test]
+
+
 def _cmd_confirm(args: argparse.Namespace) -> int:
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
@@ -813,6 +1032,14 @@ def _cmd_confirm(args: argparse.Namespace) -> int:
     if len(gpus) > 1:
         args.subparser.error(
             f"--measured files come from several GPUs ({', '.join(sorted(gpus))}); confirm one at a time"
+        )
+    frozen = _frozen_test_cases(cases)
+    if frozen:
+        args.subparser.error(
+            f"--measured holds {len(frozen)} measurements of trees of the frozen test split ({RUN_TEST}; e.g. "
+            f"{frozen[0]}): confirm chooses from measurements of the validation split only, and the test stays "
+            "unseen; measure held-out workloads ('fasttree-tune validate --config EXPORT --out FILE' measures the "
+            "shipped held-out workloads, 'validate --split heldout WORKLOADS' yours)"
         )
     source = ", ".join(Path(p).name for p in args.measured)
     confirmed, decisions = confirm_export(export, cases, gpu=gpu, source=source)
@@ -843,8 +1070,9 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     import torch
 
     from fasttree.config import FastTreeConfig
-    from fasttree.export import ConfigExport, ExportEntry, ExportGuard, read_export, write_export
+    from fasttree.export import ConfigExport, ExportEntry, ExportGuard, bucket_label, read_export, write_export
     from fasttree.portfolio import Portfolio, Selector
+    from fasttree.toolkit import refine
     from fasttree.toolkit.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
     from fasttree.toolkit.validate import workload_steps
     from fasttree.traces import TraceError, decode_tree, read_traces
@@ -853,8 +1081,6 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     if args.device.split(":")[0] not in ("cuda", "cpu"):
         args.subparser.error(f"--device must be cuda or cpu, got {args.device!r}")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        args.subparser.error("refine measures on a CUDA GPU and none is visible")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         args.subparser.error("--device cpu needs TRITON_INTERPRET=1 (a smoke test: its times mean nothing)")
     try:
@@ -865,6 +1091,12 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         steps = workload_steps(records, args.steps)
     except (TraceError, ValueError, OSError) as exc:
         args.subparser.error(str(exc))
+    if not torch.cuda.is_available() and (device.type == "cuda" or getattr(refine.graph_timer, "needs_cuda", False)):
+        # the timer replays CUDA graphs whatever --device says (cpu only serves tests with a stand-in timer)
+        args.subparser.error(
+            "refine times the runtime by CUDA-graph replay and no CUDA GPU is visible "
+            "(torch.cuda.is_available() is False): run it on a GPU machine"
+        )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     buckets: dict[tuple, dict[str, list]] = {}
     for name, rs in steps.items():
@@ -878,8 +1110,9 @@ def _cmd_refine(args: argparse.Namespace) -> int:
             gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, target="runtime"
         )
         start = portfolio.members[-1]  # the runtime entry's last member (the defaults when it has one)
-        logger.info("bucket %d/%d D %d %s: %d workloads, start from %s", hq, hkv, d, dtype, len(trees),
-                 "the export's entry" if entry else "the defaults")  # fmt: skip
+        label = bucket_label(hq // hkv, d, dtype)
+        logger.info("bucket %s (%d/%d heads): %d workloads, start from %s", label, hq, hkv, len(trees),
+                    "the export's entry" if entry else "the defaults")  # fmt: skip
         t0 = time.perf_counter()
         bench = RuntimeBench(trees, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=getattr(torch, dtype),
                              device=device)  # fmt: skip
@@ -904,8 +1137,8 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         entries[(gpu, *new.bucket, "runtime")] = new
         for w in sorted(trees):
             a, b = found.start_us[w], found.best_us[w]
-            lines.append(f"| g{hq // hkv} D{d} {dtype} | {w} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
-        lines.append(f"| g{hq // hkv} D{d} {dtype} | geomean ({found.evaluations} configs, {seconds:.0f} s) | | | "
+            lines.append(f"| {label} | {w} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+        lines.append(f"| {label} | geomean ({found.evaluations} configs, {seconds:.0f} s) | | | "
                      f"{found.objective:.3f} |")  # fmt: skip
     provenance = {**export.provenance, "refined_by": "fasttree-tune refine", "refined_from": str(args.config)}
     write_export(args.out, ConfigExport(tuple(entries.values()), provenance), overwrite=args.overwrite)

@@ -238,6 +238,9 @@ def graph_timer(rt: TreeAttentionRuntime, q, k_cache, v_cache, out) -> float:
     return graph_time_us(lambda: rt.forward(q, k_cache, v_cache, out=out), budget_s=0.1)["median"]
 
 
+graph_timer.needs_cuda = True  # type: ignore[attr-defined]  # CUDA-graph replay: 'refine' checks for a GPU first
+
+
 class RuntimeBench:
     """The trees of one bucket's workloads and inputs sized for all of them; measures configs.
 
