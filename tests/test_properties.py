@@ -287,10 +287,11 @@ def test_extension_refuses_a_shared_node():
 def runtime_steps(draw):
     """A runtime's small capacities and config, and a few decode steps: each a new drawn tree, or
     the last tree with one more token per query (an extension) when its queries sit alone."""
+    queries = draw(st.integers(4, 40))
     caps = {
-        "max_queries": draw(st.integers(4, 40)),
+        "max_queries": queries,
         "max_kv_entries": draw(st.sampled_from((64, 300, 4096))),
-        "max_units": draw(st.sampled_from((4, 64, 4096))),
+        "max_units": max(queries, draw(st.sampled_from((4, 64, 4096)))),  # the runtime needs one per query
         "max_partial_rows": draw(st.sampled_from((8, 64, 1024))),
     }
     g = draw(st.sampled_from((1, 2, 4)))
@@ -314,7 +315,8 @@ CAPACITY_WORDS = ("max_queries", "max_kv_entries", "max_units", "max_partial_row
 def test_runtime_steps_are_exact_or_refused_whole(case, seed):
     """Every step either runs within tolerance of the float64 reference, touching no row past its
     queries, or is refused with an error naming the capacity, leaving the previous plan in place
-    (the next forward still computes the previous tree)."""
+    (the next forward still computes the previous tree); a tree within max_queries whose context
+    entries fit max_kv_entries is never refused (the capacity guarantee)."""
     caps, g, config, trees = case
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hkv, d = 2, 16
@@ -334,6 +336,8 @@ def test_runtime_steps_are_exact_or_refused_whole(case, seed):
             rt.plan(tree)
         except ValueError as exc:
             assert any(w in str(exc) for w in CAPACITY_WORDS) or "queries" in str(exc), str(exc)
+            context = int(tree.path_lengths[tree.query_nodes].sum())
+            assert tree.n_queries > rows or context > caps["max_kv_entries"], str(exc)
         else:
             current = tree
         if current is None:
