@@ -396,7 +396,9 @@ def test_format_2_files_convert_bit_identically(tmp_path):
         )
         assert r.returncode == 0, r.stderr
         model, meta = load_model(new)
-        assert np.array_equal(model.predict(X), np.array(expected[name]))
+        # the expected predictions were computed on another CPU: gradient boosting's sums of many
+        # trees may differ there in the last bit (1.5e-16 relative seen), a wrong conversion by far more
+        np.testing.assert_allclose(model.predict(X), np.array(expected[name]), rtol=1e-12, atol=0)
         assert meta["converted_from"]["format_version"] == 2 and meta["extra"]["simulator_baseline"]["coef"]
         assert meta["model_params"]["kind"] == name
     r = subprocess.run(
