@@ -181,27 +181,14 @@ def tree_attention(
         entry = host._device_cache.get(fast[0])
         if entry is not None:  # every kernel compiled for these tensors: call the launchers directly
             with on_device(device):
-                _run_direct(entry, fast[1], device, qk_scale)
+                run_direct(entry, fast[1], device, qk_scale)
             return out
     target = _target(q)
     launches = plan_launches(host, dev, q, k_cache, v_cache, out, qk_scale, target)
     forked = _forks(target, launches)
-    compiled = []
+    shrink = host.config.num_stages is None  # default stages: fewer where the GPU's shared memory ends
     with on_device(device):
-        if forked:
-            main, side, _, fork, join = side_stream(device, current_stream(device))
-            fork.record(main)
-            side.wait_event(fork)
-        shrink = host.config.num_stages is None  # default stages: fewer where the GPU's shared memory ends
-        for i, (kernel, grid, args, constexprs, warps, stages, maxnreg) in enumerate(launches):
-            if forked and i == 0:
-                with _stream_context(side):
-                    compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
-                join.record(side)
-                continue
-            compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
-            if forked and i == 1:
-                main.wait_event(join)
+        compiled = launch_through_triton([(*spec, shrink) for spec in launches], device, forked)
     if fast is not None and all(c is not None for c in compiled):
         host._device_cache[fast[0]] = (
             forked,
@@ -213,7 +200,29 @@ def tree_attention(
     return out
 
 
-def _run_direct(entry: tuple, ptrs: tuple, device: torch.device, qk_scale: float) -> None:
+def launch_through_triton(launches: list[tuple], device: torch.device, forked: bool) -> list:
+    """Launch ``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, shrink_stages)`` each
+    through :func:`fasttree.launcher.launch` on the current stream, the first on a side stream beside
+    the second when ``forked`` (the two stage-1 launches of a two-class plan); returns the compiled
+    kernels (None under the interpreter or launch hooks)."""
+    compiled = []
+    if forked:
+        main, side, _, fork, join = side_stream(device, current_stream(device))
+        fork.record(main)
+        side.wait_event(fork)
+    for i, (kernel, grid, args, constexprs, warps, stages, maxnreg, shrink) in enumerate(launches):
+        if forked and i == 0:
+            with _stream_context(side):
+                compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
+            join.record(side)
+            continue
+        compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
+        if forked and i == 1:
+            main.wait_event(join)
+    return compiled
+
+
+def run_direct(entry: tuple, ptrs: tuple, device: torch.device, qk_scale: float) -> None:
     """Call a plan's cached direct launchers (``entry``: whether it forks, and the launchers) on the
     current stream."""
     forked, launchers = entry

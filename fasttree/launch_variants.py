@@ -16,11 +16,11 @@ Numpy only (no device work).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
-from .launch_rules import GpuTarget, merge_launch, stage1_launches
+from .launch_rules import GpuTarget, MergeLaunch, Stage1Launch, merge_launch, stage1_launches
 from .plan_arrays import Plan
 
 __all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "launch_variant"]
@@ -45,35 +45,6 @@ def grid_bucket(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class Stage1Shape:
-    """What a stage-1 launch of a variant is compiled and launched with (a tile class's
-    :class:`fasttree.launch_rules.Stage1Launch` without its plan-specific unit range)."""
-
-    tile_class: int
-    units: int  # grid bucket of the class's units
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    maxnreg: int | None
-    masked: bool
-    peel: bool
-    shrink_stages: bool
-
-
-@dataclass(frozen=True)
-class MergeShape:
-    """What the merge launch of a variant is compiled and launched with."""
-
-    many: bool
-    queries: int  # grid bucket of the merged queries
-    block_h: int
-    block_p: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
 class LaunchVariant:
     """The launches of one step: the stage-1 launch of each non-empty tile class (two run side by
     side on two streams, as :func:`fasttree.tree_attention` runs them) and the merge, if any.
@@ -82,8 +53,8 @@ class LaunchVariant:
     or by :attr:`fasttree.runtime.RuntimePlan.variant_id`).
     """
 
-    stage1: tuple[Stage1Shape, ...]
-    merge: MergeShape | None
+    stage1: tuple[Stage1Launch, ...]  # first_unit 0, n_units the class's grid bucket
+    merge: MergeLaunch | None  # n_merge the merge list's grid bucket
 
     @property
     def forked(self) -> bool:
@@ -93,21 +64,9 @@ class LaunchVariant:
 
 def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
     """The launch variant of ``plan`` on ``target``: ``plan``'s own launch decisions, grids bucketed."""
-    stage1 = tuple(
-        Stage1Shape(
-            tile_class=s.tile_class, units=grid_bucket(s.n_units), block_m=s.block_m, block_n=s.block_n,
-            num_warps=s.num_warps, num_stages=s.num_stages, maxnreg=s.maxnreg, masked=s.masked, peel=s.peel,
-            shrink_stages=s.shrink_stages,
-        )
-        for s in stage1_launches(plan, target)
-    )  # fmt: skip
+    stage1 = tuple(replace(s, first_unit=0, n_units=grid_bucket(s.n_units)) for s in stage1_launches(plan, target))
     m = merge_launch(plan, triton.next_power_of_2(plan.head_dim))
-    merge = None
-    if m is not None:
-        merge = MergeShape(
-            many=m.many, queries=grid_bucket(m.n_merge), block_h=m.block_h, block_p=m.block_p,
-            num_warps=m.num_warps, num_stages=m.num_stages,
-        )  # fmt: skip
+    merge = None if m is None else replace(m, n_merge=grid_bucket(m.n_merge))
     return LaunchVariant(stage1=stage1, merge=merge)
 
 

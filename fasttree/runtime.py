@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import triton
 
-from .attention import LOG2E, output_like, plan_query_separated
+from .attention import LOG2E, launch_through_triton, output_like, plan_query_separated, run_direct
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
@@ -78,7 +78,6 @@ from .launcher import (
     launch_hooks_active,
     launch_pointers,
     on_device,
-    side_stream,
     tensor_layout,
 )
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
@@ -861,38 +860,10 @@ class TreeAttentionRuntime:
         key = self._layout_key(q, k_cache, v_cache, out)
         cached = self._launchers.get((vid, key)) if key is not None else None
         if cached is not None:  # compiled for this layout: call the launchers directly
-            ptrs = launch_pointers(q, k_cache, v_cache, out)
-            stream = current_stream(q.device)
-            if variant.forked:
-                main, side, side_raw, fork, join = side_stream(q.device, stream)
-                fork.record(main)
-                side.wait_event(fork)
-                cached[0](side_raw, *ptrs, qk_scale)
-                join.record(side)
-                cached[1](stream, *ptrs, qk_scale)
-                main.wait_event(join)
-                for run in cached[2:]:
-                    run(stream, *ptrs, qk_scale)
-            else:
-                for run in cached:
-                    run(stream, *ptrs, qk_scale)
+            run_direct((variant.forked, cached), launch_pointers(q, k_cache, v_cache, out), q.device, qk_scale)
             return
         launches = self._variant_launches(vid, variant, q, k_cache, v_cache, out, qk_scale)
-        forked = variant.forked and self._target.cuda
-        compiled = []
-        if forked:
-            main, side, _, fork, join = side_stream(q.device, current_stream(q.device))
-            fork.record(main)
-            side.wait_event(fork)
-        for i, (kernel, grid, args, constexprs, warps, stages, maxnreg, shrink) in enumerate(launches):
-            if forked and i == 0:
-                with torch.cuda.stream(side):
-                    compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
-                join.record(side)
-                continue
-            compiled.append(launch(kernel, grid, args, constexprs, warps, stages, maxnreg, shrink))
-            if forked and i == 1:
-                main.wait_event(join)
+        compiled = launch_through_triton(launches, q.device, variant.forked and self._target.cuda)
         if key is not None and all(c is not None for c in compiled):
             self._launchers[(vid, key)] = tuple(
                 direct_launcher(c, grid, args, constexprs, None if kernel is merge_variant_kernel else _VARIANT_QK_ARG)
@@ -916,7 +887,7 @@ class TreeAttentionRuntime:
         arrays = tuple(fixed[name] for name in DEVICE_ARRAYS[:8])  # kv_indices ... pair_out_row
         launches = []
         for s in variant.stage1:
-            grid, heads_fastest = units_grid(s.units, self.num_kv_heads)
+            grid, heads_fastest = units_grid(s.n_units, self.num_kv_heads)
             base = 0 if s.tile_class == 0 else self.max_units
             args = (q, k_cache, v_cache, out, part_o, part_lse, *arrays, self._plan_buf, base, self.max_units, vid,
                     qk_scale, *strides)  # fmt: skip
@@ -931,7 +902,7 @@ class TreeAttentionRuntime:
             args = (out, part_o, part_lse, fixed["merge_queries"], fixed["query_partial_start"],
                     fixed["query_num_partials"], self._plan_buf, self.max_queries, vid, out.stride(0), out.stride(1),
                     part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-            grid = (m.queries, hq if m.many else triton.cdiv(hq, m.block_h))
+            grid = (m.n_merge, hq if m.many else triton.cdiv(hq, m.block_h))
             constexprs = (hq, d, m.block_h, max(m.block_p, 1), block_d, m.many, pdl_wait("merge", self._target))
             launches.append((merge_variant_kernel, grid, args, constexprs, m.num_warps, m.num_stages, None, False))
         return launches

@@ -501,7 +501,8 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
             seen.append(constexprs[8])
         return real(kernel, grid, args, constexprs, *rest, **kw)
 
-    monkeypatch.setattr(runtime_module, "launch", recording)
+    monkeypatch.setattr(runtime_module, "launch", recording)  # the fixed launch's and the relocation's
+    monkeypatch.setattr(ft.attention, "launch", recording)  # the variants' (fasttree.attention.launch_through_triton)
     rt = _runtime(device, pool_slots=pool_slots, max_variants=max_variants)
     tree = random_tree(np.random.default_rng(8), max_nodes=10, max_len=60)
     q, k, v = _inputs(tree, device, 64)
