@@ -438,14 +438,15 @@ def _assemble(
         u_kv_start = np.empty(n_kept + n_bins, dtype=np.int64)
         u_kv_start[:n_kept] = kv_start[k_idx]
         np.add(exclusive_sum(b_tokens), n_old, out=u_kv_start[n_kept:])
-    # positions >= 31 set the sign bit of the int32 mask
-    bin_mask = bits.astype(np.uint32).view(np.int32).repeat(tokens)
-    if n_old:
-        mask = np.empty(slots.size, dtype=np.int32)
-        mask[:n_old] = -1
-        mask[n_old:] = bin_mask
-    else:
-        mask = bin_mask
+    # -1 for the n_old entries kept, then each piece's bits for its tokens, in one repeat (no
+    # temporary of the entries' size); positions >= 31 set the sign bit of the int32 mask
+    mask_value = np.empty(bits.size + 1, dtype=np.int32)
+    mask_value[0] = -1
+    mask_value[1:] = bits.astype(np.uint32).view(np.int32)
+    mask_count = np.empty(bits.size + 1, dtype=np.int64)
+    mask_count[0] = n_old
+    mask_count[1:] = tokens
+    mask = mask_value.repeat(mask_count)
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
     k_len = q_len[k_idx]
@@ -500,5 +501,6 @@ def _gather_runs(kv_slots: np.ndarray, start: np.ndarray, length: np.ndarray, ou
                 for a, ln, f in zip(s.tolist(), n.tolist(), (s - shift[outside]).tolist(), strict=True):
                     out[f : f + ln] = kv_slots[a : a + ln]
             return
-    idx = np.add(arange_view(total), shift.repeat(length))
+    idx = shift.repeat(length)
+    idx += arange_view(total)  # in place: a second index-sized temporary costs fresh pages
     np.take(kv_slots, idx, out=out, mode="clip")  # idx is in range: "clip" only skips a buffer

@@ -551,7 +551,9 @@ def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _U
     # pairs, in unit order: unit u's are q_ids[q_first[u]:q_first[u] + u_q_len[u]]
     unit_pair_start = exclusive_sum(u_q_len)
     n_pairs = int(unit_pair_start[-1] + u_q_len[-1]) if u_q_len.size else 0
-    pair_query = groups.q_ids[np.add(arange_view(n_pairs), (q_first - unit_pair_start).repeat(u_q_len))]
+    pair_pos = (q_first - unit_pair_start).repeat(u_q_len)
+    pair_pos += arange_view(n_pairs)
+    pair_query = groups.q_ids[pair_pos]
     return _Units(kv_start, u_kv_len, unit_pair_start, u_q_len, pair_query)
 
 
@@ -634,7 +636,8 @@ def _partial_rows(pair_query: np.ndarray, pair_present: np.ndarray | None, n_que
         order = stable_argsort(n_present, n_queries)
         q_sorted = n_present[order]
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
-        row = np.add(arange_view(n_present_pairs), (part_start - exclusive_sum(n_part))[q_sorted])
+        row = (part_start - exclusive_sum(n_part))[q_sorted]
+        row += arange_view(n_present_pairs)
         rows_out[order] = row if n_rows == n_present_pairs else np.where(multi[q_sorted], row, -1)
     if rows_out is not out_row:
         out_row[pair_present] = rows_out

@@ -744,7 +744,8 @@ def _chain_slots(
         # slot i of the tree is i: the positions are the slots themselves
         np.add(arange_view(total, np.int32), shift.astype(np.int32).repeat(flat_len), out=tail)
     else:
-        idx = np.add(arange_view(total), shift.repeat(flat_len))
+        idx = shift.repeat(flat_len)
+        idx += arange_view(total)  # in place: a second index-sized temporary costs fresh pages
         np.take(tree.slots, idx, out=tail, mode="clip")  # idx is in range: "clip" only skips a buffer
     return kv_start, out
 
