@@ -342,6 +342,56 @@ def pack_units(
     PackedUnits or None
         None when no bin forms.
     """
+    layout = bin_layout(
+        kv_len=kv_len, pair_start=pair_start, q_len=q_len, pair_query=pair_query, eligible=eligible,
+        query_rank=query_rank, capacity=capacity, budget=budget, pairs_in_order=pairs_in_order,
+        balanced=balanced, aligned=aligned, max_longer=max_longer,
+    )  # fmt: skip
+    if layout is None:
+        return None
+    return assemble_bins(
+        layout, kv_start=kv_start, kv_len=kv_len, pair_start=pair_start, q_len=q_len, pair_query=pair_query,
+        kv_slots=kv_slots, query_rank=query_rank, query_of_rank=query_of_rank, pairs_in_order=pairs_in_order,
+        identity_slots=identity_slots,
+    )  # fmt: skip
+
+
+class BinLayout(NamedTuple):
+    """The bins :func:`bin_layout` chose, before their arrays are built (:func:`assemble_bins`).
+
+    Attributes
+    ----------
+    bins : _Bins
+        The pieces that go into bins, in bin order.
+    capacity : int
+        Queries per bin.
+    start_of_rank : ndarray, int64 [n_queries] or None
+        Each rank's block's first rank (aligned blocks), or None for the fixed blocks
+        (``rank - rank % capacity``).
+    """
+
+    bins: _Bins
+    capacity: int
+    start_of_rank: np.ndarray | None
+
+
+def bin_layout(
+    *,
+    kv_len: np.ndarray,
+    pair_start: np.ndarray,
+    q_len: np.ndarray,
+    pair_query: np.ndarray,
+    eligible: np.ndarray,
+    query_rank: np.ndarray,
+    capacity: int,
+    budget: int,
+    pairs_in_order: bool = False,
+    balanced: bool = False,
+    aligned: bool | None = False,
+    max_longer: float = 1.1,
+) -> BinLayout | None:
+    """Which pieces of the eligible units go into which bins (see :func:`pack_units`, whose
+    arguments these are); None when no bin forms."""
     if not 1 <= capacity <= MAX_PACK_QUERIES:
         raise ValueError(f"capacity must be in [1, {MAX_PACK_QUERIES}], got {capacity}")
     if budget < 1:
@@ -361,14 +411,70 @@ def pack_units(
                 bins, blocks = other, shifted
     if bins is None:
         return None
-    unit, lowest, bits, new_run, tokens = bins
+    return BinLayout(bins, capacity, None if blocks is None else blocks[1])
+
+
+def layout_reads_and_served(
+    layout: BinLayout, kv_len: np.ndarray, q_len: np.ndarray, pair_query: np.ndarray, query_of_rank: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """What the units read and serve once ``layout``'s bins are formed, without building them.
+
+    Parameters
+    ----------
+    layout : BinLayout
+    kv_len, q_len : ndarray, int [n_units]
+        The units :func:`bin_layout` was given.
+    pair_query : ndarray, int [n_pairs]
+        The units' pairs' queries in unit order (``pairs_in_order``).
+    query_of_rank : ndarray, int64 [n_queries]
+
+    Returns
+    -------
+    reads : int
+        KV tokens read: the sum of :func:`assemble_bins`' ``kv_len``.
+    served : ndarray, int64 [n_present_pairs]
+        The query of every pair that serves one: :func:`assemble_bins`' ``pair_query[pair_present]``,
+        in another order (the units left alone's pairs, then each bin's served positions).
+    """
+    bins, capacity = layout.bins, layout.capacity
+    keep = np.ones(kv_len.size, dtype=bool)
+    keep[bins.unit] = False
+    reads = int(np.add.reduce(kv_len[keep], dtype=np.int64)) + int(np.add.reduce(bins.tokens))
+    first = bins.new_bin.nonzero()[0]
+    b_bits = np.bitwise_or.reduceat(bins.bits, first)  # positions in the bin's block
+    b_lowest = bins.lowest[first]
+    if layout.start_of_rank is None:
+        block_start = b_lowest - b_lowest % capacity
+    else:
+        block_start = layout.start_of_rank[b_lowest]
+    served = np.bitwise_and(b_bits[:, None], _POSITION_BITS[:capacity]) != 0
+    b_query = query_of_rank[(block_start[:, None] + arange_view(capacity))[served]]
+    return reads, np.concatenate([pair_query[keep.repeat(q_len)], b_query])
+
+
+def assemble_bins(
+    layout: BinLayout,
+    *,
+    kv_start: np.ndarray,
+    kv_len: np.ndarray,
+    pair_start: np.ndarray,
+    q_len: np.ndarray,
+    pair_query: np.ndarray,
+    kv_slots: np.ndarray,
+    query_rank: np.ndarray,
+    query_of_rank: np.ndarray | None = None,
+    pairs_in_order: bool = False,
+    identity_slots: int = 0,
+) -> PackedUnits:
+    """The packed units of ``layout`` (from :func:`bin_layout` of the same units; the other
+    arguments as :func:`pack_units` takes them)."""
+    unit, lowest, bits, new_run, tokens = layout.bins
     if query_of_rank is None:
         query_of_rank = np.empty(query_rank.size, dtype=np.int64)
         query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
     return _assemble(
-        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity, pairs_in_order,
-        identity_slots, None if blocks is None else blocks[1], unit=unit, lowest=lowest, bits=bits,
-        new_bin=new_run, tokens=tokens,
+        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, layout.capacity, pairs_in_order,
+        identity_slots, layout.start_of_rank, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
-from .packing import MAX_PACK_QUERIES, PackedUnits, pack_units
+from .packing import MAX_PACK_QUERIES, BinLayout, PackedUnits, assemble_bins, bin_layout, layout_reads_and_served
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
 from .validation import check_int
@@ -576,26 +576,31 @@ def _pack(
     capacity = _pack_capacity(block_m, g)
     balanced = rules.balanced_bins and _bins_fill_a_larger_tile(block_m, g)  # a lone piece: the smaller tile
 
-    def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
+    def layout(out: np.ndarray | None) -> tuple[np.ndarray, BinLayout | None]:
         eligible, budget = _pack_budget(units.kv_len, config, num_kv_heads, out)
-        return eligible, pack_units(
-            kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
-            pair_query=units.pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-            query_rank=query_rank, capacity=capacity, budget=budget,
-            query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
-            balanced=balanced, aligned=None if rules.aligned_blocks else False,
-            max_longer=rules.aligned_max_longer,
+        return eligible, bin_layout(
+            kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len, pair_query=units.pair_query,
+            eligible=eligible, query_rank=query_rank, capacity=capacity, budget=budget, pairs_in_order=True,
+            balanced=balanced, aligned=None if rules.aligned_blocks else False, max_longer=rules.aligned_max_longer,
         )  # fmt: skip
 
-    eligible, packed = pack(kept_out)
+    eligible, chosen = layout(kept_out)
     if rules.wide_units:  # the wide units packed, or whole: the plan that costs less
         wide = units.q_len > capacity
         if np.count_nonzero(wide & eligible):
-            _, whole = pack(wide if kept_out is None else kept_out | wide)
-            unpacked = (units.kv_len, units.pair_query)
-            if _wide_units_whole_pay(packed, whole, unpacked, query_rank.size, rules.wide_row_tokens):
-                packed = whole
-    return packed
+            _, whole = layout(wide if kept_out is None else kept_out | wide)
+            if query_of_rank is None:
+                query_of_rank = np.empty(query_rank.size, dtype=np.int64)
+                query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
+            if _wide_units_whole_pay(chosen, whole, units, query_of_rank, rules.wide_row_tokens):
+                chosen = whole
+    if chosen is None:
+        return None
+    return assemble_bins(
+        chosen, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
+        pair_query=units.pair_query, kv_slots=groups.kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
+        pairs_in_order=True, identity_slots=groups.identity_slots,
+    )  # fmt: skip
 
 
 class _Rows(NamedTuple):
@@ -658,31 +663,36 @@ def _class_order(u_small: np.ndarray, u_kv_len: np.ndarray) -> tuple[np.ndarray,
     return uorder, (0, n_large, n_units)
 
 
-def _wide_cost(kv_len: np.ndarray, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:
-    """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``kv_len``) plus
+def _wide_cost(reads: int, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:
+    """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``reads``) plus
     ``row_tokens`` per partial row (one per work unit of each query with two or more;
     ``present_pair_query``: the query of every pair a unit computes)."""
     n_part = np.bincount(present_pair_query, minlength=n_queries)
     rows = int(np.add.reduce(n_part[n_part >= 2]))
-    return int(np.add.reduce(kv_len, dtype=np.int64)) + row_tokens * rows
+    return reads + row_tokens * rows
 
 
 def _wide_units_whole_pay(
-    packed: PackedUnits | None,
-    whole: PackedUnits | None,
-    unpacked: tuple[np.ndarray, np.ndarray],
-    n_queries: int,
+    packed: BinLayout | None,
+    whole: BinLayout | None,
+    units: _Units,
+    query_of_rank: np.ndarray,
     row_tokens: float,
 ) -> bool:
     """Whether the plan with the wide units whole (``whole``) costs less than the one with them
-    packed (:func:`_wide_cost`). None: nothing was packed, the plan has the ``unpacked`` units
-    (their KV lengths and pairs' queries). On the H200 paper suite, keeping them whole lost
-    where it saved at most 7.5 KV tokens per partial row it added and won from 9.0 up; on held-out
-    MHA trees the choice ran at 0.95x the packed plans' time (the best of the two per tree: 0.94x)."""
+    packed (:func:`_wide_cost`), both from the bins' layouts before their arrays are built. None:
+    nothing was packed, the plan has ``units`` as they are. On the H200 paper suite, keeping them
+    whole lost where it saved at most 7.5 KV tokens per partial row it added and won from 9.0 up; on
+    held-out MHA trees the choice ran at 0.95x the packed plans' time (the best of the two per tree:
+    0.94x)."""
+    n_queries = query_of_rank.size
 
-    def cost(p: PackedUnits | None) -> float:
-        kv_len, present = unpacked if p is None else (p.kv_len, p.pair_query[p.pair_present])
-        return _wide_cost(kv_len, present, n_queries, row_tokens)
+    def cost(layout: BinLayout | None) -> float:
+        if layout is None:
+            reads, served = int(np.add.reduce(units.kv_len, dtype=np.int64)), units.pair_query
+        else:
+            reads, served = layout_reads_and_served(layout, units.kv_len, units.q_len, units.pair_query, query_of_rank)
+        return _wide_cost(reads, served, n_queries, row_tokens)
 
     return cost(whole) < cost(packed)
 
