@@ -225,10 +225,10 @@ class _Bins(NamedTuple):
 
 def _bin_members(
     cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks
-) -> _Bins | None:
+) -> tuple[_Bins | None, bool]:
     """Cut the eligible units into pieces (``blocks``: None for fixed blocks of ``capacity`` ranks,
     else :func:`_aligned_blocks`' arrays) and the pieces into runs; the pieces of runs that become
-    bins, or None when no bin forms."""
+    bins (None when no bin forms), and whether some unit became two pieces or more."""
     unit, lowest, bits, cut = _cut_into_pieces(cands, n_queries, capacity, blocks)
     tokens = kv_len[unit].astype(np.int64, copy=False)
     new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
@@ -241,12 +241,12 @@ def _bin_members(
         lone &= ~cut
     n_lone = int(np.count_nonzero(lone))
     if n_lone == lone.size:
-        return None
+        return None, cut is not None
     if n_lone:
         member = ~lone
         unit, lowest, bits = unit[member], lowest[member], bits[member]
         new_run, tokens = new_run[member], tokens[member]
-    return _Bins(unit, lowest, bits, new_run, tokens)
+    return _Bins(unit, lowest, bits, new_run, tokens), cut is not None
 
 
 def _reads_and_longest(kv_len: np.ndarray, bins: _Bins | None) -> tuple[int, int]:
@@ -402,11 +402,12 @@ def bin_layout(
     cands = _candidates(eligible, cand, q_len, pair_start, pair_query, query_rank, pairs_in_order)
     n_queries = query_rank.size
     blocks = None
-    bins = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, blocks)
-    if aligned is not False:
+    bins, some_cut = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, blocks)
+    # aligned blocks only differ where the fixed ones cut a unit
+    if aligned is not False and some_cut:
         shifted = _aligned_blocks(cands, n_queries, capacity)
         if shifted is not None:
-            other = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, shifted)
+            other, _ = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, shifted)
             if aligned or _aligned_blocks_pay(kv_len, bins, other, max_longer):
                 bins, blocks = other, shifted
     if bins is None:

@@ -55,8 +55,12 @@ ABSENT_ROW = -2  # pair_out_row of a packed unit's row that serves no query
 
 def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Validate head counts and head dim; return the GQA ratio ``g``."""
-    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        check_int(name, v, minimum=1, expected="a positive integer")
+    if (
+        not (type(num_q_heads) is int and type(num_kv_heads) is int and type(head_dim) is int)
+        or min(num_q_heads, num_kv_heads, head_dim) < 1
+    ):  # plain positive ints pass without the general check
+        for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_int(name, v, minimum=1, expected="a positive integer")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if not 16 <= head_dim <= 256:
