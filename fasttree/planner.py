@@ -947,35 +947,40 @@ class _PhaseUnits:
         # Every group has >= 1 query and q_tiles[1] <= q_tiles[0], so a phase-1 group (at most
         # q_tiles[1] queries) is one query tile under either tile size.
         self.small = nq <= q_tiles[1]
+        self.n_small = int(np.count_nonzero(self.small))
         self.kv_len = kv_len
         self.longest = int(np.maximum.reduce(kv_len))
         tq = q_tiles[0]
         self.q_tiles = None if int(np.maximum.reduce(nq)) <= tq else (nq + (tq - 1)) // tq  # nq >= 1
         self.n_groups = nq.size
         self.num_kv_heads = num_kv_heads
+        # the phase that holds every group (0 or 1), None when both hold some
+        self.one_phase = 1 if self.n_small == self.n_groups else 0 if not self.n_small else None
 
     def __call__(self, splits) -> list[int]:
-        kv_len, small = self.kv_len, self.small
-        if splits[0] == splits[1]:
-            chunks = 1 if self.longest <= splits[0] else -(-kv_len // splits[0])
+        kv_len, small, one = self.kv_len, self.small, self.one_phase
+        split = splits[0] if splits[0] == splits[1] else None if one is None else splits[one]
+        if split is not None:
+            chunks = 1 if self.longest <= split else -(-kv_len // split)
         else:
             chunks = -(-kv_len // np.where(small, splits[1], splits[0]))
         units = chunks if self.q_tiles is None else chunks * self.q_tiles
         if isinstance(units, int):
-            total, in_small = self.n_groups, int(np.count_nonzero(small))
+            total, in_small = self.n_groups, self.n_small
         else:
-            total, in_small = int(np.add.reduce(units)), int(np.add.reduce(units[small]))
+            total = int(np.add.reduce(units))
+            in_small = total if one == 1 else 0 if one == 0 else int(np.add.reduce(units[small]))
         h = self.num_kv_heads
         return [(total - in_small) * h, in_small * h]
 
     def uncut_work(self) -> list[tuple[int, int]]:
         """Per phase, uncut: ``(KV tokens over all units x KV heads, the longest group's KV)``."""
         tokens = self.kv_len if self.q_tiles is None else self.kv_len * self.q_tiles
+        if self.one_phase is not None:  # the other phase is empty
+            work = (int(np.add.reduce(tokens, dtype=np.int64)) * self.num_kv_heads, self.longest)
+            return [(0, 0), work] if self.one_phase else [work, (0, 0)]
         out = []
         for in_phase in (~self.small, self.small):
-            if not np.count_nonzero(in_phase):
-                out.append((0, 0))
-                continue
             total = int(np.add.reduce(tokens[in_phase], dtype=np.int64)) * self.num_kv_heads
             out.append((total, int(np.maximum.reduce(self.kv_len[in_phase]))))
         return out
