@@ -390,8 +390,28 @@ def bin_layout(
     aligned: bool | None = False,
     max_longer: float = 1.1,
 ) -> BinLayout | None:
-    """Which pieces of the eligible units go into which bins (see :func:`pack_units`, whose
-    arguments these are); None when no bin forms."""
+    """Which pieces of the eligible units go into which bins, before any per-entry array is built.
+
+    The first step of :func:`pack_units` (which is this and :func:`assemble_bins`): the units are
+    cut into pieces at block boundaries and the pieces into runs as that function describes.
+
+    Parameters
+    ----------
+    kv_len, pair_start, q_len : ndarray, int [n_units]
+    pair_query : ndarray, int [n_pairs]
+    eligible : ndarray, bool [n_units]
+    query_rank : ndarray, int64 [n_queries]
+    capacity, budget : int
+    pairs_in_order, balanced : bool
+    aligned : bool or None
+    max_longer : float
+        As :func:`pack_units` takes them.
+
+    Returns
+    -------
+    BinLayout or None
+        None when no bin forms.
+    """
     if not 1 <= capacity <= MAX_PACK_QUERIES:
         raise ValueError(f"capacity must be in [1, {MAX_PACK_QUERIES}], got {capacity}")
     if budget < 1:
@@ -467,8 +487,25 @@ def assemble_bins(
     pairs_in_order: bool = False,
     identity_slots: int = 0,
 ) -> PackedUnits:
-    """The packed units of ``layout`` (from :func:`bin_layout` of the same units; the other
-    arguments as :func:`pack_units` takes them)."""
+    """The packed units of ``layout``: the second step of :func:`pack_units`.
+
+    Parameters
+    ----------
+    layout : BinLayout
+        From :func:`bin_layout` of the same units.
+    kv_start, kv_len, pair_start, q_len : ndarray, int [n_units]
+    pair_query : ndarray, int [n_pairs]
+    kv_slots : ndarray, int32
+    query_rank : ndarray, int64 [n_queries]
+    query_of_rank : ndarray, int64 [n_queries], optional
+    pairs_in_order : bool
+    identity_slots : int
+        As :func:`pack_units` takes them.
+
+    Returns
+    -------
+    PackedUnits
+    """
     unit, lowest, bits, new_run, tokens = layout.bins
     if query_of_rank is None:
         query_of_rank = np.empty(query_rank.size, dtype=np.int64)
