@@ -64,7 +64,7 @@ STRIDED_FILL_TOKENS = 8192
 class _Level:
     """The edges into one depth of the tree: slice ``lo:hi`` of the edge order."""
 
-    __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "size", "sstart")
+    __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "prev", "size", "sstart")
 
     def __init__(self, ix: _TreeIndex, lo: int, hi: int, lv0: np.ndarray | None, prel: np.ndarray | None) -> None:
         self.lo, self.hi, self.size = lo, hi, hi - lo
@@ -75,6 +75,9 @@ class _Level:
         self.lnf = ix.lnf[lo:hi]
         self.a = ix.af[:, lo:hi]
         self.lists: tuple[list, list, list, list] | None = None
+        # the parents' group lengths of the first level (lv0), else their indices in the level
+        # above (prel), as a list: what the all-scalar greedy reads (built on first use)
+        self.prev: list | None = None
 
 
 #: Trees with more edges keep the greedy's integer query counts as int32 (less memory traffic).
@@ -171,6 +174,8 @@ class _TreeIndex:
             self.levels.append(lvl)
             self.max_level = max(self.max_level, hi - lo)
         self._groups: _GroupIndex | None = None
+        # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
+        self.scalar_lists: tuple[list, list, list, list] | None = None
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
@@ -342,22 +347,75 @@ def greedy_edge_assignment(
     if not ix.levels:
         return assign, n_cur, eff_len
     threshold = scalar_edges
-    ec = _EdgeCosts(ix, cost, ix.max_level > threshold)
-    decided, group_len = [], []
-    eff = None  # group lengths of the level above, in its edge order
-    for lvl in ix.levels:
-        lv = lvl.lv0 if lvl.prel is None else eff[lvl.prel]
-        if lvl.size <= threshold:
-            dec, eff = _decide_level_scalar(ix, lvl, ec, lv)
-        else:
-            dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv, scalar_edges)
-        decided.append(dec)
-        group_len.append(eff)
-    dec = np.concatenate(decided) if len(decided) > 1 else decided[0]
+    if ix.max_level <= threshold:
+        dec, group_len = _greedy_all_scalar(ix, cost)
+    else:
+        ec = _EdgeCosts(ix, cost, True)
+        decided, group_lens = [], []
+        eff = None  # group lengths of the level above, in its edge order
+        for lvl in ix.levels:
+            lv = lvl.lv0 if lvl.prel is None else eff[lvl.prel]
+            if lvl.size <= threshold:
+                dec, eff = _decide_level_scalar(ix, lvl, ec, lv)
+            else:
+                dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv, scalar_edges)
+            decided.append(dec)
+            group_lens.append(eff)
+        dec = np.concatenate(decided) if len(decided) > 1 else decided[0]
+        group_len = np.concatenate(group_lens) if len(group_lens) > 1 else group_lens[0]
     assign[ix.child_index] = dec
-    eff_len[ix.child_index] = np.concatenate(group_len) if len(group_len) > 1 else group_len[0]
+    eff_len[ix.child_index] = group_len
     n_cur[ix.seg_par] -= np.add.reduceat(ix.q * dec, ix.seg_starts)
     return assign, n_cur, eff_len
+
+
+class _ScalarCosts:
+    """What :func:`_greedy_scalar` reads of :class:`_EdgeCosts` (the weights and tiles), for
+    :func:`_greedy_all_scalar`, which computes the per-edge costs itself."""
+
+    __slots__ = ("ag", "bg", "tiles")
+
+    def __init__(self, cost: PaddingCost) -> None:
+        self.ag = cost.alpha * cost.group_size
+        self.bg = cost.beta * cost.group_size
+        (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
+        self.tiles = (tq0, tq1, tk0, tk1)
+
+
+def _greedy_all_scalar(ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy of a tree whose levels all go through the scalar loop, in lists from the first
+    level to the last: the decisions (bool) and group lengths (float64) in edge order.
+
+    ``Cmm(q, len_child)`` and ``gamma * q`` of every edge are computed here with the operations
+    :class:`_EdgeCosts` applies to its arrays, in the same order on the same float64 values, so
+    the costs and decisions are those of the other paths.
+    """
+    if ix.scalar_lists is None:
+        ix.scalar_lists = (ix.cp.tolist(), ix.q.tolist(), ix.lnf.tolist(), ix.n_par.tolist())
+    pars, qs, lns, n_pars = ix.scalar_lists
+    ec = _ScalarCosts(cost)
+    ag, bg = ec.ag, ec.bg
+    tq0, tq1, tk0, tk1 = ec.tiles
+    gamma = cost.gamma
+    c_child, g_q = [], []
+    for q, ln in zip(qs, lns, strict=True):
+        big = q > tq1
+        pad_k = (tk0 if big else tk1) - ln  # a float, as the float KV tile minus the length
+        c = ((-q) % (tq0 if big else tq1)) * ln * ag
+        c += (pad_k if pad_k > 0.0 else 0.0) * q * bg
+        c_child.append(c)
+        g_q.append(gamma * q)
+    decided, group_len = [], []
+    eff: list = []
+    for lvl in ix.levels:
+        if lvl.prev is None:
+            lvl.prev = (lvl.lv0 if lvl.prel is None else lvl.prel).tolist()
+        lv = lvl.prev if lvl.prel is None else [eff[i] for i in lvl.prev]
+        sl = slice(lvl.lo, lvl.hi)
+        dec, eff = _greedy_scalar(ec, pars[sl], qs[sl], lns[sl], n_pars[sl], lv, c_child[sl], g_q[sl])
+        decided += dec
+        group_len += eff
+    return np.array(decided, dtype=bool), np.array(group_len, dtype=np.float64)
 
 
 def _decide_level_scalar(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, lv: np.ndarray):
