@@ -575,7 +575,9 @@ def _pack(
 ) -> PackedUnits | None:
     """Pack the short units into bins (:func:`fasttree.packing.pack_units`) under ``rules``: solo
     units kept out, balanced runs where bins fill a large tile bigger than the small one, wide
-    units packed or whole, whichever costs less (None: nothing was packed)."""
+    units packed or whole, whichever costs less (None: nothing was packed). The two choices are
+    compared as bin layouts (:func:`fasttree.packing.bin_layout`); only the chosen one's arrays
+    are built."""
     kept_out = _solo_units(units.kv_len, units.q_len, block_m, g, num_kv_heads, head_dim, rules)
     capacity = _pack_capacity(block_m, g)
     balanced = rules.balanced_bins and _bins_fill_a_larger_tile(block_m, g)  # a lone piece: the smaller tile
