@@ -183,58 +183,9 @@ def _attend_unit(
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
     q_len = tl.load(UnitQLen + unit)
-    # a branch, not masks: the attention's code (and its registers) are then the same gated or not
-    if active:
-        _attend_loaded(
-            kv_start, kv_len, q_start, q_len, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask, PairQuery,
-            PairOutRow, qk_scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on,
-            stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED,
-            UPCAST_DOT, OFFSETS_32, PEEL, WAIT,
-        )  # fmt: skip
+    kv_len = tl.where(active, kv_len, 0)
+    q_len = tl.where(active, q_len, 0)
 
-
-@triton.jit
-def _attend_loaded(
-    kv_start,
-    kv_len,
-    q_start,
-    q_len,
-    kv_head,
-    Q,
-    K,
-    V,
-    Out,
-    PartO,
-    PartLse,
-    KvIndices,
-    KvRowMask,
-    PairQuery,
-    PairOutRow,
-    qk_scale,
-    stride_qn,
-    stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_on,
-    stride_oh,
-    stride_pn,
-    stride_ph,
-    stride_ln,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    OFFSETS_32: tl.constexpr,
-    PEEL: tl.constexpr,
-    WAIT: tl.constexpr = False,
-):
-    """:func:`_attend_unit`'s work once the unit's ``kv_start``, ``kv_len``, ``q_start`` and ``q_len``
-    are read."""
     rows = tl.arange(0, BLOCK_M)
     row_query = rows // GROUP
     row_valid = row_query < q_len
