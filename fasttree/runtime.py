@@ -3,11 +3,13 @@
 :class:`TreeAttentionRuntime` preallocates every buffer a step needs (one int32 plan buffer
 on the device, two pinned staging copies of it, the fp32 partial-result workspace) once.
 :meth:`~TreeAttentionRuntime.plan` plans a step's tree on the host and ships the whole plan
-with one pinned, non-blocking copy; :meth:`~TreeAttentionRuntime.forward` launches the same
-two kernels every time (a persistent stage 1 over both tile classes' units, then a
-persistent merge of both merge lists), whose grids depend on the GPU, never on the tree:
-they read the plan's array offsets and unit ranges from the buffer's header. So a whole decode step, all layers,
-can be captured once in a CUDA graph and replayed for every later step after ``plan(tree)``.
+with one pinned, non-blocking copy. Each plan gets a *launch variant* (:mod:`fasttree.launch_variants`):
+``tree_attention``'s own launch decisions with grids rounded up to buckets, run by
+:meth:`~TreeAttentionRuntime.forward` over the plan arrays at fixed addresses, so a CUDA graph of
+a whole decode step, all layers, captured for one variant replays every later plan of it
+(:class:`StepGraphs` keeps one graph per variant met). Past ``max_variants`` variants (or with
+``max_variants=0``) a plan runs the fixed launch: a persistent stage 1 over both tile classes'
+units and a persistent merge, whose grids depend on the GPU only.
 
 Shapes use the package's vocabulary (:mod:`fasttree.plan_arrays`): ``n_queries``, ``Hq``,
 ``Hkv``, ``D``, ``g = Hq // Hkv``; ``B`` is the row count of the ``q`` / ``out`` buffers the
@@ -18,14 +20,10 @@ Typical use (one runtime per attention shape, shared by all layers)::
     rt = TreeAttentionRuntime("export.json", num_q_heads=32, num_kv_heads=8, head_dim=128,
                               dtype=torch.float16, device="cuda", max_queries=256,
                               max_kv_entries=1 << 20)
-    rt.plan(tree0)
-    step()                               # eager warm-up: compiles the kernels
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()                           # every layer calls rt.forward(q, k_cache[l], v_cache[l], out=o)
-    for tree in trees:                   # later steps: new trees, same buffers
+    graphs = StepGraphs(step, [rt])      # step(): every layer calls rt.forward(q, k_cache[l], v_cache[l], out=o)
+    for tree in trees:                   # each decode step: a new tree, the same buffers
         rt.plan(tree)
-        graph.replay()
+        graphs.replay()                  # the graph of this plan's variant (captured when first met)
 
 Safety under replay: :meth:`plan` refuses (``ValueError``) any tree whose plan would not fit
 the capacities, or would read ``q`` rows or pool slots beyond the smallest ``q`` and KV pool
@@ -765,7 +763,8 @@ class TreeAttentionRuntime:
         *,
         sm_scale: float | None = None,
     ) -> torch.Tensor:
-        """Tree attention of the uploaded plan: two fixed launches, capturable in a CUDA graph.
+        """Tree attention of the uploaded plan: its launch variant's launches (or the fixed launch),
+        capturable in a CUDA graph that replays every later plan of the same variant.
 
         Parameters
         ----------
