@@ -938,10 +938,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     summary = summarise(results)
     text = _validation_report(results, summary, gpu_name)
     print(text)
-    if args.json:
+    if args.out:
         doc = {"gpu": gpu_name, "export": str(args.config), "export_sha256": export_sha256, **summary,
                "cases": [dict(vars(v), speedup=v.speedup) for v in results]}  # fmt: skip
-        write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
+        write_atomic(args.out, json.dumps(doc, indent=1) + "\n")
     if args.markdown:
         write_atomic(args.markdown, text + "\n")
     return 0
@@ -996,8 +996,13 @@ def _read_measured(path: str, export_sha256: str):
     for i, c in enumerate(doc["cases"]):
         try:
             us = [check_number("member_us", t, above=0) for t in c["member_us"]]
+            features = c.get("features")  # None: an older validate (confirm finds the tree by its name)
+            if features is not None:
+                features = [check_number("features", v) for v in features]
+            heads = None if c.get("heads") is None else [int(h) for h in c["heads"]]
             cases.append(CaseValidation(str(c["family"]), str(c["case"]), str(c["bucket"]), str(c["target"]),
-                                        int(c["picked"]), us, leaf=int(c["leaf"])))  # fmt: skip
+                                        int(c["picked"]), us, leaf=int(c["leaf"]), features=features,
+                                        heads=heads))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"--measured {path}: case {i} is malformed ({exc!r})") from None
     return doc["gpu"], cases
@@ -1016,7 +1021,7 @@ def _frozen_test_cases(cases) -> list[str]:
 def _cmd_confirm(args: argparse.Namespace) -> int:
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
-    from fasttree.toolkit.confirm import confirm_export
+    from fasttree.toolkit.confirm import case_trees, confirm_export
 
     cases = []
     try:
@@ -1041,8 +1046,14 @@ def _cmd_confirm(args: argparse.Namespace) -> int:
             "unseen; measure held-out workloads ('fasttree-tune validate --config EXPORT --out FILE' measures the "
             "shipped held-out workloads, 'validate --split heldout WORKLOADS' yours)"
         )
+    found = case_trees(cases, [RUN_HELDOUT])  # measurements of an older validate: their trees by name
+    if found:
+        logger.info("%d measured cases record no tree features: took their trees from %s", found, RUN_HELDOUT)
     source = ", ".join(Path(p).name for p in args.measured)
-    confirmed, decisions = confirm_export(export, cases, gpu=gpu, source=source)
+    try:
+        confirmed, decisions = confirm_export(export, cases, gpu=gpu, source=source, export_sha256=export_sha256)
+    except ValueError as exc:
+        args.subparser.error(str(exc))
     lines = [
         f"Selector leaves of {args.config}, confirmed on {len(cases)} measured cases ({gpu}). Ratio: a member's "
         "summed time over the defaults'; worst: its slowest tree's speed relative to the defaults.",
