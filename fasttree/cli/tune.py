@@ -1082,7 +1082,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
 
     from fasttree.config import FastTreeConfig
     from fasttree.export import ConfigExport, ExportEntry, ExportGuard, bucket_label, read_export, write_export
-    from fasttree.portfolio import Portfolio, Selector
+    from fasttree.portfolio import LeafRegion, Portfolio, Selector, head_layout, tree_features
     from fasttree.toolkit import refine
     from fasttree.toolkit.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
     from fasttree.toolkit.validate import workload_steps
@@ -1114,7 +1114,11 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         r = rs[0]
         key = (int(r["num_q_heads"]), int(r["num_kv_heads"]), int(r["head_dim"]), str(r["dtype"]))
         buckets.setdefault(key, {})[name] = [decode_tree(x["workload"]["tree"]) for x in rs]
-    entries = {(e.gpu, *e.bucket, e.target): e for e in export.entries if e.target is not None}
+    entries = {(e.gpu, *e.bucket, e.target): e for e in export.entries if e.write_problem() is None}
+    for e in export.entries:
+        if e.write_problem() is not None:
+            logger.warning("not copied: the entry for %r bucket %s %s: %s", e.gpu, e.bucket, e.target,
+                           e.write_problem())  # fmt: skip
     lines = ["| bucket | workload | start (us) | refined (us) | ratio |", "|---|---|---:|---:|---:|"]
     for (hq, hkv, d, dtype), trees in buckets.items():
         portfolio, entry = export.lookup(
@@ -1140,10 +1144,14 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         if refined != found.config:
             provenance["launch_fields_not_kept"] = found.config.to_dict()
         members = (FastTreeConfig(),) if refined == FastTreeConfig() else (FastTreeConfig(), refined)
-        selector = Selector(member=(len(members) - 1,))  # measured on these workloads: every tree
+        selector = Selector(member=(len(members) - 1,))  # measured on these workloads: every tree like them
+        searched = [t for ts in trees.values() for t in ts]
+        region = LeafRegion.of_trees(
+            [tree_features(t) for t in searched], [head_layout(hq, hkv)] * len(searched), "measured"
+        )
         new = ExportEntry(
-            gpu, hq // hkv, d, dtype, Portfolio(members, selector, runtime=True), provenance, target="runtime",
-            guard=ExportGuard.current(),
+            gpu, hq // hkv, d, dtype, Portfolio(members, selector, runtime=True, regions=(region,)), provenance,
+            target="runtime", guard=ExportGuard.current(),
         )  # fmt: skip
         entries[(gpu, *new.bucket, "runtime")] = new
         for w in sorted(trees):
