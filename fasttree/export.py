@@ -682,10 +682,13 @@ def write_export(path: str | os.PathLike, export: ConfigExport, *, overwrite: bo
         raise FileExistsError(f"{path} exists; choose another path or pass overwrite=True to replace it")
     text = json.dumps(export.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_atomic(path, text)
-    default = Portfolio().members
-    tuned = sum(any(m not in default for m in e.portfolio.members) for e in export.entries)
+    tuned = sum(
+        any(m != 0 and f < 0 for f, m in zip(e.portfolio.selector.feature, e.portfolio.selector.member, strict=True))
+        and len(e.portfolio.members) > 1
+        for e in export.entries
+    )
     logger.info(
-        "wrote %s: %d entries, %d with tuned configs, %d serving the defaults only",
+        "wrote %s: %d entries, %d serving tuned configs, %d serving the defaults only",
         path, len(export.entries), tuned, len(export.entries) - tuned,
     )  # fmt: skip
     return path
