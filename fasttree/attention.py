@@ -386,9 +386,7 @@ def plan_query_separated(
     nq = tree.n_queries
     lens = np.diff(kv_indptr)
     if kv_split_size is None:
-        want_chunks = max(1, -(-4 * num_sms // (nq * num_kv_heads)))
-        kv_split_size = max(kv_tile, -(-int(lens.max()) // want_chunks))
-        kv_split_size = -(-kv_split_size // kv_tile) * kv_tile
+        kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile)
     groups = Groups(
         node=tree.query_nodes.copy(),
         kv_start=kv_indptr[:-1],
@@ -417,6 +415,15 @@ def plan_query_separated(
         max_slot=tree.max_slot,
         tile_mode="query_separated",
     )
+
+
+def query_separated_split(longest: int, n_queries: int, num_kv_heads: int, num_sms: int, kv_tile: int) -> int:
+    """The default chunk size of :func:`plan_query_separated`: a multiple of ``kv_tile`` that cuts
+    the ``longest`` context into enough chunks for about four waves of ``num_sms`` programs over
+    ``n_queries`` queries x ``num_kv_heads`` KV heads."""
+    want_chunks = max(1, -(-4 * num_sms // (n_queries * num_kv_heads)))
+    split = max(kv_tile, -(-longest // want_chunks))
+    return -(-split // kv_tile) * kv_tile
 
 
 def query_separated_attention(

@@ -225,10 +225,10 @@ class _Bins(NamedTuple):
 
 def _bin_members(
     cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks
-) -> _Bins | None:
+) -> tuple[_Bins | None, bool]:
     """Cut the eligible units into pieces (``blocks``: None for fixed blocks of ``capacity`` ranks,
     else :func:`_aligned_blocks`' arrays) and the pieces into runs; the pieces of runs that become
-    bins, or None when no bin forms."""
+    bins (None when no bin forms), and whether some unit became two pieces or more."""
     unit, lowest, bits, cut = _cut_into_pieces(cands, n_queries, capacity, blocks)
     tokens = kv_len[unit].astype(np.int64, copy=False)
     new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
@@ -241,12 +241,12 @@ def _bin_members(
         lone &= ~cut
     n_lone = int(np.count_nonzero(lone))
     if n_lone == lone.size:
-        return None
+        return None, cut is not None
     if n_lone:
         member = ~lone
         unit, lowest, bits = unit[member], lowest[member], bits[member]
         new_run, tokens = new_run[member], tokens[member]
-    return _Bins(unit, lowest, bits, new_run, tokens)
+    return _Bins(unit, lowest, bits, new_run, tokens), cut is not None
 
 
 def _reads_and_longest(kv_len: np.ndarray, bins: _Bins | None) -> tuple[int, int]:
@@ -342,6 +342,76 @@ def pack_units(
     PackedUnits or None
         None when no bin forms.
     """
+    layout = bin_layout(
+        kv_len=kv_len, pair_start=pair_start, q_len=q_len, pair_query=pair_query, eligible=eligible,
+        query_rank=query_rank, capacity=capacity, budget=budget, pairs_in_order=pairs_in_order,
+        balanced=balanced, aligned=aligned, max_longer=max_longer,
+    )  # fmt: skip
+    if layout is None:
+        return None
+    return assemble_bins(
+        layout, kv_start=kv_start, kv_len=kv_len, pair_start=pair_start, q_len=q_len, pair_query=pair_query,
+        kv_slots=kv_slots, query_rank=query_rank, query_of_rank=query_of_rank, pairs_in_order=pairs_in_order,
+        identity_slots=identity_slots,
+    )  # fmt: skip
+
+
+class BinLayout(NamedTuple):
+    """The bins :func:`bin_layout` chose, before their arrays are built (:func:`assemble_bins`).
+
+    Attributes
+    ----------
+    bins : _Bins
+        The pieces that go into bins, in bin order.
+    capacity : int
+        Queries per bin.
+    start_of_rank : ndarray, int64 [n_queries] or None
+        Each rank's block's first rank (aligned blocks), or None for the fixed blocks
+        (``rank - rank % capacity``).
+    """
+
+    bins: _Bins
+    capacity: int
+    start_of_rank: np.ndarray | None
+
+
+def bin_layout(
+    *,
+    kv_len: np.ndarray,
+    pair_start: np.ndarray,
+    q_len: np.ndarray,
+    pair_query: np.ndarray,
+    eligible: np.ndarray,
+    query_rank: np.ndarray,
+    capacity: int,
+    budget: int,
+    pairs_in_order: bool = False,
+    balanced: bool = False,
+    aligned: bool | None = False,
+    max_longer: float = 1.1,
+) -> BinLayout | None:
+    """Which pieces of the eligible units go into which bins, before any per-entry array is built.
+
+    The first step of :func:`pack_units` (which is this and :func:`assemble_bins`): the units are
+    cut into pieces at block boundaries and the pieces into runs as that function describes.
+
+    Parameters
+    ----------
+    kv_len, pair_start, q_len : ndarray, int [n_units]
+    pair_query : ndarray, int [n_pairs]
+    eligible : ndarray, bool [n_units]
+    query_rank : ndarray, int64 [n_queries]
+    capacity, budget : int
+    pairs_in_order, balanced : bool
+    aligned : bool or None
+    max_longer : float
+        As :func:`pack_units` takes them.
+
+    Returns
+    -------
+    BinLayout or None
+        None when no bin forms.
+    """
     if not 1 <= capacity <= MAX_PACK_QUERIES:
         raise ValueError(f"capacity must be in [1, {MAX_PACK_QUERIES}], got {capacity}")
     if budget < 1:
@@ -352,23 +422,97 @@ def pack_units(
     cands = _candidates(eligible, cand, q_len, pair_start, pair_query, query_rank, pairs_in_order)
     n_queries = query_rank.size
     blocks = None
-    bins = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, blocks)
-    if aligned is not False:
+    bins, some_cut = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, blocks)
+    # aligned blocks only differ where the fixed ones cut a unit
+    if aligned is not False and some_cut:
         shifted = _aligned_blocks(cands, n_queries, capacity)
         if shifted is not None:
-            other = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, shifted)
+            other, _ = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, shifted)
             if aligned or _aligned_blocks_pay(kv_len, bins, other, max_longer):
                 bins, blocks = other, shifted
     if bins is None:
         return None
-    unit, lowest, bits, new_run, tokens = bins
+    return BinLayout(bins, capacity, None if blocks is None else blocks[1])
+
+
+def layout_reads_and_served(
+    layout: BinLayout, kv_len: np.ndarray, q_len: np.ndarray, pair_query: np.ndarray, query_of_rank: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """What the units read and serve once ``layout``'s bins are formed, without building them.
+
+    Parameters
+    ----------
+    layout : BinLayout
+    kv_len, q_len : ndarray, int [n_units]
+        The units :func:`bin_layout` was given.
+    pair_query : ndarray, int [n_pairs]
+        The units' pairs' queries in unit order (``pairs_in_order``).
+    query_of_rank : ndarray, int64 [n_queries]
+
+    Returns
+    -------
+    reads : int
+        KV tokens read: the sum of :func:`assemble_bins`' ``kv_len``.
+    served : ndarray, int64 [n_present_pairs]
+        The query of every pair that serves one: :func:`assemble_bins`' ``pair_query[pair_present]``,
+        in another order (the units left alone's pairs, then each bin's served positions).
+    """
+    bins, capacity = layout.bins, layout.capacity
+    keep = np.ones(kv_len.size, dtype=bool)
+    keep[bins.unit] = False
+    reads = int(np.add.reduce(kv_len[keep], dtype=np.int64)) + int(np.add.reduce(bins.tokens))
+    first = bins.new_bin.nonzero()[0]
+    b_bits = np.bitwise_or.reduceat(bins.bits, first)  # positions in the bin's block
+    b_lowest = bins.lowest[first]
+    if layout.start_of_rank is None:
+        block_start = b_lowest - b_lowest % capacity
+    else:
+        block_start = layout.start_of_rank[b_lowest]
+    served = np.bitwise_and(b_bits[:, None], _POSITION_BITS[:capacity]) != 0
+    b_query = query_of_rank[(block_start[:, None] + arange_view(capacity))[served]]
+    return reads, np.concatenate([pair_query[keep.repeat(q_len)], b_query])
+
+
+def assemble_bins(
+    layout: BinLayout,
+    *,
+    kv_start: np.ndarray,
+    kv_len: np.ndarray,
+    pair_start: np.ndarray,
+    q_len: np.ndarray,
+    pair_query: np.ndarray,
+    kv_slots: np.ndarray,
+    query_rank: np.ndarray,
+    query_of_rank: np.ndarray | None = None,
+    pairs_in_order: bool = False,
+    identity_slots: int = 0,
+) -> PackedUnits:
+    """The packed units of ``layout``: the second step of :func:`pack_units`.
+
+    Parameters
+    ----------
+    layout : BinLayout
+        From :func:`bin_layout` of the same units.
+    kv_start, kv_len, pair_start, q_len : ndarray, int [n_units]
+    pair_query : ndarray, int [n_pairs]
+    kv_slots : ndarray, int32
+    query_rank : ndarray, int64 [n_queries]
+    query_of_rank : ndarray, int64 [n_queries], optional
+    pairs_in_order : bool
+    identity_slots : int
+        As :func:`pack_units` takes them.
+
+    Returns
+    -------
+    PackedUnits
+    """
+    unit, lowest, bits, new_run, tokens = layout.bins
     if query_of_rank is None:
         query_of_rank = np.empty(query_rank.size, dtype=np.int64)
         query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
     return _assemble(
-        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity, pairs_in_order,
-        identity_slots, None if blocks is None else blocks[1], unit=unit, lowest=lowest, bits=bits,
-        new_bin=new_run, tokens=tokens,
+        kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, layout.capacity, pairs_in_order,
+        identity_slots, layout.start_of_rank, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,
     )  # fmt: skip
 
 
@@ -438,14 +582,15 @@ def _assemble(
         u_kv_start = np.empty(n_kept + n_bins, dtype=np.int64)
         u_kv_start[:n_kept] = kv_start[k_idx]
         np.add(exclusive_sum(b_tokens), n_old, out=u_kv_start[n_kept:])
-    # positions >= 31 set the sign bit of the int32 mask
-    bin_mask = bits.astype(np.uint32).view(np.int32).repeat(tokens)
-    if n_old:
-        mask = np.empty(slots.size, dtype=np.int32)
-        mask[:n_old] = -1
-        mask[n_old:] = bin_mask
-    else:
-        mask = bin_mask
+    # -1 for the n_old entries kept, then each piece's bits for its tokens, in one repeat (no
+    # temporary of the entries' size); positions >= 31 set the sign bit of the int32 mask
+    mask_value = np.empty(bits.size + 1, dtype=np.int32)
+    mask_value[0] = -1
+    mask_value[1:] = bits.astype(np.uint32).view(np.int32)
+    mask_count = np.empty(bits.size + 1, dtype=np.int64)
+    mask_count[0] = n_old
+    mask_count[1:] = tokens
+    mask = mask_value.repeat(mask_count)
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
     k_len = q_len[k_idx]
@@ -500,5 +645,6 @@ def _gather_runs(kv_slots: np.ndarray, start: np.ndarray, length: np.ndarray, ou
                 for a, ln, f in zip(s.tolist(), n.tolist(), (s - shift[outside]).tolist(), strict=True):
                     out[f : f + ln] = kv_slots[a : a + ln]
             return
-    idx = np.add(arange_view(total), shift.repeat(length))
+    idx = shift.repeat(length)
+    idx += arange_view(total)  # in place: a second index-sized temporary costs fresh pages
     np.take(kv_slots, idx, out=out, mode="clip")  # idx is in range: "clip" only skips a buffer

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
-from .packing import MAX_PACK_QUERIES, PackedUnits, pack_units
+from .packing import MAX_PACK_QUERIES, BinLayout, PackedUnits, assemble_bins, bin_layout, layout_reads_and_served
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
 from .validation import check_int
@@ -55,8 +55,12 @@ ABSENT_ROW = -2  # pair_out_row of a packed unit's row that serves no query
 
 def check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """Validate head counts and head dim; return the GQA ratio ``g``."""
-    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        check_int(name, v, minimum=1, expected="a positive integer")
+    if (
+        not (type(num_q_heads) is int and type(num_kv_heads) is int and type(head_dim) is int)
+        or min(num_q_heads, num_kv_heads, head_dim) < 1
+    ):  # plain positive ints pass without the general check
+        for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_int(name, v, minimum=1, expected="a positive integer")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if not 16 <= head_dim <= 256:
@@ -551,7 +555,9 @@ def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _U
     # pairs, in unit order: unit u's are q_ids[q_first[u]:q_first[u] + u_q_len[u]]
     unit_pair_start = exclusive_sum(u_q_len)
     n_pairs = int(unit_pair_start[-1] + u_q_len[-1]) if u_q_len.size else 0
-    pair_query = groups.q_ids[np.add(arange_view(n_pairs), (q_first - unit_pair_start).repeat(u_q_len))]
+    pair_pos = (q_first - unit_pair_start).repeat(u_q_len)
+    pair_pos += arange_view(n_pairs)
+    pair_query = groups.q_ids[pair_pos]
     return _Units(kv_start, u_kv_len, unit_pair_start, u_q_len, pair_query)
 
 
@@ -569,31 +575,38 @@ def _pack(
 ) -> PackedUnits | None:
     """Pack the short units into bins (:func:`fasttree.packing.pack_units`) under ``rules``: solo
     units kept out, balanced runs where bins fill a large tile bigger than the small one, wide
-    units packed or whole, whichever costs less (None: nothing was packed)."""
+    units packed or whole, whichever costs less (None: nothing was packed). The two choices are
+    compared as bin layouts (:func:`fasttree.packing.bin_layout`); only the chosen one's arrays
+    are built."""
     kept_out = _solo_units(units.kv_len, units.q_len, block_m, g, num_kv_heads, head_dim, rules)
     capacity = _pack_capacity(block_m, g)
     balanced = rules.balanced_bins and _bins_fill_a_larger_tile(block_m, g)  # a lone piece: the smaller tile
 
-    def pack(out: np.ndarray | None) -> tuple[np.ndarray, PackedUnits | None]:
+    def layout(out: np.ndarray | None) -> tuple[np.ndarray, BinLayout | None]:
         eligible, budget = _pack_budget(units.kv_len, config, num_kv_heads, out)
-        return eligible, pack_units(
-            kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
-            pair_query=units.pair_query, kv_slots=groups.kv_slots, eligible=eligible,
-            query_rank=query_rank, capacity=capacity, budget=budget,
-            query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=groups.identity_slots,
-            balanced=balanced, aligned=None if rules.aligned_blocks else False,
-            max_longer=rules.aligned_max_longer,
+        return eligible, bin_layout(
+            kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len, pair_query=units.pair_query,
+            eligible=eligible, query_rank=query_rank, capacity=capacity, budget=budget, pairs_in_order=True,
+            balanced=balanced, aligned=None if rules.aligned_blocks else False, max_longer=rules.aligned_max_longer,
         )  # fmt: skip
 
-    eligible, packed = pack(kept_out)
+    eligible, chosen = layout(kept_out)
     if rules.wide_units:  # the wide units packed, or whole: the plan that costs less
         wide = units.q_len > capacity
         if np.count_nonzero(wide & eligible):
-            _, whole = pack(wide if kept_out is None else kept_out | wide)
-            unpacked = (units.kv_len, units.pair_query)
-            if _wide_units_whole_pay(packed, whole, unpacked, query_rank.size, rules.wide_row_tokens):
-                packed = whole
-    return packed
+            _, whole = layout(wide if kept_out is None else kept_out | wide)
+            if query_of_rank is None:
+                query_of_rank = np.empty(query_rank.size, dtype=np.int64)
+                query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
+            if _wide_units_whole_pay(chosen, whole, units, query_of_rank, rules.wide_row_tokens):
+                chosen = whole
+    if chosen is None:
+        return None
+    return assemble_bins(
+        chosen, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
+        pair_query=units.pair_query, kv_slots=groups.kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
+        pairs_in_order=True, identity_slots=groups.identity_slots,
+    )  # fmt: skip
 
 
 class _Rows(NamedTuple):
@@ -634,7 +647,8 @@ def _partial_rows(pair_query: np.ndarray, pair_present: np.ndarray | None, n_que
         order = stable_argsort(n_present, n_queries)
         q_sorted = n_present[order]
         # row of the k-th pair in sorted order: part_start[q] + k - seg_start[q]
-        row = np.add(arange_view(n_present_pairs), (part_start - exclusive_sum(n_part))[q_sorted])
+        row = (part_start - exclusive_sum(n_part))[q_sorted]
+        row += arange_view(n_present_pairs)
         rows_out[order] = row if n_rows == n_present_pairs else np.where(multi[q_sorted], row, -1)
     if rows_out is not out_row:
         out_row[pair_present] = rows_out
@@ -655,31 +669,36 @@ def _class_order(u_small: np.ndarray, u_kv_len: np.ndarray) -> tuple[np.ndarray,
     return uorder, (0, n_large, n_units)
 
 
-def _wide_cost(kv_len: np.ndarray, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:
-    """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``kv_len``) plus
+def _wide_cost(reads: int, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:
+    """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``reads``) plus
     ``row_tokens`` per partial row (one per work unit of each query with two or more;
     ``present_pair_query``: the query of every pair a unit computes)."""
     n_part = np.bincount(present_pair_query, minlength=n_queries)
     rows = int(np.add.reduce(n_part[n_part >= 2]))
-    return int(np.add.reduce(kv_len, dtype=np.int64)) + row_tokens * rows
+    return reads + row_tokens * rows
 
 
 def _wide_units_whole_pay(
-    packed: PackedUnits | None,
-    whole: PackedUnits | None,
-    unpacked: tuple[np.ndarray, np.ndarray],
-    n_queries: int,
+    packed: BinLayout | None,
+    whole: BinLayout | None,
+    units: _Units,
+    query_of_rank: np.ndarray,
     row_tokens: float,
 ) -> bool:
     """Whether the plan with the wide units whole (``whole``) costs less than the one with them
-    packed (:func:`_wide_cost`). None: nothing was packed, the plan has the ``unpacked`` units
-    (their KV lengths and pairs' queries). On the H200 paper suite, keeping them whole lost
-    where it saved at most 7.5 KV tokens per partial row it added and won from 9.0 up; on held-out
-    MHA trees the choice ran at 0.95x the packed plans' time (the best of the two per tree: 0.94x)."""
+    packed (:func:`_wide_cost`), both from the bins' layouts before their arrays are built. None:
+    nothing was packed, the plan has ``units`` as they are. On the H200 paper suite, keeping them
+    whole lost where it saved at most 7.5 KV tokens per partial row it added and won from 9.0 up; on
+    held-out MHA trees the choice ran at 0.95x the packed plans' time (the best of the two per tree:
+    0.94x)."""
+    n_queries = query_of_rank.size
 
-    def cost(p: PackedUnits | None) -> float:
-        kv_len, present = unpacked if p is None else (p.kv_len, p.pair_query[p.pair_present])
-        return _wide_cost(kv_len, present, n_queries, row_tokens)
+    def cost(layout: BinLayout | None) -> float:
+        if layout is None:
+            reads, served = int(np.add.reduce(units.kv_len, dtype=np.int64)), units.pair_query
+        else:
+            reads, served = layout_reads_and_served(layout, units.kv_len, units.q_len, units.pair_query, query_of_rank)
+        return _wide_cost(reads, served, n_queries, row_tokens)
 
     return cost(whole) < cost(packed)
 

@@ -64,7 +64,7 @@ STRIDED_FILL_TOKENS = 8192
 class _Level:
     """The edges into one depth of the tree: slice ``lo:hi`` of the edge order."""
 
-    __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "size", "sstart")
+    __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "prev", "size", "sstart")
 
     def __init__(self, ix: _TreeIndex, lo: int, hi: int, lv0: np.ndarray | None, prel: np.ndarray | None) -> None:
         self.lo, self.hi, self.size = lo, hi, hi - lo
@@ -75,6 +75,9 @@ class _Level:
         self.lnf = ix.lnf[lo:hi]
         self.a = ix.af[:, lo:hi]
         self.lists: tuple[list, list, list, list] | None = None
+        # the parents' group lengths of the first level (lv0), else their indices in the level
+        # above (prel), as a list: what the all-scalar greedy reads (built on first use)
+        self.prev: list | None = None
 
 
 #: Trees with more edges keep the greedy's integer query counts as int32 (less memory traffic).
@@ -171,6 +174,8 @@ class _TreeIndex:
             self.levels.append(lvl)
             self.max_level = max(self.max_level, hi - lo)
         self._groups: _GroupIndex | None = None
+        # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
+        self.scalar_lists: tuple[list, list, list, list] | None = None
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
@@ -342,22 +347,75 @@ def greedy_edge_assignment(
     if not ix.levels:
         return assign, n_cur, eff_len
     threshold = scalar_edges
-    ec = _EdgeCosts(ix, cost, ix.max_level > threshold)
-    decided, group_len = [], []
-    eff = None  # group lengths of the level above, in its edge order
-    for lvl in ix.levels:
-        lv = lvl.lv0 if lvl.prel is None else eff[lvl.prel]
-        if lvl.size <= threshold:
-            dec, eff = _decide_level_scalar(ix, lvl, ec, lv)
-        else:
-            dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv, scalar_edges)
-        decided.append(dec)
-        group_len.append(eff)
-    dec = np.concatenate(decided) if len(decided) > 1 else decided[0]
+    if ix.max_level <= threshold:
+        dec, group_len = _greedy_all_scalar(ix, cost)
+    else:
+        ec = _EdgeCosts(ix, cost, True)
+        decided, group_lens = [], []
+        eff = None  # group lengths of the level above, in its edge order
+        for lvl in ix.levels:
+            lv = lvl.lv0 if lvl.prel is None else eff[lvl.prel]
+            if lvl.size <= threshold:
+                dec, eff = _decide_level_scalar(ix, lvl, ec, lv)
+            else:
+                dec, eff = _decide_level_vector(ix, lvl, ec, cost, lv, scalar_edges)
+            decided.append(dec)
+            group_lens.append(eff)
+        dec = np.concatenate(decided) if len(decided) > 1 else decided[0]
+        group_len = np.concatenate(group_lens) if len(group_lens) > 1 else group_lens[0]
     assign[ix.child_index] = dec
-    eff_len[ix.child_index] = np.concatenate(group_len) if len(group_len) > 1 else group_len[0]
+    eff_len[ix.child_index] = group_len
     n_cur[ix.seg_par] -= np.add.reduceat(ix.q * dec, ix.seg_starts)
     return assign, n_cur, eff_len
+
+
+class _ScalarCosts:
+    """What :func:`_greedy_scalar` reads of :class:`_EdgeCosts` (the weights and tiles), for
+    :func:`_greedy_all_scalar`, which computes the per-edge costs itself."""
+
+    __slots__ = ("ag", "bg", "tiles")
+
+    def __init__(self, cost: PaddingCost) -> None:
+        self.ag = cost.alpha * cost.group_size
+        self.bg = cost.beta * cost.group_size
+        (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
+        self.tiles = (tq0, tq1, tk0, tk1)
+
+
+def _greedy_all_scalar(ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy of a tree whose levels all go through the scalar loop, in lists from the first
+    level to the last: the decisions (bool) and group lengths (float64) in edge order.
+
+    ``Cmm(q, len_child)`` and ``gamma * q`` of every edge are computed here with the operations
+    :class:`_EdgeCosts` applies to its arrays, in the same order on the same float64 values, so
+    the costs and decisions are those of the other paths.
+    """
+    if ix.scalar_lists is None:
+        ix.scalar_lists = (ix.cp.tolist(), ix.q.tolist(), ix.lnf.tolist(), ix.n_par.tolist())
+    pars, qs, lns, n_pars = ix.scalar_lists
+    ec = _ScalarCosts(cost)
+    ag, bg = ec.ag, ec.bg
+    tq0, tq1, tk0, tk1 = ec.tiles
+    gamma = cost.gamma
+    c_child, g_q = [], []
+    for q, ln in zip(qs, lns, strict=True):
+        big = q > tq1
+        pad_k = (tk0 if big else tk1) - ln  # a float, as the float KV tile minus the length
+        c = ((-q) % (tq0 if big else tq1)) * ln * ag
+        c += (pad_k if pad_k > 0.0 else 0.0) * q * bg
+        c_child.append(c)
+        g_q.append(gamma * q)
+    decided, group_len = [], []
+    eff: list = []
+    for lvl in ix.levels:
+        if lvl.prev is None:
+            lvl.prev = (lvl.lv0 if lvl.prel is None else lvl.prel).tolist()
+        lv = lvl.prev if lvl.prel is None else [eff[i] for i in lvl.prev]
+        sl = slice(lvl.lo, lvl.hi)
+        dec, eff = _greedy_scalar(ec, pars[sl], qs[sl], lns[sl], n_pars[sl], lv, c_child[sl], g_q[sl])
+        decided += dec
+        group_len += eff
+    return np.array(decided, dtype=bool), np.array(group_len, dtype=np.float64)
 
 
 def _decide_level_scalar(ix: _TreeIndex, lvl: _Level, ec: _EdgeCosts, lv: np.ndarray):
@@ -744,7 +802,8 @@ def _chain_slots(
         # slot i of the tree is i: the positions are the slots themselves
         np.add(arange_view(total, np.int32), shift.astype(np.int32).repeat(flat_len), out=tail)
     else:
-        idx = np.add(arange_view(total), shift.repeat(flat_len))
+        idx = shift.repeat(flat_len)
+        idx += arange_view(total)  # in place: a second index-sized temporary costs fresh pages
         np.take(tree.slots, idx, out=tail, mode="clip")  # idx is in range: "clip" only skips a buffer
     return kv_start, out
 
@@ -946,35 +1005,40 @@ class _PhaseUnits:
         # Every group has >= 1 query and q_tiles[1] <= q_tiles[0], so a phase-1 group (at most
         # q_tiles[1] queries) is one query tile under either tile size.
         self.small = nq <= q_tiles[1]
+        self.n_small = int(np.count_nonzero(self.small))
         self.kv_len = kv_len
         self.longest = int(np.maximum.reduce(kv_len))
         tq = q_tiles[0]
         self.q_tiles = None if int(np.maximum.reduce(nq)) <= tq else (nq + (tq - 1)) // tq  # nq >= 1
         self.n_groups = nq.size
         self.num_kv_heads = num_kv_heads
+        # the phase that holds every group (0 or 1), None when both hold some
+        self.one_phase = 1 if self.n_small == self.n_groups else 0 if not self.n_small else None
 
     def __call__(self, splits) -> list[int]:
-        kv_len, small = self.kv_len, self.small
-        if splits[0] == splits[1]:
-            chunks = 1 if self.longest <= splits[0] else -(-kv_len // splits[0])
+        kv_len, small, one = self.kv_len, self.small, self.one_phase
+        split = splits[0] if splits[0] == splits[1] else None if one is None else splits[one]
+        if split is not None:
+            chunks = 1 if self.longest <= split else -(-kv_len // split)
         else:
             chunks = -(-kv_len // np.where(small, splits[1], splits[0]))
         units = chunks if self.q_tiles is None else chunks * self.q_tiles
         if isinstance(units, int):
-            total, in_small = self.n_groups, int(np.count_nonzero(small))
+            total, in_small = self.n_groups, self.n_small
         else:
-            total, in_small = int(np.add.reduce(units)), int(np.add.reduce(units[small]))
+            total = int(np.add.reduce(units))
+            in_small = total if one == 1 else 0 if one == 0 else int(np.add.reduce(units[small]))
         h = self.num_kv_heads
         return [(total - in_small) * h, in_small * h]
 
     def uncut_work(self) -> list[tuple[int, int]]:
         """Per phase, uncut: ``(KV tokens over all units x KV heads, the longest group's KV)``."""
         tokens = self.kv_len if self.q_tiles is None else self.kv_len * self.q_tiles
+        if self.one_phase is not None:  # the other phase is empty
+            work = (int(np.add.reduce(tokens, dtype=np.int64)) * self.num_kv_heads, self.longest)
+            return [(0, 0), work] if self.one_phase else [work, (0, 0)]
         out = []
         for in_phase in (~self.small, self.small):
-            if not np.count_nonzero(in_phase):
-                out.append((0, 0))
-                continue
             total = int(np.add.reduce(tokens[in_phase], dtype=np.int64)) * self.num_kv_heads
             out.append((total, int(np.maximum.reduce(self.kv_len[in_phase]))))
         return out

@@ -47,7 +47,14 @@ import numpy as np
 import torch
 import triton
 
-from .attention import LOG2E, launch_through_triton, output_like, plan_query_separated, run_direct
+from .attention import (
+    LOG2E,
+    launch_through_triton,
+    output_like,
+    plan_query_separated,
+    query_separated_split,
+    run_direct,
+)
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
@@ -191,6 +198,9 @@ _STAGE1_QK_ARG = 9
 _VARIANT_QK_ARG = 18
 #: Factors of the KV split sizes a plan over a capacity is tried again with, before the bounded plan.
 _SPLIT_SCALES = (4, 32)
+
+#: The plan's KV index (and row-mask) arrays hold this many times ``max_kv_entries``.
+KV_CAPACITY_FACTOR = 2
 #: KV tile of the bounded fallback plan (and its chunk sizes' multiple).
 _BOUNDED_KV_TILE = 64
 #: Words one program of the plan relocation copies per step.
@@ -225,12 +235,16 @@ class TreeAttentionRuntime:
     max_queries : int
         Most decode queries of one step.
     max_kv_entries : int
-        Most KV entries of one plan: the tokens its units read (shared tokens once per
-        group that reads them, packed units' tokens again). **Capacity guarantee**: a tree
-        within ``max_queries`` whose context entries (its queries' summed context lengths,
-        what query-separated decode reads) fit ``max_kv_entries`` always plans: when its plan
-        is over any capacity, :meth:`bounded_plan` (which provably fits) is uploaded instead.
-        :meth:`capacities` sizes it for a batch and a context length.
+        Most context entries of one step: its queries' summed context lengths (what
+        query-separated decode reads). The plan's KV index arrays hold
+        ``KV_CAPACITY_FACTOR * max_kv_entries`` entries (:attr:`kv_capacity`), room for what a
+        plan adds to its context entries (the tree's own slots ahead of its groups' entries,
+        packed units' tokens again; at most 1.14x the context entries on the paper and
+        families suites). **Capacity guarantee**: a tree within ``max_queries`` whose context
+        entries fit ``max_kv_entries`` always plans: when its plan is over any capacity,
+        :meth:`bounded_plan` (which provably fits) is uploaded instead. A tree over the limits
+        still plans when its plan fits the buffers. :meth:`capacities` sizes it for a batch and
+        a context length.
     max_units : int, optional
         Most work units of one plan; ``max(16384, max_partial_rows)`` by default (at least
         ``max_queries``).
@@ -344,8 +358,8 @@ class TreeAttentionRuntime:
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
         self.masked = any(m.pack_tokens > 0 for m in self.portfolio.members)  # row masks if any member packs
         self._capacity = {
-            "kv_indices": self.max_kv_entries,
-            "kv_row_mask": self.max_kv_entries if self.masked else 1,
+            "kv_indices": self.kv_capacity,
+            "kv_row_mask": self.kv_capacity if self.masked else 1,
             "unit_kv_start": self.max_units,
             "unit_kv_len": self.max_units,
             "unit_q_start": self.max_units,
@@ -370,6 +384,7 @@ class TreeAttentionRuntime:
         """Validate the capacities (positive integers; partial rows and pairs derived when None)."""
         self.max_queries = _positive_int("max_queries", max_queries)
         self.max_kv_entries = _positive_int("max_kv_entries", max_kv_entries)
+        self.kv_capacity = KV_CAPACITY_FACTOR * self.max_kv_entries
         self.max_partial_rows = _positive_int(
             "max_partial_rows",
             16 * self.max_queries + -(-self.max_kv_entries // _CONTEXT_PER_PARTIAL_ROW)
@@ -622,12 +637,14 @@ class TreeAttentionRuntime:
         entries (the sum of its queries' context lengths) fit ``max_kv_entries``.
 
         Every query alone over its context (:func:`fasttree.plan_query_separated`), cut into
-        chunks of ``s`` tokens, a multiple of 64, with ``s >= C / (m - n)`` for ``C`` context
-        entries, ``n`` queries and ``m = min(max_units, max_partial_rows, max_pairs)``, or no cut
-        when ``m <= n``. Bound: a query of ``c`` entries has ``ceil(c / s) <= c / s + 1`` chunks,
-        one unit, one pair and (with two or more) one partial row each, so units = pairs <=
-        ``C / s + n <= m`` and partial rows <= units; its KV entries are ``C``. The constructor
-        checks ``max_units, max_pairs >= max_queries``, so the uncut plan fits too.
+        chunks of ``s`` tokens, a multiple of 64: query-separated decode's own chunk size (about
+        four waves of programs), or larger where the capacities need it, ``s >= C / (m - n)``
+        for ``C`` context entries, ``n`` queries and ``m = min(max_units, max_partial_rows,
+        max_pairs)``, or no cut when ``m <= n``. Bound: a query of ``c`` entries has
+        ``ceil(c / s) <= c / s + 1`` chunks, one unit, one pair and (with two or more) one
+        partial row each, so units = pairs <= ``C / s + n <= m`` and partial rows <= units;
+        its KV entries are ``C``. The constructor checks ``max_units, max_pairs >=
+        max_queries``, so the uncut plan fits too.
         """
         lens = tree.path_lengths[tree.query_nodes]
         n = tree.n_queries
@@ -635,10 +652,11 @@ class TreeAttentionRuntime:
         longest = max(1, int(lens.max()) if lens.size else 1)
         room = min(self.max_units, self.max_partial_rows, self.max_pairs) - n
         split = longest if room <= 0 else max(1, -(-context // room))
+        split = max(split, query_separated_split(longest, n, self.num_kv_heads, self._sm_count, _BOUNDED_KV_TILE))
         split = -(-split // _BOUNDED_KV_TILE) * _BOUNDED_KV_TILE
         return plan_query_separated(
             tree, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            kv_split_size=max(split, _BOUNDED_KV_TILE), num_sms=self._sm_count, kv_tile=_BOUNDED_KV_TILE,
+            kv_split_size=split, num_sms=self._sm_count, kv_tile=_BOUNDED_KV_TILE,
         )  # fmt: skip
 
     def _upload(self, plan: Plan, query_centric: bool, *, extended: bool = False, bounded: bool = False) -> RuntimePlan:
@@ -653,9 +671,10 @@ class TreeAttentionRuntime:
             raise CapacityError(
                 f"the plan has {plan.pair_query.size} (unit, query) pairs, more than max_pairs={self.max_pairs}"
             )
-        if plan.kv_indices.size > self.max_kv_entries:
+        if plan.kv_indices.size > self.kv_capacity:
             raise CapacityError(
-                f"the plan reads {plan.kv_indices.size} KV entries, more than max_kv_entries={self.max_kv_entries}"
+                f"the plan has {plan.kv_indices.size} KV entries, more than the {self.kv_capacity} its arrays hold "
+                f"({KV_CAPACITY_FACTOR} x max_kv_entries={self.max_kv_entries})"
             )
         n0 = plan.class_unit_ptr[1]
         if plan.tile_mode == ALL_LARGE:  # every unit in class 1 has large tiles: slot 0 runs them

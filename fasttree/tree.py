@@ -111,7 +111,9 @@ def ragged_arange(start: np.ndarray, length: np.ndarray, total: int | None = Non
     if total is None:
         total = int(shift[-1] + length[-1])
     np.subtract(start, shift, out=shift)
-    return np.add(arange_view(total), shift.repeat(length))
+    out = shift.repeat(length)
+    out += arange_view(total)  # in place: no second temporary of the output's size
+    return out
 
 
 def ragged_gather(indptr: np.ndarray, data: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -59,10 +59,12 @@ def _merge_head_block(
 ):
     """Merge entry ``index`` of ``MergeQueries``, heads ``head_block * BLOCK_H ...``, one partial row at a time.
     ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays.
-    ``active`` False: read no partial, write nothing (a launch variant's programs past the list)."""
+    ``active`` False: read no partial (its count is taken as 0), write nothing (a launch variant's
+    programs past the list); only the count and the final store see it, so the loop's loads are
+    those of the per-plan kernel."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_valid = (h < NUM_HEADS) & active
+    h_valid = h < NUM_HEADS
     d = tl.arange(0, BLOCK_D)
     mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
@@ -85,7 +87,9 @@ def _merge_head_block(
         acc = acc * scale[:, None] + w[:, None] * o
         m = m_new
     out = acc / s[:, None]
-    tl.store(Out + qid * stride_on + h[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(
+        Out + qid * stride_on + h[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=mask & active
+    )
 
 
 @triton.jit
@@ -111,11 +115,12 @@ def _merge_one_head(
 ):
     """Merge entry ``index`` of ``MergeQueries``, one head, ``BLOCK_P`` partial rows at a time.
     ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays.
-    ``active`` False: read no partial, write nothing (a launch variant's programs past the list)."""
+    ``active`` False: read no partial (its count is taken as 0), write nothing (a launch variant's
+    programs past the list); only the count and the final store see it."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_valid = (d < HEAD_DIM) & active
+    d_valid = d < HEAD_DIM
     p = tl.arange(0, BLOCK_P)
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
@@ -147,7 +152,7 @@ def _merge_one_head(
         s += w
         acc += tl.sum(w[:, None] * o, 0)
     out = acc / tl.sum(s, 0)
-    tl.store(Out + qid * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_valid)
+    tl.store(Out + qid * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_valid & active)
 
 
 @triton.jit

@@ -284,3 +284,24 @@ def test_non_blocking_upload_does_not_wait_for_the_stream():
     assert pending, "the upload waited for the stream's earlier work"
     rows = np.arange(tree.n_queries)
     assert _max_rel_error(out, q, k, v, tree, rows) <= TOL[torch.float16]
+
+
+def test_interleaved_graph_timing_orders_calls_by_their_work():
+    """Interleaved replays time each call as its own graph does: a call of twice the work takes
+    about twice as long, and a call timed beside others keeps its own time."""
+    from fasttree.toolkit.timing import graph_time_us, interleaved_graph_times_us
+
+    x = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+
+    def one():
+        return x @ x
+
+    def two():
+        x @ x
+        return x @ x
+
+    times = interleaved_graph_times_us({"one": one, "two": two}, calls=5, rounds=4, replays=3)
+    assert set(times) == {"one", "two"} and times["one"]["replays"] == 12
+    assert 1.6 < times["two"]["median"] / times["one"]["median"] < 2.4, times
+    alone = graph_time_us(one, calls=5, replays=10)["median"]
+    assert abs(times["one"]["median"] - alone) < 0.25 * alone, (times, alone)

@@ -152,8 +152,8 @@ def test_capacity_errors_name_the_capacity_and_keep_the_previous_plan(device):
     first = rt.plan(small)
     with pytest.raises(ValueError, match="max_queries"):
         rt.plan(ft.KVTree([-1], [np.arange(10)], [0] * 5))
-    with pytest.raises(ValueError, match="max_kv_entries"):
-        rt.plan(ft.KVTree([-1], [np.arange(100)], [0]))
+    with pytest.raises(ValueError, match="max_kv_entries"):  # 200 entries: over twice max_kv_entries
+        rt.plan(ft.KVTree([-1], [np.arange(200)], [0]))
     assert rt.current_plan is first
 
 
@@ -472,10 +472,10 @@ def test_extend_steps_is_validated(device, extend_steps):
 def test_extension_over_a_capacity_plans_afresh(device):
     """An extended plan over max_kv_entries is replaced by a fresh plan, which then must fit or
     fail with the capacity's name, leaving the previous plan in place."""
-    rt = _runtime(device, ft.FastTreeConfig(pack_tokens=0), max_kv_entries=70)
+    rt = _runtime(device, ft.FastTreeConfig(pack_tokens=0), max_kv_entries=35)  # arrays of 70 entries
     tree = ft.KVTree([-1, 0, 0], [np.arange(60), np.arange(60, 64), np.arange(64, 66)], [1, 2])
     first = rt.plan(tree)
-    assert first.plan.kv_indices.size <= 70
+    assert rt.kv_capacity == 70 and first.plan.kv_indices.size <= 70
     grown = np.concatenate([np.arange(60, 64), np.arange(100, 110)])  # leaf 1 grows by 10 tokens: 76 entries
     big = ft.KVTree([-1, 0, 0], [np.arange(60), grown, np.arange(64, 66)], [1, 2])
     assert rt._extender.extend(big) is not None

@@ -51,7 +51,7 @@ def test_the_trees_that_raised_now_plan(device, name, make, heads, max_variants)
         rt = _runtime(device, tree, hq, hkv, max_variants=max_variants)
         up = rt.plan(tree)
         assert up.plan.n_partial_rows <= rt.max_partial_rows and up.plan.n_units <= rt.max_units
-        assert up.plan.pair_query.size <= rt.max_pairs and up.plan.kv_indices.size <= rt.max_kv_entries
+        assert up.plan.pair_query.size <= rt.max_pairs and up.plan.kv_indices.size <= rt.kv_capacity
 
 
 _FAMILIES = [
@@ -82,7 +82,7 @@ def test_no_capacity_exception_within_the_limits(device, family, params, hq, hkv
             up = rt.plan(tree)
             plan = up.plan
             assert plan.n_partial_rows <= rt.max_partial_rows and plan.n_units <= rt.max_units
-            assert plan.pair_query.size <= rt.max_pairs and plan.kv_indices.size <= rt.max_kv_entries
+            assert plan.pair_query.size <= rt.max_pairs and plan.kv_indices.size <= rt.kv_capacity
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -147,3 +147,46 @@ def test_capacities_helper():
     }
     with pytest.raises(ValueError, match="max_context_tokens"):
         TreeAttentionRuntime.capacities(max_queries=4, max_context_tokens=0)
+
+
+def _suite_cases():
+    from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
+    from fasttree.toolkit.suite import PAPER_HEADS, PAPER_SUITE
+
+    for case in PAPER_SUITE:
+        for heads, (hq, hkv) in PAPER_HEADS.items():
+            yield f"paper {case} {heads}", (lambda c=case: paper_tree(c)), hq, hkv, 128
+    for fc in FAMILY_CASES:
+        yield fc.name, (lambda fc=fc: family_tree(fc)), fc.heads[0], fc.heads[1], fc.head_dim
+
+
+@pytest.mark.slow
+def test_sized_at_its_context_the_runtime_serves_tree_attentions_plan():
+    """Every tree of the paper and families suites, through a runtime sized at its queries and
+    context entries (as the kernel benchmark sizes it): the launch variants get the plan
+    ``ft.plan`` makes (never the bounded fallback), so their time compares with tree_attention's."""
+    from fasttree.runtime_planning import plan_for_runtime
+
+    for name, make, hq, hkv, d in _suite_cases():
+        tree = make()
+        rt = _runtime("cpu", tree, hq, hkv, d)
+        plan = ft.plan(tree, ft.FastTreeConfig(), num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        assert plan.kv_indices.size <= rt.kv_capacity, name
+        assert plan.n_partial_rows <= rt.max_partial_rows and plan.n_units <= rt.max_units, name
+        assert plan.pair_query.size <= rt.max_pairs, name
+        served, _ = plan_for_runtime(
+            tree, ft.FastTreeConfig(), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+            stage1_launches=rt.stage1_launches, query_centric=rt.query_centric, rules=rt._rules,
+        )  # fmt: skip
+        assert np.array_equal(served.kv_indices, plan.kv_indices), name
+
+
+def test_bounded_plan_chunks_no_finer_than_query_separated_decode(device):
+    """With room to spare, the bounded plan cuts contexts as query-separated decode does (not into
+    the smallest chunks the capacities allow: 64-token chunks of 2k-token requests ran 1.8x slower)."""
+    tree = sample_tree("no_sharing", 5, n_requests=64, context_tokens=(1000, 30000))
+    rt = _runtime(device, tree, 28, 4)
+    own = ft.plan_query_separated(tree, num_q_heads=28, num_kv_heads=4, head_dim=128, num_sms=rt._sm_count)
+    bounded = rt.bounded_plan(tree)
+    assert bounded.n_units <= own.n_units and bounded.n_units <= rt.max_units
+    assert bounded.config.kv_split_sizes[0] >= own.config.kv_split_sizes[0]

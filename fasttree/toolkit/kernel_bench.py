@@ -4,7 +4,8 @@ For every case (15 trees x heads 32/32, 32/8, 16/1 by default; head_dim 128, fp1
 measured in one run on random N(0, 1) inputs:
 
 * host planning time (median) and plan upload time;
-* each variant's GPU time by CUDA-graph replay (20 calls per graph, median / 20) and its
+* each variant's GPU time by CUDA-graph replay (20 calls per graph, median / 20; the variants'
+  replays interleaved in rounds, so a drift of the clocks reaches them alike) and its
   eager time (``do_bench`` median; for ``fasttree`` also 20 eager calls back to back, timed
   like the replay): ``fasttree`` (default config), the ablations
   ``no_greedy`` (gamma = -10), ``query_centric`` (gamma = 10, split 81920) and
@@ -52,7 +53,7 @@ from ..runtime import TreeAttentionRuntime
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
 from .family_suite import FAMILY_CASES, FamilyCase, family_tree
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
-from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, graph_time_us
+from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, interleaved_graph_times_us
 
 log = logging.getLogger("fasttree.toolkit.kernel_bench")
 
@@ -234,6 +235,8 @@ def bench_tree(
         runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
 
     results: dict[str, Any] = {}
+    # graph times of the variants, replays interleaved (their ratios are the benchmark's findings)
+    graph_times = interleaved_graph_times_us({name: fn for name, fn in runners.items() if fn is not None})
     for name, fn in runners.items():
         if fn is None:
             why = "no export entry" if name == "tuned" else "duplicated KV would not fit"
@@ -248,7 +251,7 @@ def bench_tree(
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(out).all())
         err = worst_rel_error(out, ref, rows) if finite else float("nan")
-        g = graph_time_us(fn)
+        g = graph_times[name]
         e = eager_time_us(fn, rep_ms=50)
         results[name] = {
             "graph_us": g["median"],

@@ -157,8 +157,8 @@ def runtime_for(point: DesignPoint, tree: KVTree, plan, device: Any):
     rt = TreeAttentionRuntime(
         point.config, num_q_heads=point.num_q_heads, num_kv_heads=point.num_kv_heads, head_dim=point.head_dim,
         dtype=getattr(torch, point.dtype), device=device, max_queries=tree.n_queries,
-        max_kv_entries=max(1, int(plan.kv_indices.size)), max_units=max(1, plan.n_units),
-        max_partial_rows=max(1, int(plan.n_partial_rows)), max_pairs=max(1, int(plan.pair_query.size)),
+        max_kv_entries=max(1, int(plan.kv_indices.size)), max_units=max(tree.n_queries, plan.n_units),
+        max_partial_rows=max(1, int(plan.n_partial_rows)), max_pairs=max(tree.n_queries, int(plan.pair_query.size)),
         pool_slots=tree.max_slot + 1, query_centric=launch["query_centric"],
         stage1_launches=launch["stage1_launches"], extend_steps=0, max_variants=0,
     )  # fmt: skip

@@ -65,6 +65,46 @@ def graph_time_us(
     return {**_spread(times), "replays": replays, "calls_per_graph": calls}
 
 
+def interleaved_graph_times_us(
+    fns: dict[str, Callable[[], object]],
+    *,
+    calls: int = 20,
+    rounds: int = 6,
+    replays: int = 5,
+    warmup: int = 3,
+    budget_s: float = 0.5,
+) -> dict[str, dict]:
+    """:func:`graph_time_us` of several calls, their replays interleaved: ``rounds`` rounds, each
+    ``replays`` replays of every call's graph in turn, so that a drift of the GPU's clocks or
+    temperature during the measurement reaches every call alike (their ratios are what is compared).
+    Fewer rounds (at least 2) when they would exceed ``budget_s``. Same keys as ``fns``; each value
+    as :func:`graph_time_us`'s."""
+    graphs = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        graphs[name] = _captured(fn, calls)
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for graph in graphs.values():
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    one_round = t0.elapsed_time(t1) * 1e-3 * replays
+    rounds = int(max(2, min(rounds, budget_s / max(one_round, 1e-9))))
+    times: dict[str, list[np.ndarray]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(_per_call_us(graph.replay, replays, calls))
+    graphs.clear()
+    return {
+        name: {**_spread(np.concatenate(t)), "replays": rounds * replays, "calls_per_graph": calls}
+        for name, t in times.items()
+    }
+
+
 def _captured(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` calls of ``fn``, captured after one call on a side stream (as
     torch advises before a capture: lazy initialisations then happen outside it)."""
