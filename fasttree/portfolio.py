@@ -445,11 +445,12 @@ class Portfolio:
             return 0
         return member
 
-    def select(self, tree: KVTree) -> FastTreeConfig:
-        """The config to plan ``tree`` with (:meth:`member_at` of its features)."""
+    def select(self, tree: KVTree, layout: tuple[int, int] | None = None) -> FastTreeConfig:
+        """The config to plan ``tree`` with (:meth:`member_at` of its features; ``layout``: the
+        ``(num_kv_heads, group_size)`` it runs at, default the bound :attr:`layout`)."""
         if len(self.members) == 1:
             return self.members[0]
-        return self.members[self.member_at(tree_features(tree))]
+        return self.members[self.member_at(tree_features(tree), layout)]
 
     def member_of(self, tree: KVTree) -> int:
         """The index of the member :meth:`select` gives ``tree``."""

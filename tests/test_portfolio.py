@@ -517,3 +517,25 @@ def test_selection_with_regions_stays_fast():
         blocks.append((time.perf_counter() - t0) / 40 * 1e6)
     print(f"select with a region: {float(np.median(blocks)):.1f} us")
     assert float(np.median(blocks)) < 100.0
+
+
+def test_an_unbound_portfolio_serves_its_member_at_a_covered_layout_in_plan_and_runtime():
+    """A portfolio with regions passed straight to ft.plan or the runtime (not bound with
+    for_heads) serves its leaf's member at the head layout its region covers, the defaults at
+    another: the entry points bind the layout they plan at."""
+    import torch
+
+    from fasttree.runtime import TreeAttentionRuntime
+
+    pf = Portfolio(members=(DEFAULTS, A), selector=Selector(member=(1,)), regions=_everywhere(Selector(member=(1,))))
+    assert pf.layout is None
+    tree = paper_tree(9)
+    covered = ft.plan(tree, pf, num_q_heads=8, num_kv_heads=2, head_dim=64)  # layout (2, 4)
+    other = ft.plan(tree, pf, num_q_heads=8, num_kv_heads=1, head_dim=64)
+    assert covered.config == A and other.config == DEFAULTS
+    runtime_pf = Portfolio(members=(DEFAULTS, DEFAULTS.with_(alpha=0.4)), selector=Selector(member=(1,)),
+                           regions=_everywhere(Selector(member=(1,))), runtime=True)  # fmt: skip
+    for hkv, member in ((2, 1), (1, 0)):
+        rt = TreeAttentionRuntime(runtime_pf, num_q_heads=8, num_kv_heads=hkv, head_dim=64, dtype=torch.float16,
+                                  device="cpu", max_queries=16, max_kv_entries=1 << 14)  # fmt: skip
+        assert rt.portfolio.member_of(tree) == member
