@@ -8,15 +8,17 @@ search over the config fields, timing :class:`fasttree.runtime.TreeAttentionRunt
 CUDA-graph replay on trees of the serving scenarios, and writes a new export whose entries
 carry the measured gain in their provenance. Entries of other buckets are copied unchanged.
 
-The refined entries are ``runtime`` entries of export format 2: a portfolio of the defaults
-(member 0) and the refined config (member 1), whose selector picks member 1 for every tree, and
-the guard of the installed kernels and defaults. A runtime portfolio's members share the launch
+The refined entries are ``runtime`` entries of export format 3: a portfolio of the defaults
+(member 0) and the refined config (member 1), whose selector picks member 1 for every tree inside
+the region of the searched trees (their feature box at the model's head layout; the defaults
+elsewhere), and the guard of the installed kernels and defaults. A runtime portfolio's members share the launch
 fields (:data:`fasttree.portfolio.LAUNCH_FIELDS`), so a refined config whose launch fields left
 the defaults' keeps only its plan-level changes (the dropped values are logged and recorded in
 the provenance); when nothing else moved, no entry is written for the bucket. The search starts
 from the start export's runtime entry for the bucket, its last portfolio member (a version-1
-entry's one config). Version-1 entries of the start export are not copied (format 2 cannot hold
-them; re-tune those buckets).
+entry's one config). Entries of the start export that format 3 cannot hold (version-1 entries,
+and version-2 entries whose selector names tuned members without regions of evidence) are not
+copied (re-tune or re-confirm those buckets).
 The search and the measurement are :mod:`fasttree.toolkit.refine`'s (``fasttree-tune refine`` runs
 them on workload traces); this script feeds them the serving scenarios' trees.
 
@@ -45,7 +47,7 @@ import torch
 import fasttree as ft
 from bench.decode import MODELS
 from fasttree.export import ConfigExport, ExportEntry, ExportGuard, read_export, write_export
-from fasttree.portfolio import LAUNCH_FIELDS, Portfolio, Selector
+from fasttree.portfolio import LAUNCH_FIELDS, LeafRegion, Portfolio, Selector, head_layout
 from fasttree.toolkit.bench_common import environment
 from fasttree.toolkit.refine import RuntimeBench, Timer, coordinate_search, parse_fields, search_provenance
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving
@@ -127,11 +129,10 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     dtype = getattr(torch, args.dtype)
     start_export = read_export(args.export)
-    entries = {(e.gpu, *e.bucket, e.target): e for e in start_export.entries if e.target is not None}
+    entries = {(e.gpu, *e.bucket, e.target): e for e in start_export.entries if e.write_problem() is None}
     for e in start_export.entries:
-        if e.target is None:
-            log.info("not copied: the version-1 entry for %r bucket %s (format 2 cannot hold it; re-tune it)",
-                     e.gpu, e.bucket)  # fmt: skip
+        if e.write_problem() is not None:
+            log.info("not copied: the entry for %r bucket %s %s: %s", e.gpu, e.bucket, e.target, e.write_problem())
     for name in args.models:
         spec = MODELS[name]
         portfolio, entry = start_export.lookup(
@@ -174,10 +175,17 @@ def main(argv: list[str] | None = None, *, timer: Timer | None = None) -> int:
                 "0's); the measured times include them", name, dropped,
             )  # fmt: skip
             provenance["launch_fields_dropped"] = dropped
+        searched = [t for ts in trees.values() for t in ts]
+        region = LeafRegion.of_trees(
+            [ft.tree_features(t) for t in searched],
+            [head_layout(spec.num_q_heads, spec.num_kv_heads)] * len(searched),
+            "measured",
+        )
         new = ExportEntry(
             gpu, group, spec.head_dim, args.dtype,
-            Portfolio(members=(ft.FastTreeConfig(), member), selector=REFINED_MEMBER, runtime=True), provenance,
-            target="runtime", guard=ExportGuard.current(),
+            Portfolio(members=(ft.FastTreeConfig(), member), selector=REFINED_MEMBER, runtime=True,
+                      regions=(region,)),
+            provenance, target="runtime", guard=ExportGuard.current(),
         )  # fmt: skip
         entries[(gpu, *new.bucket, new.target)] = new
     env = environment(gpu=device.type == "cuda")

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,9 @@ class Dataset:
         ``meta.split`` of the line (``"unmarked"`` when absent).
     default_config : ndarray, bool [n]
         Whether the row measured the published defaults.
+    dtype : ndarray, str [n]
+        The attention dtype of each row (``"float16"``, ``"bfloat16"``): with the ``gqa`` and
+        ``head_dim`` features, the row's bucket.
     published_cost : ndarray, float64 [n]
         The published planner's cost of the plan (:func:`~fasttree.costmodel.features.published_cost`).
     keys : ndarray, str [n]
@@ -84,6 +88,7 @@ class Dataset:
     tree: np.ndarray
     split: np.ndarray
     default_config: np.ndarray
+    dtype: np.ndarray
     published_cost: np.ndarray
     keys: np.ndarray
     gpu: GpuSpec
@@ -110,6 +115,7 @@ class Dataset:
             tree=self.tree[mask],
             split=self.split[mask],
             default_config=self.default_config[mask],
+            dtype=self.dtype[mask],
             published_cost=self.published_cost[mask],
             keys=self.keys[mask],
             gpu=self.gpu,
@@ -314,6 +320,7 @@ def load_dataset(
     skip_invalid: bool = False,
     workers: int | None = None,
     min_rows: int = 1,
+    keep: Callable[[dict[str, Any]], bool] | None = None,
 ) -> Dataset:
     """Read measurement traces and build their :class:`Dataset`.
 
@@ -326,7 +333,9 @@ def load_dataset(
     workers : int, optional
         Processes that re-plan the records (default ``min(8, cpu count)``; 1: in this process).
     min_rows : int
-        Fewest ``ok`` measurements the set must hold.
+        Fewest ``ok`` measurements the set must hold (after ``keep``).
+    keep : callable, optional
+        Keeps only the measurement records for which it returns true (before the costly re-planning).
 
     Returns
     -------
@@ -346,6 +355,8 @@ def load_dataset(
         logger.warning("%s:%s: skipped: %s", file, line, reason)
     # one measurement per key (a key measured again, e.g. to gauge the spread, counts once: the first)
     records = list({r["key"]: r for r in reversed(ts.records) if r["status"] == "ok"}.values())[::-1]
+    if keep is not None:
+        records = [r for r in records if keep(r)]
     if len(records) < min_rows:
         raise ValueError(f"{', '.join(map(str, paths))}: {len(records)} ok measurements, need at least {min_rows}")
     gpus = sorted({r["env"]["gpu_name"] for r in records})
@@ -372,6 +383,7 @@ def load_dataset(
         tree=np.array([tree_id(r) for r in records]),
         split=np.array([str((r.get("meta") or {}).get("split", "unmarked")) for r in records]),
         default_config=np.array([_is_default(r) for r in records]),
+        dtype=np.array([str(r["dtype"]) for r in records]),
         published_cost=cost,
         keys=keys,
         gpu=gpu,

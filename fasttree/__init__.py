@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .plan_extend import PlanExtender
     from .plan_rules import PlanRules
     from .planner import build_groups, greedy_edge_assignment, plan
-    from .portfolio import Portfolio, Selector, tree_features
+    from .portfolio import LeafRegion, Portfolio, Selector, tree_features
     from .recording import WorkloadRecorder
     from .reference import max_relative_error, reference_attention
     from .runtime import RuntimePlan, TreeAttentionRuntime
@@ -53,6 +53,7 @@ _LAZY = {
     "build_groups": "planner",
     "greedy_edge_assignment": "planner",
     "plan": "planner",
+    "LeafRegion": "portfolio",
     "Portfolio": "portfolio",
     "Selector": "portfolio",
     "tree_features": "portfolio",
@@ -74,6 +75,7 @@ __all__ = [
     "FastTreeConfig",
     "Groups",
     "KVTree",
+    "LeafRegion",
     "Plan",
     "PlanExtender",
     "PlanRules",

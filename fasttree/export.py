@@ -12,8 +12,15 @@ Every entry carries a guard: the kernel version and the fingerprint of the defau
 against (:mod:`fasttree.versions`) and the latency model's hash. An entry whose kernel version or
 defaults differ from the installed package's is not served: the lookup logs a WARNING (once per
 entry) and falls back to the defaults, since its gains were predicted for other kernels and
-measured against another baseline. Files of schema version 1 (one config per bucket, no guard)
-still load, as one-member portfolios, with a deprecation WARNING.
+measured against another baseline.
+
+Every selector leaf that names a tuned member records the region of its evidence
+(:class:`~fasttree.portfolio.LeafRegion`: the feature box and head layouts of the trees on which the
+member was measured or predicted with a calibrated margin to beat the defaults); the lookup binds the
+portfolio to the head layout it serves (:meth:`~fasttree.portfolio.Portfolio.for_heads`), and a tree
+outside its leaf's region gets the defaults. Files of schema version 2 (no regions) still load, as
+portfolios whose selector alone decides, with a deprecation WARNING on lookup; files of schema
+version 1 (one config per bucket, no guard) load as one-member portfolios, with a deprecation WARNING.
 
 The file is plain JSON, schema-versioned and validated in full on load (unknown fields,
 duplicate entries, invalid config values, NaN and duplicate keys are all refused with a
@@ -59,8 +66,10 @@ logger = logging.getLogger(__name__)
 
 #: The ``schema`` value of every export file.
 EXPORT_SCHEMA = "fasttree-export"
-#: The ``schema_version`` this library writes; it also reads version 1 (deprecated).
-EXPORT_SCHEMA_VERSION = 2
+#: The ``schema_version`` this library writes; it also reads versions 1 and 2 (deprecated).
+EXPORT_SCHEMA_VERSION = 3
+#: The older versions it reads.
+OLD_SCHEMA_VERSIONS = (1, 2)
 #: What an entry's portfolio serves.
 TARGETS = ("tree_attention", "runtime")
 #: Dtype strings a bucket may name (the kernel's dtypes).
@@ -73,6 +82,8 @@ _MAX_PROVENANCE_DEPTH = 16
 _TOP_FIELDS = ("entries", "provenance", "schema", "schema_version")
 _ENTRY_FIELDS = ("dtype", "gpu", "group_size", "guard", "head_dim", "portfolio", "provenance", "target")
 _ENTRY_FIELDS_V1 = ("config", "dtype", "gpu", "group_size", "head_dim", "provenance")
+_PORTFOLIO_FIELDS = ("members", "regions", "runtime", "selector")
+_PORTFOLIO_FIELDS_V2 = ("members", "runtime", "selector")
 _GUARD_FIELDS = ("defaults", "kernel_version", "model_sha256")
 
 
@@ -250,9 +261,11 @@ class ExportEntry:
     dtype : str
         ``"float16"`` or ``"bfloat16"``.
     portfolio : Portfolio
-        The configs and the selector; every member's query tiles must fit ``group_size``. In a
-        version-2 entry member 0 is ``FastTreeConfig()``; a runtime entry's members share their
-        launch fields.
+        The configs, the selector and its leaves' regions of evidence; every member's query tiles
+        must fit ``group_size``, and every region's layouts must have this ``group_size``. In an
+        entry with a target member 0 is ``FastTreeConfig()``; a runtime entry's members share their
+        launch fields. A portfolio without regions (an entry of a version-2 file) is served as its
+        selector says, but not written again (:meth:`write_problem`).
     provenance : dict
         JSON values describing where the entry came from. Keys with a checked type:
         ``study_name`` (str), ``n_trials`` (int >= 0), ``predicted_default_us`` and
@@ -298,6 +311,13 @@ class ExportEntry:
                 member.query_tiles(self.group_size)
             except ValueError as exc:
                 raise ValueError(f"portfolio member {i} does not fit group_size {self.group_size}: {exc}") from None
+        for i, region in enumerate(self.portfolio.regions or ()):
+            other = [list(p) for p in (region.layouts if region is not None else ()) if p[1] != self.group_size]
+            if other:
+                raise ValueError(
+                    f"portfolio.regions[{i}] lists head layouts {other} ([num_kv_heads, group_size]) of another "
+                    f"group size than the entry's {self.group_size}"
+                )
         object.__setattr__(self, "provenance", _provenance("provenance", self.provenance, _ENTRY_PROVENANCE_TYPES))
 
     __hash__ = None  # type: ignore[assignment]  # holds a dict
@@ -311,10 +331,26 @@ class ExportEntry:
         """Whether the entry is for ``target`` (a version-1 entry serves both)."""
         return self.target is None or self.target == target
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON dict (version 2)."""
+    def write_problem(self) -> str | None:
+        """Why this version cannot write the entry, or None when it can: an entry of a version-1 file,
+        or one whose selector sends trees to a tuned member with no region of evidence recorded (an
+        entry of a version-2 file)."""
         if self.target is None or self.guard is None:
-            raise ValueError("a version-1 entry is not written again: re-tune it (fasttree-tune run)")
+            return "a version-1 entry is not written again: re-tune it (fasttree-tune run)"
+        leaves = self.portfolio.unbounded_leaves
+        if leaves:
+            return (
+                f"selector leaves {list(leaves)} name tuned members with no region of evidence (an entry of export "
+                "format 2): confirm it on the GPU again (fasttree-tune validate, then confirm) or re-tune it "
+                "(fasttree-tune run)"
+            )
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON dict (version 3); ValueError for an entry :meth:`write_problem` names."""
+        problem = self.write_problem()
+        if problem is not None:
+            raise ValueError(f"{self.gpu} {bucket_label(*self.bucket)} {self.target}: {problem}")
         return {
             "dtype": self.dtype,
             "gpu": self.gpu,
@@ -338,7 +374,8 @@ class ExportEntry:
             every config field, so an entry means the same thing whatever a later release's
             defaults are.
         version : int
-            The file's schema version: 1 reads the old one-config entry as a one-member portfolio.
+            The file's schema version: 1 reads the old one-config entry as a one-member portfolio,
+            2 a portfolio without regions.
 
         Returns
         -------
@@ -363,12 +400,18 @@ class ExportEntry:
         raw = data["portfolio"]
         if not isinstance(raw, dict) or not isinstance(raw.get("members"), list):
             raise ValueError("portfolio must be a JSON object with a members list")
+        _check_fields(raw, _PORTFOLIO_FIELDS_V2 if version == 2 else _PORTFOLIO_FIELDS, "portfolio")
         for i, member in enumerate(raw["members"]):
             _parse_config(f"portfolio.members[{i}]", member)
         try:
-            portfolio = Portfolio.from_dict(raw)
+            portfolio = Portfolio.from_dict({**raw, "regions": None} if version == 2 else raw)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"portfolio: {exc}") from None
+        if version != 2 and portfolio.unbounded_leaves:
+            raise ValueError(
+                f"portfolio.regions is null but selector leaves {list(portfolio.unbounded_leaves)} name tuned "
+                "members: each needs its region of evidence"
+            )
         return cls(
             gpu=data["gpu"], group_size=data["group_size"], head_dim=data["head_dim"], dtype=data["dtype"],
             portfolio=portfolio, provenance=data["provenance"], target=data["target"],
@@ -459,8 +502,8 @@ class ConfigExport:
         ----------
         data : dict
             The parsed file. ``schema`` must be :data:`EXPORT_SCHEMA` and ``schema_version``
-            1 or :data:`EXPORT_SCHEMA_VERSION`; every field is required and unknown fields are
-            refused, at the top level and in each entry.
+            one of :data:`OLD_SCHEMA_VERSIONS` or :data:`EXPORT_SCHEMA_VERSION`; every field is
+            required and unknown fields are refused, at the top level and in each entry.
 
         Returns
         -------
@@ -478,10 +521,10 @@ class ConfigExport:
         if schema != EXPORT_SCHEMA:
             raise ValueError(f"not a {EXPORT_SCHEMA} file (schema is {schema!r})")
         version = data.get("schema_version")
-        if type(version) is not int or version not in (1, EXPORT_SCHEMA_VERSION):
+        if type(version) is not int or version not in (*OLD_SCHEMA_VERSIONS, EXPORT_SCHEMA_VERSION):
             raise ValueError(
-                f"export schema_version {version!r} is not supported; this fasttree reads versions 1 and "
-                f"{EXPORT_SCHEMA_VERSION}"
+                f"export schema_version {version!r} is not supported; this fasttree reads versions "
+                f"{', '.join(map(str, OLD_SCHEMA_VERSIONS))} and {EXPORT_SCHEMA_VERSION}"
             )
         _check_fields(data, _TOP_FIELDS, "export")
         raw_entries = data["entries"]
@@ -525,10 +568,14 @@ class ConfigExport:
         Returns
         -------
         portfolio : Portfolio
-            The matching entry's portfolio, or the defaults' (``FastTreeConfig()`` alone) when the
+            The matching entry's portfolio bound to this head layout (:meth:`Portfolio.for_heads`:
+            a tree gets a tuned member only inside its selector leaf's region of evidence, at a
+            layout the region lists), or the defaults' (``FastTreeConfig()`` alone) when the
             file has none for this GPU (logged at WARNING, once per GPU, naming the GPUs it has and
             how to tune for this one), none for this bucket and target (logged at INFO) or when the
-            entry was tuned for other kernels or defaults (logged at WARNING, once per entry).
+            entry was tuned for other kernels or defaults (logged at WARNING, once per entry). An
+            entry without regions (a version-2 file) is served as its selector says, with a
+            deprecation WARNING once per entry.
         entry : ExportEntry or None
             The entry served (for its provenance), or ``None`` on the fallback.
 
@@ -562,8 +609,16 @@ class ConfigExport:
                     gpu, key, target, reason,
                 )  # fmt: skip
                 return defaults, None
+            if entry.portfolio.unbounded_leaves:
+                _warn_once(
+                    (gpu, key, target, "format 2"),
+                    "the export entry for %r bucket %s %s is of export format 2 (deprecated): its selector records "
+                    "no region of evidence, so it may send trees unlike any it was measured on to a tuned member; "
+                    "confirm it again (fasttree-tune validate, then confirm) or re-tune (fasttree-tune run)",
+                    gpu, key, target,
+                )  # fmt: skip
             logger.debug("tuned FastTree portfolio for %r, bucket %s, %s", gpu, key, target)
-            return entry.portfolio, entry
+            return entry.portfolio.for_heads(num_q_heads, num_kv_heads), entry
         if not any(e.gpu == gpu for e in self.entries):
             _warn_once(
                 (gpu, "no gpu"),
@@ -627,10 +682,13 @@ def write_export(path: str | os.PathLike, export: ConfigExport, *, overwrite: bo
         raise FileExistsError(f"{path} exists; choose another path or pass overwrite=True to replace it")
     text = json.dumps(export.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_atomic(path, text)
-    default = Portfolio().members
-    tuned = sum(any(m not in default for m in e.portfolio.members) for e in export.entries)
+    tuned = sum(
+        any(m != 0 and f < 0 for f, m in zip(e.portfolio.selector.feature, e.portfolio.selector.member, strict=True))
+        and len(e.portfolio.members) > 1
+        for e in export.entries
+    )
     logger.info(
-        "wrote %s: %d entries, %d with tuned configs, %d serving the defaults only",
+        "wrote %s: %d entries, %d serving tuned configs, %d serving the defaults only",
         path, len(export.entries), tuned, len(export.entries) - tuned,
     )  # fmt: skip
     return path

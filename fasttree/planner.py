@@ -40,7 +40,7 @@ from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
 from .plan_arrays import Plan, check_heads, materialize
 from .plan_rules import PlanRules
-from .portfolio import Portfolio
+from .portfolio import Portfolio, head_layout
 from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
@@ -885,7 +885,7 @@ def plan(
     tree : KVTree
     config : FastTreeConfig or Portfolio, optional
         Defaults to ``FastTreeConfig()``; a tuned portfolio (:func:`fasttree.load_portfolio`) plans
-        the tree with the member its selector picks for it.
+        the tree with the member its selector picks for it at these head counts.
     num_q_heads, num_kv_heads : int
         ``Hq`` and ``Hkv``; ``Hq`` must be a multiple of ``Hkv``.
     head_dim : int
@@ -902,8 +902,8 @@ def plan(
     if not isinstance(tree, KVTree):
         raise ValueError(f"plan() needs a KVTree, got {type(tree).__name__}")
     config = _DEFAULT_CONFIG if config is None else config
-    if isinstance(config, Portfolio):
-        config = config.select(tree)
+    if isinstance(config, Portfolio):  # a leaf's member only at this plan's head layout, inside its region
+        config = config.select(tree, head_layout(num_q_heads, num_kv_heads))
     if not isinstance(config, FastTreeConfig):
         raise ValueError(f"config must be a FastTreeConfig or a Portfolio, got {type(config).__name__}")
     rules = PlanRules.defaults() if rules is None else rules

@@ -8,6 +8,15 @@ predicts a margin (``fasttree.tuner.portfolio``); serving code calls :meth:`Port
 per tree (a few microseconds, deterministic), or passes the portfolio where a config goes
 (:func:`fasttree.plan`, :class:`fasttree.runtime.TreeAttentionRuntime`).
 
+A leaf that names another member than the defaults carries the region of its evidence
+(:class:`LeafRegion`): the box of the features of the trees on which that member was measured
+(``fasttree-tune confirm``, ``refine``) or predicted with a calibrated margin (``fasttree-tune
+run``) to beat the defaults, and the head layouts (KV heads, GQA ratio) those trees ran at. The
+portfolio serves the leaf's member only to a tree inside that box, at one of those layouts; every
+other tree gets member 0 (:meth:`Portfolio.member_at` decides, for :meth:`Portfolio.select` and
+:meth:`Portfolio.member_of`). The layout a portfolio serves is bound once
+(:meth:`Portfolio.for_heads`; :meth:`fasttree.export.ConfigExport.lookup` does it).
+
 Numpy only: the serving path imports this module.
 """
 
@@ -15,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +33,16 @@ from .config import FastTreeConfig
 from .tree import KVTree
 from .validation import check_int, is_int, is_number
 
-__all__ = ["LAUNCH_FIELDS", "TREE_FEATURES", "Portfolio", "Selector", "tree_features"]
+__all__ = [
+    "EVIDENCE_KINDS",
+    "LAUNCH_FIELDS",
+    "TREE_FEATURES",
+    "LeafRegion",
+    "Portfolio",
+    "Selector",
+    "head_layout",
+    "tree_features",
+]
 
 #: Features of a tree a selector may split on, in the order of :func:`tree_features`.
 TREE_FEATURES = (
@@ -44,6 +62,12 @@ LAUNCH_FIELDS = ("q_tile_queries", "kv_tile", "num_warps", "num_stages")
 MAX_SELECTOR_DEPTH = 8
 #: Most members of a portfolio.
 MAX_MEMBERS = 16
+#: How a leaf's evidence was gathered: GPU measurements of every member on the trees
+#: (``fasttree-tune confirm``, ``refine``), or the latency model's predictions, whose gain had to
+#: exceed the model's calibrated error (``fasttree-tune run`` and ``export``).
+EVIDENCE_KINDS = ("measured", "predicted")
+#: Most head layouts a region lists.
+MAX_LAYOUTS = 64
 
 
 def tree_features(tree: KVTree) -> np.ndarray:
@@ -176,6 +200,120 @@ class Selector:
 
 
 @dataclass(frozen=True)
+class LeafRegion:
+    """Where a selector leaf's member was shown to beat the defaults.
+
+    Attributes
+    ----------
+    lo, hi : tuple of float
+        Per feature of :data:`TREE_FEATURES`, the least and greatest value over the evidence trees
+        that reach the leaf (``lo <= hi``): the box a tree's features must lie in.
+    layouts : tuple of (int, int)
+        The head layouts of those trees, ``(num_kv_heads, group_size)`` pairs (sorted, distinct):
+        the number of KV heads fixes the kernels' grid width, so a tree at another layout is outside.
+    trees : int
+        Evidence trees (>= 1).
+    evidence : str
+        One of :data:`EVIDENCE_KINDS`.
+    """
+
+    lo: tuple[float, ...]
+    hi: tuple[float, ...]
+    layouts: tuple[tuple[int, int], ...]
+    trees: int
+    evidence: str
+
+    def __post_init__(self) -> None:
+        n = len(TREE_FEATURES)
+        bounds = []
+        for name in ("lo", "hi"):
+            values = tuple(getattr(self, name))
+            if len(values) != n or not all(is_number(v, finite=True) for v in values):
+                raise ValueError(f"region.{name} must hold {n} finite numbers (one per selector feature)")
+            bounds.append(tuple(float(v) for v in values))
+        lo, hi = bounds
+        if any(a > b for a, b in zip(lo, hi, strict=True)):
+            raise ValueError("region.lo must not exceed region.hi")
+        layouts = tuple(sorted({_layout_pair("region.layouts", pair) for pair in self.layouts}))
+        if not 1 <= len(layouts) <= MAX_LAYOUTS:
+            raise ValueError(f"region.layouts must list 1 to {MAX_LAYOUTS} head layouts, got {len(layouts)}")
+        object.__setattr__(self, "lo", lo)
+        object.__setattr__(self, "hi", hi)
+        object.__setattr__(self, "layouts", layouts)
+        object.__setattr__(self, "trees", check_int("region.trees", self.trees, minimum=1))
+        if self.evidence not in EVIDENCE_KINDS:
+            raise ValueError(f"region.evidence must be one of {list(EVIDENCE_KINDS)}, got {self.evidence!r}")
+
+    def contains(self, x: Sequence[float]) -> bool:
+        """Whether features ``x`` (:func:`tree_features`) lie in the box (bounds included)."""
+        return all(a <= v <= b for a, v, b in zip(self.lo, x, self.hi, strict=True))
+
+    @classmethod
+    def of_trees(cls, features: Any, layouts: Sequence[tuple[int, int]], evidence: str) -> LeafRegion:
+        """The region of evidence trees: the box of their features, the set of their layouts.
+
+        Parameters
+        ----------
+        features : array-like, float [n_trees, len(TREE_FEATURES)]
+        layouts : sequence of (int, int)
+            Each tree's ``(num_kv_heads, group_size)``.
+        evidence : str
+            One of :data:`EVIDENCE_KINDS`.
+        """
+        x = np.asarray(features, dtype=np.float64)
+        if x.ndim != 2 or x.shape[0] < 1 or x.shape[0] != len(layouts):
+            raise ValueError(f"a region needs one layout per tree and at least one tree, got {x.shape} features")
+        return cls(
+            lo=tuple(x.min(axis=0).tolist()), hi=tuple(x.max(axis=0).tolist()),
+            layouts=tuple(tuple(p) for p in layouts), trees=x.shape[0], evidence=evidence,
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON (lists)."""
+        return {
+            "evidence": self.evidence,
+            "hi": list(self.hi),
+            "layouts": [list(p) for p in self.layouts],
+            "lo": list(self.lo),
+            "trees": self.trees,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LeafRegion:
+        """Build from :meth:`to_dict` (validated in full)."""
+        expected = {"evidence", "hi", "layouts", "lo", "trees"}
+        if not isinstance(data, Mapping) or set(data) != expected:
+            raise ValueError(f"a region is a JSON object with the fields {sorted(expected)}")
+        for name in ("lo", "hi", "layouts"):
+            if not isinstance(data[name], list):
+                raise ValueError(f"region.{name} must be a list")
+        return cls(lo=tuple(data["lo"]), hi=tuple(data["hi"]), layouts=tuple(data["layouts"]),
+                   trees=data["trees"], evidence=data["evidence"])  # fmt: skip
+
+
+def _layout_pair(where: str, pair: Any) -> tuple[int, int]:
+    """A ``(num_kv_heads, group_size)`` pair of ints >= 1; ValueError naming ``where`` otherwise."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(is_int(v) and v >= 1 for v in pair):
+        raise ValueError(f"{where} must hold (num_kv_heads, group_size) pairs of ints >= 1, got {pair!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def head_layout(num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """``(num_kv_heads, group_size)`` of a head count: the layout a :class:`LeafRegion` lists.
+
+    Raises
+    ------
+    ValueError
+        Unless both are ints >= 1 and ``num_q_heads`` is a multiple of ``num_kv_heads``.
+    """
+    hq = check_int("num_q_heads", num_q_heads, minimum=1)
+    hkv = check_int("num_kv_heads", num_kv_heads, minimum=1)
+    if hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    return hkv, hq // hkv
+
+
+@dataclass(frozen=True)
 class Portfolio:
     """Configs to serve one bucket with and the selector that picks one per tree.
 
@@ -189,11 +327,29 @@ class Portfolio:
     runtime : bool
         The portfolio serves :class:`fasttree.runtime.TreeAttentionRuntime`: its members then
         share the launch fields (:data:`LAUNCH_FIELDS`), which fix the runtime's CUDA graphs.
+    regions : sequence of LeafRegion or None, optional
+        Per selector node, the region of the evidence for the member its leaf names: a
+        :class:`LeafRegion` for every leaf naming another member than 0, None for every other
+        node. A tree then gets the leaf's member only inside the region, at one of its layouts,
+        and member 0 elsewhere. None (the default; what an export of format 2 holds): no region
+        recorded, the selector alone decides. A tuple of Nones becomes None (the same selection).
+    layout : (int, int), optional
+        The head layout ``(num_kv_heads, group_size)`` the portfolio serves (:meth:`for_heads`).
+        With regions and no layout, every tree gets member 0 (no layout is known to be covered).
+
+    Raises
+    ------
+    ValueError
+        On invalid members, selector, regions or layout.
     """
 
     members: tuple[FastTreeConfig, ...] = (FastTreeConfig(),)
     selector: Selector = field(default_factory=Selector)
     runtime: bool = False
+    regions: tuple[LeafRegion | None, ...] | None = None
+    layout: tuple[int, int] | None = None
+    #: Per node, the member a tree reaching it gets inside its region at :attr:`layout` (derived).
+    _served: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         members = tuple(self.members)
@@ -213,39 +369,138 @@ class Portfolio:
                 if differ:
                     raise ValueError(f"runtime portfolio member {i} differs from member 0 in launch fields {differ}")
         object.__setattr__(self, "members", members)
+        regions = self._checked_regions()
+        object.__setattr__(self, "regions", regions)
+        layout = None if self.layout is None else _layout_pair("layout", self.layout)
+        object.__setattr__(self, "layout", layout)
+        sel = self.selector
+        if len(members) == 1:
+            served = (0,) * len(sel.member)
+        elif regions is None:
+            served = sel.member
+        else:
+            served = tuple(
+                m if r is not None and layout is not None and layout in r.layouts else 0
+                for m, r in zip(sel.member, regions, strict=True)
+            )
+        object.__setattr__(self, "_served", served)
 
-    def select(self, tree: KVTree) -> FastTreeConfig:
-        """The config to plan ``tree`` with."""
+    def _checked_regions(self) -> tuple[LeafRegion | None, ...] | None:
+        if self.regions is None:
+            return None
+        try:
+            regions = tuple(self.regions)
+        except TypeError:
+            raise ValueError(f"regions must be a sequence, got {type(self.regions).__name__}") from None
+        sel = self.selector
+        if len(regions) != len(sel.feature):
+            raise ValueError(f"regions must hold one item per selector node ({len(sel.feature)}), got {len(regions)}")
+        for i, (f, m, r) in enumerate(zip(sel.feature, sel.member, regions, strict=True)):
+            if r is not None and not isinstance(r, LeafRegion):
+                raise ValueError(f"regions[{i}] must be a LeafRegion or None, got {type(r).__name__}")
+            serves = f < 0 and m != 0 and len(self.members) > 1
+            if serves and r is None:
+                raise ValueError(f"selector leaf {i} names member {m} but has no region of evidence")
+            if not serves and r is not None:
+                raise ValueError(f"selector node {i} serves no member but the defaults: its region must be None")
+        return None if all(r is None for r in regions) else regions
+
+    def for_heads(self, num_q_heads: int, num_kv_heads: int) -> Portfolio:
+        """The portfolio serving ``num_q_heads`` query heads over ``num_kv_heads`` KV heads.
+
+        A leaf's member then goes only to trees at a layout its region lists. A portfolio without
+        regions is returned as it is (the layout changes nothing there).
+
+        Raises
+        ------
+        ValueError
+            On head counts that are not ints >= 1 with ``num_q_heads`` a multiple of ``num_kv_heads``.
+        """
+        layout = head_layout(num_q_heads, num_kv_heads)
+        if self.regions is None or layout == self.layout:
+            return self
+        return replace(self, layout=layout)
+
+    def member_at(self, x: Sequence[float], layout: tuple[int, int] | None = None) -> int:
+        """The member a tree with features ``x`` (:func:`tree_features`) gets: its selector leaf's
+        member when the leaf's region covers ``x`` and the layout, else 0.
+
+        Parameters
+        ----------
+        x : sequence of float
+        layout : (int, int), optional
+            ``(num_kv_heads, group_size)``; default: the bound :attr:`layout`.
+        """
+        if len(self.members) == 1:
+            return 0
+        leaf = self.selector.leaf_of(x)
+        if self.regions is None:
+            return self.selector.member[leaf]
+        region = self.regions[leaf]
+        if layout is None:
+            member = self._served[leaf]
+        else:
+            member = self.selector.member[leaf] if region is not None and tuple(layout) in region.layouts else 0
+        if member and not region.contains(x.tolist() if isinstance(x, np.ndarray) else x):
+            return 0
+        return member
+
+    def select(self, tree: KVTree, layout: tuple[int, int] | None = None) -> FastTreeConfig:
+        """The config to plan ``tree`` with (:meth:`member_at` of its features; ``layout``: the
+        ``(num_kv_heads, group_size)`` it runs at, default the bound :attr:`layout`)."""
         if len(self.members) == 1:
             return self.members[0]
-        return self.members[self.selector.member_of(tree_features(tree))]
+        return self.members[self.member_at(tree_features(tree), layout)]
 
     def member_of(self, tree: KVTree) -> int:
         """The index of the member :meth:`select` gives ``tree``."""
-        return 0 if len(self.members) == 1 else self.selector.member_of(tree_features(tree))
+        return 0 if len(self.members) == 1 else self.member_at(tree_features(tree))
 
     @property
     def launch_config(self) -> FastTreeConfig:
         """The member whose launch fields a runtime is built with (member 0)."""
         return self.members[0]
 
+    @property
+    def unbounded_leaves(self) -> tuple[int, ...]:
+        """Leaves that name a member other than 0 with no region recorded (a portfolio without
+        regions, e.g. of an export of format 2): the selector alone sends trees to them."""
+        if self.regions is not None or len(self.members) == 1:
+            return ()
+        return tuple(i for i, (f, m) in enumerate(zip(self.selector.feature, self.selector.member, strict=True))
+                     if f < 0 and m != 0)  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON."""
+        """Plain JSON (the bound :attr:`layout` is not part of it)."""
         return {
             "members": [m.to_dict() for m in self.members],
-            "selector": self.selector.to_dict(),
+            "regions": None if self.regions is None else [None if r is None else r.to_dict() for r in self.regions],
             "runtime": self.runtime,
+            "selector": self.selector.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> Portfolio:
         """Build from :meth:`to_dict` (validated in full)."""
-        if not isinstance(data, Mapping) or set(data) != {"members", "selector", "runtime"}:
-            raise ValueError("a portfolio is a JSON object with the fields members, selector and runtime")
+        if not isinstance(data, Mapping) or set(data) != {"members", "regions", "selector", "runtime"}:
+            raise ValueError("a portfolio is a JSON object with the fields members, regions, selector and runtime")
         if not isinstance(data["members"], list):
             raise ValueError("portfolio.members must be a list")
         check_int("portfolio.members count", len(data["members"]), minimum=1, maximum=MAX_MEMBERS)
         if not isinstance(data["runtime"], bool):
             raise ValueError("portfolio.runtime must be a bool")
+        raw = data["regions"]
+        if raw is not None and not isinstance(raw, list):
+            raise ValueError("portfolio.regions must be a list or null")
+        regions = None
+        if raw is not None:
+            items = []
+            for i, r in enumerate(raw):
+                try:
+                    items.append(None if r is None else LeafRegion.from_dict(r))
+                except ValueError as exc:
+                    raise ValueError(f"portfolio.regions[{i}]: {exc}") from None
+            regions = tuple(items)
         members = tuple(FastTreeConfig.from_dict(m) for m in data["members"])
-        return cls(members=members, selector=Selector.from_dict(data["selector"]), runtime=data["runtime"])
+        return cls(members=members, selector=Selector.from_dict(data["selector"]), runtime=data["runtime"],
+                   regions=regions)  # fmt: skip

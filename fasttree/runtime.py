@@ -511,7 +511,7 @@ class TreeAttentionRuntime:
                     "a portfolio for tree_attention (runtime=False) may switch launch shapes between trees, which "
                     "the runtime's CUDA graphs cannot; use the export's runtime entry"
                 )
-            return config
+            return config.for_heads(self.num_q_heads, self.num_kv_heads)  # regions apply at our layout
         if isinstance(config, (str, os.PathLike)):
             from .export import read_export
 

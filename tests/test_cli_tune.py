@@ -1,5 +1,6 @@
 """``fasttree-tune tune / export / run`` through the real entry point, against temporary storages: the
-studies, the format-2 export of portfolios per bucket and target, the run's report.
+studies, the format-3 export of portfolios per bucket and target (each leaf fenced with the margin
+calibrated on held-out traces, ``--calibration``), the run's report.
 
 The PostgreSQL test needs a server: ``.ci/run`` starts one on loopback and sets
 ``FASTTREE_TEST_POSTGRES_URL``; with ``FASTTREE_REQUIRE_POSTGRES=1`` (set there too) a
@@ -21,9 +22,11 @@ import pytest
 
 from fasttree import FastTreeConfig
 from fasttree.cli import main
+from fasttree.costmodel.calibration import MARGIN_QUANTILE
 from fasttree.export import ExportGuard, load_portfolio, read_export
 from fasttree.traces import read_traces
 from fasttree.tuner import runtime_member
+from fasttree.versions import KERNEL_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "costmodel" / "data" / "h200_latency_model.skops"
@@ -154,6 +157,55 @@ def test_export_subcommand_reads_the_studies(tmp_path, workload_g4, capsys):
         main(["export", str(workload_g4), "--model", str(MODEL), "--folder", str(tmp_path / "none"),
               "-o", str(tmp_path / "c.json")])  # fmt: skip
     assert exc.value.code == 2 and "nothing was tuned" in capsys.readouterr().err
+    # the margin came from the shipped held-out traces; without any, every leaf serves the defaults
+    (entry,) = b.entries
+    calibration = entry.provenance["evidence"]["calibration"]
+    assert "h200_heldout" in calibration["source"] and calibration["quantile"] == MARGIN_QUANTILE
+    assert calibration["pairs"] >= 20 and 0.0 <= calibration["margin"] == entry.provenance["evidence"]["margin"] < 1
+    capsys.readouterr()
+    assert main([*export[:-1], str(tmp_path / "none.json"), "--calibration", "none"]) == 0
+    out = capsys.readouterr()
+    (bare,) = read_export(tmp_path / "none.json").entries
+    assert bare.provenance["evidence"]["margin"] is None and not any(bare.portfolio.selector.member)
+    assert bare.portfolio.members == entry.portfolio.members  # the candidates stay for validate and confirm
+    assert "no margin calibrated" in out.out or len(bare.portfolio.members) == 1
+
+
+def _other_gpu_traces(tmp_path: Path) -> Path:
+    """Held-out measurements of GQA 4 at today's kernels, relabelled as an H100's."""
+    from fasttree.costmodel.dataset import measured_kernel_version
+    from fasttree.traces import measurement_key
+
+    records = read_traces(ROOT / "traces" / "h200_heldout", kind="measurement").records
+    keep = [r for r in records if r["num_q_heads"] == 4 * r["num_kv_heads"] and r["head_dim"] == 128
+            and r["dtype"] == "float16" and measured_kernel_version(r) == KERNEL_VERSION][:30]  # fmt: skip
+    assert keep
+    for r in keep:
+        r["env"]["gpu_name"] = "NVIDIA H100 80GB HBM3"
+        w = r["workload"]
+        r["key"] = measurement_key(
+            w["tree"], family=w["family"], seed=w.get("seed"), num_q_heads=r["num_q_heads"],
+            num_kv_heads=r["num_kv_heads"], head_dim=r["head_dim"], dtype=r["dtype"], config=r["config"],
+            gpu_name="NVIDIA H100 80GB HBM3", launch=r.get("launch"),
+        )  # fmt: skip
+    path = tmp_path / "h100.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return path
+
+
+def test_calibration_traces_of_another_gpu_or_none_of_the_buckets_are_refused(tmp_path, workload_g4, capsys):
+    common = ["run", "--workloads", str(workload_g4), "--model", str(MODEL), "--targets", "tree_attention",
+              "--heldout", "none", *FAST]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        main([*common, "--out", str(tmp_path / "a"), "--calibration", str(_other_gpu_traces(tmp_path))])
+    assert exc.value.code == 2 and "measured on 'NVIDIA H100 80GB HBM3', the model is for 'NVIDIA H200'" in (
+        capsys.readouterr().err
+    )
+    smoke = ROOT / "traces" / "h200_smoke"  # no GQA-4 measurement of today's kernels
+    with pytest.raises(SystemExit) as exc:
+        main([*common, "--out", str(tmp_path / "b"), "--calibration", str(smoke)])
+    assert exc.value.code == 2 and f"no measurements of kernel version {KERNEL_VERSION}" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "export.json").exists() and not (tmp_path / "b" / "export.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -213,7 +265,14 @@ def test_run_writes_portfolio_export_and_report(tmp_path, workload, capsys):
         assert e.provenance["predicted_train"] <= 1.0 + 1e-12 and e.provenance["predicted_valid"] <= 1.0 + 1e-12
         served = load_portfolio(out / "export.json", gpu="NVIDIA H200", num_q_heads=8 * e.group_size, num_kv_heads=8,
                                 head_dim=128, dtype="float16", target=e.target)  # fmt: skip
-        assert served == p
+        assert served == p.for_heads(8 * e.group_size, 8)
+        # every leaf serving a member has beaten the calibrated margin on >= 4 held-out trees, fenced by them
+        evidence = e.provenance["evidence"]
+        assert evidence["split"] == "validation" and evidence["calibration"]["margin"] == evidence["margin"]
+        for leaf in evidence["leaves"]:
+            if leaf["served"]:
+                assert leaf["predicted_gain"] > evidence["margin"] and leaf["trees"] >= 4
+                assert p.regions[leaf["leaf"]].trees == leaf["trees"]
     studies = _studies(f"sqlite:///{out / 'fasttree-tune.db'}")
     assert sorted(studies) == sorted(f"fasttree-{rt}{b}" for b in BUCKETS for rt in ("", "rt-"))
     report = json.loads((out / "report.json").read_text())
@@ -226,8 +285,9 @@ def test_run_writes_portfolio_export_and_report(tmp_path, workload, capsys):
         assert set(j["rules"]) == {"margin", "family_loss", "tree_loss", "max_depth", "min_leaf"}
         assert j["train"]["families"].keys() == {"paper"} and j["train"]["objective"] <= 1.0 + 1e-12
         assert sum(j["valid"]["picks"]) == 4  # the held-out steps: 4 trees per bucket
+        assert j["evidence"]["margin"] > 0 and j["evidence"]["calibration"]["pairs"] >= 20
     md = (out / "report.md").read_text()
-    assert md.startswith("# fasttree-tune run")
+    assert md.startswith("# fasttree-tune run") and "| calibrated margin | leaves served (model's) |" in md
     for t in targets:
         for b in BUCKETS:
             assert f"| {t} | {b} |" in md and f"## {t} {b}" in md

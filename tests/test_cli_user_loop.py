@@ -270,8 +270,14 @@ def test_ctrl_c_in_tune_ends_with_one_line_saying_what_was_kept(tmp_path, own_wo
 
 # ----------------------------------------------------------------------------- defect 7: the frozen test
 def test_confirm_refuses_measurements_of_the_frozen_test(tmp_path, capsys):
+    import hashlib
+
+    # the committed frozen-test measurements, as if they had measured today's committed export
+    measured = json.loads((ROOT / "docs" / "tune" / "validation.json").read_text())
+    measured["export_sha256"] = hashlib.sha256(EXPORT.read_bytes()).hexdigest()
+    (tmp_path / "validation.json").write_text(json.dumps(measured))
     with pytest.raises(SystemExit) as exc:
-        main(["confirm", "--config", str(EXPORT), "--measured", str(ROOT / "docs" / "tune" / "validation.json"),
+        main(["confirm", "--config", str(EXPORT), "--measured", str(tmp_path / "validation.json"),
               "-o", str(tmp_path / "c.json")])  # fmt: skip
     assert exc.value.code == 2
     line = _usage_error(capsys, "confirm")

@@ -1,5 +1,6 @@
-"""The tuned export (format 2): round trips, lookup per target, guard and fallback, version-1 files,
-and validation on load."""
+"""The tuned export (format 3): round trips, lookup per target (bound to the head layout, tuned
+members only inside their leaves' regions of evidence), guard and fallback, version-1 and version-2
+files, and validation on load."""
 
 import copy
 import json
@@ -19,6 +20,7 @@ from fasttree import (
     ExportEntry,
     ExportGuard,
     FastTreeConfig,
+    LeafRegion,
     Portfolio,
     Selector,
     load_portfolio,
@@ -53,8 +55,25 @@ SMALL_TREE = fasttree.KVTree.from_levels((1, 64), (256, 32))
 LARGE_TREE = fasttree.KVTree.from_levels((1, 128), (256, 32))
 
 
-def _portfolio(tuned, selector=ONE_LEAF, *, runtime=False) -> Portfolio:
-    return Portfolio(members=(DEFAULTS, tuned), selector=selector, runtime=runtime)
+#: KV heads the test entries' regions list (with the entry's group size): 1 to 32.
+KV_HEADS = (1, 2, 4, 8, 16, 32)
+
+
+def _regions(selector: Selector, g: int) -> tuple:
+    """A wide box (every test tree inside) at KV_HEADS x ``g`` on every leaf naming a tuned member."""
+    n = len(TREE_FEATURES)
+    wide = LeafRegion(lo=(-1e6,) * n, hi=(1e6,) * n, layouts=tuple((kv, g) for kv in KV_HEADS), trees=8,
+                      evidence="measured")  # fmt: skip
+    return tuple(wide if f < 0 and m else None for f, m in zip(selector.feature, selector.member, strict=True))
+
+
+def _portfolio(tuned, selector=ONE_LEAF, *, runtime=False, g=4) -> Portfolio:
+    return Portfolio(members=(DEFAULTS, tuned), selector=selector, runtime=runtime, regions=_regions(selector, g))
+
+
+def _served(tuned, hq, hkv, selector=ONE_LEAF, *, runtime=False) -> Portfolio:
+    """The portfolio a lookup for ``hq``/``hkv`` heads gives: :func:`_portfolio` bound to that layout."""
+    return _portfolio(tuned, selector, runtime=runtime, g=hq // hkv).for_heads(hq, hkv)
 
 
 def _entry(gpu, g, d, dtype, config, *, target="tree_attention", selector=ONE_LEAF, guard=None, **prov):
@@ -68,7 +87,7 @@ def _entry(gpu, g, d, dtype, config, *, target="tree_attention", selector=ONE_LE
     }
     return ExportEntry(
         gpu=gpu, group_size=g, head_dim=d, dtype=dtype,
-        portfolio=_portfolio(config, selector, runtime=target == "runtime"), provenance=provenance,
+        portfolio=_portfolio(config, selector, runtime=target == "runtime", g=g), provenance=provenance,
         target=target, guard=ExportGuard.current("c" * 64) if guard is None else guard,
     )  # fmt: skip
 
@@ -147,11 +166,11 @@ def test_lookup_after_round_trip_gives_the_tuned_portfolio(export_file, gpu, hq,
     portfolio, entry = read_export(export_file).lookup(
         gpu=gpu, num_q_heads=hq, num_kv_heads=hkv, head_dim=128, dtype=dtype
     )
-    assert portfolio == _portfolio(expected)
+    assert portfolio == _served(expected, hq, hkv) and portfolio.layout == (hkv, hq // hkv)
     assert portfolio.members == (DEFAULTS, expected) and not portfolio.runtime
     assert portfolio.select(SMALL_TREE) == expected  # the one-leaf selector picks member 1 for every tree
     assert portfolio.select(LARGE_TREE) == expected
-    assert entry is not None and entry.portfolio is portfolio
+    assert entry is not None and entry.portfolio.for_heads(hq, hkv) == portfolio
     assert (entry.gpu, entry.bucket, entry.target) == (gpu, (hq // hkv, 128, dtype), "tree_attention")
     assert entry.provenance["predicted_gain"] == 0.2
 
@@ -160,7 +179,7 @@ def test_lookup_of_a_split_portfolio_selects_per_tree(export_file):
     portfolio, entry = read_export(export_file).lookup(
         gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"
     )
-    assert entry is not None and portfolio == _portfolio(TUNED_BF16, SPLIT)
+    assert entry is not None and portfolio == _served(TUNED_BF16, 32, 8, SPLIT)
     assert portfolio.select(SMALL_TREE) == DEFAULTS
     assert portfolio.select(LARGE_TREE) == TUNED_BF16
 
@@ -168,16 +187,16 @@ def test_lookup_of_a_split_portfolio_selects_per_tree(export_file):
 def test_load_portfolio_loads_the_matching_entry(export_file):
     portfolio = load_portfolio(export_file, gpu=H200, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="float16")
     assert isinstance(portfolio, Portfolio)
-    assert portfolio == _portfolio(TUNED_G4)
+    assert portfolio == _served(TUNED_G4, 32, 8)
 
 
 def test_load_portfolio_accepts_a_str_path(export_file):
     portfolio = load_portfolio(str(export_file), gpu=H200, num_q_heads=8, num_kv_heads=8, head_dim=128, dtype="float16")
-    assert portfolio == _portfolio(TUNED_G1)
+    assert portfolio == _served(TUNED_G1, 8, 8)
     runtime = load_portfolio(
         str(export_file), gpu=H200, num_q_heads=8, num_kv_heads=2, head_dim=128, dtype="float16", target="runtime"
     )
-    assert runtime == _portfolio(TUNED_RT, runtime=True)
+    assert runtime == _served(TUNED_RT, 8, 2, runtime=True)
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 4), (4, 1), (64, 16)])
@@ -232,12 +251,12 @@ def test_a_runtime_entry_is_not_served_to_tree_attention_and_vice_versa():
     shape = {"gpu": H200, "num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
     assert runtime_only.lookup(**shape) == (Portfolio(), None)
     portfolio, entry = runtime_only.lookup(**shape, target="runtime")
-    assert entry is not None and portfolio == _portfolio(TUNED_RT, runtime=True)
+    assert entry is not None and portfolio == _served(TUNED_RT, 32, 8, runtime=True)
 
     kernels_only = ConfigExport(entries=(_entry(H200, 4, 128, "float16", TUNED_RT),), provenance={})
     assert kernels_only.lookup(**shape, target="runtime") == (Portfolio(runtime=True), None)
     portfolio, entry = kernels_only.lookup(**shape, target="tree_attention")
-    assert entry is not None and portfolio == _portfolio(TUNED_RT)
+    assert entry is not None and portfolio == _served(TUNED_RT, 32, 8)
 
 
 def test_both_targets_of_one_bucket_are_served_apart(export_file):
@@ -465,11 +484,137 @@ def test_an_invalid_version_1_file_is_refused(tmp_path, mutate, match):
         read_export(_write_doc(tmp_path, doc))
 
 
-def test_a_version_2_file_with_version_1_entries_is_refused(tmp_path):
+def test_a_version_3_file_with_version_1_entries_is_refused(tmp_path):
     doc = _doc()
     doc["entries"] = _v1_doc()["entries"]
     with pytest.raises(ValueError, match=r"entries\[0\]: unknown entry fields \['config'\]"):
         read_export(_write_doc(tmp_path, doc))
+
+
+def _v2_doc() -> dict:
+    """The export of _export() as format 2 wrote it: no regions."""
+    doc = _doc()
+    doc["schema_version"] = 2
+    for e in doc["entries"]:
+        del e["portfolio"]["regions"]
+    return doc
+
+
+def test_a_version_2_file_loads_and_its_selector_alone_decides(tmp_path, caplog, fresh_warnings):
+    export = read_export(_write_doc(tmp_path, _v2_doc()))
+    assert [e.bucket for e in export.entries] == [e.bucket for e in _export().entries]
+    g4 = {"gpu": H200, "num_q_heads": 256, "num_kv_heads": 64, "head_dim": 128}  # a layout no region of _export lists
+    with caplog.at_level(logging.WARNING, logger="fasttree.export"):
+        for _ in range(3):
+            portfolio, entry = export.lookup(**g4, dtype="bfloat16")
+            assert entry is not None and portfolio.regions is None
+            # served as format 2 served it: the selector alone, whatever the layout and the tree
+            assert portfolio.select(LARGE_TREE) == TUNED_BF16 and portfolio.select(SMALL_TREE) == DEFAULTS
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "format 2 (deprecated)" in warned[0] and "no region of evidence" in warned[0]
+    assert "fasttree-tune confirm" not in warned[0] and "confirm it again" in warned[0]
+    # the same lookup of the format-3 export: its regions list 1 to 32 KV heads, not 64
+    fenced, _ = _export().lookup(**g4, dtype="bfloat16")
+    assert fenced.layout == (64, 4) and fenced.select(LARGE_TREE) == DEFAULTS
+    assert fenced.for_heads(128, 32).select(LARGE_TREE) == TUNED_BF16
+
+
+def test_a_version_2_entry_with_tuned_leaves_is_not_written_back(tmp_path):
+    export = read_export(_write_doc(tmp_path, _v2_doc()))
+    problems = {(e.gpu, *e.bucket, e.target): e.write_problem() for e in export.entries}
+    assert all("no region of evidence" in p for p in problems.values() if p is not None)
+    assert sum(p is not None for p in problems.values()) == len(export.entries)  # every entry has a tuned leaf
+    with pytest.raises(ValueError, match=r"NVIDIA H100.*selector leaves \[0\] name tuned members with no region"):
+        write_export(tmp_path / "again.json", export)
+    assert not (tmp_path / "again.json").exists()
+    # an entry of the defaults alone needs no region and is written again
+    doc = _v2_doc()
+    doc["entries"] = doc["entries"][:1]
+    doc["entries"][0]["portfolio"]["members"] = doc["entries"][0]["portfolio"]["members"][:1]
+    doc["entries"][0]["portfolio"]["selector"]["member"] = [0]
+    again = write_export(tmp_path / "defaults.json", read_export(_write_doc(tmp_path, doc)))
+    assert json.loads(again.read_text())["entries"][0]["portfolio"]["regions"] is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (
+            lambda d: d["entries"][1]["portfolio"].__setitem__("regions", None),
+            r"unknown portfolio fields \['regions'\]",
+        ),
+        (lambda d: d["entries"][1]["portfolio"].pop("runtime"), r"missing portfolio fields \['runtime'\]"),
+    ],
+    ids=["regions in format 2", "missing runtime"],
+)
+def test_an_invalid_version_2_file_is_refused(tmp_path, mutate, match):
+    doc = _v2_doc()
+    mutate(doc)
+    with pytest.raises(ValueError, match=match):
+        read_export(_write_doc(tmp_path, doc))
+
+
+# ----------------------------------------------------------------- regions of evidence
+
+#: Member 1's evidence trees of the fenced entries below: 128 one-query leaves of 16-64 tokens under a 256-token prefix.
+EVIDENCE_TREES = [fasttree.KVTree.from_levels((1, 128), (256, n)) for n in (16, 32, 64)]
+
+
+def _fenced_export(layouts=((2, 16),), evidence="measured") -> ConfigExport:
+    """A GQA-16 tree_attention entry whose one leaf serves TUNED_BF16 only in the box of EVIDENCE_TREES at
+    ``layouts``."""
+    x = np.stack([tree_features(t) for t in EVIDENCE_TREES])
+    region = LeafRegion.of_trees(x, [layouts[i % len(layouts)] for i in range(len(EVIDENCE_TREES))], evidence)
+    entry = ExportEntry(
+        gpu=H200, group_size=16, head_dim=128, dtype="float16",
+        portfolio=Portfolio(members=(DEFAULTS, TUNED_BF16), selector=ONE_LEAF, regions=(region,)),
+        provenance={}, target="tree_attention", guard=ExportGuard.current(),
+    )  # fmt: skip
+    return ConfigExport(entries=(entry,), provenance={})
+
+
+def test_a_leaf_confirmed_at_two_kv_heads_serves_the_defaults_at_one(tmp_path):
+    # the measured failure: 16 query heads over 1 KV head (tensor parallelism) where the leaf saw only 2 KV heads
+    path = write_export(tmp_path / "fenced.json", _fenced_export())
+    shape = {"gpu": H200, "head_dim": 128, "dtype": "float16"}
+    at_two = load_portfolio(path, **shape, num_q_heads=32, num_kv_heads=2)
+    at_one = load_portfolio(path, **shape, num_q_heads=16, num_kv_heads=1)
+    for tree in EVIDENCE_TREES:
+        assert at_two.select(tree) == TUNED_BF16 and at_one.select(tree) == DEFAULTS
+    plan = fasttree.plan(EVIDENCE_TREES[0], at_one, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    assert plan.config == DEFAULTS
+    # listed layouts are served; the runtime-style lookup binds as well
+    both = write_export(tmp_path / "both.json", _fenced_export(layouts=((2, 16), (1, 16))))
+    assert load_portfolio(both, **shape, num_q_heads=16, num_kv_heads=1).select(EVIDENCE_TREES[1]) == TUNED_BF16
+
+
+@pytest.mark.parametrize(
+    ("tree", "inside"),
+    [
+        (fasttree.KVTree.from_levels((1, 128), (256, 40)), True),  # between the evidence trees
+        (fasttree.KVTree.from_levels((2, 16), (30000, 40)), False),  # two 30k-token documents, 8 questions each
+        (fasttree.KVTree.from_levels((1, 128), (4096, 32)), False),  # a longer prefix than any evidence tree
+        (fasttree.KVTree.from_levels((1, 64), (256, 32)), False),  # fewer queries
+    ],
+    ids=["inside", "long documents", "long prefix", "fewer queries"],
+)
+def test_after_a_round_trip_only_trees_inside_the_box_get_the_member(tmp_path, tree, inside):
+    path = write_export(tmp_path / "fenced.json", _fenced_export())
+    back = read_export(path)
+    assert back == _fenced_export()
+    (region,) = back.entries[0].portfolio.regions
+    assert region.layouts == ((2, 16),) and region.trees == 3 and region.evidence == "measured"
+    portfolio = load_portfolio(path, gpu=H200, num_q_heads=32, num_kv_heads=2, head_dim=128, dtype="float16")
+    assert portfolio.select(tree) == (TUNED_BF16 if inside else DEFAULTS)
+    assert portfolio.member_of(tree) == int(inside)
+
+
+def test_written_regions_are_plain_json(tmp_path):
+    path = write_export(tmp_path / "fenced.json", _fenced_export(evidence="predicted"))
+    (region,) = json.loads(path.read_text())["entries"][0]["portfolio"]["regions"]
+    assert set(region) == {"evidence", "hi", "layouts", "lo", "trees"}
+    assert region["layouts"] == [[2, 16]] and region["evidence"] == "predicted" and region["trees"] == 3
+    assert len(region["lo"]) == len(region["hi"]) == len(TREE_FEATURES)
 
 
 # -------------------------------------------------------------------------- fallback
@@ -577,7 +722,7 @@ def test_bucket_key():
 
 @pytest.mark.parametrize("tree", [SMALL_TREE, LARGE_TREE], ids=["left of the split", "right of the split"])
 def test_portfolio_select_follows_the_split(tree):
-    portfolio = _portfolio(TUNED_BF16, SPLIT)
+    portfolio = _served(TUNED_BF16, 32, 8, SPLIT)
     x = tree_features(tree)
     right = x[QUERIES] > 6.0
     assert right == (tree is LARGE_TREE)
@@ -589,7 +734,7 @@ def test_portfolio_select_follows_the_split(tree):
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 16)])
 def test_plan_with_a_portfolio_is_the_plan_with_its_selected_member(tree, hq, hkv):
     tuned = FastTreeConfig(gamma=-1.0, kv_split_sizes=(64, 32), pack_tokens=0, kv_tile=(32, 32))
-    portfolio = _portfolio(tuned, SPLIT)
+    portfolio = _served(tuned, hq, hkv, SPLIT)
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
     by_portfolio = fasttree.plan(tree, portfolio, **heads)
     by_member = fasttree.plan(tree, portfolio.select(tree), **heads)
@@ -657,8 +802,8 @@ def _mutations():
     return [
         ("wrong schema", set_top("schema", "fasttree-config"), r"not a fasttree-export file.*'fasttree-config'"),
         ("missing schema", lambda d: d.pop("schema"), r"not a fasttree-export file.*None"),
-        ("version 3", set_top("schema_version", 3), r"schema_version 3 is not supported.*reads versions 1 and 2"),
-        ("version as str", set_top("schema_version", "2"), r"schema_version '2' is not supported"),
+        ("version 4", set_top("schema_version", 4), r"schema_version 4 is not supported.*reads versions 1, 2 and 3"),
+        ("version as str", set_top("schema_version", "3"), r"schema_version '3' is not supported"),
         ("version true", set_top("schema_version", True), r"schema_version True is not supported"),
         ("unknown top field", set_top("comment", "hi"), r"unknown export fields \['comment'\]"),
         ("missing entries", lambda d: d.pop("entries"), r"missing export fields \['entries'\]"),
@@ -749,7 +894,7 @@ def _mutations():
         (
             "unknown portfolio field",
             set_portfolio(4, "weights", [1, 1]),
-            r"entries\[4\]: portfolio: a portfolio is a JSON object with the fields",
+            r"entries\[4\]: unknown portfolio fields \['weights'\]",
         ),
         (
             "runtime not bool",
@@ -830,6 +975,60 @@ def _mutations():
         ("selector not a list", set_selector(1, "member", 1), r"selector\.member must be a list"),
         ("selector unknown field", set_selector(1, "gain", [0.1]), r"a selector has the fields"),
         ("selector not object", set_portfolio(1, "selector", [0]), r"a selector must be a JSON object"),
+        # regions of evidence
+        (
+            "missing regions",
+            lambda d: d["entries"][1]["portfolio"].pop("regions"),
+            r"entries\[1\]: missing portfolio fields \['regions'\]",
+        ),
+        (
+            "null regions with a tuned leaf",
+            set_portfolio(1, "regions", None),
+            r"entries\[1\]: portfolio\.regions is null but selector leaves \[2\] name tuned members",
+        ),
+        (
+            "tuned leaf without a region",
+            set_portfolio(1, "regions", [None, None, None]),
+            r"entries\[1\]: portfolio: selector leaf 2 names member 1 but has no region of evidence",
+        ),
+        (
+            "region on a defaults leaf",
+            lambda d: d["entries"][1]["portfolio"]["regions"].__setitem__(
+                1, d["entries"][1]["portfolio"]["regions"][2]
+            ),
+            r"entries\[1\]: portfolio: selector node 1 serves no member but the defaults",
+        ),
+        ("regions ragged", set_portfolio(1, "regions", [None]), r"regions must hold one item per selector node \(3\)"),
+        (
+            "region lo above hi",
+            lambda d: d["entries"][1]["portfolio"]["regions"][2].__setitem__("lo", [2e6] * len(TREE_FEATURES)),
+            r"entries\[1\]: portfolio: portfolio\.regions\[2\]: region\.lo must not exceed region\.hi",
+        ),
+        (
+            "region short box",
+            lambda d: d["entries"][1]["portfolio"]["regions"][2].__setitem__("hi", [1.0]),
+            r"region\.hi must hold 8 finite numbers",
+        ),
+        (
+            "region layout of another group size",
+            lambda d: d["entries"][1]["portfolio"]["regions"][2].__setitem__("layouts", [[8, 4], [2, 16]]),
+            r"entries\[1\]: portfolio\.regions\[2\] lists head layouts \[\[2, 16\]\] .* group size than the entry's 4",
+        ),
+        (
+            "region layout not a pair",
+            lambda d: d["entries"][1]["portfolio"]["regions"][2].__setitem__("layouts", [8]),
+            r"pairs of ints >= 1",
+        ),
+        (
+            "region unknown evidence",
+            lambda d: d["entries"][1]["portfolio"]["regions"][2].__setitem__("evidence", "hoped"),
+            r"region\.evidence must be one of",
+        ),
+        (
+            "region unknown field",
+            lambda d: d["entries"][1]["portfolio"]["regions"][2].__setitem__("gain", 0.1),
+            r"a region is a JSON object with the fields",
+        ),
         # guard and target
         ("target unknown", set_entry(0, "target", "serving"), r"entries\[0\]: target must be one of"),
         ("guard not object", set_entry(0, "guard", "v30"), r"entries\[0\]: guard must be a JSON object"),
@@ -903,9 +1102,11 @@ def test_the_deepest_selector_is_accepted(tmp_path):
         "left": [i + 1 if f >= 0 else -1 for i, f in enumerate(feature)],
         "right": [i + 2 if f >= 0 else -1 for i, f in enumerate(feature)], "member": [1] * n,
     }  # fmt: skip
+    leaf_region = doc["entries"][1]["portfolio"]["regions"][2]
+    doc["entries"][1]["portfolio"]["regions"] = [None if f >= 0 else leaf_region for f in feature]
     portfolio = read_export(_write_doc(tmp_path, doc)).entries[1].portfolio
     assert len(portfolio.selector.feature) == n
-    assert portfolio.select(LARGE_TREE) == TUNED_BF16
+    assert portfolio.for_heads(32, 8).select(LARGE_TREE) == TUNED_BF16
 
 
 def test_error_indices_refer_to_the_file_order(tmp_path):
@@ -960,7 +1161,7 @@ def test_non_json_provenance_is_refused(value, match):
 def test_duplicate_entry_is_refused_when_building():
     e = _entry(H200, 4, 128, "float16", TUNED_G4)
     with pytest.raises(ValueError, match=r"entries\[1\] duplicates entries\[0\].*target 'tree_attention'"):
-        ConfigExport(entries=(e, _entry(H200, 4, 128, "float16", TUNED_G1)), provenance={})
+        ConfigExport(entries=(e, _entry(H200, 4, 128, "float16", TUNED_BF16)), provenance={})
     # the same bucket for the other target is no duplicate
     ConfigExport(entries=(e, _entry(H200, 4, 128, "float16", TUNED_RT, target="runtime")), provenance={})
 
@@ -1040,7 +1241,7 @@ def test_written_file_is_sorted_pretty_plain_json(export_file):
     assert text.endswith("}\n")
     doc = json.loads(text)
     assert doc["schema"] == EXPORT_SCHEMA
-    assert doc["schema_version"] == EXPORT_SCHEMA_VERSION == 2
+    assert doc["schema_version"] == EXPORT_SCHEMA_VERSION == 3
     assert text == json.dumps(doc, indent=2, sort_keys=True) + "\n"  # sorted keys, 2-space indent
     assert list(doc) == sorted(doc)
     entry = doc["entries"][0]

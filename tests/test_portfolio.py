@@ -1,5 +1,6 @@
 """fasttree.portfolio: the tree features a selector splits on, per-tree selection (deterministic and
-fast on the paper suite's largest trees), and the checks of Portfolio and Selector."""
+fast on the paper suite's largest trees), abstention outside a leaf's region of evidence, and the
+checks of Portfolio, Selector and LeafRegion."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 import fasttree as ft
-from fasttree import FastTreeConfig, KVTree, Portfolio, Selector, tree_features
-from fasttree.portfolio import LAUNCH_FIELDS, MAX_MEMBERS, MAX_SELECTOR_DEPTH, TREE_FEATURES
+from fasttree import FastTreeConfig, KVTree, LeafRegion, Portfolio, Selector, tree_features
+from fasttree.portfolio import LAUNCH_FIELDS, MAX_MEMBERS, MAX_SELECTOR_DEPTH, TREE_FEATURES, head_layout
 from fasttree.toolkit.suite import PAPER_SUITE, paper_tree
 
 F = {name: i for i, name in enumerate(TREE_FEATURES)}
@@ -253,10 +254,26 @@ def test_runtime_portfolio_members_share_the_launch_fields():
     assert Portfolio(members=(B, A), runtime=True).launch_config is B
 
 
-@pytest.mark.parametrize("portfolio", [FOUR, Portfolio(), Portfolio(members=(DEFAULTS, A), runtime=True)])
+def _everywhere(selector: Selector, layouts=((2, 4),)) -> tuple:
+    """Regions for ``selector``: a wide box at ``layouts`` on every leaf naming a member other than 0."""
+    wide = LeafRegion(lo=(-1e9,) * len(TREE_FEATURES), hi=(1e9,) * len(TREE_FEATURES), layouts=layouts, trees=5,
+                      evidence="measured")  # fmt: skip
+    return tuple(wide if f < 0 and m else None for f, m in zip(selector.feature, selector.member, strict=True))
+
+
+@pytest.mark.parametrize(
+    "portfolio",
+    [
+        FOUR,
+        Portfolio(),
+        Portfolio(members=(DEFAULTS, A), runtime=True),
+        Portfolio(members=(DEFAULTS, A, B, C), selector=TWO_LEVELS, regions=_everywhere(TWO_LEVELS)),
+    ],
+)
 def test_portfolio_round_trip(portfolio):
     data = portfolio.to_dict()
-    assert set(data) == {"members", "selector", "runtime"}
+    assert set(data) == {"members", "regions", "selector", "runtime"}
+    assert (data["regions"] is None) == (portfolio.regions is None)
     assert Portfolio.from_dict(data) == portfolio
     assert Portfolio.from_dict(json.loads(json.dumps(data))) == portfolio  # through JSON text (lists)
     assert data["selector"]["features"] == list(TREE_FEATURES)
@@ -265,7 +282,10 @@ def test_portfolio_round_trip(portfolio):
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda d: d.pop("runtime"), "fields members, selector and runtime"),
+        (lambda d: d.pop("runtime"), "fields members, regions, selector and runtime"),
+        (lambda d: d.pop("regions"), "fields members, regions, selector and runtime"),
+        (lambda d: d.__setitem__("regions", {}), "portfolio.regions must be a list or null"),
+        (lambda d: d.__setitem__("regions", [None] * 7), "leaf 4 names member 2 but has no region"),
         (lambda d: d.__setitem__("members", ()), "portfolio.members must be a list"),
         (lambda d: d.__setitem__("members", []), "portfolio.members count must be"),
         (lambda d: d.__setitem__("runtime", "no"), "portfolio.runtime must be a bool"),
@@ -347,3 +367,175 @@ def test_plan_takes_a_portfolio():
     assert plan.config == B
     with pytest.raises(ValueError, match="FastTreeConfig or a Portfolio"):
         ft.plan(tree, [B], num_q_heads=8, num_kv_heads=2, head_dim=64)
+
+
+# ------------------------------------------------------------------ regions of evidence
+
+#: Two leaves split on the queries: up to 64 queries (log2 6) the defaults, more queries member 1 (A).
+SPLIT_Q = _split("log2_queries", 6.0, 0, 1)
+#: One leaf: member 1 (A) for every tree, unless its region says otherwise.
+ALWAYS = Selector(member=(1,))
+#: Trees of 128 queries under a 256-token prefix: member 1's evidence trees (their private leaves 16-64 tokens).
+EVIDENCE_TREES = [KVTree.from_levels((1, 128), (256, n)) for n in (16, 32, 64)]
+
+
+def _region_of(trees, layouts, evidence="measured") -> LeafRegion:
+    return LeafRegion.of_trees(np.stack([tree_features(t) for t in trees]), layouts, evidence)
+
+
+def _fenced(layouts=((2, 16),), selector=ALWAYS) -> Portfolio:
+    """``selector`` (member 1 on its last leaf) with that leaf fenced by the box of EVIDENCE_TREES at ``layouts``."""
+    region = _region_of(EVIDENCE_TREES, list(layouts) * 3 if len(layouts) == 1 else layouts)
+    return Portfolio(
+        members=(DEFAULTS, A), selector=selector, regions=(None,) * (len(selector.feature) - 1) + (region,)
+    )
+
+
+def test_a_region_is_the_box_and_layouts_of_its_trees():
+    region = _region_of(EVIDENCE_TREES, [(2, 16), (2, 16), (4, 16)])
+    x = np.stack([tree_features(t) for t in EVIDENCE_TREES])
+    assert region.lo == tuple(x.min(axis=0)) and region.hi == tuple(x.max(axis=0))
+    assert region.layouts == ((2, 16), (4, 16)) and region.trees == 3 and region.evidence == "measured"
+    assert region.lo[F["log2_queries"]] == region.hi[F["log2_queries"]] == 7.0
+    assert region.lo[F["log2_max_context"]] < region.hi[F["log2_max_context"]]
+    assert all(region.contains(v) for v in x)  # bounds included
+    outside = x[0].copy()
+    outside[F["log2_tokens"]] = region.hi[F["log2_tokens"]] + 0.01
+    assert not region.contains(outside)
+
+
+def test_inside_the_box_at_a_covered_layout_the_leaf_member_is_served():
+    portfolio = _fenced(selector=SPLIT_Q).for_heads(32, 2)
+    assert portfolio.layout == (2, 16)
+    between = KVTree.from_levels((1, 128), (256, 40))  # inside the box, not one of its trees
+    for tree in [*EVIDENCE_TREES, between]:
+        assert portfolio.member_of(tree) == 1 and portfolio.select(tree) == A
+    assert portfolio.select(KVTree.from_levels((1, 32), (256, 32))) == DEFAULTS  # the defaults' leaf
+
+
+def test_a_tree_at_a_layout_the_region_does_not_list_gets_the_defaults():
+    # the measured failure: the leaf's trees ran at 2 KV heads; one KV head (tensor parallelism) is another grid
+    fenced = _fenced()
+    tree = EVIDENCE_TREES[1]
+    assert fenced.for_heads(32, 2).select(tree) == A
+    assert fenced.for_heads(16, 1).select(tree) == DEFAULTS
+    assert fenced.for_heads(64, 4).member_of(tree) == 0
+    assert fenced.member_at(tree_features(tree), (2, 16)) == 1 and fenced.member_at(tree_features(tree), (1, 16)) == 0
+    # unbound (no layout known), nothing is known to be covered
+    assert fenced.layout is None and fenced.select(tree) == DEFAULTS
+    # a region listing both layouts serves both
+    both = _fenced(layouts=((2, 16), (1, 16), (1, 16))).for_heads(16, 1)
+    assert both.select(tree) == A
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        KVTree.from_levels((2, 16), (30000, 40)),  # two 30k-token documents, 8 questions each
+        KVTree.from_levels((1, 128), (30000, 32)),  # a 30k-token prefix: tokens and contexts beyond the box
+        KVTree.from_levels((1, 128), (256, 1024)),  # long private leaves: private share and contexts beyond
+        KVTree.from_levels((1, 2, 128), (256, 64, 32)),  # one level deeper than every evidence tree
+    ],
+    ids=["long documents", "long prefix", "long leaves", "deeper"],
+)
+def test_a_tree_outside_the_box_gets_the_defaults(tree):
+    fenced = _fenced().for_heads(32, 2)
+    assert Portfolio(members=(DEFAULTS, A), selector=ALWAYS).select(tree) == A  # the selector alone: member 1
+    assert fenced.select(tree) == DEFAULTS and fenced.member_of(tree) == 0
+
+
+def test_binding_a_layout():
+    fenced = _fenced()
+    bound = fenced.for_heads(32, 2)
+    assert bound.for_heads(32, 2) is bound and bound == Portfolio(
+        members=fenced.members, selector=fenced.selector, regions=fenced.regions, layout=(2, 16)
+    )
+    assert bound.to_dict() == fenced.to_dict()  # the layout is not part of the format
+    plain = Portfolio(members=(DEFAULTS, A), selector=ALWAYS)
+    assert plain.for_heads(32, 2) is plain  # no regions: the layout changes nothing
+    assert head_layout(64, 8) == (8, 8)
+    for hq, hkv in ((32, 3), (0, 1), (8, 0), (8.0, 2)):
+        with pytest.raises(ValueError, match=r"num_q_heads|num_kv_heads"):
+            fenced.for_heads(hq, hkv)
+    with pytest.raises(ValueError, match="layout must hold"):
+        Portfolio(members=(DEFAULTS, A), selector=ALWAYS, regions=fenced.regions, layout=(2,))
+
+
+def test_plan_follows_the_region():
+    tree = EVIDENCE_TREES[0]
+    fenced = _fenced()
+    assert ft.plan(tree, fenced.for_heads(32, 2), num_q_heads=32, num_kv_heads=2, head_dim=64).config == A
+    assert ft.plan(tree, fenced.for_heads(16, 1), num_q_heads=16, num_kv_heads=1, head_dim=64).config == DEFAULTS
+
+
+def test_regions_must_fence_exactly_the_tuned_leaves():
+    region = _region_of(EVIDENCE_TREES, [(2, 16)] * 3)
+    with pytest.raises(ValueError, match="one item per selector node"):
+        Portfolio(members=(DEFAULTS, A), selector=SPLIT_Q, regions=(None, region))
+    with pytest.raises(ValueError, match="leaf 2 names member 1 but has no region"):
+        Portfolio(members=(DEFAULTS, A), selector=SPLIT_Q, regions=(None, None, None))
+    with pytest.raises(ValueError, match="node 1 serves no member but the defaults"):
+        Portfolio(members=(DEFAULTS, A), selector=SPLIT_Q, regions=(None, region, region))
+    with pytest.raises(ValueError, match="must be a LeafRegion or None"):
+        Portfolio(members=(DEFAULTS, A), selector=SPLIT_Q, regions=(None, None, region.to_dict()))
+    # regions of a selector that serves only the defaults: the same as none
+    assert Portfolio(members=(DEFAULTS, A), regions=(None,)).regions is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"lo": (0.0,) * 7}, "region.lo must hold 8 finite numbers"),
+        ({"hi": (math.nan,) * 8}, "region.hi must hold 8 finite numbers"),
+        ({"lo": (2.0,) * 8}, "region.lo must not exceed region.hi"),
+        ({"layouts": ()}, "1 to 64 head layouts"),
+        ({"layouts": ((2, 0),)}, "pairs of ints >= 1"),
+        ({"layouts": ((2,),)}, "pairs of ints >= 1"),
+        ({"trees": 0}, "region.trees must be"),
+        ({"evidence": "guessed"}, "region.evidence must be one of"),
+    ],
+)
+def test_a_region_refuses(kw, match):
+    ok = {"lo": (0.0,) * 8, "hi": (1.0,) * 8, "layouts": ((2, 16),), "trees": 3, "evidence": "predicted"}
+    LeafRegion(**ok)
+    with pytest.raises(ValueError, match=match):
+        LeafRegion(**{**ok, **kw})
+    with pytest.raises(ValueError, match="fields"):
+        LeafRegion.from_dict({**LeafRegion(**ok).to_dict(), "margin": 0.1})
+
+
+def test_selection_with_regions_stays_fast():
+    """The region check adds a box test to the walk: the largest paper trees stay well under 100 us."""
+    portfolio = _fenced().for_heads(32, 2)
+    tree = paper_tree(max(PAPER_SUITE, key=lambda c: paper_tree(c).num_tokens))
+    portfolio.select(tree)
+    blocks = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        for _ in range(40):
+            portfolio.select(tree)
+        blocks.append((time.perf_counter() - t0) / 40 * 1e6)
+    print(f"select with a region: {float(np.median(blocks)):.1f} us")
+    assert float(np.median(blocks)) < 100.0
+
+
+def test_an_unbound_portfolio_serves_its_member_at_a_covered_layout_in_plan_and_runtime():
+    """A portfolio with regions passed straight to ft.plan or the runtime (not bound with
+    for_heads) serves its leaf's member at the head layout its region covers, the defaults at
+    another: the entry points bind the layout they plan at."""
+    import torch
+
+    from fasttree.runtime import TreeAttentionRuntime
+
+    pf = Portfolio(members=(DEFAULTS, A), selector=Selector(member=(1,)), regions=_everywhere(Selector(member=(1,))))
+    assert pf.layout is None
+    tree = paper_tree(9)
+    covered = ft.plan(tree, pf, num_q_heads=8, num_kv_heads=2, head_dim=64)  # layout (2, 4)
+    other = ft.plan(tree, pf, num_q_heads=8, num_kv_heads=1, head_dim=64)
+    assert covered.config == A and other.config == DEFAULTS
+    runtime_pf = Portfolio(members=(DEFAULTS, DEFAULTS.with_(alpha=0.4)), selector=Selector(member=(1,)),
+                           regions=_everywhere(Selector(member=(1,))), runtime=True)  # fmt: skip
+    for hkv, member in ((2, 1), (1, 0)):
+        rt = TreeAttentionRuntime(runtime_pf, num_q_heads=8, num_kv_heads=hkv, head_dim=64, dtype=torch.float16,
+                                  device="cpu", max_queries=16, max_kv_entries=1 << 14)  # fmt: skip
+        assert rt.portfolio.member_of(tree) == member

@@ -59,7 +59,9 @@ def test_refine_command_writes_the_fastest_config_and_keeps_other_entries(
     ]
     members = entry.portfolio.members
     assert entry.portfolio.runtime and members[0] == FastTreeConfig()
-    assert entry.portfolio.selector.member == (len(members) - 1,)  # measured on these trees: every tree
+    assert entry.portfolio.selector.member == (len(members) - 1,)  # measured on these trees: every tree like them
+    (region,) = entry.portfolio.regions  # the searched trees' box at their heads (32/8)
+    assert (region.evidence, region.trees, region.layouts) == ("measured", 4, ((8, 4),))
     assert members[-1].pack_tokens == 768 and members[-1].kv_split_sizes[0] == 256
     prov = entry.provenance
     assert prov["measured_objective"] < 1 and prov["evaluations"] * 4 == len(calls)  # 2 workloads x 2 steps

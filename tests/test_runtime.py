@@ -222,8 +222,12 @@ def test_portfolio_from_export_file_and_fallback(device, tmp_path):
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"gpu": gpu, "group_size": 2, "head_dim": 16, "dtype": "float16", "provenance": {},
               "guard": ExportGuard.current()}  # fmt: skip
-    runtime = ft.Portfolio((ft.FastTreeConfig(), tuned), ft.Selector(member=(1,)), runtime=True)
-    kernels = ft.Portfolio((ft.FastTreeConfig(), ft.FastTreeConfig(alpha=0.2)), ft.Selector(member=(1,)))
+    # member 1 for trees like the evidence trees (a short prefix, 2-4 leaves of 4-6 tokens), at 2 KV heads
+    evidence = [ft.KVTree.from_levels([1, n], [40, m]) for n, m in ((2, 4), (3, 5), (4, 6))]
+    region = ft.LeafRegion.of_trees([ft.tree_features(t) for t in evidence], [(2, 2)] * 3, "measured")
+    runtime = ft.Portfolio((ft.FastTreeConfig(), tuned), ft.Selector(member=(1,)), runtime=True, regions=(region,))
+    kernels = ft.Portfolio((ft.FastTreeConfig(), ft.FastTreeConfig(alpha=0.2)), ft.Selector(member=(1,)),
+                           regions=(region,))  # fmt: skip
     entries = (
         ExportEntry(**common, portfolio=runtime, target="runtime"),
         ExportEntry(**common, portfolio=kernels, target="tree_attention"),
@@ -231,12 +235,17 @@ def test_portfolio_from_export_file_and_fallback(device, tmp_path):
     path = tmp_path / "export.json"
     write_export(path, ConfigExport(entries=entries, provenance={}))
     shape = {**HEADS, "dtype": "float16", "gpu": gpu}
-    assert load_portfolio(path, **shape, target="runtime") == runtime
-    assert load_portfolio(path, **shape) == kernels
+    assert load_portfolio(path, **shape, target="runtime") == runtime.for_heads(4, 2)
+    assert load_portfolio(path, **shape) == kernels.for_heads(4, 2)
     rt = _runtime(device, str(path))
-    assert rt.portfolio == runtime and rt.config == ft.FastTreeConfig()  # launches from member 0
+    assert rt.portfolio == runtime.for_heads(4, 2) and rt.config == ft.FastTreeConfig()  # launches from member 0
     tree = ft.KVTree.from_levels([1, 3], [40, 5])
-    assert rt.plan(tree).plan.config == tuned  # every tree planned with member 1
+    assert rt.plan(tree).plan.config == tuned  # a tree inside the region: member 1
+    # a tree unlike the evidence trees (a 400-token prefix), or the same tree at 1 KV head: the defaults
+    assert rt.plan(ft.KVTree.from_levels([1, 3], [400, 5])).plan.config == ft.FastTreeConfig()
+    one_kv = TreeAttentionRuntime(path, dtype="float16", device=device, max_queries=4, max_kv_entries=64,
+                                  **{**HEADS, "num_q_heads": 2, "num_kv_heads": 1})  # fmt: skip
+    assert one_kv.portfolio.members == runtime.members and one_kv.plan(tree).plan.config == ft.FastTreeConfig()
     # another bucket, or an entry tuned against other defaults: the defaults
     other = {**HEADS, "num_kv_heads": 4}
     fallback = TreeAttentionRuntime(path, dtype="float16", device=device, max_queries=4, max_kv_entries=64, **other)

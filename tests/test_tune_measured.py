@@ -1,5 +1,6 @@
-"""bench.tune_measured with a fake timer (CPU): the coordinate search, the format-2 runtime entries it
-writes (launch fields kept at the defaults), the start entry it refines and the entries it copies."""
+"""bench.tune_measured with a fake timer (CPU): the coordinate search, the format-3 runtime entries it
+writes (launch fields kept at the defaults, member 1 fenced by the searched trees' region), the start
+entry it refines and the entries it copies."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 import fasttree as ft
 from bench import tune_measured
-from fasttree import ConfigExport, ExportEntry, ExportGuard, FastTreeConfig, Portfolio, Selector
+from bench.decode import MODELS
+from fasttree import ConfigExport, ExportEntry, ExportGuard, FastTreeConfig, LeafRegion, Portfolio, Selector
 from fasttree.export import read_export, write_export
 from fasttree.toolkit import refine
 
@@ -59,7 +61,15 @@ def test_search_finds_the_fastest_config(tmp_path, device, caplog):
     tuned = portfolio.members[1]
     assert tuned.pack_tokens == 768
     assert tuned.kv_split_sizes[0] == 256
-    assert portfolio.select(ft.KVTree.from_levels((1, 3), (40, 5))) == tuned  # every tree gets member 1
+    # member 1 for every tree like the searched ones, at the model's heads; the defaults elsewhere
+    tiny = MODELS["tiny"]
+    (searched,) = tune_measured.serving_trees(["few_shot"], seed=1, steps=6, trees=1)["few_shot"]
+    (region,) = portfolio.regions
+    assert (region.evidence, region.trees, region.layouts) == ("measured", 1, ((tiny.num_kv_heads, 2),))
+    served = portfolio.for_heads(tiny.num_q_heads, tiny.num_kv_heads)
+    assert served.select(searched) == tuned
+    assert served.select(ft.KVTree.from_levels((1, 3), (40, 5))) == FastTreeConfig()  # not like the searched tree
+    assert portfolio.for_heads(2 * tiny.num_q_heads, 2 * tiny.num_kv_heads).select(searched) == FastTreeConfig()
     prov = entry.provenance
     assert prov["measured_objective"] < 1
     assert [m[0] for m in prov["moves"]] == ["pack_tokens", "kv_split_sizes[0]"]
@@ -67,21 +77,24 @@ def test_search_finds_the_fastest_config(tmp_path, device, caplog):
     assert prov["seed"] == 1
     assert "launch_fields_dropped" not in prov
     json.loads((tmp_path / "refined.json").read_text())
-    # the start export (the committed one, format 2) holds other buckets: its entries are copied unchanged
+    # the start export (the committed one) holds other buckets: its entries are copied unchanged
     start = read_export("docs/tune/export.json")
     assert start.entries and all(e.bucket != entry.bucket for e in start.entries)
     refined = read_export(tmp_path / "refined.json").entries
     assert sorted(map(repr, refined)) == sorted(map(repr, (*start.entries, entry)))
 
 
-def _v2_start(tmp_path, gpu: str) -> tuple[Path, ConfigExport]:
-    """A format-2 start export: both targets of the tiny bucket and of another bucket."""
+def _start(tmp_path, gpu: str) -> tuple[Path, ConfigExport]:
+    """A start export: both targets of the tiny bucket and of another bucket."""
     guard = ExportGuard.current("e" * 64)
     one = Selector(member=(1,))
     start_config = FastTreeConfig(pack_tokens=256, kv_split_sizes=(512, 128))
 
     def entry(g, d, config, target):
-        portfolio = Portfolio(members=(FastTreeConfig(), config), selector=one, runtime=target == "runtime")
+        n = len(ft.portfolio.TREE_FEATURES)
+        region = LeafRegion((-1e6,) * n, (1e6,) * n, ((4, g),), trees=9, evidence="predicted")
+        portfolio = Portfolio(members=(FastTreeConfig(), config), selector=one, runtime=target == "runtime",
+                              regions=(region,))  # fmt: skip
         return ExportEntry(gpu, g, d, "float16", portfolio, {"study_name": f"g{g}-d{d}-{target}"}, target, guard)
 
     export = ConfigExport(
@@ -96,8 +109,8 @@ def _v2_start(tmp_path, gpu: str) -> tuple[Path, ConfigExport]:
     return write_export(tmp_path / "start.json", export), export
 
 
-def test_a_format_2_start_is_refined_from_its_runtime_entry_and_other_entries_are_kept(tmp_path, device):
-    path, start = _v2_start(tmp_path, _gpu(device))
+def test_a_start_is_refined_from_its_runtime_entry_and_other_entries_are_kept(tmp_path, device):
+    path, start = _start(tmp_path, _gpu(device))
     (start_entry,) = [e for e in start.entries if e.bucket == (2, 16, "float16") and e.target == "runtime"]
     calls = []
     args = _args(tmp_path, "--fields", "pack_tokens", device=device)
@@ -187,3 +200,22 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
         tune_measured.main(_args(tmp_path), timer=_fake_timer([]))
     assert "exists" in capsys.readouterr().err
     assert out.read_text() == "mine"
+
+
+def test_start_entries_format_3_cannot_hold_are_not_copied(tmp_path, device, caplog):
+    caplog.set_level(logging.INFO, logger="bench.tune_measured")
+    path, _ = _start(tmp_path, _gpu(device))
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 2  # as format 2 wrote it: no regions
+    for e in doc["entries"]:
+        del e["portfolio"]["regions"]
+    path.write_text(json.dumps(doc))
+    args = _args(tmp_path, "--fields", "pack_tokens", device=device)
+    args[args.index("--export") + 1] = str(path)
+    assert tune_measured.main(args, timer=_fake_timer([])) == 0
+    refined = read_export(tmp_path / "refined.json").entries
+    assert [(e.bucket, e.target) for e in refined] == [((2, 16, "float16"), "runtime")]  # the refined entry alone
+    assert (
+        sum("not copied" in r.getMessage() and "no region of evidence" in r.getMessage() for r in caplog.records)
+        == 4  # every start entry, the refined bucket's runtime entry too (replaced)
+    )

@@ -1,6 +1,6 @@
 """From workload steps to a portfolio: tree families (``family_of``), family balancing, the selection
-problem of a ``LatencyObjective`` on small real trees under a stub latency model, ``build_portfolio`` on
-its predictions, and one small ``tune_portfolios`` run with the shipped model."""
+problem of a ``LatencyObjective`` on small real trees under a stub latency model, ``build_portfolio`` and
+``fence_portfolio`` on its predictions, and small ``tune_portfolios`` runs with the shipped model."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ if torch.cuda.is_available() and importlib.util.find_spec("optuna") is None:  # 
 
 import fasttree as ft
 from fasttree import FastTreeConfig, Portfolio, tree_features
+from fasttree.costmodel.calibration import GainMargin
 from fasttree.costmodel.features import FEATURE_NAMES, features_of_plans
 from fasttree.costmodel.gpu import gpu_spec
 from fasttree.toolkit.shipped import model_path, workloads_path
@@ -25,7 +26,7 @@ from fasttree.traces import read_traces
 from fasttree.tuner import Bucket, LatencyObjective, WorkloadStep, steps_by_bucket
 from fasttree.tuner.objective import balance_families, family_of, runtime_member
 from fasttree.tuner.pipeline import tune_portfolios
-from fasttree.tuner.portfolio import DESIGNS, build_portfolio, score, selection_problem
+from fasttree.tuner.portfolio import DESIGNS, build_portfolio, fence_portfolio, score, selection_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = model_path()
@@ -168,6 +169,7 @@ def test_selection_problem_predicts_every_candidate_on_every_step(train_steps):
     np.testing.assert_allclose(problem.ratio[:, 1], np.where(_large(train_steps), 0.6, 1.1), rtol=1e-12)
     np.testing.assert_allclose(problem.ratio[:, 2], 1.0, rtol=1e-12)
     np.testing.assert_allclose(problem.weight, 1 / n)  # two families of n / 2 trees
+    np.testing.assert_array_equal(problem.layouts, np.tile([8, 4], (n, 1)))  # 32/8 heads: 8 KV heads, GQA 4
     with pytest.raises(ValueError, match="FastTreeConfig"):
         selection_problem(objective, CONFIGS[1:])
     # for the runtime the KV tile is a launch field every member keeps at the defaults': nothing changes
@@ -197,6 +199,24 @@ def test_build_portfolio_on_the_predictions_switches_only_the_large_trees(train_
     expected = {"few_shot": ratio[:half].mean(), "serving/chat": ratio[half:].mean()}
     assert result.valid["families"] == pytest.approx(expected, rel=1e-12)
     assert score(valid, (0, 1), portfolio.selector) == result.valid
+    # fenced: the validation trees of the large leaf are predicted 40% faster
+    fenced = fence_portfolio(result, train, valid, 0.3)
+    region = fenced.portfolio.regions[2]
+    assert region.layouts == ((8, 4),) and region.trees == int(_large(valid_steps).sum()) == 8
+    served = fenced.portfolio.for_heads(32, 8)
+    assert [served.select(s.tree) for s in valid_steps] == [
+        SMALL_TILES if large else FastTreeConfig() for large in _large(valid_steps)
+    ]
+    assert fenced.valid == result.valid  # every validation tree of the leaf lies in its region
+    # the tuning trees' prefixes (300 tokens) are shorter than any validation tree's (900): outside the box
+    assert [served.select(s.tree) for s in train_steps] == [FastTreeConfig()] * len(train_steps)
+    assert fenced.train["objective"] == 1.0 and fenced.train["picks"] == [len(train_steps), 0]
+    assert portfolio.for_heads(32, 8).select(train_steps[-1].tree) == SMALL_TILES  # unfenced: served
+    assert fenced.portfolio.for_heads(8, 2).select(valid_steps[-1].tree) == FastTreeConfig()  # 2 KV heads: outside
+    # a margin above the predicted 40% gain keeps the defaults everywhere, the member kept as a candidate
+    cautious = fence_portfolio(result, train, valid, 0.45)
+    assert cautious.portfolio.members == portfolio.members and not any(cautious.portfolio.selector.member)
+    assert cautious.valid["objective"] == 1.0
     # the runtime cannot change KV tiles: its portfolio is the defaults alone
     rt = [LatencyObjective(s, model, GPU, G4, runtime=True) for s in (train_steps, valid_steps)]
     rt_result = build_portfolio(CONFIGS, *(selection_problem(o, CONFIGS) for o in rt), runtime=True)
@@ -209,8 +229,9 @@ def test_tune_portfolios_on_a_few_paper_trees(tmp_path):
     paper = steps_by_bucket(read_traces(workloads_path() / "paper_suite.jsonl.gz", kind="workload").records)
     train = {G4: paper[G4][:4]}
     valid = {G4: paper[G4][4:7]}
+    margins = {(G4.label, "tree_attention"): GainMargin(margin=0.0, pairs=40, quantile=0.8)}
     results = tune_portfolios(train, valid, MODEL, folder=tmp_path, base_name="t", n_trials=2, polish_passes=0,
-                              every=16, jobs=1, importances=False)  # fmt: skip
+                              every=16, jobs=1, importances=False, margins=margins, calibration="here")  # fmt: skip
     assert [(r.bucket, r.target) for r in results] == [(G4, "tree_attention"), (G4, "runtime")]
     kernels, runtime = results
     assert (kernels.tune.study_name, runtime.tune.study_name) == ("t-g4-d128-float16", "t-rt-g4-d128-float16")
@@ -223,6 +244,14 @@ def test_tune_portfolios_on_a_few_paper_trees(tmp_path):
         assert p.train["objective"] <= 1.0 + 1e-12  # the rules never let a tuning family lose
         assert p.valid is not None and sum(p.valid["picks"]) == 3 and len(p.tried) == len(DESIGNS)
         assert r.elapsed_s > 0
+        assert p.evidence["split"] == "validation" and len(p.evidence["leaves"]) == sum(
+            f < 0 for f in p.portfolio.selector.feature
+        )
+    # the calibrated target records its margin; the other, without one, serves the defaults everywhere
+    assert kernels.portfolio.evidence["margin"] == 0.0
+    assert kernels.portfolio.evidence["calibration"] == {"margin": 0.0, "pairs": 40, "quantile": 0.8, "source": "here"}
+    assert runtime.portfolio.evidence["margin"] is None and runtime.portfolio.evidence["calibration"] is None
+    assert not any(runtime.portfolio.portfolio.selector.member)
     # the runtime's candidates keep the defaults' launch fields
     assert all(runtime_member(c) == c for c in runtime.tune.candidates)
     # without validation steps: the most cautious design

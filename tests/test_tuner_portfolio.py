@@ -1,6 +1,7 @@
 """fasttree.tuner.portfolio on synthetic selection problems: when a selector leaves the defaults (margin,
-tree and family losses), the greedy portfolio choice, ``score`` by hand, and ``build_portfolio``'s choice
-of a design on the validation trees."""
+tree and family losses), the greedy portfolio choice, ``score`` by hand, ``build_portfolio``'s choice
+of a design on the validation trees, and ``fence_portfolio``: a leaf serves its member only where the
+validation trees' predicted gain exceeds the calibrated margin, fenced by their region."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ if torch.cuda.is_available() and importlib.util.find_spec("optuna") is None:  # 
     pytest.skip("the tuner needs Optuna", allow_module_level=True)
 
 from fasttree import FastTreeConfig, Portfolio, Selector
-from fasttree.export import ConfigExport, ExportEntry, ExportGuard
+from fasttree.export import ConfigExport, ExportEntry, ExportGuard, write_export
 from fasttree.portfolio import TREE_FEATURES
 from fasttree.tuner.portfolio import (
     DESIGNS,
+    EVIDENCE_MIN_TREES,
     VALID_TREE_LOSS,
     SelectionProblem,
     SelectionRules,
     build_portfolio,
     choose_portfolio,
+    fence_portfolio,
     fit_selector,
     score,
 )
@@ -34,16 +37,16 @@ LARGE = (6.0, 7.0, 8.0, 9.0, 10.0)
 CONFIGS = (FastTreeConfig(), FastTreeConfig(alpha=0.4), FastTreeConfig(gamma=-0.5), FastTreeConfig(pack_tokens=0))
 
 
-def _problem(queries, family, *columns, names=None, seed=0) -> SelectionProblem:
-    """Trees with ``log2_queries`` = ``queries`` and noise in the other features; ratio column 0 the
-    defaults, then ``columns``."""
+def _problem(queries, family, *columns, names=None, seed=0, layout=(8, 4)) -> SelectionProblem:
+    """Trees with ``log2_queries`` = ``queries`` and noise in the other features, all at head layout
+    ``layout``; ratio column 0 the defaults, then ``columns``."""
     queries = np.asarray(queries, dtype=np.float64)
     features = np.random.default_rng(seed).uniform(0.0, 1.0, size=(queries.size, len(TREE_FEATURES)))
     features[:, Q] = queries
     family = np.asarray(family)
     names = names or tuple(f"f{i}" for i in range(int(family.max()) + 1))
     ratio = np.column_stack([np.ones(queries.size), *[np.asarray(c, dtype=np.float64) for c in columns]])
-    return SelectionProblem(features, ratio, family, names)
+    return SelectionProblem(features, ratio, family, names, np.tile(layout, (queries.size, 1)))
 
 
 def _cycle(values, n: int) -> np.ndarray:
@@ -273,9 +276,9 @@ def test_built_selector_round_trips_and_names_only_existing_members(runtime):
     extra_train = np.where((train.features[:, Q] < 5) & (train.family == 0), 0.7, 1.0)
     extra_valid = np.where((valid.features[:, Q] < 5) & (valid.family == 0), 0.72, 1.0)
     train = SelectionProblem(train.features, np.column_stack([train.ratio, extra_train]), train.family,
-                             train.family_names)  # fmt: skip
+                             train.family_names, train.layouts)  # fmt: skip
     valid = SelectionProblem(valid.features, np.column_stack([valid.ratio, extra_valid]), valid.family,
-                             valid.family_names)  # fmt: skip
+                             valid.family_names, valid.layouts)  # fmt: skip
     result = build_portfolio(CONFIGS, train, valid, runtime=runtime)
     assert len(result.tried) == len(DESIGNS)
     p = result.portfolio
@@ -289,8 +292,115 @@ def test_built_selector_round_trips_and_names_only_existing_members(runtime):
     assert Portfolio.from_dict(p.to_dict()) == p
     assert result.valid["worst_tree"] <= 1 + VALID_TREE_LOSS
     assert max(result.valid["families"].values()) <= 1.0 and result.valid["objective"] < 1.0
-    # an export entry holds it as it is
+    # fenced (each leaf by its validation trees), an export entry holds it as it is; unfenced it does not
     target = "runtime" if runtime else "tree_attention"
-    entry = ExportEntry("NVIDIA H200", 4, 128, "float16", p, {}, target=target, guard=ExportGuard.current())
+    fenced = fence_portfolio(result, train, valid, 0.1).portfolio
+    assert fenced.regions is not None and fenced.selector == p.selector  # 28% faster: every leaf kept
+    entry = ExportEntry("NVIDIA H200", 4, 128, "float16", fenced, {}, target=target, guard=ExportGuard.current())
     again = ConfigExport.from_dict(ConfigExport((entry,), {}).to_dict())
-    assert again.entries[0].portfolio == p
+    assert again.entries[0].portfolio == fenced
+    unfenced = ExportEntry("NVIDIA H200", 4, 128, "float16", p, {}, target=target, guard=ExportGuard.current())
+    with pytest.raises(ValueError, match="no region of evidence"):
+        ConfigExport((unfenced,), {}).to_dict()
+
+
+# ------------------------------------------------------------------- fence_portfolio
+def _fenced_case(large_valid, *, n: int = 32, layout=(8, 4)):
+    """A split portfolio (candidate 1 on the large trees) built on a tuning problem where candidate 1 is 30%
+    faster on the large trees and 4% slower on the small ones, and a validation problem whose large trees are
+    ``large_valid`` (scalar or per-tree) with candidate 1."""
+    train = _split_problem(1.04, 0.7, seed=1)
+    valid = _split_problem(1.0, large_valid, seed=2, n=n)
+    if layout != (8, 4):
+        valid = SelectionProblem(valid.features, valid.ratio, valid.family, valid.family_names,
+                                 np.tile(layout, (valid.ratio.shape[0], 1)))  # fmt: skip
+    result = build_portfolio(CONFIGS[:3], train, valid, designs=[D_SPLIT])
+    assert result.portfolio.members == (FastTreeConfig(), CONFIGS[1]) and _leaves(result.portfolio.selector) == [0, 1]
+    return result, train, valid
+
+
+@pytest.mark.parametrize(
+    ("margin", "served"), [(0.0, True), (0.149, True), ("gain", False), (0.151, False), (None, False)]
+)
+def test_a_leaf_serves_its_member_only_when_its_predicted_gain_exceeds_the_margin(margin, served):
+    # the validation trees of the large leaf are predicted 15% faster (0.85): kept below a 15% margin only
+    result, train, valid = _fenced_case(0.85)
+    if margin == "gain":  # exactly the predicted gain: not more
+        margin = next(d for d in fence_portfolio(result, train, valid, 0.0).evidence["leaves"] if d["model_pick"])
+        margin = margin["predicted_gain"]
+    fenced = fence_portfolio(result, train, valid, margin)
+    p = fenced.portfolio
+    assert p.members == result.portfolio.members  # the members stay: candidates for confirm
+    assert _leaves(p.selector) == ([0, 1] if served else [0, 0])
+    (leaf,) = [d for d in fenced.evidence["leaves"] if d["model_pick"]]
+    assert leaf["predicted_gain"] == pytest.approx(0.15) and leaf["trees"] == 32 and leaf["served"] == int(served)
+    assert fenced.evidence["margin"] == margin and fenced.evidence["split"] == "validation"
+    large = valid.features[:, Q] > 5
+    picks = np.array([p.member_at(x, (8, 4)) for x in valid.features])
+    np.testing.assert_array_equal(picks, large.astype(int) if served else 0)
+    # the scores follow the fenced picks
+    assert fenced.valid["objective"] == pytest.approx(0.925 if served else 1.0)
+    assert fenced.valid["picks"] == ([32, 32] if served else [64, 0])
+
+
+def test_a_kept_leaf_is_fenced_by_its_validation_trees():
+    result, train, valid = _fenced_case(0.7)
+    p = fence_portfolio(result, train, valid, 0.1).portfolio
+    region = p.regions[2]
+    large = valid.features[valid.features[:, Q] > 5]
+    assert (region.evidence, region.trees, region.layouts) == ("predicted", 32, ((8, 4),))
+    np.testing.assert_array_equal(region.lo, large.min(axis=0))
+    np.testing.assert_array_equal(region.hi, large.max(axis=0))
+    # a large tree at another layout, or with features beyond the validation trees', gets the defaults
+    inside = large[0]
+    assert p.member_at(inside, (8, 4)) == 1 and p.member_at(inside, (1, 4)) == 0
+    beyond = inside.copy()
+    beyond[Q] = region.hi[Q] + 1.0  # more queries than any validation tree
+    assert p.member_at(beyond, (8, 4)) == 0
+    assert result.portfolio.member_at(beyond) == 1  # the unfenced selector would have served it
+
+
+def test_a_leaf_with_a_tree_predicted_slower_or_too_few_trees_serves_the_defaults():
+    slower = np.full(64, 0.7)
+    slower[50] = 1.01  # one large validation tree predicted 1% slower: its leaf keeps the defaults
+    result, train, valid = _fenced_case(slower)
+    assert _leaves(fence_portfolio(result, train, valid, 0.0).portfolio.selector) == [0, 0]
+    # two validation trees per family in the leaf: 4 reach it, fewer than 5 do not suffice
+    result, train, valid = _fenced_case(0.7, n=4)
+    assert _leaves(fence_portfolio(result, train, valid, 0.1).portfolio.selector) == [0, 1]
+    assert EVIDENCE_MIN_TREES == 4
+    assert _leaves(fence_portfolio(result, train, valid, 0.1, min_trees=5).portfolio.selector) == [0, 0]
+
+
+def test_without_validation_the_tuning_trees_are_the_evidence():
+    result, train, _ = _fenced_case(0.7)
+    fenced = fence_portfolio(result, train, None, 0.1)
+    assert fenced.evidence["split"] == "tuning" and fenced.valid is None
+    assert fenced.portfolio.regions[2].trees == 32 and fenced.train["objective"] == pytest.approx(0.85)
+
+
+def test_fencing_needs_layouts_and_a_margin_below_one():
+    result, train, valid = _fenced_case(0.7)
+    bare = SelectionProblem(valid.features, valid.ratio, valid.family, valid.family_names)
+    with pytest.raises(ValueError, match="layouts"):
+        fence_portfolio(result, train, bare, 0.1)
+    with pytest.raises(ValueError, match="margin"):
+        fence_portfolio(result, train, valid, 1.0)
+    with pytest.raises(ValueError, match="layouts must be"):
+        SelectionProblem(valid.features, valid.ratio, valid.family, valid.family_names, np.zeros((64, 2)))
+
+
+def test_a_fenced_export_round_trips_and_serves_only_its_evidence(tmp_path):
+    result, train, valid = _fenced_case(0.7, layout=(2, 4))
+    fenced = fence_portfolio(result, train, valid, 0.1).portfolio
+    entry = ExportEntry("NVIDIA H200", 4, 128, "float16", fenced, {}, target="tree_attention",
+                        guard=ExportGuard.current())  # fmt: skip
+    path = write_export(tmp_path / "e.json", ConfigExport((entry,), {}))
+    from fasttree.export import read_export
+
+    back = read_export(path)
+    assert back.entries[0].portfolio == fenced
+    x = valid.features[valid.features[:, Q] > 5][3]
+    shape = {"gpu": "NVIDIA H200", "head_dim": 128, "dtype": "float16"}
+    assert back.lookup(**shape, num_q_heads=8, num_kv_heads=2)[0].member_at(x) == 1
+    assert back.lookup(**shape, num_q_heads=4, num_kv_heads=1)[0].member_at(x) == 0

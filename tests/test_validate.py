@@ -1,5 +1,6 @@
 """``fasttree.toolkit.validate`` on the CPU: the measuring loop with a stand-in for the GPU measurement,
-every portfolio member per tree and target, the summary by hand."""
+every portfolio member per tree and target, the summary by hand, and ``validate -o`` through
+``confirm`` to the served portfolio."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import math
 
 import pytest
 
-from fasttree import FastTreeConfig, Portfolio, Selector, tree_features
+from fasttree import FastTreeConfig, LeafRegion, Portfolio, Selector, load_portfolio, tree_features
 from fasttree.cli import main
-from fasttree.export import ConfigExport, ExportEntry, ExportGuard
+from fasttree.export import ConfigExport, ExportEntry, ExportGuard, read_export
 from fasttree.portfolio import TREE_FEATURES
 from fasttree.toolkit.design import point_launch
 from fasttree.toolkit.measure import point_plan
@@ -78,12 +79,16 @@ def export(gpu="NVIDIA H200") -> ConfigExport:
     split = Selector(feature=(Q, -1, -1), threshold=(THRESHOLD, 0, 0), left=(1, -1, -1), right=(2, -1, -1),
                      member=(0, 0, 1))  # fmt: skip
     every = Selector(member=(1,))
+    n = len(TREE_FEATURES)
+    wide = LeafRegion((-1e6,) * n, (1e6,) * n, ((8, 4),), trees=20, evidence="predicted")  # 32/8 heads, any tree
     common = {"gpu": gpu, "group_size": 4, "head_dim": 128, "dtype": "float16", "provenance": {},
               "guard": ExportGuard.current()}  # fmt: skip
     return ConfigExport(
         entries=(
-            ExportEntry(**common, portfolio=Portfolio((FastTreeConfig(), TUNED), split), target="tree_attention"),
-            ExportEntry(**common, portfolio=Portfolio((FastTreeConfig(), TUNED_RT), every, runtime=True),
+            ExportEntry(**common, portfolio=Portfolio((FastTreeConfig(), TUNED), split, regions=(None, None, wide)),
+                        target="tree_attention"),
+            ExportEntry(**common, portfolio=Portfolio((FastTreeConfig(), TUNED_RT), every, runtime=True,
+                                                      regions=(wide,)),
                         target="runtime"),
         ),
         provenance={},
@@ -126,6 +131,7 @@ def test_validate_measures_every_member_per_tree_and_target(tmp_path):
         assert (kernels.family, kernels.bucket) == (family_of_record(r), "g4-d128-float16")
         assert kernels.picked == int(large) and kernels.member_us == [100.0, 80.0]
         assert kernels.leaf == (2 if large else 1)  # the selector node the tree reaches
+        assert kernels.features == tree_features(tree).tolist() and kernels.heads == [32, 8]  # for confirm's regions
         assert kernels.speedup == pytest.approx(1.25 if large else 1.0) and kernels.best_us == 80.0
         assert runtime.picked == 1 and runtime.member_us == [100.0, 90.0] and runtime.leaf == 0
         assert runtime.speedup == pytest.approx(100 / 90)
@@ -257,3 +263,37 @@ def test_validate_path_never_imports_optuna():
 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_validate_cli_writes_the_cases_confirm_fences_leaves_with(tmp_path, monkeypatch):
+    """validate -o on a stand-in GPU, then confirm, then the served portfolio: the confirmed leaf serves its member
+    to trees at the measured layout (32/8 heads) and the defaults at one KV head (4/1, the same bucket)."""
+    import torch
+
+    import fasttree.toolkit.validate as validate_module
+
+    real = validate_module.validate_portfolios
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(validate_module, "collect_env", lambda device: ENV)
+    monkeypatch.setattr(
+        validate_module, "validate_portfolios", lambda *a, **k: real(*a, **k, env=ENV, measure=FakeMeasure())
+    )
+    config, measured, confirmed = tmp_path / "e.json", tmp_path / "v.json", tmp_path / "c.json"
+    config.write_text(json.dumps(export().to_dict()))
+    assert main(["validate", "--config", str(config), str(HELDOUT / "families_mistral_7b.jsonl.gz"), "--steps", "3",
+                 "--traces-out", str(tmp_path / "t.jsonl"), "-o", str(measured)]) == 0  # fmt: skip
+    doc = json.loads(measured.read_text())
+    assert doc["cases"] and all(
+        len(c["features"]) == len(TREE_FEATURES) and c["heads"] == [32, 8] for c in doc["cases"]
+    )
+    assert main(["confirm", "--config", str(config), "--measured", str(measured), "-o", str(confirmed)]) == 0
+    entry = {e.target: e for e in read_export(confirmed).entries}["tree_attention"]
+    region = entry.portfolio.regions[2]
+    assert region.evidence == "measured" and region.layouts == ((8, 4),)
+    large = [c for c in doc["cases"] if c["target"] == "tree_attention" and c["leaf"] == 2]
+    assert region.trees == len(large) >= 4
+    tree = decode_tree(next(r for r in FAMILIES if _case(r) == large[0]["case"])["workload"]["tree"])
+    shape = {"gpu": "NVIDIA H200", "head_dim": 128, "dtype": "float16"}
+    assert load_portfolio(confirmed, **shape, num_q_heads=32, num_kv_heads=8).select(tree) == TUNED
+    assert load_portfolio(confirmed, **shape, num_q_heads=4, num_kv_heads=1).select(tree) == FastTreeConfig()

@@ -11,7 +11,11 @@ For each (bucket, target) job, with ``target`` ``"tree_attention"`` or ``"runtim
 3. every candidate is predicted on every tuning step and every validation step (other seeds and
    arrivals of the same families: :func:`~fasttree.tuner.portfolio.selection_problem`), and the
    portfolio and its selector are chosen together on the tuning steps under each design, the design
-   being chosen on the validation steps (:func:`~fasttree.tuner.portfolio.build_portfolio`).
+   being chosen on the validation steps (:func:`~fasttree.tuner.portfolio.build_portfolio`);
+4. each selector leaf keeps its member only where the validation steps that reach it are predicted
+   faster by more than the margin calibrated from the model's held-out errors for the bucket and
+   target (``margins``; :mod:`fasttree.costmodel.calibration`), and is fenced by the region of those
+   steps; every other leaf serves the defaults (:func:`~fasttree.tuner.portfolio.fence_portfolio`).
 
 Jobs are independent and run in ``jobs`` processes (each loads the model itself).
 """
@@ -23,14 +27,15 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fasttree.costmodel.calibration import GainMargin
 from fasttree.costmodel.gpu import GpuSpec
 
 from .objective import LatencyObjective, WorkloadStep, balance_families, thin_steps
-from .portfolio import PortfolioResult, build_portfolio, selection_problem
+from .portfolio import PortfolioResult, build_portfolio, fence_portfolio, selection_problem
 from .space import Bucket
 from .study import TuneResult, study_name, tune_bucket
 
@@ -95,11 +100,18 @@ def _job(
             LatencyObjective(valid_steps, model, gpu, bucket, runtime=runtime), candidates
         )
     portfolio = build_portfolio(candidates, train_problem, valid_problem, runtime=runtime)
+    margin: GainMargin | None = (options.get("margins") or {}).get((bucket.label, target))
+    portfolio = fence_portfolio(portfolio, train_problem, valid_problem, None if margin is None else margin.margin)
+    calibrated = None if margin is None else {**margin.to_dict(), "source": options.get("calibration")}
+    portfolio = replace(portfolio, evidence={**portfolio.evidence, "calibration": calibrated})
     elapsed = time.perf_counter() - t0
+    served = sum(leaf["served"] != 0 for leaf in portfolio.evidence["leaves"])
     logger.info(
-        "%s %s: %d candidates, %d members; predicted %.3f of the defaults' time on the tuning steps, %s on "
-        "the validation steps (%.0f s)",
-        bucket.label, target, len(candidates), len(portfolio.portfolio.members), portfolio.train["objective"],
+        "%s %s: %d candidates, %d members, %d of %d leaves kept (margin %s); predicted %.3f of the defaults' time "
+        "on the tuning steps, %s on the validation steps (%.0f s)",
+        bucket.label, target, len(candidates), len(portfolio.portfolio.members), served,
+        sum(leaf["model_pick"] != 0 for leaf in portfolio.evidence["leaves"]),
+        "none" if margin is None else f"{margin.margin:.3f}", portfolio.train["objective"],
         "-" if portfolio.valid is None else f"{portfolio.valid['objective']:.3f}", elapsed,
     )  # fmt: skip
     return BucketTuning(
@@ -132,6 +144,8 @@ def tune_portfolios(
     force: bool = False,
     importances: bool = True,
     settings: Mapping[str, Any] | None = None,
+    margins: Mapping[tuple[str, str], GainMargin] | None = None,
+    calibration: str | None = None,
 ) -> list[BucketTuning]:
     """Tune a portfolio for every bucket of ``train`` and every target (see the module docstring).
 
@@ -155,6 +169,12 @@ def tune_portfolios(
     settings : mapping, optional
         The command's settings, stored in every study with the job's ``target`` added
         (:data:`~fasttree.tuner.study.SETTINGS_ATTR`).
+    margins : mapping, optional
+        ``(bucket label, target) -> GainMargin``: the calibrated margin a leaf's predicted gain must
+        exceed (:func:`fasttree.costmodel.calibration.gain_margins`). A job without one keeps no leaf
+        (its portfolio serves the defaults; its members stay as candidates for ``confirm``).
+    calibration : str, optional
+        Where the margins came from (recorded with them).
 
     Returns
     -------
@@ -165,6 +185,7 @@ def tune_portfolios(
         "folder": str(folder), "storage": storage, "base_name": base_name, "n_trials": n_trials, "timeout": timeout,
         "seed": seed, "every": every, "polish_passes": polish_passes, "force": force, "importances": importances,
         "settings": None if settings is None else dict(settings),
+        "margins": dict(margins or {}), "calibration": calibration,
     }  # fmt: skip
     work = [(b, t, train[b], valid.get(b, []), str(model_path), options) for t in targets for b in sorted(train)]
     names = {study_name(base_name, b) for b in train}

@@ -20,6 +20,15 @@ the selector with every remaining candidate added and keeps the one that lowers 
 most, until ``max_members`` or no candidate gains ``min_gain``. (scikit-learn's trees fit a
 label or a value per leaf, not a choice among columns of costs under these constraints, hence
 this small fit of our own.)
+
+Last, :func:`fence_portfolio` keeps a leaf's member only where the predictions are evidence enough:
+on the validation trees that reach the leaf (the tuning trees without validation steps), at least
+:data:`EVIDENCE_MIN_TREES` of them, none predicted slower than with the defaults, and their
+predicted gain larger than the margin calibrated from the model's held-out errors for the bucket
+(:mod:`fasttree.costmodel.calibration`); the kept leaf records the region of those trees (feature
+box and head layouts), so the export serves its member only to trees like them. Other leaves serve
+the defaults; the members stay in the portfolio as candidates ``fasttree-tune confirm`` may switch
+on from GPU measurements.
 """
 
 from __future__ import annotations
@@ -30,19 +39,21 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fasttree.config import FastTreeConfig
-from fasttree.portfolio import TREE_FEATURES, Portfolio, Selector, tree_features
+from fasttree.portfolio import TREE_FEATURES, LeafRegion, Portfolio, Selector, head_layout, tree_features
 from fasttree.validation import check_int, check_number
 
 from .objective import family_of
 
 __all__ = [
     "DESIGNS",
+    "EVIDENCE_MIN_TREES",
     "PortfolioChoice",
     "PortfolioResult",
     "SelectionProblem",
     "SelectionRules",
     "build_portfolio",
     "choose_portfolio",
+    "fence_portfolio",
     "fit_selector",
     "score",
     "selection_problem",
@@ -64,6 +75,9 @@ class SelectionProblem:
     family : ndarray, int64 [n_trees]
         Index of each tree's family in ``family_names``.
     family_names : tuple of str
+    layouts : ndarray, int64 [n_trees, 2], optional
+        Each tree's head layout ``(num_kv_heads, group_size)`` (:func:`fasttree.portfolio.head_layout`):
+        what a fenced leaf's region lists. None when unknown.
     weight : ndarray, float64 [n_trees]
         Derived: each family's trees share ``1 / n_families`` equally.
     """
@@ -72,6 +86,7 @@ class SelectionProblem:
     ratio: np.ndarray
     family: np.ndarray
     family_names: tuple[str, ...]
+    layouts: np.ndarray | None = None
     weight: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +102,11 @@ class SelectionProblem:
             raise ValueError("family must index family_names, one entry per tree")
         if not np.all(np.isfinite(ratio)) or not np.all(ratio > 0) or not np.allclose(ratio[:, 0], 1.0):
             raise ValueError("ratio must be finite and positive, its column 0 (the defaults) ones")
+        if self.layouts is not None:
+            layouts = np.asarray(self.layouts, dtype=np.int64)
+            if layouts.shape != (n, 2) or layouts.min() < 1:
+                raise ValueError(f"layouts must be [{n}, 2] ints >= 1 (num_kv_heads, group_size), got {layouts.shape}")
+            object.__setattr__(self, "layouts", layouts)
         counts = np.bincount(family, minlength=len(self.family_names)).astype(np.float64)
         present = np.count_nonzero(counts)
         weight = 1.0 / (present * counts[family])
@@ -237,8 +257,14 @@ def fit_selector(
     return _flatten(root), cost
 
 
-def score(problem: SelectionProblem, members: Sequence[int], selector: Selector) -> dict[str, object]:
+def score(
+    problem: SelectionProblem, members: Sequence[int], selector: Selector, *, portfolio: Portfolio | None = None
+) -> dict[str, object]:
     """What ``selector`` over ``members`` picks on ``problem``'s trees, and the predicted ratios.
+
+    With ``portfolio`` (whose selector is ``selector``), the picks are what it serves each tree at
+    the tree's layout (:meth:`fasttree.Portfolio.member_at`: the defaults outside a leaf's region);
+    ``problem`` then needs ``layouts``.
 
     Returns
     -------
@@ -247,7 +273,13 @@ def score(problem: SelectionProblem, members: Sequence[int], selector: Selector)
         trees), ``worst_tree`` (largest picked ratio), ``picks`` (trees per member position) and
         ``regret`` (objective of the picks over that of the best member per tree, minus 1).
     """
-    pos = np.array([selector.member_of(x) for x in problem.features], dtype=np.int64)
+    if portfolio is None:
+        pos = np.array([selector.member_of(x) for x in problem.features], dtype=np.int64)
+    else:
+        if problem.layouts is None:
+            raise ValueError("scoring a portfolio's picks needs the trees' layouts")
+        layouts = [tuple(lay) for lay in problem.layouts.tolist()]
+        pos = np.array([portfolio.member_at(x, lay) for x, lay in zip(problem.features, layouts, strict=True)])
     cols = np.asarray(members, dtype=np.int64)[pos]
     picked = problem.ratio[np.arange(cols.size), cols]
     best = problem.ratio[:, list(members)].min(axis=1)
@@ -317,7 +349,8 @@ def selection_problem(objective, configs: Sequence[FastTreeConfig]) -> Selection
     families = [family_of(s) for s in objective.steps]
     names = tuple(sorted(set(families)))
     index = {name: i for i, name in enumerate(names)}
-    return SelectionProblem(features, ratio, np.array([index[f] for f in families]), names)
+    layouts = np.array([head_layout(s.num_q_heads, s.num_kv_heads) for s in objective.steps], dtype=np.int64)
+    return SelectionProblem(features, ratio, np.array([index[f] for f in families]), names, layouts)
 
 
 #: Selection rules tried (:func:`build_portfolio`): margin, members at most, selector depth, fewest
@@ -343,6 +376,11 @@ class PortfolioResult:
         without validation steps).
     tried : list of dict
         Per design tried: margin, members at most, depth, the members chosen and both scores.
+    columns : tuple of int
+        The candidate column (of the selection problems) of every member.
+    evidence : dict or None
+        What :func:`fence_portfolio` decided (None before it ran): the margin, the trees it judged
+        on and, per leaf, the model's pick, the member served and the predicted gain.
     """
 
     portfolio: Portfolio
@@ -350,6 +388,8 @@ class PortfolioResult:
     train: dict
     valid: dict | None
     tried: list = field(default_factory=list)
+    columns: tuple[int, ...] = ()
+    evidence: dict | None = None
 
 
 def build_portfolio(
@@ -394,4 +434,94 @@ def build_portfolio(
     _, rules, choice, train_score, valid_score = best
     members = tuple(configs[c] for c in choice.members)
     portfolio = Portfolio(members=members, selector=choice.selector, runtime=runtime)
-    return PortfolioResult(portfolio=portfolio, rules=rules, train=train_score, valid=valid_score, tried=tried)
+    return PortfolioResult(
+        portfolio=portfolio, rules=rules, train=train_score, valid=valid_score, tried=tried,
+        columns=tuple(choice.members),
+    )  # fmt: skip
+
+
+#: Fewest evidence trees a leaf needs to leave the defaults in a model-only export (as ``fasttree-tune
+#: confirm`` asks of measured trees).
+EVIDENCE_MIN_TREES = 4
+
+
+def fence_portfolio(
+    result: PortfolioResult,
+    train: SelectionProblem,
+    valid: SelectionProblem | None,
+    margin: float | None,
+    *,
+    min_trees: int = EVIDENCE_MIN_TREES,
+) -> PortfolioResult:
+    """Keep a leaf's member only where the predictions are evidence enough, fenced by their region.
+
+    The evidence trees are ``valid``'s (``train``'s without it). A leaf naming member ``m != 0``
+    keeps it when at least ``min_trees`` evidence trees reach it, none is predicted slower with
+    ``m`` than with the defaults, and their predicted gain (one minus their weighted mean ratio)
+    exceeds ``margin``; it then records the region of those trees (feature box, head layouts,
+    evidence ``"predicted"``). Every other leaf serves the defaults. No margin (None: the model's
+    error is unknown for this bucket) keeps no leaf. The members stay (candidates ``fasttree-tune
+    confirm`` may switch on); the scores are recomputed with the fenced picks.
+
+    Parameters
+    ----------
+    result : PortfolioResult
+        :func:`build_portfolio`'s result on ``train`` and ``valid``.
+    train, valid : SelectionProblem
+        With ``layouts``.
+    margin : float or None
+        Least predicted gain, in [0, 1).
+    min_trees : int
+
+    Returns
+    -------
+    PortfolioResult
+        With the fenced portfolio, its scores and ``evidence``.
+
+    Raises
+    ------
+    ValueError
+        On a margin outside [0, 1), or problems without layouts.
+    """
+    if margin is not None:
+        margin = float(check_number("margin", margin, minimum=0, below=1))
+    min_trees = check_int("min_trees", min_trees, minimum=1)
+    evidence = valid if valid is not None else train
+    if evidence.layouts is None or (valid is not None and train.layouts is None):
+        raise ValueError("fencing a portfolio needs the trees' layouts (selection_problem records them)")
+    portfolio = result.portfolio
+    sel = portfolio.selector
+    reached = np.array([sel.leaf_of(x) for x in evidence.features], dtype=np.int64)
+    labels = list(sel.member)
+    regions: list[LeafRegion | None] = [None] * len(labels)
+    leaves = []
+    for node, (f, m) in enumerate(zip(sel.feature, sel.member, strict=True)):
+        if f >= 0:
+            continue
+        idx = np.flatnonzero(reached == node)
+        gain = worst = None
+        if m != 0 and len(portfolio.members) > 1:
+            if idx.size:
+                w = evidence.weight[idx]
+                r = evidence.ratio[idx, result.columns[m]]
+                gain = 1.0 - float(w @ r) / float(w.sum())
+                worst = float(r.max())
+            keep = margin is not None and idx.size >= min_trees and gain > margin and worst <= 1.0
+            if keep:
+                layouts = [tuple(p) for p in evidence.layouts[idx].tolist()]
+                regions[node] = LeafRegion.of_trees(evidence.features[idx], layouts, "predicted")
+            else:
+                labels[node] = 0
+        leaves.append({"leaf": node, "trees": int(idx.size), "model_pick": m, "served": labels[node],
+                       "predicted_gain": gain, "worst_ratio": worst})  # fmt: skip
+    selector = Selector(sel.feature, sel.threshold, sel.left, sel.right, tuple(labels))
+    fenced = Portfolio(members=portfolio.members, selector=selector, runtime=portfolio.runtime, regions=tuple(regions))
+    columns = result.columns
+    return replace(
+        result,
+        portfolio=fenced,
+        train=score(train, columns, selector, portfolio=fenced),
+        valid=None if valid is None else score(valid, columns, selector, portfolio=fenced),
+        evidence={"margin": margin, "split": "validation" if valid is not None else "tuning",
+                  "min_trees": min_trees, "leaves": leaves},
+    )  # fmt: skip

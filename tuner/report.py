@@ -49,19 +49,23 @@ def portfolio_table(results) -> str:
         :func:`fasttree.tuner.pipeline.tune_portfolios`'s results.
     """
     lines = [
-        "| target | bucket | members | selector leaves | design (margin, depth, min leaf) | predicted tuning | "
-        "predicted validation | validation trees switched |",
-        "|---|---|---:|---:|---|---:|---:|---:|",
+        "| target | bucket | members | selector leaves | design (margin, depth, min leaf) | calibrated margin | "
+        "leaves served (model's) | predicted tuning | predicted validation | validation trees switched |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         p = r.portfolio
         leaves = sum(f < 0 for f in p.portfolio.selector.feature)
         valid = "-" if p.valid is None else f"{p.valid['objective']:.3f}"
         switched = "-" if p.valid is None else f"{sum(p.valid['picks'][1:])} / {sum(p.valid['picks'])}"
+        evidence = p.evidence or {}
+        margin = "-" if evidence.get("margin") is None else f"{evidence['margin']:.3f}"
+        decided = evidence.get("leaves", [])
+        served = f"{sum(d['served'] != 0 for d in decided)} ({sum(d['model_pick'] != 0 for d in decided)})"
         lines.append(
             f"| {r.target} | {r.bucket.label} | {len(p.portfolio.members)} | {leaves} | "
-            f"{p.rules.margin}, {p.rules.max_depth}, {p.rules.min_leaf} | {p.train['objective']:.3f} | {valid} | "
-            f"{switched} |"
+            f"{p.rules.margin}, {p.rules.max_depth}, {p.rules.min_leaf} | {margin} | {served} | "
+            f"{p.train['objective']:.3f} | {valid} | {switched} |"
         )
     return "\n".join(lines)
 
@@ -84,7 +88,11 @@ def run_report(results, summary: dict[str, Any], table: str) -> str:
         f"- model: `{summary['model']}` (SHA-256 {summary['model_sha256'][:16]}...), fitted for {summary['gpu']}",
         "",
         "Predicted by the latency model: every ratio is the portfolio's predicted time over the defaults' (mean "
-        "over families of each family's mean over its trees). Measured on a GPU: `fasttree-tune validate`.",
+        "over families of each family's mean over its trees), with every tree outside a served leaf's region "
+        "given the defaults. A leaf serves the member the model picked only where the validation trees that "
+        "reach it are predicted faster by more than the calibrated margin (the model's held-out error on "
+        "predicted gains for the bucket and target, `fasttree.costmodel.calibration`; '-': none calibrated, "
+        "the defaults everywhere). Measured on a GPU: `fasttree-tune validate`.",
         "",
         table,
         "",

@@ -210,6 +210,24 @@ def _heldout_option(p: argparse.ArgumentParser, command: str) -> None:
     )
 
 
+#: ``--calibration`` value: no held-out traces (every selector leaf then serves the defaults).
+CALIBRATION_NONE = "none"
+
+
+def _calibration_option(p: argparse.ArgumentParser) -> None:
+    """``--calibration``: the held-out measurement traces the margin of every bucket is calibrated on."""
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="TRACES|none",
+        help="measurement traces of the model's GPU that the model was not fitted on (e.g. 'fasttree-tune profile "
+        "--split heldout'): the model's error on predicted gains there, per bucket and target, is the margin a "
+        "selector leaf's predicted gain must exceed to leave the defaults (fasttree.costmodel.calibration); "
+        "'none': no margin, every leaf serves the defaults (the members stay for 'validate' and 'confirm'). "
+        "Default: traces/h200_heldout of a source checkout when the model is for its GPU, else none",
+    )
+
+
 def add_tune_commands(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     """Add ``tune``, ``export``, ``run``, ``validate``, ``refine`` and ``bench`` to the ``fasttree-tune``
     subparsers ``sub``."""
@@ -260,6 +278,7 @@ def _add_export(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     e.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="the workload traces the studies tuned")
     _heldout_option(e, "export")
+    _calibration_option(e)
     e.add_argument("-o", "--out", required=True, metavar="FILE", help="export FILE to write (.json)")
     e.add_argument("--overwrite", action="store_true", help="replace --out if it exists (else: refuse)")
     e.add_argument(
@@ -295,6 +314,7 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     )
     r.add_argument("--workloads", default=RUN_WORKLOADS, metavar="DIR", help=f"tuning workloads ({_SHIPPED_WORKLOADS})")
     _heldout_option(r, "run")
+    _calibration_option(r)
     r.add_argument(
         "-o",
         "--out",
@@ -636,11 +656,69 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gain_margins(args: argparse.Namespace, model, meta: dict[str, Any], buckets) -> tuple[dict, str | None]:
+    """The calibrated margins ``(bucket label, target) -> GainMargin`` of ``--model`` for ``buckets`` on
+    ``--calibration`` (:mod:`fasttree.costmodel.calibration`: only their measurements of today's kernels are
+    read) and where they came from; ``({}, None)`` without held-out traces (a WARNING: every leaf then serves
+    the defaults). A usage error for traces that cannot calibrate the model."""
+    from fasttree.costmodel.calibration import gain_margins
+    from fasttree.costmodel.dataset import load_dataset, measured_kernel_version
+    from fasttree.export import bucket_label
+    from fasttree.versions import KERNEL_VERSION
+
+    path = args.calibration
+    if path == CALIBRATION_NONE:
+        logger.warning("--calibration none: no margin for the model's error; every selector leaf serves the defaults")
+        return {}, None
+    gpu_name = meta["gpu"]["name"]
+    default = path is None
+    if default:
+        path = shipped.heldout_measurement_traces()
+        if path is None:
+            logger.warning(
+                "no held-out measurement traces to calibrate the model's error on (an installed package; pass "
+                "--calibration TRACES): every selector leaf serves the defaults until 'validate' and 'confirm' "
+                "measure them"
+            )
+            return {}, None
+    if Path(path).resolve() in {Path(t).resolve() for t in meta.get("trace_set", {}).get("paths", [])}:
+        args.subparser.error(f"--calibration {path}: the model was fitted on these traces; they are not held out")
+    wanted = {(b.group_size, b.head_dim, b.dtype) for b in buckets}
+
+    def keep(r: dict[str, Any]) -> bool:
+        bucket = (r["num_q_heads"] // r["num_kv_heads"], r["head_dim"], r["dtype"])
+        return bucket in wanted and measured_kernel_version(r) == KERNEL_VERSION
+
+    try:
+        data = load_dataset(path, keep=keep)
+    except (ValueError, OSError) as exc:
+        if default:
+            logger.warning("no margin calibrated on %s (%s): every selector leaf serves the defaults", path, exc)
+            return {}, None
+        args.subparser.error(
+            f"--calibration {path}: no measurements of kernel version {KERNEL_VERSION} in the buckets tuned ({exc})"
+        )
+    if data.gpu.name != gpu_name:
+        if default:
+            logger.warning(
+                "the model is for %r, the shipped held-out traces for %r: no margin to calibrate, every selector "
+                "leaf serves the defaults (pass --calibration with held-out traces of %r)",
+                gpu_name, data.gpu.name, gpu_name,
+            )  # fmt: skip
+            return {}, None
+        args.subparser.error(f"--calibration {path}: measured on {data.gpu.name!r}, the model is for {gpu_name!r}")
+    margins = gain_margins(model.predict(data.X), data)
+    source = f"{path} ({len(data)} measurements, SHA-256 {data.trace_hash[:16]})"
+    logger.info("calibrated the margins of %d buckets and targets on %s", len(margins), source)
+    return {(bucket_label(g, d, dtype), target): m for (g, d, dtype, target), m in margins.items()}, source
+
+
 def _portfolios(
-    args: argparse.Namespace, folder: Path, meta: dict[str, Any], workloads, *, trials: int, timeout: float | None,
-    settings: dict[str, Any] | None,
+    args: argparse.Namespace, folder: Path, model, meta: dict[str, Any], workloads, *, trials: int,
+    timeout: float | None, settings: dict[str, Any] | None,
 ):  # fmt: skip
-    """Tune (or, with a study at ``trials`` already, only read) and choose every portfolio of ``workloads``."""
+    """Tune (or, with a study at ``trials`` already, only read) and choose every portfolio of ``workloads``,
+    each leaf fenced with the margins of ``--calibration`` (:func:`_gain_margins`)."""
     import optuna
 
     from fasttree.tuner.pipeline import tune_portfolios
@@ -650,12 +728,13 @@ def _portfolios(
     grouped = _grouped(args, workloads.tuning, f"WORKLOADS {' '.join(workloads.paths)}")
     heldout = _grouped(args, workloads.heldout, f"--heldout {workloads.heldout_source}", required=False)
     _warn_outside_training(grouped, meta)
+    margins, calibration = _gain_margins(args, model, meta, grouped)
     try:
         return tune_portfolios(
             grouped, heldout, args.model, targets=args.targets, folder=folder, storage=args.storage,
             base_name=args.study, n_trials=trials, timeout=timeout, seed=getattr(args, "seed", 0),
             every=args.every, polish_passes=getattr(args, "polish_passes", POLISH_PASSES), jobs=args.jobs,
-            force=args.force, settings=settings,
+            force=args.force, settings=settings, margins=margins, calibration=calibration,
         )  # fmt: skip
     except ValueError as exc:
         hint = None
@@ -681,8 +760,13 @@ def _exported(results, heldout: str) -> list[str]:
     for r in results:
         p = r.portfolio
         members = p.portfolio.members
+        margin = (p.evidence or {}).get("margin")
         if all(m == FastTreeConfig() for m in members):
             what = "serves the defaults only (no tuned config was predicted to pay off)"
+        elif not any(p.portfolio.selector.member):
+            why = "no margin calibrated" if margin is None else f"no leaf predicted more than {margin:.1%} faster"
+            what = (f"serves the defaults ({why}); its {len(members) - 1} tuned members stay as candidates for "
+                    "'validate' and 'confirm'")  # fmt: skip
         elif p.valid is None:
             what = f"{len(members)} members, predicted {p.train['objective']:.3f} of the defaults' time on the " \
                    "tuning steps (no held-out steps)"  # fmt: skip
@@ -729,6 +813,7 @@ def _portfolio_export(results, gpu, meta: dict[str, Any], model_path: Path):
                     "predicted_train": p.train["objective"],
                     "predicted_valid": None if p.valid is None else p.valid["objective"],
                     "predicted_gain": 1.0 - (p.valid or p.train)["objective"],
+                    "evidence": p.evidence,
                 },
             )
         )
@@ -823,8 +908,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     logger.info("exporting %s with --model %s, --every %d, held out: %s", ", ".join(sorted(recorded)), args.model,
                 args.every, heldout or "none")  # fmt: skip
     workloads = _read_workloads(args, list(args.workloads), heldout)
-    _, gpu, meta = _load_model(args)
-    results = _portfolios(args, Path(args.studies), meta, workloads, trials=1, timeout=None, settings=None)
+    model, gpu, meta = _load_model(args)
+    results = _portfolios(args, Path(args.studies), model, meta, workloads, trials=1, timeout=None, settings=None)
     export = _portfolio_export(results, gpu, meta, Path(args.model))
     _write_export(args, args.out, export, overwrite=args.overwrite)
     from fasttree.tuner.report import portfolio_table
@@ -870,14 +955,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
             model_path = out / "latency_model.skops"
             args.model = str(model_path)
         _fit_model(args, model_path)
-    _, gpu, meta = _load_model(args)
+    model, gpu, meta = _load_model(args)
     from .study_settings import resolve_heldout, study_settings
 
     heldout = resolve_heldout(args.heldout, [args.workloads])
     workloads = _read_workloads(args, [args.workloads], heldout)
     print(f"model {model_path} ({gpu.name}); targets {', '.join(args.targets)}; {args.jobs} processes")
     settings = study_settings(str(model_path), workloads, args.every)
-    results = _portfolios(args, out, meta, workloads, trials=args.trials, timeout=args.timeout, settings=settings)
+    results = _portfolios(
+        args, out, model, meta, workloads, trials=args.trials, timeout=args.timeout, settings=settings
+    )
     export = _portfolio_export(results, gpu, meta, model_path)
     _write_export(args, str(out / "export.json"), export, overwrite=True)
     elapsed = round(time.perf_counter() - t0, 1)
@@ -891,7 +978,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "jobs": [
             {"target": r.target, "bucket": r.bucket.label, "study": r.tune.to_dict(), "candidates": r.n_candidates,
              "rules": dataclasses.asdict(r.portfolio.rules), "train": r.portfolio.train, "valid": r.portfolio.valid,
-             "designs": r.portfolio.tried, "elapsed_s": r.elapsed_s}
+             "evidence": r.portfolio.evidence, "designs": r.portfolio.tried, "elapsed_s": r.elapsed_s}
             for r in results
         ],
     }  # fmt: skip
@@ -938,10 +1025,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     summary = summarise(results)
     text = _validation_report(results, summary, gpu_name)
     print(text)
-    if args.json:
+    if args.out:
         doc = {"gpu": gpu_name, "export": str(args.config), "export_sha256": export_sha256, **summary,
                "cases": [dict(vars(v), speedup=v.speedup) for v in results]}  # fmt: skip
-        write_atomic(args.json, json.dumps(doc, indent=1) + "\n")
+        write_atomic(args.out, json.dumps(doc, indent=1) + "\n")
     if args.markdown:
         write_atomic(args.markdown, text + "\n")
     return 0
@@ -996,8 +1083,13 @@ def _read_measured(path: str, export_sha256: str):
     for i, c in enumerate(doc["cases"]):
         try:
             us = [check_number("member_us", t, above=0) for t in c["member_us"]]
+            features = c.get("features")  # None: an older validate (confirm finds the tree by its name)
+            if features is not None:
+                features = [check_number("features", v) for v in features]
+            heads = None if c.get("heads") is None else [int(h) for h in c["heads"]]
             cases.append(CaseValidation(str(c["family"]), str(c["case"]), str(c["bucket"]), str(c["target"]),
-                                        int(c["picked"]), us, leaf=int(c["leaf"])))  # fmt: skip
+                                        int(c["picked"]), us, leaf=int(c["leaf"]), features=features,
+                                        heads=heads))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"--measured {path}: case {i} is malformed ({exc!r})") from None
     return doc["gpu"], cases
@@ -1016,7 +1108,7 @@ def _frozen_test_cases(cases) -> list[str]:
 def _cmd_confirm(args: argparse.Namespace) -> int:
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
-    from fasttree.toolkit.confirm import confirm_export
+    from fasttree.toolkit.confirm import case_trees, confirm_export
 
     cases = []
     try:
@@ -1041,8 +1133,14 @@ def _cmd_confirm(args: argparse.Namespace) -> int:
             "unseen; measure held-out workloads ('fasttree-tune validate --config EXPORT --out FILE' measures the "
             "shipped held-out workloads, 'validate --split heldout WORKLOADS' yours)"
         )
+    found = case_trees(cases, [RUN_HELDOUT])  # measurements of an older validate: their trees by name
+    if found:
+        logger.info("%d measured cases record no tree features: took their trees from %s", found, RUN_HELDOUT)
     source = ", ".join(Path(p).name for p in args.measured)
-    confirmed, decisions = confirm_export(export, cases, gpu=gpu, source=source)
+    try:
+        confirmed, decisions = confirm_export(export, cases, gpu=gpu, source=source, export_sha256=export_sha256)
+    except ValueError as exc:
+        args.subparser.error(str(exc))
     lines = [
         f"Selector leaves of {args.config}, confirmed on {len(cases)} measured cases ({gpu}). Ratio: a member's "
         "summed time over the defaults'; worst: its slowest tree's speed relative to the defaults.",
@@ -1071,7 +1169,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
 
     from fasttree.config import FastTreeConfig
     from fasttree.export import ConfigExport, ExportEntry, ExportGuard, bucket_label, read_export, write_export
-    from fasttree.portfolio import Portfolio, Selector
+    from fasttree.portfolio import LeafRegion, Portfolio, Selector, head_layout, tree_features
     from fasttree.toolkit import refine
     from fasttree.toolkit.refine import RuntimeBench, coordinate_search, parse_fields, search_provenance
     from fasttree.toolkit.validate import workload_steps
@@ -1103,7 +1201,11 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         r = rs[0]
         key = (int(r["num_q_heads"]), int(r["num_kv_heads"]), int(r["head_dim"]), str(r["dtype"]))
         buckets.setdefault(key, {})[name] = [decode_tree(x["workload"]["tree"]) for x in rs]
-    entries = {(e.gpu, *e.bucket, e.target): e for e in export.entries if e.target is not None}
+    entries = {(e.gpu, *e.bucket, e.target): e for e in export.entries if e.write_problem() is None}
+    for e in export.entries:
+        if e.write_problem() is not None:
+            logger.warning("not copied: the entry for %r bucket %s %s: %s", e.gpu, e.bucket, e.target,
+                           e.write_problem())  # fmt: skip
     lines = ["| bucket | workload | start (us) | refined (us) | ratio |", "|---|---|---:|---:|---:|"]
     for (hq, hkv, d, dtype), trees in buckets.items():
         portfolio, entry = export.lookup(
@@ -1129,10 +1231,14 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         if refined != found.config:
             provenance["launch_fields_not_kept"] = found.config.to_dict()
         members = (FastTreeConfig(),) if refined == FastTreeConfig() else (FastTreeConfig(), refined)
-        selector = Selector(member=(len(members) - 1,))  # measured on these workloads: every tree
+        selector = Selector(member=(len(members) - 1,))  # measured on these workloads: every tree like them
+        searched = [t for ts in trees.values() for t in ts]
+        region = LeafRegion.of_trees(
+            [tree_features(t) for t in searched], [head_layout(hq, hkv)] * len(searched), "measured"
+        )
         new = ExportEntry(
-            gpu, hq // hkv, d, dtype, Portfolio(members, selector, runtime=True), provenance, target="runtime",
-            guard=ExportGuard.current(),
+            gpu, hq // hkv, d, dtype, Portfolio(members, selector, runtime=True, regions=(region,)), provenance,
+            target="runtime", guard=ExportGuard.current(),
         )  # fmt: skip
         entries[(gpu, *new.bucket, "runtime")] = new
         for w in sorted(trees):

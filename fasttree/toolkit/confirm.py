@@ -12,29 +12,34 @@ they reach, and relabels every leaf with the member the measurements support:
   times the defaults' speed; among the members that pass, the fastest in summed time wins;
 - every other leaf, including one no measured tree reaches, serves the defaults (member 0).
 
-Members no leaf names any more are dropped. The leaf structure (the model's split of the feature
-space) is kept: only the labels change, so the measurements choose among a handful of options per
-leaf rather than fitting a new tree to few points.
+A leaf that leaves the defaults records its region of evidence (:class:`fasttree.LeafRegion`): the
+box of the selector features of its measured trees and the head layouts they ran at. The served
+portfolio gives the leaf's member only to trees inside that region and the defaults to every
+other tree, so a tree unlike any measured one is never sent to a member on the strength of trees
+it does not resemble. Members no leaf names any more are dropped. The leaf structure (the model's
+split of the feature space) is kept: only the labels change, so the measurements choose among a
+handful of options per leaf rather than fitting a new tree to few points.
 
-Numpy-free and GPU-free: plain Python over :class:`fasttree.toolkit.validate.CaseValidation`.
+GPU-free: plain Python over :class:`fasttree.toolkit.validate.CaseValidation` (numpy for the boxes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..export import ConfigExport, bucket_label
-from ..portfolio import Portfolio, Selector
+from ..portfolio import LeafRegion, Portfolio, Selector, head_layout, tree_features
 from ..validation import check_int, check_number
 
 if TYPE_CHECKING:  # annotations only: the CLI imports this module to build its help
     from .validate import CaseValidation
 
-__all__ = ["ConfirmRules", "LeafDecision", "confirm_export", "confirm_portfolio"]
+__all__ = ["ConfirmRules", "LeafDecision", "case_trees", "confirm_export", "confirm_portfolio"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,17 @@ def _leaf_choice(cases: list[CaseValidation], n_members: int, rules: ConfirmRule
     return (min(passing, key=lambda m: ratios[m]) if passing else 0), ratios, worst
 
 
+def _measured_region(cases: list[CaseValidation]) -> LeafRegion:
+    """The region of evidence of a confirmed leaf: the box and head layouts of its measured trees."""
+    missing = [c.case for c in cases if c.features is None or c.heads is None]
+    if missing:
+        raise ValueError(
+            f"{missing[0]}: the measurement records no tree features or heads (an older validate) and is not a "
+            "tree of the shipped held-out workloads: measure it again with this fasttree-tune validate"
+        )
+    return LeafRegion.of_trees([c.features for c in cases], [head_layout(*c.heads) for c in cases], "measured")
+
+
 def confirm_portfolio(
     portfolio: Portfolio,
     cases: Iterable[CaseValidation],
@@ -128,14 +144,16 @@ def confirm_portfolio(
     Returns
     -------
     Portfolio
-        The confirmed portfolio (the defaults alone when no leaf leaves them).
+        The confirmed portfolio (the defaults alone when no leaf leaves them); every leaf that
+        leaves the defaults records the region of its measured trees.
     list of LeafDecision
         One per leaf, in node order.
 
     Raises
     ------
     ValueError
-        When a case holds another number of members than the portfolio, or a leaf that is not one.
+        When a case holds another number of members than the portfolio, or a leaf that is not one,
+        or a case of a leaf that leaves the defaults records no features or heads.
     """
     cases = list(cases)
     n_members = len(portfolio.members)
@@ -159,12 +177,16 @@ def confirm_portfolio(
         labels[leaf] = chosen
     used = sorted({0} | {labels[i] for i in leaves})
     if len(used) == 1:
-        return dataclasses.replace(portfolio, members=portfolio.members[:1], selector=Selector()), decisions
+        defaults = dataclasses.replace(portfolio, members=portfolio.members[:1], selector=Selector(), regions=None)
+        return defaults, decisions
     renumber = {old: new for new, old in enumerate(used)}
     member = tuple(renumber[m] if selector.feature[i] < 0 else 0 for i, m in enumerate(labels))
+    regions = tuple(
+        _measured_region(by_leaf[i]) if selector.feature[i] < 0 and member[i] else None for i in range(len(member))
+    )
     confirmed = Selector(selector.feature, selector.threshold, selector.left, selector.right, member)
     members = tuple(portfolio.members[m] for m in used)
-    return dataclasses.replace(portfolio, members=members, selector=confirmed), decisions
+    return dataclasses.replace(portfolio, members=members, selector=confirmed, regions=regions), decisions
 
 
 def confirm_export(
@@ -174,6 +196,7 @@ def confirm_export(
     gpu: str,
     rules: ConfirmRules = ConfirmRules(),
     source: str = "",
+    export_sha256: str = "",
 ) -> tuple[ConfigExport, list[LeafDecision]]:
     """Confirm every multi-member portfolio of ``gpu``'s entries from measured cases.
 
@@ -188,11 +211,14 @@ def confirm_export(
     rules : ConfirmRules
     source : str
         Names the measurements in each confirmed entry's provenance.
+    export_sha256 : str
+        SHA-256 of the export file the cases measured (recorded in the provenance).
 
     Returns
     -------
     ConfigExport
-        The confirmed export (provenance ``confirmed``: rules, trees, source, leaves changed).
+        The confirmed export (provenance ``confirmed``: rules, trees, source, the measured export's
+        SHA-256, leaves changed).
     list of LeafDecision
     """
     groups: dict[tuple[str, str], list[CaseValidation]] = {}
@@ -213,6 +239,7 @@ def confirm_export(
         provenance: dict[str, Any] = dict(entry.provenance)
         provenance["confirmed"] = {
             "source": source,
+            "export_sha256": export_sha256,
             "trees": len(measured),
             "rules": dataclasses.asdict(rules),
             "leaves_changed": sum(d.confirmed != d.predicted for d in leaf_decisions),
@@ -220,3 +247,38 @@ def confirm_export(
         }
         entries.append(dataclasses.replace(entry, portfolio=portfolio, provenance=provenance))
     return dataclasses.replace(export, entries=tuple(entries)), decisions
+
+
+def case_trees(cases: Sequence[CaseValidation], workloads: Sequence[str | os.PathLike]) -> int:
+    """Fill in the features and heads of cases that lack them (measured by an older ``validate``)
+    from the workload traces they were measured on, matched by case name. A case no tree of
+    ``workloads`` matches is left as it is (:func:`confirm_portfolio` refuses it only where a
+    confirmed leaf needs it).
+
+    Parameters
+    ----------
+    cases : sequence of CaseValidation
+        Changed in place.
+    workloads : sequence of path
+        Workload trace files or folders (e.g. the shipped held-out workloads).
+
+    Returns
+    -------
+    int
+        Cases filled in.
+    """
+    from ..traces import decode_tree, read_traces
+    from .workload_split import case_name
+
+    todo = [c for c in cases if c.features is None or c.heads is None]
+    if not todo:
+        return 0
+    records = {case_name(r): r for r in read_traces(list(workloads), kind="workload").records}
+    filled = 0
+    for c in todo:
+        r = records.get(c.case)
+        if r is not None:
+            c.features = tree_features(decode_tree(r["workload"]["tree"])).tolist()
+            c.heads = [int(r["num_q_heads"]), int(r["num_kv_heads"])]
+            filled += 1
+    return filled

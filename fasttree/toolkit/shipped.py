@@ -12,7 +12,9 @@ any install, editable or not:
 
 The measurement traces (``traces/h200``, 21 MB) are needed only to fit the model again
 (``fasttree-tune run --refit``) and are not package data: :func:`measurement_traces` finds them in
-a source checkout only.
+a source checkout only, as :func:`heldout_measurement_traces` finds the model's held-out
+measurements (``traces/h200_heldout``), on which ``run`` and ``export`` calibrate the margin a
+predicted gain must exceed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-__all__ = ["MODEL_FILE", "WORKLOAD_SPLITS", "measurement_traces", "model_path", "workloads_path"]
+__all__ = [
+    "MODEL_FILE",
+    "WORKLOAD_SPLITS",
+    "heldout_measurement_traces",
+    "measurement_traces",
+    "model_path",
+    "workloads_path",
+]
 
 #: File name of the shipped model (in ``fasttree.costmodel``'s ``data`` folder).
 MODEL_FILE = "h200_latency_model.skops"
@@ -51,8 +60,18 @@ def workloads_path(split: str = "tuning") -> Path:
     return _resource("fasttree.toolkit", "data", WORKLOAD_SPLITS[split])
 
 
+def _checkout_traces(name: str) -> Path | None:
+    root = Path(__file__).resolve().parents[2]
+    traces = root / "traces" / name
+    return traces if traces.is_dir() and (root / "pyproject.toml").is_file() else None
+
+
 def measurement_traces() -> Path | None:
     """``traces/h200`` of the source checkout this package runs from, or None (an installed package)."""
-    root = Path(__file__).resolve().parents[2]
-    traces = root / "traces" / "h200"
-    return traces if traces.is_dir() and (root / "pyproject.toml").is_file() else None
+    return _checkout_traces("h200")
+
+
+def heldout_measurement_traces() -> Path | None:
+    """``traces/h200_heldout`` (the shipped model's held-out measurements) of the source checkout this
+    package runs from, or None (an installed package)."""
+    return _checkout_traces("h200_heldout")

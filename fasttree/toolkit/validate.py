@@ -59,6 +59,11 @@ class CaseValidation:
     leaf : int
         The selector node the tree reaches (0 for a one-member portfolio), which
         :mod:`fasttree.toolkit.confirm` groups by.
+    features : list of float or None
+        The tree's selector features (:func:`fasttree.tree_features`): a confirmed leaf's region
+        of evidence is their box over its trees. None when unknown (a file of an older validate).
+    heads : list of int or None
+        ``[num_q_heads, num_kv_heads]`` the tree was measured at (the region's head layouts).
     """
 
     family: str
@@ -68,6 +73,8 @@ class CaseValidation:
     picked: int
     member_us: list[float] = field(default_factory=list)
     leaf: int = 0
+    features: list[float] | None = None
+    heads: list[int] | None = None
 
     @property
     def speedup(self) -> float:
@@ -185,8 +192,11 @@ def validate_portfolios(
                 gpu=gpu_name, num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"],
                 head_dim=r["head_dim"], dtype=r["dtype"], target=target,
             )  # fmt: skip
-            leaf = 0 if len(portfolio.members) == 1 else portfolio.selector.leaf_of(tree_features(tree))
-            v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree), leaf=leaf)
+            x = tree_features(tree)
+            leaf = 0 if len(portfolio.members) == 1 else portfolio.selector.leaf_of(x)
+            heads = [int(r["num_q_heads"]), int(r["num_kv_heads"])]
+            v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree), leaf=leaf,
+                               features=x.tolist(), heads=heads)  # fmt: skip
             for m, config in enumerate(portfolio.members):
                 key = (family, bucket, int(r["num_q_heads"]), target, m)
                 check = key not in checked  # every member of every target on the family's first tree
