@@ -12,6 +12,7 @@ outputs are ``[n_queries, Hq, D]`` in ``q``'s dtype. fp16 and bf16 are supported
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -20,7 +21,16 @@ import triton
 from .config import FastTreeConfig
 from .groups import Groups
 from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
-from .launch_rules import GpuTarget, kv_offsets_fit_int32, merge_launch, pdl_wait, stage1_launches, units_grid
+from .launch_rules import (
+    GpuTarget,
+    MergeLaunch,
+    Stage1Launch,
+    kv_offsets_fit_int32,
+    merge_launch,
+    pdl_wait,
+    stage1_launches,
+    units_grid,
+)
 from .launcher import (
     current_stream,
     direct_launcher,
@@ -295,38 +305,66 @@ def plan_launches(
     target: GpuTarget,
 ) -> list[tuple]:
     """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)`` of each launch of one call
-    of ``host`` on ``target``: a stage-1 launch per non-empty tile class, then the merge, if any.
-
-    Stage-1 arguments start with ``q, k_cache, v_cache, out`` and hold ``qk_scale`` at
-    :data:`_QK_SCALE_ARG`; the merge's start with ``out``: the direct launchers rely on these
-    positions.
-    """
-    a = dev.arrays
+    of ``host`` on ``target``: a stage-1 launch per non-empty tile class, then the merge, if any
+    (:func:`kernel_launches` of the plan's own launch decisions and device arrays)."""
     part_o, part_lse = _workspace(host, q.device)
-    hq, d = host.num_q_heads, host.head_dim
+    return kernel_launches(
+        stage1_launches(host, target), merge_launch(host, triton.next_power_of_2(host.head_dim)), dev.arrays,
+        part_o, part_lse, q, k_cache, v_cache, out, qk_scale, target,
+        offsets_32=kv_offsets_fit_int32(host.max_slot, k_cache, v_cache),
+    )  # fmt: skip
+
+
+def kernel_launches(
+    stage1: tuple[Stage1Launch, ...],
+    merge: MergeLaunch | None,
+    arrays: Mapping[str, torch.Tensor],
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    qk_scale: float,
+    target: GpuTarget,
+    *,
+    offsets_32: bool,
+    unit_offsets: tuple[int, ...] | None = None,
+) -> list[tuple]:
+    """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)`` of the launches
+    ``stage1`` and ``merge`` decide, over the plan arrays ``arrays`` (by
+    :data:`fasttree.plan_arrays.DEVICE_ARRAYS` name, int32 tensors on ``q``'s device) and the
+    workspace ``part_o`` (fp32 ``[rows, Hq, D]``) and ``part_lse`` (fp32 ``[rows, Hq]``): what
+    :func:`tree_attention` launches for a plan and a runtime launch variant for every plan of it.
+    ``unit_offsets``: each stage-1 launch's first unit in the unit arrays (default: its
+    ``first_unit``). Stage-1 arguments start with ``q, k_cache, v_cache, out`` and hold
+    ``qk_scale`` at :data:`_QK_SCALE_ARG`; the merge's start with ``out``: the direct launchers
+    rely on these positions.
+    """
+    a = arrays
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[1]
     block_d = triton.next_power_of_2(d)
     upcast = interpreting() and q.dtype == torch.bfloat16  # the interpreter's bf16 dots need fp32
-    offsets_32 = kv_offsets_fit_int32(host.max_slot, k_cache, v_cache)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-    stage1 = stage1_launches(host, target)
     # two non-empty classes: two stage-1 launches, which run side by side (_forks) on a GPU
     pdl_stage1 = pdl_wait("stage1_forked" if len(stage1) == 2 else "stage1", target)
     pdl_merge = pdl_wait("merge", target)
+    offsets = unit_offsets if unit_offsets is not None else tuple(s.first_unit for s in stage1)
     out_launches = []
-    for s in stage1:
+    for s, first in zip(stage1, offsets, strict=True):
         args = (
             q, k_cache, v_cache, out, part_o, part_lse, a["kv_indices"], a["kv_row_mask"], a["unit_kv_start"],
             a["unit_kv_len"], a["unit_q_start"], a["unit_q_len"], a["pair_query"], a["pair_out_row"],
-            s.first_unit, qk_scale, *strides, out.stride(0), out.stride(1),
+            first, qk_scale, *strides, out.stride(0), out.stride(1),
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
-        grid, heads_fastest = units_grid(s.n_units, host.num_kv_heads)
-        constexprs = (d, block_d, host.group_size, s.block_m, s.block_n, s.masked, upcast, offsets_32, s.peel,
+        grid, heads_fastest = units_grid(s.n_units, hkv)
+        constexprs = (d, block_d, hq // hkv, s.block_m, s.block_n, s.masked, upcast, offsets_32, s.peel,
                       heads_fastest, pdl_stage1)  # fmt: skip
         out_launches.append(
             (tree_attention_units_kernel, grid, args, constexprs, s.num_warps, s.num_stages, s.maxnreg)
         )  # fmt: skip
-    merge = merge_launch(host, block_d)
     if merge is not None:
         args = (
             out, part_o, part_lse, a["merge_queries"], a["query_partial_start"], a["query_num_partials"],

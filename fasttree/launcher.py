@@ -20,10 +20,8 @@ from .kernels import (
     merge_many_partials_kernel,
     merge_partials_kernel,
     merge_partials_persistent_kernel,
-    merge_variant_kernel,
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
-    tree_attention_variant_kernel,
 )
 
 __all__ = [
@@ -46,8 +44,7 @@ _COMPILED: dict[tuple, object] = {}
 GDC_KERNELS = frozenset(
     (
         tree_attention_units_kernel, merge_partials_kernel, merge_many_partials_kernel,
-        tree_attention_persistent_kernel, merge_partials_persistent_kernel, tree_attention_variant_kernel,
-        merge_variant_kernel,
+        tree_attention_persistent_kernel, merge_partials_persistent_kernel,
     )
 )  # fmt: skip
 #: The Triton release whose ``CudaLauncher`` C launch function :func:`_launch_entry` calls directly

@@ -46,7 +46,9 @@ import torch
 import triton
 
 from .attention import (
+    _QK_SCALE_ARG,
     LOG2E,
+    kernel_launches,
     launch_through_triton,
     output_like,
     plan_query_separated,
@@ -58,10 +60,9 @@ from .costs import ALL_LARGE
 from .export import ConfigExport, _dtype_name
 from .kernels import (
     merge_partials_persistent_kernel,
-    merge_variant_kernel,
     relocate_plan_kernel,
     tree_attention_persistent_kernel,
-    tree_attention_variant_kernel,
+    tree_attention_units_kernel,
 )
 from .launch_rules import (
     MANY_PARTIALS,
@@ -72,9 +73,8 @@ from .launch_rules import (
     kv_offsets_fit_int32,
     pdl_wait,
     peel_tiles,
-    units_grid,
 )
-from .launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, launch_variant
+from .launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket, launch_variant
 from .launcher import (
     current_stream,
     direct_launcher,
@@ -104,7 +104,8 @@ logger = logging.getLogger(__name__)
 #: and the merged-query counts of the few- and many-partials merges (kernels' ``HDR_*``).
 PLAN_HEADER = (
     *DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many",
-    "class0_first", "class0_end", "class1_first", "class1_end", "variant", "words_end",
+    "class0_first", "class0_end", "class1_first", "class1_end", "fill0_end", "fill1_end", "fill_merge_end",
+    "words_end",
 )  # fmt: skip
 _HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
 _ALIGN_WORDS = 32  # every array starts at a multiple of 128 bytes
@@ -192,8 +193,6 @@ def _aligned(words: int) -> int:
 _MERGE_ARGS = 11
 #: Position of ``qk_scale`` among ``tree_attention_persistent_kernel``'s arguments.
 _STAGE1_QK_ARG = 9
-#: Position of ``qk_scale`` among ``tree_attention_variant_kernel``'s arguments.
-_VARIANT_QK_ARG = 18
 #: Factors of the KV split sizes a plan over a capacity is tried again with, before the bounded plan.
 _SPLIT_SCALES = (4, 32)
 
@@ -369,9 +368,15 @@ class TreeAttentionRuntime:
             "merge_queries": self.max_queries,
         }
         self.plan_words = _HEADER_WORDS + sum(_aligned(n) for n in self._capacity.values())
-        # launch variants read the arrays at fixed offsets of a second buffer (each array at its
-        # capacity; a unit array holds tile class 0's units from 0 and class 1's from max_units)
-        fixed = {n: 2 * c if n.startswith("unit_") else c for n, c in self._capacity.items()}
+        # launch variants read the arrays at fixed offsets of a second buffer: a unit array holds tile
+        # class 0's units from 0 and class 1's from unit_region (room for the largest grid bucket of
+        # either), the merge list room for its largest bucket, the per-query arrays one more entry
+        # (the merge list's filler query, of no partial)
+        self.unit_region = grid_bucket(self.max_units)
+        fixed = dict(self._capacity)
+        fixed.update({n: 2 * self.unit_region for n in fixed if n.startswith("unit_")})
+        fixed.update(query_partial_start=self.max_queries + 1, query_num_partials=self.max_queries + 1,
+                     merge_queries=grid_bucket(self.max_queries))  # fmt: skip
         self._fixed_offsets = np.cumsum([0] + [_aligned(c) for c in fixed.values()])[:-1].tolist()
         self.fixed_words = sum(_aligned(c) for c in fixed.values()) if self.variants.max_variants else 0
         if self.plan_words > 0x7FFFFFFF:
@@ -438,6 +443,11 @@ class TreeAttentionRuntime:
             name: self._fixed[o : o + n] if self.fixed_words else self._fixed
             for name, o, n in zip(DEVICE_ARRAYS, self._fixed_offsets, sizes, strict=True)
         }
+        # the merge list's filler (query max_queries, of no partial) everywhere no plan's list reached;
+        # unit arrays: empty units (zeros)
+        if self.fixed_words:
+            self._fixed_arrays["merge_queries"].fill_(self.max_queries)
+        self._fill_ends = (0, 0, 0)  # where the last relocated plan's class-0, class-1 units and merge list ended
         self._staging = [torch.zeros(self.plan_words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._staged = [s.numpy() for s in self._staging]
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
@@ -717,13 +727,16 @@ class TreeAttentionRuntime:
             off += _aligned(max(1, n))
         ptr = plan.class_unit_ptr
         buf[: len(PLAN_HEADER)] = (
-            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], variant_id, off,
+            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], *self._fill_ends,
+            off,
         )  # fmt: skip
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
         self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)
         if variant is not None:
-            self._relocate(max(n_kv, plan.pair_query.size, plan.n_units, self.max_queries))
+            self._relocate(max(n_kv, plan.pair_query.size, plan.n_units, self.max_queries, *self._fill_ends))
+            # past these, the fixed arrays hold empty units and the filler query up to the regions' ends
+            self._fill_ends = (int(ptr[1] - ptr[0]), int(ptr[2] - ptr[1]), int(merge.size))
         if self._copied[i] is not None:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
@@ -737,8 +750,11 @@ class TreeAttentionRuntime:
         after the upload), where the launch variants' kernels read them; ``longest``: the most
         words of one array."""
         programs = max(1, min(_RELOCATE_PROGRAMS, -(-longest // _RELOCATE_BLOCK)))
-        args = (self._plan_buf, self._fixed, self._fixed_dst, self.max_units)
-        constexprs = (len(DEVICE_ARRAYS), DEVICE_ARRAYS.index("unit_kv_start"), _RELOCATE_BLOCK)
+        args = (self._plan_buf, self._fixed, self._fixed_dst, self.unit_region, self.max_queries)
+        constexprs = (
+            len(DEVICE_ARRAYS), DEVICE_ARRAYS.index("unit_kv_start"), DEVICE_ARRAYS.index("merge_queries"),
+            _RELOCATE_BLOCK,
+        )  # fmt: skip
         with on_device(self.device):
             launch(relocate_plan_kernel, (len(DEVICE_ARRAYS), programs), args, constexprs, 4, 1)
 
@@ -880,50 +896,28 @@ class TreeAttentionRuntime:
         if cached is not None:  # compiled for this layout: call the launchers directly
             run_direct((variant.forked, cached), launch_pointers(q, k_cache, v_cache, out), q.device, qk_scale)
             return
-        launches = self._variant_launches(vid, variant, q, k_cache, v_cache, out, qk_scale)
+        launches = self._variant_launches(variant, q, k_cache, v_cache, out, qk_scale)
         compiled = launch_through_triton(launches, q.device, variant.forked and self._target.cuda)
         if key is not None and all(c is not None for c in compiled):
             self._launchers[(vid, key)] = tuple(
-                direct_launcher(c, grid, args, constexprs, None if kernel is merge_variant_kernel else _VARIANT_QK_ARG)
+                direct_launcher(
+                    c, grid, args, constexprs, _QK_SCALE_ARG if kernel is tree_attention_units_kernel else None
+                )
                 for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
             )
 
-    def _variant_launches(self, vid: int, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> list:
+    def _variant_launches(self, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> list:
         """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, shrink_stages)`` of each
-        launch of variant ``vid``: stage 1 per tile class, then the merge (if any). The grids are
-        the variant's buckets; the kernels take the class's unit range and the merge list's length
-        from the plan buffer's header."""
-        d, hq = self.head_dim, self.num_q_heads
-        block_d = triton.next_power_of_2(d)
-        upcast = interpreting() and q.dtype == torch.bfloat16
-        offsets_32 = self._offsets_32(k_cache, v_cache)
-        part_o, part_lse = self._part_o, self._part_lse
-        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-                   out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-        pdl_stage1 = pdl_wait("stage1_forked" if variant.forked else "stage1", self._target)
-        fixed = self._fixed_arrays
-        arrays = tuple(fixed[name] for name in DEVICE_ARRAYS[:8])  # kv_indices ... pair_out_row
-        launches = []
-        for s in variant.stage1:
-            grid, heads_fastest = units_grid(s.n_units, self.num_kv_heads)
-            base = 0 if s.tile_class == 0 else self.max_units
-            args = (q, k_cache, v_cache, out, part_o, part_lse, *arrays, self._plan_buf, base, self.max_units, vid,
-                    qk_scale, *strides)  # fmt: skip
-            constexprs = (d, block_d, self.group_size, s.block_m, s.block_n, s.tile_class, s.masked, upcast,
-                          offsets_32, s.peel, heads_fastest, pdl_stage1)  # fmt: skip
-            launches.append(
-                (tree_attention_variant_kernel, grid, args, constexprs, s.num_warps, s.num_stages, s.maxnreg,
-                 s.shrink_stages)
-            )  # fmt: skip
-        m = variant.merge
-        if m is not None:
-            args = (out, part_o, part_lse, fixed["merge_queries"], fixed["query_partial_start"],
-                    fixed["query_num_partials"], self._plan_buf, self.max_queries, vid, out.stride(0), out.stride(1),
-                    part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-            grid = (m.n_merge, hq if m.many else triton.cdiv(hq, m.block_h))
-            constexprs = (hq, d, m.block_h, max(m.block_p, 1), block_d, m.many, pdl_wait("merge", self._target))
-            launches.append((merge_variant_kernel, grid, args, constexprs, m.num_warps, m.num_stages, None, False))
-        return launches
+        launch of ``variant``: tree_attention's kernels (:func:`fasttree.attention.kernel_launches`)
+        over the arrays at fixed addresses, grids the variant's buckets (programs past the plan's
+        units and merge list find the relocation's empty units and filler query)."""
+        unit_offsets = tuple(0 if s.tile_class == 0 else self.unit_region for s in variant.stage1)
+        launches = kernel_launches(
+            variant.stage1, variant.merge, self._fixed_arrays, self._part_o, self._part_lse, q, k_cache, v_cache,
+            out, qk_scale, self._target, offsets_32=self._offsets_32(k_cache, v_cache), unit_offsets=unit_offsets,
+        )  # fmt: skip
+        shrink = [s.shrink_stages for s in variant.stage1] + [False] * (len(launches) - len(variant.stage1))
+        return [(*spec, sh) for spec, sh in zip(launches, shrink, strict=True)]
 
     def _launch_through_triton(self, q, k_cache, v_cache, out, qk_scale: float) -> list[tuple]:
         """Launch through :func:`fasttree.launcher.launch`; returns ``(compiled, grid, args, constexprs)``

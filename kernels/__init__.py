@@ -8,22 +8,18 @@ from .merge import (
     merge_many_partials_kernel,
     merge_partials_kernel,
     merge_partials_persistent_kernel,
-    merge_variant_kernel,
 )
 from .tree_attention import (
     relocate_plan_kernel,
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
-    tree_attention_variant_kernel,
 )
 
 __all__ = [
     "merge_many_partials_kernel",
     "merge_partials_kernel",
     "merge_partials_persistent_kernel",
-    "merge_variant_kernel",
     "relocate_plan_kernel",
     "tree_attention_persistent_kernel",
     "tree_attention_units_kernel",
-    "tree_attention_variant_kernel",
 ]

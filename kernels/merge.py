@@ -14,9 +14,8 @@ Two kernels, the host picks one per plan:
   reading ``BLOCK_P`` partial rows as one ``[BLOCK_P, D]`` tile, so a query's loads are
   all in flight at once. Best when some queries have many partials (long split chains).
 
-:func:`merge_variant_kernel` runs either of them as a launch variant of :mod:`fasttree.runtime`
-(the merge list at a fixed address, its length read from the plan buffer's header; programs past
-it merge nothing), and
+Both also run a launch variant of :mod:`fasttree.runtime` (the merge list at a fixed address,
+filled past the plan's with a query of no partial, whose programs write nothing), and
 :func:`merge_partials_persistent_kernel` runs both for :mod:`fasttree.runtime`: a fixed
 number of programs loop over the items of the plan buffer's merge list (its two parts'
 lengths read from the buffer's header), so the launch does not depend on the plan.
@@ -31,7 +30,6 @@ from .tree_attention import (
     HDR_MERGE_QUERIES,
     HDR_QUERY_NUM_PARTIALS,
     HDR_QUERY_PARTIAL_START,
-    HDR_VARIANT,
 )
 
 
@@ -55,13 +53,10 @@ def _merge_head_block(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WAIT: tl.constexpr = False,
-    active=True,
 ):
     """Merge entry ``index`` of ``MergeQueries``, heads ``head_block * BLOCK_H ...``, one partial row at a time.
     ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays.
-    ``active`` False: read no partial (its count is taken as 0), write nothing (a launch variant's
-    programs past the list); only the count and the final store see it, so the loop's loads are
-    those of the per-plan kernel."""
+    A query with no partial (a launch variant's filler past the list) writes nothing."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = h < NUM_HEADS
@@ -69,7 +64,6 @@ def _merge_head_block(
     mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
-    count = tl.where(active, count, 0)
     if WAIT:
         gdc_wait()
 
@@ -88,7 +82,9 @@ def _merge_head_block(
         m = m_new
     out = acc / s[:, None]
     tl.store(
-        Out + qid * stride_on + h[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=mask & active
+        Out + qid * stride_on + h[:, None] * stride_oh + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask & (count > 0),
     )
 
 
@@ -111,12 +107,10 @@ def _merge_one_head(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WAIT: tl.constexpr = False,
-    active=True,
 ):
     """Merge entry ``index`` of ``MergeQueries``, one head, ``BLOCK_P`` partial rows at a time.
     ``WAIT``: wait for the prior grid (``griddepcontrol.wait``) after reading the plan's arrays.
-    ``active`` False: read no partial (its count is taken as 0), write nothing (a launch variant's
-    programs past the list); only the count and the final store see it."""
+    A query with no partial (a launch variant's filler past the list) writes nothing."""
     qid = tl.load(MergeQueries + index).to(tl.int64)
     h = head.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -124,7 +118,6 @@ def _merge_one_head(
     p = tl.arange(0, BLOCK_P)
     start = tl.load(QueryPartialStart + qid).to(tl.int64)
     count = tl.load(QueryNumPartials + qid)
-    count = tl.where(active, count, 0)
     if WAIT:
         gdc_wait()
 
@@ -152,7 +145,7 @@ def _merge_one_head(
         s += w
         acc += tl.sum(w[:, None] * o, 0)
     out = acc / tl.sum(s, 0)
-    tl.store(Out + qid * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_valid & active)
+    tl.store(Out + qid * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_valid & (count > 0))
 
 
 @triton.jit
@@ -265,54 +258,4 @@ def merge_partials_persistent_kernel(
         _merge_one_head(
             n_few + index, item - index * num_heads, Out, PartO, PartLse, MergeQueries, QueryPartialStart,
             QueryNumPartials, stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D,
-        )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["merge_capacity", "variant", "stride_ln"])
-def merge_variant_kernel(
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # [max_partial_rows, Hq, D], fp32
-    PartLse,  # [max_partial_rows, Hq], fp32
-    MergeQueries,  # int32 [merge_capacity], the runtime's fixed-offset copies of the plan arrays
-    QueryPartialStart,  # int32 [max_queries]
-    QueryNumPartials,  # int32 [max_queries]
-    PlanBuf,  # int32: the plan buffer's header
-    merge_capacity,
-    variant,  # the launch variant this launch belongs to (compared with the header's)
-    stride_on,
-    stride_oh,
-    stride_pn,
-    stride_ph,
-    stride_ln,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MANY: tl.constexpr,  # merge_many_partials_kernel's programs (one head each), else merge_partials_kernel's
-    GDC_WAIT: tl.constexpr = 0,
-):
-    """Program (merged query, head block) of the uploaded plan's whole merge list, as the per-plan
-    merge kernel ``MANY`` names runs it, from arrays at fixed addresses; the header's list length and
-    variant are read alongside them, and programs past the list (or of another variant's launch)
-    read no partial and write nothing."""
-    if GDC_WAIT == 2:
-        gdc_launch_dependents()
-    if GDC_WAIT == 1:
-        gdc_wait()
-    index = tl.program_id(0)
-    n_merge = tl.load(PlanBuf + HDR_MERGE_COUNTS) + tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
-    uploaded = tl.load(PlanBuf + HDR_VARIANT)
-    active = (index < n_merge) & (uploaded == variant)
-    index = tl.minimum(index, merge_capacity - 1)
-    if MANY:
-        _merge_one_head(
-            index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, HEAD_DIM, BLOCK_P, BLOCK_D, GDC_WAIT == 2, active,
-        )  # fmt: skip
-    else:
-        _merge_head_block(
-            index, tl.program_id(1), Out, PartO, PartLse, MergeQueries, QueryPartialStart, QueryNumPartials,
-            stride_on, stride_oh, stride_pn, stride_ph, stride_ln, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D,
-            GDC_WAIT == 2, active,
         )  # fmt: skip

@@ -1,15 +1,12 @@
 """Stage 1 of tree attention: one program per (work unit, KV head), one launch per tile class.
 
-Two entry points share the unit's code (:func:`_attend_unit`):
+Two kernels share the unit's code (:func:`_attend_unit`):
 
 - :func:`tree_attention_units_kernel`: a grid of (the class's units, KV heads), sized by the
-  host for each plan (:func:`fasttree.tree_attention`).
-- :func:`tree_attention_variant_kernel`: the per-plan launch of one tile class over a grid that a
-  *launch variant* fixes (at least the class's units), reading the plan arrays at fixed addresses
-  (:func:`relocate_plan_kernel` copies each uploaded plan there) and the class's unit count from
-  the plan buffer's header: programs past the units, or launched for another variant than the
-  uploaded plan's, run an empty unit. A CUDA graph captured for a variant replays every later
-  plan of that variant.
+  host for each plan (:func:`fasttree.tree_attention`), or fixed by a runtime *launch variant*
+  (at least the class's units) over the plan arrays at fixed addresses, where
+  :func:`relocate_plan_kernel` copies each uploaded plan and leaves empty units past the plan's
+  (no query, no KV entry): a CUDA graph captured for a variant replays every later plan of it.
 - :func:`tree_attention_persistent_kernel`: a fixed number of programs that loop over the
   (unit, KV head) items of both tile classes' unit ranges, with every plan array and the
   ranges read from one device buffer behind a header (:mod:`fasttree.runtime`): the launch
@@ -70,8 +67,8 @@ HDR_MERGE_QUERIES = tl.constexpr(10)
 HDR_SLOT_RANGES = tl.constexpr(11)  # (first unit, end) of slot 0, then of slot 1
 HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel, then of the many-partials one
 HDR_CLASS_RANGES = tl.constexpr(17)  # (first unit, end) of tile class 0, then of class 1 (launch variants)
-HDR_VARIANT = tl.constexpr(21)  # the launch variant the uploaded plan was planned for (launch variants)
-HDR_WORDS_END = tl.constexpr(22)  # the end of the last array (merge_queries) of the uploaded plan
+HDR_FILL_ENDS = tl.constexpr(21)  # where the last relocated plan's class-0 and class-1 units and merge list ended
+HDR_WORDS_END = tl.constexpr(24)  # the end of the last array (merge_queries) of the uploaded plan
 
 
 @triton.jit
@@ -167,7 +164,6 @@ def _attend_unit(
     OFFSETS_32: tl.constexpr,
     PEEL: tl.constexpr,
     WAIT: tl.constexpr = False,
-    active=True,
 ):
     """One (unit, KV head): attention of the unit's query tile over its KV chunk.
 
@@ -177,14 +173,11 @@ def _attend_unit(
     less stage-1 time). ``PEEL``: the unit's whole KV tiles
     run without masks, then one masked tail tile (see :func:`_kv_tile`). ``WAIT``: wait for the
     prior grid (``griddepcontrol.wait``) after reading the plan's arrays, before Q and the pools.
-    ``active`` False: the unit counts as empty (no query, no KV entry: nothing read past its
-    arrays, nothing written), for programs of a launch variant's grid past the plan's units."""
+    An empty unit (no query, no KV entry) reads nothing past its arrays and writes nothing."""
     kv_start = tl.load(UnitKvStart + unit)
     kv_len = tl.load(UnitKvLen + unit)
     q_start = tl.load(UnitQStart + unit)
     q_len = tl.load(UnitQLen + unit)
-    kv_len = tl.where(active, kv_len, 0)
-    q_len = tl.where(active, q_len, 0)
 
     rows = tl.arange(0, BLOCK_M)
     row_query = rows // GROUP
@@ -320,92 +313,35 @@ def tree_attention_units_kernel(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["unit_base", "unit_capacity", "variant", "stride_ln"])
-def tree_attention_variant_kernel(
-    Q,  # [n_queries, Hq, D], fp16/bf16 (rows past the plan's queries are not read)
-    K,  # [pool_slots, Hkv, D]
-    V,  # [pool_slots, Hkv, D]
-    Out,  # [n_queries, Hq, D], q's dtype
-    PartO,  # [max_partial_rows, Hq, D], fp32
-    PartLse,  # [max_partial_rows, Hq], fp32
-    KvIndices,  # the runtime's fixed-offset copies of the plan arrays (as tree_attention_units_kernel's)
-    KvRowMask,
-    UnitKvStart,  # int32 [2 * unit_capacity]: tile class 0's units from 0, class 1's from unit_capacity
-    UnitKvLen,
-    UnitQStart,
-    UnitQLen,
-    PairQuery,
-    PairOutRow,
-    PlanBuf,  # int32: the plan buffer's header (HDR_*)
-    unit_base,  # 0 or unit_capacity: where this launch's tile class starts in the unit arrays
-    unit_capacity,
-    variant,  # the launch variant this launch belongs to (compared with the header's)
-    qk_scale,  # sm_scale * log2(e)
-    stride_qn,
-    stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_on,
-    stride_oh,
-    stride_pn,
-    stride_ph,
-    stride_ln,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE_CLASS: tl.constexpr,  # 0 or 1: the unit range of the header this launch runs
-    MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    OFFSETS_32: tl.constexpr = False,
-    PEEL: tl.constexpr = False,
-    HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units) (else (units, KV heads))
-    GDC_WAIT: tl.constexpr = 0,
-):
-    """One (unit, KV head) of tile class ``TILE_CLASS`` of the uploaded plan, as
-    :func:`tree_attention_units_kernel` runs it, from arrays at fixed addresses. The header words
-    (the class's unit count and the uploaded plan's variant) are read alongside the unit's arrays,
-    not before them: a program past the class's units, or of a launch whose ``variant`` is not the
-    uploaded plan's, runs its unit as an empty one (reads nothing past the unit arrays, writes nothing)."""
-    if GDC_WAIT == 2:
-        gdc_launch_dependents()
-    if GDC_WAIT == 1:
-        gdc_wait()
-    if HEADS_FASTEST:
-        unit, kv_head = tl.program_id(1), tl.program_id(0)
-    else:
-        unit, kv_head = tl.program_id(0), tl.program_id(1)
-    first = tl.load(PlanBuf + HDR_CLASS_RANGES + 2 * TILE_CLASS)
-    end = tl.load(PlanBuf + HDR_CLASS_RANGES + 2 * TILE_CLASS + 1)
-    uploaded = tl.load(PlanBuf + HDR_VARIANT)
-    active = (unit < end - first) & (uploaded == variant)
-    _attend_unit(
-        unit_base + tl.minimum(unit, unit_capacity - 1), kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-        UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-        stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2, active,
-    )  # fmt: skip
+@triton.jit
+def _fill(Fixed, lo, hi, value):
+    """``Fixed[lo:hi] = value``, this program's share (programs along axis 1 split the range)."""
+    offs = tl.arange(0, 1024)
+    for start in range(lo + tl.program_id(1) * 1024, hi, tl.num_programs(1) * 1024):
+        i = start + offs
+        tl.store(Fixed + i, tl.zeros([1024], tl.int32) + value, mask=i < hi)
 
 
-@triton.jit(do_not_specialize=["unit_capacity"])
+@triton.jit(do_not_specialize=["unit_region", "sentinel"])
 def relocate_plan_kernel(
     PlanBuf,  # int32: header (HDR_*), then the uploaded plan's arrays back to back
     Fixed,  # int32: the plan arrays at fixed offsets (DstOffsets), unit arrays split by tile class
     DstOffsets,  # int32 [N_ARRAYS]: each array's offset in Fixed
-    unit_capacity,  # a unit array's class-1 part starts at unit_capacity in Fixed
+    unit_region,  # a unit array's class-1 part starts at unit_region in Fixed
+    sentinel,  # the merge list's filler: a query id whose partial count is 0
     N_ARRAYS: tl.constexpr,
     FIRST_UNIT_ARRAY: tl.constexpr,  # the 4 unit arrays' index among the arrays
+    MERGE_ARRAY: tl.constexpr,  # the merge list's index among the arrays
     BLOCK: tl.constexpr,
 ):
     """Copy array ``program_id(0)`` of the uploaded plan to its fixed offset (programs along axis 1
-    share its words): what :func:`tree_attention_variant_kernel` and :func:`.merge.merge_variant_kernel`
-    read through fixed pointers, so a CUDA graph of them replays every plan of their variant. An
-    array's length is the distance to the next array's offset (the last one's end is header word
-    ``HDR_WORDS_END``; a unit array's, the plan's units); a unit array's class-1 units move to
-    ``unit_capacity``."""
+    share its words): what a launch variant's :func:`tree_attention_units_kernel` and merge
+    launches read through fixed pointers, so a CUDA graph of them replays every plan of their
+    variant. An array's length is the distance to the next array's offset (the last one's end is
+    header word ``HDR_WORDS_END``; a unit array's, the plan's units); a unit array's class-1 units
+    move to ``unit_region``. Past the plan's units and merge list, up to where the last relocated
+    plan's ended (``HDR_FILL_ENDS``), the unit arrays get empty units (zeros) and the merge list
+    ``sentinel``: a variant's programs past the plan's work find nothing to do there."""
     a = tl.program_id(0)
     src = tl.load(PlanBuf + a)
     if a + 1 < N_ARRAYS:
@@ -418,6 +354,8 @@ def relocate_plan_kernel(
     n_all = tl.load(PlanBuf + HDR_CLASS_RANGES + 3)
     if is_unit:
         n = n_all
+    if a == MERGE_ARRAY:  # its entries, not its aligned length: the filler follows them
+        n = tl.load(PlanBuf + HDR_MERGE_COUNTS) + tl.load(PlanBuf + HDR_MERGE_COUNTS + 1)
     offs = tl.arange(0, BLOCK)
     for start in range(tl.program_id(1) * BLOCK, n, tl.num_programs(1) * BLOCK):
         i = start + offs
@@ -425,8 +363,13 @@ def relocate_plan_kernel(
         w = tl.load(PlanBuf + src + i, mask=valid)
         to = i
         if is_unit:
-            to = tl.where(i < n0, i, unit_capacity + i - n0)
+            to = tl.where(i < n0, i, unit_region + i - n0)
         tl.store(Fixed + dst + to, w, mask=valid)
+    if is_unit:
+        _fill(Fixed + dst, n0, tl.load(PlanBuf + HDR_FILL_ENDS), 0)
+        _fill(Fixed + dst + unit_region, n_all - n0, tl.load(PlanBuf + HDR_FILL_ENDS + 1), 0)
+    if a == MERGE_ARRAY:
+        _fill(Fixed + dst, n, tl.load(PlanBuf + HDR_FILL_ENDS + 2), sentinel)
 
 
 @triton.jit

@@ -19,11 +19,9 @@ from fasttree.kernels import (
     merge_many_partials_kernel,
     merge_partials_kernel,
     merge_partials_persistent_kernel,
-    merge_variant_kernel,
     relocate_plan_kernel,
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
-    tree_attention_variant_kernel,
 )
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -67,28 +65,11 @@ def compile_persistent(
     return triton.compile(ASTSource(tree_attention_persistent_kernel, signature, constexprs), target=HOPPER)
 
 
-def compile_variant(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False):
-    """The runtime's launch-variant stage 1: the units kernel's arrays at fixed addresses, gated by the header."""
-    types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
-             "PartLse": "*fp32", "qk_scale": "fp32"}  # fmt: skip
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
-                  "BLOCK_M": block_m, "BLOCK_N": block_n, "TILE_CLASS": 1, "MASKED": masked, "UPCAST_DOT": False,
-                  "OFFSETS_32": offsets_32, "PEEL": peel, "HEADS_FASTEST": True, "GDC_WAIT": gdc}  # fmt: skip
-    ints = ("unit_base", "unit_capacity", "variant")
-
-    def kind(name: str) -> str:
-        if name in constexprs:
-            return "constexpr"
-        return types.get(name, "i32" if name in ints or "stride" in name else "*i32")
-
-    signature = {name: kind(name) for name in tree_attention_variant_kernel.arg_names}
-    return triton.compile(ASTSource(tree_attention_variant_kernel, signature, constexprs), target=HOPPER)
-
-
 def compile_relocate():
-    signature = {"PlanBuf": "*i32", "Fixed": "*i32", "DstOffsets": "*i32", "unit_capacity": "i32",
-                 "N_ARRAYS": "constexpr", "FIRST_UNIT_ARRAY": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    constexprs = {"N_ARRAYS": 11, "FIRST_UNIT_ARRAY": 2, "BLOCK": 1024}
+    signature = {"PlanBuf": "*i32", "Fixed": "*i32", "DstOffsets": "*i32", "unit_region": "i32", "sentinel": "i32",
+                 "N_ARRAYS": "constexpr", "FIRST_UNIT_ARRAY": "constexpr", "MERGE_ARRAY": "constexpr",
+                 "BLOCK": "constexpr"}  # fmt: skip
+    constexprs = {"N_ARRAYS": 11, "FIRST_UNIT_ARRAY": 2, "MERGE_ARRAY": 10, "BLOCK": 1024}
     return triton.compile(ASTSource(relocate_plan_kernel, signature, constexprs), target=HOPPER)
 
 
@@ -167,12 +148,7 @@ def fasttree_jobs() -> dict:
     )  # fmt: skip
     jobs["persistent_slot1_fp16_d128_g4_m16_n16_masked"] = (compile_persistent, ("fp16", 128, 4, 16, 16, True, 1))
     jobs |= {f"merge_persistent_{d}": (compile_merge, (merge_partials_persistent_kernel, d)) for d in ("fp16", "bf16")}
-    jobs["variant_fp16_d128_g4_m64_n64_masked"] = (compile_variant, ("fp16", 128, 4, 64, 64, True))
-    jobs["variant_bf16_d256_g8_m64_n32_peel"] = (compile_variant, ("bf16", 256, 8, 64, 32, False, True, True))
-    jobs |= {f"merge_variant_{d}": (compile_merge, (merge_variant_kernel, d)) for d in ("fp16", "bf16")}
     jobs["relocate_plan"] = (compile_relocate, ())
-    jobs["gdc_variant_fp16_d128_g1_m16_n64"] = (compile_variant, ("fp16", 128, 1, 16, 64, False, True, False, True))
-    jobs["gdc_merge_variant_fp16"] = (compile_merge, (merge_variant_kernel, "fp16", True))
     # programmatic dependent launch (GDC_WAIT): the PTX must hold the wait (checked in main)
     jobs["gdc_units_fp16_d128_g4_m64_n64_masked"] = (compile_units, ("fp16", 128, 4, 64, 64, True, True, True, True))
     jobs["gdc_persistent_fp16_d128_g1_m16_n32"] = (

@@ -41,8 +41,9 @@ def test_header_matches_the_kernels():
     assert values["HDR_SLOT_RANGES"] == PLAN_HEADER.index("slot0_first")
     assert values["HDR_MERGE_COUNTS"] == PLAN_HEADER.index("merge_few")
     assert values["HDR_CLASS_RANGES"] == PLAN_HEADER.index("class0_first")
+    assert values["HDR_FILL_ENDS"] == PLAN_HEADER.index("fill0_end")
     for n, v in values.items():
-        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS", "HDR_CLASS_RANGES"):
+        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS", "HDR_CLASS_RANGES", "HDR_FILL_ENDS"):
             assert PLAN_HEADER[v] == n[4:].lower()
 
 
@@ -506,8 +507,8 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     def recording(kernel, grid, args, constexprs, *rest, **kw):
         if kernel is runtime_module.tree_attention_persistent_kernel:
             seen.append(constexprs[10])  # OFFSETS_32
-        if kernel is runtime_module.tree_attention_variant_kernel:
-            seen.append(constexprs[8])
+        if kernel is runtime_module.tree_attention_units_kernel:  # a launch variant's stage 1
+            seen.append(constexprs[7])
         return real(kernel, grid, args, constexprs, *rest, **kw)
 
     monkeypatch.setattr(runtime_module, "launch", recording)  # the fixed launch's and the relocation's
@@ -636,3 +637,28 @@ def test_runtime_masks_rows_when_any_member_packs(device):
     out = rt.forward(q, k, v)
     ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
     assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
+
+
+def test_past_a_plan_the_variants_find_empty_units_and_the_filler_query(device):
+    """After a large plan, a small one's relocation leaves empty units (zeros) past its units in
+    both tile classes and the filler query (``max_queries``, of no partial) past its merge list, so
+    a launch variant's programs past the plan's work do nothing; the small plan's step is right."""
+    rt = _runtime(device, max_variants=8, max_kv_entries=1 << 14)
+    rng = np.random.default_rng(21)
+    big = ft.KVTree.from_lengths([-1] + [0] * 30, [400] + [90] * 30, list(range(1, 31)))
+    small = random_tree(rng, max_nodes=6, max_len=40)
+    q, k, v = _inputs(big, device, 64)
+    rt.plan(big)
+    up = rt.plan(small)
+    assert up.variant_id >= 1
+    f = {name: t.cpu().numpy() for name, t in rt._fixed_arrays.items()}
+    ptr, region = up.plan.class_unit_ptr, rt.unit_region
+    n0, n1 = int(ptr[1] - ptr[0]), int(ptr[2] - ptr[1])
+    for name in ("unit_kv_start", "unit_kv_len", "unit_q_start", "unit_q_len"):
+        assert not f[name][n0:region].any() and not f[name][region + n1 : 2 * region].any(), name
+    n_merge = up.plan.merge_queries.size
+    assert (f["merge_queries"][n_merge:] == rt.max_queries).all()
+    assert f["query_num_partials"][rt.max_queries] == 0
+    out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+    ref = ft.reference_attention(q[: small.n_queries], k, v, small)
+    assert ft.max_relative_error(out[: small.n_queries], ref) < 2e-3
