@@ -305,3 +305,36 @@ def test_interleaved_graph_timing_orders_calls_by_their_work():
     assert 1.6 < times["two"]["median"] / times["one"]["median"] < 2.4, times
     alone = graph_time_us(one, calls=5, replays=10)["median"]
     assert abs(times["one"]["median"] - alone) < 0.25 * alone, (times, alone)
+
+
+def test_interleaved_graph_timing_rotates_which_call_runs_first(monkeypatch):
+    """Every call leads some round and follows every other one (none always runs after the same
+    heavy call), with at least as many rounds as calls even when the time budget allows fewer."""
+    from fasttree.toolkit import timing
+
+    x = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+    fns = {name: (lambda: x @ x) for name in ("a", "b", "c")}
+    graph_of = {}
+    ran = []
+    real = timing._per_call_us
+
+    def recording(run, replays, calls):
+        ran.append(run.__self__)
+        return real(run, replays, calls)
+
+    monkeypatch.setattr(timing, "_per_call_us", recording)
+    captured = timing._captured
+
+    def naming(fn, calls):
+        graph = captured(fn, calls)
+        graph_of[graph] = next(name for name, f in fns.items() if f is fn)
+        return graph
+
+    monkeypatch.setattr(timing, "_captured", naming)
+    timing.interleaved_graph_times_us(fns, calls=2, rounds=10, replays=2, budget_s=0.0)
+    names = [graph_of[g] for g in ran]
+    rounds = [names[i : i + 3] for i in range(0, len(names), 3)]
+    assert len(rounds) >= 3 and all(sorted(r) == ["a", "b", "c"] for r in rounds), names
+    assert {r[0] for r in rounds} == {"a", "b", "c"}, names
+    follows = {(r[i], r[i + 1]) for r in rounds for i in range(2)}
+    assert {("a", "b"), ("b", "c"), ("c", "a")} <= follows, names

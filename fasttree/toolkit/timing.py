@@ -77,8 +77,11 @@ def interleaved_graph_times_us(
     """:func:`graph_time_us` of several calls, their replays interleaved: ``rounds`` rounds, each
     ``replays`` replays of every call's graph in turn, so that a drift of the GPU's clocks or
     temperature during the measurement reaches every call alike (their ratios are what is compared).
-    Fewer rounds (at least 2) when they would exceed ``budget_s``. Same keys as ``fns``; each value
-    as :func:`graph_time_us`'s."""
+    Each round starts one call later in the order (round ``r`` runs call ``r mod n`` first), so no
+    call always follows the same other one (a heavy call before it warms the GPU and evicts the L2
+    cache it would find warm). Fewer rounds when they would exceed ``budget_s``, never fewer than
+    the number of calls (every call in every position) nor 2. Same keys as ``fns``; each value as
+    :func:`graph_time_us`'s."""
     graphs = {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -93,11 +96,12 @@ def interleaved_graph_times_us(
     t1.record()
     torch.cuda.synchronize()
     one_round = t0.elapsed_time(t1) * 1e-3 * replays
-    rounds = int(max(2, min(rounds, budget_s / max(one_round, 1e-9))))
+    rounds = int(max(2, len(graphs), min(rounds, budget_s / max(one_round, 1e-9))))
+    order = list(graphs)
     times: dict[str, list[np.ndarray]] = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            times[name].append(_per_call_us(graph.replay, replays, calls))
+    for r in range(rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            times[name].append(_per_call_us(graphs[name].replay, replays, calls))
     graphs.clear()
     return {
         name: {**_spread(np.concatenate(t)), "replays": rounds * replays, "calls_per_graph": calls}
