@@ -9,7 +9,8 @@ of a variant runs from one set of launches (the kernels read the plan's arrays a
 from the runtime's plan buffer; programs past a plan's units exit at once), so a server captures
 one graph per variant it meets and replays the one of each step's plan, as serving engines keep
 one graph per batch-size bucket. :class:`VariantTable` numbers the variants a runtime hands out
-and bounds them; plans beyond the bound run the runtime's fixed persistent launch (variant 0).
+and bounds them; past the bound a plan runs the smallest variant met whose launches cover it
+(the same launches, larger grids), else the runtime's fixed persistent launch (variant 0).
 
 Numpy only (no device work).
 """
@@ -61,6 +62,31 @@ class LaunchVariant:
         """Two stage-1 launches, run side by side."""
         return len(self.stage1) == 2
 
+    @property
+    def programs(self) -> int:
+        """Grid rows of its launches: the stage-1 launches' units and the merged queries."""
+        return sum(s.n_units for s in self.stage1) + (0 if self.merge is None else self.merge.n_merge)
+
+    def covers(self, other: LaunchVariant) -> bool:
+        """Whether this variant's launches serve every plan of ``other``: the same launches (tile
+        classes, tiles, warps, stages, register caps, peeling; the same merge kernel) with grids at
+        least ``other``'s, a masked tile class serving an unmasked one too. The runtime keeps its
+        fixed arrays empty past each plan (empty units, the merge list's filler query), so the extra
+        programs find nothing to do, and uploads all-ones row masks for a plan without any."""
+        if len(self.stage1) != len(other.stage1) or (self.merge is None) != (other.merge is None):
+            return False
+        for mine, theirs in zip(self.stage1, other.stage1, strict=True):
+            if mine.n_units < theirs.n_units or (theirs.masked and not mine.masked):
+                return False
+            if replace(mine, n_units=theirs.n_units, masked=theirs.masked) != theirs:
+                return False
+        if self.merge is None:
+            return True
+        return (
+            self.merge.n_merge >= other.merge.n_merge
+            and replace(self.merge, n_merge=other.merge.n_merge) == other.merge
+        )
+
 
 def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
     """The launch variant of ``plan`` on ``target``: ``plan``'s own launch decisions, grids bucketed."""
@@ -76,9 +102,11 @@ class VariantTable:
     Parameters
     ----------
     max_variants : int
-        Variants numbered 1, 2, ... in the order they are first met; a plan whose variant is new
-        once that many exist gets :data:`FIXED_VARIANT` (0: the fixed persistent launch). 0: every
-        plan runs the fixed launch (one graph serves every step).
+        Variants numbered 1, 2, ... in the order they are first met. Once that many exist, a plan
+        whose variant is new gets the number of the variant with the fewest programs among those
+        that cover it (:meth:`LaunchVariant.covers`: the same launches with larger grids), else
+        :data:`FIXED_VARIANT` (0: the fixed persistent launch). 0: every plan runs the fixed
+        launch (one graph serves every step).
     """
 
     def __init__(self, max_variants: int) -> None:
@@ -87,11 +115,13 @@ class VariantTable:
         self._by_id: dict[int, LaunchVariant] = {}
 
     def id_of(self, variant: LaunchVariant) -> int:
-        """The id of ``variant``: its number when it has one or one is still free, else 0."""
+        """The id that serves ``variant``'s plans: its own number when it has one or one is still
+        free, else the covering variant's with the fewest programs, else 0 (the fixed launch)."""
         vid = self._ids.get(variant)
         if vid is None:
             if len(self._ids) >= self.max_variants:
-                return FIXED_VARIANT
+                covering = [(v.programs, i) for v, i in self._ids.items() if v.covers(variant)]
+                return min(covering)[1] if covering else FIXED_VARIANT
             vid = self._ids[variant] = len(self._ids) + 1
             self._by_id[vid] = variant
         return vid

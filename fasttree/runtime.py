@@ -7,9 +7,10 @@ with one pinned, non-blocking copy. Each plan gets a *launch variant* (:mod:`fas
 ``tree_attention``'s own launch decisions with grids rounded up to buckets, run by
 :meth:`~TreeAttentionRuntime.forward` over the plan arrays at fixed addresses, so a CUDA graph of
 a whole decode step, all layers, captured for one variant replays every later plan of it
-(:class:`StepGraphs` keeps one graph per variant met). Past ``max_variants`` variants (or with
-``max_variants=0``) a plan runs the fixed launch: a persistent stage 1 over both tile classes'
-units and a persistent merge, whose grids depend on the GPU only.
+(:class:`StepGraphs` keeps one graph per variant met). Past ``max_variants`` variants a plan runs
+the smallest variant met whose launches cover it (the same launches with larger grids), else (or
+with ``max_variants=0``) the fixed launch: a persistent stage 1 over both tile classes' units and
+a persistent merge, whose grids depend on the GPU only.
 
 Shapes use the package's vocabulary (:mod:`fasttree.plan_arrays`): ``n_queries``, ``Hq``,
 ``Hkv``, ``D``, ``g = Hq // Hkv``; ``B`` is the row count of the ``q`` / ``out`` buffers the
@@ -291,9 +292,11 @@ class TreeAttentionRuntime:
         Launch variants handed out (:mod:`fasttree.launch_variants`): each plan runs with the
         launches :func:`fasttree.tree_attention` would give it, grids rounded up to a bucket,
         under the variant id :meth:`plan` returns; a server captures one CUDA graph per id it
-        meets (:class:`StepGraphs`). Once ``max_variants`` ids exist, plans of new variants run
-        the fixed persistent launch (id 0), so a server holds at most ``max_variants + 1``
-        graphs. 0: every plan runs the fixed launch (one graph for every step, planned with
+        meets (:class:`StepGraphs`). Once ``max_variants`` ids exist, a plan of a new variant
+        runs under the id of the smallest variant met that covers it (the same launches, grids at
+        least its own: :meth:`fasttree.launch_variants.LaunchVariant.covers`), else the fixed
+        persistent launch (id 0), so a server holds at most ``max_variants + 1`` graphs. 0:
+        every plan runs the fixed launch (one graph for every step, planned with
         :meth:`fasttree.PlanRules.runtime`; slower than the variants).
 
     Raises
@@ -698,8 +701,7 @@ class TreeAttentionRuntime:
 
         variant = launch_variant(plan, self._target) if self.variants.max_variants else None
         variant_id = FIXED_VARIANT if variant is None else self.variants.id_of(variant)
-        if variant_id == FIXED_VARIANT:
-            variant = None
+        variant = self.variants.variant(variant_id)  # a covering one past max_variants; None: the fixed launch
 
         i = self._next_staging
         self._next_staging ^= 1
@@ -707,9 +709,11 @@ class TreeAttentionRuntime:
             self._copied[i].synchronize()  # the copy out of this staging buffer (two plans ago) is done
         buf = self._staged[i]
         n_kv = plan.kv_indices.size
-        # the fixed launch reads row masks whenever a member packs: a plan with no packed unit gets
-        # all-ones masks (every query attends every entry); a variant reads them only for masked classes
-        no_mask = variant is None and self.masked and plan.kv_row_mask.size == 0
+        # the fixed launch reads row masks whenever a member packs, a variant for its masked classes:
+        # a plan with no packed unit gets all-ones masks (every query attends every entry) when its
+        # launches read them (the fixed launch, or a covering variant with a masked class)
+        reads_masks = self.masked if variant is None else any(s.masked for s in variant.stage1)
+        no_mask = reads_masks and plan.kv_row_mask.size == 0
         offsets = []
         off = _HEADER_WORDS
         for name in DEVICE_ARRAYS:

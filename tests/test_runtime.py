@@ -662,3 +662,33 @@ def test_past_a_plan_the_variants_find_empty_units_and_the_filler_query(device):
     out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
     ref = ft.reference_attention(q[: small.n_queries], k, v, small)
     assert ft.max_relative_error(out[: small.n_queries], ref) < 2e-3
+
+
+def test_past_max_variants_a_covering_variant_serves_the_plan(device):
+    """With its one variant id handed out, the runtime serves a smaller plan of the same launches
+    (or of unmasked ones: all-ones row masks) with that variant (its extra programs find empty units
+    and the filler query) and a plan of other launches with the fixed launch; every step equals the
+    reference."""
+    from fasttree.launch_variants import FIXED_VARIANT, launch_variant
+
+    rt = _runtime(device, max_variants=1, max_kv_entries=1 << 14)
+
+    def star(n: int) -> ft.KVTree:  # a 400-token prompt read by n questions of 90 tokens
+        return ft.KVTree.from_lengths([-1] + [0] * n, [400] + [90] * n, list(range(1, n + 1)))
+
+    first = rt.plan(star(30))
+    assert first.variant_id == 1
+    q, k, v = _inputs(star(30), device, 64)
+    other = ft.KVTree.from_lengths([-1, 0, 0, 1, 1], [300, 40, 500, 30, 20], [2, 3, 4])
+    for tree, served_by_first in ((star(28), True), (star(12), True), (other, False), (star(30), True)):
+        up = rt.plan(tree)
+        own = launch_variant(up.plan, rt._target)
+        if served_by_first:
+            assert up.variant_id == 1 and up.variant == first.variant and first.variant.covers(own)
+        else:  # other launches: nothing covers it
+            assert up.variant_id == FIXED_VARIANT and up.variant is None and not first.variant.covers(own)
+        out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+        ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+        assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
+        assert torch.isnan(out[tree.n_queries :]).all()
+    assert len(rt.variants) == 1

@@ -1,0 +1,80 @@
+"""Launch variants: grid buckets, which variant covers which, and the ids a runtime hands out (CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from fasttree.launch_rules import MergeLaunch, Stage1Launch
+from fasttree.launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket
+
+
+def _stage1(tile_class: int, n_units: int, **kw) -> Stage1Launch:
+    args = {"block_m": 64 if tile_class == 0 else 16, "block_n": 64, "num_warps": 4, "num_stages": 3,
+            "maxnreg": None, "masked": True, "peel": False, "shrink_stages": True, **kw}  # fmt: skip
+    return Stage1Launch(tile_class=tile_class, first_unit=0, n_units=n_units, **args)
+
+
+def _merge(n_merge: int, many: bool = False) -> MergeLaunch:
+    return MergeLaunch(many=many, n_merge=n_merge, block_h=1 if many else 4, block_p=32 if many else 0,
+                       num_warps=4, num_stages=1 if many else 3)  # fmt: skip
+
+
+def _variant(units: tuple[int, ...], n_merge: int | None, **kw) -> LaunchVariant:
+    classes = (0, 1) if len(units) == 2 else (1,)
+    stage1 = tuple(_stage1(c, n, **kw) for c, n in zip(classes, units, strict=True))
+    return LaunchVariant(stage1=stage1, merge=None if n_merge is None else _merge(n_merge))
+
+
+def test_grid_buckets_are_monotone_and_leave_at_most_one_program_in_eight_idle():
+    n = np.arange(0, 5001)
+    buckets = np.array([grid_bucket(int(x)) for x in n])
+    assert (buckets >= n).all() and (np.diff(buckets) >= 0).all()
+    assert (buckets[:17] == n[:17]).all()
+    assert ((buckets[17:] - n[17:]) * 8 < buckets[17:]).all()
+    # at most eight buckets per doubling: counts in (1024, 2048]
+    assert len(set(buckets[1025:2049].tolist())) == 8
+
+
+def test_a_variant_covers_the_same_launches_with_grids_no_larger():
+    big = _variant((40, 72), 96)
+    assert big.covers(big)
+    assert big.covers(_variant((36, 72), 80)) and big.covers(_variant((40, 16), 1))
+    assert not big.covers(_variant((44, 72), 96))  # more class-0 units than its grid
+    assert not big.covers(_variant((40, 72), 104))  # more merged queries
+    assert not big.covers(_variant((72,), 96))  # one tile class, not two
+    assert not big.covers(_variant((40, 72), None))  # no merge: another launch list
+    assert not _variant((40, 72), None).covers(_variant((40, 72), 8))
+    assert not big.covers(_variant((8, 8), 8, num_stages=4))  # other stages
+    assert not big.covers(_variant((8, 8), 8, peel=True))
+    assert big.covers(_variant((8, 8), 8, masked=False))  # masked classes serve unmasked ones
+    assert not _variant((40, 72), 96, masked=False).covers(_variant((8, 8), 8))
+    many = LaunchVariant(stage1=big.stage1, merge=_merge(96, many=True))
+    assert not big.covers(replace(many, merge=_merge(8, many=True)))  # the other merge kernel
+    assert big.programs == 40 + 72 + 96
+
+
+def test_past_max_variants_a_new_variant_gets_the_smallest_covering_id():
+    table = VariantTable(3)
+    large = _variant((64, 72), 96)
+    medium = _variant((48, 40), 64)
+    other = _variant((72,), 40)
+    assert [table.id_of(v) for v in (large, medium, other)] == [1, 2, 3]
+    assert table.id_of(medium) == 2 and len(table) == 3
+    assert table.id_of(_variant((40, 40), 48)) == 2  # both cover it: the one of fewer programs
+    assert table.id_of(_variant((56, 40), 48)) == 1  # only the large one covers it
+    assert table.id_of(_variant((64, 80), 48)) == FIXED_VARIANT  # none covers it
+    assert table.id_of(_variant((56,), 8)) == 3
+    assert len(table) == 3 and table.variant(2) == medium  # covering hands out no new id
+
+
+@pytest.mark.parametrize("max_variants", [0, 1])
+def test_without_room_or_cover_the_fixed_launch_serves(max_variants):
+    table = VariantTable(max_variants)
+    first = _variant((16, 16), 16)
+    expected = FIXED_VARIANT if max_variants == 0 else 1
+    assert table.id_of(first) == expected
+    assert table.id_of(_variant((32, 16), 16)) == FIXED_VARIANT
+    assert table.variant(FIXED_VARIANT) is None
