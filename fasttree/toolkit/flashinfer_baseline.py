@@ -259,9 +259,9 @@ def flashinfer_version() -> str | None:
 _WORKSPACES: dict[str, Any] = {}
 
 
-def _workspace(device):
-    """The float workspace the device's wrappers share: uint8 [WORKSPACE_BYTES], zeroed (FlashInfer asks
-    for zeros at first use)."""
+def shared_workspace(device):
+    """The float workspace the device's wrappers share (they run one after another on one stream):
+    uint8 ``[WORKSPACE_BYTES]`` on ``device``, zeroed (FlashInfer asks for zeros at first use)."""
     import torch
 
     key = str(device)
@@ -276,7 +276,9 @@ def _device_table(table: PageTable, device) -> tuple[Any, Any, Any]:
     return tuple(torch.from_numpy(a).to(device) for a in (table.indptr, table.indices, table.last_page_len))
 
 
-def _host_table(table: PageTable) -> tuple[Any, Any, Any]:
+def host_table(table: PageTable) -> tuple[Any, Any, Any]:
+    """``table``'s arrays as CPU int32 tensors (indptr, indices, last_page_len), as a wrapper's ``plan``
+    takes them."""
     import torch
 
     return tuple(torch.from_numpy(a) for a in (table.indptr, table.indices, table.last_page_len))
@@ -328,10 +330,10 @@ def decode_runner(fi: ModuleType, q, k, v, tree: KVTree) -> Runner:
     table = decode_page_table(tree)
     indptr, indices, last = _device_table(table, q.device)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-        _workspace(q.device), "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+        shared_workspace(q.device), "NHD", use_cuda_graph=True, use_tensor_cores=tc,
         paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
     )  # fmt: skip
-    wrapper.plan(*_host_table(table), hq, hkv, d, 1, q_data_type=q.dtype, kv_data_type=k.dtype)
+    wrapper.plan(*host_table(table), hq, hkv, d, 1, q_data_type=q.dtype, kv_data_type=k.dtype)
     torch.cuda.synchronize(q.device)
     cache = (k.unsqueeze(1), v.unsqueeze(1))  # [pages, page_size 1, Hkv, D]
     out = torch.empty_like(q)
@@ -356,11 +358,11 @@ def cascade_runner(fi: ModuleType, q, k, v, tree: KVTree) -> Runner:
     qo_dev = [torch.from_numpy(p).to(dev) for p in levels.qo_indptr]
     kv_dev = [_device_table(t, dev) for t in levels.kv]
     wrapper = fi.MultiLevelCascadeAttentionWrapper(
-        levels.num_levels, _workspace(dev), "NHD", use_cuda_graph=True,
+        levels.num_levels, shared_workspace(dev), "NHD", use_cuda_graph=True,
         qo_indptr_buf_arr=qo_dev, paged_kv_indptr_buf_arr=[t[0] for t in kv_dev],
         paged_kv_indices_buf_arr=[t[1] for t in kv_dev], paged_kv_last_page_len_buf_arr=[t[2] for t in kv_dev],
     )  # fmt: skip
-    host = [_host_table(t) for t in levels.kv]
+    host = [host_table(t) for t in levels.kv]
     wrapper.plan(
         [torch.from_numpy(p) for p in levels.qo_indptr], [t[0] for t in host], [t[1] for t in host],
         [t[2] for t in host], hq, hkv, d, 1, q_data_type=q.dtype, kv_data_type=k.dtype,
