@@ -472,6 +472,8 @@ def probe(
                 msg = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(msg, dict) or "event" not in msg:  # anything else the child printed
+                continue
             idx = start + int(msg["job"])
             if msg["event"] == "start":
                 started = idx
