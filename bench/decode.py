@@ -56,6 +56,12 @@ from CUDA graphs. Attention backends, all on the same model code (an
   GQA by viewing the ``g`` query heads of a KV head as ``g`` query rows (no KV copy per
   query head). Skipped for a scenario whose padded KV of one layer exceeds
   ``--sdpa-max-gib``.
+* ``flashinfer_decode`` (only when named in ``--backends``): FlashInfer's
+  ``BatchDecodeWithPagedKVCacheWrapper`` over each query's whole root path, page size 1 with
+  the pools' slots as the pages (layout ``NHD``), tensor cores from GQA 4 on, planned once per
+  step for all layers as SGLang's FlashInfer backend does, run eagerly between the segment
+  graphs (:mod:`fasttree.toolkit.flashinfer_baseline`). Skipped, with the reason, when
+  ``flashinfer`` cannot be imported or on the CPU.
 
 Piecewise graphs: segment 0 is the embedding and layer 0 up to attention, segment ``l``
 layer ``l - 1`` after attention and layer ``l`` up to it, the last one layer ``L - 1``
@@ -114,6 +120,8 @@ BACKENDS = (
     "fasttree", "fasttree_overlap", "fasttree_piecewise", "fasttree_fresh", "query_separated",
     "query_separated_overlap", "sdpa",
 )  # fmt: skip
+#: Peers' backends: accepted by ``--backends``, not run by default (they need ``flashinfer`` importable).
+PEER_BACKENDS = ("flashinfer_decode",)
 #: Pool-slot layouts of the workloads' trees (``--slots``).
 SLOT_LAYOUTS = ("stable", "contiguous")
 CHECK_QUERIES = 32
@@ -872,8 +880,57 @@ class SdpaBackend:
         return {}
 
 
+class FlashInferDecodeBackend:
+    """FlashInfer's batch decode over each query's whole path (page size 1, the pools' slots as the
+    pages), planned once per step for all layers."""
+
+    name = "flashinfer_decode"
+    graphs = "piecewise"
+
+    def __init__(self, model: Model, buf: StepBuffers, workload: Workload) -> None:
+        from fasttree.toolkit import flashinfer_baseline as fib
+
+        fi, reason = fib.import_flashinfer()
+        if fi is None:
+            raise RuntimeError(reason)
+        spec = model.spec
+        self.fib = fib
+        self.buf = buf
+        self.dtype = model.dtype
+        self.heads = (spec.num_q_heads, spec.num_kv_heads, spec.head_dim)
+        self.tensor_cores = fib.use_tensor_cores(spec.num_q_heads, spec.num_kv_heads)
+        self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            fib.shared_workspace(model.device), "NHD", use_tensor_cores=self.tensor_cores
+        )
+        self.n = 0
+
+    def prepare_step(self, tree: ft.KVTree) -> None:
+        """Build the step's page table on the host and plan the wrapper (it uploads the table)."""
+        table = self.fib.decode_page_table(tree)
+        hq, hkv, d = self.heads
+        self.wrapper.plan(*self.fib.host_table(table), hq, hkv, d, 1, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.n = tree.n_queries
+
+    def attention(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        n = self.n
+        cache = (self.buf.k_pools[layer].unsqueeze(1), self.buf.v_pools[layer].unsqueeze(1))  # [pages, 1, Hkv, D]
+        self.wrapper.run(q[:n], cache, out=out[:n])
+
+    def info(self) -> dict[str, Any]:
+        return {"tensor_cores": self.tensor_cores, "page_size": 1, "flashinfer": self.fib.flashinfer_version()}
+
+
+def peer_skip_reason(name: str, device: torch.device) -> str | None:
+    """Why the peer backend ``name`` cannot run here (None: it can)."""
+    if device.type != "cuda":
+        return f"{name} needs a CUDA device"
+    from fasttree.toolkit.flashinfer_baseline import import_flashinfer
+
+    return import_flashinfer()[1]
+
+
 def make_backend(name: str, model: Model, buf: StepBuffers, workload: Workload, config):
-    """The backend ``name`` of :data:`BACKENDS` for ``model`` on ``workload``."""
+    """The backend ``name`` of :data:`BACKENDS` or :data:`PEER_BACKENDS` for ``model`` on ``workload``."""
     if name in ("fasttree", "fasttree_overlap", "fasttree_piecewise", "fasttree_fresh"):
         backend = FastTreeBackend(
             model, buf, workload, config, full_graph=name != "fasttree_piecewise",
@@ -885,7 +942,9 @@ def make_backend(name: str, model: Model, buf: StepBuffers, workload: Workload, 
         return QuerySeparatedBackend(model, buf, workload, overlap=name == "query_separated_overlap")
     if name == "sdpa":
         return SdpaBackend(model, buf, workload)
-    raise ValueError(f"unknown backend {name!r}; choose from {BACKENDS}")
+    if name == "flashinfer_decode":
+        return FlashInferDecodeBackend(model, buf, workload)
+    raise ValueError(f"unknown backend {name!r}; choose from {BACKENDS + PEER_BACKENDS}")
 
 
 # ---------------------------------------------------------------------- measurement
@@ -1185,6 +1244,9 @@ def bench_scenario(
             row["skipped"] = (
                 f"padded KV of one layer {sdpa_bytes / 2**30:.1f} GiB > --sdpa-max-gib {args.sdpa_max_gib:g}"
             )
+        elif name in PEER_BACKENDS and (why := peer_skip_reason(name, model.device)) is not None:
+            row["skipped"] = why
+        if "skipped" in row:
             log.info("%s / %s / %s skipped: %s", model_key, scenario, name, row["skipped"])
             rows.append(row)
             continue
@@ -1379,8 +1441,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--backends",
         default=",".join(BACKENDS),
-        type=lambda s: _csv(s, BACKENDS, "backends"),
-        help=f"comma list of {', '.join(BACKENDS)} (default: all)",
+        type=lambda s: _csv(s, BACKENDS + PEER_BACKENDS, "backends"),
+        help=f"comma list of {', '.join(BACKENDS + PEER_BACKENDS)} (default: all but the FlashInfer peer "
+        f"{', '.join(PEER_BACKENDS)}, which needs flashinfer-python importable and is skipped otherwise)",
     )
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's, 32 for 7B)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps (>= 1; the first is eager)")

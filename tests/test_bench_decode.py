@@ -164,6 +164,24 @@ def test_sdpa_skipped_over_budget(tmp_path):
     assert "skipped" in decode.results_table(rows)
 
 
+def test_the_flashinfer_backend_is_opt_in_and_skipped_with_its_reason(tmp_path):
+    """Accepted by --backends, not in the default; where it cannot run (here: the CPU, or no
+    flashinfer) its row says why."""
+    assert "flashinfer_decode" not in decode.parse_args([]).backends
+    args = decode.parse_args(
+        ["--device", "cpu", "--models", "tiny", "--scenarios", SCENARIO, "--max-batch", "8", "--warmup", "1",
+         "--steps", "1", "--backends", "flashinfer_decode", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert args.backends == ["flashinfer_decode"]
+    model = decode.build_model(decode.MODELS["tiny"], layers=1, dtype=torch.float16, device=torch.device("cpu"), seed=0)
+    _, rows = decode.bench_scenario(model, "tiny", SCENARIO, args, graphs=False)
+    assert rows == [
+        {"model": "tiny", "scenario": SCENARIO, "backend": "flashinfer_decode", "skipped": rows[0]["skipped"]}
+    ]
+    assert "needs a CUDA device" in rows[0]["skipped"]
+    assert "skipped" in decode.results_table(rows)
+
+
 def test_bad_arguments():
     with pytest.raises(SystemExit):
         decode.parse_args(["--backends", "flash"])

@@ -15,7 +15,11 @@ measured in one run on random N(0, 1) inputs:
   for this GPU and head shape that its selector picks for the case's tree; skipped when the
   export has no entry, or one tuned for other kernels or defaults) and ``runtime`` (the serving path:
   :class:`fasttree.runtime.TreeAttentionRuntime` with the default config, the case's tree
-  planned and uploaded, its fixed launches replayed);
+  planned and uploaded, its fixed launches replayed); on request (``--variants``; not run by
+  default) the peers ``flashinfer_decode`` (FlashInfer's batch decode over each query's whole
+  path, page size 1) and ``flashinfer_cascade`` (its multi-level cascade, one level per depth),
+  see :mod:`.flashinfer_baseline`: skipped with the reason when FlashInfer cannot be imported,
+  each call first run in a child process so that a crash of theirs is recorded per case;
 * every variant's worst per-query relative error against the float64 reference on a
   sample of queries (outputs poisoned with NaN first);
 * the roofline floor ``max(min_bytes / 4.8 TB/s, flops / 700 TFLOP/s)`` as the anchors
@@ -61,7 +65,12 @@ log = logging.getLogger("fasttree.toolkit.kernel_bench")
 DEFAULT_EXPORT = "docs/tune/export.json"
 
 SDPA_MAX_BYTES = 40e9
-VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
+#: FlashInfer's kernels (:mod:`.flashinfer_baseline`, imported only when one of them is asked for).
+PEER_VARIANTS = ("flashinfer_decode", "flashinfer_cascade")
+#: The variants run when ``--variants`` is not given: ours and the torch baselines.
+DEFAULT_VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
+#: Every variant ``--variants`` accepts.
+VARIANTS = DEFAULT_VARIANTS + PEER_VARIANTS
 
 
 def roofline_floor_us(tree: ft.KVTree, hq: int, hkv: int, d: int, elem_bytes: int = 2) -> dict[str, float]:
@@ -128,6 +137,46 @@ def worst_rel_error(out: torch.Tensor, ref: torch.Tensor, rows: np.ndarray) -> f
     return ft.max_relative_error(out[torch.as_tensor(rows, device=out.device)], ref)
 
 
+def case_inputs(
+    tree: ft.KVTree, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A case's random N(0, 1) inputs: q ``[n_queries, hq, d]`` and k, v ``[max_slot + 1, hkv, d]``,
+    ``dtype`` on the CUDA device, drawn from a generator seeded by ``seed`` and the head shape."""
+    gen = torch.Generator(device="cuda").manual_seed(1000 * seed + hq + hkv)
+    pool = tree.max_slot + 1
+    q = torch.randn(tree.n_queries, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+def case_key(case: int | str, heads: str) -> str:
+    """A row's name in the summaries and in the FlashInfer probe: ``case/heads``."""
+    return f"{case}/{heads}"
+
+
+def probe_item(args: argparse.Namespace, *, case: int | None = None, heads: str | None = None,
+               family: FamilyCase | None = None) -> dict[str, Any]:  # fmt: skip
+    """The JSON description of a paper case (``case``, ``heads``) or a families case (``family``)
+    that :func:`probe_inputs` rebuilds in the FlashInfer probe's child process."""
+    if family is not None:
+        hq, hkv = family.heads
+        return {"key": case_key(family.name, f"{hq}/{hkv}"), "suite": "families", "name": family.name}
+    return {"key": case_key(case, heads), "suite": "paper", "case": case, "heads": heads,
+            "head_dim": args.head_dim, "dtype": args.dtype}  # fmt: skip
+
+
+def probe_inputs(item: dict[str, Any]) -> tuple[ft.KVTree, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree and the inputs (:func:`case_inputs`) of the case :func:`probe_item` described."""
+    if item["suite"] == "families":
+        (fc,) = [c for c in FAMILY_CASES if c.name == item["name"]]
+        tree = family_tree(fc)
+        return (tree, *case_inputs(tree, *fc.heads, fc.head_dim, DTYPES[fc.dtype], fc.seed))
+    hq, hkv = PAPER_HEADS[item["heads"]]
+    tree = paper_tree(item["case"])
+    return (tree, *case_inputs(tree, hq, hkv, item["head_dim"], DTYPES[item["dtype"]], item["case"]))
+
+
 def bench_case(case: int, heads: str, args: argparse.Namespace, anchors: dict) -> dict[str, Any]:
     """One paper-suite case (tree ``case`` at head setting ``heads``) at ``args``' head dim and dtype."""
     hq, hkv = PAPER_HEADS[heads]
@@ -150,11 +199,8 @@ def bench_tree(
     ``dtype_name``, on random N(0, 1) inputs seeded by ``seed``; ``anchor``: the published
     kernel's row of the anchors file, if any."""
     dtype = DTYPES[dtype_name]
-    gen = torch.Generator(device="cuda").manual_seed(1000 * seed + hq + hkv)
     pool = tree.max_slot + 1
-    q = torch.randn(tree.n_queries, hq, d, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(pool, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    q, k, v = case_inputs(tree, hq, hkv, d, dtype, seed)
     rows = np.sort(np.random.default_rng(seed).choice(tree.n_queries, min(tree.n_queries, 64), replace=False))
     ref = ft.reference_attention(q, k, v, tree, queries=rows)
     row: dict[str, Any] = {
@@ -194,6 +240,8 @@ def bench_tree(
 
     runners: dict[str, Callable[[], torch.Tensor] | None] = {}
     outs: dict[str, torch.Tensor] = {}
+    skipped: dict[str, str] = {}  # variant -> why it did not run
+    failed: dict[str, str] = {}  # variant -> the error it raised (a peer's failure, recorded per case)
     for name, cfg in variant_configs(base).items():
         if name not in args.variants:
             continue
@@ -208,10 +256,13 @@ def bench_tree(
         runners["query_separated"] = lambda p=p, o=outs["query_separated"]: ft.tree_attention(q, k, v, p, out=o)
     if "sdpa" in args.variants:
         runners["sdpa"] = sdpa_runner(q, k, v, tree)
+        if runners["sdpa"] is None:
+            skipped["sdpa"] = "duplicated KV would not fit"
     if "tuned" in args.variants:
         picked = tuned_config(args.export, tree, gpu=torch.cuda.get_device_name(0), hq=hq, hkv=hkv, d=d, dtype=dtype)
         if picked is None:
             runners["tuned"] = None
+            skipped["tuned"] = "no export entry"
         else:
             tuned, member = picked
             p = ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
@@ -233,14 +284,23 @@ def bench_tree(
         }  # fmt: skip
         outs["runtime"] = torch.empty_like(q)
         runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
+    for name in (n for n in PEER_VARIANTS if n in args.variants):
+        peer = _peer_runner(name, q, k, v, tree, getattr(args, "peer_status", {}).get((case_key(case, heads), name)))
+        if isinstance(peer, str):
+            (failed if peer.startswith("error: ") else skipped)[name] = peer.removeprefix("error: ")
+            runners[name] = None
+            continue
+        runners[name] = peer.call
+        if peer.out is not None:  # poisoned before the correctness call, as ours are
+            outs[name] = peer.out
+        row.setdefault("variant_plans", {})[name] = peer.info
 
     results: dict[str, Any] = {}
     # graph times of the variants, replays interleaved (their ratios are the benchmark's findings)
     graph_times = interleaved_graph_times_us({name: fn for name, fn in runners.items() if fn is not None})
     for name, fn in runners.items():
         if fn is None:
-            why = "no export entry" if name == "tuned" else "duplicated KV would not fit"
-            results[name] = {"skipped": why}
+            results[name] = {"error": failed[name], "correct": False} if name in failed else {"skipped": skipped[name]}
             continue
         if name in outs:
             outs[name].fill_(float("nan"))
@@ -279,6 +339,47 @@ def bench_tree(
     outs.clear()
     torch.cuda.empty_cache()
     return row
+
+
+def _peer_runner(name: str, q, k, v, tree: ft.KVTree, status: str | None):
+    """Peer variant ``name`` planned on this case, or why not: ``"error: ..."`` when it failed (in the
+    probe, ``status``, or here: planning or its first eager call raised), else a skip reason."""
+    if status is not None:
+        return status
+    from . import flashinfer_baseline as fib
+
+    fi, reason = fib.import_flashinfer()
+    if fi is None:
+        return reason
+    try:
+        runner = fib.make_runner(name, q, k, v, tree)
+        runner.call()  # its first call eagerly, before any capture (an error here is this case's alone)
+        torch.cuda.synchronize()
+    except Exception as exc:  # a peer's failure is a finding of the run, recorded on its row
+        log.warning("%s failed: %s", name, exc)
+        return f"error: {type(exc).__name__}: {exc}"[:600]
+    return runner
+
+
+def peer_status(items: list[dict[str, Any]], variants: list[str]) -> dict[tuple[str, str], str]:
+    """Before the run: ``(case key, variant) -> status`` of the peer variants in ``variants`` that must
+    not run in this process: their skip reason when FlashInfer cannot be imported (every case), or
+    ``"error: ..."`` for each call that failed in the child-process probe
+    (:func:`.flashinfer_baseline.probe`). Empty when no peer variant is asked for."""
+    peers = [n for n in PEER_VARIANTS if n in variants]
+    if not peers:
+        return {}
+    from . import flashinfer_baseline as fib
+
+    fi, reason = fib.import_flashinfer()
+    if fi is None:
+        log.warning("%s: %s skipped", reason, ", ".join(peers))
+        return {(item["key"], name): reason for item in items for name in peers}
+    log.info("flashinfer %s: probing %d calls in child processes", fib.flashinfer_version(), len(items) * len(peers))
+    t0 = time.perf_counter()
+    failures = fib.probe(items, peers)
+    log.info("probe done in %.0f s, %d failed", time.perf_counter() - t0, len(failures))
+    return {key: f"error: {err}" for key, err in failures.items()}
 
 
 def _eager_gaps(rows: list[dict[str, Any]], key: str) -> list[float]:
@@ -323,16 +424,20 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if loop_gaps:
         s["max_eager_loop_minus_graph_us"] = max(loop_gaps)
         s["median_eager_loop_minus_graph_us"] = float(np.median(loop_gaps))
-    s["all_correct"] = all(v.get("correct", True) for r in rows for v in r["variants"].values())
+    # ours and the torch baselines (the exit status); a peer's wrong result or failure is a finding, listed below
+    s["all_correct"] = all(
+        v.get("correct", True) for r in rows for name, v in r["variants"].items() if name not in PEER_VARIANTS
+    )
     losses = []
     for r in rows:
         ours = r["variants"].get("fasttree", {}).get("graph_us")
-        for other in ("query_separated", "sdpa"):
+        for other in ("query_separated", "sdpa", *PEER_VARIANTS):
             t = r["variants"].get(other, {}).get("graph_us")
             if ours is not None and t is not None and t < ours:
                 losses.append(f"{r['case']}/{r['heads']} vs {other}: {ours:.1f} > {t:.1f} us")
     s["losses_to_baselines"] = losses
     s.update(_ratio_summary(rows))
+    s.update(_peer_summary(rows))
     same = [r for r in rows if r.get("variant_plans", {}).get("runtime", {}).get("same_plan_as_fasttree")]
     if same:  # the runtime's launches alone: the rows it planned as tree_attention did (no capacity retry)
         s["runtime_vs_fasttree_same_plan"] = _ratio_summary(same).get("runtime_vs_fasttree")
@@ -371,6 +476,37 @@ def _ratio_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _peer_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per peer variant that appears in ``rows`` (``fasttree_vs_<peer>``): its graph time over ours
+    (> 1: ours faster) as geomean, worst case and the cases where ours is slower, the same of the
+    eager times, and the cases where the peer failed, was wrong or was skipped (with why)."""
+    out: dict[str, Any] = {}
+    for peer in PEER_VARIANTS:
+        entries = [(case_key(r["case"], r["heads"]), r["variants"][peer], r["variants"].get("fasttree", {}))
+                   for r in rows if peer in r["variants"]]  # fmt: skip
+        if not entries:
+            continue
+        s: dict[str, Any] = {"n_cases": len(entries)}
+        for kind in ("graph_us", "eager_us"):
+            pairs = [(v[kind] / ours[kind], key) for key, v, ours in entries if kind in v and kind in ours]
+            if not pairs:
+                continue
+            worst = min(pairs)
+            prefix = kind.removesuffix("_us")
+            s[f"{prefix}_n"] = len(pairs)
+            s[f"{prefix}_geomean"] = geomean([p for p, _ in pairs])
+            s[f"{prefix}_worst"] = worst[0]
+            s[f"{prefix}_worst_case"] = worst[1]
+            s[f"{prefix}_ours_slower"] = [f"{key} ({p:.3f})" for p, key in pairs if p < 1]
+        s["failed"] = [f"{key}: {v['error']}" for key, v, _ in entries if "error" in v]
+        s["wrong"] = [f"{key}: max_rel_err {v['max_rel_err']:.2e}" for key, v, _ in entries
+                      if "max_rel_err" in v and not v.get("correct", True)]  # fmt: skip
+        skips = sorted({v["skipped"] for _, v, _ in entries if "skipped" in v})
+        s["skipped"] = {why: sum(v.get("skipped") == why for _, v, _ in entries) for why in skips}
+        out[f"fasttree_vs_{peer}"] = s
+    return out
+
+
 def _f(x, fmt=".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
@@ -391,7 +527,8 @@ def markdown(rows, summary, env, label) -> str:
         "of our default call (one call at a time, L2 cleared before each); graph cold = the same call replayed "
         "from a CUDA graph, timed as eager is (one at a time, L2 cleared); eager loop = 20 of our default calls "
         "issued back to back without a graph, timed like the replay (median / 20); runtime/ours = our default "
-        "call's time over the runtime's (>= 1: the runtime as fast). `x` marks a wrong result.",
+        "call's time over the runtime's (>= 1: the runtime as fast). `x` marks a wrong result, `fail` a call "
+        "that raised or crashed (the error is in the JSON and the summary), `skip` one not run (why: the JSON).",
         "",
         head,
         "|" + "---:|" * (len(names) + 10),
@@ -400,7 +537,10 @@ def markdown(rows, summary, env, label) -> str:
         cells = []
         for n in names:
             v = r["variants"].get(n, {})
-            cells.append("skip" if "skipped" in v else _f(v.get("graph_us")) + ("" if v.get("correct", True) else " x"))
+            if "skipped" in v or "error" in v:
+                cells.append("skip" if "skipped" in v else "fail")
+                continue
+            cells.append(_f(v.get("graph_us")) + ("" if v.get("correct", True) else " x"))
         ours = r["variants"].get("fasttree", {})
         lines.append(
             f"| {r['case']} | {r['heads']} | {_f(r['floor_us'])} | {_f(r.get('published_graph_us'))} | "
@@ -459,7 +599,13 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
     p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="variants to run, comma separated")
+    p.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"variants to run, comma separated, of {', '.join(VARIANTS)} (default: all but the FlashInfer peers "
+        f"{', '.join(PEER_VARIANTS)}, which need flashinfer-python importable and are skipped with the reason "
+        "otherwise)",
+    )
     p.add_argument("--out", type=Path, default=Path("docs/results"), help="output FOLDER (default: docs/results)")
     p.add_argument("--label", default="h200", help="names the outputs kernel_<label>.* (default: h200)")
     p.add_argument(
@@ -499,7 +645,9 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
 
 def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> int:
     """Run the benchmark (``argv``: its command-line arguments, ``prog``: the command named in its
-    usage), write the reports; 0 when every variant was correct, 1 when one was not, 2 without a GPU."""
+    usage), write the reports; 0 when every variant of ours and the torch baselines was correct, 1 when one
+    was not (a FlashInfer peer's wrong result or failure is listed in the summary, not in the status), 2
+    without a GPU."""
     args = parse_args(argv, prog=prog)
     existing = [args.out / f"kernel_{args.label}.{ext}" for ext in ("json", "md", "png")]
     existing = [str(path) for path in existing if path.exists()]
@@ -521,8 +669,15 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
     rows = []
     if args.suite == "paper":
         runs = [lambda c=case, h=heads: bench_case(c, h, args, anchors) for case in args.cases for heads in args.heads]
+        items = [probe_item(args, case=case, heads=heads) for case in args.cases for heads in args.heads]
     else:
         runs = [lambda fc=fc: bench_family_case(fc, args) for fc in FAMILY_CASES]
+        items = [probe_item(args, family=fc) for fc in FAMILY_CASES]
+    args.peer_status = peer_status(items, args.variants)
+    if any(n in args.variants for n in PEER_VARIANTS):
+        from .flashinfer_baseline import flashinfer_version
+
+        env["flashinfer"] = flashinfer_version()
     for run in runs:
         row = run()
         rows.append(row)
