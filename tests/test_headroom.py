@@ -406,6 +406,39 @@ def test_profile_command_refuses_bad_headroom_options(monkeypatch, tmp_path, cap
     assert message in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------ end to end: the real measurement
+SMALL_TREE = ft.KVTree.from_lengths([-1, 0, 0, 1], [40, 20, 24, 9], [1, 2, 3, 3, 2])
+
+
+def test_headroom_sweep_end_to_end_with_the_real_measurement_on_the_cpu(monkeypatch, tmp_path, device):
+    """measure_point plans, runs (the Triton interpreter on the CPU) and checks each point; the timers
+    are stubbed (one call each) and every tree is one small tree."""
+    import fasttree.toolkit.design as design_module
+    import fasttree.toolkit.measure as measure_module
+
+    def graph_time_us(fn, **kw):
+        fn()
+        return {"median": 11.0, "p20": 10.0, "p80": 12.0, "replays": 5, "calls_per_graph": 20}
+
+    def eager_time_us(fn, **kw):
+        fn()
+        return 33.0
+
+    monkeypatch.setattr(design_module, "point_tree", lambda point: SMALL_TREE)
+    monkeypatch.setattr(measure_module, "point_tree", lambda point: SMALL_TREE)
+    monkeypatch.setattr("fasttree.toolkit.timing.graph_time_us", graph_time_us)
+    monkeypatch.setattr("fasttree.toolkit.timing.eager_time_us", eager_time_us)
+    out = tmp_path / "headroom.jsonl"
+    s = profile(out, design_name="headroom", buckets=["8x1-d128-bf16"], trees=1, configs=3, device=device,
+                env=FAKE_ENV, precompile=False, progress=False, check_every=1)  # fmt: skip
+    assert (s.points, s.written) == (3, 3), s.line()
+    recs = read_traces(out, kind="measurement").records
+    assert all(r["status"] == "ok" and r["correct"] for r in recs), [r["error"] for r in recs]
+    assert {(r["meta"]["design"], r["meta"]["bucket"]) for r in recs} == {("headroom", "8x1-d128-bf16")}
+    stats = headroom_summary(recs).buckets["tree_attention"]["8x1-d128-bf16"].stats
+    assert (stats.trees, stats.oracle_geomean, stats.defaults_rank_median) == (1, 1.0, 1)  # equal stub times
+
+
 # ------------------------------------------------------------------ end to end on the device
 @pytest.mark.gpu
 def test_headroom_sweep_end_to_end_on_the_gpu(tmp_path):
