@@ -146,6 +146,8 @@ class BestSingle:
         Configs measured ``ok`` on every used tree (the defaults included).
     not_eligible : int
         Configs that failed or were not measured on some used tree.
+    changes : dict
+        The fields of ``config`` that differ from the defaults as the bucket launches them.
     """
 
     config: dict[str, Any]
@@ -153,6 +155,7 @@ class BestSingle:
     is_defaults: bool
     eligible: int
     not_eligible: int
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -278,7 +281,8 @@ class HeadroomSummary:
                 if bs is None:
                     out.append(f"- {name}: no tree")
                     continue
-                what = "the defaults" if bs.is_defaults else f"`{_config_text(bs.config)}`"
+                changed = json.dumps(bs.changes, separators=(",", ":"))
+                what = "the defaults" if bs.is_defaults else f"the defaults with `{changed}`"
                 out.append(
                     f"- {name}: {what}, {bs.geomean:.3f}x geomean over the bucket's trees (chosen among "
                     f"{bs.eligible} configs measured ok on every tree; {bs.not_eligible} others failed or were "
@@ -326,12 +330,6 @@ def _row(name: str, s: GroupStats | None, *, extra: str | None = None) -> str:
         f"{round(s.large_share * s.trees)} ({100 * s.large_share:.0f}%) | {s.defaults:.3f}x | "
         f"{s.defaults_rank_median:g} (of {s.configs_median:g}) | {single} |{tail}"
     )
-
-
-def _config_text(config: Mapping[str, Any]) -> str:
-    """The fields of ``config`` that differ from the defaults', as compact JSON."""
-    defaults = FastTreeConfig().to_dict()
-    return json.dumps({k: v for k, v in config.items() if defaults.get(k) != v}, separators=(",", ":"))
 
 
 def _round(x: float | None) -> float | None:
@@ -543,12 +541,14 @@ def _bucket(
             for k in sorted(candidates, key=lambda k: (k != defaults_key, k))
         }
         best = max(scores, key=lambda k: (scores[k], k == defaults_key))
+        config, defaults = json.loads(best), json.loads(defaults_key)
         report.best_single = BestSingle(
-            config=json.loads(best),
+            config=config,
             geomean=scores[best],
             is_defaults=best == defaults_key,
             eligible=len(candidates),
             not_eligible=len(every) - len(candidates),
+            changes={k: v for k, v in config.items() if defaults.get(k) != v},
         )
         for family, seed in times:
             ratios[(target, bucket, family, seed)] = times[(family, seed)][defaults_key] / times[(family, seed)][best]
