@@ -50,7 +50,8 @@ def test_parse_duration_rejects_non_strings():
 # ------------------------------------------------------------------ parser
 def test_parser_profile_defaults_and_options():
     args = build_parser().parse_args(["profile", "--out", "t.jsonl"])
-    assert (args.command, args.out, args.budget, args.points, args.seed) == ("profile", "t.jsonl", None, 4096, 0)
+    assert (args.command, args.out, args.budget, args.points, args.seed) == ("profile", "t.jsonl", None, None, 0)
+    assert (args.design, args.buckets, args.trees, args.configs) == ("sampled", None, None, None)
     assert (args.families, args.precompile, args.progress, args.check_every) == (None, True, True, 10)
     assert args.repeat_every == 20
     assert (args.verbose, args.log_level) == (0, None)

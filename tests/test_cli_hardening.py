@@ -196,7 +196,8 @@ def test_top_level_help_names_every_subcommand():
     r = run("--help")
     assert r.returncode == 0
     description = r.stdout.split("options:")[0]
-    for command in ("profile", "traces", "fit", "evaluate", "tune", "export", "run", "validate", "refine", "bench"):
+    commands = ("profile", "traces", "headroom", "fit", "evaluate", "tune", "export", "run", "validate", "refine")
+    for command in (*commands, "bench"):
         assert f" {command} " in description, command
 
 
@@ -237,6 +238,8 @@ def test_run_help_states_the_real_timeout():
     ("command", "argv", "flag"),
     [
         ("fit", ["traces/h200_smoke", "-o", "{existing}"], "--out"),
+        ("headroom", ["traces/h200_smoke", "-o", "{existing}"], "--out"),
+        ("headroom", ["traces/h200_smoke", "--markdown", "{existing}"], "--markdown"),
         ("evaluate", ["traces/h200_smoke", "--model", "{model}", "-o", "{existing}"], "--out"),
         ("tune", ["{workload}", "--json", "{existing}"], "--json"),
         ("export", ["{workload}", "-o", "{existing}"], "--out"),

@@ -145,7 +145,13 @@ def test_held_out_workloads_equal_to_the_tuning_ones_are_warned_about(tmp_path, 
 
 # ----------------------------------------------------------------------------- defect 4: one output convention
 #: Outputs other than --out: a second file beside the main one, or a file appended to.
-SECONDARY_OUTPUTS = {("tune", "json"), ("validate", "markdown"), ("confirm", "markdown"), ("validate", "traces_out")}
+SECONDARY_OUTPUTS = {
+    ("tune", "json"),
+    ("validate", "markdown"),
+    ("confirm", "markdown"),
+    ("validate", "traces_out"),
+    ("headroom", "markdown"),
+}
 
 
 def test_every_subcommand_that_writes_names_its_output_dash_o_and_dash_dash_out():
@@ -167,7 +173,7 @@ def test_every_subcommand_that_writes_names_its_output_dash_o_and_dash_dash_out(
         for dest in outputs:
             assert dest == "out" or (name, dest) in SECONDARY_OUTPUTS, (name, dest)
     assert sorted(writers) == sorted(
-        ["profile", "fit", "evaluate", "tune", "export", "run", "validate", "confirm", "refine"]
+        ["profile", "headroom", "fit", "evaluate", "tune", "export", "run", "validate", "confirm", "refine"]
     )
 
 

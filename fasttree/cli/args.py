@@ -18,6 +18,7 @@ from typing import TextIO
 from ..validation import check_int
 
 __all__ = [
+    "buckets_arg",
     "duration_arg",
     "families_arg",
     "int_at_least",
@@ -106,6 +107,21 @@ def families_arg(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown tree famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
             f"choose from {', '.join(TREE_FAMILIES)}"
+        )
+    return names
+
+
+def buckets_arg(text: str) -> list[str]:
+    from ..toolkit.headroom import HEADROOM_BUCKETS
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of headroom buckets")
+    unknown = [s for s in names if s not in HEADROOM_BUCKETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown headroom bucket{'' if len(unknown) == 1 else 's'} {', '.join(unknown)}; "
+            f"choose from {', '.join(HEADROOM_BUCKETS)}"
         )
     return names
 

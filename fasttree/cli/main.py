@@ -6,6 +6,8 @@ Subcommands (``fasttree-tune SUBCOMMAND --help`` explains each):
   visible GPUs and append them to a ``.jsonl`` trace file (:func:`fasttree.toolkit.profiler.profile`).
 * ``traces`` -- validate trace files and summarise them: lines per split, family and
   status, profiling rate, spread of repeat measurements (:mod:`fasttree.toolkit.trace_stats`).
+* ``headroom`` -- the oracle headroom per bucket and tree family of the lines ``profile --design
+  headroom`` wrote: best measured config over the defaults (:mod:`fasttree.toolkit.headroom_stats`).
 * ``fit`` -- fit the learned latency model on measurement traces and save it as a skops
   archive (:mod:`fasttree.costmodel`; needs scikit-learn).
 * ``evaluate`` -- held-out metrics of a saved model on other traces, or group k-fold by
@@ -39,9 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..toolkit.headroom import DEFAULT_BUCKETS, DESIGNS, HEADROOM_BUCKETS, HEADROOM_CONFIGS, HEADROOM_TREES
+from ..toolkit.headroom_stats import LARGE_HEADROOM
 from .args import (
+    buckets_arg,
     duration_arg,
     families_arg,
+    int_at_least,
     non_negative_int,
     parse_duration,
     positive_int,
@@ -53,6 +59,8 @@ from .args import (
 __all__ = ["build_parser", "main", "parse_duration"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: The sampled design's default size (``profile -n``).
+DEFAULT_POINTS = 4096
 
 
 def _common_options(*, suppress: bool) -> argparse.ArgumentParser:
@@ -80,7 +88,9 @@ _DESCRIPTION = """\
 FastTree's offline toolkit: measure the kernels, fit a latency model on the measurements,
 tune configs against it, and check the tuned configs on the GPU.
 
-  measure     profile (GPU) writes versioned trace files; traces validates and summarises them
+  measure     profile (GPU) writes versioned trace files; traces validates and summarises them;
+              headroom summarises a headroom sweep (profile --design headroom): per bucket and
+              family, the best measured config of each tree over the defaults
   model       fit trains the learned latency model on measurement traces; evaluate scores it
   tune        tune runs one Optuna study per bucket of workload traces; export writes the
               studies' best configs; run is the main job (shipped model and workloads in,
@@ -90,7 +100,7 @@ tune configs against it, and check the tuned configs on the GPU.
               keeps the selector choices validate's measurements support
 
 Outputs: --out (-o) is a FILE for the subcommands that write one file (fit, export, confirm, refine,
-evaluate and validate: their JSON; profile appends to its trace file, so a rerun resumes) and a
+evaluate, validate and headroom: their JSON; profile appends to its trace file, so a rerun resumes) and a
 FOLDER for those that write several (tune: its study storage; run: studies, export and report;
 bench: its reports). An output that exists (--out, --json, --markdown; a finished run in run's
 --out; bench's reports) is replaced only with --overwrite, else the subcommand refuses before
@@ -113,6 +123,12 @@ kernels). Each point is planned, timed by CUDA-graph replay and eagerly, and eve
 error, compile error, out of memory, wrong result) is written as a failed record and the
 run goes on.
 
+--design headroom measures instead, for each bucket (head layout, head dim, dtype) of
+--buckets, the same --trees trees (default 20, the tree families in turn, seeds no workload
+trace uses) each under the same --configs configs (default 50: the defaults and 49 sampled
+as above, from the bucket's own sequence): 6,000 points for the 6 default buckets. Its lines
+carry meta.design 'headroom' and meta.bucket; 'fasttree-tune headroom' summarises them.
+
 Resumable: points whose key OUT already holds are skipped, so rerunning the same command
 continues a killed or budget-limited run, and a larger -n adds only new points. Kernels a
 batch needs are compiled ahead in min(16, cpu count) worker processes while the batch
@@ -123,6 +139,7 @@ _PROFILE_EPILOG = """\
 examples:
   fasttree-tune profile --out traces/h200/run1.jsonl --budget 1h
   fasttree-tune profile --out /tmp/t.jsonl --budget 60s -n 200 --families beam_search,speculative
+  fasttree-tune profile --design headroom --out traces/h200_headroom/headroom.jsonl --budget 9m
 """
 
 
@@ -141,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_profile_command(sub)
     _add_traces_command(sub)
+    _add_headroom_command(sub)
 
     from .costmodel import add_costmodel_commands
 
@@ -185,12 +203,20 @@ def _add_profile_command(sub: Any) -> None:
 def _add_design_options(p: argparse.ArgumentParser) -> None:
     """``profile``'s design: points, seed, tree families and split."""
     p.add_argument(
+        "--design",
+        choices=DESIGNS,
+        default="sampled",
+        help="which design (default sampled): 'sampled' draws -n points for the latency model; 'headroom' "
+        "measures --trees trees under --configs configs in each of --buckets",
+    )
+    p.add_argument(
         "-n",
         "--points",
         type=positive_int,
-        default=4096,
+        default=None,
         metavar="N",
-        help="design points (default 4096); the design is a prefix of one sequence, so a larger N extends a run",
+        help=f"sampled design: points (default {DEFAULT_POINTS}); the design is a prefix of one sequence, so a "
+        "larger N extends a run",
     )
     p.add_argument("--seed", type=non_negative_int, default=0, help="design seed (default 0)")
     p.add_argument(
@@ -208,6 +234,28 @@ def _add_design_options(p: argparse.ArgumentParser) -> None:
         help="design split (default train): 'heldout' samples only what training never does -- GQA 8, "
         "head dim 256, or trees deeper than the training ranges -- for the cost model's held-out "
         "evaluation; lines carry meta.split; write them to their own folder (traces/h200_heldout/)",
+    )
+    p.add_argument(
+        "--buckets",
+        type=buckets_arg,
+        default=None,
+        metavar="LIST",
+        help=f"headroom design: comma-separated buckets (default {','.join(DEFAULT_BUCKETS)}; also "
+        f"{','.join(b for b in HEADROOM_BUCKETS if b not in DEFAULT_BUCKETS)})",
+    )
+    p.add_argument(
+        "--trees",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"headroom design: trees per bucket, the same in every bucket (default {HEADROOM_TREES})",
+    )
+    p.add_argument(
+        "--configs",
+        type=int_at_least(2, "an integer >= 2"),
+        default=None,
+        metavar="N",
+        help=f"headroom design: configs per tree, the defaults included (default {HEADROOM_CONFIGS})",
     )
 
 
@@ -267,6 +315,62 @@ def _add_traces_command(sub: Any) -> None:
     t.set_defaults(func=_cmd_traces, subparser=t)
 
 
+def _add_headroom_command(sub: Any) -> None:
+    """``headroom``: summarise the headroom design's lines."""
+    h = sub.add_parser(
+        "headroom",
+        help="the oracle headroom per bucket and tree family of a headroom sweep (profile --design headroom)",
+        description="Read the lines of the headroom design (meta.design 'headroom') from trace files or "
+        "folders and report, per target, bucket and tree family and over all: the trees, the per-tree "
+        "oracle (the defaults' graph-replay median over the fastest measured config's: geomean, median, "
+        f"max, share of trees >= {LARGE_HEADROOM:.2f}x), beside the always-defaults baseline (1.000x), the "
+        "defaults' median rank among each tree's configs, and the best single config of each bucket "
+        "chosen and scored on the same trees (in-sample). Failed lines are counted and left out; a tree "
+        "without an ok defaults line is listed and left out. Prints the tables; -o writes them as JSON, "
+        "--markdown as a Markdown page.",
+        parents=[_common_options(suppress=True)],
+    )
+    h.add_argument("paths", nargs="+", metavar="TRACES", help="trace files or folders")
+    h.add_argument("-o", "--out", metavar="FILE", default=None, help="write the summary as JSON to FILE")
+    h.add_argument("--markdown", metavar="FILE", default=None, help="write the tables as Markdown to FILE")
+    h.add_argument("--overwrite", action="store_true", help="replace --out and --markdown if they exist (else: refuse)")
+    h.add_argument(
+        "--skip-invalid", action="store_true", help="skip bad lines (counted and listed) instead of stopping"
+    )
+    h.set_defaults(func=_cmd_headroom, subparser=h, output_files=("out", "markdown"))
+
+
+def _cmd_headroom(args: argparse.Namespace) -> int:
+    import json
+
+    from ..fileio import write_atomic
+    from ..toolkit.headroom_stats import headroom_summary
+    from ..traces import TraceError, read_traces
+
+    try:
+        ts = read_traces(args.paths, skip_invalid=args.skip_invalid)
+    except TraceError as exc:
+        args.subparser.error(str(exc))
+    paths = " ".join(args.paths)
+    if not ts.files:
+        args.subparser.error(f"{paths}: no trace files (*.jsonl, *.jsonl.gz)")
+    for name, line, reason in ts.invalid[:20]:
+        print(f"skipped {name}:{line}: {reason}")
+    try:
+        summary = headroom_summary(ts.records)
+    except ValueError as exc:
+        args.subparser.error(f"{paths}: {exc}")
+    text = summary.markdown()
+    print(text, end="")
+    if args.out:
+        write_atomic(args.out, json.dumps(summary.to_json(), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.out}")
+    if args.markdown:
+        write_atomic(args.markdown, text)
+        print(f"wrote {args.markdown}")
+    return 0
+
+
 def _setup_logging(args: argparse.Namespace) -> None:
     """fasttree's loggers at the chosen level; other libraries' at WARNING."""
     level = args.log_level or ("DEBUG" if args.verbose >= 1 else "INFO")
@@ -324,19 +428,29 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         )
     from ..toolkit.profiler import profile
 
+    if args.design == "headroom":
+        design = dict(design_name="headroom", buckets=args.buckets, trees=args.trees, configs=args.configs)
+        if args.points is not None:
+            sub.error("-n/--points: the headroom design's size is --buckets x --trees x --configs")
+        if args.split != "train":
+            sub.error(f"--split {args.split}: the headroom design has no splits")
+    else:
+        headroom_only = [f"--{k}" for k in ("buckets", "trees", "configs") if getattr(args, k) is not None]
+        if headroom_only:
+            sub.error(f"{', '.join(headroom_only)}: options of --design headroom")
+        design = dict(n=DEFAULT_POINTS if args.points is None else args.points, split=args.split)
     try:
         summary = profile(
             args.out,
-            n=args.points,
             seed=args.seed,
             budget_s=args.budget,
             families=args.families,
-            split=args.split,
             precompile=args.precompile,
             progress=progress_bar_wanted(args.progress),
             check_every=args.check_every,
             repeat_every=args.repeat_every,
             runtime=args.runtime,
+            **design,
         )
     except KeyboardInterrupt:
         logging.getLogger("fasttree.cli").warning("interrupted; rerun the same command to resume")

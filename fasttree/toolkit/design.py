@@ -189,13 +189,17 @@ class DesignPoint:
     params : tuple of (str, int)
         Keyword parameters of the family's generator (held-out deep trees), else empty.
     split : str
-        ``"train"`` or ``"heldout"`` (:data:`SPLITS`).
+        ``"train"`` or ``"heldout"`` (:data:`SPLITS`) for the sampled design, ``"headroom"`` for
+        the headroom design (:mod:`fasttree.toolkit.headroom`).
     tree_index : int
         Position of the point's tree in the design (its :data:`CONFIGS_PER_TREE` configs share it).
     runtime : bool
         Time :class:`fasttree.runtime.TreeAttentionRuntime`'s launches (its own plan, persistent
         kernels, ``stage1_launches`` and ``query_centric`` ``"auto"``) instead of
         ``fasttree.tree_attention``'s per-plan launches; the record's ``launch`` says so.
+    bucket : str or None
+        The headroom bucket (:func:`fasttree.toolkit.headroom.bucket_name`) of a point of the
+        headroom design; None for the sampled design.
     """
 
     index: int
@@ -212,6 +216,7 @@ class DesignPoint:
     split: str = "train"
     tree_index: int = 0
     runtime: bool = False
+    bucket: str | None = None
 
     @property
     def gqa(self) -> int:
@@ -223,6 +228,7 @@ class DesignPoint:
         params = "".join(f" {k}={v}" for k, v in self.params)
         tags = (" defaults" if self.default_config else "") + (" heldout" if self.split == "heldout" else "")
         tags += " runtime" if self.runtime else ""
+        tags += f" headroom {self.bucket}" if self.bucket is not None else ""
         return (
             f"#{self.index} {self.family}/{self.seed}{params} Hq={self.num_q_heads} Hkv={self.num_kv_heads} "
             f"D={self.head_dim} {self.dtype}{tags}"

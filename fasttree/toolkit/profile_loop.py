@@ -21,6 +21,7 @@ from typing import Any
 from ..traces import TraceError, TraceWriter, existing_keys
 from .design import DesignPoint, point_key
 from .environment import cuda_device
+from .headroom import HEADROOM_DESIGN
 from .measure import DeviceLostError, error_text, failed_record
 from .precompile import CompilePool, kernel_specialisations
 
@@ -127,7 +128,8 @@ def annotate_record(record: dict[str, Any], point: DesignPoint, run_id: str, che
     """Write the run's facts into the record's ``meta``: ``meta.profiler`` gets the run id, the
     point's design seed and index, whether it is a defaults point, whether it was checked, the
     kernel version (failed lines too: which kernels failed) and the GPU worker; ``meta.split``
-    the point's split (``traces/README.md``: held-out lines say so at the top of ``meta``)."""
+    the point's split (``traces/README.md``: held-out lines say so at the top of ``meta``); a point of
+    the headroom design also gets ``meta.design = "headroom"`` and ``meta.bucket``."""
     from ..versions import KERNEL_VERSION
 
     meta = record.get("meta")
@@ -145,6 +147,9 @@ def annotate_record(record: dict[str, Any], point: DesignPoint, run_id: str, che
     )
     info.setdefault("kernel_version", KERNEL_VERSION)
     meta["split"] = point.split
+    if point.bucket is not None:
+        meta["design"] = HEADROOM_DESIGN
+        meta["bucket"] = point.bucket
     if shard is not None:
         info["gpu_worker"] = shard
 

@@ -36,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..validation import check_int, check_number
+from ..validation import check_choice, check_int, check_number
 from .design import (
     ALPHA_RANGE,
     BETA_RANGE,
@@ -72,6 +72,7 @@ from .design import (
     point_tree,
 )
 from .environment import collect_env, device_sm_count, generic_cuda, git_commit, visible_gpu_ids
+from .headroom import DESIGNS, HEADROOM_CONFIGS, HEADROOM_TREES, check_buckets, headroom_design
 from .measure import TOLERANCE, DeviceLostError, error_text, failed_record, measure_point
 from .precompile import default_compile_workers, kernel_specialisations
 from .profile_loop import ProfileSummary, run_points
@@ -84,6 +85,7 @@ __all__ = [
     "CONFIGS_PER_TREE",
     "DEEP_TREES",
     "DEFAULT_SM_COUNT",
+    "DESIGNS",
     "DTYPE_WEIGHTS",
     "FAMILY_WEIGHTS",
     "GAMMA_RANGE",
@@ -354,7 +356,7 @@ def _run_here(
 def profile(
     out: str | os.PathLike,
     *,
-    n: int,
+    n: int | None = None,
     seed: int = 0,
     budget_s: float | None = None,
     device: Any = "cuda",
@@ -371,8 +373,13 @@ def profile(
     batch_size: int = 32,
     repeat_every: int = 0,
     runtime: bool = False,
+    design_name: str = "sampled",
+    buckets: Iterable[str] | None = None,
+    trees: int | None = None,
+    configs: int | None = None,
 ) -> ProfileSummary:
-    """Profile a design of ``n`` points into the trace file ``out`` (appending, resumable).
+    """Profile a design into the trace file ``out`` (appending, resumable): ``n`` points of the
+    sampled design, or the headroom design (``design_name="headroom"``).
 
     Points whose key ``out`` already holds (ok or failed) are skipped, so rerunning the
     same command resumes a killed run, and a larger ``n`` adds only the new points. Points
@@ -388,8 +395,9 @@ def profile(
     ----------
     out : str or PathLike
         A ``.jsonl`` trace file (created when missing).
-    n : int
-        Design points (see :func:`design`).
+    n : int, optional
+        Points of the sampled design (see :func:`design`); required for it, refused for the
+        headroom design (its size is buckets x ``trees`` x ``configs``).
     seed : int
         Design seed.
     budget_s : float, optional
@@ -432,6 +440,20 @@ def profile(
     runtime : bool
         Time :class:`fasttree.runtime.TreeAttentionRuntime`'s launches instead of
         ``tree_attention``'s (:attr:`DesignPoint.runtime`; other keys, so both can share a file).
+    design_name : str
+        ``"sampled"`` (:func:`design`, the latency model's training and held-out data) or
+        ``"headroom"`` (:func:`fasttree.toolkit.headroom.headroom_design`: per bucket, a fixed
+        sample of trees each under a fixed sample of configs; lines carry ``meta.design`` and
+        ``meta.bucket``, ``meta.split`` is ``"headroom"``). One of :data:`DESIGNS`.
+    buckets : iterable of str, optional
+        Headroom design only: bucket names (default
+        :data:`fasttree.toolkit.headroom.DEFAULT_BUCKETS`).
+    trees : int, optional
+        Headroom design only: trees per bucket (default
+        :data:`~fasttree.toolkit.headroom.HEADROOM_TREES`).
+    configs : int, optional
+        Headroom design only: configs per tree, the defaults included (default
+        :data:`~fasttree.toolkit.headroom.HEADROOM_CONFIGS`).
 
     Returns
     -------
@@ -440,14 +462,25 @@ def profile(
     Raises
     ------
     ValueError
-        On bad arguments, a ``.gz`` output path, or no CUDA GPU when ``env`` is not given.
+        On bad arguments (an option of the other design included), a ``.gz`` output path, or no
+        CUDA GPU when ``env`` is not given; all before anything is measured.
     """
     t0 = time.monotonic()
     out = Path(out)
     if out.name.endswith(".gz"):
         raise ValueError(f"{out}: the profiler appends to a .jsonl file; gzip it once the set is finished")
-    n = check_int("n", n, minimum=0)
     seed = check_int("seed", seed, minimum=0)
+    draw = _design_drawer(
+        design_name,
+        n=n,
+        seed=seed,
+        families=families,
+        split=split,
+        runtime=runtime,
+        buckets=buckets,
+        trees=trees,
+        configs=configs,
+    )
     options = _loop_options(
         precompile=precompile,
         measure=measure,
@@ -464,13 +497,13 @@ def profile(
         env = collect_env(device)
     if sm_count is None:
         sm_count = int(env.get("gpu_sm_count") or 0) or device_sm_count(device)
-    points = design(n, seed, sm_count=sm_count, families=fams, split=check_split(split), runtime=runtime)
+    points = draw(sm_count)
     options["run_id"] = run_id = uuid.uuid4().hex[:12]
     logger.info(
         "profile run %s: %d %s design points (seed %d, families %s) -> %s%s",
         run_id,
-        n,
-        split,
+        len(points),
+        split if design_name == "sampled" else design_name,
         seed,
         ",".join(fams),
         out,
@@ -490,6 +523,44 @@ def profile(
     summary.elapsed_s = time.monotonic() - t0
     logger.info("profile run %s done: %s", run_id, summary.line())
     return summary
+
+
+def _design_drawer(
+    design_name: str,
+    *,
+    n: int | None,
+    seed: int,
+    families: Iterable[str] | None,
+    split: str,
+    runtime: bool,
+    buckets: Iterable[str] | None,
+    trees: int | None,
+    configs: int | None,
+) -> Callable[[int], list[DesignPoint]]:
+    """Check the design's arguments (before any work) and return ``draw(sm_count) -> points``."""
+    design_name = check_choice("design_name", design_name, DESIGNS)
+    fams = check_families(families)
+    split = check_split(split)
+    if design_name == "sampled":
+        given = [name for name, v in (("buckets", buckets), ("trees", trees), ("configs", configs)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of the headroom design, not of the sampled one")
+        if n is None:
+            raise ValueError("n (the number of design points) is required for the sampled design")
+        n = check_int("n", n, minimum=0)
+        return lambda sm_count: design(n, seed, sm_count=sm_count, families=fams, split=split, runtime=runtime)
+    if n is not None:
+        raise ValueError(
+            "n: the headroom design's size is buckets x trees x configs; choose those instead of a number of points"
+        )
+    if split != "train":
+        raise ValueError(f"split {split!r}: the headroom design has no splits (its lines say meta.split 'headroom')")
+    chosen = [b.name for b in check_buckets(buckets)]
+    trees = HEADROOM_TREES if trees is None else check_int("trees", trees, minimum=1)
+    configs = HEADROOM_CONFIGS if configs is None else check_int("configs", configs, minimum=2)
+    return lambda sm_count: headroom_design(
+        seed, buckets=chosen, trees=trees, configs=configs, families=fams, sm_count=sm_count, runtime=runtime
+    )
 
 
 def _loop_options(
