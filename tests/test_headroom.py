@@ -15,6 +15,7 @@ import torch
 import fasttree as ft
 import fasttree.toolkit.profiler as prof
 from fasttree.cli import main
+from fasttree.portfolio import LAUNCH_FIELDS
 from fasttree.toolkit.design import KERNEL_POOL, point_tree
 from fasttree.toolkit.headroom import (
     DEFAULT_BUCKETS,
@@ -31,7 +32,7 @@ from fasttree.toolkit.headroom_stats import LARGE_HEADROOM, headroom_summary
 from fasttree.toolkit.measure import failed_record
 from fasttree.toolkit.profiler import profile
 from fasttree.toolkit.workloads import TREE_FAMILIES
-from fasttree.traces import measurement_record, read_traces
+from fasttree.traces import _config_dict, measurement_record, read_traces
 
 FAKE_ENV = {
     "gpu_name": "Fake GPU (tests)",
@@ -126,6 +127,11 @@ def test_every_tunable_field_takes_several_values_and_kernels_stay_bounded(name)
     assert {c.pack_tokens for c in configs} == {0, 256, 512, 1024, 2048}
     kernels = {(c.query_tiles(g), c.kv_tile, c.launch_warps(g), c.launch_stages(g, d)) for c in configs}
     assert len(kernels) <= KERNEL_POOL + 1  # the profiler's pool, and the defaults' own
+    # about every fourth config keeps the defaults' kernels and varies the planner alone
+    defaults = configs[0]
+    planner_only = [c for c in configs[1:] if all(getattr(c, f) == getattr(defaults, f) for f in LAUNCH_FIELDS)]
+    assert len(planner_only) >= 10
+    assert len({(c.alpha, c.kv_split_sizes, c.pack_tokens) for c in planner_only}) == len(planner_only)
 
 
 def test_design_rejects_bad_arguments_before_drawing():
@@ -254,7 +260,9 @@ def test_summary_gives_the_hand_computed_oracle(sweep):
     assert a.stats.large_share == pytest.approx(2 / 3)
     assert a.stats.defaults == 1.0 and a.stats.defaults_rank_median == 2 and a.stats.configs_median == 3
     # best single config: config 1 (10/8, 10/11, 10/9) beats config 2 (10/12, 2, 0.5) and the defaults
-    assert a.best_single.config == headroom_configs(HEADROOM_BUCKETS["32x8-d128-fp16"], 3)[1].to_dict()
+    bucket = HEADROOM_BUCKETS["32x8-d128-fp16"]
+    best = headroom_configs(bucket, 3)[1]  # as traces store it: derived warps and stages written out
+    assert a.best_single.config == _config_dict(best, bucket.num_q_heads, bucket.num_kv_heads, bucket.head_dim)
     assert a.best_single.geomean == pytest.approx(geomean(1.25, 10 / 11, 10 / 9))
     assert (a.best_single.eligible, a.best_single.not_eligible, a.best_single.is_defaults) == (3, 0, False)
     assert a.stats.best_single_geomean == pytest.approx(a.best_single.geomean)

@@ -32,11 +32,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..config import FastTreeConfig
+from ..portfolio import LAUNCH_FIELDS
 from ..traces import _config_dict
 from ..validation import check_int
 from .design import (
@@ -61,6 +62,7 @@ __all__ = [
     "HEADROOM_SPLIT",
     "HEADROOM_TREES",
     "HEADROOM_TREE_SEEDS",
+    "PLANNER_ONLY_EVERY",
     "HeadroomBucket",
     "bucket_name",
     "check_buckets",
@@ -78,6 +80,8 @@ HEADROOM_SPLIT = "headroom"
 #: Trees per bucket and configs per tree (the defaults included) of the default design.
 HEADROOM_TREES = 20
 HEADROOM_CONFIGS = 50
+#: Every this-many-th sampled config keeps the defaults' kernel settings (planner knobs only).
+PLANNER_ONLY_EVERY = 4
 #: Seeds of the headroom trees: ``[2**20, 2**30)``, far above the seeds the workload traces draw
 #: (``fasttree.toolkit.workload_traces``: tuning 0-15, validation 1000-1007).
 HEADROOM_TREE_SEEDS = (1 << 20, SEED_SPACE)
@@ -212,7 +216,10 @@ def headroom_configs(
 
     Sampled as the profiler samples (:func:`fasttree.toolkit.design.design`): planner knobs from a
     scrambled Sobol' sequence, kernel settings from the profiler's pool of ``kernel_pool`` settings
-    for the bucket's GQA ratio and ``seed``; rows that map to an invalid config are skipped. The
+    for the bucket's GQA ratio and ``seed``; rows that map to an invalid config are skipped. Every
+    :data:`PLANNER_ONLY_EVERY`-th sampled config keeps the defaults' kernel settings (the launch
+    fields, :data:`fasttree.portfolio.LAUNCH_FIELDS`, which the pool never holds), so the sweep
+    also measures what the planner's knobs alone are worth. The
     sequence is seeded by ``seed`` and the bucket's shape, so a bucket's configs do not depend on
     which other buckets a run measures.
 
@@ -246,9 +253,12 @@ def headroom_configs(
         [seed, _SALT_CONFIGS, bucket.num_q_heads, bucket.num_kv_heads, bucket.head_dim, dtype_index],
     )
     pool = _kernel_pool(g, seed, kernel_pool)
-    out = [FastTreeConfig()]
+    defaults = FastTreeConfig()
+    out = [defaults]
     launched = {_launched(out[0], bucket)}  # distinct as launched: derived warps and stages written out
-    for config in _sampled_configs(stream, pool, sys.maxsize, g=g, sm_count=sm_count):
+    for i, config in enumerate(_sampled_configs(stream, pool, sys.maxsize, g=g, sm_count=sm_count)):
+        if i % PLANNER_ONLY_EVERY == 0:  # the defaults' kernels (the pool holds none of them), other planning
+            config = replace(config, **{f: getattr(defaults, f) for f in LAUNCH_FIELDS})
         if _launched(config, bucket) not in launched:
             launched.add(_launched(config, bucket))
             out.append(config)
