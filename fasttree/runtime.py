@@ -89,7 +89,7 @@ from .launcher import (
 from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .plan_extend import PlanExtender
 from .plan_rules import PlanRules
-from .portfolio import Portfolio
+from .portfolio import LAUNCH_FIELDS, Portfolio
 from .recording import WorkloadRecorder
 from .runtime_planning import QUERY_CENTRIC_CHOICES, launch_slots, plan_for_runtime, resolve_stage1_launches
 from .step_graphs import StepGraphs
@@ -169,6 +169,12 @@ class CapacityError(ValueError):
     then uploads the bounded fallback plan."""
 
 
+class _FixedLaunchMismatchError(Exception):
+    """A plan that no launch variant id serves, made by a portfolio member whose launch fields differ
+    from the fixed launch's (member 0's); raised before anything is written, so
+    :meth:`TreeAttentionRuntime.plan` plans the tree with member 0 instead."""
+
+
 def _positive_int(name: str, value: Any) -> int:
     return check_int(name, value, minimum=1, expected="a positive integer")
 
@@ -220,10 +226,12 @@ class TreeAttentionRuntime:
     Parameters
     ----------
     config : FastTreeConfig, Portfolio, ConfigExport, str, PathLike or None
-        The config; a runtime portfolio (its selector picks a member per tree, the members share
-        their launch shapes); or a tuner export (object or path) whose runtime entry for this GPU
-        and bucket is used (the defaults when it has none, or when it was tuned for other kernels
-        or defaults). ``None``: ``FastTreeConfig()``.
+        The config; a portfolio (its selector picks a member per tree; with launch variants its
+        members may differ in launch fields, as ``tree_attention``'s do: a plan that no variant id
+        serves is planned with member 0, whose launch fields the fixed launch is compiled for; with
+        ``max_variants=0`` they must share them); or a tuner export (object or path) whose runtime
+        entry for this GPU and bucket is used (the defaults when it has none, or when it was tuned
+        for other kernels or defaults). ``None``: ``FastTreeConfig()``.
     num_q_heads, num_kv_heads, head_dim : int
         ``Hq``, ``Hkv`` (``Hq`` a multiple of it) and ``D`` in [16, 256].
     dtype : torch.dtype or str
@@ -347,7 +355,7 @@ class TreeAttentionRuntime:
         self._target = GpuTarget.of(self.device, interpreting())
         self._rules = PlanRules.defaults() if self.variants.max_variants else None
         self.portfolio = self._resolve_portfolio(config)
-        self.config = self.portfolio.launch_config  # the launch shapes every member shares
+        self.config = self.portfolio.launch_config  # member 0: the fixed launch's launch fields
 
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class; both
         # run in one persistent launch, with the large class's warps and stages (the config's small-class
@@ -509,10 +517,12 @@ class TreeAttentionRuntime:
         if isinstance(config, FastTreeConfig):
             return Portfolio(members=(config,), runtime=True)
         if isinstance(config, Portfolio):
-            if len(config.members) > 1 and not config.runtime:
+            if not self.variants.max_variants and len({tuple(getattr(m, f) for f in LAUNCH_FIELDS)
+                                                       for m in config.members}) > 1:  # fmt: skip
                 raise ValueError(
-                    "a portfolio for tree_attention (runtime=False) may switch launch shapes between trees, which "
-                    "the runtime's CUDA graphs cannot; use the export's runtime entry"
+                    "the portfolio's members differ in launch fields (tiles, warps, stages), which the fixed "
+                    "launch alone (max_variants=0) cannot switch between trees; give max_variants > 0 (launch "
+                    "variants) or the export's runtime entry"
                 )
             return config.for_heads(self.num_q_heads, self.num_kv_heads)  # regions apply at our layout
         if isinstance(config, (str, os.PathLike)):
@@ -597,13 +607,13 @@ class TreeAttentionRuntime:
         if plan is not None:  # the extender only holds uploaded plans: _current is the one extended
             try:
                 uploaded = self._upload(plan, self._current.query_centric, extended=True)
-            except CapacityError:  # over a capacity (checked before anything is written): plan afresh
+            except (CapacityError, _FixedLaunchMismatchError):  # checked before anything is written: plan afresh
                 uploaded = None
         if uploaded is None:
             try:
-                uploaded = self._upload(*self._plan_afresh(tree))
-            except CapacityError as err:
-                uploaded = self._upload_within_capacity(tree, err)
+                uploaded = self._upload_fresh(tree, self.portfolio.select(tree))
+            except _FixedLaunchMismatchError:  # no variant id left for its member's launches
+                uploaded = self._upload_fresh(tree, self.config)
         if extender is not None:
             extender.remember(tree, uploaded.plan)
         if self.recorder is not None:
@@ -611,10 +621,17 @@ class TreeAttentionRuntime:
         self._steps += 1
         return uploaded
 
-    def _plan_afresh(self, tree: KVTree, split_scale: int = 1) -> tuple[Plan, bool]:
-        """Plan ``tree`` with the runtime's config (its KV split sizes times ``split_scale``);
-        whether the plan is query-centric."""
-        config = self.portfolio.select(tree)
+    def _upload_fresh(self, tree: KVTree, config: FastTreeConfig) -> RuntimePlan:
+        """Plan ``tree`` afresh with ``config`` and upload it; over a capacity, what
+        :meth:`_upload_within_capacity` uploads."""
+        try:
+            return self._upload(*self._plan_afresh(tree, config))
+        except CapacityError as err:
+            return self._upload_within_capacity(tree, config, err)
+
+    def _plan_afresh(self, tree: KVTree, config: FastTreeConfig, split_scale: int = 1) -> tuple[Plan, bool]:
+        """Plan ``tree`` with ``config`` (a portfolio member; its KV split sizes times
+        ``split_scale``); whether the plan is query-centric."""
         if split_scale != 1:
             config = config.with_(kv_split_sizes=tuple(split_scale * s for s in config.kv_split_sizes))
         return plan_for_runtime(
@@ -623,14 +640,15 @@ class TreeAttentionRuntime:
             rules=self._rules,
         )  # fmt: skip
 
-    def _upload_within_capacity(self, tree: KVTree, err: CapacityError) -> RuntimePlan:
-        """Upload a plan of ``tree`` that fits after its plan was over a capacity (``err``): the plan
-        with the KV split sizes :data:`_SPLIT_SCALES` times larger (fewer chunks, partial rows and
-        units; the grouping kept), else the bounded plan (:meth:`bounded_plan`); raises ValueError
-        naming ``max_kv_entries`` when the tree's context entries exceed it and neither fits."""
+    def _upload_within_capacity(self, tree: KVTree, config: FastTreeConfig, err: CapacityError) -> RuntimePlan:
+        """Upload a plan of ``tree`` that fits after its plan with ``config`` was over a capacity
+        (``err``): the plan with the KV split sizes :data:`_SPLIT_SCALES` times larger (fewer
+        chunks, partial rows and units; the grouping kept), else the bounded plan
+        (:meth:`bounded_plan`); raises ValueError naming ``max_kv_entries`` when the tree's context
+        entries exceed it and neither fits."""
         for scale in _SPLIT_SCALES:
             try:
-                return self._upload(*self._plan_afresh(tree, scale))
+                return self._upload(*self._plan_afresh(tree, config, scale))
             except CapacityError:
                 continue
         context = int(np.add.reduce(tree.path_lengths[tree.query_nodes], dtype=np.int64))
@@ -702,6 +720,8 @@ class TreeAttentionRuntime:
         variant = launch_variant(plan, self._target) if self.variants.max_variants else None
         variant_id = FIXED_VARIANT if variant is None else self.variants.id_of(variant)
         variant = self.variants.variant(variant_id)  # a covering one past max_variants; None: the fixed launch
+        if variant is None and not bounded and not self._fixed_launch_serves(plan):
+            raise _FixedLaunchMismatchError
 
         i = self._next_staging
         self._next_staging ^= 1
@@ -748,6 +768,10 @@ class TreeAttentionRuntime:
             words=off, extended=extended, variant_id=variant_id, variant=variant, bounded=bounded,
         )  # fmt: skip
         return self._current
+
+    def _fixed_launch_serves(self, plan: Plan) -> bool:
+        """Whether the fixed launch (compiled for member 0's launch fields) runs ``plan``."""
+        return all(getattr(plan.config, f) == getattr(self.config, f) for f in LAUNCH_FIELDS)
 
     def _relocate(self, longest: int) -> None:
         """Copy the uploaded plan's arrays to their fixed offsets (one launch, on the current stream

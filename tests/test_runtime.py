@@ -615,14 +615,34 @@ def test_runtime_portfolio_plans_each_tree_with_the_selected_member(device):
     assert ft.plan(large, tuned, **HEADS).stats() != ft.plan(large, ft.FastTreeConfig(), **HEADS).stats()
 
 
-def test_runtime_refuses_a_tree_attention_portfolio_with_other_launch_fields(device):
-    mixed = ft.Portfolio(
-        members=(ft.FastTreeConfig(), ft.FastTreeConfig(kv_tile=(32, 32))), selector=_split_on_queries(3.0)
-    )
-    with pytest.raises(ValueError, match=r"runtime=False"):
-        _runtime(device, mixed)
+def test_with_launch_variants_members_may_differ_in_launch_fields(device):
+    """A tree_attention portfolio whose member 1 has other KV tiles: each tree runs its member's own
+    plan and launches (as tree_attention would); once no variant id is left for member 1's launches,
+    the tree is planned with member 0, whose launch fields the fixed launch is compiled for; with
+    the fixed launch alone (max_variants=0) such a portfolio is refused before any work."""
+    from fasttree.launch_variants import FIXED_VARIANT
+
+    other = ft.FastTreeConfig(kv_tile=(32, 32))
+    mixed = ft.Portfolio(members=(ft.FastTreeConfig(), other), selector=_split_on_queries(3.0))
+    with pytest.raises(ValueError, match="launch fields"):
+        _runtime(device, mixed, max_variants=0)
     with pytest.raises(ValueError, match="launch fields"):  # nor can it be made a runtime portfolio
         ft.Portfolio(members=mixed.members, selector=mixed.selector, runtime=True)
+    small = ft.KVTree.from_levels((1, 4), (200, 8))  # 4 queries: member 0
+    large = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))  # 16 queries: member 1
+    larger = ft.KVTree.from_levels((1, 4, 16), (300, 60, 9))  # 64 queries: member 1, another variant
+    rt = _runtime(device, mixed, max_variants=2)
+    expected = [(small, ft.FastTreeConfig(), 1), (large, other, 2), (larger, ft.FastTreeConfig(), FIXED_VARIANT)]
+    for step, (tree, member, variant_id) in enumerate(expected):
+        up = rt.plan(tree)
+        assert up.plan.config == member and up.variant_id == variant_id, step
+        if member == other:
+            assert up.variant.stage1[0].block_n == 32  # member 1's KV tile, as tree_attention launches it
+        q, k, v = _inputs(tree, device, 64, seed=step)
+        out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+        ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+        assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3, step
+    assert mixed.select(larger) == other  # member 1 was picked, the fixed launch needed member 0
 
 
 def test_runtime_masks_rows_when_any_member_packs(device):
