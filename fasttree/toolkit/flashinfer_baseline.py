@@ -426,7 +426,7 @@ def probe(
     Parameters
     ----------
     items : sequence of dict
-        JSON-able case descriptions, as :func:`fasttree.toolkit.kernel_bench.probe_item` makes them;
+        JSON-able case descriptions, as :func:`fasttree.toolkit.bench_cases.probe_item` makes them;
         each has a ``"key"`` string.
     variants : sequence of str
         FlashInfer variants to probe.
@@ -504,7 +504,7 @@ def _probe_child(jobs: list[dict[str, Any]]) -> int:
     """The child of :func:`probe`: one JSON line per event on stdout."""
     import torch
 
-    from . import kernel_bench
+    from .bench_cases import probe_inputs
     from .timing import _captured
 
     def emit(**msg: Any) -> None:
@@ -515,7 +515,7 @@ def _probe_child(jobs: list[dict[str, Any]]) -> int:
         emit(event="start", job=j)
         error = None
         try:
-            tree, q, k, v = kernel_bench.probe_inputs(job["item"])
+            tree, q, k, v = probe_inputs(job["item"])
             runner = make_runner(job["variant"], q, k, v, tree)
             runner.call()
             torch.cuda.synchronize()
