@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_profiler import FAKE_ENV
 
 import fasttree as ft
 import fasttree.toolkit.profiler as prof
@@ -34,17 +35,6 @@ from fasttree.toolkit.profiler import profile
 from fasttree.toolkit.workloads import TREE_FAMILIES
 from fasttree.traces import _config_dict, measurement_record, read_traces
 
-FAKE_ENV = {
-    "gpu_name": "Fake GPU (tests)",
-    "gpu_sm_count": 132,
-    "compute_capability": "9.0",
-    "memory_clock_mhz": 3201,
-    "driver": "0.0",
-    "torch": torch.__version__,
-    "triton": "0.0",
-    "fasttree": ft.__version__,
-    "git_commit": None,
-}
 SMALL_FAMILIES = ["few_shot", "no_sharing"]  # small trees: the fake measurements build them
 
 

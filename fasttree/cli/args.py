@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
@@ -96,34 +97,30 @@ positive_int = int_at_least(1, "a positive integer")
 non_negative_int = int_at_least(0, "an integer >= 0")
 
 
+def _names_arg(text: str, known: Iterable[str], one: str, many: str) -> list[str]:
+    """A comma-separated list of names from ``known`` (``one`` / ``many``: what one and several are)."""
+    known = list(known)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {many}")
+    unknown = [s for s in names if s not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown {one if len(unknown) == 1 else many} {', '.join(unknown)}; choose from {', '.join(known)}"
+        )
+    return names
+
+
 def families_arg(text: str) -> list[str]:
     from ..toolkit.workloads import TREE_FAMILIES
 
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of tree families")
-    unknown = [s for s in names if s not in TREE_FAMILIES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown tree famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
-            f"choose from {', '.join(TREE_FAMILIES)}"
-        )
-    return names
+    return _names_arg(text, TREE_FAMILIES, "tree family", "tree families")
 
 
 def buckets_arg(text: str) -> list[str]:
     from ..toolkit.headroom import HEADROOM_BUCKETS
 
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of headroom buckets")
-    unknown = [s for s in names if s not in HEADROOM_BUCKETS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown headroom bucket{'' if len(unknown) == 1 else 's'} {', '.join(unknown)}; "
-            f"choose from {', '.join(HEADROOM_BUCKETS)}"
-        )
-    return names
+    return _names_arg(text, HEADROOM_BUCKETS, "headroom bucket", "headroom buckets")
 
 
 def progress_bar_wanted(requested: bool, stream: TextIO | None = None) -> bool:

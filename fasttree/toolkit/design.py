@@ -239,15 +239,27 @@ def check_families(families: Iterable[str] | None) -> list[str]:
     """Families in :data:`TREE_FAMILIES` order; ``None`` means all."""
     if families is None:
         return list(TREE_FAMILIES)
-    if isinstance(families, str):
-        families = [families]
-    chosen = list(dict.fromkeys(families))
-    unknown = [f for f in chosen if f not in TREE_FAMILIES]
+    return choose_names(families, TREE_FAMILIES, "tree families", "families must name at least one tree family "
+                        "(or be None for all)")  # fmt: skip
+
+
+def choose_names(names: Iterable[str] | str, known: Iterable[str], what: str, empty: str) -> list[str]:
+    """``names`` (one name or several; repeats dropped) in the order of ``known``.
+
+    Raises
+    ------
+    ValueError
+        On a name not in ``known`` (the message names them as ``what``), or with ``empty`` when
+        ``names`` is empty.
+    """
+    known = list(known)
+    chosen = list(dict.fromkeys([names] if isinstance(names, str) else names))
+    unknown = [n for n in chosen if n not in known]
     if unknown:
-        raise ValueError(f"unknown tree families {unknown}; choose from {list(TREE_FAMILIES)}")
+        raise ValueError(f"unknown {what} {unknown}; choose from {known}")
     if not chosen:
-        raise ValueError("families must name at least one tree family (or be None for all)")
-    return [f for f in TREE_FAMILIES if f in chosen]
+        raise ValueError(empty)
+    return [n for n in known if n in chosen]
 
 
 def _categorical(u: float, options: Sequence[Any], weights: Sequence[float] | None = None) -> Any:

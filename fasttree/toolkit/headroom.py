@@ -51,6 +51,7 @@ from .design import (
     _sampled_configs,
     _Stream,
     check_families,
+    choose_names,
 )
 
 __all__ = [
@@ -156,17 +157,9 @@ def check_buckets(buckets: Iterable[str] | str | None) -> list[HeadroomBucket]:
     ValueError
         On an unknown name or an empty selection.
     """
-    if buckets is None:
-        buckets = DEFAULT_BUCKETS
-    elif isinstance(buckets, str):
-        buckets = [buckets]
-    chosen = list(dict.fromkeys(buckets))
-    unknown = [b for b in chosen if b not in HEADROOM_BUCKETS]
-    if unknown:
-        raise ValueError(f"unknown headroom buckets {unknown}; choose from {list(HEADROOM_BUCKETS)}")
-    if not chosen:
-        raise ValueError("buckets must name at least one headroom bucket (or be None for the defaults)")
-    return [b for name, b in HEADROOM_BUCKETS.items() if name in chosen]
+    chosen = choose_names(DEFAULT_BUCKETS if buckets is None else buckets, HEADROOM_BUCKETS, "headroom buckets",
+                          "buckets must name at least one headroom bucket (or be None for the defaults)")  # fmt: skip
+    return [HEADROOM_BUCKETS[name] for name in chosen]
 
 
 def headroom_trees(trees: int, seed: int = 0, *, families: Iterable[str] | None = None) -> list[tuple[str, int]]:
