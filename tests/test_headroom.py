@@ -453,3 +453,21 @@ def test_headroom_sweep_end_to_end_on_the_gpu(tmp_path):
     again = profile(out, design_name="headroom", buckets=["32x8-d128-fp16"], trees=2, configs=3,
                     families=SMALL_FAMILIES, progress=False)  # fmt: skip
     assert (again.skipped, again.written) == (6, 0)
+
+
+def test_summary_gives_the_hand_computed_in_sample_portfolio(sweep):
+    s = headroom_summary(read_traces(sweep).records)
+    a = s.buckets["tree_attention"]["32x8-d128-fp16"]
+    # defaults 10 on each tree; config 1 (8, 11, 9) alone: 10/8, 1, 10/9; config 2 (12, 5, 20) alone:
+    # 1, 2, 1 -> config 2 first (geomean 2^(1/3) > (1.25 * 10/9)^(1/3)), then config 1 too: 1.25, 2, 10/9
+    assert a.portfolio_in_sample == pytest.approx([2 ** (1 / 3), geomean(1.25, 2.0, 10 / 9)])
+    assert a.portfolio_in_sample[-1] == pytest.approx(a.stats.oracle_geomean)
+    # 8x1: config 1 failed on a used tree, so only config 2 may join: trees (20, 10) and (20, 30) -> 2, 1
+    b = s.buckets["tree_attention"]["8x1-d128-bf16"]
+    assert b.portfolio_in_sample == pytest.approx([math.sqrt(2.0)])
+    text = s.markdown()
+    assert f"- 32x8-d128-fp16: {2 ** (1 / 3):.3f}x / {geomean(1.25, 2.0, 10 / 9):.3f}x" in text
+    js = json.loads(json.dumps(s.to_json()))
+    assert js["targets"]["tree_attention"]["buckets"]["8x1-d128-bf16"]["portfolio_in_sample"] == [
+        pytest.approx(math.sqrt(2.0), abs=1e-4)
+    ]

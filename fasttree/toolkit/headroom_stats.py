@@ -52,6 +52,8 @@ __all__ = [
 
 #: An oracle at or above this counts as a large headroom (tuning may pay there).
 LARGE_HEADROOM = 1.15
+#: Other configs the in-sample portfolio line adds to the defaults, at most.
+PORTFOLIO_OTHERS = 3
 #: ``schema`` of the summary's JSON.
 SUMMARY_SCHEMA = "fasttree-headroom-summary"
 _ALL = "all"
@@ -160,7 +162,13 @@ class BestSingle:
 
 @dataclass
 class BucketReport:
-    """One bucket of one target: its trees, groups, best single config and what was left out."""
+    """One bucket of one target: its trees, groups, best single config and what was left out.
+
+    ``portfolio_in_sample[k - 1]``: the geomean over the bucket's used trees of the defaults' time
+    over the best of the defaults and ``k`` other configs per tree, the others added greedily (each
+    the one that raises that geomean most), for ``k`` up to :data:`PORTFOLIO_OTHERS`: chosen and
+    scored on the same trees (in-sample), what a perfect per-tree selector among so few configs
+    could reach here."""
 
     stats: GroupStats | None
     families: dict[str, GroupStats] = field(default_factory=dict)
@@ -170,6 +178,7 @@ class BucketReport:
     excluded_trees: list[str] = field(default_factory=list)
     incomplete_trees: int = 0
     configs_max: int = 0
+    portfolio_in_sample: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -231,6 +240,7 @@ class HeadroomSummary:
                             "excluded_trees": b.excluded_trees,
                             "incomplete_trees": b.incomplete_trees,
                             "configs_max": b.configs_max,
+                            "portfolio_in_sample": [_round(x) for x in b.portfolio_in_sample],
                         }
                         for name, b in buckets.items()
                     },
@@ -288,6 +298,15 @@ class HeadroomSummary:
                     f"{bs.eligible} configs measured ok on every tree; {bs.not_eligible} others failed or were "
                     "not measured on some tree)"
                 )
+            out += [
+                "",
+                f"The defaults and the best 1 to {PORTFOLIO_OTHERS} other configs, picked per tree, "
+                f"in-sample ({target}):",
+                "",
+            ]
+            for name, b in buckets.items():
+                steps = " / ".join(f"{x:.3f}x" for x in b.portfolio_in_sample) or "no other config"
+                out.append(f"- {name}: {steps}")
             left_out = [(name, b) for name, b in buckets.items() if b.excluded_trees or b.incomplete_trees]
             if left_out:
                 out += ["", f"Trees left out or incomplete ({target}):", ""]
@@ -314,6 +333,23 @@ _HEADER_BUCKET = (
 )
 _HEADER_BUCKET_NOFAIL = _HEADER_BUCKET.replace("bucket |", "family |", 1).rsplit(" failed / lines |", 1)[0]
 _HEADER_FAMILY = _HEADER_BUCKET.replace("| bucket |", "| bucket | family |", 1).rsplit(" failed / lines |", 1)[0]
+
+
+def _greedy_portfolio(
+    times: Mapping[tuple[str, int], Mapping[str, float]], defaults_key: str, candidates: set[str]
+) -> list[float]:
+    """:attr:`BucketReport.portfolio_in_sample` of ``times`` (tree -> config key -> us), the others
+    drawn from ``candidates`` (configs measured ok on every tree); ties go to the smaller key."""
+    trees = list(times)
+    best = {t: times[t][defaults_key] for t in trees}
+    others = sorted(candidates - {defaults_key})
+    out: list[float] = []
+    for _ in range(min(PORTFOLIO_OTHERS, len(others))):
+        pick = max(others, key=lambda k: _geomean(times[t][defaults_key] / min(best[t], times[t][k]) for t in trees))
+        others.remove(pick)
+        best = {t: min(best[t], times[t][pick]) for t in trees}
+        out.append(_geomean(times[t][defaults_key] / best[t] for t in trees))
+    return out
 
 
 def _rule(header: str) -> str:
@@ -552,6 +588,7 @@ def _bucket(
         )
         for family, seed in times:
             ratios[(target, bucket, family, seed)] = times[(family, seed)][defaults_key] / times[(family, seed)][best]
+        report.portfolio_in_sample = _greedy_portfolio(times, defaults_key, candidates)
     if report.failed_lines:
         logger.info("%s %s: %d of %d lines failed (left out)", target, bucket, report.failed_lines, report.lines)
     return report, used, ratios
