@@ -7,10 +7,11 @@ with one pinned, non-blocking copy. Each plan gets a *launch variant* (:mod:`fas
 ``tree_attention``'s own launch decisions with grids rounded up to buckets, run by
 :meth:`~TreeAttentionRuntime.forward` over the plan arrays at fixed addresses, so a CUDA graph of
 a whole decode step, all layers, captured for one variant replays every later plan of it
-(:class:`StepGraphs` keeps one graph per variant met). Past ``max_variants`` variants a plan runs
-the smallest variant met whose launches cover it (the same launches with larger grids), else (or
-with ``max_variants=0``) the fixed launch: a persistent stage 1 over both tile classes' units and
-a persistent merge, whose grids depend on the GPU only.
+(:class:`StepGraphs` keeps one graph per variant met). With ``max_variants`` variants live, a
+plan of a new one runs the smallest live variant whose launches cover it (the same launches with
+larger grids), else gets a new id in place of the least recently used variant. With
+``max_variants=0`` every plan runs the fixed launch: a persistent stage 1 over both tile classes'
+units and a persistent merge, whose grids depend on the GPU only.
 
 Shapes use the package's vocabulary (:mod:`fasttree.plan_arrays`): ``n_queries``, ``Hq``,
 ``Hkv``, ``D``, ``g = Hq // Hkv``; ``B`` is the row count of the ``q`` / ``out`` buffers the
@@ -169,12 +170,6 @@ class CapacityError(ValueError):
     then uploads the bounded fallback plan."""
 
 
-class _FixedLaunchMismatchError(Exception):
-    """A plan that no launch variant id serves, made by a portfolio member whose launch fields differ
-    from the fixed launch's (member 0's); raised before anything is written, so
-    :meth:`TreeAttentionRuntime.plan` plans the tree with member 0 instead."""
-
-
 def _positive_int(name: str, value: Any) -> int:
     return check_int(name, value, minimum=1, expected="a positive integer")
 
@@ -300,11 +295,13 @@ class TreeAttentionRuntime:
         Launch variants handed out (:mod:`fasttree.launch_variants`): each plan runs with the
         launches :func:`fasttree.tree_attention` would give it, grids rounded up to a bucket,
         under the variant id :meth:`plan` returns; a server captures one CUDA graph per id it
-        meets (:class:`StepGraphs`). Once ``max_variants`` ids exist, a plan of a new variant
-        runs under the id of the smallest variant met that covers it (the same launches, grids at
-        least its own: :meth:`fasttree.launch_variants.LaunchVariant.covers`), else the fixed
-        persistent launch (id 0), so a server holds at most ``max_variants + 1`` graphs. 0:
-        every plan runs the fixed launch (one graph for every step, planned with
+        meets (:class:`StepGraphs`). At most ``max_variants`` variants are live: then a plan of
+        a new variant runs under the id of the smallest live variant that covers it (the same
+        launches, grids at least its own: :meth:`fasttree.launch_variants.LaunchVariant.covers`),
+        else under a new id that replaces the least recently used variant (ids are never
+        reused: a graph of a replaced id is just never replayed again; ``StepGraphs`` drops the
+        least recently replayed past its ``max_graphs``). 0: every plan runs the fixed
+        persistent launch (id 0: one graph for every step, planned with
         :meth:`fasttree.PlanRules.runtime`; slower than the variants).
 
     Raises
@@ -482,6 +479,7 @@ class TreeAttentionRuntime:
             self._sm_count, self._props = 4, None
         self._programs = [0, 0]  # persistent stage-1 programs per launch (sized after the kernel's compilation)
         self._launchers: dict[tuple, tuple] = {}  # direct launchers by the tensors' layout (see _layout_key)
+        self._variant_launchers: dict[tuple, tuple] = {}  # a launch variant's, by (variant id, layout)
         self._maxnreg = self._register_caps()
 
     @property
@@ -607,13 +605,10 @@ class TreeAttentionRuntime:
         if plan is not None:  # the extender only holds uploaded plans: _current is the one extended
             try:
                 uploaded = self._upload(plan, self._current.query_centric, extended=True)
-            except (CapacityError, _FixedLaunchMismatchError):  # checked before anything is written: plan afresh
+            except CapacityError:  # checked before anything is written: plan afresh
                 uploaded = None
         if uploaded is None:
-            try:
-                uploaded = self._upload_fresh(tree, self.portfolio.select(tree))
-            except _FixedLaunchMismatchError:  # no variant id left for its member's launches
-                uploaded = self._upload_fresh(tree, self.config)
+            uploaded = self._upload_fresh(tree, self.portfolio.select(tree))
         if extender is not None:
             extender.remember(tree, uploaded.plan)
         if self.recorder is not None:
@@ -719,9 +714,11 @@ class TreeAttentionRuntime:
 
         variant = launch_variant(plan, self._target) if self.variants.max_variants else None
         variant_id = FIXED_VARIANT if variant is None else self.variants.id_of(variant)
-        variant = self.variants.variant(variant_id)  # a covering one past max_variants; None: the fixed launch
-        if variant is None and not bounded and not self._fixed_launch_serves(plan):
-            raise _FixedLaunchMismatchError
+        variant = self.variants.variant(variant_id)  # maybe a covering one; None: the fixed launch (max_variants 0)
+        while self.variants.evicted:  # variants that left the table: their launchers go too
+            gone = self.variants.evicted.pop()
+            for k in [k for k in self._variant_launchers if k[0] == gone]:
+                del self._variant_launchers[k]
 
         i = self._next_staging
         self._next_staging ^= 1
@@ -768,10 +765,6 @@ class TreeAttentionRuntime:
             words=off, extended=extended, variant_id=variant_id, variant=variant, bounded=bounded,
         )  # fmt: skip
         return self._current
-
-    def _fixed_launch_serves(self, plan: Plan) -> bool:
-        """Whether the fixed launch (compiled for member 0's launch fields) runs ``plan``."""
-        return all(getattr(plan.config, f) == getattr(self.config, f) for f in LAUNCH_FIELDS)
 
     def _relocate(self, longest: int) -> None:
         """Copy the uploaded plan's arrays to their fixed offsets (one launch, on the current stream
@@ -920,14 +913,14 @@ class TreeAttentionRuntime:
     def _launch_variant(self, vid: int, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> None:
         """Launch variant ``vid``: its stage-1 launches (two side by side on two streams) and merge."""
         key = self._layout_key(q, k_cache, v_cache, out)
-        cached = self._launchers.get((vid, key)) if key is not None else None
+        cached = self._variant_launchers.get((vid, key)) if key is not None else None
         if cached is not None:  # compiled for this layout: call the launchers directly
             run_direct((variant.forked, cached), launch_pointers(q, k_cache, v_cache, out), q.device, qk_scale)
             return
         launches = self._variant_launches(variant, q, k_cache, v_cache, out, qk_scale)
         compiled = launch_through_triton(launches, q.device, variant.forked and self._target.cuda)
         if key is not None and all(c is not None for c in compiled):
-            self._launchers[(vid, key)] = tuple(
+            self._variant_launchers[(vid, key)] = tuple(
                 direct_launcher(
                     c, grid, args, constexprs, _QK_SCALE_ARG if kernel is tree_attention_units_kernel else None
                 )

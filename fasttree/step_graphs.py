@@ -40,7 +40,8 @@ class StepGraphs:
         The runtimes ``step`` calls; each has uploaded the step's plan (``rt.plan(tree)``)
         before :meth:`replay`.
     max_graphs : int
-        Graphs kept at most (each runtime hands out at most ``max_variants + 1`` variants).
+        Graphs kept at most, the least recently replayed dropped first (a runtime keeps at most
+        ``max_variants`` variants live; the graph of one that left is never met again).
     pool : optional
         A memory pool handle (``torch.cuda.graph_pool_handle()``) the graphs share; one is made
         when None. The graphs may reuse each other's intermediate memory: read a step's outputs

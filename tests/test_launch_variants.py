@@ -56,25 +56,33 @@ def test_a_variant_covers_the_same_launches_with_grids_no_larger():
     assert big.programs == 40 + 72 + 96
 
 
-def test_past_max_variants_a_new_variant_gets_the_smallest_covering_id():
+def test_past_max_variants_a_new_variant_gets_the_smallest_covering_id_else_replaces_the_least_recent():
     table = VariantTable(3)
     large = _variant((64, 72), 96)
     medium = _variant((48, 40), 64)
     other = _variant((72,), 40)
     assert [table.id_of(v) for v in (large, medium, other)] == [1, 2, 3]
-    assert table.id_of(medium) == 2 and len(table) == 3
+    assert table.id_of(medium) == 2 and len(table) == 3  # used: large is now the least recent
     assert table.id_of(_variant((40, 40), 48)) == 2  # both cover it: the one of fewer programs
-    assert table.id_of(_variant((56, 40), 48)) == 1  # only the large one covers it
-    assert table.id_of(_variant((64, 80), 48)) == FIXED_VARIANT  # none covers it
-    assert table.id_of(_variant((56,), 8)) == 3
-    assert len(table) == 3 and table.variant(2) == medium  # covering hands out no new id
+    assert table.id_of(_variant((56, 40), 48)) == 1  # only the large one covers it (other: least recent)
+    assert len(table) == 3 and table.variant(2) == medium and table.evicted == []  # covering: no new id
+    fresh = _variant((64, 80), 48)
+    assert table.id_of(fresh) == 4  # none covers it: a new id in place of the least recent (other)
+    assert table.evicted == [3] and table.variant(3) is None and table.variant(4) == fresh
+    assert table.id_of(_variant((56,), 8)) == 5  # other covered it, but it left: medium (least recent) goes
+    assert table.evicted == [3, 2] and len(table) == 3 and table.handed_out == 5
+    assert table.id_of(medium) == 1  # the large one covers it
+    assert table.id_of(other) == 6  # met again after it left: a new id (ids are never reused)
 
 
 @pytest.mark.parametrize("max_variants", [0, 1])
-def test_without_room_or_cover_the_fixed_launch_serves(max_variants):
+def test_only_max_variants_zero_runs_the_fixed_launch(max_variants):
     table = VariantTable(max_variants)
-    first = _variant((16, 16), 16)
-    expected = FIXED_VARIANT if max_variants == 0 else 1
-    assert table.id_of(first) == expected
-    assert table.id_of(_variant((32, 16), 16)) == FIXED_VARIANT
+    first, second = _variant((16, 16), 16), _variant((32, 16), 16)
+    if max_variants == 0:
+        assert table.id_of(first) == table.id_of(second) == FIXED_VARIANT and len(table) == 0
+    else:
+        assert (table.id_of(first), table.id_of(second)) == (1, 2)  # second is not covered: it replaces first
+        assert table.id_of(first) == 2  # which second covers now
+        assert table.evicted == [1] and len(table) == 1
     assert table.variant(FIXED_VARIANT) is None

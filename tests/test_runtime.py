@@ -60,7 +60,7 @@ def test_header_matches_the_kernels():
 def test_runtime_matches_reference_over_several_trees(device, config, launches, max_variants):
     """One runtime, one q/out buffer, many trees: every step equals the float64 reference (the fixed
     launch with stage 1 as one launch over both tile classes or one per class; launch variants; one
-    variant, then the fixed launch for the other plans)."""
+    live variant at a time, replaced when the next plan's is not covered)."""
     rt = _runtime(device, config, stage1_launches=launches, max_variants=max_variants)
     rng = np.random.default_rng(5)
     q_rows = 64
@@ -617,11 +617,9 @@ def test_runtime_portfolio_plans_each_tree_with_the_selected_member(device):
 
 def test_with_launch_variants_members_may_differ_in_launch_fields(device):
     """A tree_attention portfolio whose member 1 has other KV tiles: each tree runs its member's own
-    plan and launches (as tree_attention would); once no variant id is left for member 1's launches,
-    the tree is planned with member 0, whose launch fields the fixed launch is compiled for; with
-    the fixed launch alone (max_variants=0) such a portfolio is refused before any work."""
-    from fasttree.launch_variants import FIXED_VARIANT
-
+    plan and launches (as tree_attention would), a new variant replacing the least recently used
+    one past max_variants; with the fixed launch alone (max_variants=0) such a portfolio is refused
+    before any work."""
     other = ft.FastTreeConfig(kv_tile=(32, 32))
     mixed = ft.Portfolio(members=(ft.FastTreeConfig(), other), selector=_split_on_queries(3.0))
     with pytest.raises(ValueError, match="launch fields"):
@@ -632,7 +630,7 @@ def test_with_launch_variants_members_may_differ_in_launch_fields(device):
     large = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))  # 16 queries: member 1
     larger = ft.KVTree.from_levels((1, 4, 16), (300, 60, 9))  # 64 queries: member 1, another variant
     rt = _runtime(device, mixed, max_variants=2)
-    expected = [(small, ft.FastTreeConfig(), 1), (large, other, 2), (larger, ft.FastTreeConfig(), FIXED_VARIANT)]
+    expected = [(small, ft.FastTreeConfig(), 1), (large, other, 2), (larger, other, 3), (small, ft.FastTreeConfig(), 4)]
     for step, (tree, member, variant_id) in enumerate(expected):
         up = rt.plan(tree)
         assert up.plan.config == member and up.variant_id == variant_id, step
@@ -642,7 +640,7 @@ def test_with_launch_variants_members_may_differ_in_launch_fields(device):
         out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
         ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
         assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3, step
-    assert mixed.select(larger) == other  # member 1 was picked, the fixed launch needed member 0
+    assert rt.variants.evicted == [] and len(rt.variants) == 2 and rt.variants.handed_out == 4
 
 
 def test_runtime_masks_rows_when_any_member_packs(device):
@@ -720,12 +718,12 @@ def test_variant_programs_of_empty_units_exit_at_once_and_tree_attentions_do_not
     assert ft.max_relative_error(out_ta, ref) < 2e-3
 
 
-def test_past_max_variants_a_covering_variant_serves_the_plan(device):
-    """With its one variant id handed out, the runtime serves a smaller plan of the same launches
-    (or of unmasked ones: all-ones row masks) with that variant (its extra programs find empty units
-    and the filler query) and a plan of other launches with the fixed launch; every step equals the
-    reference."""
-    from fasttree.launch_variants import FIXED_VARIANT, launch_variant
+def test_past_max_variants_a_covering_variant_serves_the_plan_else_a_new_id_replaces_the_old(device):
+    """With one live variant, the runtime serves a smaller plan of the same launches (or of unmasked
+    ones: all-ones row masks) with that variant (its extra programs find empty units and the filler
+    query) and a plan of other launches under a new id that replaces it (its launchers dropped);
+    every step equals the reference."""
+    from fasttree.launch_variants import launch_variant
 
     rt = _runtime(device, max_variants=1, max_kv_entries=1 << 14)
 
@@ -736,15 +734,19 @@ def test_past_max_variants_a_covering_variant_serves_the_plan(device):
     assert first.variant_id == 1
     q, k, v = _inputs(star(30), device, 64)
     other = ft.KVTree.from_lengths([-1, 0, 0, 1, 1], [300, 40, 500, 30, 20], [2, 3, 4])
-    for tree, served_by_first in ((star(28), True), (star(12), True), (other, False), (star(30), True)):
+    expected_ids = []
+    for tree, vid in ((star(28), 1), (star(12), 1), (other, 2), (star(30), 3)):
         up = rt.plan(tree)
         own = launch_variant(up.plan, rt._target)
-        if served_by_first:
-            assert up.variant_id == 1 and up.variant == first.variant and first.variant.covers(own)
-        else:  # other launches: nothing covers it
-            assert up.variant_id == FIXED_VARIANT and up.variant is None and not first.variant.covers(own)
+        assert up.variant_id == vid
+        if vid == 1:
+            assert up.variant == first.variant and first.variant.covers(own) and own != first.variant
+        else:  # nothing live covers it: a new id, its own launches
+            assert up.variant == own and rt.variants.variant(vid - 1) is None
         out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
         ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
         assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
         assert torch.isnan(out[tree.n_queries :]).all()
-    assert len(rt.variants) == 1
+        expected_ids.append(vid)
+        assert {key[0] for key in rt._variant_launchers} <= {vid}  # a replaced id's launchers are gone
+    assert len(rt.variants) == 1 and rt.variants.handed_out == 3

@@ -100,8 +100,8 @@ def test_variant_graphs_replay_a_new_tree_every_step(scenario, hq, hkv, d, dtype
     """Launch variants: StepGraphs captures one graph of three layers per variant met and replays
     the one of each step's plan; every replay of a plan's own variant equals tree_attention on the
     same plan bit for bit (same kernels, tiles and order), and every replay the reference. With
-    max_variants=2 most plans run a covering variant or the fixed launch (variant 0), in the same
-    graphs object."""
+    max_variants=2 most plans run a covering variant or a new id that replaces the least recently
+    used variant (its graph is never replayed again), in the same graphs object."""
     layers, rows = 3, 256
     trees = [s.tree for s in iter_serving(scenario, seed=3, steps=60)][::3]
     pool = max(t.max_slot for t in trees) + 1
