@@ -38,6 +38,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
+from .native import planner_library
 from .plan_arrays import Plan, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
@@ -176,6 +177,8 @@ class _TreeIndex:
         self._groups: _GroupIndex | None = None
         # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
         self.scalar_lists: tuple[list, list, list, list] | None = None
+        # the per-edge arrays of the native greedy (built on first use)
+        self.native_arrays: tuple[np.ndarray, ...] | None = None
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
@@ -318,7 +321,7 @@ def _pow2(x: int) -> bool:
 
 
 def greedy_edge_assignment(
-    tree: KVTree, cost: PaddingCost, *, scalar_edges: int = SCALAR_EDGES
+    tree: KVTree, cost: PaddingCost, *, scalar_edges: int = SCALAR_EDGES, native: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy binary edge assignment of FastTree, correct for forests and internal queries.
 
@@ -327,8 +330,11 @@ def greedy_edge_assignment(
     tree : KVTree
     cost : PaddingCost
     scalar_edges : int
-        Levels with at most this many edges are decided by a scalar loop, the others by
-        vectorised passes (a speed trade-off: the assignment is the same).
+        Without the native core, levels with at most this many edges are decided by a scalar
+        loop, the others by vectorised passes (a speed trade-off: the assignment is the same).
+    native : bool
+        Decide every edge in the compiled loop (:func:`fasttree.native.planner_library`) when it
+        is available (the same assignment, bit for bit); False: the numpy paths.
 
     Returns
     -------
@@ -347,7 +353,10 @@ def greedy_edge_assignment(
     if not ix.levels:
         return assign, n_cur, eff_len
     threshold = scalar_edges
-    if ix.max_level <= threshold:
+    lib = planner_library() if native else None
+    if lib is not None:
+        dec, group_len = _greedy_native(lib, ix, cost)
+    elif ix.max_level <= threshold:
         dec, group_len = _greedy_all_scalar(ix, cost)
     else:
         ec = _EdgeCosts(ix, cost, True)
@@ -367,6 +376,37 @@ def greedy_edge_assignment(
     eff_len[ix.child_index] = group_len
     n_cur[ix.seg_par] -= np.add.reduceat(ix.q * dec, ix.seg_starts)
     return assign, n_cur, eff_len
+
+
+def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy in the compiled loop (``ft_greedy``): decisions (bool) and group lengths
+    (float64) in edge order, those of :func:`_greedy_all_scalar`."""
+    if ix.native_arrays is None:
+        e = ix.cp.size
+        par_edge = np.full(e, -1, dtype=np.int64)
+        root_len = np.zeros(e, dtype=np.float64)
+        prev_lo = 0
+        for lvl in ix.levels:
+            if lvl.prel is None:
+                root_len[lvl.lo : lvl.hi] = lvl.lv0
+            else:
+                par_edge[lvl.lo : lvl.hi] = lvl.prel + prev_lo
+            prev_lo = lvl.lo
+        ix.native_arrays = tuple(
+            np.ascontiguousarray(a, dtype=t)
+            for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
+                         (par_edge, np.int64), (root_len, np.float64))
+        )  # fmt: skip
+    arrays = ix.native_arrays
+    e = arrays[0].size
+    dec = np.empty(e, dtype=np.int8)
+    group_len = np.empty(e, dtype=np.float64)
+    (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
+    lib.ft_greedy(
+        e, *(a.ctypes.data for a in arrays), cost.alpha * cost.group_size, cost.beta * cost.group_size,
+        cost.gamma, tq0, tq1, tk0, tk1, dec.ctypes.data, group_len.ctypes.data,
+    )  # fmt: skip
+    return dec.view(bool), group_len
 
 
 class _ScalarCosts:

@@ -1,0 +1,104 @@
+"""Native cores of the host planner: C compiled on first use, called through ctypes.
+
+``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops, each the same
+float64 arithmetic in the same order as the numpy/Python path it replaces, so plans are
+bit-identical either way (``tests/test_native.py``). :func:`planner_library` compiles it once per
+source version with the machine's C compiler (``$CC``, else ``cc``: the compiler Triton itself
+needs to build its launchers on a GPU host), caches the shared library under
+``$FASTTREE_CACHE_DIR`` (default ``~/.cache/fasttree``) and loads it; where no compiler works it
+returns None, logs why once, and the planner runs its numpy path.
+
+Standard library only (no torch, no numpy): the serving path may import it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["cache_dir", "planner_library"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "planner.c"
+_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c99")
+#: ``(path, library)`` once loaded; ``(None, None)`` after a failure (not retried in this process).
+_LOADED: tuple[Path | None, ctypes.CDLL | None] | None = None
+
+_I64P = ctypes.c_void_p  # pointers are passed as addresses (ndarray.ctypes.data): the cheapest call
+_SIGNATURES = {
+    "ft_greedy": (
+        None,
+        [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double,
+         ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P],
+    ),
+}  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries are kept: ``$FASTTREE_CACHE_DIR``, else ``~/.cache/fasttree``."""
+    env = os.environ.get("FASTTREE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "fasttree"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _library_path(source: bytes, cc: str) -> Path:
+    key = hashlib.sha256(
+        b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(), platform.machine().encode(),
+                    sys.platform.encode()])
+    ).hexdigest()[:16]  # fmt: skip
+    return cache_dir() / "native" / f"planner-{key}.so"
+
+
+def _compile(source_path: Path, target: Path, cc: str) -> None:
+    """Compile into a temporary file beside ``target``, then rename it into place (atomic: a
+    concurrent process sees the old state or the whole library)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source_path)], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise OSError(f"{cc} exited with {proc.returncode}: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def planner_library() -> ctypes.CDLL | None:
+    """The compiled planner cores (compiled and cached on first use), or None where they cannot
+    be built or loaded (then the planner's numpy path runs; the reason is logged once)."""
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED[1]
+    try:
+        source = _SOURCE.read_bytes()
+        cc = _compiler()
+        if cc is None:
+            raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'} not found)")
+        path = _library_path(source, cc)
+        if not path.exists():
+            _compile(_SOURCE, path, cc)
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        logger.warning("native planner cores unavailable, planning with numpy: %s", exc)
+        _LOADED = (None, None)
+        return None
+    _LOADED = (path, lib)
+    return lib

@@ -1,0 +1,93 @@
+"""The native planner cores: the same results as the numpy paths, bit for bit, and a fallback (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from trees import random_tree
+
+import fasttree as ft
+from fasttree import native
+from fasttree.costs import PaddingCost
+from fasttree.planner import greedy_edge_assignment, unprepared
+from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
+from fasttree.toolkit.suite import paper_tree
+
+pytestmark = pytest.mark.skipif(native.planner_library() is None, reason="no C compiler: the numpy path is all")
+
+
+def _costs(rng: np.random.Generator) -> list[PaddingCost]:
+    """The defaults' costs and random ones: negative weights, non-power-of-2 and unequal tiles."""
+    out = [PaddingCost(0.66, 0.33, 0.1, 4, (16, 4), (64, 64)), PaddingCost(0.66, 0.33, 0.1, 1, (64, 16), (64, 64))]
+    for _ in range(4):
+        tq1 = int(rng.choice([1, 2, 3, 4, 16]))
+        weights = (float(rng.uniform(-0.5, 2.0)), float(rng.uniform(-0.5, 2.0)), float(rng.uniform(-10, 10)))
+        q_tiles = (tq1 * int(rng.integers(1, 5)), tq1)
+        kv_tiles = (int(rng.choice([16, 32, 64, 100])), int(rng.choice([16, 32, 64, 128])))
+        out.append(PaddingCost(*weights, int(rng.choice([1, 4, 7, 16])), q_tiles, kv_tiles))
+    return out
+
+
+def _same(a, b) -> bool:
+    return all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_native_greedy_equals_both_numpy_paths_on_random_forests(seed):
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, max_nodes=int(rng.choice([3, 40, 400])), max_len=int(rng.choice([5, 300, 3000])))
+    for cost in _costs(rng):
+        native_result = greedy_edge_assignment(tree, cost, native=True)
+        assert _same(native_result, greedy_edge_assignment(tree, cost, native=False, scalar_edges=10**9))
+        assert _same(native_result, greedy_edge_assignment(tree, cost, native=False, scalar_edges=0))
+
+
+def test_native_greedy_equals_numpy_on_the_paper_suite_and_the_families():
+    rng = np.random.default_rng(0)
+    trees = [paper_tree(c) for c in range(1, 16)] + [family_tree(fc) for fc in FAMILY_CASES[::4]]
+    for tree in trees:
+        for cost in _costs(rng)[:3]:
+            fast = greedy_edge_assignment(tree, cost, native=True)
+            assert _same(fast, greedy_edge_assignment(tree, cost, native=False))
+
+
+def test_without_a_compiler_the_planner_runs_numpy_and_says_so(monkeypatch, tmp_path, caplog):
+    tree = random_tree(np.random.default_rng(3), max_nodes=30)
+    expected = ft.plan(tree, ft.FastTreeConfig(), num_q_heads=8, num_kv_heads=2, head_dim=64)
+    monkeypatch.setattr(native, "_LOADED", None)
+    monkeypatch.setenv("FASTTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with caplog.at_level(logging.WARNING, logger="fasttree.native"):
+        assert native.planner_library() is None
+        assert native.planner_library() is None  # not retried, logged once
+    assert sum("planning with numpy" in r.message for r in caplog.records) == 1
+    fresh = unprepared(tree)
+    plan = ft.plan(fresh, ft.FastTreeConfig(), num_q_heads=8, num_kv_heads=2, head_dim=64)
+    assert np.array_equal(plan.kv_indices, expected.kv_indices) and np.array_equal(plan.unit_q_len, expected.unit_q_len)
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_broken_compiler_leaves_no_library_behind(monkeypatch, tmp_path):
+    script = tmp_path / "badcc"
+    script.write_text("#!/bin/sh\necho 'error: nope' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(native, "_LOADED", None)
+    monkeypatch.setenv("FASTTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(script))
+    assert native.planner_library() is None
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no library, no temporary file
+
+
+def test_the_library_is_compiled_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_LOADED", None)
+    monkeypatch.setenv("FASTTREE_CACHE_DIR", str(tmp_path))
+    lib = native.planner_library()
+    assert lib is not None
+    built = list((tmp_path / "native").glob("planner-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_LOADED", None)
+    assert native.planner_library() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not compiled again
