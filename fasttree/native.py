@@ -40,6 +40,8 @@ _SIGNATURES = {
         [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double,
          ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P],
     ),
+    "ft_chain_lengths": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P]),
+    "ft_chain_fill": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P]),
 }  # fmt: skip
 
 

@@ -178,7 +178,7 @@ class _TreeIndex:
         # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
         self.scalar_lists: tuple[list, list, list, list] | None = None
         # the per-edge arrays of the native greedy (built on first use)
-        self.native_arrays: tuple[np.ndarray, ...] | None = None
+        self.native_arrays: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
@@ -392,21 +392,23 @@ def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, 
             else:
                 par_edge[lvl.lo : lvl.hi] = lvl.prel + prev_lo
             prev_lo = lvl.lo
-        ix.native_arrays = tuple(
+        arrays = tuple(
             np.ascontiguousarray(a, dtype=t)
             for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
                          (par_edge, np.int64), (root_len, np.float64))
         )  # fmt: skip
-    arrays = ix.native_arrays
+        # the arrays (kept alive here) and their addresses (ndarray.ctypes.data costs ~5 us a call)
+        ix.native_arrays = (arrays, tuple(a.ctypes.data for a in arrays))
+    arrays, addresses = ix.native_arrays
     e = arrays[0].size
+    out = np.empty(e, dtype=np.float64)
     dec = np.empty(e, dtype=np.int8)
-    group_len = np.empty(e, dtype=np.float64)
     (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
     lib.ft_greedy(
-        e, *(a.ctypes.data for a in arrays), cost.alpha * cost.group_size, cost.beta * cost.group_size,
-        cost.gamma, tq0, tq1, tk0, tk1, dec.ctypes.data, group_len.ctypes.data,
+        e, *addresses, cost.alpha * cost.group_size, cost.beta * cost.group_size, cost.gamma, tq0, tq1, tk0, tk1,
+        dec.ctypes.data, out.ctypes.data,
     )  # fmt: skip
-    return dec.view(bool), group_len
+    return dec.view(bool), out
 
 
 class _ScalarCosts:
@@ -772,12 +774,15 @@ def _chain_slots(
     *,
     roots_unmarked: bool = False,
     fill_tokens: int = STRIDED_FILL_TOKENS,
+    native: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """KV of each group node's 1-chain (top of the chain first).
 
     Returns ``(kv_start, kv_slots)``: a group that is a single node reads its run of the
     tree's own slot array; longer chains are concatenated after it. ``roots_unmarked``
     promises that ``assign`` is 0 at every root (as the greedy's is), which skips a check.
+    ``native``: walk and copy the chains in the compiled loops when they are available (the
+    same arrays); False: numpy.
     """
     parents = tree.parents
     kv_start = tree.slot_indptr[nodes]
@@ -785,6 +790,9 @@ def _chain_slots(
     n_chained = chained.size
     if n_chained == 0:
         return kv_start, tree.slots
+    lib = planner_library() if native else None
+    if lib is not None:
+        return _chain_slots_native(lib, tree, assign, nodes, chained, kv_start)
     # Walk every chain up from its group node: step s holds the s-th node above it (and
     # which chains it belongs to, None for all); a chain ends at its first node not
     # marked 1, or at a root.
@@ -845,6 +853,33 @@ def _chain_slots(
         idx = shift.repeat(flat_len)
         idx += arange_view(total)  # in place: a second index-sized temporary costs fresh pages
         np.take(tree.slots, idx, out=tail, mode="clip")  # idx is in range: "clip" only skips a buffer
+    return kv_start, out
+
+
+def _chain_slots_native(
+    lib, tree: KVTree, assign: np.ndarray, nodes: np.ndarray, chained: np.ndarray, kv_start: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_chain_slots`'s chains by the compiled ``ft_chain_lengths`` and ``ft_chain_fill``."""
+    heads = np.ascontiguousarray(nodes[chained], dtype=np.int64)
+    assign8 = np.ascontiguousarray(assign, dtype=np.int8)
+    parents = np.ascontiguousarray(tree.parents, dtype=np.int64)
+    lengths = np.ascontiguousarray(tree.lengths, dtype=np.int64)
+    n = heads.size
+    total = np.empty(n, dtype=np.int64)
+    lib.ft_chain_lengths(n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, lengths.ctypes.data,
+                         total.ctypes.data)  # fmt: skip
+    chain_first = exclusive_sum(total)
+    n_slots = tree.slots.size
+    kv_start[chained] = n_slots + chain_first
+    out = np.empty(n_slots + int(chain_first[-1] + total[-1]), dtype=np.int32)
+    out[:n_slots] = tree.slots
+    slots = np.ascontiguousarray(tree.slots, dtype=np.int32)
+    indptr = np.ascontiguousarray(tree.slot_indptr, dtype=np.int64)
+    scratch = np.empty(int(tree.depth.max()) + 2, dtype=np.int64)  # the longest chain's nodes
+    lib.ft_chain_fill(
+        n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, indptr.ctypes.data, lengths.ctypes.data,
+        slots.ctypes.data, chain_first.ctypes.data, scratch.ctypes.data, out[n_slots:].ctypes.data,
+    )  # fmt: skip
     return kv_start, out
 
 

@@ -11,7 +11,8 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import native
 from fasttree.costs import PaddingCost
-from fasttree.planner import greedy_edge_assignment, unprepared
+from fasttree.plan_arrays import DEVICE_ARRAYS
+from fasttree.planner import _chain_slots, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
 from fasttree.toolkit.suite import paper_tree
 
@@ -51,6 +52,40 @@ def test_native_greedy_equals_numpy_on_the_paper_suite_and_the_families():
         for cost in _costs(rng)[:3]:
             fast = greedy_edge_assignment(tree, cost, native=True)
             assert _same(fast, greedy_edge_assignment(tree, cost, native=False))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_native_chains_equal_numpys_for_greedy_and_random_assignments(seed):
+    rng = np.random.default_rng(100 + seed)
+    tree = random_tree(rng, max_nodes=int(rng.choice([5, 60, 500])), max_len=int(rng.choice([3, 300])))
+    greedy, _, _ = greedy_edge_assignment(tree, _costs(rng)[0])
+    random_assign = (rng.random(tree.n_nodes) < 0.6).astype(np.int8)  # roots marked too
+    for assign, unmarked in ((greedy, True), (random_assign, False)):
+        nodes = np.sort(rng.choice(tree.n_nodes, size=int(rng.integers(1, tree.n_nodes + 1)), replace=False))
+        for fill_tokens in (0, 8192):  # numpy's strided copies, or its gathers
+            want = _chain_slots(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=False)
+            got = _chain_slots(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=True)
+            assert _same(got, want)
+
+
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (16, 1)])
+def test_plans_are_the_same_with_and_without_the_native_cores(monkeypatch, heads):
+    rng = np.random.default_rng(7)
+    trees = [paper_tree(c) for c in (1, 5, 8, 10, 13)] + [random_tree(rng, max_nodes=300) for _ in range(8)]
+    trees += [family_tree(fc) for fc in FAMILY_CASES[::6]]
+    configs = [ft.FastTreeConfig(), ft.FastTreeConfig(alpha=1.5, beta=0.1, gamma=2.0, pack_tokens=0)]
+    hq, hkv = heads
+
+    def arrays(plan):
+        return [getattr(plan, name) for name in DEVICE_ARRAYS]
+
+    native_plans = [arrays(ft.plan(unprepared(t), c, num_q_heads=hq, num_kv_heads=hkv, head_dim=128))
+                    for t in trees for c in configs]  # fmt: skip
+    monkeypatch.setattr(native, "_LOADED", (None, None))  # the numpy paths from here on
+    numpy_plans = [arrays(ft.plan(unprepared(t), c, num_q_heads=hq, num_kv_heads=hkv, head_dim=128))
+                   for t in trees for c in configs]  # fmt: skip
+    for a, b in zip(native_plans, numpy_plans, strict=True):
+        assert _same(a, b)
 
 
 def test_without_a_compiler_the_planner_runs_numpy_and_says_so(monkeypatch, tmp_path, caplog):

@@ -62,3 +62,40 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
         }
     }
 }
+
+/* The 1-chains of the chained groups (fasttree.planner._chain_slots): chain c starts at node
+ * nodes[c] (whose edge is concatenated) and takes its parent, then the parent's parent, ...,
+ * up to and including the first node whose own edge is not concatenated (assign != 1) or a root.
+ * ft_chain_lengths writes each chain's tokens to total[c]; ft_chain_fill copies each chain's
+ * slot runs, top of the chain first, into out[first[c] ...] (scratch: room for the deepest chain). */
+void ft_chain_lengths(int64_t n, const int64_t *nodes, const int64_t *parents, const int8_t *assign,
+                      const int64_t *lengths, int64_t *total) {
+    for (int64_t c = 0; c < n; c++) {
+        int64_t v = nodes[c], sum = lengths[v];
+        while (assign[v] == 1 && parents[v] >= 0) {
+            v = parents[v];
+            sum += lengths[v];
+        }
+        total[c] = sum;
+    }
+}
+
+void ft_chain_fill(int64_t n, const int64_t *nodes, const int64_t *parents, const int8_t *assign,
+                   const int64_t *slot_indptr, const int64_t *lengths, const int32_t *slots, const int64_t *first,
+                   int64_t *scratch, int32_t *out) {
+    for (int64_t c = 0; c < n; c++) {
+        int64_t v = nodes[c], k = 0;
+        scratch[k++] = v;
+        while (assign[v] == 1 && parents[v] >= 0) {
+            v = parents[v];
+            scratch[k++] = v;
+        }
+        int32_t *dst = out + first[c];
+        for (int64_t s = k - 1; s >= 0; s--) {
+            const int64_t u = scratch[s], len = lengths[u];
+            const int32_t *src = slots + slot_indptr[u];
+            for (int64_t i = 0; i < len; i++) dst[i] = src[i];
+            dst += len;
+        }
+    }
+}
