@@ -157,3 +157,59 @@ def test_the_tuned_variant_reads_the_committed_export():
         tree = paper_tree(case)
         member = entry.portfolio.member_of(tree)
         assert kernel.tuned_config(export, tree, **shape) == (entry.portfolio.members[member], member)
+
+
+def test_a_broken_cuda_context_stops_the_run_and_keeps_the_cases_done(monkeypatch, tmp_path, capsys):
+    """A peer that breaks the CUDA context (an illegal access the probe missed) ends the run: the
+    reports hold the cases before it, say where it stopped and which cases were not run, and the
+    status is 3; any other error still propagates."""
+    env = {"gpu_name": "GPU", "gpu_sm_count": 1, "torch": "t", "triton": "t", "git_commit": "abc",
+           "timestamp_utc": "now"}  # fmt: skip
+    monkeypatch.setattr(kernel.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel, "environment", lambda gpu: dict(env))
+    monkeypatch.setattr(kernel, "anchor_rows", lambda: {})
+    monkeypatch.setattr(kernel, "peer_status", lambda items, variants: {})
+    monkeypatch.setattr(kernel, "plot", lambda rows, path: None)
+    monkeypatch.setattr(kernel, "cuda_context_broken", lambda: True)
+    calls = []
+
+    def fake_case(case, heads, args, anchors):
+        calls.append(case)
+        if case == 2:
+            raise kernel.CudaContextLostError("flashinfer_cascade broke the CUDA context (illegal memory access)")
+        return _row(case, 40.0, 20.0)
+
+    monkeypatch.setattr(kernel, "bench_case", fake_case)
+    argv = ["--cases", "1-3", "--heads", "mha", "--variants", "fasttree", "--export", "none", "--out", str(tmp_path),
+            "--label", "t"]  # fmt: skip
+    assert kernel.main(argv) == 3
+    assert calls == [1, 2]
+    report = (tmp_path / "kernel_t.json").read_text()
+    assert '"n_cases": 1' in report and "flashinfer_cascade broke the CUDA context" in report
+    md = (tmp_path / "kernel_t.md").read_text()
+    assert "**Incomplete run**: stopped at 2/mha" in md and "not run: 2/mha, 3/mha" in md
+
+    def other_error(case, heads, args, anchors):
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(kernel, "bench_case", other_error)
+    monkeypatch.setattr(kernel, "cuda_context_broken", lambda: False)
+    with pytest.raises(RuntimeError, match="a bug of ours"):
+        kernel.main([*argv[:-1], "t2"])
+
+
+def test_a_peer_error_that_leaves_the_context_usable_is_recorded_on_the_row(monkeypatch):
+    class Boom:
+        @staticmethod
+        def make_runner(*a):
+            raise RuntimeError("bad plan")
+
+    import fasttree.toolkit.flashinfer_baseline as fib
+
+    monkeypatch.setattr(fib, "import_flashinfer", lambda: (object(), None))
+    monkeypatch.setattr(fib, "make_runner", Boom.make_runner)
+    monkeypatch.setattr(kernel, "cuda_context_broken", lambda: False)
+    assert kernel._peer_runner("flashinfer_decode", None, None, None, None, None).startswith("error: RuntimeError")
+    monkeypatch.setattr(kernel, "cuda_context_broken", lambda: True)
+    with pytest.raises(kernel.CudaContextLostError, match="flashinfer_decode broke the CUDA context"):
+        kernel._peer_runner("flashinfer_decode", None, None, None, None, None)

@@ -302,6 +302,20 @@ def bench_tree(
     return row
 
 
+class CudaContextLostError(RuntimeError):
+    """A CUDA error that left the process's context unusable (an illegal memory access): the
+    benchmark stops and writes the cases done so far."""
+
+
+def cuda_context_broken() -> bool:
+    """Whether the current CUDA context is unusable (a device synchronisation raises)."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # the sticky error of an illegal access, whatever torch's class for it
+        return True
+    return False
+
+
 def _peer_runner(name: str, q, k, v, tree: ft.KVTree, status: str | None):
     """Peer variant ``name`` planned on this case, or why not: ``"error: ..."`` when it failed (in the
     probe, ``status``, or here: planning or its first eager call raised), else a skip reason."""
@@ -317,6 +331,8 @@ def _peer_runner(name: str, q, k, v, tree: ft.KVTree, status: str | None):
         runner.call()  # its first call eagerly, before any capture (an error here is this case's alone)
         torch.cuda.synchronize()
     except Exception as exc:  # a peer's failure is a finding of the run, recorded on its row
+        if cuda_context_broken():  # ... unless it took the process's CUDA context with it
+            raise CudaContextLostError(f"{name} broke the CUDA context ({type(exc).__name__}: {exc})"[:600]) from exc
         log.warning("%s failed: %s", name, exc)
         return f"error: {type(exc).__name__}: {exc}"[:600]
     return runner
@@ -494,6 +510,8 @@ def markdown(rows, summary, env, label) -> str:
         head,
         "|" + "---:|" * (len(names) + 10),
     ]
+    if summary.get("stopped"):
+        lines[2:2] = [f"**Incomplete run**: {summary['stopped']}", ""]
     for r in rows:
         cells = []
         for n in names:
@@ -608,7 +626,9 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
     """Run the benchmark (``argv``: its command-line arguments, ``prog``: the command named in its
     usage), write the reports; 0 when every variant of ours and the torch baselines was correct, 1 when one
     was not (a FlashInfer peer's wrong result or failure is listed in the summary, not in the status), 2
-    without a GPU."""
+    without a GPU, 3 when a CUDA error broke the process's context (a peer's illegal memory access): the
+    reports then hold the cases done before it and the summary's ``stopped`` says where and which were
+    not run."""
     args = parse_args(argv, prog=prog)
     existing = [args.out / f"kernel_{args.label}.{ext}" for ext in ("json", "md", "png")]
     existing = [str(path) for path in existing if path.exists()]
@@ -639,8 +659,17 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         from .flashinfer_baseline import flashinfer_version
 
         env["flashinfer"] = flashinfer_version()
-    for run in runs:
-        row = run()
+    stopped = None
+    for i, run in enumerate(runs):
+        try:
+            row = run()
+        except RuntimeError as exc:  # CudaContextLostError, or a CUDA error that broke the context elsewhere
+            if not isinstance(exc, CudaContextLostError) and not cuda_context_broken():
+                raise
+            left = [item["key"] for item in items[i:]]
+            stopped = f"stopped at {items[i]['key']}: {exc}"[:800] + f" (not run: {', '.join(left)})"
+            log.error("%s", stopped)
+            break
         rows.append(row)
         v = row["variants"].get("fasttree", {})
         log.info(
@@ -655,6 +684,7 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
             v.get("max_rel_err", float("nan")),
         )
     summary = summarize(rows)
+    summary["stopped"] = stopped
     report = {
         "benchmark": f"tree attention kernel, {args.suite} suite",
         "label": args.label,
@@ -669,6 +699,8 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
     write_atomic(args.out / f"kernel_{args.label}.md", md)
     plot(rows, args.out / f"kernel_{args.label}.png")
     sys.stdout.write(md)
+    if stopped is not None:
+        return 3
     return 0 if summary["all_correct"] else 1
 
 
