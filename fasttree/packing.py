@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .native import planner_library
 from .tree import arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 #: Bits of one KV entry's row mask (int32 on the device).
@@ -625,14 +626,30 @@ def _assemble(
     )
 
 
-def _gather_runs(kv_slots: np.ndarray, start: np.ndarray, length: np.ndarray, out: np.ndarray, identity: int) -> None:
+def _gather_runs(
+    kv_slots: np.ndarray, start: np.ndarray, length: np.ndarray, out: np.ndarray, identity: int, native: bool = True
+) -> None:
     """``out[:] = concatenation of kv_slots[start[i]:start[i] + length[i]]`` (``out`` int32).
 
-    Entries below ``identity`` equal their position (``kv_slots[:identity]`` is an arange):
+    ``native``: copied in the compiled loop (``ft_gather_runs``) when it is available. Else:
+    entries below ``identity`` equal their position (``kv_slots[:identity]`` is an arange):
     when at most :data:`_SLICE_COPIES` runs reach beyond it, runs are written as aranges and
     those few copied as slices; otherwise every entry is gathered.
     """
     total = out.size
+    lib = planner_library() if native and out.dtype == np.int32 and kv_slots.dtype == np.int32 else None
+    if lib is not None and out.flags.c_contiguous:
+        src = np.ascontiguousarray(kv_slots)
+        st = np.ascontiguousarray(start, dtype=np.int64)
+        ln = np.ascontiguousarray(length, dtype=np.int64)
+        # the compiled copy checks nothing: the runs must fill out and lie inside kv_slots
+        if st.size and (
+            int(np.add.reduce(ln)) != total or int(ln.min()) < 0 or int(st.min()) < 0
+            or int((st + ln).max()) > src.size
+        ):  # fmt: skip
+            raise ValueError("slot runs outside the slot array or not filling the output")
+        lib.ft_gather_runs(st.size, src.ctypes.data, st.ctypes.data, ln.ctypes.data, out.ctypes.data)
+        return
     # entry k of run i is kv_slots[k + shift[i]], shift = start - (the run's offset in out)
     shift = exclusive_sum(length)
     np.subtract(start, shift, out=shift)

@@ -11,6 +11,7 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import native
 from fasttree.costs import PaddingCost
+from fasttree.packing import _gather_runs
 from fasttree.plan_arrays import DEVICE_ARRAYS
 from fasttree.planner import _chain_slots, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
@@ -86,6 +87,23 @@ def test_plans_are_the_same_with_and_without_the_native_cores(monkeypatch, heads
                    for t in trees for c in configs]  # fmt: skip
     for a, b in zip(native_plans, numpy_plans, strict=True):
         assert _same(a, b)
+
+
+@pytest.mark.parametrize("identity", [0, 500, 5000])
+def test_native_gather_of_slot_runs_equals_numpys_and_refuses_runs_outside(identity):
+    rng = np.random.default_rng(identity)
+    slots = np.concatenate([np.arange(identity), rng.permutation(4000) + identity]).astype(np.int32)
+    length = rng.integers(0, 60, size=300)
+    start = rng.integers(0, slots.size - 60, size=300)
+    want = np.full(int(length.sum()), -7, dtype=np.int32)
+    got = want.copy()
+    _gather_runs(slots, start, length, want, identity, native=False)
+    _gather_runs(slots, start, length, got, identity, native=True)
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="outside the slot array"):
+        _gather_runs(slots, np.array([slots.size - 5]), np.array([10]), np.empty(10, np.int32), 0)
+    with pytest.raises(ValueError, match="not filling"):
+        _gather_runs(slots, np.array([0]), np.array([10]), np.empty(12, np.int32), 0)
 
 
 def test_without_a_compiler_the_planner_runs_numpy_and_says_so(monkeypatch, tmp_path, caplog):

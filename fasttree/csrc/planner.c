@@ -99,3 +99,15 @@ void ft_chain_fill(int64_t n, const int64_t *nodes, const int64_t *parents, cons
         }
     }
 }
+
+/* out = the concatenation of kv_slots[start[i] : start[i] + length[i]] over the runs
+ * (fasttree.packing._gather_runs). */
+void ft_gather_runs(int64_t n_runs, const int32_t *kv_slots, const int64_t *start, const int64_t *length,
+                    int32_t *out) {
+    for (int64_t i = 0; i < n_runs; i++) {
+        const int32_t *src = kv_slots + start[i];
+        const int64_t len = length[i];
+        for (int64_t k = 0; k < len; k++) out[k] = src[k];
+        out += len;
+    }
+}
