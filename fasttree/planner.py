@@ -179,6 +179,9 @@ class _TreeIndex:
         self.scalar_lists: tuple[list, list, list, list] | None = None
         # the per-edge arrays of the native greedy (built on first use)
         self.native_arrays: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
+        # the tree's parents, lengths, slot offsets and slots, and its longest chain, for the
+        # compiled chain loops (built on first use)
+        self.native_tree: tuple | None = None
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
@@ -860,10 +863,17 @@ def _chain_slots_native(
     lib, tree: KVTree, assign: np.ndarray, nodes: np.ndarray, chained: np.ndarray, kv_start: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_chain_slots`'s chains by the compiled ``ft_chain_lengths`` and ``ft_chain_fill``."""
+    ix = _tree_index(tree)
+    if ix.native_tree is None:  # the tree's arrays as the compiled loops read them, once per tree
+        ix.native_tree = (
+            np.ascontiguousarray(tree.parents, dtype=np.int64), np.ascontiguousarray(tree.lengths, dtype=np.int64),
+            np.ascontiguousarray(tree.slot_indptr, dtype=np.int64), np.ascontiguousarray(tree.slots, dtype=np.int32),
+            int(tree.depth.max()) + 2,  # nodes of the longest chain, at most
+        )  # fmt: skip
+    parents, lengths, indptr, slots, longest = ix.native_tree
+    scratch = np.empty(longest, dtype=np.int64)  # per call: the loops run without the GIL
     heads = np.ascontiguousarray(nodes[chained], dtype=np.int64)
     assign8 = np.ascontiguousarray(assign, dtype=np.int8)
-    parents = np.ascontiguousarray(tree.parents, dtype=np.int64)
-    lengths = np.ascontiguousarray(tree.lengths, dtype=np.int64)
     n = heads.size
     total = np.empty(n, dtype=np.int64)
     lib.ft_chain_lengths(n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, lengths.ctypes.data,
@@ -872,10 +882,7 @@ def _chain_slots_native(
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
     out = np.empty(n_slots + int(chain_first[-1] + total[-1]), dtype=np.int32)
-    out[:n_slots] = tree.slots
-    slots = np.ascontiguousarray(tree.slots, dtype=np.int32)
-    indptr = np.ascontiguousarray(tree.slot_indptr, dtype=np.int64)
-    scratch = np.empty(int(tree.depth.max()) + 2, dtype=np.int64)  # the longest chain's nodes
+    out[:n_slots] = slots
     lib.ft_chain_fill(
         n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, indptr.ctypes.data, lengths.ctypes.data,
         slots.ctypes.data, chain_first.ctypes.data, scratch.ctypes.data, out[n_slots:].ctypes.data,
