@@ -225,11 +225,18 @@ class _Bins(NamedTuple):
 
 
 def _bin_members(
-    cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks
-) -> tuple[_Bins | None, bool]:
+    cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks,
+    native: bool = True,
+) -> tuple[_Bins | None, bool]:  # fmt: skip
     """Cut the eligible units into pieces (``blocks``: None for fixed blocks of ``capacity`` ranks,
     else :func:`_aligned_blocks`' arrays) and the pieces into runs; the pieces of runs that become
-    bins (None when no bin forms), and whether some unit became two pieces or more."""
+    bins (None when no bin forms), and whether some unit became two pieces or more. ``native``:
+    in the compiled loop (``ft_bin_members``, the same arrays) when it is available."""
+    lib = planner_library() if native and cands.unit.size else None
+    if lib is not None:
+        found = _bin_members_native(lib, cands, n_queries, capacity, kv_len, budget, balanced, blocks)
+        if found is not None:
+            return found
     unit, lowest, bits, cut = _cut_into_pieces(cands, n_queries, capacity, blocks)
     tokens = kv_len[unit].astype(np.int64, copy=False)
     new_run = _run_starts(lowest // capacity if blocks is None else blocks[0][lowest], tokens, budget, balanced)
@@ -248,6 +255,36 @@ def _bin_members(
         unit, lowest, bits = unit[member], lowest[member], bits[member]
         new_run, tokens = new_run[member], tokens[member]
     return _Bins(unit, lowest, bits, new_run, tokens), cut is not None
+
+
+def _bin_members_native(
+    lib, cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks
+) -> tuple[_Bins | None, bool] | None:
+    """:func:`_bin_members` by ``ft_bin_members``; None when it ran out of memory."""
+    n = cands.unit.size
+    c_unit = np.ascontiguousarray(cands.unit, dtype=np.int64)
+    c_rank = np.ascontiguousarray(cands.rank, dtype=np.int64)
+    lens = np.ascontiguousarray(kv_len, dtype=np.int64)
+    if blocks is None:
+        block_ptr = start_ptr = None
+    else:
+        block_of_rank = np.ascontiguousarray(blocks[0], dtype=np.int64)
+        start_of_rank = np.ascontiguousarray(blocks[1], dtype=np.int64)
+        block_ptr, start_ptr = block_of_rank.ctypes.data, start_of_rank.ctypes.data
+    out = np.empty((4, n), dtype=np.int64)  # unit, lowest, bits, tokens
+    new_run = np.empty(n, dtype=np.int8)
+    some_cut = np.zeros(1, dtype=np.int64)
+    count = lib.ft_bin_members(
+        n, c_unit.ctypes.data, c_rank.ctypes.data, n_queries, lens.size, capacity, block_ptr, start_ptr,
+        lens.ctypes.data, budget, int(balanced), out[0].ctypes.data, out[1].ctypes.data, out[2].ctypes.data,
+        new_run.ctypes.data, out[3].ctypes.data, some_cut.ctypes.data,
+    )  # fmt: skip
+    if count < 0:
+        return None
+    cut = bool(some_cut[0])
+    if count == 0:
+        return None, cut
+    return _Bins(out[0, :count], out[1, :count], out[2, :count], new_run[:count].view(bool), out[3, :count]), cut
 
 
 def _reads_and_longest(kv_len: np.ndarray, bins: _Bins | None) -> tuple[int, int]:

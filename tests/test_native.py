@@ -11,7 +11,7 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import native
 from fasttree.costs import PaddingCost
-from fasttree.packing import _gather_runs
+from fasttree.packing import _aligned_blocks, _bin_members, _Candidates, _gather_runs
 from fasttree.plan_arrays import DEVICE_ARRAYS
 from fasttree.planner import _chain_slots, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
@@ -87,6 +87,37 @@ def test_plans_are_the_same_with_and_without_the_native_cores(monkeypatch, heads
                    for t in trees for c in configs]  # fmt: skip
     for a, b in zip(native_plans, numpy_plans, strict=True):
         assert _same(a, b)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_native_bin_members_equal_numpys(seed):
+    """Random eligible units (pairs' ranks in any order, zero-token units too) under fixed and
+    aligned blocks, filled or balanced runs, several capacities and budgets."""
+    rng = np.random.default_rng(1000 + seed)
+    n_queries = int(rng.integers(1, 400))
+    n_units = int(rng.integers(1, 200))
+    q_len = rng.integers(1, min(n_queries, 40) + 1, size=n_units)
+    unit = np.arange(n_units).repeat(q_len)
+    rank = np.concatenate([rng.choice(n_queries, size=int(k), replace=False) for k in q_len])
+    if seed % 3 == 0:  # each unit's ranks ascending, as DFS-ordered pairs often are
+        ends = np.cumsum(q_len)
+        rank = np.concatenate([np.sort(rank[a:b]) for a, b in zip(ends - q_len, ends, strict=True)])
+    cands = _Candidates(unit.astype(np.int64), rank.astype(np.int64), q_len)
+    kv_len = rng.choice([0, 1, 7, 16, 64, 100, 300], size=n_units)
+    capacity = int(rng.choice([1, 4, 8, 16, 31, 32]))
+    blocks = [None]
+    aligned = _aligned_blocks(cands, n_queries, capacity)
+    if aligned is not None:
+        blocks.append(aligned)
+    for block in blocks:
+        for budget in (1, 64, 1024):
+            for balanced in (False, True):
+                want = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, block, native=False)
+                got = _bin_members(cands, n_queries, capacity, kv_len, budget, balanced, block, native=True)
+                assert got[1] == want[1]
+                assert (got[0] is None) == (want[0] is None)
+                if want[0] is not None:
+                    assert _same(got[0], want[0])
 
 
 @pytest.mark.parametrize("identity", [0, 500, 5000])

@@ -111,3 +111,124 @@ void ft_gather_runs(int64_t n_runs, const int32_t *kv_slots, const int64_t *star
         out += len;
     }
 }
+
+#include <stdlib.h>
+
+/* A stable counting sort of idx[0..n) by key[idx[i]] in [0, range): writes the sorted indices to
+ * out (count: scratch of range + 1 entries). */
+static void counting_sort(int64_t n, const int64_t *idx, const int64_t *key, int64_t range, int64_t *count,
+                          int64_t *out) {
+    for (int64_t k = 0; k <= range; k++) count[k] = 0;
+    for (int64_t i = 0; i < n; i++) count[key[idx[i]] + 1]++;
+    for (int64_t k = 0; k < range; k++) count[k + 1] += count[k];
+    for (int64_t i = 0; i < n; i++) out[count[key[idx[i]]]++] = idx[i];
+}
+
+/* The bins' member pieces of fasttree.packing._bin_members (its _cut_into_pieces and _run_starts
+ * with the same integer arithmetic): the candidates' pairs (c_unit nondecreasing, c_rank each
+ * pair's query rank) are cut at block boundaries (fixed blocks of capacity ranks when
+ * block_of_rank is NULL), the pieces sorted by lowest rank and cut into runs of budget tokens
+ * (balanced: round(T / budget) runs of about equal tokens per block of T tokens); runs of one
+ * piece of an uncut unit are dropped. Writes the members (at most n_pairs) in bin order and
+ * *some_cut (a unit became two pieces or more); returns the member count, or -1 when out of memory. */
+int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_rank, int64_t n_queries,
+                       int64_t n_units, int64_t capacity, const int64_t *block_of_rank, const int64_t *start_of_rank,
+                       const int64_t *kv_len, int64_t budget, int64_t balanced, int64_t *o_unit, int64_t *o_lowest,
+                       int64_t *o_bits, int8_t *o_new_run, int64_t *o_tokens, int64_t *some_cut) {
+    const int64_t n_blocks = block_of_rank ? block_of_rank[n_queries - 1] + 2 : n_queries / capacity + 1;
+    int64_t range = n_blocks > n_units ? n_blocks : n_units;
+    if (n_queries > range) range = n_queries;
+    int64_t *buf = malloc(sizeof(int64_t) * (size_t)(9 * n_pairs + range + 1));
+    if (!buf) return -1;
+    int64_t *c_block = buf, *c_pos = buf + n_pairs, *order = buf + 2 * n_pairs, *tmp = buf + 3 * n_pairs;
+    int64_t *p_unit = buf + 4 * n_pairs, *p_lowest = buf + 5 * n_pairs, *p_bits = buf + 6 * n_pairs;
+    int64_t *p_cut = buf + 7 * n_pairs, *p_order = buf + 8 * n_pairs, *count = buf + 9 * n_pairs;
+    int sorted = 1;
+    for (int64_t i = 0; i < n_pairs; i++) {
+        const int64_t r = c_rank[i];
+        if (block_of_rank) {
+            c_block[i] = block_of_rank[r];
+            c_pos[i] = r - start_of_rank[r];
+        } else {
+            c_block[i] = r / capacity;
+            c_pos[i] = r % capacity;
+        }
+        order[i] = i;
+        if (i && (c_unit[i] < c_unit[i - 1] || (c_unit[i] == c_unit[i - 1] && c_block[i] < c_block[i - 1])))
+            sorted = 0;
+    }
+    if (!sorted) { /* stable by (unit, block): by block, then by unit */
+        counting_sort(n_pairs, order, c_block, n_blocks, count, tmp);
+        counting_sort(n_pairs, tmp, c_unit, n_units, count, order);
+    }
+    /* pieces: runs of equal (unit, block) */
+    int64_t n_pieces = 0, any_cut = 0;
+    for (int64_t j = 0; j < n_pairs; j++) {
+        const int64_t i = order[j];
+        if (j == 0 || c_unit[i] != p_unit[n_pieces - 1] || c_block[i] != c_block[order[j - 1]]) {
+            p_unit[n_pieces] = c_unit[i];
+            p_lowest[n_pieces] = c_rank[i];
+            p_bits[n_pieces] = (int64_t)1 << c_pos[i];
+            p_cut[n_pieces] = 0;
+            n_pieces++;
+        } else {
+            if (c_rank[i] < p_lowest[n_pieces - 1]) p_lowest[n_pieces - 1] = c_rank[i];
+            p_bits[n_pieces - 1] |= (int64_t)1 << c_pos[i];
+        }
+    }
+    for (int64_t p = 1; p < n_pieces; p++)
+        if (p_unit[p] == p_unit[p - 1]) p_cut[p] = p_cut[p - 1] = any_cut = 1;
+    /* by lowest rank, ties in (unit, block) order */
+    for (int64_t p = 0; p < n_pieces; p++) tmp[p] = p;
+    counting_sort(n_pieces, tmp, p_lowest, n_queries, count, p_order);
+    /* runs within blocks: tokens before each piece in its block, then the run boundaries */
+    int64_t *blk = c_block, *excl = c_pos; /* reused: n_pieces <= n_pairs */
+    int64_t *tok = tmp;
+    for (int64_t j = 0; j < n_pieces; j++) {
+        const int64_t p = p_order[j], low = p_lowest[p];
+        blk[j] = block_of_rank ? block_of_rank[low] : low / capacity;
+        tok[j] = kv_len[p_unit[p]];
+    }
+    int64_t acc = 0, block_start = 0;
+    for (int64_t j = 0; j < n_pieces; j++) {
+        const int new_block = j == 0 || blk[j] != blk[j - 1];
+        if (new_block) acc = 0;
+        excl[j] = acc;
+        acc += tok[j];
+        (void)block_start;
+    }
+    if (balanced) {
+        int64_t j = 0;
+        while (j < n_pieces) {
+            int64_t e = j + 1, total = tok[j];
+            while (e < n_pieces && blk[e] == blk[j]) total += tok[e++];
+            int64_t n_runs = (2 * total + budget) / (2 * budget);
+            if (n_runs < 1) n_runs = 1;
+            for (int64_t k = j; k < e; k++) {
+                const int64_t x = excl[k] * n_runs;
+                /* numpy's floor division (non-negative here); by a zero total it gives 0 */
+                excl[k] = total ? x / total : 0;
+            }
+            j = e;
+        }
+    } else {
+        for (int64_t j = 0; j < n_pieces; j++) excl[j] /= budget;
+    }
+    /* new runs, then the pieces of runs that become bins */
+    int64_t n_out = 0;
+    for (int64_t j = 0; j < n_pieces; j++) {
+        const int start = j == 0 || blk[j] != blk[j - 1] || excl[j] != excl[j - 1];
+        const int next_start = j + 1 == n_pieces || blk[j + 1] != blk[j] || excl[j + 1] != excl[j];
+        const int64_t p = p_order[j];
+        if (start && next_start && !p_cut[p]) continue; /* a lone piece of an uncut unit */
+        o_unit[n_out] = p_unit[p];
+        o_lowest[n_out] = p_lowest[p];
+        o_bits[n_out] = p_bits[p];
+        o_new_run[n_out] = (int8_t)start;
+        o_tokens[n_out] = tok[j];
+        n_out++;
+    }
+    *some_cut = any_cut;
+    free(buf);
+    return n_out;
+}
