@@ -207,7 +207,7 @@ def _run_starts(block: np.ndarray, tokens: np.ndarray, budget: int, balanced: bo
         n_runs = np.maximum(1, (2 * total + budget) // (2 * budget))  # round half up
         block_of = np.cumsum(new_run) - 1  # every piece's block, 0 .. len(starts) - 1
         excl *= n_runs[block_of]
-        excl //= total[block_of]
+        excl //= np.maximum(total, 1)[block_of]  # a block of no tokens: excl is 0 there
     else:
         excl //= budget
     new_run[1:] |= excl[1:] != excl[:-1]
