@@ -620,15 +620,7 @@ def _assemble(
         u_kv_start = np.empty(n_kept + n_bins, dtype=np.int64)
         u_kv_start[:n_kept] = kv_start[k_idx]
         np.add(exclusive_sum(b_tokens), n_old, out=u_kv_start[n_kept:])
-    # -1 for the n_old entries kept, then each piece's bits for its tokens, in one repeat (no
-    # temporary of the entries' size); positions >= 31 set the sign bit of the int32 mask
-    mask_value = np.empty(bits.size + 1, dtype=np.int32)
-    mask_value[0] = -1
-    mask_value[1:] = bits.astype(np.uint32).view(np.int32)
-    mask_count = np.empty(bits.size + 1, dtype=np.int64)
-    mask_count[0] = n_old
-    mask_count[1:] = tokens
-    mask = mask_value.repeat(mask_count)
+    mask = _row_mask(n_old, bits, tokens, b_total)
 
     # pairs: units left alone keep theirs, compacted; then every bin's positions
     k_len = q_len[k_idx]
@@ -661,6 +653,29 @@ def _assemble(
         n_packed=int(unit.size),
         n_kept=int(n_kept),
     )
+
+
+def _row_mask(n_old: int, bits: np.ndarray, tokens: np.ndarray, b_total: int, native: bool = True) -> np.ndarray:
+    """The packed units' KV row masks, int32 [n_old + b_total]: -1 for the ``n_old`` entries kept,
+    then each piece's ``bits`` (int64, below 2**32) for its ``tokens``; positions >= 31 set the sign
+    bit of the int32 mask. ``native``: filled in the compiled loop (``ft_fill_mask``) when it is
+    available, else in one numpy repeat (no temporary of the entries' size)."""
+    lib = planner_library() if native else None
+    if lib is not None:
+        b = np.ascontiguousarray(bits, dtype=np.int64)
+        t = np.ascontiguousarray(tokens, dtype=np.int64)
+        if int(np.add.reduce(t)) != b_total or (t.size and int(t.min()) < 0):
+            raise ValueError("piece tokens do not add up to the bins' entries")
+        mask = np.empty(n_old + b_total, dtype=np.int32)
+        lib.ft_fill_mask(n_old, b.size, b.ctypes.data, t.ctypes.data, mask.ctypes.data)
+        return mask
+    mask_value = np.empty(bits.size + 1, dtype=np.int32)
+    mask_value[0] = -1
+    mask_value[1:] = bits.astype(np.uint32).view(np.int32)
+    mask_count = np.empty(bits.size + 1, dtype=np.int64)
+    mask_count[0] = n_old
+    mask_count[1:] = tokens
+    return mask_value.repeat(mask_count)
 
 
 def _gather_runs(

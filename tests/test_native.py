@@ -11,7 +11,7 @@ from trees import random_tree
 import fasttree as ft
 from fasttree import native
 from fasttree.costs import PaddingCost
-from fasttree.packing import _aligned_blocks, _bin_members, _Candidates, _gather_runs
+from fasttree.packing import _aligned_blocks, _bin_members, _Candidates, _gather_runs, _row_mask
 from fasttree.plan_arrays import DEVICE_ARRAYS
 from fasttree.planner import _chain_slots, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
@@ -118,6 +118,20 @@ def test_native_bin_members_equal_numpys(seed):
                 assert (got[0] is None) == (want[0] is None)
                 if want[0] is not None:
                     assert _same(got[0], want[0])
+
+
+@pytest.mark.parametrize("n_old", [0, 1, 777])
+def test_native_row_masks_equal_numpys_with_the_sign_bit(n_old):
+    rng = np.random.default_rng(n_old)
+    bits = rng.integers(1, 1 << 32, size=200, dtype=np.int64)  # position 31 sets the int32 sign bit
+    bits[:3] = (1 << 31, (1 << 32) - 1, 1)
+    tokens = rng.integers(0, 40, size=200)
+    total = int(tokens.sum())
+    want = _row_mask(n_old, bits, tokens, total, native=False)
+    got = _row_mask(n_old, bits, tokens, total, native=True)
+    assert got.dtype == want.dtype == np.int32 and np.array_equal(got, want)
+    with pytest.raises(ValueError, match="do not add up"):
+        _row_mask(n_old, bits, tokens, total + 1)
 
 
 @pytest.mark.parametrize("identity", [0, 500, 5000])

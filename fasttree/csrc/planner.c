@@ -232,3 +232,16 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
     free(buf);
     return n_out;
 }
+
+/* The packed units' KV row masks (fasttree.packing._assemble): -1 (every row) for the first n_old
+ * entries, then each piece's bits (as int32: bit 31 is the sign bit) for its tokens. */
+void ft_fill_mask(int64_t n_old, int64_t n_pieces, const int64_t *bits, const int64_t *tokens, int32_t *out) {
+    for (int64_t i = 0; i < n_old; i++) out[i] = -1;
+    out += n_old;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        const int32_t v = (int32_t)(uint32_t)bits[p];
+        const int64_t n = tokens[p];
+        for (int64_t k = 0; k < n; k++) out[k] = v;
+        out += n;
+    }
+}
