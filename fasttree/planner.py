@@ -711,6 +711,7 @@ def _build_groups(
     check: bool,
     kept: _Kept | None = None,
     fill_tokens: int = STRIDED_FILL_TOKENS,
+    native: bool = True,
 ) -> Groups:
     # A query belongs to the group of its own node and to the parent of every 0-edge on
     # its path: node v's group holds the queries below v except those below a child of
@@ -735,7 +736,10 @@ def _build_groups(
     np.add.accumulate(g_count, out=q_indptr[1:])
     inner = keep[hole_par]
     holes, hole_par = holes[inner], hole_par[inner]
-    if holes.size == 0:
+    lib = planner_library() if native else None
+    if lib is not None:
+        q_ids = _group_queries_native(lib, gx, node, q_indptr, holes, hole_par)
+    elif holes.size == 0:
         run_start, run_len = gx.qlo[node], g_count
     else:
         # runs of group g: qlo[g] .. first hole, between holes, last hole .. qhi[g]
@@ -753,21 +757,39 @@ def _build_groups(
         run_end[hk] = gx.qlo[holes]
         run_start[hk + 1] = gx.qhi[holes]
         run_len = run_end - run_start
-    q_pos = ragged_arange(run_start, run_len, int(q_indptr[-1]))
-    if gx.perm is None:
-        q_ids = q_pos
-    else:
-        # DFS order differs from id order: sort each group's queries by id
-        gid = (np.arange(node.size, dtype=np.int64) * tree.n_queries).repeat(g_count)
-        key = gx.perm[q_pos] + gid
-        key.sort()
-        q_ids = key - gid
-    kv_start, kv_slots = _chain_slots(tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens)
+    if lib is None:
+        q_pos = ragged_arange(run_start, run_len, int(q_indptr[-1]))
+        if gx.perm is None:
+            q_ids = q_pos
+        else:
+            # DFS order differs from id order: sort each group's queries by id
+            gid = (np.arange(node.size, dtype=np.int64) * tree.n_queries).repeat(g_count)
+            key = gx.perm[q_pos] + gid
+            key.sort()
+            q_ids = key - gid
+    kv_start, kv_slots = _chain_slots(
+        tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native
+    )
     identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
     return Groups(
         node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=kv_slots, q_indptr=q_indptr, q_ids=q_ids,
         identity_slots=identity,
     )  # fmt: skip
+
+
+def _group_queries_native(lib, gx: _GroupIndex, node, q_indptr, holes, hole_par) -> np.ndarray:
+    """:func:`_build_groups`' query lists by ``ft_group_queries``: int64 [q_indptr[-1]]."""
+    q_ids = np.empty(int(q_indptr[-1]), dtype=np.int64)
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (node, q_indptr, gx.qlo, gx.qhi, holes, hole_par)]
+    perm = None if gx.perm is None else np.ascontiguousarray(gx.perm, dtype=np.int64)
+    n_groups, n_holes = arrays[0].size, arrays[4].size
+    status = lib.ft_group_queries(
+        n_groups, *(a.ctypes.data for a in arrays[:4]), n_holes, arrays[4].ctypes.data, arrays[5].ctypes.data,
+        None if perm is None else perm.ctypes.data, q_ids.ctypes.data,
+    )  # fmt: skip
+    if status != 0:
+        raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
+    return q_ids
 
 
 def _chain_slots(

@@ -13,7 +13,7 @@ from fasttree import native
 from fasttree.costs import PaddingCost
 from fasttree.packing import _aligned_blocks, _bin_members, _Candidates, _gather_runs, _row_mask
 from fasttree.plan_arrays import DEVICE_ARRAYS
-from fasttree.planner import _chain_slots, greedy_edge_assignment, unprepared
+from fasttree.planner import _build_groups, _chain_slots, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
 from fasttree.toolkit.suite import paper_tree
 
@@ -67,6 +67,23 @@ def test_native_chains_equal_numpys_for_greedy_and_random_assignments(seed):
             want = _chain_slots(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=False)
             got = _chain_slots(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=True)
             assert _same(got, want)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_native_group_query_lists_equal_numpys(seed):
+    rng = np.random.default_rng(300 + seed)
+    tree = random_tree(rng, max_nodes=int(rng.choice([4, 50, 400])), max_len=int(rng.choice([2, 200])))
+    assign, group_q, group_kv = greedy_edge_assignment(tree, _costs(rng)[int(rng.integers(0, 6))])
+    for check in (False, True):
+        want = _build_groups(tree, assign, group_q, group_kv, check=check, native=False)
+        got = _build_groups(tree, assign, group_q, group_kv, check=check, native=True)
+        for name in ("node", "kv_start", "kv_len", "kv_slots", "q_indptr", "q_ids"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    wrong = group_q.copy()
+    wrong[np.argmax(wrong)] += 1  # counts the assignment does not give: refused, nothing written past a group
+    with pytest.raises(AssertionError, match="group membership"):
+        _build_groups(tree, assign, wrong, group_kv, check=False, native=True)
 
 
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8), (16, 1)])
