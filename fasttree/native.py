@@ -1,7 +1,8 @@
 """Native cores of the host planner: C compiled on first use, called through ctypes.
 
 ``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops (the greedy edge
-assignment, the chained groups' slots, the packing's pieces and runs, slot-run gathers), each
+assignment, the groups' query lists and chained slots, the packing's pieces and runs, slot-run
+gathers and row masks), each
 the same arithmetic in the same order as the numpy/Python path it replaces, so plans are
 bit-identical either way (``tests/test_native.py``). :func:`planner_library` compiles it once per
 source version with the machine's C compiler (``$CC``, else ``cc``: the compiler Triton itself
