@@ -307,17 +307,13 @@ def tree_attention_units_kernel(
         unit, kv_head = tl.program_id(1), tl.program_id(0)
     else:
         unit, kv_head = tl.program_id(0), tl.program_id(1)
+    # SKIP_EMPTY: a launch variant's grid is its bucket, and the programs past the plan's units find
+    # empty units (no query, no KV entry): they leave before the unit's prologue and epilogue
     if SKIP_EMPTY:
-        # a launch variant's grid is its bucket: the programs past the plan's units find empty
-        # units (no query, no KV entry) and leave before the unit's prologue and epilogue
-        if tl.load(UnitQLen + unit + unit_offset) > 0:
-            _attend_unit(
-                unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-                UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-                stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-                HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
-            )  # fmt: skip
+        attend = tl.load(UnitQLen + unit + unit_offset) > 0
     else:
+        attend = True
+    if attend:
         _attend_unit(
             unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
             UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
