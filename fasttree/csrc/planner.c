@@ -5,6 +5,7 @@
  * made it; tests/test_native.py compares them on random trees and forests.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Python's (-x) % t for x >= 0, t > 0. */
 static inline int64_t neg_mod(int64_t x, int64_t t) { return (t - x % t) % t; }
@@ -112,8 +113,6 @@ void ft_gather_runs(int64_t n_runs, const int32_t *kv_slots, const int64_t *star
     }
 }
 
-#include <stdlib.h>
-
 /* A stable counting sort of idx[0..n) by key[idx[i]] in [0, range): writes the sorted indices to
  * out (count: scratch of range + 1 entries). */
 static void counting_sort(int64_t n, const int64_t *idx, const int64_t *key, int64_t range, int64_t *count,
@@ -189,13 +188,11 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
         blk[j] = block_of_rank ? block_of_rank[low] : low / capacity;
         tok[j] = kv_len[p_unit[p]];
     }
-    int64_t acc = 0, block_start = 0;
+    int64_t acc = 0;
     for (int64_t j = 0; j < n_pieces; j++) {
-        const int new_block = j == 0 || blk[j] != blk[j - 1];
-        if (new_block) acc = 0;
+        if (j == 0 || blk[j] != blk[j - 1]) acc = 0;
         excl[j] = acc;
         acc += tok[j];
-        (void)block_start;
     }
     if (balanced) {
         int64_t j = 0;
