@@ -330,7 +330,6 @@ def kernel_launches(
     *,
     offsets_32: bool,
     unit_offsets: tuple[int, ...] | None = None,
-    skip_empty: bool = False,
 ) -> list[tuple]:
     """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg)`` of the launches
     ``stage1`` and ``merge`` decide, over the plan arrays ``arrays`` (by
@@ -338,8 +337,7 @@ def kernel_launches(
     workspace ``part_o`` (fp32 ``[rows, Hq, D]``) and ``part_lse`` (fp32 ``[rows, Hq]``): what
     :func:`tree_attention` launches for a plan and a runtime launch variant for every plan of it.
     ``unit_offsets``: each stage-1 launch's first unit in the unit arrays (default: its
-    ``first_unit``). ``skip_empty``: stage-1 programs whose unit has no query exit at once (a
-    launch variant's grid runs past the plan's units). Stage-1 arguments start with ``q, k_cache,
+    ``first_unit``). Stage-1 arguments start with ``q, k_cache,
     v_cache, out`` and hold ``qk_scale`` at :data:`_QK_SCALE_ARG`; the merge's start with ``out``:
     the direct launchers rely on these positions.
     """
@@ -363,7 +361,7 @@ def kernel_launches(
         )  # fmt: skip
         grid, heads_fastest = units_grid(s.n_units, hkv)
         constexprs = (d, block_d, hq // hkv, s.block_m, s.block_n, s.masked, upcast, offsets_32, s.peel,
-                      heads_fastest, skip_empty, pdl_stage1)  # fmt: skip
+                      heads_fastest, pdl_stage1)  # fmt: skip
         out_launches.append(
             (tree_attention_units_kernel, grid, args, constexprs, s.num_warps, s.num_stages, s.maxnreg)
         )  # fmt: skip

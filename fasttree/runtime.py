@@ -931,13 +931,12 @@ class TreeAttentionRuntime:
         """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, shrink_stages)`` of each
         launch of ``variant``: tree_attention's kernels (:func:`fasttree.attention.kernel_launches`)
         over the arrays at fixed addresses, grids the variant's buckets (stage-1 programs past the
-        plan's units find the relocation's empty units and exit at once; merge programs past its
+        plan's units find the relocation's empty units, which attend nothing; merge programs past its
         merge list find the filler query, which has no partial)."""
         unit_offsets = tuple(0 if s.tile_class == 0 else self.unit_region for s in variant.stage1)
         launches = kernel_launches(
             variant.stage1, variant.merge, self._fixed_arrays, self._part_o, self._part_lse, q, k_cache, v_cache,
             out, qk_scale, self._target, offsets_32=self._offsets_32(k_cache, v_cache), unit_offsets=unit_offsets,
-            skip_empty=True,
         )  # fmt: skip
         shrink = [s.shrink_stages for s in variant.stage1] + [False] * (len(launches) - len(variant.stage1))
         return [(*spec, sh) for spec, sh in zip(launches, shrink, strict=True)]

@@ -6,8 +6,7 @@ Two kernels share the unit's code (:func:`_attend_unit`):
   host for each plan (:func:`fasttree.tree_attention`), or fixed by a runtime *launch variant*
   (at least the class's units) over the plan arrays at fixed addresses, where
   :func:`relocate_plan_kernel` copies each uploaded plan and leaves empty units past the plan's
-  (no query, no KV entry; ``SKIP_EMPTY`` programs leave at once on one): a CUDA graph captured
-  for a variant replays every later plan of it.
+  (no query, no KV entry): a CUDA graph captured for a variant replays every later plan of it.
 - :func:`tree_attention_persistent_kernel`: a fixed number of programs that loop over the
   (unit, KV head) items of both tile classes' unit ranges, with every plan array and the
   ranges read from one device buffer behind a header (:mod:`fasttree.runtime`): the launch
@@ -296,7 +295,6 @@ def tree_attention_units_kernel(
     OFFSETS_32: tl.constexpr = False,  # K/V offsets of the slots read fit in int32 (see _attend_unit)
     PEEL: tl.constexpr = False,  # whole KV tiles unmasked, then a masked tail (see _attend_unit)
     HEADS_FASTEST: tl.constexpr = False,  # grid (KV heads, units): a unit's heads launch together
-    SKIP_EMPTY: tl.constexpr = False,  # a program whose unit has no query exits at once (launch variants)
     GDC_WAIT: tl.constexpr = 0,  # programmatic dependent launch: 0 off, 1 wait first, 2 early (module doc)
 ):
     if GDC_WAIT == 2:
@@ -307,19 +305,12 @@ def tree_attention_units_kernel(
         unit, kv_head = tl.program_id(1), tl.program_id(0)
     else:
         unit, kv_head = tl.program_id(0), tl.program_id(1)
-    # SKIP_EMPTY: a launch variant's grid is its bucket, and the programs past the plan's units find
-    # empty units (no query, no KV entry): they leave before the unit's prologue and epilogue
-    if SKIP_EMPTY:
-        attend = tl.load(UnitQLen + unit + unit_offset) > 0
-    else:
-        attend = True
-    if attend:
-        _attend_unit(
-            unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
-            UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
-            stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
-        )  # fmt: skip
+    _attend_unit(
+        unit + unit_offset, kv_head, Q, K, V, Out, PartO, PartLse, KvIndices, KvRowMask,
+        UnitKvStart, UnitKvLen, UnitQStart, UnitQLen, PairQuery, PairOutRow, qk_scale, stride_qn, stride_qh,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_pn, stride_ph, stride_ln,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, MASKED, UPCAST_DOT, OFFSETS_32, PEEL, GDC_WAIT == 2,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -39,14 +39,14 @@ MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, 
 
 
 def compile_units(
-    dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False, skip_empty=False
+    dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False
 ):
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32"}  # fmt: skip
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False,
-                  "OFFSETS_32": offsets_32, "PEEL": peel, "SKIP_EMPTY": skip_empty, "GDC_WAIT": gdc}  # fmt: skip
+                  "OFFSETS_32": offsets_32, "PEEL": peel, "GDC_WAIT": gdc}  # fmt: skip
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
         signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
@@ -165,13 +165,6 @@ def fasttree_jobs() -> dict:
     )  # fmt: skip
     jobs["gdc_early_persistent_fp16_d128_g4_m64_n64_masked"] = (
         compile_persistent, ("fp16", 128, 4, 64, 64, True, 2, True, True, 2)
-    )  # fmt: skip
-    # a launch variant's stage 1: programs of empty units exit at once
-    jobs["gdc_early_units_skip_empty_fp16_d128_g4_m64_n64"] = (
-        compile_units, ("fp16", 128, 4, 64, 64, False, True, True, 2, True)
-    )  # fmt: skip
-    jobs["skip_empty_units_bf16_d256_g8_m16_n32_masked"] = (
-        compile_units, ("bf16", 256, 8, 16, 32, True, False, False, False, True)
     )  # fmt: skip
     jobs["gdc_early_merge_fp16"] = (compile_merge, (merge_partials_kernel, "fp16", 2))
     jobs["gdc_early_merge_many_fp16"] = (compile_merge, (merge_many_partials_kernel, "fp16", 2))

@@ -34,9 +34,8 @@ def compiled() -> dict:
 
 
 def test_every_kernel_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 29
-    assert sum(name.startswith("gdc_") for name in compiled) == 11
-    assert sum("skip_empty" in name for name in compiled) == 2
+    assert len(compiled) == 27
+    assert sum(name.startswith("gdc_") for name in compiled) == 10
     failed = {name: why for name, why in compiled.items() if why != "ok"}
     assert not failed, failed
 

@@ -682,42 +682,6 @@ def test_past_a_plan_the_variants_find_empty_units_and_the_filler_query(device):
     assert ft.max_relative_error(out[: small.n_queries], ref) < 2e-3
 
 
-def test_variant_programs_of_empty_units_exit_at_once_and_tree_attentions_do_not_check(device, monkeypatch):
-    """A launch variant's stage-1 launches set ``SKIP_EMPTY`` (its grid runs past the plan's units:
-    those programs leave before the unit's prologue), ``tree_attention``'s (a grid of exactly its
-    units) do not; both steps match the reference."""
-    from fasttree.kernels import tree_attention_units_kernel
-
-    names = tree_attention_units_kernel.arg_names[tree_attention_units_kernel.arg_names.index("HEAD_DIM") :]
-    seen: list[tuple[str, bool]] = []
-    real = ft.attention.launch
-
-    def recording(kernel, grid, args, constexprs, *rest, **kw):
-        if kernel is tree_attention_units_kernel:
-            seen.append((caller[0], dict(zip(names, constexprs, strict=True))["SKIP_EMPTY"]))
-        return real(kernel, grid, args, constexprs, *rest, **kw)
-
-    monkeypatch.setattr(ft.attention, "launch", recording)
-    caller = ["runtime"]
-    rt = _runtime(device, max_variants=8, max_kv_entries=1 << 14)
-    tree = ft.KVTree.from_lengths([-1] + [0] * 30, [400] + [90] * 30, list(range(1, 31)))
-    q, k, v = _inputs(tree, device, 64)
-    up = rt.plan(tree)
-    assert up.variant_id >= 1
-    launched = {s.tile_class: s.n_units for s in rt.variants.variant(up.variant_id).stage1}
-    units = up.plan.units_per_class()
-    assert any(n > units[c] for c, n in launched.items())  # the grid runs past the plan's units
-    out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
-    caller[0] = "tree_attention"
-    plan = ft.plan(tree, ft.FastTreeConfig(), num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2])
-    out_ta = ft.tree_attention(q[: tree.n_queries], k, v, plan)
-    assert {flag for who, flag in seen if who == "runtime"} == {True}
-    assert {flag for who, flag in seen if who == "tree_attention"} == {False}
-    ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
-    assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
-    assert ft.max_relative_error(out_ta, ref) < 2e-3
-
-
 def test_past_max_variants_a_covering_variant_serves_the_plan_else_a_new_id_replaces_the_old(device):
     """With one live variant, the runtime serves a smaller plan of the same launches (or of unmasked
     ones: all-ones row masks) with that variant (its extra programs find empty units and the filler
