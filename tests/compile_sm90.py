@@ -38,9 +38,7 @@ UNITS = {
 MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16, "N_COUNTERS": 8}
 
 
-def compile_units(
-    dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False
-):
+def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False):
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32"}  # fmt: skip
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
