@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .host_arrays import entry_array
 from .native import planner_library
 from .tree import arange_view, exclusive_sum, ragged_arange, stable_argsort
 
@@ -607,14 +608,14 @@ def _assemble(
     u_kv_len = np.concatenate([k_tokens, b_tokens])
     if 2 * k_total < kv_slots.size:
         n_old = k_total
-        slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
+        slots = _entry_slots(n_old + b_total, kv_slots.dtype)
         runs = np.concatenate([kv_start[k_idx], kv_start[unit]]) if n_kept else kv_start[unit]
         run_len = np.concatenate([k_tokens, tokens]) if n_kept else tokens
         _gather_runs(kv_slots, runs, run_len, slots, identity_slots)
         u_kv_start = exclusive_sum(u_kv_len)
     else:
         n_old = kv_slots.size
-        slots = np.empty(n_old + b_total, dtype=kv_slots.dtype)
+        slots = _entry_slots(n_old + b_total, kv_slots.dtype)
         slots[:n_old] = kv_slots
         _gather_runs(kv_slots, kv_start[unit], tokens, slots[n_old:], identity_slots)
         u_kv_start = np.empty(n_kept + n_bins, dtype=np.int64)
@@ -655,6 +656,12 @@ def _assemble(
     )
 
 
+def _entry_slots(n: int, dtype: np.dtype) -> np.ndarray:
+    """An uninitialised slot array of ``n`` entries: int32 ones from the reused host memory
+    (:func:`fasttree.host_arrays.entry_array`)."""
+    return entry_array(n) if dtype == np.int32 else np.empty(n, dtype=dtype)
+
+
 def _row_mask(n_old: int, bits: np.ndarray, tokens: np.ndarray, b_total: int, native: bool = True) -> np.ndarray:
     """The packed units' KV row masks, int32 [n_old + b_total]: -1 for the ``n_old`` entries kept,
     then each piece's ``bits`` (int64, below 2**32) for its ``tokens``; positions >= 31 set the sign
@@ -666,7 +673,7 @@ def _row_mask(n_old: int, bits: np.ndarray, tokens: np.ndarray, b_total: int, na
         t = np.ascontiguousarray(tokens, dtype=np.int64)
         if int(np.add.reduce(t)) != b_total or (t.size and int(t.min()) < 0):
             raise ValueError("piece tokens do not add up to the bins' entries")
-        mask = np.empty(n_old + b_total, dtype=np.int32)
+        mask = entry_array(n_old + b_total)
         lib.ft_fill_mask(n_old, b.size, b.ctypes.data, t.ctypes.data, mask.ctypes.data)
         return mask
     mask_value = np.empty(bits.size + 1, dtype=np.int32)

@@ -38,6 +38,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
+from .host_arrays import entry_array
 from .native import planner_library
 from .plan_arrays import Plan, check_heads, materialize
 from .plan_rules import PlanRules
@@ -859,7 +860,7 @@ def _chain_slots(
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
     total = int(chain_first[-1] + chain_total[-1])
-    out = np.empty(n_slots + total, dtype=np.int32)
+    out = entry_array(n_slots + total)
     out[:n_slots] = tree.slots
     if total == 0:
         return kv_start, out
@@ -903,7 +904,7 @@ def _chain_slots_native(
     chain_first = exclusive_sum(total)
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
-    out = np.empty(n_slots + int(chain_first[-1] + total[-1]), dtype=np.int32)
+    out = entry_array(n_slots + int(chain_first[-1] + total[-1]))
     out[:n_slots] = slots
     lib.ft_chain_fill(
         n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, indptr.ctypes.data, lengths.ctypes.data,
