@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .host_arrays import entry_array
-from .native import planner_library
+from .native import address, planner_library
 from .tree import arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 #: Bits of one KV entry's row mask (int32 on the device).
@@ -271,14 +271,14 @@ def _bin_members_native(
     else:
         block_of_rank = np.ascontiguousarray(blocks[0], dtype=np.int64)
         start_of_rank = np.ascontiguousarray(blocks[1], dtype=np.int64)
-        block_ptr, start_ptr = block_of_rank.ctypes.data, start_of_rank.ctypes.data
+        block_ptr, start_ptr = address(block_of_rank), address(start_of_rank)
     out = np.empty((4, n), dtype=np.int64)  # unit, lowest, bits, tokens
     new_run = np.empty(n, dtype=np.int8)
     some_cut = np.zeros(1, dtype=np.int64)
     count = lib.ft_bin_members(
-        n, c_unit.ctypes.data, c_rank.ctypes.data, n_queries, lens.size, capacity, block_ptr, start_ptr,
-        lens.ctypes.data, budget, int(balanced), out[0].ctypes.data, out[1].ctypes.data, out[2].ctypes.data,
-        new_run.ctypes.data, out[3].ctypes.data, some_cut.ctypes.data,
+        n, address(c_unit), address(c_rank), n_queries, lens.size, capacity, block_ptr, start_ptr,
+        address(lens), budget, int(balanced), address(out[0]), address(out[1]), address(out[2]),
+        address(new_run), address(out[3]), address(some_cut),
     )  # fmt: skip
     if count < 0:
         return None
@@ -674,7 +674,7 @@ def _row_mask(n_old: int, bits: np.ndarray, tokens: np.ndarray, b_total: int, na
         if int(np.add.reduce(t)) != b_total or (t.size and int(t.min()) < 0):
             raise ValueError("piece tokens do not add up to the bins' entries")
         mask = entry_array(n_old + b_total)
-        lib.ft_fill_mask(n_old, b.size, b.ctypes.data, t.ctypes.data, mask.ctypes.data)
+        lib.ft_fill_mask(n_old, b.size, address(b), address(t), address(mask))
         return mask
     mask_value = np.empty(bits.size + 1, dtype=np.int32)
     mask_value[0] = -1
@@ -707,7 +707,7 @@ def _gather_runs(
             or int((st + ln).max()) > src.size
         ):  # fmt: skip
             raise ValueError("slot runs outside the slot array or not filling the output")
-        lib.ft_gather_runs(st.size, src.ctypes.data, st.ctypes.data, ln.ctypes.data, out.ctypes.data)
+        lib.ft_gather_runs(st.size, address(src), address(st), address(ln), address(out))
         return
     # entry k of run i is kv_slots[k + shift[i]], shift = start - (the run's offset in out)
     shift = exclusive_sum(length)

@@ -39,7 +39,7 @@ from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
 from .host_arrays import entry_array
-from .native import planner_library
+from .native import address, planner_library
 from .plan_arrays import Plan, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
@@ -401,8 +401,8 @@ def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, 
             for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
                          (par_edge, np.int64), (root_len, np.float64))
         )  # fmt: skip
-        # the arrays (kept alive here) and their addresses (ndarray.ctypes.data costs ~5 us a call)
-        ix.native_arrays = (arrays, tuple(a.ctypes.data for a in arrays))
+        # the arrays (kept alive here) and their addresses, read once per tree
+        ix.native_arrays = (arrays, tuple(address(a) for a in arrays))
     arrays, addresses = ix.native_arrays
     e = arrays[0].size
     out = np.empty(e, dtype=np.float64)
@@ -410,7 +410,7 @@ def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, 
     (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
     lib.ft_greedy(
         e, *addresses, cost.alpha * cost.group_size, cost.beta * cost.group_size, cost.gamma, tq0, tq1, tk0, tk1,
-        dec.ctypes.data, out.ctypes.data,
+        address(dec), address(out),
     )  # fmt: skip
     return dec.view(bool), out
 
@@ -785,8 +785,8 @@ def _group_queries_native(lib, gx: _GroupIndex, node, q_indptr, holes, hole_par)
     perm = None if gx.perm is None else np.ascontiguousarray(gx.perm, dtype=np.int64)
     n_groups, n_holes = arrays[0].size, arrays[4].size
     status = lib.ft_group_queries(
-        n_groups, *(a.ctypes.data for a in arrays[:4]), n_holes, arrays[4].ctypes.data, arrays[5].ctypes.data,
-        None if perm is None else perm.ctypes.data, q_ids.ctypes.data,
+        n_groups, *(address(a) for a in arrays[:4]), n_holes, address(arrays[4]), address(arrays[5]),
+        None if perm is None else address(perm), address(q_ids),
     )  # fmt: skip
     if status != 0:
         raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
@@ -899,16 +899,16 @@ def _chain_slots_native(
     assign8 = np.ascontiguousarray(assign, dtype=np.int8)
     n = heads.size
     total = np.empty(n, dtype=np.int64)
-    lib.ft_chain_lengths(n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, lengths.ctypes.data,
-                         total.ctypes.data)  # fmt: skip
+    lib.ft_chain_lengths(n, address(heads), address(parents), address(assign8), address(lengths),
+                         address(total))  # fmt: skip
     chain_first = exclusive_sum(total)
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
     out = entry_array(n_slots + int(chain_first[-1] + total[-1]))
     out[:n_slots] = slots
     lib.ft_chain_fill(
-        n, heads.ctypes.data, parents.ctypes.data, assign8.ctypes.data, indptr.ctypes.data, lengths.ctypes.data,
-        slots.ctypes.data, chain_first.ctypes.data, scratch.ctypes.data, out[n_slots:].ctypes.data,
+        n, address(heads), address(parents), address(assign8), address(indptr), address(lengths),
+        address(slots), address(chain_first), address(scratch), address(out[n_slots:]),
     )  # fmt: skip
     return kv_start, out
 

@@ -206,3 +206,11 @@ def test_the_library_is_compiled_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_LOADED", None)
     assert native.planner_library() is not None
     assert built[0].stat().st_mtime_ns == mtime  # loaded from the cache, not compiled again
+
+
+def test_address_is_the_arrays_data_pointer_for_every_kind_of_array():
+    base = np.arange(40, dtype=np.int64)
+    read_only = base.copy()
+    read_only.flags.writeable = False
+    for a in (base, base[5:], read_only, np.empty(0, dtype=np.int32), base[::2], np.zeros((3, 4), np.int8)):
+        assert native.address(a) == a.ctypes.data
