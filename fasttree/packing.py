@@ -573,9 +573,18 @@ def _assemble(
     bits,
     new_bin,
     tokens,
+    native: bool = True,
 ) -> PackedUnits:
     """The packed units from the bins' member pieces (in bin order; ``new_bin`` marks each
-    bin's first piece, the one of its lowest rank)."""
+    bin's first piece, the one of its lowest rank). ``native``: built in the compiled loops
+    (``ft_assemble_sizes``, ``ft_assemble_fill``) when they are available and the slots are
+    int32, with the same arrays."""
+    lib = planner_library() if native and kv_slots.dtype == np.int32 else None
+    if lib is not None:
+        return _assemble_native(
+            lib, kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity, start_of_rank,
+            unit, lowest, bits, new_bin, tokens,
+        )  # fmt: skip
     first = new_bin.nonzero()[0]
     n_bins = first.size
     b_bits = np.bitwise_or.reduceat(bits, first)
@@ -654,6 +663,59 @@ def _assemble(
         n_packed=int(unit.size),
         n_kept=int(n_kept),
     )
+
+
+def _assemble_native(
+    lib, kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity: int, start_of_rank,
+    unit, lowest, bits, new_bin, tokens,
+) -> PackedUnits:  # fmt: skip
+    """:func:`_assemble` by the compiled loops: sizes (every index checked), then the arrays."""
+    i64, i8 = np.int64, np.int8
+    kv_start, kv_len, pair_start, q_len, pair_query, query_of_rank, unit, lowest, bits, tokens = (
+        np.ascontiguousarray(a, dtype=i64)
+        for a in (kv_start, kv_len, pair_start, q_len, pair_query, query_of_rank, unit, lowest, bits, tokens)
+    )  # fmt: skip
+    new_bin = np.ascontiguousarray(new_bin, dtype=bool).view(i8)
+    slots_in = np.ascontiguousarray(kv_slots)
+    n_units, n_pieces, n_queries = kv_len.size, unit.size, query_of_rank.size
+    sor = None if start_of_rank is None else np.ascontiguousarray(start_of_rank, dtype=i64)
+    if (
+        kv_start.size != n_units or pair_start.size != n_units or q_len.size != n_units
+        or any(a.size != n_pieces for a in (lowest, bits, new_bin, tokens))
+        or (sor is not None and sor.size != n_queries)
+    ):  # fmt: skip
+        raise ValueError("the units' or the pieces' arrays differ in length")
+    keep = np.empty(n_units, dtype=i8)
+    sizes = np.empty(6, dtype=i64)
+    sor_ptr = None if sor is None else address(sor)
+    if lib.ft_assemble_sizes(
+        n_units, address(kv_start), address(kv_len), address(q_len), slots_in.size, n_queries, capacity, sor_ptr,
+        n_pieces, address(unit), address(lowest), address(bits), address(new_bin), address(tokens), address(keep),
+        address(sizes),
+    ):  # fmt: skip
+        raise ValueError("a packed piece's unit, rank, KV run or row shift is out of range")
+    n_bins, n_kept, k_total, b_total, k_pairs, b_pairs = (int(x) for x in sizes)
+    copy_kept = 2 * k_total < slots_in.size
+    n_old = k_total if copy_kept else slots_in.size
+    n_out, n_pairs_out = n_kept + n_bins, k_pairs + b_pairs
+    out = [np.empty(n_out, dtype=i64) for _ in range(4)]  # kv_start, kv_len, pair_start, q_len
+    o_query = np.empty(n_pairs_out, dtype=i64)
+    o_present = np.empty(n_pairs_out, dtype=bool)
+    o_slots = entry_array(n_old + b_total)
+    o_mask = entry_array(n_old + b_total)
+    o_is_bin = np.empty(n_out, dtype=bool)
+    if lib.ft_assemble_fill(
+        n_units, address(kv_start), address(kv_len), address(pair_start), address(q_len), pair_query.size,
+        address(pair_query), slots_in.size, address(slots_in), n_queries, address(query_of_rank), capacity, sor_ptr,
+        n_pieces, address(unit), address(lowest), address(bits), address(new_bin), address(tokens), address(keep),
+        int(copy_kept), n_old, *(address(a) for a in out), address(o_query), address(o_present), address(o_slots),
+        address(o_mask), address(o_is_bin),
+    ):  # fmt: skip
+        raise ValueError("a kept unit's KV run or pairs, or a bin's ranks, are out of range")
+    return PackedUnits(
+        kv_start=out[0], kv_len=out[1], pair_start=out[2], q_len=out[3], pair_query=o_query, pair_present=o_present,
+        kv_slots=o_slots, kv_row_mask=o_mask, is_bin=o_is_bin, n_packed=n_pieces, n_kept=n_kept,
+    )  # fmt: skip
 
 
 def _entry_slots(n: int, dtype: np.dtype) -> np.ndarray:

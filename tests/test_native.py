@@ -214,3 +214,63 @@ def test_address_is_the_arrays_data_pointer_for_every_kind_of_array():
     read_only.flags.writeable = False
     for a in (base, base[5:], read_only, np.empty(0, dtype=np.int32), base[::2], np.zeros((3, 4), np.int8)):
         assert native.address(a) == a.ctypes.data
+
+
+def _recorded_assemble_calls(monkeypatch, trees, heads, configs) -> list[tuple]:
+    """The arguments of every ``packing._assemble`` call the planner makes on ``trees``."""
+    from fasttree import packing
+
+    calls, real = [], packing._assemble
+
+    def recording(*args, **kw):
+        calls.append((args, kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(packing, "_assemble", recording)
+    for tree in trees:
+        for hq, hkv in heads:
+            for cfg in configs:
+                ft.plan(unprepared(tree), cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    monkeypatch.setattr(packing, "_assemble", real)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_assembly_of_packed_units_equals_numpys(monkeypatch, seed):
+    """Every array of the packed units (kept units' KV copied out or left in place, bins' rows,
+    masks with the sign bit, absent rows, blocks from aligned ranks) is numpy's, dtype for dtype."""
+    from fasttree import packing
+
+    rng = np.random.default_rng(900 + seed)
+    trees = [random_tree(rng, max_nodes=int(rng.choice([20, 300, 1500])), max_len=int(rng.choice([40, 600])))
+             for _ in range(3)]  # fmt: skip
+    if seed == 0:
+        trees += [paper_tree(c) for c in (2, 6, 9, 13)]
+    configs = [ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=512, pack_min_units=64)]
+    calls = _recorded_assemble_calls(monkeypatch, trees, [(32, 32), (32, 8), (16, 1)], configs)
+    assert calls and any(kw["unit"].size for _, kw in calls)
+    if seed == 0:
+        assert {a[10] is None for a, _ in calls} == {True, False}  # fixed and aligned blocks both met
+    fields = ("kv_start", "kv_len", "pair_start", "q_len", "pair_query", "pair_present", "kv_slots", "kv_row_mask",
+              "is_bin")  # fmt: skip
+    for args, kw in calls:
+        a = packing._assemble(*args, **kw, native=True)
+        b = packing._assemble(*args, **kw, native=False)
+        assert a.n_packed == b.n_packed and a.n_kept == b.n_kept
+        for name in fields:
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
+
+
+def test_native_assembly_refuses_pieces_out_of_range():
+    from fasttree import packing
+
+    one = np.ones(1, dtype=np.int64)
+    args = (np.zeros(1, np.int64), 4 * one, np.zeros(1, np.int64), one, np.zeros(1, np.int64),
+            np.arange(4, dtype=np.int32), np.zeros(1, np.int64), 32, True, 0, None)  # fmt: skip
+    good = {"unit": np.zeros(1, np.int64), "lowest": np.zeros(1, np.int64), "bits": one, "new_bin": np.ones(1, bool),
+            "tokens": 4 * one}  # fmt: skip
+    assert packing._assemble(*args, **good, native=True).kv_slots.size == 4
+    for name, value in (("unit", one), ("lowest", one), ("tokens", 5 * one), ("new_bin", np.zeros(1, bool))):
+        with pytest.raises(ValueError, match="out of range"):
+            packing._assemble(*args, **{**good, name: value}, native=True)

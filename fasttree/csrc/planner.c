@@ -277,3 +277,162 @@ int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *
     }
     return 0;
 }
+
+/* The bins of fasttree.packing._assemble: piece p (of unit[p], lowest rank lowest[p], position
+ * bits bits[p], tokens[p] entries) starts a bin where new_bin[p]. A bin's rows start at its first
+ * piece's position in its block (the lowest rank modulo capacity, or minus start_of_rank of it);
+ * each piece's bits are shifted down by its bin start's position (the running maximum of the bin
+ * starts' lowest ranks, as numpy's maximum.accumulate), the bin's OR of them by its own. */
+static int64_t block_pos(int64_t rank, int64_t capacity, const int64_t *start_of_rank) {
+    return start_of_rank ? rank - start_of_rank[rank] : rank % capacity;
+}
+
+static int64_t bit_length(int64_t x) {
+    int64_t n = 0;
+    while (x > 0) {
+        n++;
+        x >>= 1;
+    }
+    return n;
+}
+
+/* First pass: checks every index and writes sizes[0..6) = bins, kept units, kept entries, bin
+ * entries, kept pairs, bin pairs; keep[u] = 1 for a unit no piece took. Returns 0, or -1 when an
+ * index is out of range (a piece's unit, rank or KV run; a shift past 63 bits). */
+int64_t ft_assemble_sizes(int64_t n_units, const int64_t *kv_start, const int64_t *kv_len, const int64_t *q_len,
+                          int64_t n_slots, int64_t n_queries, int64_t capacity, const int64_t *start_of_rank,
+                          int64_t n_pieces, const int64_t *unit, const int64_t *lowest, const int64_t *bits,
+                          const int8_t *new_bin, const int64_t *tokens, int8_t *keep, int64_t *sizes) {
+    int64_t bins = 0, b_total = 0, b_pairs = 0, run_max = 0, b_bits = 0, b_base = 0;
+    if (capacity < 1 || (n_pieces && !new_bin[0]))
+        return -1;
+    for (int64_t u = 0; u < n_units; u++) keep[u] = 1;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        const int64_t u = unit[p], r = lowest[p];
+        if (u < 0 || u >= n_units || r < 0 || r >= n_queries || tokens[p] < 0 || bits[p] < 0)
+            return -1;
+        if (kv_start[u] < 0 || kv_start[u] + tokens[p] > n_slots)
+            return -1;
+        keep[u] = 0;
+        b_total += tokens[p];
+        if (new_bin[p]) {
+            if (bins)
+                b_pairs += bit_length(b_bits >> b_base);
+            bins++;
+            b_bits = 0;
+            b_base = block_pos(r, capacity, start_of_rank);
+        }
+        b_bits |= bits[p];
+        run_max = new_bin[p] && r > run_max ? r : run_max;
+        const int64_t shift = block_pos(run_max, capacity, start_of_rank);
+        if (b_base < 0 || b_base > 63 || shift < 0 || shift > 63)
+            return -1;
+    }
+    if (bins)
+        b_pairs += bit_length(b_bits >> b_base);
+    int64_t kept = 0, k_total = 0, k_pairs = 0;
+    for (int64_t u = 0; u < n_units; u++)
+        if (keep[u]) {
+            kept++;
+            k_total += kv_len[u];
+            k_pairs += q_len[u];
+        }
+    sizes[0] = bins;
+    sizes[1] = kept;
+    sizes[2] = k_total;
+    sizes[3] = b_total;
+    sizes[4] = k_pairs;
+    sizes[5] = b_pairs;
+    return 0;
+}
+
+/* Second pass (after ft_assemble_sizes succeeded on the same pieces): the packed units' arrays.
+ * copy_kept: the slots are the kept units' runs then the pieces' (else all n_slots input slots
+ * then the pieces'); n_old: the entries before the pieces'. Returns 0, or -1 when a kept unit's
+ * KV run or pairs or a bin's ranks are out of range. */
+int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t *kv_len,
+                         const int64_t *pair_start, const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query,
+                         int64_t n_slots, const int32_t *kv_slots, int64_t n_queries, const int64_t *query_of_rank,
+                         int64_t capacity, const int64_t *start_of_rank, int64_t n_pieces, const int64_t *unit,
+                         const int64_t *lowest, const int64_t *bits, const int8_t *new_bin, const int64_t *tokens,
+                         const int8_t *keep, int64_t copy_kept, int64_t n_old, int64_t *o_kv_start, int64_t *o_kv_len,
+                         int64_t *o_pair_start, int64_t *o_q_len, int64_t *o_pair_query, int8_t *o_present,
+                         int32_t *o_slots, int32_t *o_mask, int8_t *o_is_bin) {
+    int64_t k = 0, e = 0, pr = 0;
+    /* units left alone: their KV (copied, or where they were), their pairs */
+    for (int64_t u = 0; u < n_units; u++) {
+        if (!keep[u])
+            continue;
+        const int64_t s = kv_start[u], n = kv_len[u], ps = pair_start[u], nq = q_len[u];
+        if (s < 0 || n < 0 || s + n > n_slots || ps < 0 || nq < 0 || ps + nq > n_pairs)
+            return -1;
+        o_kv_len[k] = n;
+        o_q_len[k] = nq;
+        o_is_bin[k] = 0;
+        if (copy_kept) {
+            o_kv_start[k] = e;
+            for (int64_t i = 0; i < n; i++) o_slots[e + i] = kv_slots[s + i];
+            e += n;
+        } else {
+            o_kv_start[k] = s;
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            o_pair_query[pr + i] = pair_query[ps + i];
+            o_present[pr + i] = 1;
+        }
+        pr += nq;
+        k++;
+    }
+    if (!copy_kept) {
+        for (int64_t i = 0; i < n_slots; i++) o_slots[i] = kv_slots[i];
+        e = n_slots;
+    }
+    for (int64_t i = 0; i < n_old; i++) o_mask[i] = -1;
+    /* the bins: their pieces' slots and masks, then their rows */
+    int64_t b = k - 1, run_max = 0, b_bits = 0, b_base = 0, b_rank = 0, b_tokens = 0;
+    for (int64_t p = 0; p <= n_pieces; p++) {
+        if (p == n_pieces || new_bin[p]) {
+            if (b >= k) { /* close bin b: its entries and its rows */
+                const int64_t rows = bit_length(b_bits >> b_base);
+                const int64_t shifted = b_bits >> b_base;
+                if (b_rank + rows > n_queries)
+                    return -1;
+                o_kv_len[b] = b_tokens;
+                o_q_len[b] = rows;
+                o_is_bin[b] = 1;
+                for (int64_t i = 0; i < rows; i++) {
+                    o_pair_query[pr + i] = query_of_rank[b_rank + i];
+                    o_present[pr + i] = (int8_t)((shifted >> i) & 1);
+                }
+                pr += rows;
+            }
+            if (p == n_pieces)
+                break;
+            b++;
+            b_bits = 0;
+            b_tokens = 0;
+            b_rank = lowest[p];
+            b_base = block_pos(b_rank, capacity, start_of_rank);
+            o_kv_start[b] = e;
+        }
+        const int64_t r = lowest[p];
+        run_max = new_bin[p] && r > run_max ? r : run_max;
+        const int64_t shift = block_pos(run_max, capacity, start_of_rank);
+        const int32_t m = (int32_t)(uint32_t)(bits[p] >> shift);
+        const int32_t *src = kv_slots + kv_start[unit[p]];
+        const int64_t n = tokens[p];
+        for (int64_t i = 0; i < n; i++) {
+            o_slots[e + i] = src[i];
+            o_mask[e + i] = m;
+        }
+        e += n;
+        b_bits |= bits[p];
+        b_tokens += n;
+    }
+    int64_t acc = 0;
+    for (int64_t u = 0; u <= b; u++) {
+        o_pair_start[u] = acc;
+        acc += o_q_len[u];
+    }
+    return 0;
+}
