@@ -6,7 +6,7 @@
 graph cannot replay such a launch for another plan. A :class:`LaunchVariant` is those same
 launch decisions with each grid rounded up to a *grid bucket* (:func:`grid_bucket`): every plan
 of a variant runs from one set of launches (the kernels read the plan's arrays and unit ranges
-from the runtime's plan buffer; programs past a plan's units find empty ones), so a server captures
+from the runtime's plan buffer; a grid's programs beyond a plan's units find empty ones), so a server captures
 one graph per variant it meets and replays the one of each step's plan, as serving engines keep
 one graph per batch-size bucket. :class:`VariantTable` numbers the variants a runtime hands out
 and bounds the live ones; past the bound a plan runs the smallest live variant whose launches

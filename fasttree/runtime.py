@@ -106,7 +106,7 @@ logger = logging.getLogger(__name__)
 #: and the merged-query counts of the few- and many-partials merges (kernels' ``HDR_*``).
 PLAN_HEADER = (
     *DEVICE_ARRAYS, "slot0_first", "slot0_end", "slot1_first", "slot1_end", "merge_few", "merge_many",
-    "class0_first", "class0_end", "class1_first", "class1_end", "fill0_end", "fill1_end", "fill_merge_end",
+    "class0_first", "class0_end", "class1_first", "class1_end", "lead0", "lead1", "merge_fill_end",
     "words_end",
 )  # fmt: skip
 _HEADER_WORDS = 32  # PLAN_HEADER padded to an aligned start for the arrays
@@ -455,7 +455,7 @@ class TreeAttentionRuntime:
         # unit arrays: empty units (zeros)
         if self.fixed_words:
             self._fixed_arrays["merge_queries"].fill_(self.max_queries)
-        self._fill_ends = (0, 0, 0)  # where the last relocated plan's class-0, class-1 units and merge list ended
+        self._merge_fill_end = 0  # where the last relocated plan's merge list ended
         self._staging = [torch.zeros(self.plan_words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._staged = [s.numpy() for s in self._staging]
         self._copied = [torch.cuda.Event() if pin else None for _ in range(2)]
@@ -747,17 +747,21 @@ class TreeAttentionRuntime:
             buf[off : off + n] = arr
             off += _aligned(max(1, n))
         ptr = plan.class_unit_ptr
+        leads = [0, 0]  # a variant's idle programs of each class run first (relocate_plan_kernel)
+        if variant is not None:
+            for s in variant.stage1:
+                leads[s.tile_class] = s.n_units - int(ptr[s.tile_class + 1] - ptr[s.tile_class])
         buf[: len(PLAN_HEADER)] = (
-            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], *self._fill_ends,
-            off,
+            *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], *leads,
+            self._merge_fill_end, off,
         )  # fmt: skip
         if off > self.plan_words:  # cannot happen when every capacity holds (checked above)
             raise ValueError(f"the plan needs {off} int32 words of plan buffer, more than {self.plan_words}")
         self._plan_buf[:off].copy_(self._staging[i][:off], non_blocking=True)
         if variant is not None:
-            self._relocate(max(n_kv, plan.pair_query.size, plan.n_units, self.max_queries, *self._fill_ends))
-            # past these, the fixed arrays hold empty units and the filler query up to the regions' ends
-            self._fill_ends = (int(ptr[1] - ptr[0]), int(ptr[2] - ptr[1]), int(merge.size))
+            self._relocate(max(n_kv, plan.pair_query.size, plan.n_units, self.max_queries, self._merge_fill_end))
+            # past its end, the merge list holds the filler query up to the region's end
+            self._merge_fill_end = int(merge.size)
         if self._copied[i] is not None:
             self._copied[i].record(torch.cuda.current_stream(self.device))
         self._current = RuntimePlan(
@@ -930,9 +934,9 @@ class TreeAttentionRuntime:
     def _variant_launches(self, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> list:
         """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, shrink_stages)`` of each
         launch of ``variant``: tree_attention's kernels (:func:`fasttree.attention.kernel_launches`)
-        over the arrays at fixed addresses, grids the variant's buckets (stage-1 programs past the
-        plan's units find the relocation's empty units, which attend nothing; merge programs past its
-        merge list find the filler query, which has no partial)."""
+        over the arrays at fixed addresses, grids the variant's buckets (the stage-1 programs beyond
+        the plan's units come first and find the relocation's empty units, which attend nothing;
+        merge programs past its merge list find the filler query, which has no partial)."""
         unit_offsets = tuple(0 if s.tile_class == 0 else self.unit_region for s in variant.stage1)
         launches = kernel_launches(
             variant.stage1, variant.merge, self._fixed_arrays, self._part_o, self._part_lse, q, k_cache, v_cache,

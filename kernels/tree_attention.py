@@ -67,7 +67,8 @@ HDR_MERGE_QUERIES = tl.constexpr(10)
 HDR_SLOT_RANGES = tl.constexpr(11)  # (first unit, end) of slot 0, then of slot 1
 HDR_MERGE_COUNTS = tl.constexpr(15)  # merged queries of the few-partials kernel, then of the many-partials one
 HDR_CLASS_RANGES = tl.constexpr(17)  # (first unit, end) of tile class 0, then of class 1 (launch variants)
-HDR_FILL_ENDS = tl.constexpr(21)  # where the last relocated plan's class-0 and class-1 units and merge list ended
+HDR_UNIT_LEADS = tl.constexpr(21)  # empty units a launch variant runs before the plan's class-0, class-1 units
+HDR_MERGE_FILL_END = tl.constexpr(23)  # where the last relocated plan's merge list ended
 HDR_WORDS_END = tl.constexpr(24)  # the end of the last array (merge_queries) of the uploaded plan
 
 
@@ -339,9 +340,11 @@ def relocate_plan_kernel(
     launches read through fixed pointers, so a CUDA graph of them replays every plan of their
     variant. An array's length is the distance to the next array's offset (the last one's end is
     header word ``HDR_WORDS_END``; a unit array's, the plan's units); a unit array's class-1 units
-    move to ``unit_region``. Past the plan's units and merge list, up to where the last relocated
-    plan's ended (``HDR_FILL_ENDS``), the unit arrays get empty units (zeros) and the merge list
-    ``sentinel``: a variant's programs past the plan's work find nothing to do there."""
+    move to ``unit_region``. Each class's units follow ``HDR_UNIT_LEADS`` empty units (zeros): the
+    programs a variant's grid bucket has beyond the plan's units come first in the grid, and finish
+    at once, instead of last, after the plan's longest units. Past the plan's merge list, up to
+    where the last relocated plan's ended (``HDR_MERGE_FILL_END``), the merge list gets
+    ``sentinel``: a variant's merge programs past the plan's find nothing to do there."""
     a = tl.program_id(0)
     src = tl.load(PlanBuf + a)
     if a + 1 < N_ARRAYS:
@@ -352,6 +355,8 @@ def relocate_plan_kernel(
     is_unit = (a >= FIRST_UNIT_ARRAY) & (a < FIRST_UNIT_ARRAY + 4)
     n0 = tl.load(PlanBuf + HDR_CLASS_RANGES + 1)  # class 1 starts here
     n_all = tl.load(PlanBuf + HDR_CLASS_RANGES + 3)
+    lead0 = tl.load(PlanBuf + HDR_UNIT_LEADS)
+    lead1 = tl.load(PlanBuf + HDR_UNIT_LEADS + 1)
     if is_unit:
         n = n_all
     if a == MERGE_ARRAY:  # its entries, not its aligned length: the filler follows them
@@ -363,13 +368,13 @@ def relocate_plan_kernel(
         w = tl.load(PlanBuf + src + i, mask=valid)
         to = i
         if is_unit:
-            to = tl.where(i < n0, i, unit_region + i - n0)
+            to = tl.where(i < n0, lead0 + i, unit_region + lead1 + i - n0)
         tl.store(Fixed + dst + to, w, mask=valid)
     if is_unit:
-        _fill(Fixed + dst, n0, tl.load(PlanBuf + HDR_FILL_ENDS), 0)
-        _fill(Fixed + dst + unit_region, n_all - n0, tl.load(PlanBuf + HDR_FILL_ENDS + 1), 0)
+        _fill(Fixed + dst, 0, lead0, 0)
+        _fill(Fixed + dst + unit_region, 0, lead1, 0)
     if a == MERGE_ARRAY:
-        _fill(Fixed + dst, n, tl.load(PlanBuf + HDR_FILL_ENDS + 2), sentinel)
+        _fill(Fixed + dst, n, tl.load(PlanBuf + HDR_MERGE_FILL_END), sentinel)
 
 
 @triton.jit

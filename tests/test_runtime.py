@@ -41,9 +41,9 @@ def test_header_matches_the_kernels():
     assert values["HDR_SLOT_RANGES"] == PLAN_HEADER.index("slot0_first")
     assert values["HDR_MERGE_COUNTS"] == PLAN_HEADER.index("merge_few")
     assert values["HDR_CLASS_RANGES"] == PLAN_HEADER.index("class0_first")
-    assert values["HDR_FILL_ENDS"] == PLAN_HEADER.index("fill0_end")
+    assert values["HDR_UNIT_LEADS"] == PLAN_HEADER.index("lead0")
     for n, v in values.items():
-        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS", "HDR_CLASS_RANGES", "HDR_FILL_ENDS"):
+        if n not in ("HDR_SLOT_RANGES", "HDR_MERGE_COUNTS", "HDR_CLASS_RANGES", "HDR_UNIT_LEADS"):
             assert PLAN_HEADER[v] == n[4:].lower()
 
 
@@ -657,29 +657,42 @@ def test_runtime_masks_rows_when_any_member_packs(device):
     assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
 
 
-def test_past_a_plan_the_variants_find_empty_units_and_the_filler_query(device):
-    """After a large plan, a small one's relocation leaves empty units (zeros) past its units in
-    both tile classes and the filler query (``max_queries``, of no partial) past its merge list, so
-    a launch variant's programs past the plan's work do nothing; the small plan's step is right."""
-    rt = _runtime(device, max_variants=8, max_kv_entries=1 << 14)
-    rng = np.random.default_rng(21)
+@pytest.mark.parametrize(("max_variants", "leaves"), [(8, 19), (1, 17)])
+def test_a_variants_idle_programs_find_empty_units_first_and_the_filler_query_last(device, max_variants, leaves):
+    """After a large plan, a smaller one's relocation puts its units of each tile class after as
+    many empty units (zeros) as its variant's grid has beyond them (its own grid bucket, or with
+    one live variant the large plan's covering grid; those programs run first and do nothing), and
+    the filler query (``max_queries``, of no partial) past its merge list; both steps are right."""
+    rt = _runtime(device, max_variants=max_variants, max_kv_entries=1 << 14)
     big = ft.KVTree.from_lengths([-1] + [0] * 30, [400] + [90] * 30, list(range(1, 31)))
-    small = random_tree(rng, max_nodes=6, max_len=40)
+    small = ft.KVTree.from_lengths([-1] + [0] * leaves, [400] + [90] * leaves, list(range(1, leaves + 1)))
     q, k, v = _inputs(big, device, 64)
     rt.plan(big)
     up = rt.plan(small)
     assert up.variant_id >= 1
     f = {name: t.cpu().numpy() for name, t in rt._fixed_arrays.items()}
-    ptr, region = up.plan.class_unit_ptr, rt.unit_region
-    n0, n1 = int(ptr[1] - ptr[0]), int(ptr[2] - ptr[1])
-    for name in ("unit_kv_start", "unit_kv_len", "unit_q_start", "unit_q_len"):
-        assert not f[name][n0:region].any() and not f[name][region + n1 : 2 * region].any(), name
-    n_merge = up.plan.merge_queries.size
+    plan, region = up.plan, rt.unit_region
+    ptr = plan.class_unit_ptr
+    led = 0
+    for s in up.variant.stage1:
+        c = s.tile_class
+        lo, n = c * region, int(ptr[c + 1] - ptr[c])
+        lead = s.n_units - n
+        led += lead
+        for name in ("unit_kv_start", "unit_kv_len", "unit_q_start", "unit_q_len"):
+            assert not f[name][lo : lo + lead].any(), name
+            assert np.array_equal(f[name][lo + lead : lo + lead + n], getattr(plan, name)[ptr[c] : ptr[c + 1]]), name
+    assert led > 0  # the grid runs past the plan's units
+    n_merge = plan.merge_queries.size
     assert (f["merge_queries"][n_merge:] == rt.max_queries).all()
     assert f["query_num_partials"][rt.max_queries] == 0
     out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
     ref = ft.reference_attention(q[: small.n_queries], k, v, small)
     assert ft.max_relative_error(out[: small.n_queries], ref) < 2e-3
+    rt.plan(big)  # back to the large plan: its units, no stale ones, and the right step
+    out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+    ref = ft.reference_attention(q[: big.n_queries], k, v, big)
+    assert ft.max_relative_error(out[: big.n_queries], ref) < 2e-3
 
 
 def test_past_max_variants_a_covering_variant_serves_the_plan_else_a_new_id_replaces_the_old(device):
