@@ -107,6 +107,15 @@ def family_trees() -> dict[str, fasttree.KVTree]:
     return {name: build() for name, build in FAMILY_BUILDERS.items()}
 
 
+def minor_page_faults() -> int | None:
+    """This process's minor page faults so far (None where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def bench_case(case: int | str, heads: str, repeats: int, warmup: int) -> dict[str, Any]:
     """Time tree build and planning of one (case, heads) pair; ``case`` is a paper-suite case
     number or a :func:`family_trees` name."""
@@ -122,10 +131,12 @@ def bench_case(case: int | str, heads: str, repeats: int, warmup: int) -> dict[s
         plan = fasttree.plan(tree, config, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM)
 
     times = np.empty(repeats, dtype=np.float64)
+    faults0 = minor_page_faults()
     for i in range(repeats):
         t0 = time.perf_counter()
         plan = fasttree.plan(tree, config, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM)
         times[i] = time.perf_counter() - t0
+    faults1 = minor_page_faults()
     assert plan is not None
     times *= 1e3
 
@@ -144,6 +155,8 @@ def bench_case(case: int | str, heads: str, repeats: int, warmup: int) -> dict[s
         "plan_ms": plan_ms,
         "plan_p90_ms": float(np.percentile(times, 90)),
         "plan_min_ms": float(times.min()),
+        # fresh pages the allocator handed the planner per call (0 once its host memory is reused)
+        "page_faults_per_plan": None if faults0 is None or faults1 is None else (faults1 - faults0) / repeats,
         "repeats": repeats,
         "published_plan_ms": published,
         "speedup_vs_published": (published / plan_ms) if published is not None and plan_ms > 0 else None,
@@ -186,16 +199,18 @@ def markdown(
         f"# fasttree.plan host planning time ({label})",
         "",
         f"head_dim {HEAD_DIM}, default FastTreeConfig, median / p90 of {rows[0]['repeats'] if rows else 0} calls. "
+        "faults: minor page faults per timed call (fresh pages from the allocator). "
         "published_ms: published FastTree planner on an H200 host incl. index upload (2026-11-29).",
         "",
-        "| case | heads | nodes | queries | tree_ms | plan_ms | p90_ms | published_ms | speedup | mode |",
-        "|---:|:---|---:|---:|---:|---:|---:|---:|---:|:---|",
+        "| case | heads | nodes | queries | tree_ms | plan_ms | p90_ms | faults | published_ms | speedup | mode |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
     ]
     for r in rows:
         speedup = r["speedup_vs_published"]
         lines.append(
             f"| {r['case']} | {r['heads']} | {r['n_nodes']} | {r['n_queries']} | {_fmt(r['tree_ms'])} "
-            f"| {_fmt(r['plan_ms'])} | {_fmt(r['plan_p90_ms'])} | {_fmt(r['published_plan_ms'], 2)} "
+            f"| {_fmt(r['plan_ms'])} | {_fmt(r['plan_p90_ms'])} | {_fmt(r.get('page_faults_per_plan'), 0)} "
+            f"| {_fmt(r['published_plan_ms'], 2)} "
             f"| {'-' if speedup is None else f'{speedup:.1f}x'} | {r['tile_mode']} |"
         )
     lines += [
@@ -214,13 +229,14 @@ def markdown(
             "",
             "## Large trees of other families",
             "",
-            "| tree | heads | nodes | queries | tokens | tree_ms | plan_ms | p90_ms | mode |",
-            "|:---|:---|---:|---:|---:|---:|---:|---:|:---|",
+            "| tree | heads | nodes | queries | tokens | tree_ms | plan_ms | p90_ms | faults | mode |",
+            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|:---|",
         ]
         for r in family_rows:
             lines.append(
                 f"| {r['case']} | {r['heads']} | {r['n_nodes']} | {r['n_queries']} | {r['n_tokens']} "
-                f"| {_fmt(r['tree_ms'])} | {_fmt(r['plan_ms'])} | {_fmt(r['plan_p90_ms'])} | {r['tile_mode']} |"
+                f"| {_fmt(r['tree_ms'])} | {_fmt(r['plan_ms'])} | {_fmt(r['plan_p90_ms'])} "
+                f"| {_fmt(r.get('page_faults_per_plan'), 0)} | {r['tile_mode']} |"
             )
         assert family_summary is not None
         lines += [

@@ -1,0 +1,27 @@
+"""bench.plan_time: a case's row carries its timing and the page faults per plan, and the tables
+show them (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench import plan_time
+
+
+def test_a_cases_row_times_the_plan_and_counts_its_page_faults():
+    row = plan_time.bench_case(9, "gqa4", repeats=5, warmup=2)
+    assert row["repeats"] == 5 and 0 < row["plan_min_ms"] <= row["plan_ms"] <= row["plan_p90_ms"]
+    faults = row["page_faults_per_plan"]
+    assert faults is None or (faults >= 0 and np.isfinite(faults))
+    summary = plan_time.summarize([row])
+    text = plan_time.markdown([row], summary, plan_time.environment(), "t")
+    assert "| faults |" in text and f"| {row['n_nodes']} | {row['n_queries']} |" in text
+
+
+def test_reused_host_memory_leaves_a_big_tree_without_page_faults():
+    """Planning one 100k+-token tree repeatedly (as a server plans similar trees) takes no fresh
+    pages once the planner's host memory is reused."""
+    row = plan_time.bench_case("multi_document", "mha", repeats=12, warmup=4)
+    if row["page_faults_per_plan"] is None:
+        return  # the platform does not count page faults
+    assert row["n_tokens"] > 100_000 and row["page_faults_per_plan"] < 20
