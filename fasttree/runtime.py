@@ -751,6 +751,8 @@ class TreeAttentionRuntime:
         if variant is not None:
             for s in variant.stage1:
                 leads[s.tile_class] = s.n_units - int(ptr[s.tile_class + 1] - ptr[s.tile_class])
+            if min(leads) < 0:  # a variant's grids cover its plans' units (VariantTable)
+                raise AssertionError(f"internal error: variant {variant_id}'s grids miss units of the plan")
         buf[: len(PLAN_HEADER)] = (
             *offsets, *slot_units[0], *slot_units[1], *merge_counts, ptr[0], ptr[1], ptr[1], ptr[2], *leads,
             self._merge_fill_end, off,
