@@ -512,6 +512,47 @@ def layout_reads_and_served(
     return reads, np.concatenate([pair_query[keep.repeat(q_len)], b_query])
 
 
+def layout_reads_and_rows(
+    layout: BinLayout | None,
+    kv_len: np.ndarray,
+    q_len: np.ndarray,
+    pair_query: np.ndarray,
+    query_of_rank: np.ndarray,
+    native: bool = True,
+) -> tuple[int, int]:
+    """The KV tokens the units read and the partial rows they write once ``layout``'s bins are
+    formed (None: the units as they are): :func:`layout_reads_and_served`'s reads, and the served
+    pairs of every query served two times or more. ``native``: in one compiled loop
+    (``ft_layout_cost``) when it is available, with the same two numbers."""
+    n_queries = query_of_rank.size
+    lib = planner_library() if native and layout is not None else None
+    if lib is not None:
+        bins = layout.bins
+        named = (kv_len, q_len, pair_query, bins.unit, bins.lowest, bins.bits, bins.tokens, query_of_rank)
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in named]
+        new_bin = np.ascontiguousarray(bins.new_bin, dtype=bool).view(np.int8)
+        sor = None if layout.start_of_rank is None else np.ascontiguousarray(layout.start_of_rank, dtype=np.int64)
+        if (sor is not None and sor.size != n_queries) or any(a.size != new_bin.size for a in arrays[3:7]):
+            raise ValueError("the layout's arrays differ in length")
+        kv, ql, pq, unit, lowest, bits, tokens, of_rank = arrays
+        keep = np.empty(kv.size, dtype=np.int8)
+        n_part = np.empty(n_queries, dtype=np.int64)
+        out = np.empty(2, dtype=np.int64)
+        if lib.ft_layout_cost(
+            kv.size, address(kv), address(ql), pq.size, address(pq), unit.size, address(unit), address(lowest),
+            address(bits), address(new_bin), address(tokens), n_queries, address(of_rank), layout.capacity,
+            None if sor is None else address(sor), address(keep), address(n_part), address(out),
+        ):  # fmt: skip
+            raise ValueError("a layout's unit, rank or pair is out of range")
+        return int(out[0]), int(out[1])
+    if layout is None:
+        reads, served = int(np.add.reduce(kv_len, dtype=np.int64)), pair_query
+    else:
+        reads, served = layout_reads_and_served(layout, kv_len, q_len, pair_query, query_of_rank)
+    n_part = np.bincount(served, minlength=n_queries)
+    return reads, int(np.add.reduce(n_part[n_part >= 2]))
+
+
 def assemble_bins(
     layout: BinLayout,
     *,

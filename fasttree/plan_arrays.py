@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
-from .packing import MAX_PACK_QUERIES, BinLayout, PackedUnits, assemble_bins, bin_layout, layout_reads_and_served
+from .packing import MAX_PACK_QUERIES, BinLayout, PackedUnits, assemble_bins, bin_layout, layout_reads_and_rows
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
 from .validation import check_int
@@ -669,15 +669,6 @@ def _class_order(u_small: np.ndarray, u_kv_len: np.ndarray) -> tuple[np.ndarray,
     return uorder, (0, n_large, n_units)
 
 
-def _wide_cost(reads: int, present_pair_query: np.ndarray, n_queries: int, row_tokens: float) -> float:
-    """What :func:`_wide_units_whole_pay` compares: the KV tokens the units read (``reads``) plus
-    ``row_tokens`` per partial row (one per work unit of each query with two or more;
-    ``present_pair_query``: the query of every pair a unit computes)."""
-    n_part = np.bincount(present_pair_query, minlength=n_queries)
-    rows = int(np.add.reduce(n_part[n_part >= 2]))
-    return reads + row_tokens * rows
-
-
 def _wide_units_whole_pay(
     packed: BinLayout | None,
     whole: BinLayout | None,
@@ -686,19 +677,17 @@ def _wide_units_whole_pay(
     row_tokens: float,
 ) -> bool:
     """Whether the plan with the wide units whole (``whole``) costs less than the one with them
-    packed (:func:`_wide_cost`), both from the bins' layouts before their arrays are built. None:
+    packed (the KV tokens read plus ``row_tokens`` per partial row: one per work unit of each query
+    with two or more, :func:`fasttree.packing.layout_reads_and_rows`), both from the bins' layouts
+    before their arrays are built. None:
     nothing was packed, the plan has ``units`` as they are. On the H200 paper suite, keeping them
     whole lost where it saved at most 7.5 KV tokens per partial row it added and won from 9.0 up; on
     held-out MHA trees the choice ran at 0.95x the packed plans' time (the best of the two per tree:
     0.94x)."""
-    n_queries = query_of_rank.size
 
     def cost(layout: BinLayout | None) -> float:
-        if layout is None:
-            reads, served = int(np.add.reduce(units.kv_len, dtype=np.int64)), units.pair_query
-        else:
-            reads, served = layout_reads_and_served(layout, units.kv_len, units.q_len, units.pair_query, query_of_rank)
-        return _wide_cost(reads, served, n_queries, row_tokens)
+        reads, rows = layout_reads_and_rows(layout, units.kv_len, units.q_len, units.pair_query, query_of_rank)
+        return reads + row_tokens * rows
 
     return cost(whole) < cost(packed)
 

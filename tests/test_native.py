@@ -274,3 +274,30 @@ def test_native_assembly_refuses_pieces_out_of_range():
     for name, value in (("unit", one), ("lowest", one), ("tokens", 5 * one), ("new_bin", np.zeros(1, bool))):
         with pytest.raises(ValueError, match="out of range"):
             packing._assemble(*args, **{**good, name: value}, native=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_layout_costs_equal_numpys(monkeypatch, seed):
+    """The KV tokens read and partial rows of every bin layout the wide-unit choice compares (fixed
+    and aligned blocks) are numpy's; the plans' choices are therefore the same."""
+    from fasttree import packing, plan_arrays
+
+    calls, real = [], packing.layout_reads_and_rows
+
+    def recording(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(plan_arrays, "layout_reads_and_rows", recording)
+    rng = np.random.default_rng(1300 + seed)
+    trees = [random_tree(rng, max_nodes=int(rng.choice([30, 300, 1200])), max_len=600) for _ in range(3)]
+    if seed == 0:
+        trees += [paper_tree(c) for c in (2, 6, 8, 11, 14)]
+    for tree in trees:
+        for hq, hkv in ((32, 32), (32, 8)):
+            ft.plan(unprepared(tree), ft.FastTreeConfig(), num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    assert any(args[0] is not None for args in calls)
+    for args in calls:
+        assert real(*args, native=True) == real(*args, native=False)
+    if seed == 0:
+        assert {args[0].start_of_rank is None for args in calls if args[0] is not None} == {True, False}

@@ -436,3 +436,71 @@ int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t
     }
     return 0;
 }
+
+/* What fasttree.plan_arrays._wide_cost compares for a bin layout (fasttree.packing.
+ * layout_reads_and_served, then the partial rows of the served queries): out[0] = the KV tokens
+ * read (the units no piece took, then every piece), out[1] = the partial rows (the served pairs
+ * of every query with two or more). The units' pairs are in unit order (pair_query); a bin's
+ * served ranks are its block's start (lowest rank rounded down to capacity, or start_of_rank of
+ * it) plus each set bit of its pieces' OR. keep (n_units) and n_part (n_queries) are scratch.
+ * Returns 0, or -1 when an index is out of range. */
+int64_t ft_layout_cost(int64_t n_units, const int64_t *kv_len, const int64_t *q_len, int64_t n_pairs,
+                       const int64_t *pair_query, int64_t n_pieces, const int64_t *unit, const int64_t *lowest,
+                       const int64_t *bits, const int8_t *new_bin, const int64_t *tokens, int64_t n_queries,
+                       const int64_t *query_of_rank, int64_t capacity, const int64_t *start_of_rank, int8_t *keep,
+                       int64_t *n_part, int64_t *out) {
+    int64_t reads = 0;
+    if (capacity < 1 || capacity > 63 || (n_pieces && !new_bin[0]))
+        return -1;
+    for (int64_t u = 0; u < n_units; u++) keep[u] = 1;
+    for (int64_t q = 0; q < n_queries; q++) n_part[q] = 0;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        if (unit[p] < 0 || unit[p] >= n_units)
+            return -1;
+        keep[unit[p]] = 0;
+        reads += tokens[p];
+    }
+    int64_t pr = 0;
+    for (int64_t u = 0; u < n_units; u++) {
+        if (q_len[u] < 0 || pr + q_len[u] > n_pairs)
+            return -1;
+        if (keep[u]) {
+            reads += kv_len[u];
+            for (int64_t i = 0; i < q_len[u]; i++) {
+                const int64_t q = pair_query[pr + i];
+                if (q < 0 || q >= n_queries)
+                    return -1;
+                n_part[q]++;
+            }
+        }
+        pr += q_len[u];
+    }
+    for (int64_t p = 0; p < n_pieces;) {
+        const int64_t r = lowest[p];
+        if (r < 0 || r >= n_queries)
+            return -1;
+        const int64_t start = start_of_rank ? start_of_rank[r] : r - r % capacity;
+        int64_t b_bits = 0;
+        do {
+            b_bits |= bits[p];
+            p++;
+        } while (p < n_pieces && !new_bin[p]);
+        for (int64_t i = 0; i < capacity; i++) {
+            if (!((b_bits >> i) & 1))
+                continue;
+            if (start + i < 0 || start + i >= n_queries)
+                return -1;
+            const int64_t q = query_of_rank[start + i];
+            if (q < 0 || q >= n_queries)
+                return -1;
+            n_part[q]++;
+        }
+    }
+    int64_t rows = 0;
+    for (int64_t q = 0; q < n_queries; q++)
+        if (n_part[q] >= 2)
+            rows += n_part[q];
+    out[0] = reads;
+    out[1] = rows;
+    return 0;
+}
