@@ -1,15 +1,16 @@
 """Native cores of the host planner: C compiled on first use, called through ctypes.
 
 ``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops (the greedy edge
-assignment, the groups' query lists and chained slots, the packing's pieces and runs, the wide
-units' cost of a bin layout, the packed units' arrays, slot-run gathers and row masks), each the
-same arithmetic in the same order as the numpy/Python path it replaces, so plans are bit-identical
-either way (``tests/test_native.py``). :func:`planner_library` compiles it once per source version
-with the machine's C compiler (``$CC``, else ``cc``: the compiler Triton itself needs to build its
-launchers on a GPU host), caches the shared library under ``$FASTTREE_CACHE_DIR`` (default
-``~/.cache/fasttree``) and loads it; where no compiler works it returns None, logs why once, and
-the planner runs its numpy path. Each call costs about a microsecond per array it is passed
-(:func:`address`), so only loops that replace several numpy calls pay.
+assignment, the groups' query lists and chained slots, the packing's bin layouts (candidates,
+aligned blocks, pieces and runs), the wide units' cost of a bin layout, the packed units' arrays,
+slot-run gathers and row masks), each the same arithmetic in the same order as the numpy/Python
+path it replaces, so plans are bit-identical either way (``tests/test_native.py``).
+:func:`planner_library` compiles it once per source version with the machine's C compiler (``$CC``,
+else ``cc``: the compiler Triton itself needs to build its launchers on a GPU host), caches the
+shared library under ``$FASTTREE_CACHE_DIR`` (default ``~/.cache/fasttree``) and loads it; where no
+compiler works it returns None, logs why once, and the planner runs its numpy path. Each call costs
+about a microsecond per array it is passed (:func:`address`), so only loops that replace several
+numpy calls pay.
 
 Standard library only (no torch, no numpy): the serving path may import it.
 """
@@ -65,6 +66,11 @@ _SIGNATURES = {
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P,
          ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P],
+    ),
+    "ft_bin_layout": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64,
+         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, _I64P, _I64P],
     ),
     "ft_bin_members": (
         ctypes.c_int64,

@@ -428,6 +428,7 @@ def bin_layout(
     balanced: bool = False,
     aligned: bool | None = False,
     max_longer: float = 1.1,
+    native: bool = True,
 ) -> BinLayout | None:
     """Which pieces of the eligible units go into which bins, before any per-entry array is built.
 
@@ -445,6 +446,9 @@ def bin_layout(
     aligned : bool or None
     max_longer : float
         As :func:`pack_units` takes them.
+    native : bool
+        With ``pairs_in_order``: the whole layout in one compiled call (``ft_bin_layout``) when it
+        is available, with the same bins.
 
     Returns
     -------
@@ -455,6 +459,13 @@ def bin_layout(
         raise ValueError(f"capacity must be in [1, {MAX_PACK_QUERIES}], got {capacity}")
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
+    lib = planner_library() if native and pairs_in_order else None
+    if lib is not None:
+        found = _bin_layout_native(
+            lib, kv_len, q_len, pair_query, eligible, query_rank, capacity, budget, balanced, aligned, max_longer
+        )
+        if found is not False:
+            return found
     cand = eligible.nonzero()[0]
     if cand.size < 2:
         return None
@@ -472,6 +483,39 @@ def bin_layout(
     if bins is None:
         return None
     return BinLayout(bins, capacity, None if blocks is None else blocks[1])
+
+
+def _bin_layout_native(
+    lib, kv_len, q_len, pair_query, eligible, query_rank, capacity: int, budget: int, balanced: bool, aligned,
+    max_longer: float,
+) -> BinLayout | bool | None:  # fmt: skip
+    """:func:`bin_layout` (pairs in unit order) by ``ft_bin_layout``; False when the compiled call
+    could not (out of memory, or input the numpy path handles: then it runs)."""
+    i64 = np.int64
+    ql, kv, pq, ranks = (np.ascontiguousarray(a, dtype=i64) for a in (q_len, kv_len, pair_query, query_rank))
+    elig = np.ascontiguousarray(eligible, dtype=bool).view(np.int8)
+    n_units, n_pairs, n_queries = ql.size, pq.size, ranks.size
+    if kv.size != n_units or elig.size != n_units or n_queries < 1:
+        return False
+    # ft_bin_layout's int64 and int8 work arrays, laid out as it documents
+    work = np.empty(3 * n_pairs + 2 * n_queries + 8 * n_pairs + 2, dtype=i64)
+    work8 = np.empty(2 * n_pairs + n_units, dtype=np.int8)
+    mode = 0 if aligned is False else (1 if aligned else 2)
+    status = lib.ft_bin_layout(
+        n_units, address(ql), address(kv), n_pairs, address(pq), address(elig), n_queries, address(ranks),
+        capacity, budget, int(balanced), mode, float(max_longer), address(work), address(work8),
+    )  # fmt: skip
+    if status:
+        return False
+    at = 3 * n_pairs
+    start_of_rank = work[at + n_queries : at + 2 * n_queries]
+    out = work[at + 2 * n_queries : at + 2 * n_queries + 8 * n_pairs].reshape(2, 4, n_pairs)  # fixed, aligned
+    count, which = int(work[-2]), int(work[-1])
+    if not count:
+        return None
+    o, flags = out[which], work8[which * n_pairs : which * n_pairs + count].view(bool)
+    bins = _Bins(o[0, :count], o[1, :count], o[2, :count], flags, o[3, :count])
+    return BinLayout(bins, capacity, start_of_rank.copy() if which else None)
 
 
 def layout_reads_and_served(

@@ -301,3 +301,45 @@ def test_native_layout_costs_equal_numpys(monkeypatch, seed):
         assert real(*args, native=True) == real(*args, native=False)
     if seed == 0:
         assert {args[0].start_of_rank is None for args in calls if args[0] is not None} == {True, False}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_native_bin_layouts_equal_numpys(monkeypatch, seed):
+    """Every bin layout the planner asks for (fixed blocks, aligned blocks when they pay or always,
+    balanced runs, no bin) is numpy's: the same members, flags and block starts, dtype for dtype."""
+    from fasttree import packing, plan_arrays
+
+    calls, real = [], packing.bin_layout
+
+    def recording(**kw):
+        calls.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(plan_arrays, "bin_layout", recording)
+    rng = np.random.default_rng(1500 + seed)
+    trees = [random_tree(rng, max_nodes=int(rng.choice([20, 300, 1500])), max_len=int(rng.choice([40, 600])))
+             for _ in range(3)]  # fmt: skip
+    if seed == 0:
+        trees += [paper_tree(c) for c in (2, 6, 8, 9, 13)] + [family_tree(fc) for fc in FAMILY_CASES[::7]]
+    configs = [ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=512, pack_min_units=64)]
+    for tree in trees:
+        for hq, hkv in ((32, 32), (32, 8), (16, 1)):
+            for cfg in configs:
+                ft.plan(unprepared(tree), cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    assert calls
+    extra = [dict(c, aligned=True) for c in calls[::5]] + [dict(c, aligned=False) for c in calls[::7]]
+    taken = set()
+    for kw in calls + extra:
+        a, b = real(**kw, native=True), real(**kw, native=False)
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        taken.add(a.start_of_rank is None)
+        assert a.capacity == b.capacity
+        assert (a.start_of_rank is None) == (b.start_of_rank is None)
+        if a.start_of_rank is not None:
+            assert np.array_equal(a.start_of_rank, b.start_of_rank)
+        for x, y in zip(a.bins, b.bins, strict=True):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+    if seed == 0:
+        assert taken == {True, False}  # fixed and aligned layouts both met

@@ -504,3 +504,166 @@ int64_t ft_layout_cost(int64_t n_units, const int64_t *kv_len, const int64_t *q_
     out[1] = rows;
     return 0;
 }
+
+/* fasttree.packing._aligned_blocks over the candidates (units 0..n_cand-1 of c_len pairs each,
+ * c_rank their pairs' ranks, units back to back): blocks of at most capacity consecutive ranks
+ * ending where no short unit continues. Writes block_of_rank and start_of_rank (n_queries each)
+ * and returns 1, or 0 when the blocks are the fixed ones, -1 out of memory. */
+static int64_t aligned_blocks(int64_t n_cand, const int64_t *c_len, const int64_t *c_rank, int64_t n,
+                              int64_t capacity, int64_t *block_of_rank, int64_t *start_of_rank) {
+    int64_t *inside = calloc((size_t)(n + 2), sizeof(int64_t));
+    int64_t *nxt = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!inside || !nxt) {
+        free(inside);
+        free(nxt);
+        return -1;
+    }
+    int64_t any = 0, first = 0;
+    for (int64_t j = 0; j < n_cand; j++) {
+        int64_t lo = c_rank[first], hi = c_rank[first];
+        for (int64_t i = first + 1; i < first + c_len[j]; i++) {
+            if (c_rank[i] < lo) lo = c_rank[i];
+            if (c_rank[i] > hi) hi = c_rank[i];
+        }
+        first += c_len[j];
+        if (hi - lo < capacity && hi > lo) {
+            inside[lo + 1]++;
+            inside[hi + 1]--;
+            if (lo / capacity != hi / capacity) any = 1;
+        }
+    }
+    int64_t result = 0;
+    if (any) {
+        /* free boundaries (nothing split there): prefix sum zero; 0 and n always are */
+        int64_t run = 0, last_free = 0;
+        for (int64_t c = 0; c <= n; c++) {
+            run += inside[c];
+            inside[c] = run == 0; /* reused: free[c] */
+        }
+        /* far[s]: the last free boundary <= min(s + capacity, n); walk the starts */
+        int64_t f = 0;
+        for (int64_t s = 0; s <= n; s++) {
+            const int64_t reach = s + capacity < n ? s + capacity : n;
+            while (f <= reach) {
+                if (inside[f]) last_free = f;
+                f++;
+            }
+            nxt[s] = last_free > s ? last_free : reach;
+        }
+        int64_t n_blocks = 0, fixed = 1;
+        for (int64_t s = 0, b = -1; s < n;) {
+            b++;
+            n_blocks++;
+            if (s % capacity) fixed = 0;
+            for (int64_t r = s; r < nxt[s]; r++) {
+                block_of_rank[r] = b;
+                start_of_rank[r] = s;
+            }
+            s = nxt[s];
+        }
+        result = !(fixed && n_blocks == (n + capacity - 1) / capacity);
+    }
+    free(inside);
+    free(nxt);
+    return result;
+}
+
+/* What the units read and their longest unit once bins are formed (count 0: the units as they
+ * are): fasttree.packing._reads_and_longest. keep: n_units scratch. */
+static void reads_and_longest(int64_t n_units, const int64_t *kv_len, int64_t count, const int64_t *unit,
+                              const int8_t *new_run, const int64_t *tokens, int8_t *keep, int64_t *reads,
+                              int64_t *longest) {
+    int64_t r = 0, l = 0;
+    for (int64_t u = 0; u < n_units; u++) keep[u] = 1;
+    for (int64_t p = 0; p < count; p++) keep[unit[p]] = 0;
+    for (int64_t u = 0; u < n_units; u++)
+        if (keep[u]) {
+            r += kv_len[u];
+            if (kv_len[u] > l) l = kv_len[u];
+        }
+    int64_t b = 0;
+    for (int64_t p = 0; p < count; p++) {
+        if (new_run[p] && p) {
+            if (b > l) l = b;
+            b = 0;
+        }
+        b += tokens[p];
+        r += tokens[p];
+    }
+    if (count && b > l) l = b;
+    *reads = r;
+    *longest = l;
+}
+
+/* fasttree.packing.bin_layout for units whose pairs are in unit order: the eligible units' pairs
+ * (ranks through query_rank) binned in fixed blocks and, where that cut a unit and aligned is not
+ * 0, in aligned blocks, taken when aligned is 1 or (2) when they read no more and their longest
+ * unit is at most max_longer times the fixed one's. Writes the chosen bins' members into
+ * out_f / new_f (fixed) or out_a / new_a (aligned; start_of_rank then holds the blocks' starts;
+ * out_f and out_a are [4][n_pairs]: unit, lowest rank, bits, tokens). work (int64): c_unit,
+ * c_rank, c_len [n_pairs each], block_of_rank, start_of_rank [n_queries each], out_f, out_a
+ * [4 * n_pairs each], res [2]; work8 (int8): new_f, new_a [n_pairs each], keep [n_units].
+ * and res[0] = members (0: no bin), res[1] = 1 when the aligned blocks were taken. Returns 0, -1
+ * out of memory, -2 an index out of range or a unit without pairs (the caller runs numpy). */
+int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_len, int64_t n_pairs,
+                      const int64_t *pair_query, const int8_t *eligible, int64_t n_queries, const int64_t *query_rank,
+                      int64_t capacity, int64_t budget, int64_t balanced, int64_t aligned, double max_longer,
+                      int64_t *work, int8_t *work8) {
+    int64_t *c_unit = work, *c_rank = work + n_pairs, *c_len = work + 2 * n_pairs;
+    int64_t *block_of_rank = work + 3 * n_pairs, *start_of_rank = block_of_rank + n_queries;
+    int64_t *out_f = start_of_rank + n_queries, *out_a = out_f + 4 * n_pairs, *res = out_a + 4 * n_pairs;
+    int8_t *new_f = work8, *new_a = work8 + n_pairs, *keep = work8 + 2 * n_pairs;
+    int64_t n_c = 0, n_cand = 0, pr = 0;
+    res[0] = res[1] = 0;
+    for (int64_t u = 0; u < n_units; u++) {
+        if (q_len[u] < 0 || pr + q_len[u] > n_pairs)
+            return -2;
+        if (eligible[u]) {
+            if (q_len[u] < 1)
+                return -2;
+            c_len[n_cand++] = q_len[u];
+            for (int64_t i = pr; i < pr + q_len[u]; i++) {
+                const int64_t q = pair_query[i];
+                if (q < 0 || q >= n_queries || query_rank[q] < 0 || query_rank[q] >= n_queries)
+                    return -2;
+                c_unit[n_c] = u;
+                c_rank[n_c++] = query_rank[q];
+            }
+        }
+        pr += q_len[u];
+    }
+    if (n_cand < 2)
+        return 0;
+    int64_t cut = 0;
+    const int64_t nf = ft_bin_members(n_c, c_unit, c_rank, n_queries, n_units, capacity, NULL, NULL, kv_len, budget,
+                                      balanced, out_f, out_f + n_pairs, out_f + 2 * n_pairs, new_f, out_f + 3 * n_pairs,
+                                      &cut);
+    if (nf < 0)
+        return -1;
+    res[0] = nf;
+    if (!aligned || !cut)
+        return 0;
+    const int64_t shifted = aligned_blocks(n_cand, c_len, c_rank, n_queries, capacity, block_of_rank, start_of_rank);
+    if (shifted < 0)
+        return -1;
+    if (!shifted)
+        return 0;
+    int64_t cut_a = 0;
+    const int64_t na = ft_bin_members(n_c, c_unit, c_rank, n_queries, n_units, capacity, block_of_rank, start_of_rank,
+                                      kv_len, budget, balanced, out_a, out_a + n_pairs, out_a + 2 * n_pairs, new_a,
+                                      out_a + 3 * n_pairs, &cut_a);
+    if (na < 0)
+        return -1;
+    int take = aligned == 1;
+    if (!take) {
+        int64_t reads_f, longest_f, reads_a, longest_a;
+        reads_and_longest(n_units, kv_len, nf, out_f, new_f, out_f + 3 * n_pairs, keep, &reads_f, &longest_f);
+        reads_and_longest(n_units, kv_len, na, out_a, new_a, out_a + 3 * n_pairs, keep, &reads_a, &longest_a);
+        take = reads_a <= reads_f && (double)longest_a <= max_longer * (double)longest_f;
+    }
+    if (take) {
+        res[0] = na;
+        res[1] = 1;
+    }
+    return 0;
+}
