@@ -24,4 +24,4 @@ def test_reused_host_memory_leaves_a_big_tree_without_page_faults():
     row = plan_time.bench_case("multi_document", "mha", repeats=12, warmup=4)
     if row["page_faults_per_plan"] is None:
         return  # the platform does not count page faults
-    assert row["n_tokens"] > 100_000 and row["page_faults_per_plan"] < 20
+    assert row["n_tokens"] > 100_000 and row["page_faults_per_plan"] < 60  # 242 without the host pool
