@@ -393,8 +393,7 @@ int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t
     for (int64_t p = 0; p <= n_pieces; p++) {
         if (p == n_pieces || new_bin[p]) {
             if (b >= k) { /* close bin b: its entries and its rows */
-                const int64_t rows = bit_length(b_bits >> b_base);
-                const int64_t shifted = b_bits >> b_base;
+                const int64_t shifted = b_bits >> b_base, rows = bit_length(shifted);
                 if (b_rank + rows > n_queries)
                     return -1;
                 o_kv_len[b] = b_tokens;
@@ -479,7 +478,7 @@ int64_t ft_layout_cost(int64_t n_units, const int64_t *kv_len, const int64_t *q_
         const int64_t r = lowest[p];
         if (r < 0 || r >= n_queries)
             return -1;
-        const int64_t start = start_of_rank ? start_of_rank[r] : r - r % capacity;
+        const int64_t start = r - block_pos(r, capacity, start_of_rank);
         int64_t b_bits = 0;
         do {
             b_bits |= bits[p];
@@ -600,11 +599,11 @@ static void reads_and_longest(int64_t n_units, const int64_t *kv_len, int64_t co
  * 0, in aligned blocks, taken when aligned is 1 or (2) when they read no more and their longest
  * unit is at most max_longer times the fixed one's. Writes the chosen bins' members into
  * out_f / new_f (fixed) or out_a / new_a (aligned; start_of_rank then holds the blocks' starts;
- * out_f and out_a are [4][n_pairs]: unit, lowest rank, bits, tokens). work (int64): c_unit,
- * c_rank, c_len [n_pairs each], block_of_rank, start_of_rank [n_queries each], out_f, out_a
- * [4 * n_pairs each], res [2]; work8 (int8): new_f, new_a [n_pairs each], keep [n_units].
- * and res[0] = members (0: no bin), res[1] = 1 when the aligned blocks were taken. Returns 0, -1
- * out of memory, -2 an index out of range or a unit without pairs (the caller runs numpy). */
+ * out_f and out_a are [4][n_pairs]: unit, lowest rank, bits, tokens), res[0] = members (0: no
+ * bin) and res[1] = 1 when the aligned blocks were taken. work (int64): c_unit, c_rank, c_len
+ * [n_pairs each], block_of_rank, start_of_rank [n_queries each], out_f, out_a [4 * n_pairs each],
+ * res [2]; work8 (int8): new_f, new_a [n_pairs each], keep [n_units]. Returns 0, -1 out of memory,
+ * -2 an index out of range or a unit without pairs (the caller runs numpy). */
 int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_len, int64_t n_pairs,
                       const int64_t *pair_query, const int8_t *eligible, int64_t n_queries, const int64_t *query_rank,
                       int64_t capacity, int64_t budget, int64_t balanced, int64_t aligned, double max_longer,
