@@ -5,6 +5,7 @@ anchors it ships, the summary and the ``tuned`` variant's per-tree member."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -198,6 +199,81 @@ def test_a_broken_cuda_context_stops_the_run_and_keeps_the_cases_done(monkeypatc
         kernel.main([*argv[:-1], "t2"])
 
 
+def _fake_gpu(monkeypatch):
+    env = {"gpu_name": "GPU", "gpu_sm_count": 1, "torch": "t", "triton": "t", "git_commit": "abc",
+           "timestamp_utc": "now"}  # fmt: skip
+    monkeypatch.setattr(kernel.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel, "environment", lambda gpu: dict(env))
+    monkeypatch.setattr(kernel, "anchor_rows", lambda: {})
+    monkeypatch.setattr(kernel, "plot", lambda rows, path: None)
+    monkeypatch.setattr(kernel, "cuda_context_broken", lambda: True)
+
+
+def test_a_peer_that_breaks_the_context_fails_its_case_and_the_run_goes_on_in_a_fresh_process(monkeypatch, tmp_path):
+    """The peer's break is its failure on that case (passed to the fresh process as its status, so
+    that process runs the case's other variants without it), the rest of the cases run there, and
+    the report holds every case; a second break restarts again."""
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(kernel, "peer_status", lambda items, variants: {})
+    calls, children = [], []
+
+    def fake_case(case, heads, args, anchors):
+        calls.append(case)
+        raise kernel.CudaContextLostError("flashinfer_cascade broke the CUDA context (illegal access)",
+                                          variant="flashinfer_cascade")  # fmt: skip
+
+    def fake_child(argv, start, status):
+        children.append((start, dict(status)))
+        if len(children) == 1:  # the fresh process runs case 2 (without the peer) and breaks again on 3
+            return {"rows": [_row(2, 40.0, 20.0)], "lost": [2, "flashinfer_decode", "decode broke it"],
+                    "stopped": None}  # fmt: skip
+        return {"rows": [_row(3, 40.0, 20.0), _row(4, 40.0, 20.0)], "lost": None, "stopped": None}
+
+    monkeypatch.setattr(
+        kernel, "bench_case", lambda c, h, a, an: _row(1, 40.0, 20.0) if c == 1 else fake_case(c, h, a, an)
+    )
+    monkeypatch.setattr(kernel, "_run_rest_in_child", fake_child)
+    argv = ["--cases", "1-4", "--heads", "mha", "--variants", "fasttree,flashinfer_cascade", "--export", "none",
+            "--out", str(tmp_path), "--label", "t"]  # fmt: skip
+    assert kernel.main(argv) == 0
+    assert calls == [2]
+    assert [c[0] for c in children] == [1, 2]
+    assert children[0][1] == {("2/mha", "flashinfer_cascade"): children[0][1][("2/mha", "flashinfer_cascade")]}
+    assert children[0][1][("2/mha", "flashinfer_cascade")].startswith("error: broke the CUDA context")
+    assert ("3/mha", "flashinfer_decode") in children[1][1] and ("2/mha", "flashinfer_cascade") in children[1][1]
+    report = json.loads((tmp_path / "kernel_t.json").read_text())
+    assert [r["case"] for r in report["rows"]] == [1, 2, 3, 4]
+    assert report["summary"]["stopped"] is None
+    assert report["summary"]["peer_context_losses"] == ["2/mha flashinfer_cascade", "3/mha flashinfer_decode"]
+
+
+def test_the_fresh_process_runs_from_its_start_with_the_given_statuses(monkeypatch, tmp_path):
+    """``--resume``: no probe, the cases from ``start`` with the statuses passed in, rows (and where it
+    broke) to the state file, no reports."""
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(kernel, "peer_status", lambda items, variants: pytest.fail("the child must not probe"))
+    seen = []
+
+    def fake_case(case, heads, args, anchors):
+        seen.append((case, dict(args.peer_status)))
+        if case == 3:
+            raise kernel.CudaContextLostError("broke", variant="flashinfer_decode")
+        return _row(case, 40.0, 20.0)
+
+    monkeypatch.setattr(kernel, "bench_case", fake_case)
+    state = tmp_path / "resume.json"
+    state.write_text(json.dumps({"start": 1, "peer_status": [["2/mha", "flashinfer_cascade", "error: x"]]}))
+    argv = ["--cases", "1-4", "--heads", "mha", "--variants", "fasttree", "--export", "none", "--out",
+            str(tmp_path / "out"), "--label", "t", "--resume", str(state)]  # fmt: skip
+    assert kernel.main(argv) == 0
+    assert [c for c, _ in seen] == [2, 3]
+    assert seen[0][1] == {("2/mha", "flashinfer_cascade"): "error: x"}
+    result = json.loads(state.read_text())
+    assert [r["case"] for r in result["rows"]] == [2]
+    assert result["lost"] == [1 + 1, "flashinfer_decode", "broke"] and result["stopped"] is None
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_peer_error_that_leaves_the_context_usable_is_recorded_on_the_row(monkeypatch):
     class Boom:
         @staticmethod
@@ -213,3 +289,15 @@ def test_a_peer_error_that_leaves_the_context_usable_is_recorded_on_the_row(monk
     monkeypatch.setattr(kernel, "cuda_context_broken", lambda: True)
     with pytest.raises(kernel.CudaContextLostError, match="flashinfer_decode broke the CUDA context"):
         kernel._peer_runner("flashinfer_decode", None, None, None, None, None)
+
+
+def test_a_fresh_process_that_writes_no_rows_ends_the_run_with_its_status(tmp_path):
+    """The real child command (here on a machine without a GPU it exits with 2 before any case): no
+    rows, and the exit status as the reason."""
+    argv = ["--cases", "1", "--heads", "mha", "--variants", "fasttree", "--export", "none", "--out", str(tmp_path),
+            "--label", "t"]  # fmt: skip
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the child would run the case")
+    result = kernel._run_rest_in_child(argv, 0, {("1/mha", "flashinfer_decode"): "error: x"})
+    assert result == {"rows": [], "lost": None, "stopped": "the fresh process exited with 2, no rows"}
+    assert not list(tmp_path.iterdir())

@@ -19,7 +19,9 @@ measured in one run on random N(0, 1) inputs:
   default) the peers ``flashinfer_decode`` (FlashInfer's batch decode over each query's whole
   path, page size 1) and ``flashinfer_cascade`` (its multi-level cascade, one level per depth),
   see :mod:`.flashinfer_baseline`: skipped with the reason when FlashInfer cannot be imported,
-  each call first run in a child process so that a crash of theirs is recorded per case;
+  each call first run in a child process so that a crash of theirs is recorded per case (one the
+  probe missed, in the timed process, fails that peer on that case and the run goes on from the
+  case in a fresh process);
 * every variant's worst per-query relative error against the float64 reference on a
   sample of queries (outputs poisoned with NaN first);
 * the roofline floor ``max(min_bytes / 4.8 TB/s, flops / 700 TFLOP/s)`` as the anchors
@@ -303,8 +305,15 @@ def bench_tree(
 
 
 class CudaContextLostError(RuntimeError):
-    """A CUDA error that left the process's context unusable (an illegal memory access): the
-    benchmark stops and writes the cases done so far."""
+    """A CUDA error that left the process's context unusable (an illegal memory access).
+
+    ``variant`` names the FlashInfer peer whose call broke it (None: not a peer's). A peer's is
+    recorded as that peer's failure on the case, and the rest of the run continues in a fresh
+    process (:func:`main`); any other stops the run with the cases done so far."""
+
+    def __init__(self, message: str, variant: str | None = None) -> None:
+        super().__init__(message)
+        self.variant = variant
 
 
 def cuda_context_broken() -> bool:
@@ -332,7 +341,9 @@ def _peer_runner(name: str, q, k, v, tree: ft.KVTree, status: str | None):
         torch.cuda.synchronize()
     except Exception as exc:  # a peer's failure is a finding of the run, recorded on its row
         if cuda_context_broken():  # ... unless it took the process's CUDA context with it
-            raise CudaContextLostError(f"{name} broke the CUDA context ({type(exc).__name__}: {exc})"[:600]) from exc
+            raise CudaContextLostError(
+                f"{name} broke the CUDA context ({type(exc).__name__}: {exc})"[:600], variant=name
+            ) from exc
         log.warning("%s failed: %s", name, exc)
         return f"error: {type(exc).__name__}: {exc}"[:600]
     return runner
@@ -596,6 +607,7 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         help=f"tuner export for the 'tuned' variant ('none': skip the variant; default: {DEFAULT_EXPORT} when "
         "the working folder has it, else none)",
     )
+    p.add_argument("--resume", type=Path, default=None, help=argparse.SUPPRESS)  # the child of _run_rest_in_child
     args = p.parse_args(argv)
     cases: list[int] = []
     for part in args.cases.split(","):
@@ -622,17 +634,81 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
     return args
 
 
+#: Fresh processes one run may start after FlashInfer peers broke the CUDA context (one per break).
+MAX_RESTARTS = 16
+
+
+def _run_items(runs: list[Callable[[], dict[str, Any]]], items: list[dict[str, Any]], start: int):
+    """Run ``runs[start:]`` in this process: ``(rows, lost, stopped)``. ``lost`` is ``(index, variant,
+    message)`` when a FlashInfer peer broke the CUDA context at case ``index`` (this process can run
+    nothing more); ``stopped`` says where the run ended when anything else broke it (None: it ran to
+    the end). Errors that leave the context usable propagate."""
+    rows: list[dict[str, Any]] = []
+    for i in range(start, len(runs)):
+        try:
+            row = runs[i]()
+        except RuntimeError as exc:  # CudaContextLostError, or a CUDA error that broke the context elsewhere
+            if not isinstance(exc, CudaContextLostError) and not cuda_context_broken():
+                raise
+            if isinstance(exc, CudaContextLostError) and exc.variant in PEER_VARIANTS:
+                return rows, (i, exc.variant, str(exc)), None
+            left = [item["key"] for item in items[i:]]
+            stopped = f"stopped at {items[i]['key']}: {exc}"[:800] + f" (not run: {', '.join(left)})"
+            log.error("%s", stopped)
+            return rows, None, stopped
+        rows.append(row)
+        v = row["variants"].get("fasttree", {})
+        log.info(
+            "case %s %-5s ours %.1f us (eager %.1f), runtime %.1f us, published %s, floor %.1f, err %.1e",
+            row["case"],
+            row["heads"],
+            v.get("graph_us", float("nan")),
+            v.get("eager_us", float("nan")),
+            row["variants"].get("runtime", {}).get("graph_us", float("nan")),
+            row.get("published_graph_us"),
+            row["floor_us"],
+            v.get("max_rel_err", float("nan")),
+        )
+    return rows, None, None
+
+
+def _encode_status(status: dict[tuple[str, str], str]) -> list[list[str]]:
+    return [[key, name, text] for (key, name), text in status.items()]
+
+
+def _run_rest_in_child(argv: list[str], start: int, status: dict[tuple[str, str], str]) -> dict[str, Any]:
+    """Run cases ``start:`` of this benchmark in a fresh Python process (the same arguments plus
+    ``--resume``, with the peer statuses known so far, so it probes nothing again): its rows, and
+    its ``lost`` and ``stopped`` as :func:`_run_items` returns them."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kernel-bench-") as tmp:
+        state = Path(tmp) / "resume.json"
+        state.write_text(json.dumps({"start": start, "peer_status": _encode_status(status), "out": None}))
+        cmd = [sys.executable, "-m", "fasttree.toolkit.kernel_bench", *argv, "--resume", str(state)]
+        log.info("continuing at case %d in a fresh process", start)
+        proc = subprocess.run(cmd, check=False)
+        result = json.loads(state.read_text())
+    if "rows" not in result:  # it died before writing (a crash of the interpreter): its cases are not run
+        return {"rows": [], "lost": None, "stopped": f"the fresh process exited with {proc.returncode}, no rows"}
+    return result
+
+
 def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> int:
     """Run the benchmark (``argv``: its command-line arguments, ``prog``: the command named in its
     usage), write the reports; 0 when every variant of ours and the torch baselines was correct, 1 when one
     was not (a FlashInfer peer's wrong result or failure is listed in the summary, not in the status), 2
-    without a GPU, 3 when a CUDA error broke the process's context (a peer's illegal memory access): the
-    reports then hold the cases done before it and the summary's ``stopped`` says where and which were
-    not run."""
+    without a GPU, 3 when a CUDA error of ours broke the process's context: the reports then hold the
+    cases done before it and the summary's ``stopped`` says where and which were not run. A FlashInfer
+    peer that breaks the context (an illegal access its child-process probe did not show) fails on that
+    case, and the run goes on from that case in a fresh process (at most :data:`MAX_RESTARTS` times)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv, prog=prog)
+    resume = json.loads(args.resume.read_text()) if args.resume is not None else None
     existing = [args.out / f"kernel_{args.label}.{ext}" for ext in ("json", "md", "png")]
     existing = [str(path) for path in existing if path.exists()]
-    if existing and not args.overwrite:  # the outputs rule of fasttree-tune: refused before any work
+    if existing and not args.overwrite and resume is None:  # the outputs rule of fasttree-tune: refused before any work
         print(
             f"{prog}: error: {', '.join(existing)} exist; pass --overwrite to replace the reports (or another "
             "--out or --label)",
@@ -647,44 +723,43 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         log.info("no %s in the working folder: the 'tuned' variant is skipped", DEFAULT_EXPORT)
     env = environment(gpu=True)
     anchors = anchor_rows()
-    rows = []
     if args.suite == "paper":
         runs = [lambda c=case, h=heads: bench_case(c, h, args, anchors) for case in args.cases for heads in args.heads]
         items = [probe_item(args, case=case, heads=heads) for case in args.cases for heads in args.heads]
     else:
         runs = [lambda fc=fc: bench_family_case(fc, args) for fc in FAMILY_CASES]
         items = [probe_item(args, family=fc) for fc in FAMILY_CASES]
+    if resume is not None:  # a child of _run_rest_in_child: its cases, its rows to the state file
+        args.peer_status = {(key, name): text for key, name, text in resume["peer_status"]}
+        rows, lost, stopped = _run_items(runs, items, int(resume["start"]))
+        args.resume.write_text(json.dumps({"rows": rows, "lost": lost, "stopped": stopped}))
+        return 0
     args.peer_status = peer_status(items, args.variants)
     if any(n in args.variants for n in PEER_VARIANTS):
         from .flashinfer_baseline import flashinfer_version
 
         env["flashinfer"] = flashinfer_version()
-    stopped = None
-    for i, run in enumerate(runs):
-        try:
-            row = run()
-        except RuntimeError as exc:  # CudaContextLostError, or a CUDA error that broke the context elsewhere
-            if not isinstance(exc, CudaContextLostError) and not cuda_context_broken():
-                raise
-            left = [item["key"] for item in items[i:]]
-            stopped = f"stopped at {items[i]['key']}: {exc}"[:800] + f" (not run: {', '.join(left)})"
-            log.error("%s", stopped)
+    rows, lost, stopped = _run_items(runs, items, 0)
+    restarts = []
+    while lost is not None:
+        index, variant, message = lost
+        key = items[index]["key"]
+        log.error("%s at %s; the run continues in a fresh process", message, key)
+        args.peer_status[(key, variant)] = f"error: broke the CUDA context in the timed process: {message}"[:600]
+        restarts.append(f"{key} {variant}")
+        if len(restarts) > MAX_RESTARTS:
+            left = [item["key"] for item in items[index:]]
+            stopped = f"stopped at {key}: more than {MAX_RESTARTS} fresh processes (not run: {', '.join(left)})"
             break
-        rows.append(row)
-        v = row["variants"].get("fasttree", {})
-        log.info(
-            "case %s %-5s ours %.1f us (eager %.1f), runtime %.1f us, published %s, floor %.1f, err %.1e",
-            row["case"],
-            row["heads"],
-            v.get("graph_us", float("nan")),
-            v.get("eager_us", float("nan")),
-            row["variants"].get("runtime", {}).get("graph_us", float("nan")),
-            row.get("published_graph_us"),
-            row["floor_us"],
-            v.get("max_rel_err", float("nan")),
-        )
+        child = _run_rest_in_child(argv, index, args.peer_status)
+        rows += child["rows"]
+        lost, stopped = child["lost"], child["stopped"]
+        if stopped is not None and not child["rows"] and lost is None and not stopped.startswith("stopped at"):
+            left = [item["key"] for item in items[index:]]
+            stopped = f"stopped at {key}: {stopped} (not run: {', '.join(left)})"
     summary = summarize(rows)
     summary["stopped"] = stopped
+    summary["peer_context_losses"] = restarts
     report = {
         "benchmark": f"tree attention kernel, {args.suite} suite",
         "label": args.label,
