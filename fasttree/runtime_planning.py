@@ -13,6 +13,7 @@ Dimension names: ``Hq``/``Hkv`` query/KV heads, ``g = Hq / Hkv``, ``D`` head dim
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -130,9 +131,8 @@ def plan_for_runtime(
     check_choice("query_centric", query_centric, QUERY_CENTRIC_CHOICES)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
              "rules": PlanRules.runtime(launches) if rules is None else rules}  # fmt: skip
-    centric_config = replace(config, gamma=QUERY_CENTRIC_GAMMA)
     if query_centric == "always":
-        return plan_tree(tree, centric_config, **heads), True
+        return plan_tree(tree, _query_centric_config(config), **heads), True
     plan = plan_tree(tree, config, **heads)
     # grouping must save MIN_SHARING_GAIN of a query-centric plan's KV reads (tested first:
     # it is cheaper than _shares_tokens and usually decides)
@@ -143,8 +143,15 @@ def plan_for_runtime(
         > (1 - MIN_SHARING_GAIN) * int(np.add.reduce(tree.path_lengths[tree.query_nodes]))
         and _shares_tokens(tree)
     ):
-        return plan_tree(tree, centric_config, **heads), True
+        return plan_tree(tree, _query_centric_config(config), **heads), True
     return plan, False
+
+
+@functools.lru_cache(maxsize=64)
+def _query_centric_config(config: FastTreeConfig) -> FastTreeConfig:
+    """``config`` with the query-centric gamma (cached: a validated copy costs about as much as
+    a tenth of a small tree's plan, and a runtime plans with a few configs)."""
+    return replace(config, gamma=QUERY_CENTRIC_GAMMA)
 
 
 def launch_view(plan: Plan, config: FastTreeConfig, *, stage1_launches: int | str = "auto") -> Plan:
