@@ -6,6 +6,11 @@ forests, long documents, wide few-shot prompts and batches with no sharing, at G
 and one KV head (tensor-parallel shapes: 4, 8 or 16 query heads over one KV head), head dims
 64/128/256, fp16 and bf16. Each case is ``(name, family, seed, params, (Hq, Hkv), D, dtype)``;
 :func:`family_tree` builds its tree deterministically.
+
+The last three cases were added after a crossover A/B on the H200 found them losing to
+query-separated decode (independent requests at 16 query heads over 2 or 4 KV heads, and a
+smaller forest with internal queries at one KV head; ``docs/history.md``): the suite keeps every
+tree a fix must hold on.
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ _TREES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "no_sharing_2k": ("no_sharing", 20, {"n_requests": 64, "context_tokens": (2048, 2048)}),
     "no_sharing_mixed": ("no_sharing", 21, {"n_requests": 256, "context_tokens": (16, 8192)}),
     "paper_random": ("paper_random", 22, {"levels": 4, "max_leaves": 256}),
+    "no_sharing_4k": ("no_sharing", 101, {"n_requests": 32, "context_tokens": (4096, 4096)}),
+    "forest_internal_400": (
+        "random_recursive", 31, {"n_nodes": 400, "max_node_tokens": 512, "internal_query_prob": 0.3},
+    ),
 }  # fmt: skip
 
 #: (tree, (Hq, Hkv), D, dtype) of each case.
@@ -98,6 +107,9 @@ _SHAPES: tuple[tuple[str, tuple[int, int], int, str], ...] = (
     ("paper_random", (32, 4), 64, "bfloat16"),
     ("paper_random", (16, 2), 256, "bfloat16"),
     ("paper_random", (32, 2), 128, "float16"),
+    ("no_sharing_2k", (32, 2), 128, "float16"),
+    ("no_sharing_4k", (64, 4), 128, "float16"),
+    ("forest_internal_400", (16, 1), 128, "float16"),
 )
 
 FAMILY_CASES: tuple[FamilyCase, ...] = tuple(
