@@ -25,3 +25,27 @@ def test_reused_host_memory_leaves_a_big_tree_without_page_faults():
     if row["page_faults_per_plan"] is None:
         return  # the platform does not count page faults
     assert row["n_tokens"] > 100_000 and row["page_faults_per_plan"] < 60  # 242 without the host pool
+
+
+def test_the_fresh_column_plans_a_new_unindexed_tree_every_call(monkeypatch):
+    """``fresh_plan_ms`` times plans of new tree objects (the planner's per-tree index not cached,
+    as for a server's new tree each step), not the warm tree the plan_ms column reuses."""
+    import fasttree
+    from fasttree import planner
+
+    seen = []
+    real = fasttree.plan
+
+    def recording(tree, *a, **k):
+        seen.append((id(tree), getattr(tree, planner._INDEX_ATTR, None) is None))
+        return real(tree, *a, **k)
+
+    monkeypatch.setattr(plan_time.fasttree, "plan", recording)
+    row = plan_time.bench_case(9, "gqa16", repeats=4, warmup=1)
+    warm, fresh = seen[:5], seen[5:]
+    assert len({i for i, _ in warm}) == 1 and not any(unindexed for _, unindexed in warm[1:])
+    assert len(fresh) == 4 and all(unindexed for _, unindexed in fresh)
+    assert row["fresh_plan_ms"] > 0
+    summary = plan_time.summarize([row])
+    text = plan_time.markdown([row], summary, plan_time.environment(), "t")
+    assert "| fresh_ms |" in text and f"fresh trees: median {row['fresh_plan_ms']:.3f} ms" in text
