@@ -31,6 +31,7 @@ and slots are built once, for the final tile mode.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import numpy as np
@@ -66,20 +67,29 @@ STRIDED_FILL_TOKENS = 8192
 class _Level:
     """The edges into one depth of the tree: slice ``lo:hi`` of the edge order."""
 
-    __slots__ = ("a", "hi", "lists", "lnf", "lo", "lv0", "not_last", "prel", "prev", "size", "sstart")
+    __slots__ = ("hi", "ix", "lists", "lnf", "lo", "lv0", "prel", "prev", "size", "sstart")
 
     def __init__(self, ix: _TreeIndex, lo: int, hi: int, lv0: np.ndarray | None, prel: np.ndarray | None) -> None:
+        self.ix = ix
         self.lo, self.hi, self.size = lo, hi, hi - lo
         self.lv0 = lv0  # parents' group lengths of the first level (roots: their own)
         self.prel = prel  # parent's index in the level above (None for the first level)
         self.sstart = ix.sstart[lo:hi] - lo if lo else ix.sstart[:hi]  # first sibling's index in this level
-        self.not_last = ix.not_last[lo:hi]
         self.lnf = ix.lnf[lo:hi]
-        self.a = ix.af[:, lo:hi]
         self.lists: tuple[list, list, list, list] | None = None
         # the parents' group lengths of the first level (lv0), else their indices in the level
         # above (prel), as a list: what the all-scalar greedy reads (built on first use)
         self.prev: list | None = None
+
+    @property
+    def not_last(self) -> np.ndarray:
+        """bool [size]: the edge is not its parent's last child (the numpy greedy's)."""
+        return self.ix.not_last[self.lo : self.hi]
+
+    @property
+    def a(self) -> np.ndarray:
+        """float64 [5, size]: this level's slice of the index's query counts (the numpy greedy's)."""
+        return self.ix.af[:, self.lo : self.hi]
 
 
 #: Trees with more edges keep the greedy's integer query counts as int32 (less memory traffic).
@@ -118,16 +128,11 @@ class _TreeIndex:
                 ch, cp = cs, parents[cs]
         self.children = ch
         self.cp = cp
-        # Query counts at which the vectorised greedy evaluates Cmm: a run of 1s before
-        # the edge (n1) or only 0s (n_par), each before and after taking the child, and q.
-        a = np.empty((5, e), dtype=np.int64)
-        q, n_par = a[4], a[1]
-        q[:] = sq[ch]
-        n_par[:] = sq[cp]
-        self.q = q
-        self.n_par = n_par
+        self.q = sq[ch]
+        self.n_par = sq[cp]
         self.lnf = tree.lengths[ch].astype(np.float64)
-        new_seg = np.empty(e, dtype=bool)
+        self._int32_counts = e > _INT32_COUNTS_EDGES and tree.n_queries < 1 << 31
+        self._new_seg = new_seg = np.empty(e, dtype=bool)
         new_seg[:1] = True
         np.not_equal(cp[1:], cp[:-1], out=new_seg[1:])
         starts = new_seg.nonzero()[0]
@@ -136,23 +141,9 @@ class _TreeIndex:
         seg_size[-1:] = e - starts[-1:]
         sstart = starts.repeat(seg_size)  # first sibling of every edge
         self.sstart = sstart
-        not_last = np.empty(e, dtype=bool)
-        np.logical_not(new_seg[1:], out=not_last[:-1])
-        not_last[-1:] = False
-        self.not_last = not_last
-        excl = np.add.accumulate(q)
-        excl -= q
-        excl_seg = excl - excl[sstart]  # queries of earlier siblings
-        self.excl_seg = excl_seg
-        np.subtract(n_par, excl_seg, out=a[0])
-        np.subtract(a[0], q, out=a[2])
-        np.subtract(n_par, q, out=a[3])
-        af = a.astype(np.float64)
-        self.af = af
-        self.qf = af[4]
-        ai = a.astype(np.int32) if e > _INT32_COUNTS_EDGES and tree.n_queries < 1 << 31 else a
-        self.a = ai
-        self.neg_a = np.negative(ai)
+        excl = np.add.accumulate(self.q)
+        excl -= self.q
+        self.excl_seg = excl - excl[sstart]  # queries of earlier siblings
         self.seg_starts = starts
         self.seg_par = cp[starts]
         # children in edge order are the nodes n_roots .. n - 1 (trees numbered level by level)
@@ -188,6 +179,45 @@ class _TreeIndex:
         if self._groups is None:
             self._groups = _GroupIndex(tree, self)
         return self._groups
+
+    # What only the numpy greedy reads (the compiled one does not): built on its first use.
+    @functools.cached_property
+    def af(self) -> np.ndarray:
+        """float64 [5, n_edges]: the query counts at which the vectorised greedy evaluates Cmm:
+        a run of 1s before the edge (n1) or only 0s (n_par), each before and after taking the
+        child, and q."""
+        a = np.empty((5, self.q.size), dtype=np.int64)
+        a[4] = self.q
+        a[1] = self.n_par
+        np.subtract(self.n_par, self.excl_seg, out=a[0])
+        np.subtract(a[0], self.q, out=a[2])
+        np.subtract(self.n_par, self.q, out=a[3])
+        self._counts = a.astype(np.int32) if self._int32_counts else a
+        return a.astype(np.float64)
+
+    @property
+    def qf(self) -> np.ndarray:
+        """float64 [n_edges]: ``q`` as floats (row 4 of :attr:`af`)."""
+        return self.af[4]
+
+    @property
+    def a(self) -> np.ndarray:
+        """int64 (int32 on large trees) [5, n_edges]: :attr:`af`'s counts as integers."""
+        self.af  # noqa: B018 (builds _counts)
+        return self._counts
+
+    @functools.cached_property
+    def neg_a(self) -> np.ndarray:
+        return np.negative(self.a)
+
+    @functools.cached_property
+    def not_last(self) -> np.ndarray:
+        """bool [n_edges]: the edge is not its parent's last child."""
+        e = self.q.size
+        not_last = np.empty(e, dtype=bool)
+        np.logical_not(self._new_seg[1:], out=not_last[:-1])
+        not_last[-1:] = False
+        return not_last
 
 
 class _GroupIndex:
