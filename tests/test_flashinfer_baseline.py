@@ -317,3 +317,15 @@ def test_flashinfer_variants_match_the_reference(heads):
             graph.replay()
             torch.cuda.synchronize()
             assert ft.max_relative_error(holder["out"], ref) <= 2e-3, (name, tree, "graph")
+
+
+def test_probe_items_of_the_crossover_suite_rebuild_its_trees():
+    from fasttree.toolkit.bench_cases import probe_item
+    from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
+
+    args = kernel.parse_args(["--suite", "crossover", "--export", "none"])
+    fc = CROSSOVER_CASES[-1]
+    item = probe_item(args, family=fc)
+    assert item["suite"] == "crossover" and item["name"] == fc.name
+    tree = family_tree(fc)
+    assert tree.n_queries > 0 and fc.family == "random_recursive"

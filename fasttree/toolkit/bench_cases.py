@@ -13,7 +13,7 @@ import torch
 import fasttree as ft
 
 from .bench_common import DTYPES
-from .family_suite import FAMILY_CASES, FamilyCase, family_tree
+from .family_suite import SUITES, FamilyCase, family_tree
 from .suite import PAPER_HEADS, paper_tree
 
 __all__ = ["case_inputs", "case_key", "probe_inputs", "probe_item"]
@@ -39,19 +39,20 @@ def case_key(case: int | str, heads: str) -> str:
 
 def probe_item(args: argparse.Namespace, *, case: int | None = None, heads: str | None = None,
                family: FamilyCase | None = None) -> dict[str, Any]:  # fmt: skip
-    """The JSON description of a paper case (``case``, ``heads``) or a families case (``family``)
-    that :func:`probe_inputs` rebuilds in the FlashInfer probe's child process."""
+    """The JSON description of a paper case (``case``, ``heads``) or a case of a family suite
+    (``family``) that :func:`probe_inputs` rebuilds in the FlashInfer probe's child process."""
     if family is not None:
         hq, hkv = family.heads
-        return {"key": case_key(family.name, f"{hq}/{hkv}"), "suite": "families", "name": family.name}
+        suite = next(name for name, cases in SUITES.items() if family in cases)
+        return {"key": case_key(family.name, f"{hq}/{hkv}"), "suite": suite, "name": family.name}
     return {"key": case_key(case, heads), "suite": "paper", "case": case, "heads": heads,
             "head_dim": args.head_dim, "dtype": args.dtype}  # fmt: skip
 
 
 def probe_inputs(item: dict[str, Any]) -> tuple[ft.KVTree, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree and the inputs (:func:`case_inputs`) of the case :func:`probe_item` described."""
-    if item["suite"] == "families":
-        (fc,) = [c for c in FAMILY_CASES if c.name == item["name"]]
+    if item["suite"] in SUITES:
+        (fc,) = [c for c in SUITES[item["suite"]] if c.name == item["name"]]
         tree = family_tree(fc)
         return (tree, *case_inputs(tree, *fc.heads, fc.head_dim, DTYPES[fc.dtype], fc.seed))
     hq, hkv = PAPER_HEADS[item["heads"]]

@@ -21,7 +21,7 @@ from typing import Any
 from ..tree import KVTree
 from .workloads import sample_tree
 
-__all__ = ["FAMILY_CASES", "FamilyCase", "family_tree"]
+__all__ = ["CROSSOVER_CASES", "FAMILY_CASES", "SUITES", "FamilyCase", "family_tree"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,49 @@ FAMILY_CASES: tuple[FamilyCase, ...] = tuple(
     )
     for tree, (hq, hkv), d, dtype in _SHAPES
 )  # fmt: skip
+
+
+#: The crossover suite: batches with no or little sharing, where plain split-KV decode
+#: (:func:`fasttree.plan_query_separated`) is the bar, at the head layouts of tensor-parallel
+#: serving (16 query heads over 1 or 2 KV heads, 32/2, 64/4, 8/1) and of GQA 4-8 models, D 128
+#: fp16 and D 256 bf16; fixed before measuring (trees, seeds and shapes chosen as a grid, not from
+#: results). ``(name, family, seed, params)`` x ``(Hq, Hkv), D, dtype``.
+_CROSSOVER_TREES: tuple[tuple[str, int, dict[str, Any]], ...] = (
+    ("ns16x2k", 201, {"n_requests": 16, "context_tokens": (2048, 2048)}),
+    ("ns32x4k", 202, {"n_requests": 32, "context_tokens": (4096, 4096)}),
+    ("ns64x1-4k", 203, {"n_requests": 64, "context_tokens": (1024, 4096)}),
+    ("ns128x512-2k", 204, {"n_requests": 128, "context_tokens": (512, 2048)}),
+    ("ns256x256-1k", 205, {"n_requests": 256, "context_tokens": (256, 1024)}),
+    ("ns96x16-8k", 206, {"n_requests": 96, "context_tokens": (16, 8192)}),
+)
+_CROSSOVER_FORESTS: tuple[tuple[str, int, dict[str, Any]], ...] = (
+    ("forest400", 207, {"n_nodes": 400, "max_node_tokens": 512, "internal_query_prob": 0.3}),
+    ("forest600x256", 208, {"n_nodes": 600, "max_node_tokens": 256, "internal_query_prob": 0.3}),
+)
+_CROSSOVER_SHAPES: tuple[tuple[tuple[int, int], int, str], ...] = (
+    ((16, 1), 128, "float16"), ((32, 2), 128, "float16"), ((64, 4), 128, "float16"), ((8, 1), 256, "bfloat16"),
+    ((32, 8), 128, "float16"),
+)  # fmt: skip
+
+
+def _case(name: str, family: str, seed: int, params: dict[str, Any], heads, d: int, dtype: str) -> FamilyCase:
+    tag = "bf16" if dtype == "bfloat16" else "fp16"
+    return FamilyCase(name=f"{name}/{heads[0]}x{heads[1]}/d{d}/{tag}", family=family, seed=seed, params=params,
+                      heads=heads, head_dim=d, dtype=dtype)  # fmt: skip
+
+
+CROSSOVER_CASES: tuple[FamilyCase, ...] = tuple(
+    _case(name, "no_sharing", seed, params, heads, d, dtype)
+    for name, seed, params in _CROSSOVER_TREES
+    for heads, d, dtype in _CROSSOVER_SHAPES
+) + tuple(
+    _case(name, "random_recursive", seed, params, heads, d, dtype)
+    for name, seed, params in _CROSSOVER_FORESTS
+    for heads, d, dtype in _CROSSOVER_SHAPES[:4]
+)
+
+#: The kernel benchmark's suites of family cases, by ``--suite`` name.
+SUITES: dict[str, tuple[FamilyCase, ...]] = {"families": FAMILY_CASES, "crossover": CROSSOVER_CASES}
 
 
 def family_tree(case: FamilyCase) -> KVTree:

@@ -58,7 +58,7 @@ from ..fileio import write_atomic
 from ..runtime import TreeAttentionRuntime
 from .bench_cases import case_inputs, case_key, probe_item
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
-from .family_suite import FAMILY_CASES, FamilyCase, family_tree
+from .family_suite import SUITES, FamilyCase, family_tree
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, interleaved_graph_times_us
 
@@ -579,11 +579,13 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--suite",
-        choices=["paper", "families"],
+        choices=["paper", *SUITES],
         default="paper",
-        help="benchmark suite: the paper's 15 trees at --heads, --head-dim and --dtype, or 'families': "
-        "other tree families at fixed head shapes, head dims and dtypes (fasttree.toolkit.family_suite; "
-        "--cases, --heads, --head-dim and --dtype do not apply) (default: paper)",
+        help="benchmark suite: the paper's 15 trees at --heads, --head-dim and --dtype; 'families': "
+        "other tree families at fixed head shapes, head dims and dtypes; 'crossover': batches with no or "
+        "little sharing at tensor-parallel head layouts, where query-separated decode is the bar "
+        "(fasttree.toolkit.family_suite; for both --cases, --heads, --head-dim and --dtype do not apply) "
+        "(default: paper)",
     )
     p.add_argument("--heads", default=",".join(PAPER_HEADS), help="head settings, comma separated")
     p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
@@ -727,8 +729,8 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         runs = [lambda c=case, h=heads: bench_case(c, h, args, anchors) for case in args.cases for heads in args.heads]
         items = [probe_item(args, case=case, heads=heads) for case in args.cases for heads in args.heads]
     else:
-        runs = [lambda fc=fc: bench_family_case(fc, args) for fc in FAMILY_CASES]
-        items = [probe_item(args, family=fc) for fc in FAMILY_CASES]
+        runs = [lambda fc=fc: bench_family_case(fc, args) for fc in SUITES[args.suite]]
+        items = [probe_item(args, family=fc) for fc in SUITES[args.suite]]
     if resume is not None:  # a child of _run_rest_in_child: its cases, its rows to the state file
         args.peer_status = {(key, name): text for key, name, text in resume["peer_status"]}
         rows, lost, stopped = _run_items(runs, items, int(resume["start"]))
