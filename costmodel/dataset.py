@@ -137,12 +137,14 @@ def tree_id(record: dict[str, Any]) -> str:
 
 #: The planner's rules newer than the first traces, newest first (fields of
 #: :class:`fasttree.PlanRules` that switch one off).
-_RULES = ("aligned_blocks", "wide_units", "whole_groups", "balanced_bins", "solo_units")
+_RULES = ("aligned_blocks", "wide_units", "whole_groups", "balanced_bins", "solo_units", "solo_split_max_kv_heads")
+#: The value that switches a rule off where it is not ``False``.
+_RULE_OFF: dict[str, Any] = {"solo_split_max_kv_heads": 0}
 
 #: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
 #: off, all of them first (how most shipped traces were planned), then more rules on before fewer.
 _LEGACY_RULES: tuple[PlanRules, ...] = tuple(
-    PlanRules(**{name: False for name in off})
+    PlanRules(**{name: _RULE_OFF.get(name, False) for name in off})
     for n in range(len(_RULES), 0, -1)
     for off in itertools.combinations(_RULES, n)
 )
@@ -154,7 +156,7 @@ def record_plan(record: dict[str, Any]):
     The plan must be the one that was measured. When the record's plan summary (units per
     tile class, KV tokens read, partial rows) differs from the re-planned one, the record
     is planned again with the planner's newer rules switched off (:data:`_LEGACY_RULES`:
-    aligned blocks, wide units, whole groups, balanced bins, solo units) and the first plan that
+    aligned blocks, wide units, whole groups, balanced bins, solo units, the solo groups' split) and the first plan that
     matches is kept;
     otherwise the re-planned one is returned (logged at DEBUG).
 

@@ -133,6 +133,60 @@ def _solo_units(
     return solo
 
 
+def _solo_group_split(
+    groups: Groups,
+    group_split: np.ndarray | int,
+    block_m: tuple[int, int],
+    g: int,
+    num_kv_heads: int,
+    head_dim: int,
+    config: FastTreeConfig,
+    rules: PlanRules,
+) -> np.ndarray | int:
+    """``group_split`` with the groups the solo rule will keep out of packing cut no finer than
+    plain split-KV decode cuts them, at most ``rules.solo_split_max_kv_heads`` KV heads.
+
+    A solo group (its queries' rows fit the small tile, at least ``rules.solo_min_tokens`` long,
+    in a plan whose solo groups waste ``rules.solo_min_waste_flops`` in bins: the test of
+    :func:`_solo_units`) runs as its own units, so its phase's split size alone would decide
+    their number: at the small split that is a launch of short programs, each with a partial
+    row to merge (on the H200, 1,024 units of 128 tokens for 64 independent 2k-token requests at
+    32 query over 2 KV heads, 0.84x of query-separated decode). Their split is raised to the
+    smallest multiple of the small KV tile that cuts the longest solo group into
+    ``ceil(para_threshs1[1] / (solo groups x KV heads))`` chunks, the chunking of
+    :func:`fasttree.plan_query_separated`; a longer split is kept. With more KV heads the grid has
+    programs enough, and the longest group's few long units became the launch's tail on mixed
+    lengths (:class:`fasttree.PlanRules`).
+
+    Returns
+    -------
+    ndarray, int64 [n_groups], or int
+        ``group_split`` itself when no group changes.
+    """
+    if not rules.solo_units or num_kv_heads > rules.solo_split_max_kv_heads or not _bins_fill_a_larger_tile(block_m, g):
+        return group_split
+    kv_len = groups.kv_len
+    nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
+    solo = (nq * g <= block_m[1]) & (kv_len >= rules.solo_min_tokens)
+    n_solo = int(np.count_nonzero(solo))
+    if not n_solo:
+        return group_split
+    tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
+    if 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim < rules.solo_min_waste_flops:
+        return group_split
+    chunks = -(-config.para_threshs1[1] // (n_solo * num_kv_heads))
+    tile = config.kv_tile[1]
+    split = -(-int(np.maximum.reduce(kv_len[solo])) // chunks)
+    split = -(-max(split, tile) // tile) * tile
+    current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
+    raised = solo & (current < split)
+    if not np.count_nonzero(raised):
+        return group_split
+    out = np.array(current, dtype=np.int64)
+    out[raised] = split
+    return out
+
+
 def _pack_budget(
     kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, kept_out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
@@ -417,12 +471,15 @@ def materialize(
                 f"a tile of {t} queries x GQA ratio {g} needs {t * g} rows, more than the kernel's {MAX_BLOCK_M}"
             )
     rules = PlanRules.defaults() if rules is None else rules
-    units = _cut_units(groups, int(q_tiles[0]), group_split)
     # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
     # builds bins of up to a large tile's rows, which join the class their rows fit
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
+    packing = query_rank is not None and config.pack_tokens > 0
+    if packing:
+        group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, config, rules)
+    units = _cut_units(groups, int(q_tiles[0]), group_split)
     packed = None
-    if query_rank is not None and config.pack_tokens > 0:
+    if packing:
         packed = _pack(units, groups, block_m, g, config, rules, num_kv_heads, head_dim, query_rank, query_of_rank)
     if packed is None:
         u_small = units.q_len <= q_tiles[1]

@@ -34,6 +34,13 @@ class PlanRules:
         KV tokens from which a unit may stay out of large-tile bins.
     solo_min_waste_flops : float
         Matrix work (flops, all KV heads) the bins must waste on such units before they stay out.
+    solo_split_max_kv_heads : int
+        With at most this many KV heads, the groups the solo rule keeps out are cut no finer than
+        query-separated decode cuts them (:func:`fasttree.plan_arrays._solo_group_split`), not at
+        the small split size: on the H200 their 128-token units made batches of independent
+        requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode, and the longer
+        cut took 11 such trees with 1 or 2 KV heads to 1.03-1.37x of before; with 4 or 8 KV heads
+        it lost on mixed lengths and few-shot trees (0.77-0.93x). 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -70,6 +77,7 @@ class PlanRules:
     solo_units: bool = True
     solo_min_tokens: int = 128
     solo_min_waste_flops: float = 4e9
+    solo_split_max_kv_heads: int = 2
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True
@@ -87,6 +95,8 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
+            elif f.name == "solo_split_max_kv_heads":
+                value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.type == "int":
                 value = check_int(name, value, minimum=1, expected="a positive integer")
             else:

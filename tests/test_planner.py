@@ -175,8 +175,31 @@ def test_million_token_node_is_split_into_units():
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [1_000_000, 1, 1, 3], [1, 2, 3])
     plan = ft.plan(tree, num_q_heads=8, num_kv_heads=1, head_dim=128)
     check_plan(tree, plan)
-    assert plan.unit_kv_len.max() <= max(plan.config.kv_split_sizes)
-    assert plan.n_units >= 1_000_000 // 1024
+    # two solo groups of ~1M tokens at one KV head: query-separated chunking, 264 chunks each
+    # (para_threshs1[1] = 528 over 2 groups x 1 KV head), 3,840 tokens (a multiple of the KV tile)
+    assert plan.unit_kv_len.max() == 3840
+    assert plan.n_units >= 2 * (1_000_000 // 3840)
+    old = ft.plan(tree, num_q_heads=8, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(solo_split_max_kv_heads=0))
+    check_plan(tree, old)
+    assert old.unit_kv_len.max() <= max(old.config.kv_split_sizes) and old.n_units >= 1_000_000 // 1024
+
+
+def test_solo_groups_take_query_separated_chunks_only_at_few_kv_heads():
+    """128 independent 2k-token requests at 16 query heads per KV head: with 1 or 2 KV heads their
+    solo units are cut as plain split-KV decode cuts them (ceil(528 / (128 x KV heads)) chunks of
+    2,048 tokens, rounded up to the KV tile: 448 and 704 tokens), not at the small split size
+    (128); with 4 KV heads the rule does not apply."""
+    tree = ft.KVTree.from_lengths([-1] * 128, [2048] * 128, list(range(128)))
+    off = ft.PlanRules(solo_split_max_kv_heads=0)
+    for hkv, unit in ((1, 448), (2, 704)):
+        plan = ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128)
+        check_plan(tree, plan)
+        assert plan.unit_kv_len.max() == unit and plan.n_units == 128 * -(-2048 // unit), hkv
+        assert ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128, rules=off).unit_kv_len.max() == 128
+    four = [ft.plan(tree, num_q_heads=64, num_kv_heads=4, head_dim=128, rules=r) for r in (None, off)]
+    assert np.array_equal(four[0].unit_kv_len, four[1].unit_kv_len)
+    with pytest.raises(ValueError, match="solo_split_max_kv_heads"):
+        ft.PlanRules(solo_split_max_kv_heads=-1)
 
 
 # ---------------------------------------------------------- adaptive passes
