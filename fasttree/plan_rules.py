@@ -39,7 +39,7 @@ class PlanRules:
         query-separated decode cuts them (:func:`fasttree.plan_arrays._solo_group_split`), not at
         the small split size: on the H200 their 128-token units made batches of independent
         requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode, and the longer
-        cut took 11 such trees with 1 or 2 KV heads to 1.03-1.37x of before; with 4 or 8 KV heads
+        cut took 10 such trees with 1 or 2 KV heads to 1.03-1.37x of before; with 4 or 8 KV heads
         it lost on mixed lengths and few-shot trees (0.77-0.93x). 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
