@@ -174,7 +174,7 @@ def _solo_group_split(
     tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
     if 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim < rules.solo_min_waste_flops:
         return group_split
-    chunks = -(-config.para_threshs1[1] // (n_solo * num_kv_heads))
+    chunks = max(1, -(-config.para_threshs1[1] // (n_solo * num_kv_heads)))
     tile = config.kv_tile[1]
     split = -(-int(np.maximum.reduce(kv_len[solo])) // chunks)
     split = -(-max(split, tile) // tile) * tile

@@ -151,13 +151,24 @@ def test_the_tuned_variant_skips_an_entry_of_other_kernels():
 
 
 def test_the_tuned_variant_reads_the_committed_export():
+    """The committed export serves its entries' picks while its guard names today's defaults, and
+    falls back (no tuned variant) once the defaults changed since it was confirmed."""
+    from fasttree.versions import defaults_fingerprint
+
     export = kernel.parse_args([]).export  # docs/tune/export.json
     (entry,) = [e for e in export.entries if e.bucket == (16, 128, "float16") and e.target == "tree_attention"]
     shape = {"gpu": entry.gpu, "hq": 32, "hkv": 2, "d": 128, "dtype": torch.float16}
+    stale = entry.guard.defaults != defaults_fingerprint()
+    assert (kernel.tuned_config(export, paper_tree(1), **shape) is None) == stale
+    fingerprint = defaults_fingerprint()
+    restamped = [
+        dataclasses.replace(e, guard=dataclasses.replace(e.guard, defaults=fingerprint)) for e in export.entries
+    ]
+    today = dataclasses.replace(export, entries=tuple(restamped))
     for case in range(1, 16):  # the tree_attention entry's pick (the runtime entry has other members)
         tree = paper_tree(case)
         member = entry.portfolio.member_of(tree)
-        assert kernel.tuned_config(export, tree, **shape) == (entry.portfolio.members[member], member)
+        assert kernel.tuned_config(today, tree, **shape) == (entry.portfolio.members[member], member)
 
 
 def test_a_broken_cuda_context_stops_the_run_and_keeps_the_cases_done(monkeypatch, tmp_path, capsys):
