@@ -150,22 +150,11 @@ class _TreeIndex:
         contiguous = e == 0 or (int(ch[0]) == r and int(ch[-1]) == n - 1 and not np.count_nonzero(ch[1:] < ch[:-1]))
         self.child_index = slice(r, n) if contiguous else ch
         self.roots = tree.level_order[:r]
-        self.levels = []
-        self.max_level = 0
-        pos = None
-        for i in range(len(lp) - 2):
-            lo, hi = lp[i + 1] - r, lp[i + 2] - r
-            if i == 0:
-                lvl = _Level(self, lo, hi, tree.lengths[cp[lo:hi]].astype(np.float64), None)
-            else:
-                if pos is None:  # every child's index in edge order
-                    pos = np.empty(n, dtype=np.int64)
-                    pos[ch] = np.arange(e, dtype=np.int64)
-                prel = pos[cp[lo:hi]]
-                prel -= lp[i] - r
-                lvl = _Level(self, lo, hi, None, prel)
-            self.levels.append(lvl)
-            self.max_level = max(self.max_level, hi - lo)
+        # the edges into each depth 1, 2, ...: slice lo:hi of the edge order
+        self.level_bounds = [(lp[i + 1] - r, lp[i + 2] - r) for i in range(len(lp) - 2)]
+        self.max_level = max((hi - lo for lo, hi in self.level_bounds), default=0)
+        self.n_nodes = n
+        self.lengths = tree.lengths
         self._groups: _GroupIndex | None = None
         # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
         self.scalar_lists: tuple[list, list, list, list] | None = None
@@ -180,7 +169,28 @@ class _TreeIndex:
             self._groups = _GroupIndex(tree, self)
         return self._groups
 
+    @functools.cached_property
+    def edge_of(self) -> np.ndarray:
+        """int64 [n_nodes]: every node's edge (its index in edge order), -1 for a root."""
+        pos = np.full(self.n_nodes, -1, dtype=np.int64)
+        pos[self.children] = np.arange(self.children.size, dtype=np.int64)
+        return pos
+
     # What only the numpy greedy reads (the compiled one does not): built on its first use.
+    @functools.cached_property
+    def levels(self) -> list[_Level]:
+        """The edges into each depth (:class:`_Level`), the first level with its roots' lengths,
+        the others with their parents' indices in the level above."""
+        out = []
+        for i, (lo, hi) in enumerate(self.level_bounds):
+            if i == 0:
+                out.append(_Level(self, lo, hi, self.lengths[self.cp[lo:hi]].astype(np.float64), None))
+            else:
+                prel = self.edge_of[self.cp[lo:hi]]
+                prel -= self.level_bounds[i - 1][0]
+                out.append(_Level(self, lo, hi, None, prel))
+        return out
+
     @functools.cached_property
     def af(self) -> np.ndarray:
         """float64 [5, n_edges]: the query counts at which the vectorised greedy evaluates Cmm:
@@ -243,12 +253,11 @@ class _GroupIndex:
         qlo = np.empty(n, dtype=np.int64)
         r_sq = sq[ix.roots]
         qlo[ix.roots] = np.add.accumulate(r_sq) - r_sq
-        for lvl in ix.levels:
-            sl = slice(lvl.lo, lvl.hi)
-            ch, cp = ix.children[sl], ix.cp[sl]
+        for lo, hi in ix.level_bounds:
+            ch, cp = ix.children[lo:hi], ix.cp[lo:hi]
             x = qlo[cp]
             x += own[cp]
-            x += ix.excl_seg[sl]
+            x += ix.excl_seg[lo:hi]
             qlo[ch] = x
         self.qlo = qlo
         self.qhi = qlo + sq
@@ -384,7 +393,7 @@ def greedy_edge_assignment(
     assign = np.zeros(n, dtype=np.int8)
     n_cur = tree.subtree_queries.copy()
     eff_len = tree.lengths.copy()
-    if not ix.levels:
+    if not ix.level_bounds:
         return assign, n_cur, eff_len
     threshold = scalar_edges
     lib = planner_library() if native else None
@@ -416,16 +425,8 @@ def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, 
     """The greedy in the compiled loop (``ft_greedy``): decisions (bool) and group lengths
     (float64) in edge order, those of :func:`_greedy_all_scalar`."""
     if ix.native_arrays is None:
-        e = ix.cp.size
-        par_edge = np.full(e, -1, dtype=np.int64)
-        root_len = np.zeros(e, dtype=np.float64)
-        prev_lo = 0
-        for lvl in ix.levels:
-            if lvl.prel is None:
-                root_len[lvl.lo : lvl.hi] = lvl.lv0
-            else:
-                par_edge[lvl.lo : lvl.hi] = lvl.prel + prev_lo
-            prev_lo = lvl.lo
+        par_edge = ix.edge_of[ix.cp]  # the parent's edge; -1 for the first level's, whose parents are roots
+        root_len = np.where(par_edge < 0, ix.lengths[ix.cp], 0).astype(np.float64)
         arrays = tuple(
             np.ascontiguousarray(a, dtype=t)
             for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
