@@ -42,7 +42,7 @@ from .launcher import (
     side_stream,
     tensor_layout,
 )
-from .plan_arrays import DevicePlan, Plan, check_heads, materialize
+from .plan_arrays import DevicePlan, Plan, check_heads, chunked_split, materialize
 from .tree import KVTree
 from .validation import check_int, check_number
 
@@ -459,9 +459,7 @@ def query_separated_split(longest: int, n_queries: int, num_kv_heads: int, num_s
     """The default chunk size of :func:`plan_query_separated`: a multiple of ``kv_tile`` that cuts
     the ``longest`` context into enough chunks for about four waves of ``num_sms`` programs over
     ``n_queries`` queries x ``num_kv_heads`` KV heads."""
-    want_chunks = max(1, -(-4 * num_sms // (n_queries * num_kv_heads)))
-    split = max(kv_tile, -(-longest // want_chunks))
-    return -(-split // kv_tile) * kv_tile
+    return chunked_split(longest, 4 * num_sms, n_queries * num_kv_heads, kv_tile)
 
 
 def query_separated_attention(

@@ -126,11 +126,27 @@ def _solo_units(
     if not rules.solo_units or not _bins_fill_a_larger_tile(block_m, g):
         return None
     solo = (kv_len >= rules.solo_min_tokens) & (q_len * g <= block_m[1])
-    tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
-    waste = 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim
-    if waste < rules.solo_min_waste_flops:
+    if not _solo_waste_pays(kv_len[solo], block_m, num_kv_heads, head_dim, rules):
         return None
     return solo
+
+
+def _solo_waste_pays(
+    solo_kv_len: np.ndarray, block_m: tuple[int, int], num_kv_heads: int, head_dim: int, rules: PlanRules
+) -> bool:
+    """Whether large-tile bins would waste at least ``rules.solo_min_waste_flops`` of matrix work
+    on solo units (or groups) of these KV lengths: the solo rule's test."""
+    tokens = int(np.add.reduce(solo_kv_len, dtype=np.int64))
+    return 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim >= rules.solo_min_waste_flops
+
+
+def chunked_split(longest: int, programs: int, items: int, kv_tile: int) -> int:
+    """The split size of plain split-KV decode: the multiple of ``kv_tile`` (at least one tile)
+    that cuts the ``longest`` context into ``ceil(programs / items)`` chunks (at least one), so
+    that ``items`` (queries or groups x KV heads) fill about ``programs`` programs."""
+    chunks = max(1, -(-programs // items))
+    split = max(kv_tile, -(-longest // chunks))
+    return -(-split // kv_tile) * kv_tile
 
 
 def _solo_group_split(
@@ -169,15 +185,10 @@ def _solo_group_split(
     nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
     solo = (nq * g <= block_m[1]) & (kv_len >= rules.solo_min_tokens)
     n_solo = int(np.count_nonzero(solo))
-    if not n_solo:
+    if not n_solo or not _solo_waste_pays(kv_len[solo], block_m, num_kv_heads, head_dim, rules):
         return group_split
-    tokens = int(np.add.reduce(kv_len[solo], dtype=np.int64))
-    if 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim < rules.solo_min_waste_flops:
-        return group_split
-    chunks = max(1, -(-config.para_threshs1[1] // (n_solo * num_kv_heads)))
-    tile = config.kv_tile[1]
-    split = -(-int(np.maximum.reduce(kv_len[solo])) // chunks)
-    split = -(-max(split, tile) // tile) * tile
+    longest = int(np.maximum.reduce(kv_len[solo]))
+    split = chunked_split(longest, config.para_threshs1[1], n_solo * num_kv_heads, config.kv_tile[1])
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
     raised = solo & (current < split)
     if not np.count_nonzero(raised):

@@ -640,6 +640,12 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
 MAX_RESTARTS = 16
 
 
+def _stopped_at(items: list[dict[str, Any]], index: int, why: str) -> str:
+    """The summary's ``stopped``: the case the run ended at, why, and the cases not run."""
+    left = ", ".join(item["key"] for item in items[index:])
+    return f"stopped at {items[index]['key']}: {why}"[:800] + f" (not run: {left})"
+
+
 def _run_items(runs: list[Callable[[], dict[str, Any]]], items: list[dict[str, Any]], start: int):
     """Run ``runs[start:]`` in this process: ``(rows, lost, stopped)``. ``lost`` is ``(index, variant,
     message)`` when a FlashInfer peer broke the CUDA context at case ``index`` (this process can run
@@ -654,8 +660,7 @@ def _run_items(runs: list[Callable[[], dict[str, Any]]], items: list[dict[str, A
                 raise
             if isinstance(exc, CudaContextLostError) and exc.variant in PEER_VARIANTS:
                 return rows, (i, exc.variant, str(exc)), None
-            left = [item["key"] for item in items[i:]]
-            stopped = f"stopped at {items[i]['key']}: {exc}"[:800] + f" (not run: {', '.join(left)})"
+            stopped = _stopped_at(items, i, str(exc))
             log.error("%s", stopped)
             return rows, None, stopped
         rows.append(row)
@@ -750,15 +755,13 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         args.peer_status[(key, variant)] = f"error: broke the CUDA context in the timed process: {message}"[:600]
         restarts.append(f"{key} {variant}")
         if len(restarts) > MAX_RESTARTS:
-            left = [item["key"] for item in items[index:]]
-            stopped = f"stopped at {key}: more than {MAX_RESTARTS} fresh processes (not run: {', '.join(left)})"
+            stopped = _stopped_at(items, index, f"more than {MAX_RESTARTS} fresh processes")
             break
         child = _run_rest_in_child(argv, index, args.peer_status)
         rows += child["rows"]
         lost, stopped = child["lost"], child["stopped"]
         if stopped is not None and not child["rows"] and lost is None and not stopped.startswith("stopped at"):
-            left = [item["key"] for item in items[index:]]
-            stopped = f"stopped at {key}: {stopped} (not run: {', '.join(left)})"
+            stopped = _stopped_at(items, index, stopped)
     summary = summarize(rows)
     summary["stopped"] = stopped
     summary["peer_context_losses"] = restarts
