@@ -121,23 +121,36 @@ def _solo_units(
     """Units kept out of packing (None: none) by ``rules.solo_units``: at least
     ``rules.solo_min_tokens`` long, rows that fit the small tile, bins that fill the large tile
     (:func:`_pack_capacity`), and together worth ``rules.solo_min_waste_flops`` of wasted
-    matrix work. On the H200 that saved 42 us on paper case 8 at GQA 4 (51.5 GFLOP wasted) and
-    11 us at GQA 16 (6.4 GFLOP), but cost 5-7 us on plans wasting 0.5-2.9 GFLOP."""
+    matrix work or ``rules.solo_min_share`` of the units' KV tokens (:func:`_solo_pays`)."""
     if not rules.solo_units or not _bins_fill_a_larger_tile(block_m, g):
         return None
     solo = (kv_len >= rules.solo_min_tokens) & (q_len * g <= block_m[1])
-    if not _solo_waste_pays(kv_len[solo], block_m, num_kv_heads, head_dim, rules):
+    if not _solo_pays(kv_len[solo], kv_len, block_m, num_kv_heads, head_dim, rules):
         return None
     return solo
 
 
-def _solo_waste_pays(
-    solo_kv_len: np.ndarray, block_m: tuple[int, int], num_kv_heads: int, head_dim: int, rules: PlanRules
+def _solo_pays(
+    solo_kv_len: np.ndarray,
+    all_kv_len: np.ndarray,
+    block_m: tuple[int, int],
+    num_kv_heads: int,
+    head_dim: int,
+    rules: PlanRules,
 ) -> bool:
-    """Whether large-tile bins would waste at least ``rules.solo_min_waste_flops`` of matrix work
-    on solo units (or groups) of these KV lengths: the solo rule's test."""
+    """The solo rule's test: whether large-tile bins would waste at least
+    ``rules.solo_min_waste_flops`` of matrix work on solo units (or groups) of these KV lengths,
+    or the solo ones hold at least ``rules.solo_min_share`` of all units' (groups') KV tokens.
+
+    On the H200 the waste alone kept them out on paper case 8 at GQA 4 (51.5 GFLOP wasted: 42 us
+    saved) and GQA 16 (6.4 GFLOP: 11 us), but cost 5-7 us on plans wasting 0.5-2.9 GFLOP, where
+    solo units were a small part of trees with sharing; with one KV head a batch of independent
+    requests wastes little matrix work, yet 64-row bins of four requests ran it at 0.78-0.88x of
+    query-separated decode: the share catches those."""
     tokens = int(np.add.reduce(solo_kv_len, dtype=np.int64))
-    return 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim >= rules.solo_min_waste_flops
+    if 4.0 * tokens * (block_m[0] - block_m[1]) * num_kv_heads * head_dim >= rules.solo_min_waste_flops:
+        return True
+    return tokens > 0 and tokens >= rules.solo_min_share * int(np.add.reduce(all_kv_len, dtype=np.int64))
 
 
 def chunked_split(longest: int, programs: int, items: int, kv_tile: int) -> int:
@@ -159,20 +172,19 @@ def _solo_group_split(
     config: FastTreeConfig,
     rules: PlanRules,
 ) -> np.ndarray | int:
-    """``group_split`` with the groups the solo rule will keep out of packing cut no finer than
-    plain split-KV decode cuts them, at most ``rules.solo_split_max_kv_heads`` KV heads.
+    """``group_split`` with the groups the solo rule will keep out of packing cut into their
+    share of the launch's programs, at most ``rules.solo_split_max_kv_heads`` KV heads.
 
     A solo group (its queries' rows fit the small tile, at least ``rules.solo_min_tokens`` long,
-    in a plan whose solo groups waste ``rules.solo_min_waste_flops`` in bins: the test of
-    :func:`_solo_units`) runs as its own units, so its phase's split size alone would decide
-    their number: at the small split that is a launch of short programs, each with a partial
-    row to merge (on the H200, 1,024 units of 128 tokens for 64 independent 2k-token requests at
-    32 query over 2 KV heads, 0.84x of query-separated decode). Their split is raised to the
-    smallest multiple of the small KV tile that cuts the longest solo group into
-    ``ceil(para_threshs1[1] / (solo groups x KV heads))`` chunks, the chunking of
-    :func:`fasttree.plan_query_separated`; a longer split is kept. With more KV heads the grid has
-    programs enough, and the longest group's few long units became the launch's tail on mixed
-    lengths (:class:`fasttree.PlanRules`).
+    in a plan where the solo test of :func:`_solo_pays` holds) runs as its own units, so its
+    phase's split size alone would decide their number: at the small split that is a launch of
+    short programs, each with a partial row to merge (on the H200, 1,024 units of 128 tokens for
+    64 independent 2k-token requests at 32 query over 2 KV heads, 0.84x of query-separated
+    decode). A solo group of ``L`` tokens, in a plan whose groups hold ``T`` tokens, is cut into
+    ``ceil(L * para_threshs1[1] / (T * KV heads))`` chunks of about equal length (rounded up to
+    the small KV tile): its share of ``para_threshs1[1]`` programs. With equal lengths and no
+    sharing that is the chunking of :func:`fasttree.plan_query_separated`; with mixed lengths a
+    long group gets more chunks, not the whole launch's tail. A longer split is kept.
 
     Returns
     -------
@@ -184,17 +196,18 @@ def _solo_group_split(
     kv_len = groups.kv_len
     nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
     solo = (nq * g <= block_m[1]) & (kv_len >= rules.solo_min_tokens)
-    n_solo = int(np.count_nonzero(solo))
-    if not n_solo or not _solo_waste_pays(kv_len[solo], block_m, num_kv_heads, head_dim, rules):
+    if not np.count_nonzero(solo) or not _solo_pays(kv_len[solo], kv_len, block_m, num_kv_heads, head_dim, rules):
         return group_split
-    longest = int(np.maximum.reduce(kv_len[solo]))
-    split = chunked_split(longest, config.para_threshs1[1], n_solo * num_kv_heads, config.kv_tile[1])
+    total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
+    chunks = np.maximum(1, -(-(kv_len * config.para_threshs1[1]) // total))
+    tile = config.kv_tile[1]
+    split = np.maximum(tile, -(-(-(-kv_len // chunks)) // tile) * tile)
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
     raised = solo & (current < split)
     if not np.count_nonzero(raised):
         return group_split
     out = np.array(current, dtype=np.int64)
-    out[raised] = split
+    out[raised] = split[raised]
     return out
 
 

@@ -34,13 +34,16 @@ class PlanRules:
         KV tokens from which a unit may stay out of large-tile bins.
     solo_min_waste_flops : float
         Matrix work (flops, all KV heads) the bins must waste on such units before they stay out.
+    solo_min_share : float
+        ... or the share of the units' KV tokens the solo ones hold, from which they stay out
+        whatever the waste: with one KV head a batch of independent requests wastes little
+        matrix work, yet bins of four requests ran it at 0.78-0.88x of query-separated decode on
+        the H200. Above 1: never.
     solo_split_max_kv_heads : int
-        With at most this many KV heads, the groups the solo rule keeps out are cut no finer than
-        query-separated decode cuts them (:func:`fasttree.plan_arrays._solo_group_split`), not at
+        With at most this many KV heads, the groups the solo rule keeps out are cut into their
+        share of the launch's programs (:func:`fasttree.plan_arrays._solo_group_split`), not at
         the small split size: on the H200 their 128-token units made batches of independent
-        requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode, and the longer
-        cut took 10 such trees with 1 or 2 KV heads to 1.03-1.37x of before; with 4 or 8 KV heads
-        it lost on mixed lengths and few-shot trees (0.77-0.93x). 0: never.
+        requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode. 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -77,6 +80,7 @@ class PlanRules:
     solo_units: bool = True
     solo_min_tokens: int = 128
     solo_min_waste_flops: float = 4e9
+    solo_min_share: float = 0.5
     solo_split_max_kv_heads: int = 2
     wide_units: bool = True
     wide_row_tokens: float = 8.5
