@@ -172,42 +172,59 @@ def _solo_group_split(
     config: FastTreeConfig,
     rules: PlanRules,
 ) -> np.ndarray | int:
-    """``group_split`` with the groups the solo rule will keep out of packing cut into their
-    share of the launch's programs, at most ``rules.solo_split_max_kv_heads`` KV heads.
+    """``group_split`` with the groups the solo rule will keep out of packing cut no finer than
+    a plain split-KV decode of them would be.
 
     A solo group (its queries' rows fit the small tile, at least ``rules.solo_min_tokens`` long,
     in a plan where the solo test of :func:`_solo_pays` holds) runs as its own units, so its
     phase's split size alone would decide their number: at the small split that is a launch of
     short programs, each with a partial row to merge (on the H200, 1,024 units of 128 tokens for
     64 independent 2k-token requests at 32 query over 2 KV heads, 0.84x of query-separated
-    decode). A solo group of ``L`` tokens, in a plan whose groups hold ``T`` tokens, is cut into
-    ``ceil(L * para_threshs1[1] / (T * KV heads))`` chunks of about equal length (rounded up to
-    the small KV tile): its share of ``para_threshs1[1]`` programs. With equal lengths and no
-    sharing that is the chunking of :func:`fasttree.plan_query_separated`; with mixed lengths a
-    long group gets more chunks, not the whole launch's tail. A longer split is kept.
+    decode). With ``P = para_threshs1[1]`` programs as the target:
+
+    - at most ``rules.solo_split_max_kv_heads`` KV heads, their split is raised to the smallest
+      multiple of the small KV tile that cuts the longest solo group into
+      ``ceil(P / (solo groups x KV heads))`` chunks, the chunking of
+      :func:`fasttree.plan_query_separated`;
+    - with more KV heads, only where their current cut makes more than
+      ``rules.solo_recut_factor * P`` programs, a solo group of ``L`` tokens in a plan whose
+      groups hold ``T`` tokens is cut into ``ceil(L * P / (T x KV heads))`` chunks of about equal
+      length (rounded up to the small KV tile): its share of ``P`` programs. There, cutting every
+      group by the longest one left a long group whole as the launch's tail on mixed lengths, and
+      re-cutting a cut that was already near ``P`` lost waves.
+
+    A longer split is kept.
 
     Returns
     -------
     ndarray, int64 [n_groups], or int
         ``group_split`` itself when no group changes.
     """
-    if not rules.solo_units or num_kv_heads > rules.solo_split_max_kv_heads or not _bins_fill_a_larger_tile(block_m, g):
+    few_heads = num_kv_heads <= rules.solo_split_max_kv_heads
+    if not rules.solo_units or not (few_heads or rules.solo_recut_factor) or not _bins_fill_a_larger_tile(block_m, g):
         return group_split
     kv_len = groups.kv_len
     nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
     solo = (nq * g <= block_m[1]) & (kv_len >= rules.solo_min_tokens)
-    if not np.count_nonzero(solo) or not _solo_pays(kv_len[solo], kv_len, block_m, num_kv_heads, head_dim, rules):
+    n_solo = int(np.count_nonzero(solo))
+    if not n_solo or not _solo_pays(kv_len[solo], kv_len, block_m, num_kv_heads, head_dim, rules):
         return group_split
-    total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
-    chunks = np.maximum(1, -(-(kv_len * config.para_threshs1[1]) // total))
-    tile = config.kv_tile[1]
-    split = np.maximum(tile, -(-(-(-kv_len // chunks)) // tile) * tile)
+    programs, tile = config.para_threshs1[1], config.kv_tile[1]
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
+    if few_heads:
+        split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile)
+    else:
+        cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
+        if cut <= rules.solo_recut_factor * programs:
+            return group_split
+        total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
+        chunks = np.maximum(1, -(-(kv_len * programs) // total))
+        split = np.maximum(tile, -(-(-(-kv_len // chunks)) // tile) * tile)
     raised = solo & (current < split)
     if not np.count_nonzero(raised):
         return group_split
     out = np.array(current, dtype=np.int64)
-    out[raised] = split[raised]
+    out[raised] = split if few_heads else split[raised]
     return out
 
 

@@ -38,12 +38,20 @@ class PlanRules:
         ... or the share of the units' KV tokens the solo ones hold, from which they stay out
         whatever the waste: with one KV head a batch of independent requests wastes little
         matrix work, yet bins of four requests ran it at 0.78-0.88x of query-separated decode on
-        the H200. Above 1: never.
+        the H200, and keeping them out 1.02-1.18x faster; at 0.5 the share also took random
+        paper-like trees at GQA 8 and 16 to 0.84x. Above 1: never.
     solo_split_max_kv_heads : int
-        With at most this many KV heads, the groups the solo rule keeps out are cut into their
-        share of the launch's programs (:func:`fasttree.plan_arrays._solo_group_split`), not at
-        the small split size: on the H200 their 128-token units made batches of independent
-        requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode. 0: never.
+        With at most this many KV heads, the groups the solo rule keeps out are cut as plain
+        split-KV decode cuts them (by the longest; :func:`fasttree.plan_arrays._solo_group_split`),
+        not at the small split size: on the H200 their 128-token units made batches of
+        independent requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode,
+        and cutting them into their share of the programs instead measured 0.93-0.96x of this
+        at 1 and 2 KV heads. 0: never.
+    solo_recut_factor : float
+        With more KV heads, the solo groups are cut into their share of ``para_threshs1[1]``
+        programs where their current cut makes more than this many times that many programs
+        (H200: 1.26x on 32 x 4k-token requests at 64/4 heads, 1.01-1.04x on four more batches;
+        0.93x on one whose cut made 1.9 times the programs, left alone by the factor). 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -80,8 +88,9 @@ class PlanRules:
     solo_units: bool = True
     solo_min_tokens: int = 128
     solo_min_waste_flops: float = 4e9
-    solo_min_share: float = 0.5
+    solo_min_share: float = 0.9
     solo_split_max_kv_heads: int = 2
+    solo_recut_factor: float = 2.0
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True
