@@ -219,7 +219,8 @@ def _solo_group_split(
             return group_split
         total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
         chunks = np.maximum(1, -(-(kv_len * programs) // total))
-        split = np.maximum(tile, -(-(-(-kv_len // chunks)) // tile) * tile)
+        even = -(-kv_len // chunks)  # tokens per chunk, rounded up to the tile below
+        split = np.maximum(tile, -(-even // tile) * tile)
     raised = solo & (current < split)
     if not np.count_nonzero(raised):
         return group_split
