@@ -47,11 +47,10 @@ class PlanRules:
         independent requests at 16/1, 32/2 and 64/4 heads 0.73-0.85x of query-separated decode,
         and cutting them into their share of the programs instead measured 0.93-0.96x of this
         at 1 and 2 KV heads. 0: never.
-    solo_recut_factor : float
-        With more KV heads, the solo groups are cut into their share of ``para_threshs1[1]``
-        programs where their current cut makes more than this many times that many programs
-        (H200: 1.26x on 32 x 4k-token requests at 64/4 heads, 1.01-1.04x on four more batches;
-        0.93x on one whose cut made 1.9 times the programs, left alone by the factor). 0: never.
+    solo_recut : bool
+        With more KV heads, the solo groups cut at the small split size are cut into their share
+        of ``para_threshs1[1]`` programs instead (H200: 1.26x on 32 x 4k-token requests at 64/4
+        heads, 1.02-1.08x on two more batches). False: they keep the small split.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -90,7 +89,7 @@ class PlanRules:
     solo_min_waste_flops: float = 4e9
     solo_min_share: float = 0.9
     solo_split_max_kv_heads: int = 2
-    solo_recut_factor: float = 2.0
+    solo_recut: bool = True
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True
