@@ -51,11 +51,6 @@ class PlanRules:
         With more KV heads, the solo groups cut at the small split size are cut into their share
         of ``para_threshs1[1]`` programs instead (H200: 1.26x on 32 x 4k-token requests at 64/4
         heads, 1.02-1.08x on two more batches). False: they keep the small split.
-    crossover_margin : float
-        :func:`fasttree.plan` returns plain split-KV decode's plan
-        (:func:`fasttree.plan_query_separated`) where the tree plan costs more than this many
-        times as much by the crossover test (:func:`fasttree.planner._costs_more_than_decode`:
-        KV tokens read, weighted by the square root of the tile's rows). 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -95,7 +90,6 @@ class PlanRules:
     solo_min_share: float = 0.9
     solo_split_max_kv_heads: int = 2
     solo_recut: bool = True
-    crossover_margin: float = 1.03
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True
