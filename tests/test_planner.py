@@ -184,22 +184,40 @@ def test_million_token_node_is_split_into_units():
     assert old.unit_kv_len.max() <= max(old.config.kv_split_sizes) and old.n_units >= 1_000_000 // 1024
 
 
-def test_solo_groups_take_query_separated_chunks_only_at_few_kv_heads():
-    """128 independent 2k-token requests at 16 query heads per KV head: with 1 or 2 KV heads their
-    solo units are cut as plain split-KV decode cuts them (ceil(528 / (128 x KV heads)) chunks of
-    2,048 tokens, rounded up to the KV tile: 448 and 704 tokens), not at the small split size
-    (128); with 4 KV heads the rule does not apply."""
-    tree = ft.KVTree.from_lengths([-1] * 128, [2048] * 128, list(range(128)))
-    off = ft.PlanRules(solo_split_max_kv_heads=0)
-    for hkv, unit in ((1, 448), (2, 704)):
+def test_solo_groups_are_cut_no_finer_than_plain_decode():
+    """Independent requests at 16 query heads per KV head. 128 of 2k tokens with 1 or 2 KV heads:
+    their solo units are cut as plain split-KV decode cuts them (ceil(528 / (128 x KV heads))
+    chunks of 2,048 tokens, rounded up to the KV tile: 448 and 704 tokens), not at the small
+    split size (128). 32 of 4k tokens with 4 KV heads (at the small split without the rule):
+    each is cut into its share of the 528 programs, ceil(4096 x 528 / (32 x 4096 x 4)) = 5 chunks
+    of 832 tokens. With the rules off, 128."""
+    off = ft.PlanRules(solo_split_max_kv_heads=0, solo_recut=False)
+    cases = [(ft.KVTree.from_lengths([-1] * 128, [2048] * 128, list(range(128))), 1, 448, 5),
+             (ft.KVTree.from_lengths([-1] * 128, [2048] * 128, list(range(128))), 2, 704, 3),
+             (ft.KVTree.from_lengths([-1] * 32, [4096] * 32, list(range(32))), 4, 832, 5)]  # fmt: skip
+    for tree, hkv, unit, chunks in cases:
         plan = ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128)
         check_plan(tree, plan)
-        assert plan.unit_kv_len.max() == unit and plan.n_units == 128 * -(-2048 // unit), hkv
+        assert plan.unit_kv_len.max() == unit and plan.n_units == tree.n_queries * chunks, hkv
         assert ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128, rules=off).unit_kv_len.max() == 128
-    four = [ft.plan(tree, num_q_heads=64, num_kv_heads=4, head_dim=128, rules=r) for r in (None, off)]
-    assert np.array_equal(four[0].unit_kv_len, four[1].unit_kv_len)
+    # above solo_split_max_kv_heads, groups already cut at the big split keep it
+    tree = cases[2][0]
+    plan = ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128)
+    assert plan.unit_kv_len.max() == 1024
     with pytest.raises(ValueError, match="solo_split_max_kv_heads"):
         ft.PlanRules(solo_split_max_kv_heads=-1)
+
+
+def test_solo_share_keeps_unshared_requests_out_of_bins():
+    """Independent requests at one KV head waste too little matrix work for the waste test, but
+    hold all the KV: the share test keeps them out of the 64-row bins (one query per unit)."""
+    tree = ft.KVTree.from_lengths([-1] * 64, [700] * 64, list(range(64)))
+    plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
+    check_plan(tree, plan)
+    assert not any(tc.masked for tc, n in zip(plan.tile_classes, np.diff(plan.class_unit_ptr)) if n)
+    binned = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(solo_min_share=2.0))
+    check_plan(tree, binned)
+    assert binned.tile_classes[0].masked and binned.class_unit_ptr[1] > 0
 
 
 # ---------------------------------------------------------- adaptive passes
@@ -258,7 +276,8 @@ def test_small_phase_needs_twice_the_threshold_to_stay_whole(threshs, cut_small)
     # once the small threshold doubled exceeds them
     tree = ft.KVTree.from_lengths([-1] * 9, [300] * 9, list(range(9)))
     cfg = ft.FastTreeConfig(kv_split_sizes=(128, 64), para_threshs1=threshs, para_threshs2=(0, 0))
-    plan = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    no_share = ft.PlanRules(solo_min_share=2.0)  # the share test would take every chain out of the pass
+    plan = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=2, head_dim=64, rules=no_share)
     check_plan(tree, plan)
     assert (plan.unit_kv_len.max() <= 128) == cut_small
 
