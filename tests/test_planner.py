@@ -214,7 +214,7 @@ def test_solo_share_keeps_unshared_requests_out_of_bins():
     tree = ft.KVTree.from_lengths([-1] * 64, [700] * 64, list(range(64)))
     plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
     check_plan(tree, plan)
-    assert not any(tc.masked for tc, n in zip(plan.tile_classes, np.diff(plan.class_unit_ptr)) if n)
+    assert not any(tc.masked for tc, n in zip(plan.tile_classes, np.diff(plan.class_unit_ptr), strict=True) if n)
     binned = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(solo_min_share=2.0))
     check_plan(tree, binned)
     assert binned.tile_classes[0].masked and binned.class_unit_ptr[1] > 0
