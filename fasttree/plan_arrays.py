@@ -187,11 +187,13 @@ def _solo_group_split(
       ``ceil(P / (solo groups x KV heads))`` chunks, the chunking of
       :func:`fasttree.plan_query_separated`;
     - with more KV heads (``rules.solo_recut``), a solo group of ``L`` tokens cut at the small
-      split size, in a plan whose groups hold ``T`` tokens, is cut into
-      ``ceil(L * P / (T x KV heads))`` chunks of about equal length (rounded up to the small KV
-      tile): its share of ``P`` programs. There, cutting every group by the longest one left a
-      long group whole as the launch's tail on mixed lengths, and re-cutting groups already cut
-      at the big split size lost waves (0.93x on 32 x 4k-token requests at 32/8 heads).
+      split size, or any solo group where their cut makes more than
+      ``rules.solo_recut_programs * P`` programs, in a plan whose groups hold ``T`` tokens, is
+      cut into ``ceil(L * P / (T x KV heads))`` chunks of about equal length (rounded up to the
+      small KV tile): its share of ``P`` programs. There, cutting every group by the longest one
+      left a long group whole as the launch's tail on mixed lengths, and re-cutting groups
+      already cut at the big split size into about ``P`` programs lost waves (0.93x on 32 x
+      4k-token requests at 32/8 heads, whose cut made 1.9 P programs).
 
     A longer split is kept.
 
@@ -214,7 +216,9 @@ def _solo_group_split(
     if few_heads:
         split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile)
     else:
-        solo &= current <= config.kv_split_sizes[1]
+        cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
+        if cut <= rules.solo_recut_programs * programs:  # only the groups at the small split
+            solo &= current <= config.kv_split_sizes[1]
         total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
         chunks = np.maximum(1, -(-(kv_len * programs) // total))
         even = -(-kv_len // chunks)  # tokens per chunk, rounded up to the tile below

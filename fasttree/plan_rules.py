@@ -50,7 +50,11 @@ class PlanRules:
     solo_recut : bool
         With more KV heads, the solo groups cut at the small split size are cut into their share
         of ``para_threshs1[1]`` programs instead (H200: 1.26x on 32 x 4k-token requests at 64/4
-        heads, 1.02-1.08x on two more batches). False: they keep the small split.
+        heads, 1.03x on 16 x 2k at 64/4). False: they keep their split.
+    solo_recut_programs : float
+        ... and so are solo groups at any split where their cut makes more than this many times
+        ``para_threshs1[1]`` programs (H200: 1.02-1.04x on three batches at 32/8 and 28/4 heads,
+        0.99x on a fourth; a cut of 1.9 times, re-cut, measured 0.93x).
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -90,6 +94,7 @@ class PlanRules:
     solo_min_share: float = 0.9
     solo_split_max_kv_heads: int = 2
     solo_recut: bool = True
+    solo_recut_programs: float = 2.0
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True

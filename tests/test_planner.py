@@ -179,7 +179,13 @@ def test_million_token_node_is_split_into_units():
     # (para_threshs1[1] = 528 over 2 groups x 1 KV head), 3,840 tokens (a multiple of the KV tile)
     assert plan.unit_kv_len.max() == 3840
     assert plan.n_units >= 2 * (1_000_000 // 3840)
-    old = ft.plan(tree, num_q_heads=8, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(solo_split_max_kv_heads=0))
+    old = ft.plan(
+        tree,
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=128,
+        rules=ft.PlanRules(solo_split_max_kv_heads=0, solo_recut=False),
+    )
     check_plan(tree, old)
     assert old.unit_kv_len.max() <= max(old.config.kv_split_sizes) and old.n_units >= 1_000_000 // 1024
 
