@@ -139,10 +139,10 @@ def tree_id(record: dict[str, Any]) -> str:
 #: :class:`fasttree.PlanRules` that switch one off).
 _RULES = (
     "aligned_blocks", "wide_units", "whole_groups", "balanced_bins", "solo_units", "solo_split_max_kv_heads",
-    "solo_min_share", "solo_recut",
+    "solo_min_share", "solo_recut", "crossover_margin",
 )  # fmt: skip
 #: The value that switches a rule off where it is not ``False``.
-_RULE_OFF: dict[str, Any] = {"solo_split_max_kv_heads": 0, "solo_min_share": 2.0}
+_RULE_OFF: dict[str, Any] = {"solo_split_max_kv_heads": 0, "solo_min_share": 2.0, "crossover_margin": 0.0}
 
 #: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
 #: off, all of them first (how most shipped traces were planned), then more rules on before fewer.

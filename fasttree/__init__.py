@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .adapter import tree_from_radix_nodes, tree_from_req_to_token, tree_from_token_slots
-    from .attention import plan_query_separated, query_separated_attention, tree_attention
+    from .attention import query_separated_attention, tree_attention
     from .config import FastTreeConfig
     from .export import ConfigExport, ExportEntry, ExportGuard, load_portfolio, read_export, write_export
     from .groups import Groups
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .plan_rules import PlanRules
     from .planner import build_groups, greedy_edge_assignment, plan
     from .portfolio import LeafRegion, Portfolio, Selector, tree_features
+    from .query_separated import plan_query_separated
     from .recording import WorkloadRecorder
     from .reference import max_relative_error, reference_attention
     from .runtime import RuntimePlan, TreeAttentionRuntime
@@ -35,7 +36,7 @@ _LAZY = {
     "tree_from_radix_nodes": "adapter",
     "tree_from_req_to_token": "adapter",
     "tree_from_token_slots": "adapter",
-    "plan_query_separated": "attention",
+    "plan_query_separated": "query_separated",
     "query_separated_attention": "attention",
     "tree_attention": "attention",
     "FastTreeConfig": "config",

@@ -14,12 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 import triton
 
-from .config import FastTreeConfig
-from .groups import Groups
 from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
 from .launch_rules import (
     GpuTarget,
@@ -42,11 +39,12 @@ from .launcher import (
     side_stream,
     tensor_layout,
 )
-from .plan_arrays import DevicePlan, Plan, check_heads, chunked_split, materialize
+from .plan_arrays import DevicePlan, Plan
+from .query_separated import plan_query_separated
 from .tree import KVTree
-from .validation import check_int, check_number
+from .validation import check_number
 
-__all__ = ["output_like", "plan_query_separated", "query_separated_attention", "tree_attention"]
+__all__ = ["output_like", "query_separated_attention", "tree_attention"]
 
 LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -401,67 +399,6 @@ def _workspace(plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 # ------------------------------------------------------------------- baseline
-def plan_query_separated(
-    tree: KVTree,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    kv_split_size: int | None = None,
-    num_sms: int = 132,
-    kv_tile: int = 64,
-) -> Plan:
-    """Plan FlashDecoding-style attention: every query alone over its whole context.
-
-    Each query's root-path KV is cut into chunks of ``kv_split_size`` tokens (by default
-    sized so that about four waves of ``num_sms`` programs run); one program handles the
-    ``g`` heads of one KV head of one query over one chunk, and chunks are merged.
-    """
-    check_heads(num_q_heads, num_kv_heads, head_dim)
-    if kv_split_size is not None:
-        kv_split_size = check_int("kv_split_size", kv_split_size, minimum=1)
-    kv_indptr, kv_slots = tree.query_slots()
-    nq = tree.n_queries
-    lens = np.diff(kv_indptr)
-    if kv_split_size is None:
-        kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile)
-    groups = Groups(
-        node=tree.query_nodes.copy(),
-        kv_start=kv_indptr[:-1],
-        kv_len=lens,
-        kv_slots=kv_slots,
-        q_indptr=np.arange(nq + 1, dtype=np.int64),
-        q_ids=np.arange(nq, dtype=np.int64),
-    )
-    config = FastTreeConfig(
-        q_tile_queries=(1, 1),
-        kv_tile=(kv_tile, kv_tile),
-        kv_split_sizes=(kv_split_size, kv_split_size),
-        pack_tokens=0,
-    )
-    return materialize(
-        groups,
-        q_tiles=(1, 1),
-        kv_tiles=(kv_tile, kv_tile),
-        group_split=np.full(nq, kv_split_size, dtype=np.int64),
-        splits=(kv_split_size, kv_split_size),
-        config=config,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        n_queries=nq,
-        max_slot=tree.max_slot,
-        tile_mode="query_separated",
-    )
-
-
-def query_separated_split(longest: int, n_queries: int, num_kv_heads: int, num_sms: int, kv_tile: int) -> int:
-    """The default chunk size of :func:`plan_query_separated`: a multiple of ``kv_tile`` that cuts
-    the ``longest`` context into enough chunks for about four waves of ``num_sms`` programs over
-    ``n_queries`` queries x ``num_kv_heads`` KV heads."""
-    return chunked_split(longest, 4 * num_sms, n_queries * num_kv_heads, kv_tile)
-
-
 def query_separated_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -55,6 +55,12 @@ class PlanRules:
         ... and so are solo groups at any split where their cut makes more than this many times
         ``para_threshs1[1]`` programs (H200: 1.02-1.04x on three batches at 32/8 and 28/4 heads,
         0.99x on a fourth; a cut of 1.9 times, re-cut, measured 0.93x).
+    crossover_margin : float
+        At 16 or more query heads per KV head, :func:`fasttree.plan` returns plain split-KV
+        decode's plan (:func:`fasttree.plan_query_separated`) where the tree plan costs more than
+        this many times as much by the crossover test
+        (:func:`fasttree.planner._costs_more_than_decode`: KV tokens read, weighted by the square
+        root of the tile's rows). 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -95,6 +101,7 @@ class PlanRules:
     solo_split_max_kv_heads: int = 2
     solo_recut: bool = True
     solo_recut_programs: float = 2.0
+    crossover_margin: float = 1.03
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True

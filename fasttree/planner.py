@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import math
 
 import numpy as np
 
@@ -44,11 +45,14 @@ from .native import address, planner_library
 from .plan_arrays import Plan, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
+from .query_separated import plan_query_separated
 from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
 
 _INT32_MAX = 0x7FFFFFFF
+#: Rows of the smallest tile (the crossover test's unit of rows).
+_MIN_ROWS = 16
 
 #: Levels with at most this many edges are decided by the scalar loop (a speed threshold: both
 #: loops decide alike).
@@ -1069,7 +1073,7 @@ def plan(
         small_groups = units_for.small if units_for is not None else kept.count <= cost.q_tiles[1]
         group_split = np.where(small_groups, splits[1], splits[0])
     gx = _tree_index(tree).groups(tree)
-    return materialize(
+    planned = materialize(
         groups,
         q_tiles=cost.q_tiles,
         kv_tiles=cost.kv_tiles,
@@ -1087,6 +1091,33 @@ def plan(
         query_of_rank=gx.query_of_rank,
         rules=rules,
     )
+    if rules.crossover_margin and _costs_more_than_decode(planned, tree, g, rules.crossover_margin):
+        return plan_query_separated(tree, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return planned
+
+
+def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) -> bool:
+    """The crossover test: whether ``planned`` costs more than ``margin`` times plain split-KV
+    decode of ``tree`` (:func:`fasttree.plan_query_separated`).
+
+    A plan's cost is the KV tokens its units read, each weighted by ``sqrt(block_m / 16)`` for
+    its tile's rows: on the H200 a 64-row tile took about twice a 16-row tile's time per KV
+    token, on trees where neither is bound by the GPU's bandwidth. Decode reads every query's
+    context (the sum over nodes of tokens x queries below) in tiles of ``max(16, g)`` rows. With
+    little sharing and bins of several queries' KV (forests with internal queries at GQA 16 and
+    one to four KV heads), the tree plan read 0.56-0.76 of decode's tokens but cost 1.05-1.26
+    times as much by this measure and ran 0.84-0.97x of decode's speed; every paper tree and
+    batch without sharing cost at most 1.01 times decode's.
+    """
+    unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
+    cost = 0.0
+    for c, tile in enumerate(planned.tile_classes):
+        if unit_ptr[c + 1] > unit_ptr[c]:
+            tokens = int(np.add.reduce(kv_len[unit_ptr[c] : unit_ptr[c + 1]], dtype=np.int64))
+            cost += tokens * math.sqrt(tile.block_m / _MIN_ROWS)
+    decode_rows = max(_MIN_ROWS, 1 << (g - 1).bit_length())
+    decode = float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_ROWS)
+    return cost > margin * decode
 
 
 def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules) -> tuple[list[int], str]:

@@ -53,8 +53,6 @@ from .attention import (
     kernel_launches,
     launch_through_triton,
     output_like,
-    plan_query_separated,
-    query_separated_split,
     run_direct,
 )
 from .config import FastTreeConfig
@@ -91,6 +89,7 @@ from .plan_arrays import DEVICE_ARRAYS, MAX_BLOCK_M, Plan, check_heads
 from .plan_extend import PlanExtender
 from .plan_rules import PlanRules
 from .portfolio import LAUNCH_FIELDS, Portfolio
+from .query_separated import plan_query_separated, query_separated_split
 from .recording import WorkloadRecorder
 from .runtime_planning import QUERY_CENTRIC_CHOICES, launch_slots, plan_for_runtime, resolve_stage1_launches
 from .step_graphs import StepGraphs
