@@ -20,11 +20,14 @@ import numpy as np
 
 #: Tile modes of a plan: two tile classes, or every group on one of them.
 TWO_CLASSES, ALL_LARGE, ALL_SMALL = "two_classes", "all_large", "all_small"
+#: The tile mode of plain split-KV decode's plans (:func:`fasttree.plan_query_separated`): one
+#: query per tile in both classes, as :data:`TWO_CLASSES` with one-query tiles.
+QUERY_SEPARATED = "query_separated"
 
 
 def mode_tiles(mode: str, q_tiles: tuple[int, int], kv_tiles: tuple[int, int]):
     """Per-phase (query tiles, KV tiles) of a tile mode."""
-    if mode == TWO_CLASSES:
+    if mode in (TWO_CLASSES, QUERY_SEPARATED):
         return tuple(q_tiles), tuple(kv_tiles)
     if mode == ALL_LARGE:
         return (q_tiles[0], q_tiles[0]), (kv_tiles[0], kv_tiles[0])

@@ -1091,7 +1091,7 @@ def plan(
         query_of_rank=gx.query_of_rank,
         rules=rules,
     )
-    if rules.crossover_margin and _costs_more_than_decode(planned, tree, g, rules.crossover_margin):
+    if rules.crossover_margin and g >= _MIN_ROWS and _costs_more_than_decode(planned, tree, g, rules.crossover_margin):
         return plan_query_separated(tree, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     return planned
 
@@ -1103,11 +1103,14 @@ def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) 
     A plan's cost is the KV tokens its units read, each weighted by ``sqrt(block_m / 16)`` for
     its tile's rows: on the H200 a 64-row tile took about twice a 16-row tile's time per KV
     token, on trees where neither is bound by the GPU's bandwidth. Decode reads every query's
-    context (the sum over nodes of tokens x queries below) in tiles of ``max(16, g)`` rows. With
-    little sharing and bins of several queries' KV (forests with internal queries at GQA 16 and
-    one to four KV heads), the tree plan read 0.56-0.76 of decode's tokens but cost 1.05-1.26
-    times as much by this measure and ran 0.84-0.97x of decode's speed; every paper tree and
-    batch without sharing cost at most 1.01 times decode's.
+    context (the sum over nodes of tokens x queries below) in tiles of ``max(16, g)`` rows.
+    :func:`plan` applies the test only from ``g = 16``, where decode's tile has no idle rows.
+
+    Measured on the H200 (``docs/history.md``, crossover): on the crossover, families and paper
+    suites every paper tree and batch without sharing costs at most 1.01 times decode's, and the
+    forests with internal queries at GQA 16 that lost to decode (0.84-0.97x) cost 1.05-1.26
+    times; on 46 held-out trees, of the 27 at GQA 16 the test sent to decode 24 ran 1.01-1.44x
+    faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
     unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
     cost = 0.0

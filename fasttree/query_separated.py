@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import FastTreeConfig
+from .costs import QUERY_SEPARATED
 from .groups import Groups
 from .plan_arrays import Plan, check_heads, chunked_split, materialize
 from .tree import KVTree
@@ -67,7 +68,7 @@ def plan_query_separated(
         head_dim=head_dim,
         n_queries=nq,
         max_slot=tree.max_slot,
-        tile_mode="query_separated",
+        tile_mode=QUERY_SEPARATED,
     )
 
 

@@ -273,7 +273,8 @@ def test_packed_units_in_both_tile_classes(g, hkv, q_tiles, device):
     cfg = ft.FastTreeConfig(
         q_tile_queries=q_tiles, pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), para_threshs1=(0, 0)
     )
-    plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
+    tree_plan = ft.PlanRules(crossover_margin=0.0)  # this small forest costs more than decode at GQA 16
+    plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=tree_plan)
     assert plan.tile_classes[0].masked
     assert plan.tile_classes[1].masked or g == 16  # GQA 16: one query fills a small tile
     q, k, v = make_inputs(tree, g * hkv, hkv, 64, torch.float16, device, gen)
@@ -453,7 +454,8 @@ def test_balanced_bins_match_reference(levels, g, hkv, dtype, device):
     cfg = ft.FastTreeConfig(pack_min_units=32, para_threshs1=(1, 1), para_threshs2=(1, 1))
     gen = torch.Generator().manual_seed(g + hkv)
     q, k, v = make_inputs(tree, g * hkv, hkv, 64, dtype, device, gen)
-    plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
+    tree_plan = ft.PlanRules(crossover_margin=0.0)  # this small forest costs more than decode at GQA 16
+    plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=tree_plan)
     assert plan.tile_classes[0].masked or plan.tile_classes[1].masked
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
     check_against_reference(out, q, k, v, tree)

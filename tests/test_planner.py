@@ -221,7 +221,9 @@ def test_solo_share_keeps_unshared_requests_out_of_bins():
     plan = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128)
     check_plan(tree, plan)
     assert not any(tc.masked for tc, n in zip(plan.tile_classes, np.diff(plan.class_unit_ptr), strict=True) if n)
-    binned = ft.plan(tree, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(solo_min_share=2.0))
+    binned = ft.plan(
+        tree, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=ft.PlanRules(solo_min_share=2.0, crossover_margin=0.0)
+    )
     check_plan(tree, binned)
     assert binned.tile_classes[0].masked and binned.class_unit_ptr[1] > 0
 
@@ -543,3 +545,34 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         rt = ft.PlanRules.runtime(launches)
         assert (rt.solo_units, rt.wide_units, rt.aligned_blocks) == (launches == 2, False, False)
         assert rt.with_(solo_units=True, wide_units=True, aligned_blocks=True) == ft.PlanRules()
+
+
+# ---------------------------------------------------------- crossover with plain decode
+def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
+    """A random forest with internal queries at 16 query heads per KV head: the tree plan's
+    64-row bins cost more than decode's 16-row tiles by the crossover test, so plan() returns
+    plain split-KV decode's plan; with the rule off, or at GQA 7, the tree plan."""
+    from fasttree.costs import QUERY_SEPARATED
+    from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
+
+    case = next(c for c in CROSSOVER_CASES if c.name == "forest400/16x1/d128/fp16")
+    tree = family_tree(case)
+    heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
+    plan = ft.plan(tree, **heads)
+    decode = ft.plan_query_separated(tree, **heads)
+    assert plan.tile_mode == QUERY_SEPARATED
+    for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query", "query_num_partials"):
+        np.testing.assert_array_equal(getattr(plan, name), getattr(decode, name))
+    check_plan(tree, plan)
+    tree_plan = ft.plan(tree, **heads, rules=ft.PlanRules(crossover_margin=0.0))
+    assert tree_plan.tile_mode != QUERY_SEPARATED
+    check_plan(tree, tree_plan)
+    assert ft.plan(tree, num_q_heads=28, num_kv_heads=4, head_dim=128).tile_mode != QUERY_SEPARATED
+
+
+@pytest.mark.parametrize("case", [2, 5, 8, 9, 12])
+def test_crossover_keeps_the_tree_plan_of_paper_trees(case):
+    from fasttree.costs import QUERY_SEPARATED
+
+    for hq, hkv in ((16, 1), (32, 2)):
+        assert ft.plan(paper_tree(case), num_q_heads=hq, num_kv_heads=hkv, head_dim=128).tile_mode != QUERY_SEPARATED
