@@ -24,7 +24,7 @@ import numpy as np
 
 from fasttree.config import FastTreeConfig
 from fasttree.plan_rules import PlanRules
-from fasttree.runtime_planning import plan_as_launched
+from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, read_traces, record_launch
 from fasttree.validation import is_int
 from fasttree.versions import KERNEL_VERSION
@@ -153,6 +153,15 @@ _LEGACY_RULES: tuple[PlanRules, ...] = tuple(
 )
 
 
+#: The rules newer than the first runtime traces, switched off in every combination (all first),
+#: to re-plan a runtime record as it was measured.
+_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = tuple(
+    {name: _RULE_OFF.get(name, False) for name in off}
+    for n in range(4, 0, -1)
+    for off in itertools.combinations(_RULES[-4:], n)
+)
+
+
 def record_plan(record: dict[str, Any]):
     """Re-plan one measurement record with the library's planner (its tree, heads and config).
 
@@ -172,10 +181,17 @@ def record_plan(record: dict[str, Any]):
     heads = {k: record[k] for k in ("num_q_heads", "num_kv_heads", "head_dim")}
     launch = record_launch(record)
     if launch is not None:
-        plan = plan_as_launched(
-            *args, **heads, stage1_launches=launch["stage1_launches"], query_centric=launch["query_centric"]
-        )
+        how = {"stage1_launches": launch["stage1_launches"], "query_centric": launch["query_centric"]}
+        plan = plan_as_launched(*args, **heads, **how)
         if record.get("plan") is not None and not _same_plan(plan, record["plan"]):
+            # measured before the newest rules: the runtime's rules with some of them off
+            group_size = heads["num_q_heads"] // heads["num_kv_heads"]
+            launches = resolve_stage1_launches(launch["stage1_launches"], group_size, heads["head_dim"])
+            runtime = PlanRules.runtime(launches)
+            for off in _RUNTIME_LEGACY:
+                before = plan_as_launched(*args, **heads, **how, rules=runtime.with_(**off))
+                if _same_plan(before, record["plan"]):
+                    return before
             logger.debug("record %s: the runtime's plan differs from its measured one", record.get("key"))
         return plan
     plan = ft.plan(*args, **heads)

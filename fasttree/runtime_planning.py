@@ -191,6 +191,7 @@ def plan_as_launched(
     head_dim: int,
     stage1_launches: int | str = "auto",
     query_centric: str = "auto",
+    rules: PlanRules | None = None,
 ) -> Plan:
     """The runtime's plan of ``tree`` (:func:`plan_for_runtime`) with the tile classes its launches
     run (:func:`launch_view`): what the latency model is asked about for a runtime step.
@@ -198,5 +199,7 @@ def plan_as_launched(
     Parameters and errors as :func:`plan_for_runtime`.
     """
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    plan, _ = plan_for_runtime(tree, config, **heads, stage1_launches=stage1_launches, query_centric=query_centric)
+    plan, _ = plan_for_runtime(
+        tree, config, **heads, stage1_launches=stage1_launches, query_centric=query_centric, rules=rules
+    )
     return launch_view(plan, config, stage1_launches=stage1_launches)

@@ -117,15 +117,16 @@ RULES = ("solo_units", "balanced_bins", "whole_groups", "wide_units", "aligned_b
 @st.composite
 def planned(draw, *, max_nodes: int = 24, lengths: tuple[int, ...] = LENGTHS, head_dims=(16, 64, 128, 256)):
     """(tree, plan, plan_args) for a drawn tree, head shape, config and planner rules (``plan_args``:
-    the heads and rules the plan was made with, the keyword arguments of :func:`fasttree.plan`)."""
+    the config, heads and rules the plan was made with, the keyword arguments of
+    :func:`fasttree.plan`; a plan the crossover rule hands to plain decode carries decode's config)."""
     tree = draw(kv_trees(max_nodes=max_nodes, lengths=lengths))
     g = draw(st.sampled_from(GQA))
     hkv = draw(st.integers(1, 3))
     d = draw(st.sampled_from(head_dims))
     config = draw(configs(group_size=g))
     rules = ft.PlanRules(**{name: draw(st.booleans()) for name in RULES})
-    plan_args = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, "rules": rules}
-    return tree, ft.plan(tree, config, **plan_args), plan_args
+    plan_args = {"config": config, "num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, "rules": rules}
+    return tree, ft.plan(tree, **plan_args), plan_args
 
 
 @examples(150)
@@ -140,7 +141,7 @@ def test_any_plan_reads_each_context_once(case):
     assert int(plan.kv_indices.max()) <= tree.max_slot
     for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "unit_q_start", "unit_q_len", "pair_out_row"):
         assert getattr(plan, name).dtype == np.int32, name
-    again = ft.plan(ft.planner.unprepared(tree), plan.config, **plan_args)
+    again = ft.plan(ft.planner.unprepared(tree), **plan_args)
     for name in ("kv_indices", "kv_row_mask", "unit_kv_len", "unit_q_len", "pair_query", "pair_out_row"):
         np.testing.assert_array_equal(getattr(again, name), getattr(plan, name))
 
