@@ -576,3 +576,25 @@ def test_crossover_keeps_the_tree_plan_of_paper_trees(case):
 
     for hq, hkv in ((16, 1), (32, 2)):
         assert ft.plan(paper_tree(case), num_q_heads=hq, num_kv_heads=hkv, head_dim=128).tile_mode != QUERY_SEPARATED
+
+
+def test_query_contexts_match_query_slots(monkeypatch):
+    """Decode plans gather each query's context by the compiled chain walk: the same arrays as
+    KVTree.query_slots on random forests (queries at roots and internal nodes, scattered slots)
+    and on a tree of one-token nodes, with and without the compiled loops."""
+    from fasttree.query_separated import query_contexts
+
+    rng = np.random.default_rng(7)
+    trees = [random_tree(rng, roots=int(rng.integers(1, 4))) for _ in range(60)]
+    trees.append(ft.KVTree.from_lengths([-1, 0, 1, 2, 2], [1, 1, 1, 1, 1], [0, 3, 4, 4]))
+    for tree in trees:
+        want_ptr, want = tree.query_slots()
+        got_ptr, got = query_contexts(tree)
+        np.testing.assert_array_equal(got_ptr, want_ptr)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype == np.int32
+    import fasttree.query_separated as qs_mod
+
+    monkeypatch.setattr(qs_mod, "planner_library", lambda: None)  # no compiler: the numpy gather
+    got_ptr, got = query_contexts(trees[0])
+    np.testing.assert_array_equal(got, trees[0].query_slots()[1])
