@@ -42,7 +42,7 @@ from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
 from .host_arrays import entry_array
 from .native import address, planner_library
-from .plan_arrays import Plan, check_heads, materialize
+from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
 from .query_separated import plan_query_separated
@@ -51,8 +51,6 @@ from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_args
 _DEFAULT_CONFIG = FastTreeConfig()
 
 _INT32_MAX = 0x7FFFFFFF
-#: Rows of the smallest tile (the crossover test's unit of rows).
-_MIN_ROWS = 16
 
 #: Levels with at most this many edges are decided by the scalar loop (a speed threshold: both
 #: loops decide alike).
@@ -1091,7 +1089,8 @@ def plan(
         query_of_rank=gx.query_of_rank,
         rules=rules,
     )
-    if rules.crossover_margin and g >= _MIN_ROWS and _costs_more_than_decode(planned, tree, g, rules.crossover_margin):
+    margin = rules.crossover_margin
+    if margin and g >= _MIN_BLOCK_M and _costs_more_than_decode(planned, tree, g, margin):
         return plan_query_separated(tree, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     return planned
 
@@ -1117,9 +1116,9 @@ def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) 
     for c, tile in enumerate(planned.tile_classes):
         if unit_ptr[c + 1] > unit_ptr[c]:
             tokens = int(np.add.reduce(kv_len[unit_ptr[c] : unit_ptr[c + 1]], dtype=np.int64))
-            cost += tokens * math.sqrt(tile.block_m / _MIN_ROWS)
-    decode_rows = max(_MIN_ROWS, 1 << (g - 1).bit_length())
-    decode = float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_ROWS)
+            cost += tokens * math.sqrt(tile.block_m / _MIN_BLOCK_M)
+    decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
+    decode = float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_BLOCK_M)
     return cost > margin * decode
 
 
