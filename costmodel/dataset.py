@@ -144,22 +144,23 @@ _RULES = (
 #: The value that switches a rule off where it is not ``False``.
 _RULE_OFF: dict[str, Any] = {"solo_split_max_kv_heads": 0, "solo_min_share": 2.0, "crossover_margin": 0.0}
 
+
+def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    """Every non-empty combination of ``rules`` switched off (field -> off value), all of them
+    first, then more rules on before fewer."""
+    return tuple(
+        {name: _RULE_OFF.get(name, False) for name in off}
+        for n in range(len(rules), 0, -1)
+        for off in itertools.combinations(rules, n)
+    )
+
+
 #: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
 #: off, all of them first (how most shipped traces were planned), then more rules on before fewer.
-_LEGACY_RULES: tuple[PlanRules, ...] = tuple(
-    PlanRules(**{name: _RULE_OFF.get(name, False) for name in off})
-    for n in range(len(_RULES), 0, -1)
-    for off in itertools.combinations(_RULES, n)
-)
-
-
-#: The rules newer than the first runtime traces, switched off in every combination (all first),
-#: to re-plan a runtime record as it was measured.
-_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = tuple(
-    {name: _RULE_OFF.get(name, False) for name in off}
-    for n in range(4, 0, -1)
-    for off in itertools.combinations(_RULES[-4:], n)
-)
+_LEGACY_RULES: tuple[PlanRules, ...] = tuple(PlanRules(**off) for off in _switched_off(_RULES))
+#: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
+#: record as it was measured (over the runtime's rules).
+_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[-4:])
 
 
 def record_plan(record: dict[str, Any]):
