@@ -4,19 +4,21 @@
 (unit, KV head) items per tile class, and per-plan tiles, stages, register caps and peeling
 (:func:`fasttree.launch_rules.stage1_launches`, :func:`fasttree.launch_rules.merge_launch`). A
 graph cannot replay such a launch for another plan. A :class:`LaunchVariant` is those same
-launch decisions with each grid rounded up to a *grid bucket* (:func:`grid_bucket`): every plan
-of a variant runs from one set of launches (the kernels read the plan's arrays and unit ranges
-from the runtime's plan buffer; a grid's programs beyond a plan's units find empty ones), so a server captures
-one graph per variant it meets and replays the one of each step's plan, as serving engines keep
-one graph per batch-size bucket. :class:`VariantTable` numbers the variants a runtime hands out
-and bounds the live ones; past the bound a plan runs the smallest live variant whose launches
-cover it (the same launches, larger grids), else a new id replaces the least recently used one.
+launch decisions with each grid rounded up to a *grid bucket* (:func:`grid_bucket`; stage-1 grids
+also stop at whole waves of the GPU): every plan of a variant runs from one set of launches (the
+kernels read the plan's arrays and unit ranges from the runtime's plan buffer; a grid's programs
+beyond a plan's units find empty ones), so a server captures one graph per variant it meets and
+replays the one of each step's plan, as serving engines keep one graph per batch-size bucket.
+:class:`VariantTable` numbers the variants a runtime hands out and bounds the live ones; past the
+bound a plan runs the smallest live variant whose launches cover it (the same launches, larger
+grids), else a new id replaces the least recently used one.
 
 Numpy only (no device work).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -25,7 +27,7 @@ import triton
 from .launch_rules import GpuTarget, MergeLaunch, Stage1Launch, merge_launch, stage1_launches
 from .plan_arrays import Plan
 
-__all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "launch_variant"]
+__all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "launch_variant", "unit_wave"]
 
 #: Variant id of the runtime's fixed persistent launch (serves any plan within the capacities).
 FIXED_VARIANT = 0
@@ -35,15 +37,34 @@ _EXACT_BUCKETS = 16
 _BUCKET_BITS = 3
 
 
-def grid_bucket(n: int) -> int:
+def grid_bucket(n: int, wave: int = 0) -> int:
     """The grid size (>= ``n``) a launch variant gives a launch of ``n`` programs along its
-    unit (or merged-query) dimension: ``n`` itself up to 16, above that ``n`` rounded up to
-    ``m * 2**e`` with ``8 <= m < 16``, so at most one program in eight exits idle and a server
-    meets at most eight buckets per doubling of its plans' sizes."""
+    unit (or merged-query) dimension.
+
+    ``n`` itself up to 16; above that the smaller of ``n`` rounded up to ``m * 2**e`` with
+    ``8 <= m < 16`` (at most one program in eight exits idle, at most eight buckets per doubling
+    of a server's plans' sizes) and, with ``wave`` > 0, ``n`` rounded up to a multiple of
+    ``wave``. The planner sizes its splits to fill whole waves of the GPU (a multiple of the SM
+    count in programs), so a plan's unit count often sits on a wave; its bucket then adds no idle
+    program that would start a partial wave of its own (:func:`unit_wave`).
+    """
+    n = max(int(n), 0)
     if n <= _EXACT_BUCKETS:
-        return max(int(n), 0)
-    shift = int(n).bit_length() - 1 - _BUCKET_BITS
-    return -(-int(n) >> shift) << shift
+        return n
+    shift = n.bit_length() - 1 - _BUCKET_BITS
+    lattice = -(-n >> shift) << shift
+    if wave > 0:
+        return min(lattice, -(-n // wave) * wave)
+    return lattice
+
+
+def unit_wave(target: GpuTarget, num_kv_heads: int) -> int:
+    """Units of one wave of stage-1 programs on ``target``: the fewest units whose programs
+    (units x ``num_kv_heads``) are a whole multiple of the SM count; 0 (no wave) under the
+    interpreter, where ``target.sms`` is 0."""
+    if target.sms <= 0:
+        return 0
+    return target.sms // math.gcd(target.sms, int(num_kv_heads))
 
 
 @dataclass(frozen=True)
@@ -91,7 +112,10 @@ class LaunchVariant:
 
 def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
     """The launch variant of ``plan`` on ``target``: ``plan``'s own launch decisions, grids bucketed."""
-    stage1 = tuple(replace(s, first_unit=0, n_units=grid_bucket(s.n_units)) for s in stage1_launches(plan, target))
+    wave = unit_wave(target, plan.num_kv_heads)
+    stage1 = tuple(
+        replace(s, first_unit=0, n_units=grid_bucket(s.n_units, wave)) for s in stage1_launches(plan, target)
+    )
     m = merge_launch(plan, triton.next_power_of_2(plan.head_dim))
     merge = None if m is None else replace(m, n_merge=grid_bucket(m.n_merge))
     return LaunchVariant(stage1=stage1, merge=merge)

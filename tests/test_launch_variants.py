@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fasttree.launch_rules import MergeLaunch, Stage1Launch
-from fasttree.launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket
+from fasttree.launch_rules import GpuTarget, MergeLaunch, Stage1Launch
+from fasttree.launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket, unit_wave
 
 
 def _stage1(tile_class: int, n_units: int, **kw) -> Stage1Launch:
@@ -86,3 +86,20 @@ def test_only_max_variants_zero_runs_the_fixed_launch(max_variants):
         assert table.id_of(first) == 2  # which second covers now
         assert table.evicted == [1] and len(table) == 1
     assert table.variant(FIXED_VARIANT) is None
+
+
+def test_stage1_buckets_stop_at_whole_waves_and_never_exceed_the_lattice():
+    n = np.arange(0, 3001)
+    for sms, kv_heads in ((132, 1), (132, 4), (132, 8), (108, 7), (78, 16)):
+        wave = unit_wave(GpuTarget(cuda=True, major=9, sms=sms), kv_heads)
+        assert (wave * kv_heads) % sms == 0 and wave >= 1
+        aligned = np.array([grid_bucket(int(x), wave) for x in n])
+        lattice = np.array([grid_bucket(int(x)) for x in n])
+        assert (aligned >= n).all() and (aligned <= lattice).all() and (np.diff(aligned) >= 0).all()
+        on_wave = n[(n > 16) & (n % wave == 0)]
+        # a plan whose units fill whole waves launches no idle program, whatever the lattice says
+        assert (aligned[on_wave] == on_wave).all()
+        assert (aligned[on_wave] < lattice[on_wave]).any()
+    assert unit_wave(GpuTarget(cuda=False), 4) == 0
+    assert grid_bucket(264, unit_wave(GpuTarget(cuda=True, major=9, sms=132), 1)) == 264
+    assert grid_bucket(264) == 288
