@@ -1049,6 +1049,31 @@ def plan(
         raise ValueError(f"rules must be a PlanRules, got {type(rules).__name__}")
     g = check_heads(num_q_heads, num_kv_heads, head_dim)
     q_tiles = config.query_tiles(g)
+    heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    planned = _tree_plan(tree, config, rules, g, q_tiles, **heads)
+    if _small_tiles_apply(planned, config, rules, q_tiles):
+        small = _tree_plan(tree, config, rules, g, (q_tiles[1], q_tiles[1]), **heads)
+        if _tile_cost(planned, config) > rules.small_tiles_margin * _tile_cost(small, config):
+            planned = small
+    margin = rules.crossover_margin
+    if margin and g >= _MIN_BLOCK_M and _costs_more_than_decode(planned, tree, g, margin):
+        return plan_query_separated(tree, **heads)
+    return planned
+
+
+def _tree_plan(
+    tree: KVTree,
+    config: FastTreeConfig,
+    rules: PlanRules,
+    g: int,
+    q_tiles: tuple[int, int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> Plan:
+    """The tree plan of :func:`plan` with queries per tile ``q_tiles`` (large, small class):
+    the greedy, the adaptive passes, the groups and the plan's arrays."""
 
     def run_greedy(mode: str):
         tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
@@ -1071,7 +1096,7 @@ def plan(
         small_groups = units_for.small if units_for is not None else kept.count <= cost.q_tiles[1]
         group_split = np.where(small_groups, splits[1], splits[0])
     gx = _tree_index(tree).groups(tree)
-    planned = materialize(
+    return materialize(
         groups,
         q_tiles=cost.q_tiles,
         kv_tiles=cost.kv_tiles,
@@ -1089,10 +1114,53 @@ def plan(
         query_of_rank=gx.query_of_rank,
         rules=rules,
     )
-    margin = rules.crossover_margin
-    if margin and g >= _MIN_BLOCK_M and _costs_more_than_decode(planned, tree, g, margin):
-        return plan_query_separated(tree, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    return planned
+
+
+#: Programs per SM that :func:`_tile_cost` assumes run at once.
+_TILE_COST_PROGRAMS_PER_SM = 2.0
+#: A partial row's cost in :func:`_tile_cost`, in KV tokens of a 16-row tile's work.
+_TILE_COST_PARTIAL_ROW = 0.25
+
+
+def _small_tiles_apply(planned: Plan, config: FastTreeConfig, rules: PlanRules, q_tiles: tuple[int, int]) -> bool:
+    """Whether :func:`plan` also plans the tree with the small tile's queries in both tile classes:
+    at head dims of at least ``rules.small_tiles_head_dim`` and GQA group sizes of at least
+    ``rules.small_tiles_min_group``, where the config leaves the query tiles to their defaults,
+    the large tile holds more queries than the small one, and the plan put units in it."""
+    return bool(
+        rules.small_tiles_head_dim
+        and planned.head_dim >= rules.small_tiles_head_dim
+        and planned.group_size >= rules.small_tiles_min_group
+        and config.q_tile_queries is None
+        and q_tiles[0] > q_tiles[1]
+        and planned.class_unit_ptr[1] > planned.class_unit_ptr[0]
+    )
+
+
+def _tile_cost(planned: Plan, config: FastTreeConfig) -> float:
+    """The tile-choice cost of a plan, in KV tokens of a 16-row tile's work (relative: only
+    compared between two plans of one tree).
+
+    Each unit's KV tokens weigh ``sqrt(block_m / 16)`` for its tile's rows. The cost is the
+    larger of the launch's work (every unit's weighted tokens x KV heads, spread over
+    ``para_threshs1[0]`` SMs at two programs each) and its tail (the longest unit's weighted
+    tokens), plus ``0.25`` per partial row and KV head (merge work).
+
+    Fitted on the H200 at head dim 256, bf16, GQA 8 (``docs/history.md``, large tiles at head dim
+    256): over 68 timed cases of 27 trees it predicted the default, 32- and 16-row plans and
+    query-separated decode's within 9.4% on average, where the KV tokens alone (the crossover
+    test's cost) missed the 16-row plans' losses on trees whose few long units set the time.
+    """
+    unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
+    work = tail = 0.0
+    for c, tile in enumerate(planned.tile_classes):
+        if unit_ptr[c + 1] > unit_ptr[c]:
+            lens = kv_len[unit_ptr[c] : unit_ptr[c + 1]]
+            weight = math.sqrt(tile.block_m / _MIN_BLOCK_M)
+            work += int(np.add.reduce(lens, dtype=np.int64)) * weight
+            tail = max(tail, int(np.maximum.reduce(lens)) * weight)
+    spread = work * planned.num_kv_heads / (config.para_threshs1[0] * _TILE_COST_PROGRAMS_PER_SM)
+    return max(spread, tail) + _TILE_COST_PARTIAL_ROW * planned.n_partial_rows * planned.num_kv_heads
 
 
 def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) -> bool:
