@@ -33,7 +33,9 @@ __all__ = ["address", "cache_dir", "planner_library"]
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "planner.c"
-_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c99")
+#: Compiler flags: -O3 planned 4-9% faster than -O2 on paper and family trees (2 cores, gcc 12,
+#: four alternated runs), plans bit for bit the same.
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99")
 #: ``(path, library)`` once loaded; ``(None, None)`` after a failure (not retried in this process).
 _LOADED: tuple[Path | None, ctypes.CDLL | None] | None = None
 
