@@ -632,6 +632,32 @@ def test_small_tiles_keep_the_large_tiles_where_they_cost_less():
         assert _same_arrays(plan, ft.plan(tree, **heads, rules=ft.PlanRules(small_tiles_head_dim=0)))
 
 
+def test_small_tile_plans_are_valid_at_every_gqa_and_packing():
+    """With the margin at 0 and no GQA bound (the crossover off), the small-tiles rule hands back
+    its 16-row plan wherever it applies: on trees of four families at GQA 1-16 (packing on and off) that plan
+    covers every query's context once, with consistent partial rows, and is the plan of a config
+    with the small tile's queries in both classes."""
+    from fasttree.toolkit.workloads import sample_tree
+
+    always = ft.PlanRules(small_tiles_margin=0.0, small_tiles_min_group=1, crossover_margin=0.0)
+    switched = 0
+    for seed, family in enumerate(("random_recursive", "few_shot", "beam_search", "speculative")):
+        tree = sample_tree(family, 3000 + seed)
+        for hq, hkv in ((16, 16), (16, 8), (16, 4), (8, 1), (16, 1)):
+            for config in (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)):
+                heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 256}
+                plan = ft.plan(tree, config, **heads, rules=always)
+                if [t.block_m for t in plan.tile_classes] != [16, 16]:
+                    continue
+                switched += 1
+                check_plan(tree, plan)
+                small = config.query_tiles(hq // hkv)[1]
+                twin = config.with_(q_tile_queries=(small, small))
+                off = ft.PlanRules(small_tiles_head_dim=0, crossover_margin=0.0)
+                assert _same_arrays(plan, ft.plan(tree, twin, **heads, rules=off))
+    assert switched >= 20
+
+
 def test_query_contexts_match_query_slots(monkeypatch):
     """Decode plans gather each query's context by the compiled chain walk: the same arrays as
     KVTree.query_slots on random forests (queries at roots and internal nodes, scattered slots)
