@@ -1143,13 +1143,14 @@ def _tile_cost(planned: Plan, config: FastTreeConfig) -> float:
 
     Each unit's KV tokens weigh ``sqrt(block_m / 16)`` for its tile's rows. The cost is the
     larger of the launch's work (every unit's weighted tokens x KV heads, spread over
-    ``para_threshs1[0]`` SMs at two programs each) and its tail (the longest unit's weighted
-    tokens), plus ``0.25`` per partial row and KV head (merge work).
+    ``para_threshs1[0]`` SMs, at least one, at two programs each) and its tail (the longest
+    unit's weighted tokens), plus ``0.25`` per partial row and KV head (merge work).
 
     Fitted on the H200 at head dim 256, bf16, GQA 8 (``docs/history.md``, large tiles at head dim
-    256): over 68 timed cases of 27 trees it predicted the default, 32- and 16-row plans and
-    query-separated decode's within 9.4% on average, where the KV tokens alone (the crossover
-    test's cost) missed the 16-row plans' losses on trees whose few long units set the time.
+    256): over 68 timed cases of 27 trees, with a fitted scale and constant, it predicted the
+    default, 32- and 16-row plans and query-separated decode's within 9.4% on average, where the
+    KV tokens alone (the crossover test's cost) missed the 16-row plans' losses on trees whose few
+    long units set the time.
     """
     unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
     work = tail = 0.0
@@ -1159,7 +1160,7 @@ def _tile_cost(planned: Plan, config: FastTreeConfig) -> float:
             weight = math.sqrt(tile.block_m / _MIN_BLOCK_M)
             work += int(np.add.reduce(lens, dtype=np.int64)) * weight
             tail = max(tail, int(np.maximum.reduce(lens)) * weight)
-    spread = work * planned.num_kv_heads / (config.para_threshs1[0] * _TILE_COST_PROGRAMS_PER_SM)
+    spread = work * planned.num_kv_heads / (max(config.para_threshs1[0], 1) * _TILE_COST_PROGRAMS_PER_SM)
     return max(spread, tail) + _TILE_COST_PARTIAL_ROW * planned.n_partial_rows * planned.num_kv_heads
 
 

@@ -608,6 +608,8 @@ def test_small_tiles_serve_a_forest_at_head_dim_256_and_match_the_small_tile_con
     large = ft.plan(tree, **heads, rules=off)
     assert large.tile_classes[0].block_m == 64 and large.units_per_class()[0] > 0
     assert planner_mod._tile_cost(large, ft.FastTreeConfig()) > 1.05 * planner_mod._tile_cost(plan, ft.FastTreeConfig())
+    zero = ft.plan(tree, ft.FastTreeConfig(para_threshs1=(0, 0)), **heads)  # no SMs to spread over: no error
+    check_plan(tree, zero)
     for kw, config in (
         ({**heads, "head_dim": 128}, None),
         ({**heads, "num_q_heads": 4}, None),  # GQA 4: not measured
