@@ -162,7 +162,7 @@ def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
 _LEGACY_RULES: tuple[PlanRules, ...] = tuple(PlanRules(**off) for off in _switched_off(_RULES))
 #: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
 #: record as it was measured (over the runtime's rules).
-_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[-5:])
+_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :])
 
 
 def record_plan(record: dict[str, Any]):

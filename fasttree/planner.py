@@ -1122,6 +1122,21 @@ _TILE_COST_PROGRAMS_PER_SM = 2.0
 _TILE_COST_PARTIAL_ROW = 0.25
 
 
+def _weighted_reads(planned: Plan) -> tuple[float, float]:
+    """The KV tokens a plan's units read, each weighted by ``sqrt(block_m / 16)`` for its tile's
+    rows, and the longest unit's tokens weighted the same way (per KV head): the terms of
+    :func:`_tile_cost` and of the crossover test (:func:`_costs_more_than_decode`)."""
+    unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
+    work = tail = 0.0
+    for c, tile in enumerate(planned.tile_classes):
+        if unit_ptr[c + 1] > unit_ptr[c]:
+            lens = kv_len[unit_ptr[c] : unit_ptr[c + 1]]
+            weight = math.sqrt(tile.block_m / _MIN_BLOCK_M)
+            work += int(np.add.reduce(lens, dtype=np.int64)) * weight
+            tail = max(tail, int(np.maximum.reduce(lens)) * weight)
+    return work, tail
+
+
 def _small_tiles_apply(planned: Plan, config: FastTreeConfig, rules: PlanRules, q_tiles: tuple[int, int]) -> bool:
     """Whether :func:`plan` also plans the tree with the small tile's queries in both tile classes:
     at head dims of at least ``rules.small_tiles_head_dim`` and GQA group sizes of at least
@@ -1152,14 +1167,7 @@ def _tile_cost(planned: Plan, config: FastTreeConfig) -> float:
     KV tokens alone (the crossover test's cost) missed the 16-row plans' losses on trees whose few
     long units set the time.
     """
-    unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
-    work = tail = 0.0
-    for c, tile in enumerate(planned.tile_classes):
-        if unit_ptr[c + 1] > unit_ptr[c]:
-            lens = kv_len[unit_ptr[c] : unit_ptr[c + 1]]
-            weight = math.sqrt(tile.block_m / _MIN_BLOCK_M)
-            work += int(np.add.reduce(lens, dtype=np.int64)) * weight
-            tail = max(tail, int(np.maximum.reduce(lens)) * weight)
+    work, tail = _weighted_reads(planned)
     spread = work * planned.num_kv_heads / (max(config.para_threshs1[0], 1) * _TILE_COST_PROGRAMS_PER_SM)
     return max(spread, tail) + _TILE_COST_PARTIAL_ROW * planned.n_partial_rows * planned.num_kv_heads
 
@@ -1180,12 +1188,7 @@ def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) 
     times; on 46 held-out trees, of the 27 at GQA 16 the test sent to decode 24 ran 1.01-1.44x
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
-    unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
-    cost = 0.0
-    for c, tile in enumerate(planned.tile_classes):
-        if unit_ptr[c + 1] > unit_ptr[c]:
-            tokens = int(np.add.reduce(kv_len[unit_ptr[c] : unit_ptr[c + 1]], dtype=np.int64))
-            cost += tokens * math.sqrt(tile.block_m / _MIN_BLOCK_M)
+    cost, _ = _weighted_reads(planned)
     decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
     decode = float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_BLOCK_M)
     return cost > margin * decode
