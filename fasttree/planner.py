@@ -1119,7 +1119,7 @@ def _tree_plan(
 #: Programs per SM that :func:`_tile_cost` assumes run at once.
 _TILE_COST_PROGRAMS_PER_SM = 2.0
 #: A partial row's cost in :func:`_tile_cost`, in KV tokens of a 16-row tile's work.
-_TILE_COST_PARTIAL_ROW = 0.25
+_TILE_COST_PARTIAL_ROW = 0.1
 
 
 def _weighted_reads(planned: Plan) -> tuple[float, float]:
@@ -1159,13 +1159,13 @@ def _tile_cost(planned: Plan, config: FastTreeConfig) -> float:
     Each unit's KV tokens weigh ``sqrt(block_m / 16)`` for its tile's rows. The cost is the
     larger of the launch's work (every unit's weighted tokens x KV heads, spread over
     ``para_threshs1[0]`` SMs, at least one, at two programs each) and its tail (the longest
-    unit's weighted tokens), plus ``0.25`` per partial row and KV head (merge work).
+    unit's weighted tokens), plus ``0.1`` per partial row and KV head (merge work).
 
-    Fitted on the H200 at head dim 256, bf16, GQA 8 (``docs/history.md``, large tiles at head dim
-    256): over 68 timed cases of 27 trees, with a fitted scale and constant, it predicted the
-    default, 32- and 16-row plans and query-separated decode's within 9.4% on average, where the
-    KV tokens alone (the crossover test's cost) missed the 16-row plans' losses on trees whose few
-    long units set the time.
+    Fitted on the H200 at head dim 256, bf16, GQA 8 and 16 (``docs/history.md``, large tiles at
+    head dim 256): over 67 timed cases of 34 trees the 64- vs 16-row choice it makes at
+    :attr:`PlanRules.small_tiles_margin` is never slower than the 64-row plan. The partial-row
+    weight is the middle of the range (0.05-0.12) with no loss; at ``0.25`` the rule lost 13-19% on
+    paper trees of 1,024 queries at one KV head, whose 64-row plans merge 2,048 partial rows.
     """
     work, tail = _weighted_reads(planned)
     spread = work * planned.num_kv_heads / (max(config.para_threshs1[0], 1) * _TILE_COST_PROGRAMS_PER_SM)
