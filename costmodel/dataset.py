@@ -139,12 +139,10 @@ def tree_id(record: dict[str, Any]) -> str:
 #: :class:`fasttree.PlanRules` that switch one off).
 _RULES = (
     "aligned_blocks", "wide_units", "whole_groups", "balanced_bins", "solo_units", "solo_split_max_kv_heads",
-    "solo_min_share", "solo_recut", "crossover_margin", "small_tiles_head_dim",
+    "solo_min_share", "solo_recut", "crossover_margin",
 )  # fmt: skip
 #: The value that switches a rule off where it is not ``False``.
-_RULE_OFF: dict[str, Any] = {
-    "solo_split_max_kv_heads": 0, "solo_min_share": 2.0, "crossover_margin": 0.0, "small_tiles_head_dim": 0,
-}  # fmt: skip
+_RULE_OFF: dict[str, Any] = {"solo_split_max_kv_heads": 0, "solo_min_share": 2.0, "crossover_margin": 0.0}
 
 
 def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
@@ -171,8 +169,7 @@ def record_plan(record: dict[str, Any]):
     The plan must be the one that was measured. When the record's plan summary (units per
     tile class, KV tokens read, partial rows) differs from the re-planned one, the record
     is planned again with the planner's newer rules switched off (:data:`_LEGACY_RULES`:
-    aligned blocks, wide units, whole groups, balanced bins, the solo rules, the crossover, the small tiles at large
-    head dims) and the first plan that
+    aligned blocks, wide units, whole groups, balanced bins, the solo rules, the crossover) and the first plan that
     matches is kept;
     otherwise the re-planned one is returned (logged at DEBUG).
 

@@ -61,21 +61,6 @@ class PlanRules:
         this many times as much by the crossover test
         (:func:`fasttree.planner._costs_more_than_decode`: KV tokens read, weighted by the square
         root of the tile's rows). 0: never.
-    small_tiles_head_dim : int
-        From this head dim on, where the config leaves the query tiles to their defaults,
-        :func:`fasttree.plan` also plans the tree with the small tile's queries in both tile
-        classes and keeps that plan where the large-tile plan costs more than
-        ``small_tiles_margin`` times as much by the tile-choice cost
-        (:func:`fasttree.planner._tile_cost`: weighted KV tokens spread over the GPU or the
-        longest unit, whichever is more, plus merge work). At head dim 256 a 64-row tile took
-        about twice a 16-row tile's time per KV token on the H200 and lost 1.2-1.8x to 16-row
-        tiles on random forests; on wide shared trees it won. 0: never.
-    small_tiles_margin : float
-        ... the factor by which the large-tile plan must cost more (held-out H200 probes: no
-        tree picked at 1.0-1.1 ran slower).
-    small_tiles_min_group : int
-        ... at GQA group sizes (query heads per KV head) of at least this: the probes measured
-        GQA 8 (8/1, 16/2, 32/4 heads).
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -117,9 +102,6 @@ class PlanRules:
     solo_recut: bool = True
     solo_recut_programs: float = 2.0
     crossover_margin: float = 1.03
-    small_tiles_head_dim: int = 256
-    small_tiles_margin: float = 1.05
-    small_tiles_min_group: int = 8
     wide_units: bool = True
     wide_row_tokens: float = 8.5
     aligned_blocks: bool = True
@@ -137,7 +119,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "small_tiles_head_dim"):
+            elif f.name == "solo_split_max_kv_heads":
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.type == "int":
                 value = check_int(name, value, minimum=1, expected="a positive integer")

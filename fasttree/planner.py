@@ -1051,10 +1051,6 @@ def plan(
     q_tiles = config.query_tiles(g)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     planned = _tree_plan(tree, config, rules, g, q_tiles, **heads)
-    if _small_tiles_apply(planned, config, rules, q_tiles):
-        small = _tree_plan(tree, config, rules, g, (q_tiles[1], q_tiles[1]), **heads)
-        if _tile_cost(planned, config) > rules.small_tiles_margin * _tile_cost(small, config):
-            planned = small
     margin = rules.crossover_margin
     if margin and g >= _MIN_BLOCK_M and _costs_more_than_decode(planned, tree, g, margin):
         return plan_query_separated(tree, **heads)
@@ -1116,60 +1112,16 @@ def _tree_plan(
     )
 
 
-#: Programs per SM that :func:`_tile_cost` assumes run at once.
-_TILE_COST_PROGRAMS_PER_SM = 2.0
-#: A partial row's cost in :func:`_tile_cost`, in KV tokens of a 16-row tile's work.
-_TILE_COST_PARTIAL_ROW = 0.1
-
-
-def _weighted_reads(planned: Plan) -> tuple[float, float]:
+def _weighted_reads(planned: Plan) -> float:
     """The KV tokens a plan's units read, each weighted by ``sqrt(block_m / 16)`` for its tile's
-    rows, and the longest unit's tokens weighted the same way (per KV head): the terms of
-    :func:`_tile_cost` and of the crossover test (:func:`_costs_more_than_decode`)."""
+    rows (per KV head): the tree plan's cost in the crossover test (:func:`_costs_more_than_decode`)."""
     unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
-    work = tail = 0.0
+    work = 0.0
     for c, tile in enumerate(planned.tile_classes):
         if unit_ptr[c + 1] > unit_ptr[c]:
             lens = kv_len[unit_ptr[c] : unit_ptr[c + 1]]
-            weight = math.sqrt(tile.block_m / _MIN_BLOCK_M)
-            work += int(np.add.reduce(lens, dtype=np.int64)) * weight
-            tail = max(tail, int(np.maximum.reduce(lens)) * weight)
-    return work, tail
-
-
-def _small_tiles_apply(planned: Plan, config: FastTreeConfig, rules: PlanRules, q_tiles: tuple[int, int]) -> bool:
-    """Whether :func:`plan` also plans the tree with the small tile's queries in both tile classes:
-    at head dims of at least ``rules.small_tiles_head_dim`` and GQA group sizes of at least
-    ``rules.small_tiles_min_group``, where the config leaves the query tiles to their defaults,
-    the large tile holds more queries than the small one, and the plan put units in it."""
-    return bool(
-        rules.small_tiles_head_dim
-        and planned.head_dim >= rules.small_tiles_head_dim
-        and planned.group_size >= rules.small_tiles_min_group
-        and config.q_tile_queries is None
-        and q_tiles[0] > q_tiles[1]
-        and planned.class_unit_ptr[1] > planned.class_unit_ptr[0]
-    )
-
-
-def _tile_cost(planned: Plan, config: FastTreeConfig) -> float:
-    """The tile-choice cost of a plan, in KV tokens of a 16-row tile's work (relative: only
-    compared between two plans of one tree).
-
-    Each unit's KV tokens weigh ``sqrt(block_m / 16)`` for its tile's rows. The cost is the
-    larger of the launch's work (every unit's weighted tokens x KV heads, spread over
-    ``para_threshs1[0]`` SMs, at least one, at two programs each) and its tail (the longest
-    unit's weighted tokens), plus ``0.1`` per partial row and KV head (merge work).
-
-    Fitted on the H200 at head dim 256, bf16, GQA 8 and 16 (``docs/history.md``, large tiles at
-    head dim 256): over 67 timed cases of 34 trees the 64- vs 16-row choice it makes at
-    :attr:`PlanRules.small_tiles_margin` is never slower than the 64-row plan. The partial-row
-    weight is the middle of the range (0.05-0.12) with no loss; at ``0.25`` the rule lost 13-19% on
-    paper trees of 1,024 queries at one KV head, whose 64-row plans merge 2,048 partial rows.
-    """
-    work, tail = _weighted_reads(planned)
-    spread = work * planned.num_kv_heads / (max(config.para_threshs1[0], 1) * _TILE_COST_PROGRAMS_PER_SM)
-    return max(spread, tail) + _TILE_COST_PARTIAL_ROW * planned.n_partial_rows * planned.num_kv_heads
+            work += int(np.add.reduce(lens, dtype=np.int64)) * math.sqrt(tile.block_m / _MIN_BLOCK_M)
+    return work
 
 
 def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) -> bool:
@@ -1188,7 +1140,7 @@ def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) 
     times; on 46 held-out trees, of the 27 at GQA 16 the test sent to decode 24 ran 1.01-1.44x
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
-    cost, _ = _weighted_reads(planned)
+    cost = _weighted_reads(planned)
     decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
     decode = float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_BLOCK_M)
     return cost > margin * decode

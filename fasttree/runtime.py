@@ -627,17 +627,14 @@ class TreeAttentionRuntime:
         self, tree: KVTree, config: FastTreeConfig, split_scale: int = 1, *, more_reads: bool = True
     ) -> tuple[Plan, bool]:
         """Plan ``tree`` with ``config`` (a portfolio member; its KV split sizes times
-        ``split_scale``); whether the plan is query-centric. ``more_reads=False``: never the plans
-        that read more KV entries than the tree plan for speed, plain decode's
-        (``PlanRules.crossover_margin`` 0) and the small tiles' (``PlanRules.small_tiles_head_dim``
-        0)."""
+        ``split_scale``); whether the plan is query-centric. ``more_reads=False``: never plain
+        decode's plan (``PlanRules.crossover_margin`` 0), which reads more KV entries than the tree
+        plan for speed."""
         if split_scale != 1:
             config = config.with_(kv_split_sizes=tuple(split_scale * s for s in config.kv_split_sizes))
         rules = self._rules
         if not more_reads:
-            rules = (PlanRules.runtime(self.stage1_launches) if rules is None else rules).with_(
-                crossover_margin=0.0, small_tiles_head_dim=0
-            )
+            rules = (PlanRules.runtime(self.stage1_launches) if rules is None else rules).with_(crossover_margin=0.0)
         return plan_for_runtime(
             tree, config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,
@@ -647,7 +644,7 @@ class TreeAttentionRuntime:
     def _upload_within_capacity(self, tree: KVTree, config: FastTreeConfig, err: CapacityError) -> RuntimePlan:
         """Upload a plan of ``tree`` that fits after its plan with ``config`` was over a capacity
         (``err``): the tree plan (not plain decode's, which the crossover rule may pick and which
-        reads every query's context, nor the small tiles' plan, which re-reads shared KV), then
+        reads every query's context), then
         with the KV split sizes :data:`_SPLIT_SCALES` times larger (fewer chunks, partial rows and
         units; the grouping kept), else the bounded plan (:meth:`bounded_plan`); raises ValueError
         naming ``max_kv_entries`` when the tree's context entries exceed it and none fits."""

@@ -527,9 +527,6 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ({"wide_row_tokens": float("nan")}, "PlanRules.wide_row_tokens must be a finite number"),
         ({"aligned_max_longer": -1.0}, "PlanRules.aligned_max_longer must be >= 0"),
         ({"whole_groups_min_items": (1, -1)}, r"PlanRules.whole_groups_min_items\[1\] must be >= 0"),
-        ({"small_tiles_head_dim": -1}, "PlanRules.small_tiles_head_dim must be a non-negative integer, got -1"),
-        ({"small_tiles_min_group": 0}, "PlanRules.small_tiles_min_group must be a positive integer, got 0"),
-        ({"small_tiles_margin": -0.5}, "PlanRules.small_tiles_margin must be >= 0"),
     ],
 )
 def test_plan_rules_refuse_bad_values(kwargs, match):
@@ -582,82 +579,6 @@ def test_crossover_keeps_the_tree_plan_of_paper_trees(case):
 
 
 # ---------------------------------------------------------- small tiles at large head dims
-def _same_arrays(a, b) -> bool:
-    return a.class_unit_ptr == b.class_unit_ptr and all(
-        np.array_equal(getattr(a, n), getattr(b, n)) for n in DEVICE_ARRAYS
-    )
-
-
-def test_small_tiles_serve_a_forest_at_head_dim_256_and_match_the_small_tile_config():
-    """A random forest with internal queries at 8 query heads per KV head, head dim 256: its
-    64-row plan costs more than the plan with 16-row tiles in both classes by the tile-choice
-    cost, so plan() returns the latter, array for array the plan of a config with the small
-    tile's queries in both classes. The rule off, at head dim 128, below GQA 8 or with explicit
-    query tiles, the 64-row plan stays."""
-    from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
-
-    case = next(c for c in CROSSOVER_CASES if c.name == "forest400/8x1/d256/bf16")
-    tree = family_tree(case)
-    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    plan = ft.plan(tree, **heads)
-    assert [t.block_m for t in plan.tile_classes] == [16, 16]
-    small = ft.plan(tree, ft.FastTreeConfig(q_tile_queries=(2, 2)), **heads)
-    assert _same_arrays(plan, small) and plan.config == ft.FastTreeConfig()
-    check_plan(tree, plan)
-    off = ft.PlanRules(small_tiles_head_dim=0)
-    large = ft.plan(tree, **heads, rules=off)
-    assert large.tile_classes[0].block_m == 64 and large.units_per_class()[0] > 0
-    assert planner_mod._tile_cost(large, ft.FastTreeConfig()) > 1.05 * planner_mod._tile_cost(plan, ft.FastTreeConfig())
-    zero = ft.plan(tree, ft.FastTreeConfig(para_threshs1=(0, 0)), **heads)  # no SMs to spread over: no error
-    check_plan(tree, zero)
-    for kw, config in (
-        ({**heads, "head_dim": 128}, None),
-        ({**heads, "num_q_heads": 4}, None),  # GQA 4: not measured
-        (heads, ft.FastTreeConfig(q_tile_queries=(8, 2))),  # the config's own tiles are kept
-    ):
-        got = ft.plan(tree, config, **kw)
-        assert _same_arrays(got, ft.plan(tree, config, **kw, rules=off))
-
-
-def test_small_tiles_keep_the_large_tiles_where_they_cost_less():
-    """A wide random tree of long shared nodes (the paper suite's generator, 227k KV tokens read
-    at 8/1): 16-row tiles would re-read its shared KV three times as often, and measured 0.74x of
-    the 64-row plan at 8/1 and 0.65x at 32/4 on the H200 (head dim 256); the tile-choice cost
-    keeps the 64-row plan."""
-    from fasttree.toolkit.workloads import sample_tree
-
-    tree = sample_tree("paper_random", 704)
-    for hq, hkv in ((8, 1), (32, 4)):
-        heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 256}
-        plan = ft.plan(tree, **heads)
-        assert plan.tile_classes[0].block_m == 64 and plan.units_per_class()[0] > 0
-        assert _same_arrays(plan, ft.plan(tree, **heads, rules=ft.PlanRules(small_tiles_head_dim=0)))
-
-
-def test_small_tile_plans_are_valid_at_every_gqa_and_packing():
-    """With the margin at 0 and no GQA bound (the crossover off), the small-tiles rule hands back
-    its 16-row plan wherever it applies: on trees of four families at GQA 1-16 (packing on and off) that plan
-    covers every query's context once, with consistent partial rows, and is the plan of a config
-    with the small tile's queries in both classes."""
-    from fasttree.toolkit.workloads import sample_tree
-
-    always = ft.PlanRules(small_tiles_margin=0.0, small_tiles_min_group=1, crossover_margin=0.0)
-    switched = 0
-    for seed, family in enumerate(("random_recursive", "few_shot", "beam_search", "speculative")):
-        tree = sample_tree(family, 3000 + seed)
-        for hq, hkv in ((16, 16), (16, 8), (16, 4), (8, 1), (16, 1)):
-            for config in (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)):
-                heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 256}
-                plan = ft.plan(tree, config, **heads, rules=always)
-                if [t.block_m for t in plan.tile_classes] != [16, 16]:
-                    continue
-                switched += 1
-                check_plan(tree, plan)
-                small = config.query_tiles(hq // hkv)[1]
-                twin = config.with_(q_tile_queries=(small, small))
-                off = ft.PlanRules(small_tiles_head_dim=0, crossover_margin=0.0)
-                assert _same_arrays(plan, ft.plan(tree, twin, **heads, rules=off))
-    assert switched >= 20
 
 
 def test_query_contexts_match_query_slots(monkeypatch):

@@ -747,27 +747,3 @@ def test_runtime_serves_the_crossover_decode_plan(device, launches, max_variants
     q, k, v = _inputs(tree, device, 8, hq=16, hkv=1, d=16, seed=5)
     out = rt.forward(q, k, v)
     assert ft.max_relative_error(out[: tree.n_queries], ft.reference_attention(q[: tree.n_queries], k, v, tree)) < 2e-3
-
-
-def test_over_capacity_the_runtime_serves_the_large_tile_plan_not_the_small_tiles_one(device):
-    """A forest at 8 query heads over one KV head, head dim 256, whose small-tiles plan (16-row
-    tiles, 203k KV entries) is over the runtime's KV arrays while its 64-row plan (141k) fits: the
-    runtime serves the 64-row tree plan, not the bounded query-separated plan."""
-    from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
-
-    case = next(c for c in CROSSOVER_CASES if c.name == "forest400/8x1/d256/bf16")
-    tree = family_tree(case)
-    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    small = ft.plan(tree, **heads)
-    large = ft.plan(tree, **heads, rules=ft.PlanRules(small_tiles_head_dim=0))
-    assert small.tile_classes[0].block_m == 16 and large.tile_classes[0].block_m == 64
-    from fasttree.runtime import KV_CAPACITY_FACTOR
-
-    limit = (small.kv_indices.size + large.kv_indices.size) // (2 * KV_CAPACITY_FACTOR)  # arrays hold factor x
-    rt = TreeAttentionRuntime(
-        None, dtype=torch.bfloat16, device=device, max_queries=tree.n_queries, max_kv_entries=limit,
-        pool_slots=tree.max_slot + 1, **heads,
-    )  # fmt: skip
-    info = rt.plan(tree)
-    assert not info.bounded and info.plan.tile_classes[0].block_m == 64
-    np.testing.assert_array_equal(info.plan.unit_kv_len, large.unit_kv_len)
