@@ -3,8 +3,9 @@
 ``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops (the greedy edge
 assignment, the groups' query lists and chained slots, the packing's bin layouts (candidates,
 aligned blocks, pieces and runs), the wide units' cost of a bin layout, the packed units' arrays,
-slot-run gathers and row masks), each the same arithmetic in the same order as the numpy/Python
-path it replaces, so plans are bit-identical either way (``tests/test_native.py``).
+slot-run gathers and row masks, a laid-out plan's reads by tile class), each the same arithmetic
+in the same order as the numpy/Python path it replaces, so plans are bit-identical either way
+(``tests/test_native.py``).
 :func:`planner_library` compiles it once per source version with the machine's C compiler (``$CC``,
 else ``cc``: the compiler Triton itself needs to build its launchers on a GPU host), caches the
 shared library under ``$FASTTREE_CACHE_DIR`` (default ``~/.cache/fasttree``) and loads it; where no
@@ -53,6 +54,11 @@ _SIGNATURES = {
         ctypes.c_int64, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P]
     ),
     "ft_fill_mask": (None, [ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P]),
+    "ft_layout_class_reads": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P,
+         ctypes.c_int64, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P],
+    ),
     "ft_assemble_sizes": (
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, ctypes.c_int64,

@@ -597,6 +597,28 @@ def layout_reads_and_rows(
     return reads, int(np.add.reduce(n_part[n_part >= 2]))
 
 
+def _bin_heads(lowest, bits, new_bin, tokens, capacity: int, start_of_rank):
+    """Per bin (its pieces in bin order, ``new_bin`` marking each first one): the first piece's
+    index, the bin's KV tokens, its first rank, its served positions' bits shifted down to row 0
+    (a bin's rows start at its lowest position) and its rows (the highest set bit's index + 1)."""
+    first = new_bin.nonzero()[0]
+    b_bits = np.bitwise_or.reduceat(bits, first)
+    b_tokens = np.add.reduceat(tokens, first)
+    b_first_rank = lowest[first]
+    b_base = b_first_rank % capacity if start_of_rank is None else b_first_rank - start_of_rank[b_first_rank]
+    np.right_shift(b_bits, b_base, out=b_bits)
+    b_qlen = np.frexp(b_bits)[1].astype(np.int64)  # b_bits < 2**32
+    return first, b_tokens, b_first_rank, b_bits, b_qlen
+
+
+def bin_rows(layout: BinLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Each bin's KV tokens and query rows, as :func:`assemble_bins` builds them from ``layout``
+    (int64 [n_bins] each), without building its arrays."""
+    _, lowest, bits, new_bin, tokens = layout.bins
+    _, b_tokens, _, _, b_qlen = _bin_heads(lowest, bits, new_bin, tokens, layout.capacity, layout.start_of_rank)
+    return b_tokens, b_qlen
+
+
 def assemble_bins(
     layout: BinLayout,
     *,
@@ -670,23 +692,15 @@ def _assemble(
             lib, kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity, start_of_rank,
             unit, lowest, bits, new_bin, tokens,
         )  # fmt: skip
-    first = new_bin.nonzero()[0]
+    first, b_tokens, b_first_rank, b_bits, b_qlen = _bin_heads(lowest, bits, new_bin, tokens, capacity, start_of_rank)
     n_bins = first.size
-    b_bits = np.bitwise_or.reduceat(bits, first)
-    b_tokens = np.add.reduceat(tokens, first)
-    # a bin's rows start at its lowest position (its first piece's): shift its bits down to row 0
-    b_first_rank = lowest[first]
     # every piece's bin start: the last bin start's lowest rank (ranks never decrease)
     piece_first = np.maximum.accumulate(lowest * new_bin)
     if start_of_rank is None:
-        b_base = b_first_rank % capacity
         piece_first %= capacity
     else:
-        b_base = b_first_rank - start_of_rank[b_first_rank]
         piece_first -= start_of_rank[piece_first]
     bits = np.right_shift(bits, piece_first)
-    np.right_shift(b_bits, b_base, out=b_bits)
-    b_qlen = np.frexp(b_bits)[1].astype(np.int64)  # the highest set bit's index + 1 (b_bits < 2**32)
     b_total = int(np.add.reduce(b_tokens))
 
     # units left alone keep their KV; when they use less than half of the input slots,

@@ -14,13 +14,15 @@ Vocabulary (dimension names used in every docstring of the package):
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .config import FastTreeConfig
-from .packing import MAX_PACK_QUERIES, BinLayout, PackedUnits, assemble_bins, bin_layout, layout_reads_and_rows
+from .native import address, planner_library
+from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
 from .validation import check_int
@@ -477,7 +479,8 @@ def materialize(
     query_rank: np.ndarray | None = None,
     query_of_rank: np.ndarray | None = None,
     rules: PlanRules | None = None,
-) -> Plan:
+    max_weighted_reads: float | None = None,
+) -> Plan | None:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
     Every group's queries are cut into tiles of ``q_tiles[0]`` queries and its KV into
@@ -507,6 +510,10 @@ def materialize(
     rules : PlanRules, optional
         How units are packed: solo, wide and aligned-block rules (:class:`fasttree.PlanRules`);
         :meth:`PlanRules.defaults` when None.
+    max_weighted_reads : float, optional
+        Abandon the plan (return None) when the KV tokens its units read, each weighted by
+        ``sqrt(block_m / 16)`` for its tile class (:func:`_laid_out_weighted_reads`), exceed this: decided
+        once the units and bins are laid out, before their arrays are built.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -522,9 +529,23 @@ def materialize(
     if packing:
         group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, config, rules)
     units = _cut_units(groups, int(q_tiles[0]), group_split)
-    packed = None
+    layout = None
     if packing:
-        packed = _pack(units, groups, block_m, g, config, rules, num_kv_heads, head_dim, query_rank, query_of_rank)
+        layout, query_of_rank = _pack_layout(
+            units, block_m, g, config, rules, num_kv_heads, head_dim, query_rank, query_of_rank
+        )
+    small_queries = int(q_tiles[1])
+    if max_weighted_reads is not None and (
+        _laid_out_weighted_reads(units, layout, block_m, g, small_queries, n_queries) > max_weighted_reads
+    ):
+        return None
+    packed = None
+    if layout is not None:
+        packed = assemble_bins(
+            layout, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
+            pair_query=units.pair_query, kv_slots=groups.kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
+            pairs_in_order=True, identity_slots=groups.identity_slots,
+        )  # fmt: skip
     if packed is None:
         u_small = units.q_len <= q_tiles[1]
         kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
@@ -662,9 +683,8 @@ def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _U
     return _Units(kv_start, u_kv_len, unit_pair_start, u_q_len, pair_query)
 
 
-def _pack(
+def _pack_layout(
     units: _Units,
-    groups: Groups,
     block_m: tuple[int, int],
     g: int,
     config: FastTreeConfig,
@@ -673,12 +693,13 @@ def _pack(
     head_dim: int,
     query_rank: np.ndarray,
     query_of_rank: np.ndarray | None,
-) -> PackedUnits | None:
-    """Pack the short units into bins (:func:`fasttree.packing.pack_units`) under ``rules``: solo
-    units kept out, balanced runs where bins fill a large tile bigger than the small one, wide
-    units packed or whole, whichever costs less (None: nothing was packed). The two choices are
-    compared as bin layouts (:func:`fasttree.packing.bin_layout`); only the chosen one's arrays
-    are built."""
+) -> tuple[BinLayout | None, np.ndarray | None]:
+    """The bins the short units are packed into (:func:`fasttree.packing.pack_units`) under
+    ``rules``: solo units kept out, balanced runs where bins fill a large tile bigger than the small
+    one, wide units packed or whole, whichever costs less (None: nothing is packed), and
+    ``query_of_rank`` (computed when the wide-unit choice needed it). The two choices are compared
+    as bin layouts (:func:`fasttree.packing.bin_layout`); the caller builds the chosen one's arrays
+    (:func:`fasttree.packing.assemble_bins`)."""
     kept_out = _solo_units(units.kv_len, units.q_len, block_m, g, num_kv_heads, head_dim, rules)
     capacity = _pack_capacity(block_m, g)
     balanced = rules.balanced_bins and _bins_fill_a_larger_tile(block_m, g)  # a lone piece: the smaller tile
@@ -701,13 +722,78 @@ def _pack(
                 query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
             if _wide_units_whole_pay(chosen, whole, units, query_of_rank, rules.wide_row_tokens):
                 chosen = whole
-    if chosen is None:
+    return chosen, query_of_rank
+
+
+def _laid_out_weighted_reads(
+    units: _Units,
+    layout: BinLayout | None,
+    block_m: tuple[int, int],
+    g: int,
+    small_queries: int,
+    n_queries: int,
+    native: bool = True,
+) -> float:
+    """The KV tokens read by the plan :func:`materialize` builds from ``units`` and ``layout`` (None:
+    no bins), each weighted by ``sqrt(block_m / 16)`` for its tile class, before the plan's arrays:
+    units left alone in the small class when they have at most ``small_queries`` queries, bins when
+    their rows fit the small tile (:func:`fasttree.packing.bin_rows`). The class-0 sum, then the
+    class-1 sum, as the assembled plan's classes give them. ``native``: the two token counts in one
+    compiled loop (``ft_layout_class_reads``) when it is available, with the same numbers."""
+    sums = _layout_class_reads_native(units, layout, block_m[1] // g, small_queries, n_queries) if native else None
+    if sums is not None:
+        total, small = sums
+    else:
+        kv_len, q_len = units.kv_len, units.q_len
+        if layout is not None:
+            keep = np.ones(kv_len.size, dtype=bool)
+            keep[layout.bins.unit] = False
+            kv_len, q_len = kv_len[keep], q_len[keep]
+        total = int(np.add.reduce(kv_len, dtype=np.int64))
+        small = int(np.add.reduce(kv_len[q_len <= small_queries], dtype=np.int64))
+        if layout is not None:
+            b_tokens, b_rows = bin_rows(layout)
+            total += int(np.add.reduce(b_tokens, dtype=np.int64))
+            small += int(np.add.reduce(b_tokens[b_rows <= block_m[1] // g], dtype=np.int64))
+    w_large, w_small = (math.sqrt(b / _MIN_BLOCK_M) for b in block_m)
+    return 0.0 + (total - small) * w_large + small * w_small
+
+
+def _layout_class_reads_native(
+    units: _Units, layout: BinLayout | None, small_rows: int, small_queries: int, n_queries: int
+) -> tuple[int, int] | None:
+    """``ft_layout_class_reads``' (all, small-class) token counts, or None where the compiled loop
+    is not available or the arrays are not the int64 / bool ones it reads."""
+    lib = planner_library()
+    if lib is None:
         return None
-    return assemble_bins(
-        chosen, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
-        pair_query=units.pair_query, kv_slots=groups.kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
-        pairs_in_order=True, identity_slots=groups.identity_slots,
+    i64 = np.int64
+    kv_len, q_len = units.kv_len, units.q_len
+    arrays = [kv_len, q_len]
+    if layout is not None:
+        bins = layout.bins
+        arrays += [bins.unit, bins.lowest, bins.bits, bins.tokens]
+        if bins.new_bin.dtype != np.bool_ or not bins.new_bin.flags.c_contiguous:
+            return None
+    if any(a.dtype != i64 or not a.flags.c_contiguous for a in arrays):
+        return None
+    keep = np.empty(kv_len.size, dtype=np.int8)
+    out = np.empty(2, dtype=i64)
+    if layout is None:
+        n_pieces, pieces, capacity, sor = 0, [None] * 5, 1, None
+    else:
+        n_pieces = bins.unit.size
+        pieces = [address(bins.unit), address(bins.lowest), address(bins.bits), address(bins.new_bin.view(np.int8)),
+                  address(bins.tokens)]  # fmt: skip
+        sor = layout.start_of_rank
+        if sor is not None and (sor.dtype != i64 or not sor.flags.c_contiguous or sor.size != n_queries):
+            return None
+        capacity = layout.capacity
+    got = lib.ft_layout_class_reads(
+        kv_len.size, address(kv_len), address(q_len), small_queries, n_pieces, *pieces, n_queries, capacity,
+        None if sor is None else address(sor), small_rows, address(keep), address(out),
     )  # fmt: skip
+    return None if got else (int(out[0]), int(out[1]))
 
 
 class _Rows(NamedTuple):

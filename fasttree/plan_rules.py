@@ -59,7 +59,7 @@ class PlanRules:
         At 16 or more query heads per KV head, :func:`fasttree.plan` returns plain split-KV
         decode's plan (:func:`fasttree.plan_query_separated`) where the tree plan costs more than
         this many times as much by the crossover test
-        (:func:`fasttree.planner._costs_more_than_decode`: KV tokens read, weighted by the square
+        (:func:`fasttree.planner._decode_weighted_reads`: KV tokens read, weighted by the square
         root of the tile's rows). 0: never.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either

@@ -1050,9 +1050,10 @@ def plan(
     g = check_heads(num_q_heads, num_kv_heads, head_dim)
     q_tiles = config.query_tiles(g)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    planned = _tree_plan(tree, config, rules, g, q_tiles, **heads)
     margin = rules.crossover_margin
-    if margin and g >= _MIN_BLOCK_M and _costs_more_than_decode(planned, tree, g, margin):
+    limit = margin * _decode_weighted_reads(tree, g) if margin and g >= _MIN_BLOCK_M else None
+    planned = _tree_plan(tree, config, rules, g, q_tiles, max_weighted_reads=limit, **heads)
+    if planned is None:  # the crossover test: the tree plan costs more than margin x decode's
         return plan_query_separated(tree, **heads)
     return planned
 
@@ -1067,9 +1068,11 @@ def _tree_plan(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-) -> Plan:
+    max_weighted_reads: float | None = None,
+) -> Plan | None:
     """The tree plan of :func:`plan` with queries per tile ``q_tiles`` (large, small class):
-    the greedy, the adaptive passes, the groups and the plan's arrays."""
+    the greedy, the adaptive passes, the groups and the plan's arrays; None where its weighted KV
+    reads exceed ``max_weighted_reads`` (:func:`fasttree.plan_arrays.materialize`)."""
 
     def run_greedy(mode: str):
         tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
@@ -1109,30 +1112,22 @@ def _tree_plan(
         query_rank=gx.rank,
         query_of_rank=gx.query_of_rank,
         rules=rules,
+        max_weighted_reads=max_weighted_reads,
     )
 
 
-def _weighted_reads(planned: Plan) -> float:
-    """The KV tokens a plan's units read, each weighted by ``sqrt(block_m / 16)`` for its tile's
-    rows (per KV head): the tree plan's cost in the crossover test (:func:`_costs_more_than_decode`)."""
-    unit_ptr, kv_len = planned.class_unit_ptr, planned.unit_kv_len
-    work = 0.0
-    for c, tile in enumerate(planned.tile_classes):
-        if unit_ptr[c + 1] > unit_ptr[c]:
-            lens = kv_len[unit_ptr[c] : unit_ptr[c + 1]]
-            work += int(np.add.reduce(lens, dtype=np.int64)) * math.sqrt(tile.block_m / _MIN_BLOCK_M)
-    return work
-
-
-def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) -> bool:
-    """The crossover test: whether ``planned`` costs more than ``margin`` times plain split-KV
-    decode of ``tree`` (:func:`fasttree.plan_query_separated`).
+def _decode_weighted_reads(tree: KVTree, g: int) -> float:
+    """The crossover test's cost of plain split-KV decode of ``tree``
+    (:func:`fasttree.plan_query_separated`): :func:`plan` returns decode's plan where the tree
+    plan's cost exceeds ``PlanRules.crossover_margin`` times this.
 
     A plan's cost is the KV tokens its units read, each weighted by ``sqrt(block_m / 16)`` for
-    its tile's rows: on the H200 a 64-row tile took about twice a 16-row tile's time per KV
-    token, on trees where neither is bound by the GPU's bandwidth. Decode reads every query's
-    context (the sum over nodes of tokens x queries below) in tiles of ``max(16, g)`` rows.
-    :func:`plan` applies the test only from ``g = 16``, where decode's tile has no idle rows.
+    its tile's rows (:func:`fasttree.plan_arrays._laid_out_weighted_reads`): on the H200 a 64-row tile took
+    about twice a 16-row tile's time per KV token, on trees where neither is bound by the GPU's
+    bandwidth. Decode reads every query's context (the sum over nodes of tokens x queries below)
+    in tiles of ``max(16, g)`` rows. :func:`plan` applies the test only from ``g = 16``, where
+    decode's tile has no idle rows, and decides it once the tree plan's units and bins are laid
+    out, before its arrays are built.
 
     Measured on the H200 (``docs/history.md``, crossover): on the crossover, families and paper
     suites every paper tree and batch without sharing costs at most 1.01 times decode's, and the
@@ -1140,10 +1135,8 @@ def _costs_more_than_decode(planned: Plan, tree: KVTree, g: int, margin: float) 
     times; on 46 held-out trees, of the 27 at GQA 16 the test sent to decode 24 ran 1.01-1.44x
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
-    cost = _weighted_reads(planned)
     decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
-    decode = float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_BLOCK_M)
-    return cost > margin * decode
+    return float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_BLOCK_M)
 
 
 def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules) -> tuple[list[int], str]:

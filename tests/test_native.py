@@ -343,3 +343,35 @@ def test_native_bin_layouts_equal_numpys(monkeypatch, seed):
             assert x.dtype == y.dtype and np.array_equal(x, y)
     if seed == 0:
         assert taken == {True, False}  # fixed and aligned layouts both met
+
+
+def test_native_layout_class_reads_equal_numpys(monkeypatch):
+    """A laid-out plan's KV tokens by tile class, which decide the crossover with decode before
+    the plan's arrays are built: the compiled loop's equal numpy's on paper trees and random
+    forests at GQA 16 (fixed and aligned blocks, bins in either class), and an index out of range
+    leaves the decision to numpy."""
+    from fasttree import plan_arrays
+
+    seen = []
+    real = plan_arrays._laid_out_weighted_reads
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_arrays, "_laid_out_weighted_reads", spy)
+    rng = np.random.default_rng(11)
+    trees = [paper_tree(c) for c in (2, 9, 12)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(15)]
+    for tree in trees:
+        for hq, hkv in ((16, 1), (32, 2), (64, 4)):
+            ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    with_bins = [a for a in seen if a[1] is not None]
+    assert len(seen) >= 40 and len(with_bins) >= 10
+    assert any(a[1].start_of_rank is not None for a in with_bins)
+    for units, layout, block_m, g, small_queries, n_queries in seen:
+        args = (units, layout, block_m, g, small_queries, n_queries)
+        assert plan_arrays._layout_class_reads_native(units, layout, block_m[1] // g, small_queries, n_queries)
+        assert real(*args) == real(*args, native=False)
+    units, layout, block_m, g, small_queries, n_queries = with_bins[0]
+    bad = layout._replace(bins=layout.bins._replace(unit=layout.bins.unit + units.kv_len.size))
+    assert plan_arrays._layout_class_reads_native(units, bad, block_m[1] // g, small_queries, n_queries) is None

@@ -578,7 +578,57 @@ def test_crossover_keeps_the_tree_plan_of_paper_trees(case):
         assert ft.plan(paper_tree(case), num_q_heads=hq, num_kv_heads=hkv, head_dim=128).tile_mode != QUERY_SEPARATED
 
 
-# ---------------------------------------------------------- small tiles at large head dims
+def _same_arrays(a, b) -> bool:
+    return a.class_unit_ptr == b.class_unit_ptr and all(
+        np.array_equal(getattr(a, n), getattr(b, n)) for n in DEVICE_ARRAYS
+    )
+
+
+def _assembled_weighted_reads(plan) -> float:
+    """The crossover test's cost of an assembled plan: each tile class's KV tokens x sqrt(rows / 16)."""
+    ptr, work = plan.class_unit_ptr, 0.0
+    for c, tile in enumerate(plan.tile_classes):
+        if ptr[c + 1] > ptr[c]:
+            work += int(plan.unit_kv_len[ptr[c] : ptr[c + 1]].sum(dtype=np.int64)) * np.sqrt(tile.block_m / 16)
+    return work
+
+
+def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost():
+    """plan() decides the crossover once the tree plan's units and bins are laid out, before its
+    arrays are built. That cost is the assembled plan's to the last bit: with the limit at the
+    assembled cost the plan is built (the same arrays), one float below it is abandoned. And
+    plan() returns decode's plan exactly where the assembled tree plan costs more than 1.03x
+    decode's (paper trees, random forests with internal queries, crossover batches; GQA 4-16,
+    packing on and off)."""
+    from fasttree.costs import QUERY_SEPARATED
+    from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
+
+    rng = np.random.default_rng(5)
+    trees = [paper_tree(c) for c in (2, 6, 9, 11)]
+    trees += [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
+    trees += [family_tree(c) for c in CROSSOVER_CASES if c.name.endswith("/16x1/d128/fp16")][:6]
+    off = ft.PlanRules(crossover_margin=0.0)
+    switched = kept = 0
+    for tree in trees:
+        for hq, hkv in ((16, 1), (32, 2), (32, 8)):
+            for config in (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)):
+                heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
+                full = ft.plan(tree, config, **heads, rules=off)
+                cost = _assembled_weighted_reads(full)
+                g = hq // hkv
+                args = (tree, config, ft.PlanRules.defaults(), g, config.query_tiles(g))
+                at_cost = planner_mod._tree_plan(*args, **heads, max_weighted_reads=cost)
+                assert at_cost is not None and _same_arrays(at_cost, full)
+                assert planner_mod._tree_plan(*args, **heads, max_weighted_reads=np.nextafter(cost, -1.0)) is None
+                decode = planner_mod._decode_weighted_reads(tree, g)
+                want = g >= 16 and cost > 1.03 * decode
+                got = ft.plan(tree, config, **heads)
+                assert (got.tile_mode == QUERY_SEPARATED) == want
+                if not want:
+                    assert _same_arrays(got, full)
+                switched += want
+                kept += not want
+    assert switched >= 4 and kept >= 100
 
 
 def test_query_contexts_match_query_slots(monkeypatch):

@@ -113,6 +113,51 @@ void ft_gather_runs(int64_t n_runs, const int32_t *kv_slots, const int64_t *star
     }
 }
 
+/* The KV tokens a laid-out plan reads, all and in the small tile class, before its arrays
+ * (fasttree.plan_arrays._laid_out_weighted_reads): units in no bin count in the small class with at
+ * most small_queries queries; bins (pieces in bin order, new_bin marking each first piece) with
+ * rows <= small_rows, a bin's rows being its highest served position + 1 counted from its block's
+ * start (start_of_rank, or fixed blocks of capacity ranks when NULL). keep: n_units scratch.
+ * Writes out[0] (all) and out[1] (small); returns 0, or -1 on an index out of range. */
+int64_t ft_layout_class_reads(int64_t n_units, const int64_t *kv_len, const int64_t *q_len, int64_t small_queries,
+                              int64_t n_pieces, const int64_t *unit, const int64_t *lowest, const int64_t *bits,
+                              const int8_t *new_bin, const int64_t *tokens, int64_t n_queries, int64_t capacity,
+                              const int64_t *start_of_rank, int64_t small_rows, int8_t *keep, int64_t *out) {
+    if (capacity < 1 || (n_pieces && !new_bin[0])) return -1;
+    for (int64_t u = 0; u < n_units; u++) keep[u] = 1;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        if (unit[p] < 0 || unit[p] >= n_units) return -1;
+        keep[unit[p]] = 0;
+    }
+    int64_t total = 0, small = 0;
+    for (int64_t u = 0; u < n_units; u++)
+        if (keep[u]) {
+            total += kv_len[u];
+            if (q_len[u] <= small_queries) small += kv_len[u];
+        }
+    int64_t p = 0;
+    while (p < n_pieces) {
+        uint64_t b_bits = (uint64_t)bits[p];
+        int64_t b_tokens = tokens[p], e = p + 1;
+        for (; e < n_pieces && !new_bin[e]; e++) {
+            b_bits |= (uint64_t)bits[e];
+            b_tokens += tokens[e];
+        }
+        const int64_t r = lowest[p];
+        if (r < 0 || r >= n_queries) return -1;
+        const int64_t base = start_of_rank ? r - start_of_rank[r] : r % capacity;
+        if (base < 0 || base > 63) return -1;
+        int64_t rows = 0;
+        for (uint64_t b = b_bits >> base; b; b >>= 1) rows++;
+        total += b_tokens;
+        if (rows <= small_rows) small += b_tokens;
+        p = e;
+    }
+    out[0] = total;
+    out[1] = small;
+    return 0;
+}
+
 /* A stable counting sort of idx[0..n) by key[idx[i]] in [0, range): writes the sorted indices to
  * out (count: scratch of range + 1 entries). */
 static void counting_sort(int64_t n, const int64_t *idx, const int64_t *key, int64_t range, int64_t *count,
