@@ -624,16 +624,16 @@ class TreeAttentionRuntime:
             return self._upload_within_capacity(tree, config, err)
 
     def _plan_afresh(
-        self, tree: KVTree, config: FastTreeConfig, split_scale: int = 1, *, more_reads: bool = True
+        self, tree: KVTree, config: FastTreeConfig, split_scale: int = 1, *, crossover: bool = True
     ) -> tuple[Plan, bool]:
         """Plan ``tree`` with ``config`` (a portfolio member; its KV split sizes times
-        ``split_scale``); whether the plan is query-centric. ``more_reads=False``: never plain
-        decode's plan (``PlanRules.crossover_margin`` 0), which reads more KV entries than the tree
-        plan for speed."""
+        ``split_scale``); whether the plan is query-centric. ``crossover=False``: never plain
+        decode's plan (``PlanRules.crossover_margin`` 0), which may need more KV entries than a
+        tree plan."""
         if split_scale != 1:
             config = config.with_(kv_split_sizes=tuple(split_scale * s for s in config.kv_split_sizes))
         rules = self._rules
-        if not more_reads:
+        if not crossover:
             rules = (PlanRules.runtime(self.stage1_launches) if rules is None else rules).with_(crossover_margin=0.0)
         return plan_for_runtime(
             tree, config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
@@ -644,13 +644,13 @@ class TreeAttentionRuntime:
     def _upload_within_capacity(self, tree: KVTree, config: FastTreeConfig, err: CapacityError) -> RuntimePlan:
         """Upload a plan of ``tree`` that fits after its plan with ``config`` was over a capacity
         (``err``): the tree plan (not plain decode's, which the crossover rule may pick and which
-        reads every query's context), then
-        with the KV split sizes :data:`_SPLIT_SCALES` times larger (fewer chunks, partial rows and
-        units; the grouping kept), else the bounded plan (:meth:`bounded_plan`); raises ValueError
-        naming ``max_kv_entries`` when the tree's context entries exceed it and none fits."""
+        reads every query's context), then with the KV split sizes :data:`_SPLIT_SCALES` times
+        larger (fewer chunks, partial rows and units; the grouping kept), else the bounded plan
+        (:meth:`bounded_plan`); raises ValueError naming ``max_kv_entries`` when the tree's context
+        entries exceed it and none fits."""
         for scale in (1, *_SPLIT_SCALES):
             try:
-                return self._upload(*self._plan_afresh(tree, config, scale, more_reads=False))
+                return self._upload(*self._plan_afresh(tree, config, scale, crossover=False))
             except CapacityError:
                 continue
         context = int(np.add.reduce(tree.path_lengths[tree.query_nodes], dtype=np.int64))
