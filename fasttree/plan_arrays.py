@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -480,6 +481,7 @@ def materialize(
     query_of_rank: np.ndarray | None = None,
     rules: PlanRules | None = None,
     max_weighted_reads: float | None = None,
+    fill_slots: Callable[[], np.ndarray] | None = None,
 ) -> Plan | None:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -514,6 +516,9 @@ def materialize(
         Abandon the plan (return None) when the KV tokens its units read, each weighted by
         ``sqrt(block_m / 16)`` for its tile class (:func:`_laid_out_weighted_reads`), exceed this: decided
         once the units and bins are laid out, before their arrays are built.
+    fill_slots : callable, optional
+        Returns the groups' ``kv_slots`` (int32) where ``groups`` were built without them: called
+        once, after that test, and the plan's groups carry them.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -539,6 +544,8 @@ def materialize(
         _laid_out_weighted_reads(units, layout, block_m, g, small_queries, n_queries) > max_weighted_reads
     ):
         return None
+    if fill_slots is not None:
+        groups = replace(groups, kv_slots=fill_slots())
     packed = None
     if layout is not None:
         packed = assemble_bins(
@@ -561,11 +568,11 @@ def materialize(
         np.less_equal(units.q_len[k:], block_m[1] // g, out=u_small[k:])
         small_bins = int(np.count_nonzero(u_small[k:]))
         masked = (small_bins < u_small.size - k, small_bins > 0)
-    rows = _partial_rows(units.pair_query, pair_present, n_queries)
-    if max(kv_slots.size, units.pair_query.size, rows.n_rows) > 0x7FFFFFFF:
+    if max(kv_slots.size, units.pair_query.size) > 0x7FFFFFFF:  # partial rows are at most the pairs
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
     uorder, ptr = _class_order(u_small, units.kv_len)
-    unit_kv_len = units.kv_len[uorder]
+    arrays = _unit_arrays(units, uorder, pair_present, n_queries)
+    unit_kv_len = arrays.kv_len
     warps = config.launch_warps(g)
     stages = config.launch_stages(g, head_dim)
     classes = tuple(
@@ -580,27 +587,26 @@ def materialize(
         )
         for c in (0, 1)
     )
-    i32 = np.int32
     return Plan(
         num_q_heads=int(num_q_heads),
         num_kv_heads=int(num_kv_heads),
         head_dim=int(head_dim),
         n_queries=int(n_queries),
         max_slot=int(max_slot),
-        kv_indices=kv_slots.astype(i32, copy=False),
+        kv_indices=kv_slots.astype(np.int32, copy=False),
         kv_row_mask=kv_row_mask,
-        unit_kv_start=units.kv_start[uorder].astype(i32),
-        unit_kv_len=unit_kv_len.astype(i32),
-        unit_q_start=units.pair_start[uorder].astype(i32),
-        unit_q_len=units.q_len[uorder].astype(i32),
-        pair_query=units.pair_query.astype(i32),
-        pair_out_row=rows.out_row,
-        query_partial_start=rows.part_start.astype(i32),
-        query_num_partials=rows.n_part.astype(i32),
-        merge_queries=rows.multi.nonzero()[0].astype(i32),
+        unit_kv_start=arrays.kv_start,
+        unit_kv_len=arrays.kv_len,
+        unit_q_start=arrays.q_start,
+        unit_q_len=arrays.q_len,
+        pair_query=arrays.pair_query,
+        pair_out_row=arrays.out_row,
+        query_partial_start=arrays.part_start,
+        query_num_partials=arrays.n_part,
+        merge_queries=arrays.merge,
         class_unit_ptr=ptr,
         tile_classes=classes,  # type: ignore[arg-type]
-        n_partial_rows=rows.n_rows,
+        n_partial_rows=arrays.n_rows,
         tile_mode=tile_mode,
         config=config,
         groups=groups,
@@ -794,6 +800,94 @@ def _layout_class_reads_native(
         None if sor is None else address(sor), small_rows, address(keep), address(out),
     )  # fmt: skip
     return None if got else (int(out[0]), int(out[1]))
+
+
+class _UnitArrays(NamedTuple):
+    """A plan's int32 unit arrays (units in class order), pair queries and partial rows
+    (:class:`Plan`'s fields of the same meaning), and its number of partial rows."""
+
+    kv_start: np.ndarray
+    kv_len: np.ndarray
+    q_start: np.ndarray
+    q_len: np.ndarray
+    pair_query: np.ndarray
+    out_row: np.ndarray
+    part_start: np.ndarray
+    n_part: np.ndarray
+    merge: np.ndarray
+    n_rows: int
+
+
+def _unit_arrays(
+    units: _Units, uorder: np.ndarray, pair_present: np.ndarray | None, n_queries: int, native: bool = True
+) -> _UnitArrays:
+    """The plan's int32 arrays of ``units`` taken in the order ``uorder`` (int64 [n_units]), their
+    pairs (``pair_present``: which serve a query, None: every one) and partial rows
+    (:func:`_partial_rows`), for at most ``2**31 - 1`` pairs. ``native``: in one compiled loop
+    (``ft_unit_arrays``) when it is available and the arrays are the int64 / bool ones it reads,
+    with the same arrays."""
+    got = _unit_arrays_native(units, uorder, pair_present, n_queries) if native else None
+    if got is not None:
+        return got
+    rows = _partial_rows(units.pair_query, pair_present, n_queries)
+    i32 = np.int32
+    return _UnitArrays(
+        kv_start=units.kv_start[uorder].astype(i32),
+        kv_len=units.kv_len[uorder].astype(i32),
+        q_start=units.pair_start[uorder].astype(i32),
+        q_len=units.q_len[uorder].astype(i32),
+        pair_query=units.pair_query.astype(i32),
+        out_row=rows.out_row,
+        part_start=rows.part_start.astype(i32),
+        n_part=rows.n_part.astype(i32),
+        merge=rows.multi.nonzero()[0].astype(i32),
+        n_rows=rows.n_rows,
+    )
+
+
+def _unit_arrays_native(
+    units: _Units, uorder: np.ndarray, pair_present: np.ndarray | None, n_queries: int
+) -> _UnitArrays | None:
+    """:func:`_unit_arrays` by ``ft_unit_arrays``, or None where it is not available, an array is
+    not the int64 (``pair_present``: bool) C-contiguous one it reads, or an index is out of range.
+    The outputs are views of one int32 buffer (one address for the call)."""
+    lib = planner_library()
+    if lib is None:
+        return None
+    i64 = np.int64
+    kv_start, kv_len, pair_start, q_len, pair_query = units
+    n_units, n_pairs = uorder.size, pair_query.size
+    for a in (uorder, kv_start, kv_len, pair_start, q_len, pair_query):
+        if a.dtype != i64 or not a.flags.c_contiguous:
+            return None
+    if kv_start.size != n_units or kv_len.size != n_units or pair_start.size != n_units or q_len.size != n_units:
+        return None
+    present = None
+    if pair_present is not None:
+        if pair_present.dtype != np.bool_ or not pair_present.flags.c_contiguous or pair_present.size != n_pairs:
+            return None
+        present = address(pair_present.view(np.int8))
+    u2, p2 = 4 * n_units, 4 * n_units + 2 * n_pairs
+    out = np.empty(p2 + 3 * n_queries, dtype=np.int32)
+    scratch = np.empty(n_queries + 2, dtype=i64)  # per query, then the two counts
+    base, s = address(out), address(scratch)
+    got = lib.ft_unit_arrays(
+        n_units, address(uorder), address(kv_start), address(kv_len), address(pair_start), address(q_len), n_pairs,
+        address(pair_query), present, n_queries, base, base + 4 * n_units, base + 8 * n_units, base + 12 * n_units,
+        base + 4 * u2, base + 4 * (u2 + n_pairs), base + 4 * p2, base + 4 * (p2 + n_queries),
+        base + 4 * (p2 + 2 * n_queries), s, s + 8 * n_queries,
+    )  # fmt: skip
+    if got == -2:
+        raise AssertionError("internal error: a query has no work unit")
+    if got:
+        return None
+    n_rows, n_merge = scratch[n_queries:].tolist()
+    q0 = p2 + n_queries
+    return _UnitArrays(
+        out[:n_units], out[n_units : 2 * n_units], out[2 * n_units : 3 * n_units], out[3 * n_units : u2],
+        out[u2 : u2 + n_pairs], out[u2 + n_pairs : p2], out[p2:q0], out[q0 : q0 + n_queries],
+        out[q0 + n_queries : q0 + n_queries + n_merge], n_rows,
+    )  # fmt: skip
 
 
 class _Rows(NamedTuple):

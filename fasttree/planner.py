@@ -34,6 +34,7 @@ import copy
 import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -736,6 +737,11 @@ class _Kept:
         self.kv_len = group_kv_len[self.node]
 
 
+#: The ``kv_slots`` of groups whose slots are built later (``_build_groups(defer_slots=True)``).
+_NO_SLOTS = np.zeros(0, dtype=np.int32)
+_NO_SLOTS.flags.writeable = False
+
+
 def _build_groups(
     tree: KVTree,
     assign,
@@ -746,7 +752,10 @@ def _build_groups(
     kept: _Kept | None = None,
     fill_tokens: int = STRIDED_FILL_TOKENS,
     native: bool = True,
-) -> Groups:
+    defer_slots: bool = False,
+) -> Groups | tuple[Groups, Callable[[], np.ndarray]]:
+    # ``defer_slots``: return the groups with an empty ``kv_slots`` and the function that builds
+    # it (the multi-node chains' slot copies), for a caller that may not need them.
     # A query belongs to the group of its own node and to the parent of every 0-edge on
     # its path: node v's group holds the queries below v except those below a child of
     # v whose edge is not 0. In DFS order those are v's query range minus the ranges of
@@ -801,14 +810,13 @@ def _build_groups(
             key = gx.perm[q_pos] + gid
             key.sort()
             q_ids = key - gid
-    kv_start, kv_slots = _chain_slots(
-        tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native
-    )
+    kv_start, fill = _chain_layout(tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native)
     identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
-    return Groups(
-        node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=kv_slots, q_indptr=q_indptr, q_ids=q_ids,
-        identity_slots=identity,
+    groups = Groups(
+        node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=_NO_SLOTS if defer_slots else fill(),
+        q_indptr=q_indptr, q_ids=q_ids, identity_slots=identity,
     )  # fmt: skip
+    return (groups, fill) if defer_slots else groups
 
 
 def _group_queries_native(lib, gx: _GroupIndex, node, q_indptr, holes, hole_par) -> np.ndarray:
@@ -843,15 +851,34 @@ def _chain_slots(
     ``native``: walk and copy the chains in the compiled loops when they are available (the
     same arrays); False: numpy.
     """
+    kv_start, fill = _chain_layout(
+        tree, assign, nodes, roots_unmarked=roots_unmarked, fill_tokens=fill_tokens, native=native
+    )
+    return kv_start, fill()
+
+
+def _chain_layout(
+    tree: KVTree,
+    assign: np.ndarray,
+    nodes: np.ndarray,
+    *,
+    roots_unmarked: bool = False,
+    fill_tokens: int = STRIDED_FILL_TOKENS,
+    native: bool = True,
+) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+    """:func:`_chain_slots` in two steps: ``kv_start``, and the function that returns
+    ``kv_slots`` (by the compiled loops, the chains' lengths come first and their slots are
+    copied only when it is called; by numpy, both at once)."""
     parents = tree.parents
     kv_start = tree.slot_indptr[nodes]
     chained = (assign[nodes] == 1).nonzero()[0]
     n_chained = chained.size
     if n_chained == 0:
-        return kv_start, tree.slots
+        slots = tree.slots
+        return kv_start, lambda: slots
     lib = planner_library() if native else None
     if lib is not None:
-        return _chain_slots_native(lib, tree, assign, nodes, chained, kv_start)
+        return _chain_layout_native(lib, tree, assign, nodes, chained, kv_start)
     # Walk every chain up from its group node: step s holds the s-th node above it (and
     # which chains it belongs to, None for all); a chain ends at its first node not
     # marked 1, or at a root.
@@ -896,10 +923,10 @@ def _chain_slots(
     out = entry_array(n_slots + total)
     out[:n_slots] = tree.slots
     if total == 0:
-        return kv_start, out
+        return kv_start, lambda: out
     tail = out[n_slots:]
     if _fill_strided(tail, tree.slots, run_start, run_len, chain_first, fill_tokens):
-        return kv_start, out
+        return kv_start, lambda: out
     # every run as an arange of positions in the tree's slot array: position i of the tail
     # reads slot array entry i + (start - first) of its run
     flat_len = run_len.ravel()
@@ -912,13 +939,14 @@ def _chain_slots(
         idx = shift.repeat(flat_len)
         idx += arange_view(total)  # in place: a second index-sized temporary costs fresh pages
         np.take(tree.slots, idx, out=tail, mode="clip")  # idx is in range: "clip" only skips a buffer
-    return kv_start, out
+    return kv_start, lambda: out
 
 
-def _chain_slots_native(
+def _chain_layout_native(
     lib, tree: KVTree, assign: np.ndarray, nodes: np.ndarray, chained: np.ndarray, kv_start: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_chain_slots`'s chains by the compiled ``ft_chain_lengths`` and ``ft_chain_fill``."""
+) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+    """:func:`_chain_layout`'s chains by the compiled ``ft_chain_lengths``, and the function that
+    copies their slots by ``ft_chain_fill``."""
     ix = _tree_index(tree)
     if ix.native_tree is None:  # the tree's arrays as the compiled loops read them, once per tree
         ix.native_tree = (
@@ -937,13 +965,18 @@ def _chain_slots_native(
     chain_first = exclusive_sum(total)
     n_slots = tree.slots.size
     kv_start[chained] = n_slots + chain_first
-    out = entry_array(n_slots + int(chain_first[-1] + total[-1]))
-    out[:n_slots] = slots
-    lib.ft_chain_fill(
-        n, address(heads), address(parents), address(assign8), address(indptr), address(lengths),
-        address(slots), address(chain_first), address(scratch), address(out[n_slots:]),
-    )  # fmt: skip
-    return kv_start, out
+    n_entries = n_slots + int(chain_first[-1] + total[-1])
+
+    def fill() -> np.ndarray:
+        out = entry_array(n_entries)
+        out[:n_slots] = slots
+        lib.ft_chain_fill(
+            n, address(heads), address(parents), address(assign8), address(indptr), address(lengths),
+            address(slots), address(chain_first), address(scratch), address(out[n_slots:]),
+        )  # fmt: skip
+        return out
+
+    return kv_start, fill
 
 
 def _fill_strided(tail, slots, run_start, run_len, chain_first, fill_tokens: int) -> bool:
@@ -1088,7 +1121,13 @@ def _tree_plan(
     if mode != TWO_CLASSES:
         cost, assign, group_q, group_kv, kept = run_greedy(mode)
         units_for = None
-    groups = _build_groups(tree, assign, group_q, group_kv, check=False, kept=kept)
+    # with a crossover test, the chains' slots are copied once the plan is kept (materialize may
+    # send it to decode first)
+    fill_slots = None
+    if max_weighted_reads is None:
+        groups = _build_groups(tree, assign, group_q, group_kv, check=False, kept=kept)
+    else:
+        groups, fill_slots = _build_groups(tree, assign, group_q, group_kv, check=False, kept=kept, defer_slots=True)
     if splits[0] == splits[1]:
         group_split = splits[0]
     else:  # phase 1: groups of at most q_tiles[1] queries
@@ -1113,6 +1152,7 @@ def _tree_plan(
         query_of_rank=gx.query_of_rank,
         rules=rules,
         max_weighted_reads=max_weighted_reads,
+        fill_slots=fill_slots,
     )
 
 

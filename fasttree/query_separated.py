@@ -6,6 +6,8 @@ The baseline tree attention is measured against, the runtime's bounded fallback,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .config import FastTreeConfig
@@ -87,17 +89,12 @@ def plan_query_separated(
         q_indptr=np.arange(nq + 1, dtype=np.int64),
         q_ids=np.arange(nq, dtype=np.int64),
     )
-    config = FastTreeConfig(
-        q_tile_queries=(1, 1),
-        kv_tile=(kv_tile, kv_tile),
-        kv_split_sizes=(kv_split_size, kv_split_size),
-        pack_tokens=0,
-    )
+    config = _decode_config(kv_tile, kv_split_size)
     return materialize(
         groups,
         q_tiles=(1, 1),
         kv_tiles=(kv_tile, kv_tile),
-        group_split=np.full(nq, kv_split_size, dtype=np.int64),
+        group_split=kv_split_size,
         splits=(kv_split_size, kv_split_size),
         config=config,
         num_q_heads=num_q_heads,
@@ -106,6 +103,15 @@ def plan_query_separated(
         n_queries=nq,
         max_slot=tree.max_slot,
         tile_mode=QUERY_SEPARATED,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_config(kv_tile: int, kv_split_size: int) -> FastTreeConfig:
+    """The config a query-separated plan records (immutable, shared by the plans with the same
+    one: building and validating one costs about as much as planning a small tree)."""
+    return FastTreeConfig(
+        q_tile_queries=(1, 1), kv_tile=(kv_tile, kv_tile), kv_split_sizes=(kv_split_size, kv_split_size), pack_tokens=0
     )
 
 

@@ -375,3 +375,64 @@ def test_native_layout_class_reads_equal_numpys(monkeypatch):
     units, layout, block_m, g, small_queries, n_queries = with_bins[0]
     bad = layout._replace(bins=layout.bins._replace(unit=layout.bins.unit + units.kv_len.size))
     assert plan_arrays._layout_class_reads_native(units, bad, block_m[1] // g, small_queries, n_queries) is None
+
+
+def test_native_unit_arrays_equal_numpys(monkeypatch):
+    """A plan's int32 unit, pair and partial-row arrays: the compiled loop's equal numpy's (dtype
+    and values) on paper trees, random forests and decode plans, with packed bins (absent pairs)
+    and without; a pair's query out of range leaves them to numpy, and a query without a present
+    pair is an internal error."""
+    from fasttree import plan_arrays
+
+    seen = []
+    real = plan_arrays._unit_arrays
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_arrays, "_unit_arrays", spy)
+    rng = np.random.default_rng(5)
+    trees = [paper_tree(c) for c in (1, 4, 9, 13)]
+    trees += [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
+    for tree in trees:
+        for hq, hkv in ((32, 32), (32, 8), (16, 1)):
+            ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+        ft.plan_query_separated(tree, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    with_absent = [a for a in seen if a[2] is not None and not a[2].all()]
+    assert len(seen) >= 60 and with_absent
+    for units, uorder, present, n_queries in seen:
+        got = plan_arrays._unit_arrays_native(units, uorder, present, n_queries)
+        want = real(units, uorder, present, n_queries, native=False)
+        assert got is not None and got.n_rows == want.n_rows
+        for x, y in zip(got[:-1], want[:-1], strict=True):
+            assert x.dtype == y.dtype == np.int32 and np.array_equal(x, y)
+    units, uorder, present, n_queries = with_absent[0]
+    bad = units._replace(pair_query=units.pair_query.copy())
+    bad.pair_query[-1] = n_queries  # a query id past the last
+    assert plan_arrays._unit_arrays_native(bad, uorder, present, n_queries) is None
+    with pytest.raises(AssertionError, match="no work unit"):
+        plan_arrays._unit_arrays_native(units, uorder, present, n_queries + 1)
+
+
+def test_deferred_chain_slots_are_the_slots_built_at_once():
+    """Groups built with their chains' slots deferred (the crossover's path) read the same slots
+    once filled, and the numpy walk gives them too."""
+    from fasttree.planner import _chain_layout
+
+    rng = np.random.default_rng(9)
+    chained = 0
+    for _ in range(20):
+        tree = random_tree(rng, roots=int(rng.integers(1, 4)))
+        cost = PaddingCost(0.66, 0.33, 0.1, 16, (4, 1), (64, 64))
+        assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
+        want = _build_groups(tree, assign, group_q, group_kv, check=False)
+        got, fill = _build_groups(tree, assign, group_q, group_kv, check=False, defer_slots=True)
+        assert got.kv_slots.size == 0 and np.array_equal(got.kv_start, want.kv_start)
+        assert np.array_equal(fill(), want.kv_slots)
+        chained += want.kv_slots.size > tree.slots.size
+        nodes = want.node
+        for native_ in (True, False):
+            kv_start, fill = _chain_layout(tree, assign, nodes, roots_unmarked=True, native=native_)
+            assert np.array_equal(kv_start, want.kv_start) and np.array_equal(fill(), want.kv_slots)
+    assert chained >= 5  # trees whose groups chain several nodes (slots copied past the tree's own)

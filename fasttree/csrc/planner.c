@@ -711,3 +711,64 @@ int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_l
     }
     return 0;
 }
+
+/* A plan's unit, pair and partial-row arrays (fasttree.plan_arrays._unit_arrays_native): the units
+ * in the order `order` (int32 copies of kv_start, kv_len, pair_start, q_len), the pairs' queries
+ * (int32, pair order), and the partial rows of fasttree.plan_arrays._partial_rows: n_part[q] the
+ * present pairs of query q (pair_present NULL: every pair), part_start the exclusive sum over the
+ * queries of n_part where it is >= 2, a present pair's row part_start[q] plus its rank among q's
+ * present pairs in pair order (-1 for a query with one pair), -2 (ABSENT_ROW) for a pair that
+ * serves no query, merge the queries with two or more in increasing order. seen: int64
+ * [n_queries] scratch. counts[0] = partial rows, counts[1] = merge queries. Returns 0; -1 when an
+ * order entry or a pair's query is out of range (nothing is trusted); -2 when a query has no
+ * present pair. */
+int64_t ft_unit_arrays(int64_t n_units, const int64_t *order, const int64_t *kv_start, const int64_t *kv_len,
+                       const int64_t *pair_start, const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query,
+                       const int8_t *pair_present, int64_t n_queries, int32_t *o_kv_start, int32_t *o_kv_len,
+                       int32_t *o_q_start, int32_t *o_q_len, int32_t *o_pair_query, int32_t *o_out_row,
+                       int32_t *o_part_start, int32_t *o_n_part, int32_t *o_merge, int64_t *seen, int64_t *counts) {
+    for (int64_t i = 0; i < n_units; i++) {
+        const int64_t u = order[i];
+        if (u < 0 || u >= n_units)
+            return -1;
+        o_kv_start[i] = (int32_t)kv_start[u];
+        o_kv_len[i] = (int32_t)kv_len[u];
+        o_q_start[i] = (int32_t)pair_start[u];
+        o_q_len[i] = (int32_t)q_len[u];
+    }
+    for (int64_t q = 0; q < n_queries; q++) seen[q] = 0;
+    for (int64_t p = 0; p < n_pairs; p++) {
+        const int64_t q = pair_query[p];
+        if (q < 0 || q >= n_queries)
+            return -1;
+        o_pair_query[p] = (int32_t)q;
+        if (!pair_present || pair_present[p])
+            seen[q]++;
+    }
+    int64_t rows = 0, n_merge = 0;
+    for (int64_t q = 0; q < n_queries; q++) {
+        const int64_t n = seen[q];
+        if (n < 1)
+            return -2;
+        o_n_part[q] = (int32_t)n;
+        o_part_start[q] = (int32_t)rows;
+        if (n >= 2) {
+            o_merge[n_merge++] = (int32_t)q;
+            seen[q] = rows; /* the next row of q */
+            rows += n;
+        } else {
+            seen[q] = -1;
+        }
+    }
+    for (int64_t p = 0; p < n_pairs; p++) {
+        if (pair_present && !pair_present[p]) {
+            o_out_row[p] = -2;
+            continue;
+        }
+        const int64_t q = pair_query[p];
+        o_out_row[p] = seen[q] < 0 ? -1 : (int32_t)seen[q]++;
+    }
+    counts[0] = rows;
+    counts[1] = n_merge;
+    return 0;
+}
