@@ -1,7 +1,7 @@
 """Native cores of the host planner: C compiled on first use, called through ctypes.
 
 ``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops (the greedy edge
-assignment, the groups' query lists and chained slots, the packing's bin layouts (candidates,
+assignment and the groups it keeps, the groups' query lists and chained slots, the packing's bin layouts (candidates,
 aligned blocks, pieces and runs), the wide units' cost of a bin layout, the packed units' arrays,
 slot-run gathers and row masks, a laid-out plan's reads by tile class), each the same arithmetic
 in the same order as the numpy/Python path it replaces, so plans are bit-identical either way
@@ -46,6 +46,12 @@ _SIGNATURES = {
         None,
         [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double,
          ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P],
+    ),
+    "ft_greedy_groups": (
+        ctypes.c_int64,
+        [ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double,
+         ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P,
+         _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
     ),
     "ft_chain_lengths": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P]),
     "ft_chain_fill": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P]),

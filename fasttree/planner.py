@@ -163,6 +163,8 @@ class _TreeIndex:
         self.scalar_lists: tuple[list, list, list, list] | None = None
         # the per-edge arrays of the native greedy (built on first use)
         self.native_arrays: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
+        # the children, subtree queries and lengths of the native greedy's groups (built on first use)
+        self.native_groups: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
         # the tree's parents, lengths, slot offsets and slots, and its longest chain, for the
         # compiled chain loops (built on first use)
         self.native_tree: tuple | None = None
@@ -427,16 +429,8 @@ def greedy_edge_assignment(
 def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray]:
     """The greedy in the compiled loop (``ft_greedy``): decisions (bool) and group lengths
     (float64) in edge order, those of :func:`_greedy_all_scalar`."""
-    if ix.native_arrays is None:
-        par_edge = ix.edge_of[ix.cp]  # the parent's edge; -1 for the first level's, whose parents are roots
-        root_len = np.where(par_edge < 0, ix.lengths[ix.cp], 0).astype(np.float64)
-        arrays = tuple(
-            np.ascontiguousarray(a, dtype=t)
-            for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
-                         (par_edge, np.int64), (root_len, np.float64))
-        )  # fmt: skip
-        # the arrays (kept alive here) and their addresses, read once per tree
-        ix.native_arrays = (arrays, tuple(address(a) for a in arrays))
+    if ix.native_arrays is None:  # the arrays (kept alive there) and their addresses, once per tree
+        _greedy_arrays(ix)
     arrays, addresses = ix.native_arrays
     e = arrays[0].size
     out = np.empty(e, dtype=np.float64)
@@ -447,6 +441,48 @@ def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, 
         address(dec), address(out),
     )  # fmt: skip
     return dec.view(bool), out
+
+
+def _greedy_groups(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Kept]:
+    """:func:`greedy_edge_assignment` and the groups it keeps (:class:`_Kept`), in one compiled call
+    (``ft_greedy_groups``) when it is available: the same arrays, bit for bit."""
+    lib = planner_library()
+    ix = _tree_index(tree)
+    if lib is None or not ix.level_bounds:
+        assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
+        return assign, group_q, group_kv, _Kept.of(group_q, group_kv)
+    if ix.native_arrays is None:
+        _greedy_arrays(ix)
+    if ix.native_groups is None:  # the children, subtree queries and lengths, once per tree
+        arrays = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in (ix.children, tree.subtree_queries, ix.lengths))
+        ix.native_groups = (arrays, tuple(address(a) for a in arrays))
+    n, e = ix.n_nodes, ix.cp.size
+    out = np.empty(5 * n + 1, dtype=np.int64)  # group_q, group_kv, node, count, kv_len, kept
+    flags = np.empty(2 * n + e, dtype=np.int8)  # assign, keep, dec
+    eff = np.empty(e, dtype=np.float64)
+    o, f = address(out), address(flags)
+    (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
+    if lib.ft_greedy_groups(
+        n, e, *ix.native_arrays[1], cost.alpha * cost.group_size, cost.beta * cost.group_size, cost.gamma, tq0, tq1,
+        tk0, tk1, *ix.native_groups[1], f + 2 * n, address(eff), f, o, o + 8 * n, f + n, o + 16 * n, o + 24 * n,
+        o + 32 * n, o + 40 * n,
+    ):  # fmt: skip
+        raise AssertionError("internal error: the tree index's edges are out of range")
+    k = int(out[-1])
+    kept = _Kept(flags[n : 2 * n].view(bool), out[2 * n : 2 * n + k], out[3 * n : 3 * n + k], out[4 * n : 4 * n + k])
+    return flags[:n], out[:n], out[n : 2 * n], kept
+
+
+def _greedy_arrays(ix: _TreeIndex) -> None:
+    """``ix.native_arrays``: the per-edge arrays the compiled greedy reads and their addresses."""
+    par_edge = ix.edge_of[ix.cp]  # the parent's edge; -1 for the first level's, whose parents are roots
+    root_len = np.where(par_edge < 0, ix.lengths[ix.cp], 0).astype(np.float64)
+    arrays = tuple(
+        np.ascontiguousarray(a, dtype=t)
+        for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
+                     (par_edge, np.int64), (root_len, np.float64))
+    )  # fmt: skip
+    ix.native_arrays = (arrays, tuple(address(a) for a in arrays))
 
 
 class _ScalarCosts:
@@ -730,11 +766,18 @@ class _Kept:
 
     __slots__ = ("count", "keep", "kv_len", "node")
 
-    def __init__(self, group_queries: np.ndarray, group_kv_len: np.ndarray) -> None:
-        self.keep = (group_queries > 0) & (group_kv_len > 0)
-        self.node = self.keep.nonzero()[0]
-        self.count = group_queries[self.node]  # queries per kept group
-        self.kv_len = group_kv_len[self.node]
+    def __init__(self, keep: np.ndarray, node: np.ndarray, count: np.ndarray, kv_len: np.ndarray) -> None:
+        self.keep = keep  # bool [n_nodes]
+        self.node = node  # the kept groups' nodes, ascending
+        self.count = count  # queries per kept group
+        self.kv_len = kv_len
+
+    @classmethod
+    def of(cls, group_queries: np.ndarray, group_kv_len: np.ndarray) -> _Kept:
+        """The groups kept of the greedy's per-node query counts and KV lengths."""
+        keep = (group_queries > 0) & (group_kv_len > 0)
+        node = keep.nonzero()[0]
+        return cls(keep, node, group_queries[node], group_kv_len[node])
 
 
 #: The ``kv_slots`` of groups whose slots are built later (``_build_groups(defer_slots=True)``).
@@ -773,7 +816,7 @@ def _build_groups(
         if counts.shape != np.shape(group_queries) or np.count_nonzero(counts != group_queries):
             raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     if kept is None or check:
-        kept = _Kept(counts, group_kv_len)
+        kept = _Kept.of(counts, group_kv_len)
     keep, node, g_count = kept.keep, kept.node, kept.count
     q_indptr = np.zeros(node.size + 1, dtype=np.int64)
     np.add.accumulate(g_count, out=q_indptr[1:])
@@ -1110,8 +1153,7 @@ def _tree_plan(
     def run_greedy(mode: str):
         tq, tk = mode_tiles(mode, q_tiles, config.kv_tile)
         cost = PaddingCost(config.alpha, config.beta, config.gamma, g, tq, tk)
-        assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
-        return cost, assign, group_q, group_kv, _Kept(group_q, group_kv)
+        return (cost, *_greedy_groups(tree, cost))
 
     # the groups' query lists and slots are built once the tile mode is settled: the
     # adaptive passes only count units

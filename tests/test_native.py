@@ -436,3 +436,22 @@ def test_deferred_chain_slots_are_the_slots_built_at_once():
             kv_start, fill = _chain_layout(tree, assign, nodes, roots_unmarked=True, native=native_)
             assert np.array_equal(kv_start, want.kv_start) and np.array_equal(fill(), want.kv_slots)
     assert chained >= 5  # trees whose groups chain several nodes (slots copied past the tree's own)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_greedy_groups_equal_numpys(seed):
+    """The greedy and the groups it keeps in one compiled call equal the numpy path's arrays (dtype
+    and values) on random forests with internal queries and paper trees, for the defaults' costs
+    and random ones (power-of-two and other query tiles)."""
+    from fasttree.planner import _greedy_groups, _Kept
+
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, roots=int(rng.integers(1, 4))) for _ in range(6)] + [paper_tree(1 + seed)]
+    for tree in trees:
+        for cost in _costs(rng):
+            assign, group_q, group_kv, kept = _greedy_groups(unprepared(tree), cost)
+            w_assign, w_q, w_kv = greedy_edge_assignment(tree, cost, native=False)
+            want = _Kept.of(w_q, w_kv)
+            assert _same([assign, group_q, group_kv], [w_assign, w_q, w_kv])
+            got_kept = [kept.keep, kept.node, kept.count, kept.kv_len]
+            assert _same(got_kept, [want.keep, want.node, want.count, want.kv_len])

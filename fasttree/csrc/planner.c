@@ -7,8 +7,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Python's (-x) % t for x >= 0, t > 0. */
-static inline int64_t neg_mod(int64_t x, int64_t t) { return (t - x % t) % t; }
+/* Python's (-x) % t for x >= 0, t > 0; mask = t - 1 when t is a power of two (then no division:
+ * a 64-bit division costs tens of cycles), else -1. */
+static inline int64_t neg_mod(int64_t x, int64_t t, int64_t mask) {
+    return mask >= 0 ? (-x) & mask : (t - x % t) % t;
+}
+
+static inline int64_t pow2_mask(int64_t t) { return t > 0 && (t & (t - 1)) == 0 ? t - 1 : -1; }
 
 /* The greedy binary edge assignment over a tree's edges in edge order (by depth, parent, id):
  * fasttree.planner._greedy_all_scalar / _greedy_scalar. Per edge e: its parent's node id cp[e],
@@ -19,6 +24,7 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
                const int64_t *par_edge, const double *root_len, double ag, double bg, double gamma, int64_t tq0,
                int64_t tq1, int64_t tk0, int64_t tk1, int8_t *dec, double *eff) {
     int64_t prev = -2, n = 0;
+    const int64_t m0 = pow2_mask(tq0), m1 = pow2_mask(tq1);
     double cn = 0.0, pk0 = 0.0, pk1 = 0.0;
     for (int64_t e = 0; e < n_edges; e++) {
         const int64_t p = cp[e], qe = q[e];
@@ -27,7 +33,7 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
         /* Cmm(q, len_child) and gamma * q of the edge (as _greedy_all_scalar computes them) */
         const int big = qe > tq1;
         const double pad_kc = (double)(big ? tk0 : tk1) - ln;
-        double cc = (double)neg_mod(qe, big ? tq0 : tq1) * ln * ag;
+        double cc = (double)neg_mod(qe, big ? tq0 : tq1, big ? m0 : m1) * ln * ag;
         cc += (pad_kc > 0.0 ? pad_kc : 0.0) * (double)qe * bg;
         const double gq = gamma * (double)qe;
         if (p != prev) {
@@ -36,22 +42,22 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
             pk0 = lv < (double)tk0 ? (double)tk0 - lv : 0.0;
             pk1 = lv < (double)tk1 ? (double)tk1 - lv : 0.0;
             if (n > tq1)
-                cn = ag * ((double)neg_mod(n, tq0) * lv) + bg * (pk0 * (double)n);
+                cn = ag * ((double)neg_mod(n, tq0, m0) * lv) + bg * (pk0 * (double)n);
             else
-                cn = ag * ((double)neg_mod(n, tq1) * lv) + bg * (pk1 * (double)n);
+                cn = ag * ((double)neg_mod(n, tq1, m1) * lv) + bg * (pk1 * (double)n);
         }
         const int64_t m = n - qe;
         double cm;
         if (m > tq1)
-            cm = ag * ((double)neg_mod(m, tq0) * lv) + bg * (pk0 * (double)m);
+            cm = ag * ((double)neg_mod(m, tq0, m0) * lv) + bg * (pk0 * (double)m);
         else
-            cm = ag * ((double)neg_mod(m, tq1) * lv) + bg * (pk1 * (double)m);
+            cm = ag * ((double)neg_mod(m, tq1, m1) * lv) + bg * (pk1 * (double)m);
         const double t = ln + lv;
         double ccat;
         if (qe > tq1)
-            ccat = ag * ((double)neg_mod(qe, tq0) * t) + bg * ((t < (double)tk0 ? (double)tk0 - t : 0.0) * (double)qe);
+            ccat = ag * ((double)neg_mod(qe, tq0, m0) * t) + bg * ((t < (double)tk0 ? (double)tk0 - t : 0.0) * (double)qe);
         else
-            ccat = ag * ((double)neg_mod(qe, tq1) * t) + bg * ((t < (double)tk1 ? (double)tk1 - t : 0.0) * (double)qe);
+            ccat = ag * ((double)neg_mod(qe, tq1, m1) * t) + bg * ((t < (double)tk1 ? (double)tk1 - t : 0.0) * (double)qe);
         if (cn + cc + gq > cm + ccat) {
             dec[e] = 1;
             eff[e] = t;
@@ -62,6 +68,46 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
             eff[e] = ln;
         }
     }
+}
+
+/* The greedy (ft_greedy) and its groups (fasttree.planner.greedy_edge_assignment and _Kept):
+ * with n_nodes nodes, subtree_queries sq and lengths len [n_nodes], and each edge's child node
+ * ch[e]: assign[v] (1: the edge into v is concatenated, 0 for roots), group_q[v] (queries left in
+ * v's group: sq[v] minus its concatenated children's), group_kv[v] (v's group's tokens: the
+ * child's group length of its edge as int64, else len[v]), and the kept groups (>= 1 query and
+ * >= 1 token) in node order: node, count (group_q) and kv (group_kv) [n_kept], n_kept in *kept,
+ * and keep[v] (1: v's group is kept). dec, eff: scratch [n_edges]. Returns 0, or -1 when a child or parent id is out of range. */
+int64_t ft_greedy_groups(int64_t n_nodes, int64_t n_edges, const int64_t *cp, const int64_t *q, const double *lnf,
+                         const int64_t *n_par, const int64_t *par_edge, const double *root_len, double ag, double bg,
+                         double gamma, int64_t tq0, int64_t tq1, int64_t tk0, int64_t tk1, const int64_t *ch,
+                         const int64_t *sq, const int64_t *len, int8_t *dec, double *eff, int8_t *assign,
+                         int64_t *group_q, int64_t *group_kv, int8_t *keep, int64_t *node, int64_t *count,
+                         int64_t *kv, int64_t *kept) {
+    for (int64_t e = 0; e < n_edges; e++)
+        if (ch[e] < 0 || ch[e] >= n_nodes || cp[e] < 0 || cp[e] >= n_nodes)
+            return -1;
+    ft_greedy(n_edges, cp, q, lnf, n_par, par_edge, root_len, ag, bg, gamma, tq0, tq1, tk0, tk1, dec, eff);
+    for (int64_t v = 0; v < n_nodes; v++) {
+        assign[v] = 0;
+        group_q[v] = sq[v];
+        group_kv[v] = len[v];
+    }
+    for (int64_t e = 0; e < n_edges; e++) {
+        const int64_t v = ch[e];
+        assign[v] = dec[e];
+        group_kv[v] = (int64_t)eff[e];
+        if (dec[e])
+            group_q[cp[e]] -= q[e];
+    }
+    int64_t k = 0;
+    for (int64_t v = 0; v < n_nodes; v++)
+        if ((keep[v] = group_q[v] > 0 && group_kv[v] > 0)) {
+            node[k] = v;
+            count[k] = group_q[v];
+            kv[k++] = group_kv[v];
+        }
+    *kept = k;
+    return 0;
 }
 
 /* The 1-chains of the chained groups (fasttree.planner._chain_slots): chain c starts at node
