@@ -108,8 +108,9 @@ def test_plans_are_the_same_with_and_without_the_native_cores(monkeypatch, heads
 
 @pytest.mark.parametrize("seed", range(60))
 def test_native_bin_members_equal_numpys(seed):
-    """Random eligible units (pairs' ranks in any order, zero-token units too) under fixed and
-    aligned blocks, filled or balanced runs, several capacities and budgets."""
+    """Random eligible units (pairs' ranks in any order, zero-token units too, some with the pairs
+    of all units shuffled) under fixed and aligned blocks, filled or balanced runs, several
+    capacities and budgets."""
     rng = np.random.default_rng(1000 + seed)
     n_queries = int(rng.integers(1, 400))
     n_units = int(rng.integers(1, 200))
@@ -119,11 +120,15 @@ def test_native_bin_members_equal_numpys(seed):
     if seed % 3 == 0:  # each unit's ranks ascending, as DFS-ordered pairs often are
         ends = np.cumsum(q_len)
         rank = np.concatenate([np.sort(rank[a:b]) for a, b in zip(ends - q_len, ends, strict=True)])
+    shuffled = seed % 5 == 2  # pairs in any unit order (the compiled loop sorts them then)
+    if shuffled:
+        perm = rng.permutation(unit.size)
+        unit, rank = unit[perm], rank[perm]
     cands = _Candidates(unit.astype(np.int64), rank.astype(np.int64), q_len)
     kv_len = rng.choice([0, 1, 7, 16, 64, 100, 300], size=n_units)
     capacity = int(rng.choice([1, 4, 8, 16, 31, 32]))
     blocks = [None]
-    aligned = _aligned_blocks(cands, n_queries, capacity)
+    aligned = None if shuffled else _aligned_blocks(cands, n_queries, capacity)
     if aligned is not None:
         blocks.append(aligned)
     for block in blocks:

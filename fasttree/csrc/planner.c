@@ -15,6 +15,18 @@ static inline int64_t neg_mod(int64_t x, int64_t t, int64_t mask) {
 
 static inline int64_t pow2_mask(int64_t t) { return t > 0 && (t & (t - 1)) == 0 ? t - 1 : -1; }
 
+/* log2(t) when t >= 1 is a power of two, else -1: then x / t and x % t (x >= 0) by shift_div and
+ * shift_mod are a shift and a mask, no division. */
+static inline int exact_log2(int64_t t) {
+    if (t < 1 || (t & (t - 1)))
+        return -1;
+    int s = 0;
+    while (((int64_t)1 << s) < t) s++;
+    return s;
+}
+static inline int64_t shift_div(int64_t x, int64_t t, int sh) { return sh >= 0 ? x >> sh : x / t; }
+static inline int64_t shift_mod(int64_t x, int64_t t, int sh) { return sh >= 0 ? x & (t - 1) : x % t; }
+
 /* The greedy binary edge assignment over a tree's edges in edge order (by depth, parent, id):
  * fasttree.planner._greedy_all_scalar / _greedy_scalar. Per edge e: its parent's node id cp[e],
  * the child's queries q[e] and length lnf[e], the parent's queries n_par[e]; the parent's group
@@ -191,7 +203,7 @@ int64_t ft_layout_class_reads(int64_t n_units, const int64_t *kv_len, const int6
         }
         const int64_t r = lowest[p];
         if (r < 0 || r >= n_queries) return -1;
-        const int64_t base = start_of_rank ? r - start_of_rank[r] : r % capacity;
+        const int64_t base = start_of_rank ? r - start_of_rank[r] : shift_mod(r, capacity, exact_log2(capacity));
         if (base < 0 || base > 63) return -1;
         int64_t rows = 0;
         for (uint64_t b = b_bits >> base; b; b >>= 1) rows++;
@@ -228,55 +240,95 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
     const int64_t n_blocks = block_of_rank ? block_of_rank[n_queries - 1] + 2 : n_queries / capacity + 1;
     int64_t range = n_blocks > n_units ? n_blocks : n_units;
     if (n_queries > range) range = n_queries;
+    const int csh = exact_log2(capacity);
     int64_t *buf = malloc(sizeof(int64_t) * (size_t)(9 * n_pairs + range + 1));
     if (!buf) return -1;
     int64_t *c_block = buf, *c_pos = buf + n_pairs, *order = buf + 2 * n_pairs, *tmp = buf + 3 * n_pairs;
     int64_t *p_unit = buf + 4 * n_pairs, *p_lowest = buf + 5 * n_pairs, *p_bits = buf + 6 * n_pairs;
     int64_t *p_cut = buf + 7 * n_pairs, *p_order = buf + 8 * n_pairs, *count = buf + 9 * n_pairs;
-    int sorted = 1;
+    int units_sorted = 1;
     for (int64_t i = 0; i < n_pairs; i++) {
         const int64_t r = c_rank[i];
         if (block_of_rank) {
             c_block[i] = block_of_rank[r];
             c_pos[i] = r - start_of_rank[r];
         } else {
-            c_block[i] = r / capacity;
-            c_pos[i] = r % capacity;
+            c_block[i] = shift_div(r, capacity, csh);
+            c_pos[i] = shift_mod(r, capacity, csh);
         }
         order[i] = i;
-        if (i && (c_unit[i] < c_unit[i - 1] || (c_unit[i] == c_unit[i - 1] && c_block[i] < c_block[i - 1])))
-            sorted = 0;
+        if (i && c_unit[i] < c_unit[i - 1])
+            units_sorted = 0;
     }
-    if (!sorted) { /* stable by (unit, block): by block, then by unit */
+    /* pieces: the pairs of one unit in one block, in (unit, block) order */
+    int64_t n_pieces = 0, any_cut = 0;
+    if (units_sorted) {
+        /* each unit's pairs merged into its pieces as they come (a unit touches a few blocks),
+         * the pieces kept in block order: no sort of the pairs */
+        int64_t *p_block = order;
+        for (int64_t first = 0; first < n_pairs;) {
+            int64_t end = first + 1;
+            while (end < n_pairs && c_unit[end] == c_unit[first]) end++;
+            const int64_t p0 = n_pieces;
+            for (int64_t i = first; i < end; i++) {
+                const int64_t b = c_block[i];
+                int64_t p = n_pieces - 1;
+                while (p >= p0 && p_block[p] != b) p--;
+                if (p >= p0) {
+                    if (c_rank[i] < p_lowest[p]) p_lowest[p] = c_rank[i];
+                    p_bits[p] |= (int64_t)1 << c_pos[i];
+                    continue;
+                }
+                p_unit[n_pieces] = c_unit[i]; /* every piece of the unit has its unit and no cut yet */
+                p_cut[n_pieces] = 0;
+                for (p = n_pieces++; p > p0 && p_block[p - 1] > b; p--) {
+                    p_block[p] = p_block[p - 1];
+                    p_lowest[p] = p_lowest[p - 1];
+                    p_bits[p] = p_bits[p - 1];
+                }
+                p_block[p] = b;
+                p_lowest[p] = c_rank[i];
+                p_bits[p] = (int64_t)1 << c_pos[i];
+            }
+            first = end;
+        }
+    } else {
+        /* stable by (unit, block): by block, then by unit; pieces are runs of equal (unit, block) */
         counting_sort(n_pairs, order, c_block, n_blocks, count, tmp);
         counting_sort(n_pairs, tmp, c_unit, n_units, count, order);
-    }
-    /* pieces: runs of equal (unit, block) */
-    int64_t n_pieces = 0, any_cut = 0;
-    for (int64_t j = 0; j < n_pairs; j++) {
-        const int64_t i = order[j];
-        if (j == 0 || c_unit[i] != p_unit[n_pieces - 1] || c_block[i] != c_block[order[j - 1]]) {
-            p_unit[n_pieces] = c_unit[i];
-            p_lowest[n_pieces] = c_rank[i];
-            p_bits[n_pieces] = (int64_t)1 << c_pos[i];
-            p_cut[n_pieces] = 0;
-            n_pieces++;
-        } else {
-            if (c_rank[i] < p_lowest[n_pieces - 1]) p_lowest[n_pieces - 1] = c_rank[i];
-            p_bits[n_pieces - 1] |= (int64_t)1 << c_pos[i];
+        for (int64_t j = 0; j < n_pairs; j++) {
+            const int64_t i = order[j];
+            if (j == 0 || c_unit[i] != p_unit[n_pieces - 1] || c_block[i] != c_block[order[j - 1]]) {
+                p_unit[n_pieces] = c_unit[i];
+                p_lowest[n_pieces] = c_rank[i];
+                p_bits[n_pieces] = (int64_t)1 << c_pos[i];
+                p_cut[n_pieces] = 0;
+                n_pieces++;
+            } else {
+                if (c_rank[i] < p_lowest[n_pieces - 1]) p_lowest[n_pieces - 1] = c_rank[i];
+                p_bits[n_pieces - 1] |= (int64_t)1 << c_pos[i];
+            }
         }
     }
     for (int64_t p = 1; p < n_pieces; p++)
         if (p_unit[p] == p_unit[p - 1]) p_cut[p] = p_cut[p - 1] = any_cut = 1;
-    /* by lowest rank, ties in (unit, block) order */
-    for (int64_t p = 0; p < n_pieces; p++) tmp[p] = p;
-    counting_sort(n_pieces, tmp, p_lowest, n_queries, count, p_order);
+    /* by lowest rank, ties in (unit, block) order (pieces often come so already) */
+    int64_t rank_sorted = 1;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        tmp[p] = p;
+        if (p && p_lowest[p] < p_lowest[p - 1])
+            rank_sorted = 0;
+    }
+    if (rank_sorted)
+        for (int64_t p = 0; p < n_pieces; p++) p_order[p] = p;
+    else
+        counting_sort(n_pieces, tmp, p_lowest, n_queries, count, p_order);
     /* runs within blocks: tokens before each piece in its block, then the run boundaries */
     int64_t *blk = c_block, *excl = c_pos; /* reused: n_pieces <= n_pairs */
     int64_t *tok = tmp;
     for (int64_t j = 0; j < n_pieces; j++) {
         const int64_t p = p_order[j], low = p_lowest[p];
-        blk[j] = block_of_rank ? block_of_rank[low] : low / capacity;
+        blk[j] = block_of_rank ? block_of_rank[low] : shift_div(low, capacity, csh);
         tok[j] = kv_len[p_unit[p]];
     }
     int64_t acc = 0;
@@ -300,7 +352,8 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
             j = e;
         }
     } else {
-        for (int64_t j = 0; j < n_pieces; j++) excl[j] /= budget;
+        const int bsh = exact_log2(budget);
+        for (int64_t j = 0; j < n_pieces; j++) excl[j] = shift_div(excl[j], budget, bsh);
     }
     /* new runs, then the pieces of runs that become bins */
     int64_t n_out = 0;
@@ -374,8 +427,10 @@ int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *
  * piece's position in its block (the lowest rank modulo capacity, or minus start_of_rank of it);
  * each piece's bits are shifted down by its bin start's position (the running maximum of the bin
  * starts' lowest ranks, as numpy's maximum.accumulate), the bin's OR of them by its own. */
-static int64_t block_pos(int64_t rank, int64_t capacity, const int64_t *start_of_rank) {
-    return start_of_rank ? rank - start_of_rank[rank] : rank % capacity;
+static inline int64_t block_pos(int64_t rank, int64_t capacity, const int64_t *start_of_rank) {
+    if (start_of_rank)
+        return rank - start_of_rank[rank];
+    return (capacity & (capacity - 1)) == 0 ? rank & (capacity - 1) : rank % capacity; /* rank >= 0 */
 }
 
 static int64_t bit_length(int64_t x) {
