@@ -768,7 +768,8 @@ def _assemble_native(
     lib, kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, capacity: int, start_of_rank,
     unit, lowest, bits, new_bin, tokens,
 ) -> PackedUnits:  # fmt: skip
-    """:func:`_assemble` by the compiled loops: sizes (every index checked), then the arrays."""
+    """:func:`_assemble` by the compiled loops: sizes (every index checked), then the arrays (the
+    unit arrays and pair queries views of one int64 buffer, the pair and unit flags of one bool one)."""
     i64, i8 = np.int64, np.int8
     kv_start, kv_len, pair_start, q_len, pair_query, query_of_rank, unit, lowest, bits, tokens = (
         np.ascontiguousarray(a, dtype=i64)
@@ -780,40 +781,41 @@ def _assemble_native(
     sor = None if start_of_rank is None else np.ascontiguousarray(start_of_rank, dtype=i64)
     if (
         kv_start.size != n_units or pair_start.size != n_units or q_len.size != n_units
-        or any(a.size != n_pieces for a in (lowest, bits, new_bin, tokens))
+        or lowest.size != n_pieces or bits.size != n_pieces or new_bin.size != n_pieces or tokens.size != n_pieces
         or (sor is not None and sor.size != n_queries)
     ):  # fmt: skip
         raise ValueError("the units' or the pieces' arrays differ in length")
-    keep = np.empty(n_units, dtype=i8)
-    sizes = np.empty(6, dtype=i64)
+    scratch = np.empty(6 + (n_units + 7) // 8, dtype=i64)  # the sizes, then keep (int8 [n_units])
+    sizes_at = address(scratch)
+    keep_at = sizes_at + 48
     sor_ptr = None if sor is None else address(sor)
+    a_start, a_len, a_q_len, a_slots = address(kv_start), address(kv_len), address(q_len), address(slots_in)
+    pieces = (address(unit), address(lowest), address(bits), address(new_bin), address(tokens))
     if lib.ft_assemble_sizes(
-        n_units, address(kv_start), address(kv_len), address(q_len), slots_in.size, n_queries, capacity, sor_ptr,
-        n_pieces, address(unit), address(lowest), address(bits), address(new_bin), address(tokens), address(keep),
-        address(sizes),
+        n_units, a_start, a_len, a_q_len, slots_in.size, n_queries, capacity, sor_ptr, n_pieces, *pieces, keep_at,
+        sizes_at,
     ):  # fmt: skip
         raise ValueError("a packed piece's unit, rank, KV run or row shift is out of range")
-    n_bins, n_kept, k_total, b_total, k_pairs, b_pairs = (int(x) for x in sizes)
+    n_bins, n_kept, k_total, b_total, k_pairs, b_pairs = scratch[:6].tolist()
     copy_kept = 2 * k_total < slots_in.size
     n_old = k_total if copy_kept else slots_in.size
     n_out, n_pairs_out = n_kept + n_bins, k_pairs + b_pairs
-    out = [np.empty(n_out, dtype=i64) for _ in range(4)]  # kv_start, kv_len, pair_start, q_len
-    o_query = np.empty(n_pairs_out, dtype=i64)
-    o_present = np.empty(n_pairs_out, dtype=bool)
+    out = np.empty(4 * n_out + n_pairs_out, dtype=i64)  # kv_start, kv_len, pair_start, q_len, pair_query
+    flags = np.empty(n_pairs_out + n_out, dtype=bool)  # pair_present, is_bin
     o_slots = entry_array(n_old + b_total)
     o_mask = entry_array(n_old + b_total)
-    o_is_bin = np.empty(n_out, dtype=bool)
+    o, f = address(out), address(flags)
     if lib.ft_assemble_fill(
-        n_units, address(kv_start), address(kv_len), address(pair_start), address(q_len), pair_query.size,
-        address(pair_query), slots_in.size, address(slots_in), n_queries, address(query_of_rank), capacity, sor_ptr,
-        n_pieces, address(unit), address(lowest), address(bits), address(new_bin), address(tokens), address(keep),
-        int(copy_kept), n_old, *(address(a) for a in out), address(o_query), address(o_present), address(o_slots),
-        address(o_mask), address(o_is_bin),
+        n_units, a_start, a_len, address(pair_start), a_q_len, pair_query.size, address(pair_query), slots_in.size,
+        a_slots, n_queries, address(query_of_rank), capacity, sor_ptr, n_pieces, *pieces, keep_at, int(copy_kept),
+        n_old, o, o + 8 * n_out, o + 16 * n_out, o + 24 * n_out, o + 32 * n_out, f, address(o_slots),
+        address(o_mask), f + n_pairs_out,
     ):  # fmt: skip
         raise ValueError("a kept unit's KV run or pairs, or a bin's ranks, are out of range")
     return PackedUnits(
-        kv_start=out[0], kv_len=out[1], pair_start=out[2], q_len=out[3], pair_query=o_query, pair_present=o_present,
-        kv_slots=o_slots, kv_row_mask=o_mask, is_bin=o_is_bin, n_packed=n_pieces, n_kept=n_kept,
+        kv_start=out[:n_out], kv_len=out[n_out : 2 * n_out], pair_start=out[2 * n_out : 3 * n_out],
+        q_len=out[3 * n_out : 4 * n_out], pair_query=out[4 * n_out :], pair_present=flags[:n_pairs_out],
+        kv_slots=o_slots, kv_row_mask=o_mask, is_bin=flags[n_pairs_out:], n_packed=n_pieces, n_kept=n_kept,
     )  # fmt: skip
 
 
