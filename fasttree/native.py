@@ -57,7 +57,9 @@ _SIGNATURES = {
     "ft_chain_fill": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P]),
     "ft_gather_runs": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P]),
     "ft_group_queries": (
-        ctypes.c_int64, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P]
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,
+         _I64P, _I64P],
     ),
     "ft_fill_mask": (None, [ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P]),
     "ft_layout_class_reads": (

@@ -278,6 +278,8 @@ class _GroupIndex:
         # rank: the DFS rank of every query (queries of one node in id order);
         # query_of_rank: the query at each DFS rank (the inverse permutation)
         self.query_of_rank = self.rank if self.perm is None else self.perm
+        # the arrays of the compiled group query lists and their addresses (built on first use)
+        self.native: tuple | None = None
 
 
 #: Attribute of a planned tree that holds its cached :class:`_TreeIndex`.
@@ -807,25 +809,43 @@ def _build_groups(
     # ``kept`` may hold what _Kept computes from them.
     gx = _tree_index(tree).groups(tree)
     cs = gx.child_sorted
-    holes = cs[assign[cs] != 0]
-    hole_par = tree.parents[holes]
     counts = group_queries
     if check:
+        holes = cs[assign[cs] != 0]
         sq = tree.subtree_queries
-        counts = sq - np.bincount(hole_par, weights=sq[holes], minlength=tree.n_nodes).astype(np.int64)
+        counts = sq - np.bincount(tree.parents[holes], weights=sq[holes], minlength=tree.n_nodes).astype(np.int64)
         if counts.shape != np.shape(group_queries) or np.count_nonzero(counts != group_queries):
             raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     if kept is None or check:
         kept = _Kept.of(counts, group_kv_len)
     keep, node, g_count = kept.keep, kept.node, kept.count
+    lib = planner_library() if native else None
+    if lib is not None:
+        q_indptr, q_ids = _group_queries_native(lib, tree, gx, assign, node, g_count)
+    else:
+        q_indptr, q_ids = _group_queries_numpy(tree, gx, assign, keep, node, g_count)
+    kv_start, fill = _chain_layout(tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native)
+    identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
+    groups = Groups(
+        node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=_NO_SLOTS if defer_slots else fill(),
+        q_indptr=q_indptr, q_ids=q_ids, identity_slots=identity,
+    )  # fmt: skip
+    return (groups, fill) if defer_slots else groups
+
+
+def _group_queries_numpy(
+    tree: KVTree, gx: _GroupIndex, assign: np.ndarray, keep: np.ndarray, node: np.ndarray, g_count: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_build_groups`' ``q_indptr`` and query lists by numpy: each group's list is its DFS
+    range minus its hole children's, as runs of positions."""
+    cs = gx.child_sorted
+    holes = cs[assign[cs] != 0]
+    hole_par = tree.parents[holes]
     q_indptr = np.zeros(node.size + 1, dtype=np.int64)
     np.add.accumulate(g_count, out=q_indptr[1:])
     inner = keep[hole_par]
     holes, hole_par = holes[inner], hole_par[inner]
-    lib = planner_library() if native else None
-    if lib is not None:
-        q_ids = _group_queries_native(lib, gx, node, q_indptr, holes, hole_par)
-    elif holes.size == 0:
+    if holes.size == 0:
         run_start, run_len = gx.qlo[node], g_count
     else:
         # runs of group g: qlo[g] .. first hole, between holes, last hole .. qhi[g]
@@ -843,38 +863,40 @@ def _build_groups(
         run_end[hk] = gx.qlo[holes]
         run_start[hk + 1] = gx.qhi[holes]
         run_len = run_end - run_start
-    if lib is None:
-        q_pos = ragged_arange(run_start, run_len, int(q_indptr[-1]))
-        if gx.perm is None:
-            q_ids = q_pos
-        else:
-            # DFS order differs from id order: sort each group's queries by id
-            gid = (np.arange(node.size, dtype=np.int64) * tree.n_queries).repeat(g_count)
-            key = gx.perm[q_pos] + gid
-            key.sort()
-            q_ids = key - gid
-    kv_start, fill = _chain_layout(tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native)
-    identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
-    groups = Groups(
-        node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=_NO_SLOTS if defer_slots else fill(),
-        q_indptr=q_indptr, q_ids=q_ids, identity_slots=identity,
-    )  # fmt: skip
-    return (groups, fill) if defer_slots else groups
+    q_pos = ragged_arange(run_start, run_len, int(q_indptr[-1]))
+    if gx.perm is None:
+        return q_indptr, q_pos
+    # DFS order differs from id order: sort each group's queries by id
+    gid = (np.arange(node.size, dtype=np.int64) * tree.n_queries).repeat(g_count)
+    key = gx.perm[q_pos] + gid
+    key.sort()
+    return q_indptr, key - gid
 
 
-def _group_queries_native(lib, gx: _GroupIndex, node, q_indptr, holes, hole_par) -> np.ndarray:
-    """:func:`_build_groups`' query lists by ``ft_group_queries``: int64 [q_indptr[-1]]."""
-    q_ids = np.empty(int(q_indptr[-1]), dtype=np.int64)
-    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (node, q_indptr, gx.qlo, gx.qhi, holes, hole_par)]
-    perm = None if gx.perm is None else np.ascontiguousarray(gx.perm, dtype=np.int64)
-    n_groups, n_holes = arrays[0].size, arrays[4].size
-    status = lib.ft_group_queries(
-        n_groups, *(address(a) for a in arrays[:4]), n_holes, address(arrays[4]), address(arrays[5]),
-        None if perm is None else address(perm), address(q_ids),
-    )  # fmt: skip
-    if status != 0:
+def _group_queries_native(
+    lib, tree: KVTree, gx: _GroupIndex, assign: np.ndarray, node: np.ndarray, g_count: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_build_groups`' ``q_indptr`` and query lists by ``ft_group_queries`` (which finds the
+    hole children itself): int64 [n_groups + 1] and [sum of g_count]."""
+    if gx.native is None:  # the tree's arrays the compiled loop reads, once per tree
+        arrays = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in (gx.child_sorted, tree.parents, gx.qlo, gx.qhi))
+        perm = None if gx.perm is None else np.ascontiguousarray(gx.perm, dtype=np.int64)
+        gx.native = (arrays, perm, (*(address(a) for a in arrays), None if perm is None else address(perm)))
+    cs_at, parents_at, qlo_at, qhi_at, perm_at = gx.native[2]
+    node = np.ascontiguousarray(node, dtype=np.int64)
+    g_count = np.ascontiguousarray(g_count, dtype=np.int64)
+    assign8 = np.ascontiguousarray(assign, dtype=np.int8)
+    n_groups, n_ids = node.size, int(np.add.reduce(g_count))
+    if g_count.size != n_groups or assign8.size != tree.n_nodes:
         raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
-    return q_ids
+    out = np.empty(n_groups + 1 + n_ids, dtype=np.int64)  # q_indptr, q_ids
+    o = address(out)
+    if lib.ft_group_queries(
+        n_groups, address(node), address(g_count), gx.native[0][0].size, cs_at, address(assign8), parents_at, qlo_at,
+        qhi_at, perm_at, n_ids, o, o + 8 * (n_groups + 1),
+    ):  # fmt: skip
+        raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
+    return out[: n_groups + 1], out[n_groups + 1 :]
 
 
 def _chain_slots(

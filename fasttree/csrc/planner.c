@@ -393,31 +393,42 @@ static int cmp_i64(const void *a, const void *b) {
 }
 
 /* The kept groups' query lists (fasttree.planner._build_groups): group g (node nodes[g], nodes
- * ascending) holds the DFS positions qlo[v] .. qhi[v] minus the ranges of its hole children
- * (holes: children whose edge is concatenated, ordered by parent then id, so by position within a
- * parent; only those whose parent is kept are listed), written at q_ids[q_indptr[g] ...] as
- * query ids: perm[position] sorted within the group, or the positions themselves when perm is NULL.
- * Returns 0, or -1 (nothing past the group written) when a group's positions do not number
- * q_indptr[g + 1] - q_indptr[g]. */
-int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *q_indptr, const int64_t *qlo,
-                         const int64_t *qhi, int64_t n_holes, const int64_t *holes, const int64_t *hole_par,
-                         const int64_t *perm, int64_t *q_ids) {
+ * ascending, count[g] queries) holds the DFS positions qlo[v] .. qhi[v] minus the ranges of its
+ * hole children: its children (cs: the non-root nodes by parent, then id) whose edge is
+ * concatenated (assign != 0). Writes q_indptr [n_groups + 1] (the exclusive sum of count) and the
+ * lists at q_ids[q_indptr[g] ...] as query ids: perm[position] sorted within the group, or the
+ * positions themselves when perm is NULL. Returns 0, or -1 (nothing past the group written) when
+ * the counts do not add up to n_ids or a group's positions do not number count[g]. */
+int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *count, int64_t n_cs,
+                         const int64_t *cs, const int8_t *assign, const int64_t *parents, const int64_t *qlo,
+                         const int64_t *qhi, const int64_t *perm, int64_t n_ids, int64_t *q_indptr, int64_t *q_ids) {
+    q_indptr[0] = 0;
+    for (int64_t g = 0; g < n_groups; g++) q_indptr[g + 1] = q_indptr[g] + count[g];
+    if (q_indptr[n_groups] != n_ids)
+        return -1;
     int64_t h = 0;
     for (int64_t g = 0; g < n_groups; g++) {
         const int64_t v = nodes[g];
-        while (h < n_holes && hole_par[h] < v) h++;
-        int64_t end = h, count = qhi[v] - qlo[v];
-        for (; end < n_holes && hole_par[end] == v; end++) count -= qhi[holes[end]] - qlo[holes[end]];
-        if (count != q_indptr[g + 1] - q_indptr[g]) return -1;
+        while (h < n_cs && parents[cs[h]] < v) h++;
+        int64_t end = h, n = qhi[v] - qlo[v];
+        for (; end < n_cs && parents[cs[end]] == v; end++)
+            if (assign[cs[end]]) n -= qhi[cs[end]] - qlo[cs[end]];
+        if (n != count[g]) return -1;
         int64_t *out = q_ids + q_indptr[g];
         int64_t pos = qlo[v];
         for (; h < end; h++) {
-            const int64_t c = holes[h];
+            const int64_t c = cs[h];
+            if (!assign[c]) continue;
             for (int64_t p = pos; p < qlo[c]; p++) *out++ = perm ? perm[p] : p;
             pos = qhi[c];
         }
         for (int64_t p = pos; p < qhi[v]; p++) *out++ = perm ? perm[p] : p;
-        if (perm) qsort(q_ids + q_indptr[g], (size_t)count, sizeof(int64_t), cmp_i64);
+        if (perm) {
+            int64_t *ids = q_ids + q_indptr[g];
+            int sorted = 1;
+            for (int64_t i = 1; i < n && sorted; i++) sorted = ids[i - 1] <= ids[i];
+            if (!sorted) qsort(ids, (size_t)n, sizeof(int64_t), cmp_i64);
+        }
     }
     return 0;
 }
