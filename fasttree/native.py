@@ -95,8 +95,9 @@ _SIGNATURES = {
     ),
     "ft_unit_arrays": (
         ctypes.c_int64,
-        [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P,
-         _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
+        [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,
+         _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P,
+         _I64P],
     ),
 }  # fmt: skip
 

@@ -554,24 +554,20 @@ def materialize(
             pairs_in_order=True, identity_slots=groups.identity_slots,
         )  # fmt: skip
     if packed is None:
-        u_small = units.q_len <= q_tiles[1]
+        n_kept = units.kv_len.size
         kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
         pair_present = None
-        masked = (False, False)
     else:
         units = _Units(packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len, packed.pair_query)
         kv_slots, kv_row_mask, pair_present = packed.kv_slots, packed.kv_row_mask, packed.pair_present
-        # units left alone by their query count, bins (the last ones) by their rows (q_len * g)
-        k = packed.n_kept
-        u_small = np.empty(units.q_len.size, dtype=bool)
-        np.less_equal(units.q_len[:k], q_tiles[1], out=u_small[:k])
-        np.less_equal(units.q_len[k:], block_m[1] // g, out=u_small[k:])
-        small_bins = int(np.count_nonzero(u_small[k:]))
-        masked = (small_bins < u_small.size - k, small_bins > 0)
+        n_kept = packed.n_kept
     if max(kv_slots.size, units.pair_query.size) > 0x7FFFFFFF:  # partial rows are at most the pairs
         raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
-    uorder, ptr = _class_order(u_small, units.kv_len)
-    arrays = _unit_arrays(units, uorder, pair_present, n_queries)
+    # units left alone are small by their query count, bins (the last ones) by their rows (q_len * g)
+    arrays = _unit_arrays(units, n_kept, (int(q_tiles[1]), block_m[1] // g), pair_present, n_queries)
+    ptr = arrays.class_ptr
+    n_bins = units.kv_len.size - n_kept
+    masked = (arrays.small_bins < n_bins, arrays.small_bins > 0)
     unit_kv_len = arrays.kv_len
     warps = config.launch_warps(g)
     stages = config.launch_stages(g, head_dim)
@@ -804,7 +800,8 @@ def _layout_class_reads_native(
 
 class _UnitArrays(NamedTuple):
     """A plan's int32 unit arrays (units in class order), pair queries and partial rows
-    (:class:`Plan`'s fields of the same meaning), and its number of partial rows."""
+    (:class:`Plan`'s fields of the same meaning), its number of partial rows, its class boundaries
+    ``(0, n_large, n_units)`` and the bins in the small class."""
 
     kv_start: np.ndarray
     kv_len: np.ndarray
@@ -816,51 +813,70 @@ class _UnitArrays(NamedTuple):
     n_part: np.ndarray
     merge: np.ndarray
     n_rows: int
+    class_ptr: tuple[int, int, int]
+    small_bins: int
 
 
 def _unit_arrays(
-    units: _Units, uorder: np.ndarray, pair_present: np.ndarray | None, n_queries: int, native: bool = True
+    units: _Units,
+    n_kept: int,
+    small_queries: tuple[int, int],
+    pair_present: np.ndarray | None,
+    n_queries: int,
+    native: bool = True,
 ) -> _UnitArrays:
-    """The plan's int32 arrays of ``units`` taken in the order ``uorder`` (int64 [n_units]), their
-    pairs (``pair_present``: which serve a query, None: every one) and partial rows
-    (:func:`_partial_rows`), for at most ``2**31 - 1`` pairs. ``native``: in one compiled loop
-    (``ft_unit_arrays``) when it is available and the arrays are the int64 / bool ones it reads,
-    with the same arrays."""
-    got = _unit_arrays_native(units, uorder, pair_present, n_queries) if native else None
+    """The plan's int32 arrays of ``units`` in class order (:func:`_class_order`), their pairs
+    (``pair_present``: which serve a query, None: every one) and partial rows
+    (:func:`_partial_rows`), for at most ``2**31 - 1`` pairs. A unit is in the small class when its
+    queries are at most ``small_queries[0]`` (the first ``n_kept`` units: left alone) or
+    ``small_queries[1]`` (the others: bins). ``native``: in one compiled loop (``ft_unit_arrays``)
+    when it is available and the arrays are the int64 / bool ones it reads, with the same arrays."""
+    got = _unit_arrays_native(units, n_kept, small_queries, pair_present, n_queries) if native else None
     if got is not None:
         return got
+    q_len = units.q_len
+    u_small = np.empty(q_len.size, dtype=bool)
+    np.less_equal(q_len[:n_kept], small_queries[0], out=u_small[:n_kept])
+    np.less_equal(q_len[n_kept:], small_queries[1], out=u_small[n_kept:])
+    uorder, ptr = _class_order(u_small, units.kv_len)
     rows = _partial_rows(units.pair_query, pair_present, n_queries)
     i32 = np.int32
     return _UnitArrays(
         kv_start=units.kv_start[uorder].astype(i32),
         kv_len=units.kv_len[uorder].astype(i32),
         q_start=units.pair_start[uorder].astype(i32),
-        q_len=units.q_len[uorder].astype(i32),
+        q_len=q_len[uorder].astype(i32),
         pair_query=units.pair_query.astype(i32),
         out_row=rows.out_row,
         part_start=rows.part_start.astype(i32),
         n_part=rows.n_part.astype(i32),
         merge=rows.multi.nonzero()[0].astype(i32),
         n_rows=rows.n_rows,
+        class_ptr=ptr,
+        small_bins=int(np.count_nonzero(u_small[n_kept:])),
     )
 
 
 def _unit_arrays_native(
-    units: _Units, uorder: np.ndarray, pair_present: np.ndarray | None, n_queries: int
+    units: _Units,
+    n_kept: int,
+    small_queries: tuple[int, int],
+    pair_present: np.ndarray | None,
+    n_queries: int,
 ) -> _UnitArrays | None:
     """:func:`_unit_arrays` by ``ft_unit_arrays``, or None where it is not available, an array is
-    not the int64 (``pair_present``: bool) C-contiguous one it reads, or an index is out of range.
-    The outputs are views of one int32 buffer (one address for the call)."""
+    not the int64 (``pair_present``: bool) C-contiguous one it reads, or a length or index is out
+    of range. The outputs are views of one int32 buffer (one address for the call)."""
     lib = planner_library()
     if lib is None:
         return None
     i64 = np.int64
     kv_start, kv_len, pair_start, q_len, pair_query = units
-    n_units, n_pairs = uorder.size, pair_query.size
-    for a in (uorder, kv_start, kv_len, pair_start, q_len, pair_query):
+    n_units, n_pairs = kv_len.size, pair_query.size
+    for a in (kv_start, kv_len, pair_start, q_len, pair_query):
         if a.dtype != i64 or not a.flags.c_contiguous:
             return None
-    if kv_start.size != n_units or kv_len.size != n_units or pair_start.size != n_units or q_len.size != n_units:
+    if kv_start.size != n_units or pair_start.size != n_units or q_len.size != n_units or not 0 <= n_kept <= n_units:
         return None
     present = None
     if pair_present is not None:
@@ -869,24 +885,25 @@ def _unit_arrays_native(
         present = address(pair_present.view(np.int8))
     u2, p2 = 4 * n_units, 4 * n_units + 2 * n_pairs
     out = np.empty(p2 + 3 * n_queries, dtype=np.int32)
-    scratch = np.empty(n_queries + 2, dtype=i64)  # per query, then the two counts
+    scratch = np.empty(n_queries + 3 * n_units + 4, dtype=i64)  # per query, the sort's work, the counts
     base, s = address(out), address(scratch)
     got = lib.ft_unit_arrays(
-        n_units, address(uorder), address(kv_start), address(kv_len), address(pair_start), address(q_len), n_pairs,
-        address(pair_query), present, n_queries, base, base + 4 * n_units, base + 8 * n_units, base + 12 * n_units,
-        base + 4 * u2, base + 4 * (u2 + n_pairs), base + 4 * p2, base + 4 * (p2 + n_queries),
-        base + 4 * (p2 + 2 * n_queries), s, s + 8 * n_queries,
+        n_units, n_kept, small_queries[0], small_queries[1], address(kv_start), address(kv_len), address(pair_start),
+        address(q_len), n_pairs, address(pair_query), present, n_queries, base, base + 4 * n_units,
+        base + 8 * n_units, base + 12 * n_units, base + 4 * u2, base + 4 * (u2 + n_pairs), base + 4 * p2,
+        base + 4 * (p2 + n_queries), base + 4 * (p2 + 2 * n_queries), s, s + 8 * n_queries,
+        s + 8 * (n_queries + 3 * n_units),
     )  # fmt: skip
     if got == -2:
         raise AssertionError("internal error: a query has no work unit")
     if got:
         return None
-    n_rows, n_merge = scratch[n_queries:].tolist()
+    n_rows, n_merge, n_large, small_bins = scratch[-4:].tolist()
     q0 = p2 + n_queries
     return _UnitArrays(
         out[:n_units], out[n_units : 2 * n_units], out[2 * n_units : 3 * n_units], out[3 * n_units : u2],
         out[u2 : u2 + n_pairs], out[u2 + n_pairs : p2], out[p2:q0], out[q0 : q0 + n_queries],
-        out[q0 + n_queries : q0 + n_queries + n_merge], n_rows,
+        out[q0 + n_queries : q0 + n_queries + n_merge], n_rows, (0, n_large, n_units), small_bins,
     )  # fmt: skip
 
 

@@ -891,10 +891,13 @@ def _group_queries_native(
         raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     out = np.empty(n_groups + 1 + n_ids, dtype=np.int64)  # q_indptr, q_ids
     o = address(out)
-    if lib.ft_group_queries(
+    status = lib.ft_group_queries(
         n_groups, address(node), address(g_count), gx.native[0][0].size, cs_at, address(assign8), parents_at, qlo_at,
         qhi_at, perm_at, n_ids, o, o + 8 * (n_groups + 1),
-    ):  # fmt: skip
+    )  # fmt: skip
+    if status == -2:
+        raise MemoryError("no memory to sort the groups' query lists")
+    if status:
         raise AssertionError("internal error: group membership disagrees with the greedy's query counts")
     return out[: n_groups + 1], out[n_groups + 1 :]
 

@@ -383,10 +383,11 @@ def test_native_layout_class_reads_equal_numpys(monkeypatch):
 
 
 def test_native_unit_arrays_equal_numpys(monkeypatch):
-    """A plan's int32 unit, pair and partial-row arrays: the compiled loop's equal numpy's (dtype
-    and values) on paper trees, random forests and decode plans, with packed bins (absent pairs)
-    and without; a pair's query out of range leaves them to numpy, and a query without a present
-    pair is an internal error."""
+    """A plan's tile classes, unit order and int32 unit, pair and partial-row arrays: the compiled
+    loop's equal numpy's (dtype and values) on paper trees, random forests and decode plans, with
+    packed bins (absent pairs) and without, KV lengths under and over 2**15 (16- and 32-bit sort
+    keys); a pair's query out of range leaves them to numpy, and a query without a present pair is
+    an internal error."""
     from fasttree import plan_arrays
 
     seen = []
@@ -404,20 +405,23 @@ def test_native_unit_arrays_equal_numpys(monkeypatch):
         for hq, hkv in ((32, 32), (32, 8), (16, 1)):
             ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
         ft.plan_query_separated(tree, num_q_heads=8, num_kv_heads=2, head_dim=64)
-    with_absent = [a for a in seen if a[2] is not None and not a[2].all()]
+    with_absent = [a for a in seen if a[3] is not None and not a[3].all()]
     assert len(seen) >= 60 and with_absent
-    for units, uorder, present, n_queries in seen:
-        got = plan_arrays._unit_arrays_native(units, uorder, present, n_queries)
-        want = real(units, uorder, present, n_queries, native=False)
-        assert got is not None and got.n_rows == want.n_rows
-        for x, y in zip(got[:-1], want[:-1], strict=True):
+    long_units = seen[0][0]._replace(kv_len=seen[0][0].kv_len * 40_000)  # past the 16-bit keys
+    cases = [*seen, (long_units, *seen[0][1:])]
+    assert int(long_units.kv_len.max()) >= 1 << 15
+    for units, n_kept, small, present, n_queries in cases:
+        got = plan_arrays._unit_arrays_native(units, n_kept, small, present, n_queries)
+        want = real(units, n_kept, small, present, n_queries, native=False)
+        assert got is not None and got[-3:] == want[-3:]  # partial rows, class boundaries, small bins
+        for x, y in zip(got[:-3], want[:-3], strict=True):
             assert x.dtype == y.dtype == np.int32 and np.array_equal(x, y)
-    units, uorder, present, n_queries = with_absent[0]
+    units, n_kept, small, present, n_queries = with_absent[0]
     bad = units._replace(pair_query=units.pair_query.copy())
     bad.pair_query[-1] = n_queries  # a query id past the last
-    assert plan_arrays._unit_arrays_native(bad, uorder, present, n_queries) is None
+    assert plan_arrays._unit_arrays_native(bad, n_kept, small, present, n_queries) is None
     with pytest.raises(AssertionError, match="no work unit"):
-        plan_arrays._unit_arrays_native(units, uorder, present, n_queries + 1)
+        plan_arrays._unit_arrays_native(units, n_kept, small, present, n_queries + 1)
 
 
 def test_deferred_chain_slots_are_the_slots_built_at_once():
@@ -460,3 +464,22 @@ def test_native_greedy_groups_equal_numpys(seed):
             assert _same([assign, group_q, group_kv], [w_assign, w_q, w_kv])
             got_kept = [kept.keep, kept.node, kept.count, kept.kv_len]
             assert _same(got_kept, [want.keep, want.node, want.count, want.kv_len])
+
+
+@pytest.mark.parametrize("n_leaves", [20, 300, 70_000])
+def test_native_group_query_lists_sort_ids_out_of_dfs_order(n_leaves):
+    """A group whose query ids run against DFS order (queries numbered from the last leaf) is
+    sorted by id in the compiled loop as by numpy: by insertion up to 32 ids, by bytes beyond (ids
+    past 2**16 too)."""
+    parents = np.concatenate([[-1], np.zeros(n_leaves, dtype=np.int64)])
+    lengths = np.concatenate([[500], np.ones(n_leaves, dtype=np.int64)])
+    query_nodes = np.arange(n_leaves, 0, -1)  # query i sits at leaf n_leaves - i
+    tree = ft.KVTree.from_lengths(parents, lengths, query_nodes)
+    assign = np.zeros(tree.n_nodes, dtype=np.int8)  # every node its own group: the root's holds all
+    group_q, group_kv = tree.subtree_queries.copy(), tree.lengths.copy()
+    want = _build_groups(tree, assign, group_q, group_kv, check=True, native=False)
+    got = _build_groups(tree, assign, group_q, group_kv, check=True, native=True)
+    assert got.q_indptr[1] == n_leaves  # the root's group: every query
+    for name in ("q_indptr", "q_ids"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    assert np.array_equal(got.q_ids[:n_leaves], np.arange(n_leaves))

@@ -387,9 +387,45 @@ void ft_fill_mask(int64_t n_old, int64_t n_pieces, const int64_t *bits, const in
     }
 }
 
-static int cmp_i64(const void *a, const void *b) {
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
+/* Sorts ids[0..n) (non-negative) in place: nothing when they are in order, an insertion sort up to
+ * 32, else an LSD radix sort of their bytes through *scratch (grown to n entries as needed).
+ * Returns 0, or -1 out of memory. */
+static int sort_ids(int64_t *ids, int64_t n, int64_t **scratch, int64_t *scratch_size) {
+    int64_t i = 1;
+    while (i < n && ids[i - 1] <= ids[i]) i++;
+    if (i >= n)
+        return 0;
+    if (n <= 32) {
+        for (; i < n; i++) {
+            const int64_t v = ids[i];
+            int64_t j = i;
+            for (; j > 0 && ids[j - 1] > v; j--) ids[j] = ids[j - 1];
+            ids[j] = v;
+        }
+        return 0;
+    }
+    if (*scratch_size < n) {
+        int64_t *grown = realloc(*scratch, sizeof(int64_t) * (size_t)n);
+        if (!grown)
+            return -1;
+        *scratch = grown;
+        *scratch_size = n;
+    }
+    int64_t largest = 0, count[257];
+    for (int64_t k = 0; k < n; k++) largest = ids[k] > largest ? ids[k] : largest;
+    int64_t *src = ids, *dst = *scratch;
+    for (int shift = 0; shift < 64 && (largest >> shift) > 0; shift += 8) {
+        for (int b = 0; b <= 256; b++) count[b] = 0;
+        for (int64_t k = 0; k < n; k++) count[((src[k] >> shift) & 255) + 1]++;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (int64_t k = 0; k < n; k++) dst[count[(src[k] >> shift) & 255]++] = src[k];
+        int64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != ids)
+        for (int64_t k = 0; k < n; k++) ids[k] = src[k];
+    return 0;
 }
 
 /* The kept groups' query lists (fasttree.planner._build_groups): group g (node nodes[g], nodes
@@ -397,8 +433,9 @@ static int cmp_i64(const void *a, const void *b) {
  * hole children: its children (cs: the non-root nodes by parent, then id) whose edge is
  * concatenated (assign != 0). Writes q_indptr [n_groups + 1] (the exclusive sum of count) and the
  * lists at q_ids[q_indptr[g] ...] as query ids: perm[position] sorted within the group, or the
- * positions themselves when perm is NULL. Returns 0, or -1 (nothing past the group written) when
- * the counts do not add up to n_ids or a group's positions do not number count[g]. */
+ * positions themselves when perm is NULL. Returns 0, -1 (nothing past the group written) when
+ * the counts do not add up to n_ids or a group's positions do not number count[g], or -2 out of
+ * memory. */
 int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *count, int64_t n_cs,
                          const int64_t *cs, const int8_t *assign, const int64_t *parents, const int64_t *qlo,
                          const int64_t *qhi, const int64_t *perm, int64_t n_ids, int64_t *q_indptr, int64_t *q_ids) {
@@ -406,14 +443,17 @@ int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *
     for (int64_t g = 0; g < n_groups; g++) q_indptr[g + 1] = q_indptr[g] + count[g];
     if (q_indptr[n_groups] != n_ids)
         return -1;
-    int64_t h = 0;
+    int64_t h = 0, scratch_size = 0, *scratch = NULL;
     for (int64_t g = 0; g < n_groups; g++) {
         const int64_t v = nodes[g];
         while (h < n_cs && parents[cs[h]] < v) h++;
         int64_t end = h, n = qhi[v] - qlo[v];
         for (; end < n_cs && parents[cs[end]] == v; end++)
             if (assign[cs[end]]) n -= qhi[cs[end]] - qlo[cs[end]];
-        if (n != count[g]) return -1;
+        if (n != count[g]) {
+            free(scratch);
+            return -1;
+        }
         int64_t *out = q_ids + q_indptr[g];
         int64_t pos = qlo[v];
         for (; h < end; h++) {
@@ -423,13 +463,10 @@ int64_t ft_group_queries(int64_t n_groups, const int64_t *nodes, const int64_t *
             pos = qhi[c];
         }
         for (int64_t p = pos; p < qhi[v]; p++) *out++ = perm ? perm[p] : p;
-        if (perm) {
-            int64_t *ids = q_ids + q_indptr[g];
-            int sorted = 1;
-            for (int64_t i = 1; i < n && sorted; i++) sorted = ids[i - 1] <= ids[i];
-            if (!sorted) qsort(ids, (size_t)n, sizeof(int64_t), cmp_i64);
-        }
+        if (perm && sort_ids(q_ids + q_indptr[g], n, &scratch, &scratch_size))
+            return -2;
     }
+    free(scratch);
     return 0;
 }
 
@@ -824,30 +861,74 @@ int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_l
     return 0;
 }
 
-/* A plan's unit, pair and partial-row arrays (fasttree.plan_arrays._unit_arrays_native): the units
- * in the order `order` (int32 copies of kv_start, kv_len, pair_start, q_len), the pairs' queries
+/* The stable order of n keys (non-negative, below 2**(8 * passes)) by an LSD radix sort of bytes:
+ * order and tmp [n] (the result in order). */
+static void radix_order(int64_t n, const int64_t *key, int passes, int64_t *order, int64_t *tmp) {
+    int64_t count[257];
+    for (int64_t i = 0; i < n; i++) order[i] = i;
+    for (int pass = 0; pass < passes; pass++) {
+        const int shift = 8 * pass;
+        for (int b = 0; b <= 256; b++) count[b] = 0;
+        for (int64_t i = 0; i < n; i++) count[((key[i] >> shift) & 255) + 1]++;
+        int one_bucket = 0;
+        for (int b = 1; b <= 256; b++) one_bucket |= count[b] == n;
+        if (one_bucket) continue; /* every key has this byte: the order stays */
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t u = order[i];
+            tmp[count[(key[u] >> shift) & 255]++] = u;
+        }
+        for (int64_t i = 0; i < n; i++) order[i] = tmp[i];
+    }
+}
+
+/* A plan's unit, pair and partial-row arrays (fasttree.plan_arrays._unit_arrays_native). The
+ * units' tile classes and order (fasttree.plan_arrays.materialize and _class_order): unit u is in
+ * the small class when q_len[u] <= small_kept (u < n_kept: a unit left alone) or <= small_bin (a
+ * bin); the order is the large class first, within a class the longest KV first, stable. The
+ * units in that order (int32 copies of kv_start, kv_len, pair_start, q_len), the pairs' queries
  * (int32, pair order), and the partial rows of fasttree.plan_arrays._partial_rows: n_part[q] the
  * present pairs of query q (pair_present NULL: every pair), part_start the exclusive sum over the
  * queries of n_part where it is >= 2, a present pair's row part_start[q] plus its rank among q's
  * present pairs in pair order (-1 for a query with one pair), -2 (ABSENT_ROW) for a pair that
  * serves no query, merge the queries with two or more in increasing order. seen: int64
- * [n_queries] scratch. counts[0] = partial rows, counts[1] = merge queries. Returns 0; -1 when an
- * order entry or a pair's query is out of range (nothing is trusted); -2 when a query has no
- * present pair. */
-int64_t ft_unit_arrays(int64_t n_units, const int64_t *order, const int64_t *kv_start, const int64_t *kv_len,
-                       const int64_t *pair_start, const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query,
-                       const int8_t *pair_present, int64_t n_queries, int32_t *o_kv_start, int32_t *o_kv_len,
-                       int32_t *o_q_start, int32_t *o_q_len, int32_t *o_pair_query, int32_t *o_out_row,
-                       int32_t *o_part_start, int32_t *o_n_part, int32_t *o_merge, int64_t *seen, int64_t *counts) {
+ * [n_queries] scratch; work: int64 [3 * n_units] scratch. counts[0] = partial rows, counts[1] =
+ * merge queries, counts[2] = units in the large class, counts[3] = bins in the small class.
+ * Returns 0; -1 when a KV length is negative or 2**31 or more, or a pair's query is out of range
+ * (nothing is trusted); -2 when a query has no present pair. */
+int64_t ft_unit_arrays(int64_t n_units, int64_t n_kept, int64_t small_kept, int64_t small_bin, const int64_t *kv_start,
+                       const int64_t *kv_len, const int64_t *pair_start, const int64_t *q_len, int64_t n_pairs,
+                       const int64_t *pair_query, const int8_t *pair_present, int64_t n_queries, int32_t *o_kv_start,
+                       int32_t *o_kv_len, int32_t *o_q_start, int32_t *o_q_len, int32_t *o_pair_query,
+                       int32_t *o_out_row, int32_t *o_part_start, int32_t *o_n_part, int32_t *o_merge, int64_t *seen,
+                       int64_t *work, int64_t *counts) {
+    int64_t *key = work, *order = work + n_units, *tmp = work + 2 * n_units;
+    int64_t longest = 0, n_large = 0, small_bins = 0;
+    for (int64_t u = 0; u < n_units; u++) {
+        if (kv_len[u] < 0 || kv_len[u] > 0x7FFFFFFF)
+            return -1;
+        if (kv_len[u] > longest) longest = kv_len[u];
+    }
+    /* the key: the class bit above the complement of the KV length (16 bits when they fit, as
+     * numpy's radix sort of _class_order; else 32) */
+    const int bits = longest < (1 << 15) ? 15 : 31;
+    const int64_t top = ((int64_t)1 << bits) - 1;
+    for (int64_t u = 0; u < n_units; u++) {
+        const int small = q_len[u] <= (u < n_kept ? small_kept : small_bin);
+        key[u] = ((int64_t)small << bits) | (top - kv_len[u]);
+        n_large += !small;
+        small_bins += small && u >= n_kept;
+    }
+    radix_order(n_units, key, bits == 15 ? 2 : 4, order, tmp);
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t u = order[i];
-        if (u < 0 || u >= n_units)
-            return -1;
         o_kv_start[i] = (int32_t)kv_start[u];
         o_kv_len[i] = (int32_t)kv_len[u];
         o_q_start[i] = (int32_t)pair_start[u];
         o_q_len[i] = (int32_t)q_len[u];
     }
+    counts[2] = n_large;
+    counts[3] = small_bins;
     for (int64_t q = 0; q < n_queries; q++) seen[q] = 0;
     for (int64_t p = 0; p < n_pairs; p++) {
         const int64_t q = pair_query[p];
