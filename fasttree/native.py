@@ -54,6 +54,11 @@ _SIGNATURES = {
          _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
     ),
     "ft_chain_lengths": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P]),
+    "ft_chain_layout": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P,
+         _I64P],
+    ),
     "ft_chain_fill": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P]),
     "ft_gather_runs": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P]),
     "ft_group_queries": (

@@ -937,6 +937,9 @@ def _chain_layout(
     """:func:`_chain_slots` in two steps: ``kv_start``, and the function that returns
     ``kv_slots`` (by the compiled loops, the chains' lengths come first and their slots are
     copied only when it is called; by numpy, both at once)."""
+    lib = planner_library() if native else None
+    if lib is not None:
+        return _chain_layout_native(lib, tree, assign, nodes)
     parents = tree.parents
     kv_start = tree.slot_indptr[nodes]
     chained = (assign[nodes] == 1).nonzero()[0]
@@ -944,9 +947,6 @@ def _chain_layout(
     if n_chained == 0:
         slots = tree.slots
         return kv_start, lambda: slots
-    lib = planner_library() if native else None
-    if lib is not None:
-        return _chain_layout_native(lib, tree, assign, nodes, chained, kv_start)
     # Walk every chain up from its group node: step s holds the s-th node above it (and
     # which chains it belongs to, None for all); a chain ends at its first node not
     # marked 1, or at a root.
@@ -1011,38 +1011,46 @@ def _chain_layout(
 
 
 def _chain_layout_native(
-    lib, tree: KVTree, assign: np.ndarray, nodes: np.ndarray, chained: np.ndarray, kv_start: np.ndarray
+    lib, tree: KVTree, assign: np.ndarray, nodes: np.ndarray
 ) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
-    """:func:`_chain_layout`'s chains by the compiled ``ft_chain_lengths``, and the function that
-    copies their slots by ``ft_chain_fill``."""
+    """:func:`_chain_layout` by the compiled ``ft_chain_layout`` (the groups' KV starts and chains),
+    and the function that copies the chains' slots by ``ft_chain_fill``."""
     ix = _tree_index(tree)
     if ix.native_tree is None:  # the tree's arrays as the compiled loops read them, once per tree
-        ix.native_tree = (
+        arrays = (
             np.ascontiguousarray(tree.parents, dtype=np.int64), np.ascontiguousarray(tree.lengths, dtype=np.int64),
             np.ascontiguousarray(tree.slot_indptr, dtype=np.int64), np.ascontiguousarray(tree.slots, dtype=np.int32),
-            int(tree.depth.max()) + 2,  # nodes of the longest chain, at most
         )  # fmt: skip
-    parents, lengths, indptr, slots, longest = ix.native_tree
-    scratch = np.empty(longest, dtype=np.int64)  # per call: the loops run without the GIL
-    heads = np.ascontiguousarray(nodes[chained], dtype=np.int64)
+        longest = int(tree.depth.max()) + 2  # nodes of the longest chain, at most
+        ix.native_tree = (arrays, tuple(address(a) for a in arrays), longest)
+    (parents, _, _, slots), (parents_at, lengths_at, indptr_at, slots_at), longest = ix.native_tree
+    nodes = np.ascontiguousarray(nodes, dtype=np.int64)
     assign8 = np.ascontiguousarray(assign, dtype=np.int8)
-    n = heads.size
-    total = np.empty(n, dtype=np.int64)
-    lib.ft_chain_lengths(n, address(heads), address(parents), address(assign8), address(lengths),
-                         address(total))  # fmt: skip
-    chain_first = exclusive_sum(total)
-    n_slots = tree.slots.size
-    kv_start[chained] = n_slots + chain_first
-    n_entries = n_slots + int(chain_first[-1] + total[-1])
+    n, n_slots = nodes.size, slots.size
+    if assign8.size != parents.size:
+        raise AssertionError("internal error: the assignment is not the tree's")
+    out = np.empty(3 * n + 2, dtype=np.int64)  # kv_start, heads, first, the two counts
+    o, a8 = address(out), address(assign8)
+    if lib.ft_chain_layout(
+        n, address(nodes), parents.size, a8, parents_at, lengths_at, indptr_at, n_slots, o, o + 8 * n, o + 16 * n,
+        o + 24 * n,
+    ):  # fmt: skip
+        raise AssertionError("internal error: a group's node is out of the tree")
+    n_chains, n_chained = out[-2:].tolist()
+    kv_start = out[:n]
+    if n_chains == 0:
+        return kv_start, lambda: slots
 
     def fill() -> np.ndarray:
-        out = entry_array(n_entries)
-        out[:n_slots] = slots
+        scratch = np.empty(longest, dtype=np.int64)  # per call: the loops run without the GIL
+        dst = entry_array(n_slots + n_chained)
+        dst[:n_slots] = slots
+        at = address(out)  # the heads and their chains' offsets (this closure keeps out alive)
         lib.ft_chain_fill(
-            n, address(heads), address(parents), address(assign8), address(indptr), address(lengths),
-            address(slots), address(chain_first), address(scratch), address(out[n_slots:]),
+            n_chains, at + 8 * n, parents_at, address(assign8), indptr_at, lengths_at, slots_at, at + 16 * n,
+            address(scratch), address(dst[n_slots:]),
         )  # fmt: skip
-        return out
+        return dst
 
     return kv_start, fill
 

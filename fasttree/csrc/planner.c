@@ -139,6 +139,39 @@ void ft_chain_lengths(int64_t n, const int64_t *nodes, const int64_t *parents, c
     }
 }
 
+/* Every group's KV start (fasttree.planner._chain_layout): group g of node nodes[g] reads its
+ * node's run of the tree's slots (slot_indptr) unless its edge is concatenated (assign == 1):
+ * then its chain's slots, laid out after the n_slots of the tree, chains in group order. Writes
+ * kv_start [n_groups], the chained groups' nodes (heads) and their chains' offsets past n_slots
+ * (first), counts[0] = chains and counts[1] = their entries. Returns 0, or -1 when a node is out
+ * of range. */
+int64_t ft_chain_layout(int64_t n_groups, const int64_t *nodes, int64_t n_nodes, const int8_t *assign,
+                        const int64_t *parents, const int64_t *lengths, const int64_t *slot_indptr, int64_t n_slots,
+                        int64_t *kv_start, int64_t *heads, int64_t *first, int64_t *counts) {
+    int64_t k = 0, acc = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        int64_t v = nodes[g];
+        if (v < 0 || v >= n_nodes)
+            return -1;
+        if (assign[v] != 1) {
+            kv_start[g] = slot_indptr[v];
+            continue;
+        }
+        heads[k] = v;
+        first[k++] = acc;
+        kv_start[g] = n_slots + acc;
+        int64_t sum = lengths[v];
+        while (assign[v] == 1 && parents[v] >= 0) {
+            v = parents[v];
+            sum += lengths[v];
+        }
+        acc += sum;
+    }
+    counts[0] = k;
+    counts[1] = acc;
+    return 0;
+}
+
 void ft_chain_fill(int64_t n, const int64_t *nodes, const int64_t *parents, const int8_t *assign,
                    const int64_t *slot_indptr, const int64_t *lengths, const int32_t *slots, const int64_t *first,
                    int64_t *scratch, int32_t *out) {
