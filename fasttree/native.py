@@ -98,6 +98,11 @@ _SIGNATURES = {
         [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P,
          ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
     ),
+    "ft_cut_units": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P,
+         _I64P, _I64P, _I64P, _I64P, _I64P],
+    ),
     "ft_unit_arrays": (
         ctypes.c_int64,
         [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,

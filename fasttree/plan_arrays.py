@@ -623,9 +623,11 @@ class _Units(NamedTuple):
     pair_query: np.ndarray
 
 
-def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _Units:
+def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int, native: bool = True) -> _Units:
     """Cut every group's queries into tiles of ``tile_q`` queries and its KV into chunks of its
-    ``group_split`` tokens; the units in group order, a group's KV chunks outermost."""
+    ``group_split`` tokens; the units in group order, a group's KV chunks outermost. Where some
+    group is cut, ``native``: in the compiled loop (``ft_cut_units``) when it is available and
+    the groups' arrays are the int64 ones it reads, with the same units."""
     kv_len = groups.kv_len
     q_indptr = groups.q_indptr
     nq = q_indptr[1:] - q_indptr[:-1]
@@ -637,6 +639,10 @@ def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _U
         split_g = np.asarray(group_split, dtype=np.int64)
         one_chunk = not np.count_nonzero((kv_len > split_g) | (kv_len < 1))
     one_tile = not n_groups or (int(np.maximum.reduce(nq)) <= tile_q and int(np.minimum.reduce(nq)) >= 1)
+    if native and not (one_chunk and one_tile):
+        got = _cut_units_native(groups, tile_q, split_g)
+        if got is not None:
+            return got
     tiles = 1 if one_tile else -(-nq // tile_q)
 
     if one_chunk:
@@ -683,6 +689,41 @@ def _cut_units(groups: Groups, tile_q: int, group_split: np.ndarray | int) -> _U
     pair_pos += arange_view(n_pairs)
     pair_query = groups.q_ids[pair_pos]
     return _Units(kv_start, u_kv_len, unit_pair_start, u_q_len, pair_query)
+
+
+def _cut_units_native(groups: Groups, tile_q: int, split_g: np.ndarray | int) -> _Units | None:
+    """:func:`_cut_units` by ``ft_cut_units`` (a count, then the units in one int64 buffer), or None
+    where it is not available, an array is not the int64 C-contiguous one it reads, or a group is
+    empty (numpy's path then runs)."""
+    lib = planner_library()
+    if lib is None:
+        return None
+    i64 = np.int64
+    kv_start, kv_len, q_indptr, q_ids = groups.kv_start, groups.kv_len, groups.q_indptr, groups.q_ids
+    n_groups = kv_len.size
+    split, per_group = (split_g, None) if isinstance(split_g, int) else (0, split_g)
+    for a in (kv_start, kv_len, q_indptr, q_ids) if per_group is None else (kv_start, kv_len, q_indptr, q_ids, split_g):
+        if a.dtype != i64 or not a.flags.c_contiguous:
+            return None
+    if kv_start.size != n_groups or q_indptr.size != n_groups + 1:
+        return None
+    if per_group is not None and per_group.size != n_groups:
+        return None
+    counts = np.empty(2, dtype=i64)
+    at = (address(kv_start), address(kv_len), address(q_indptr), address(q_ids))
+    split_at = None if per_group is None else address(per_group)
+    if lib.ft_cut_units(n_groups, *at, q_ids.size, tile_q, split, split_at, address(counts), *[None] * 5):
+        return None
+    n_units, n_pairs = counts.tolist()
+    out = np.empty(4 * n_units + n_pairs, dtype=i64)  # kv_start, kv_len, pair_start, q_len, pair_query
+    o = address(out)
+    ptrs = [o + 8 * n_units * k for k in range(5)]
+    if lib.ft_cut_units(n_groups, *at, q_ids.size, tile_q, split, split_at, address(counts), *ptrs):
+        return None
+    return _Units(
+        out[:n_units], out[n_units : 2 * n_units], out[2 * n_units : 3 * n_units], out[3 * n_units : 4 * n_units],
+        out[4 * n_units :],
+    )  # fmt: skip
 
 
 def _pack_layout(

@@ -483,3 +483,34 @@ def test_native_group_query_lists_sort_ids_out_of_dfs_order(n_leaves):
     for name in ("q_indptr", "q_ids"):
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
     assert np.array_equal(got.q_ids[:n_leaves], np.arange(n_leaves))
+
+
+def test_native_cut_units_equal_numpys(monkeypatch):
+    """Groups cut into units (query tiles, KV chunks of one split or a split per group): the
+    compiled loop's units equal numpy's on paper trees and random forests at several head
+    layouts; a group without tokens leaves them to numpy."""
+    from fasttree import plan_arrays
+
+    seen = []
+    real = plan_arrays._cut_units
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_arrays, "_cut_units", spy)
+    rng = np.random.default_rng(17)
+    trees = [paper_tree(c) for c in (5, 8, 9)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(10)]
+    for tree in trees:
+        for hq, hkv in ((32, 32), (32, 8), (16, 1)):
+            ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(256, 64)), num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
+    cut = 0
+    for groups, tile_q, split in seen:
+        want = real(groups, tile_q, split, native=False)
+        got = plan_arrays._cut_units_native(groups, tile_q, split)
+        assert got is not None and _same(got, want)
+        cut += got.kv_len.size > groups.kv_len.size
+    assert cut >= 20 and any(not isinstance(a[2], int) for a in seen)
+    groups, tile_q, split = seen[0]
+    empty = ft.groups.Groups(**{**groups.__dict__, "kv_len": np.zeros_like(groups.kv_len)})
+    assert plan_arrays._cut_units_native(empty, tile_q, split) is None

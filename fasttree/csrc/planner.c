@@ -998,3 +998,48 @@ int64_t ft_unit_arrays(int64_t n_units, int64_t n_kept, int64_t small_kept, int6
     counts[1] = n_merge;
     return 0;
 }
+
+/* The work units of fasttree.plan_arrays._cut_units: group g's queries (q_indptr[g] ..
+ * q_indptr[g + 1], at least one) cut into tiles of tile_q and its KV (kv_len[g] >= 1 tokens from
+ * kv_start[g]) into chunks of its split (split_g[g], or split when split_g is NULL), units in group
+ * order, a group's chunks outermost. Called first with the outputs NULL: counts[0] = units,
+ * counts[1] = pairs. Then with them: each unit's KV start and length, its first pair and query
+ * count, and the pairs' queries (q_ids of its tile). Returns 0, or -1 when a group has no token or
+ * query, a split or tile_q is < 1, or q_indptr runs outside the n_ids query ids. */
+int64_t ft_cut_units(int64_t n_groups, const int64_t *kv_start, const int64_t *kv_len, const int64_t *q_indptr,
+                     const int64_t *q_ids, int64_t n_ids, int64_t tile_q, int64_t split, const int64_t *split_g,
+                     int64_t *counts, int64_t *o_kv_start, int64_t *o_kv_len, int64_t *o_pair_start, int64_t *o_q_len,
+                     int64_t *o_pair_query) {
+    if (tile_q < 1 || (n_groups && (q_indptr[0] < 0 || q_indptr[n_groups] > n_ids)))
+        return -1;
+    int64_t units = 0, pairs = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        const int64_t s = split_g ? split_g[g] : split, len = kv_len[g], nq = q_indptr[g + 1] - q_indptr[g];
+        if (s < 1 || len < 1 || nq < 1)
+            return -1;
+        /* (a 64-bit division costs tens of cycles: many groups are one chunk or one tile) */
+        const int64_t chunks = len <= s ? 1 : (len + s - 1) / s, tiles = nq <= tile_q ? 1 : (nq + tile_q - 1) / tile_q;
+        if (!o_kv_start) {
+            units += chunks * tiles;
+            pairs += chunks * nq;
+            continue;
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t start = kv_start[g] + c * s, rest = len - c * s;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t first = q_indptr[g] + t * tile_q, left = nq - t * tile_q;
+                const int64_t n = left < tile_q ? left : tile_q;
+                o_kv_start[units] = start;
+                o_kv_len[units] = rest < s ? rest : s;
+                o_pair_start[units] = pairs;
+                o_q_len[units] = n;
+                for (int64_t i = 0; i < n; i++) o_pair_query[pairs + i] = q_ids[first + i];
+                units++;
+                pairs += n;
+            }
+        }
+    }
+    counts[0] = units;
+    counts[1] = pairs;
+    return 0;
+}
