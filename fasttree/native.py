@@ -1,17 +1,18 @@
 """Native cores of the host planner: C compiled on first use, called through ctypes.
 
 ``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops (the greedy edge
-assignment and the groups it keeps, the groups' query lists and chained slots, the packing's bin layouts (candidates,
-aligned blocks, pieces and runs), the wide units' cost of a bin layout, the packed units' arrays,
-slot-run gathers and row masks, a laid-out plan's reads by tile class), each the same arithmetic
-in the same order as the numpy/Python path it replaces, so plans are bit-identical either way
-(``tests/test_native.py``).
+assignment and the groups it keeps, the groups' query lists, KV starts and chained slots, the
+units' cuts, the packing's bin layouts (candidates, aligned blocks, pieces and runs), the wide
+units' cost of a bin layout, the packed units' arrays, slot-run gathers and row masks, a laid-out
+plan's reads by tile class, the plan's tile classes, unit order, int32 arrays and partial rows),
+each the same arithmetic in the same order as the numpy/Python path it replaces, so plans are
+bit-identical either way (``tests/test_native.py``).
 :func:`planner_library` compiles it once per source version with the machine's C compiler (``$CC``,
 else ``cc``: the compiler Triton itself needs to build its launchers on a GPU host), caches the
 shared library under ``$FASTTREE_CACHE_DIR`` (default ``~/.cache/fasttree``) and loads it; where no
 compiler works it returns None, logs why once, and the planner runs its numpy path. Each call costs
 about a microsecond per array it is passed (:func:`address`), so only loops that replace several
-numpy calls pay.
+numpy calls pay, and their wrappers pass one buffer for several outputs.
 
 Standard library only (no torch, no numpy): the serving path may import it.
 """

@@ -902,29 +902,6 @@ def _group_queries_native(
     return out[: n_groups + 1], out[n_groups + 1 :]
 
 
-def _chain_slots(
-    tree: KVTree,
-    assign: np.ndarray,
-    nodes: np.ndarray,
-    *,
-    roots_unmarked: bool = False,
-    fill_tokens: int = STRIDED_FILL_TOKENS,
-    native: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """KV of each group node's 1-chain (top of the chain first).
-
-    Returns ``(kv_start, kv_slots)``: a group that is a single node reads its run of the
-    tree's own slot array; longer chains are concatenated after it. ``roots_unmarked``
-    promises that ``assign`` is 0 at every root (as the greedy's is), which skips a check.
-    ``native``: walk and copy the chains in the compiled loops when they are available (the
-    same arrays); False: numpy.
-    """
-    kv_start, fill = _chain_layout(
-        tree, assign, nodes, roots_unmarked=roots_unmarked, fill_tokens=fill_tokens, native=native
-    )
-    return kv_start, fill()
-
-
 def _chain_layout(
     tree: KVTree,
     assign: np.ndarray,
@@ -934,9 +911,14 @@ def _chain_layout(
     fill_tokens: int = STRIDED_FILL_TOKENS,
     native: bool = True,
 ) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
-    """:func:`_chain_slots` in two steps: ``kv_start``, and the function that returns
-    ``kv_slots`` (by the compiled loops, the chains' lengths come first and their slots are
-    copied only when it is called; by numpy, both at once)."""
+    """KV of each group node's 1-chain (top of the chain first), in two steps.
+
+    Returns ``(kv_start, fill)``: ``fill()`` returns ``kv_slots``, where a group that is a single
+    node reads its run of the tree's own slot array and longer chains are concatenated after it.
+    ``roots_unmarked`` promises that ``assign`` is 0 at every root (as the greedy's is), which
+    skips a check. ``native``: the chains walked in the compiled loops when they are available
+    (the same arrays), their slots copied only when ``fill`` is called; False: numpy, both at once.
+    """
     lib = planner_library() if native else None
     if lib is not None:
         return _chain_layout_native(lib, tree, assign, nodes)

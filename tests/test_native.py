@@ -13,7 +13,7 @@ from fasttree import native
 from fasttree.costs import PaddingCost
 from fasttree.packing import _aligned_blocks, _bin_members, _Candidates, _gather_runs, _row_mask
 from fasttree.plan_arrays import DEVICE_ARRAYS
-from fasttree.planner import _build_groups, _chain_slots, greedy_edge_assignment, unprepared
+from fasttree.planner import _build_groups, _chain_layout, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
 from fasttree.toolkit.suite import paper_tree
 
@@ -64,9 +64,9 @@ def test_native_chains_equal_numpys_for_greedy_and_random_assignments(seed):
     for assign, unmarked in ((greedy, True), (random_assign, False)):
         nodes = np.sort(rng.choice(tree.n_nodes, size=int(rng.integers(1, tree.n_nodes + 1)), replace=False))
         for fill_tokens in (0, 8192):  # numpy's strided copies, or its gathers
-            want = _chain_slots(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=False)
-            got = _chain_slots(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=True)
-            assert _same(got, want)
+            want = _chain_layout(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=False)
+            got = _chain_layout(tree, assign, nodes, roots_unmarked=unmarked, fill_tokens=fill_tokens, native=True)
+            assert _same([got[0], got[1]()], [want[0], want[1]()])
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -427,8 +427,6 @@ def test_native_unit_arrays_equal_numpys(monkeypatch):
 def test_deferred_chain_slots_are_the_slots_built_at_once():
     """Groups built with their chains' slots deferred (the crossover's path) read the same slots
     once filled, and the numpy walk gives them too."""
-    from fasttree.planner import _chain_layout
-
     rng = np.random.default_rng(9)
     chained = 0
     for _ in range(20):

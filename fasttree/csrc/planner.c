@@ -122,7 +122,7 @@ int64_t ft_greedy_groups(int64_t n_nodes, int64_t n_edges, const int64_t *cp, co
     return 0;
 }
 
-/* The 1-chains of the chained groups (fasttree.planner._chain_slots): chain c starts at node
+/* The 1-chains of the chained groups (fasttree.planner._chain_layout): chain c starts at node
  * nodes[c] (whose edge is concatenated) and takes its parent, then the parent's parent, ...,
  * up to and including the first node whose own edge is not concatenated (assign != 1) or a root.
  * ft_chain_lengths writes each chain's tokens to total[c]; ft_chain_fill copies each chain's
