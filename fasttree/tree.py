@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .native import address, planner_library
 from .validation import check_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -328,22 +329,27 @@ class KVTree:
             j = int(bad[0])
             raise ValueError(f"query_nodes[{j}] = {query_nodes[j]} is out of range [0, {n})")
 
-        if depth is None:
-            depth = _depths(parents)  # raises on cycles
-        level_order = depth.argsort(kind="stable")
-        level_ptr = np.searchsorted(depth[level_order], np.arange(int(depth.max()) + 2))
+        got = _levels_native(parents, lengths, query_nodes, depth)
+        if got is not None:
+            depth, level_order, level_ptr, path_lengths, subtree_queries = got
+            bounds = level_ptr.tolist()
+            levels = [level_order[bounds[d] : bounds[d + 1]] for d in range(len(bounds) - 1)]
+        else:
+            if depth is None:
+                depth = _depths(parents)  # raises on cycles
+            level_order = depth.argsort(kind="stable")
+            level_ptr = np.searchsorted(depth[level_order], np.arange(int(depth.max()) + 2))
+            # Top-down path lengths, bottom-up subtree query counts, one level at a time.
+            path_lengths = lengths.copy()
+            subtree_queries = np.bincount(query_nodes, minlength=n).astype(np.int64)
+            levels = [level_order[level_ptr[d] : level_ptr[d + 1]] for d in range(len(level_ptr) - 1)]
+            for lvl in levels[1:]:
+                path_lengths[lvl] += path_lengths[parents[lvl]]
+            for lvl in reversed(levels[1:]):
+                np.add.at(subtree_queries, parents[lvl], subtree_queries[lvl])
 
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
-
-        # Top-down path lengths, bottom-up subtree query counts, one level at a time.
-        path_lengths = lengths.copy()
-        subtree_queries = np.bincount(query_nodes, minlength=n).astype(np.int64)
-        levels = [level_order[level_ptr[d] : level_ptr[d + 1]] for d in range(len(level_ptr) - 1)]
-        for lvl in levels[1:]:
-            path_lengths[lvl] += path_lengths[parents[lvl]]
-        for lvl in reversed(levels[1:]):
-            np.add.at(subtree_queries, parents[lvl], subtree_queries[lvl])
 
         empty = np.flatnonzero(path_lengths[query_nodes] == 0)
         if empty.size:
@@ -511,6 +517,37 @@ class KVTree:
             f"KVTree(n_nodes={self.n_nodes}, roots={roots}, depth={int(self.depth.max()) + 1}, "
             f"tokens={self.num_tokens}, n_queries={self.n_queries})"
         )
+
+
+def _levels_native(
+    parents: np.ndarray, lengths: np.ndarray, query_nodes: np.ndarray, depth: np.ndarray | None, native: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(depth, level_order, level_ptr, path_lengths, subtree_queries)`` of :meth:`KVTree._init`
+    (int64 each, the numpy path's values) by the compiled ``ft_tree_levels`` when it is available
+    and the arrays are int64; None otherwise or on a cycle (the numpy path then names it).
+    ``parents`` are in ``[-1, n)`` without self loops and ``query_nodes`` in ``[0, n)`` (checked)."""
+    lib = planner_library() if native else None
+    if lib is None:
+        return None
+    n, i64 = parents.size, np.int64
+    arrays = (parents, lengths, query_nodes) if depth is None else (parents, lengths, query_nodes, depth)
+    for a in arrays:
+        if a.dtype != i64 or not a.flags.c_contiguous:
+            return None
+    if lengths.size != n or (depth is not None and depth.size != n):
+        return None
+    out = np.empty(5 * n + 2, dtype=i64)  # depth, level_order, path_lengths, subtree_queries, level_ptr
+    state = np.empty(n, dtype=np.int8)
+    o = address(out)
+    if depth is not None:
+        out[:n] = depth
+    max_depth = lib.ft_tree_levels(
+        n, address(parents), address(lengths), query_nodes.size, address(query_nodes), int(depth is not None), o,
+        o + 8 * n, o + 32 * n, o + 16 * n, o + 24 * n, address(state),
+    )  # fmt: skip
+    if max_depth < 0:
+        return None
+    return out[:n], out[n : 2 * n], out[4 * n : 4 * n + max_depth + 2], out[2 * n : 3 * n], out[3 * n : 4 * n]
 
 
 def _depths(parents: np.ndarray) -> np.ndarray:

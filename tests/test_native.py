@@ -512,3 +512,63 @@ def test_native_cut_units_equal_numpys(monkeypatch):
     groups, tile_q, split = seen[0]
     empty = ft.groups.Groups(**{**groups.__dict__, "kv_len": np.zeros_like(groups.kv_len)})
     assert plan_arrays._cut_units_native(empty, tile_q, split) is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_tree_levels_equal_numpys(seed):
+    """A tree's depths, level order and bounds, path lengths and subtree query counts: the compiled
+    walk's equal numpy's on random forests (ids in any order, deep chains, given depths), and a
+    cycle leaves the error to numpy's path, which names the node."""
+    from fasttree.tree import _depths, _levels_native
+
+    rng = np.random.default_rng(300 + seed)
+    n = int(rng.choice([1, 7, 300, 5000]))
+    order = rng.permutation(n)  # node order[k]'s parent is an earlier node, or a root
+    parents = np.full(n, -1, dtype=np.int64)
+    for k in range(1, n):
+        if rng.random() < 0.9:
+            parents[order[k]] = order[int(rng.integers(max(0, k - 3 if seed % 2 else 0), k))]
+    lengths = rng.integers(0, 50, size=n).astype(np.int64)
+    queries = rng.integers(0, n, size=int(rng.integers(1, 2 * n + 2))).astype(np.int64)
+    for depth in (None, _depths(parents)):
+        got = _levels_native(parents, lengths, queries, depth)
+        want = _levels_native(parents, lengths, queries, depth, native=False)
+        assert got is not None and want is None
+        depth_np = _depths(parents)
+        level_order = depth_np.argsort(kind="stable")
+        level_ptr = np.searchsorted(depth_np[level_order], np.arange(int(depth_np.max()) + 2))
+        path = lengths.copy()
+        sq = np.bincount(queries, minlength=n).astype(np.int64)
+        for v in level_order:
+            if parents[v] >= 0:
+                path[v] += path[parents[v]]
+        for v in level_order[::-1]:
+            if parents[v] >= 0:
+                sq[parents[v]] += sq[v]
+        assert _same(got, [depth_np, level_order, level_ptr, path, sq])
+    if n >= 3:
+        cyclic = parents.copy()
+        a, b = order[1], order[2]
+        cyclic[a], cyclic[b] = b, a  # a two-node cycle
+        assert _levels_native(cyclic, lengths, queries, None) is None
+        with pytest.raises(ValueError, match="cycle"):
+            ft.KVTree.from_lengths(cyclic, lengths, np.array([0]))
+
+
+def test_trees_are_the_same_with_and_without_the_native_cores(monkeypatch):
+    """Every array of a KVTree (paper, family and random trees) is the same built either way."""
+    rng = np.random.default_rng(21)
+    specs = [paper_tree(c) for c in (1, 8, 12)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(10)]
+    specs += [family_tree(fc) for fc in FAMILY_CASES[::9]]
+    names = ("parents", "lengths", "slot_indptr", "slots", "query_nodes", "depth", "level_order", "level_ptr",
+             "subtree_queries", "path_lengths")  # fmt: skip
+
+    def build(t):
+        return ft.KVTree.from_flat(t.parents, t.lengths, t.slots, t.query_nodes)
+
+    native_trees = [build(t) for t in specs]
+    monkeypatch.setattr(native, "_LOADED", (None, None))  # the numpy paths from here on
+    for t, got in zip(specs, native_trees, strict=True):
+        want = build(t)
+        assert _same([getattr(got, a) for a in names], [getattr(want, a) for a in names])
+        assert len(got.levels) == len(want.levels) and _same(got.levels, want.levels)

@@ -1043,3 +1043,61 @@ int64_t ft_cut_units(int64_t n_groups, const int64_t *kv_start, const int64_t *k
     counts[1] = pairs;
     return 0;
 }
+
+/* A forest's levels (fasttree.tree.KVTree._init): with parents in [-1, n) and no self loops (the
+ * caller checked), each node's depth (unless depth_known: then depth holds them), level_order (the
+ * nodes by depth, then id), level_ptr [max depth + 2] (where each depth starts in level_order),
+ * path_lengths (tokens from the root to the node, inclusive) and subtree_queries (the queries at
+ * or below the node). state: int8 [n] scratch. Returns the largest depth, or -1 on a cycle (then
+ * the caller's numpy path names it). */
+int64_t ft_tree_levels(int64_t n, const int64_t *parents, const int64_t *lengths, int64_t n_queries,
+                       const int64_t *query_nodes, int64_t depth_known, int64_t *depth, int64_t *level_order,
+                       int64_t *level_ptr, int64_t *path_lengths, int64_t *subtree_queries, int8_t *state) {
+    if (!depth_known) {
+        /* walk up from each node to a root or a node whose depth is known, the walk's nodes on a
+         * stack (level_order as scratch); a node met twice on one walk closes a cycle */
+        for (int64_t v = 0; v < n; v++) state[v] = 0; /* 0 new, 1 on the current walk, 2 known */
+        for (int64_t v0 = 0; v0 < n; v0++) {
+            if (state[v0] == 2) continue;
+            int64_t top = 0, v = v0, d;
+            for (;;) {
+                if (state[v] == 2) {
+                    d = depth[v];
+                    break;
+                }
+                if (state[v] == 1) return -1;
+                state[v] = 1;
+                level_order[top++] = v;
+                if (parents[v] < 0) {
+                    d = -1;
+                    break;
+                }
+                v = parents[v];
+            }
+            while (top > 0) {
+                const int64_t u = level_order[--top];
+                depth[u] = ++d;
+                state[u] = 2;
+            }
+        }
+    }
+    int64_t max_depth = 0;
+    for (int64_t v = 0; v < n; v++) max_depth = depth[v] > max_depth ? depth[v] : max_depth;
+    for (int64_t d = 0; d <= max_depth + 1; d++) level_ptr[d] = 0;
+    for (int64_t v = 0; v < n; v++) level_ptr[depth[v] + 1]++;
+    for (int64_t d = 0; d <= max_depth; d++) level_ptr[d + 1] += level_ptr[d];
+    /* stable by depth: a node's place is its level's start plus the nodes of its depth before it */
+    for (int64_t d = 0; d <= max_depth; d++) subtree_queries[d] = level_ptr[d]; /* scratch: next place per depth */
+    for (int64_t v = 0; v < n; v++) level_order[subtree_queries[depth[v]]++] = v;
+    for (int64_t v = 0; v < n; v++) subtree_queries[v] = 0;
+    for (int64_t j = 0; j < n_queries; j++) subtree_queries[query_nodes[j]]++;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t v = level_order[i], p = parents[v];
+        path_lengths[v] = lengths[v] + (p >= 0 ? path_lengths[p] : 0);
+    }
+    for (int64_t i = n - 1; i >= 0; i--) {
+        const int64_t v = level_order[i], p = parents[v];
+        if (p >= 0) subtree_queries[p] += subtree_queries[v];
+    }
+    return max_depth;
+}
