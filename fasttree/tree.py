@@ -22,10 +22,11 @@ from .validation import check_int_array
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def _as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
-    """``value`` (array-like, or a CPU tensor) as an int64 array of ``ndim`` dims (:func:`check_int_array`)."""
+def _as_int_array(name: str, value, ndim: int = 1, keep_dtype: bool = False) -> np.ndarray:
+    """``value`` (array-like, or a CPU tensor) as an int64 array of ``ndim`` dims, or with
+    ``keep_dtype`` in its own integer dtype (:func:`check_int_array`)."""
     arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else value
-    return check_int_array(name, arr, ndim=ndim)
+    return check_int_array(name, arr, ndim=ndim, keep_dtype=keep_dtype)
 
 
 def _parents_and_lengths(parents, lengths) -> tuple[np.ndarray, np.ndarray]:
@@ -258,10 +259,14 @@ class KVTree:
             is negative, or ``slots`` does not hold ``sum(lengths)`` entries.
         """
         parents_arr, lengths_arr = _parents_and_lengths(parents, lengths)
-        slots_arr = _as_int_array("slots", slots)
+        # checked in their own dtype and converted to int32 once (int32 ones copied: the tree
+        # never shares the caller's array)
+        slots_arr = _as_int_array("slots", slots, keep_dtype=True)
         total = int(lengths_arr.sum())
         if slots_arr.size != total:
             raise ValueError(f"slots has {slots_arr.size} entries but the lengths add up to {total}")
+        if slots_arr.dtype == np.int32:
+            slots_arr = slots_arr.copy()
         obj = cls.__new__(cls)
         obj._init(parents_arr, lengths_arr, slots_arr, _as_int_array("query_nodes", query_nodes))
         return obj

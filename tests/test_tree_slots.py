@@ -64,3 +64,21 @@ def test_the_check_is_exact_on_a_large_scattered_tree():
     slots[-1] = slots[0]  # the first token of the root and the last token of the last leaf
     with pytest.raises(ValueError, match=f"pool slot {slots[0]}: the queries below node {base.n_nodes - 1}"):
         ft.KVTree.from_flat(base.parents, base.lengths, slots, base.query_nodes).check_disjoint_slots()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16, np.uint64])
+def test_from_flat_copies_the_slots_into_its_own_int32_array(dtype):
+    """Slots of any integer dtype become the tree's own int32 array (never the caller's, so a
+    server may reuse its buffer), with the range checked in the given dtype."""
+    slots = np.array([7, 1, 0, 5], dtype=dtype)
+    tree = ft.KVTree.from_flat([-1, 0], [2, 2], slots, [1])
+    assert tree.slots.dtype == np.int32 and np.array_equal(tree.slots, [7, 1, 0, 5])
+    assert not np.shares_memory(tree.slots, slots)
+    slots[:] = 3  # the caller reuses its buffer
+    assert np.array_equal(tree.slots, [7, 1, 0, 5])
+    if dtype in (np.int32, np.int64):
+        with pytest.raises(ValueError, match="negative slot id"):
+            ft.KVTree.from_flat([-1, 0], [2, 2], np.array([7, -1, 0, 5], dtype=dtype), [1])
+    if dtype in (np.int64, np.uint64):
+        with pytest.raises(ValueError, match="beyond the int32 range"):
+            ft.KVTree.from_flat([-1, 0], [2, 2], np.array([7, 1 << 31, 0, 5], dtype=dtype), [1])
