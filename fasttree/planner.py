@@ -254,32 +254,63 @@ class _GroupIndex:
             self.child_sorted = stable_argsort(parents + 1, n + 1)[n - ix.children.size :]
         else:
             self.child_sorted = ix.children
-        own = np.bincount(tree.query_nodes, minlength=n)
-        qlo = np.empty(n, dtype=np.int64)
-        r_sq = sq[ix.roots]
-        qlo[ix.roots] = np.add.accumulate(r_sq) - r_sq
-        for lo, hi in ix.level_bounds:
-            ch, cp = ix.children[lo:hi], ix.cp[lo:hi]
-            x = qlo[cp]
-            x += own[cp]
-            x += ix.excl_seg[lo:hi]
-            qlo[ch] = x
-        self.qlo = qlo
-        self.qhi = qlo + sq
-        key = qlo[tree.query_nodes]
-        if key.size > 1 and np.count_nonzero(key[1:] < key[:-1]):
-            self.perm: np.ndarray | None = stable_argsort(key, key.size)
-            rank = np.empty(key.size, dtype=np.int64)
-            rank[self.perm] = np.arange(key.size, dtype=np.int64)
-            self.rank = rank
+        positions = _query_positions_native(tree, ix)
+        if positions is not None:
+            self.qlo, self.rank, self.perm = positions
         else:
-            self.perm = None
-            self.rank = np.arange(key.size, dtype=np.int64)
+            own = np.bincount(tree.query_nodes, minlength=n)
+            qlo = np.empty(n, dtype=np.int64)
+            r_sq = sq[ix.roots]
+            qlo[ix.roots] = np.add.accumulate(r_sq) - r_sq
+            for lo, hi in ix.level_bounds:
+                ch, cp = ix.children[lo:hi], ix.cp[lo:hi]
+                x = qlo[cp]
+                x += own[cp]
+                x += ix.excl_seg[lo:hi]
+                qlo[ch] = x
+            self.qlo = qlo
+            key = qlo[tree.query_nodes]
+            if key.size > 1 and np.count_nonzero(key[1:] < key[:-1]):
+                self.perm: np.ndarray | None = stable_argsort(key, key.size)
+                rank = np.empty(key.size, dtype=np.int64)
+                rank[self.perm] = np.arange(key.size, dtype=np.int64)
+                self.rank = rank
+            else:
+                self.perm = None
+                self.rank = np.arange(key.size, dtype=np.int64)
+        self.qhi = self.qlo + sq
         # rank: the DFS rank of every query (queries of one node in id order);
         # query_of_rank: the query at each DFS rank (the inverse permutation)
         self.query_of_rank = self.rank if self.perm is None else self.perm
         # the arrays of the compiled group query lists and their addresses (built on first use)
         self.native: tuple | None = None
+
+
+def _query_positions_native(
+    tree: KVTree, ix: _TreeIndex, native: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """:class:`_GroupIndex`'s ``qlo``, ``rank`` and ``perm`` (None: the identity) by the compiled
+    ``ft_query_positions``, the numpy path's values; None where it is not available or an array
+    is not the int64 one it reads."""
+    lib = planner_library() if native else None
+    if lib is None:
+        return None
+    i64 = np.int64
+    arrays = (tree.subtree_queries, tree.query_nodes, ix.roots, ix.children, ix.cp)
+    for a in arrays:
+        if a.dtype != i64 or not a.flags.c_contiguous:
+            return None
+    n, nq = tree.n_nodes, tree.n_queries
+    out = np.empty(n + 2 * nq, dtype=i64)  # qlo, rank, perm
+    own = np.empty(n, dtype=i64)
+    o = address(out)
+    identity = lib.ft_query_positions(
+        n, address(tree.subtree_queries), nq, address(tree.query_nodes), ix.roots.size, address(ix.roots),
+        ix.children.size, address(ix.children), address(ix.cp), o, o + 8 * n, o + 8 * (n + nq), address(own),
+    )  # fmt: skip
+    if identity < 0:
+        return None
+    return out[:n], out[n : n + nq], None if identity else out[n + nq :]
 
 
 #: Attribute of a planned tree that holds its cached :class:`_TreeIndex`.

@@ -572,3 +572,23 @@ def test_trees_are_the_same_with_and_without_the_native_cores(monkeypatch):
         want = build(t)
         assert _same([getattr(got, a) for a in names], [getattr(want, a) for a in names])
         assert len(got.levels) == len(want.levels) and _same(got.levels, want.levels)
+
+
+def test_native_query_positions_equal_numpys(monkeypatch):
+    """The queries' DFS positions (each subtree's first, each query's rank and the inverse) of
+    the compiled walk equal numpy's on paper trees, random forests with internal queries and
+    family trees, with and without a permutation."""
+    from fasttree import planner
+
+    rng = np.random.default_rng(33)
+    trees = [paper_tree(c) for c in (1, 9, 13)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
+    trees += [family_tree(fc) for fc in FAMILY_CASES[::7]]
+    got = [planner._GroupIndex(t, planner._TreeIndex(t)) for t in trees]
+    monkeypatch.setattr(native, "_LOADED", (None, None))  # the numpy paths from here on
+    permuted = 0
+    for t, g in zip(trees, got, strict=True):
+        w = planner._GroupIndex(t, planner._TreeIndex(t))
+        assert _same([g.qlo, g.qhi, g.rank, g.query_of_rank], [w.qlo, w.qhi, w.rank, w.query_of_rank])
+        assert (g.perm is None) == (w.perm is None)
+        permuted += w.perm is not None
+    assert permuted >= 3

@@ -1101,3 +1101,46 @@ int64_t ft_tree_levels(int64_t n, const int64_t *parents, const int64_t *lengths
     }
     return max_depth;
 }
+
+/* The queries' DFS positions (fasttree.planner._GroupIndex: a node's own queries in id order,
+ * then its children's subtrees in edge order): roots[0..n_roots) in id order, the edges
+ * (children ch, parents cp) by depth, parent, then id. Writes qlo [n] (the first position of each
+ * node's subtree, whose subtree_queries sq follow), rank [n_queries] (each query's position) and
+ * perm [n_queries] (the query at each position). own: int64 [n] scratch. Returns 1 when perm is
+ * the identity, 0 otherwise, -1 when an id is out of range. */
+int64_t ft_query_positions(int64_t n, const int64_t *sq, int64_t n_queries, const int64_t *query_nodes,
+                           int64_t n_roots, const int64_t *roots, int64_t n_edges, const int64_t *ch,
+                           const int64_t *cp, int64_t *qlo, int64_t *rank, int64_t *perm, int64_t *own) {
+    for (int64_t v = 0; v < n; v++) own[v] = 0;
+    for (int64_t j = 0; j < n_queries; j++) {
+        if (query_nodes[j] < 0 || query_nodes[j] >= n) return -1;
+        own[query_nodes[j]]++;
+    }
+    /* own becomes each node's next free position: after its own queries, then after each child */
+    int64_t at = 0;
+    for (int64_t i = 0; i < n_roots; i++) {
+        const int64_t v = roots[i];
+        if (v < 0 || v >= n) return -1;
+        qlo[v] = at;
+        own[v] += at;
+        at += sq[v];
+    }
+    for (int64_t e = 0; e < n_edges; e++) {
+        const int64_t c = ch[e], p = cp[e];
+        if (c < 0 || c >= n || p < 0 || p >= n) return -1;
+        qlo[c] = own[p];
+        own[p] += sq[c];
+        own[c] += qlo[c];
+    }
+    /* a query's position: its node's first plus the node's queries before it (in id order) */
+    for (int64_t v = 0; v < n; v++) own[v] = qlo[v];
+    int64_t identity = 1;
+    for (int64_t j = 0; j < n_queries; j++) {
+        const int64_t r = own[query_nodes[j]]++;
+        if (r < 0 || r >= n_queries) return -1;
+        rank[j] = r;
+        perm[r] = j;
+        identity &= r == j;
+    }
+    return identity;
+}
