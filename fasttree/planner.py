@@ -135,20 +135,6 @@ class _TreeIndex:
         self.n_par = sq[cp]
         self.lnf = tree.lengths[ch].astype(np.float64)
         self._int32_counts = e > _INT32_COUNTS_EDGES and tree.n_queries < 1 << 31
-        self._new_seg = new_seg = np.empty(e, dtype=bool)
-        new_seg[:1] = True
-        np.not_equal(cp[1:], cp[:-1], out=new_seg[1:])
-        starts = new_seg.nonzero()[0]
-        seg_size = np.empty(starts.size, dtype=np.int64)
-        np.subtract(starts[1:], starts[:-1], out=seg_size[:-1])
-        seg_size[-1:] = e - starts[-1:]
-        sstart = starts.repeat(seg_size)  # first sibling of every edge
-        self.sstart = sstart
-        excl = np.add.accumulate(self.q)
-        excl -= self.q
-        self.excl_seg = excl - excl[sstart]  # queries of earlier siblings
-        self.seg_starts = starts
-        self.seg_par = cp[starts]
         # children in edge order are the nodes n_roots .. n - 1 (trees numbered level by level)
         contiguous = e == 0 or (int(ch[0]) == r and int(ch[-1]) == n - 1 and not np.count_nonzero(ch[1:] < ch[:-1]))
         self.child_index = slice(r, n) if contiguous else ch
@@ -168,6 +154,42 @@ class _TreeIndex:
         # the tree's parents, lengths, slot offsets and slots, and its longest chain, for the
         # compiled chain loops (built on first use)
         self.native_tree: tuple | None = None
+
+    # The sibling segments: what the numpy paths read (the compiled ones do not), built on first use.
+    @functools.cached_property
+    def _new_seg(self) -> np.ndarray:
+        """bool [n_edges]: the edge is its parent's first child (starts a segment)."""
+        cp = self.cp
+        new_seg = np.empty(cp.size, dtype=bool)
+        new_seg[:1] = True
+        np.not_equal(cp[1:], cp[:-1], out=new_seg[1:])
+        return new_seg
+
+    @functools.cached_property
+    def seg_starts(self) -> np.ndarray:
+        """int64 [n_segments]: each segment's first edge."""
+        return self._new_seg.nonzero()[0]
+
+    @functools.cached_property
+    def seg_par(self) -> np.ndarray:
+        """int64 [n_segments]: each segment's parent."""
+        return self.cp[self.seg_starts]
+
+    @functools.cached_property
+    def sstart(self) -> np.ndarray:
+        """int64 [n_edges]: every edge's first sibling."""
+        starts = self.seg_starts
+        seg_size = np.empty(starts.size, dtype=np.int64)
+        np.subtract(starts[1:], starts[:-1], out=seg_size[:-1])
+        seg_size[-1:] = self.cp.size - starts[-1:]
+        return starts.repeat(seg_size)
+
+    @functools.cached_property
+    def excl_seg(self) -> np.ndarray:
+        """int64 [n_edges]: the queries of every edge's earlier siblings."""
+        excl = np.add.accumulate(self.q)
+        excl -= self.q
+        return excl - excl[self.sstart]
 
     def groups(self, tree: KVTree) -> _GroupIndex:
         if self._groups is None:
