@@ -51,9 +51,9 @@ _SIGNATURES = {
     ),
     "ft_greedy_groups": (
         ctypes.c_int64,
-        [ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double,
-         ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P,
-         _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
+        [ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P,
+         _I64P, _I64P, _I64P, _I64P, _I64P],
     ),
     "ft_chain_lengths": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P]),
     "ft_chain_layout": (

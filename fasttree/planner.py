@@ -131,9 +131,6 @@ class _TreeIndex:
                 ch, cp = cs, parents[cs]
         self.children = ch
         self.cp = cp
-        self.q = sq[ch]
-        self.n_par = sq[cp]
-        self.lnf = tree.lengths[ch].astype(np.float64)
         self._int32_counts = e > _INT32_COUNTS_EDGES and tree.n_queries < 1 << 31
         # children in edge order are the nodes n_roots .. n - 1 (trees numbered level by level)
         contiguous = e == 0 or (int(ch[0]) == r and int(ch[-1]) == n - 1 and not np.count_nonzero(ch[1:] < ch[:-1]))
@@ -144,18 +141,36 @@ class _TreeIndex:
         self.max_level = max((hi - lo for lo, hi in self.level_bounds), default=0)
         self.n_nodes = n
         self.lengths = tree.lengths
+        self._sq = sq
         self._groups: _GroupIndex | None = None
         # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
         self.scalar_lists: tuple[list, list, list, list] | None = None
         # the per-edge arrays of the native greedy (built on first use)
         self.native_arrays: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
-        # the children, subtree queries and lengths of the native greedy's groups (built on first use)
+        # the edges' children and parents, subtree queries and lengths of the compiled greedy's
+        # groups and their addresses (built on first use)
         self.native_groups: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
         # the tree's parents, lengths, slot offsets and slots, and its longest chain, for the
         # compiled chain loops (built on first use)
         self.native_tree: tuple | None = None
 
-    # The sibling segments: what the numpy paths read (the compiled ones do not), built on first use.
+    # The per-edge counts and lengths and the sibling segments: what the numpy paths and the
+    # compiled greedy's own arrays read (the compiled groups derive them), built on first use.
+    @functools.cached_property
+    def q(self) -> np.ndarray:
+        """int64 [n_edges]: the child's subtree queries."""
+        return self._sq[self.children]
+
+    @functools.cached_property
+    def n_par(self) -> np.ndarray:
+        """int64 [n_edges]: the parent's subtree queries."""
+        return self._sq[self.cp]
+
+    @functools.cached_property
+    def lnf(self) -> np.ndarray:
+        """float64 [n_edges]: the child's tokens."""
+        return self.lengths[self.children].astype(np.float64)
+
     @functools.cached_property
     def _new_seg(self) -> np.ndarray:
         """bool [n_edges]: the edge is its parent's first child (starts a segment)."""
@@ -500,30 +515,31 @@ def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, 
 
 def _greedy_groups(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Kept]:
     """:func:`greedy_edge_assignment` and the groups it keeps (:class:`_Kept`), in one compiled call
-    (``ft_greedy_groups``) when it is available: the same arrays, bit for bit."""
+    (``ft_greedy_groups``, which derives the greedy's per-edge inputs itself) when it is available:
+    the same arrays, bit for bit."""
     lib = planner_library()
     ix = _tree_index(tree)
     if lib is None or not ix.level_bounds:
         assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
         return assign, group_q, group_kv, _Kept.of(group_q, group_kv)
-    if ix.native_arrays is None:
-        _greedy_arrays(ix)
-    if ix.native_groups is None:  # the children, subtree queries and lengths, once per tree
-        arrays = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in (ix.children, tree.subtree_queries, ix.lengths))
+    if ix.native_groups is None:  # the edges' children and parents, subtree queries and lengths, once per tree
+        arrays = tuple(
+            np.ascontiguousarray(a, dtype=np.int64) for a in (ix.children, ix.cp, tree.subtree_queries, ix.lengths)
+        )
         ix.native_groups = (arrays, tuple(address(a) for a in arrays))
     n, e = ix.n_nodes, ix.cp.size
-    out = np.empty(5 * n + 1, dtype=np.int64)  # group_q, group_kv, node, count, kv_len, kept
+    out = np.empty(5 * n + 1 + n + 3 * e, dtype=np.int64)  # group_q, group_kv, node, count, kv_len, kept; work
+    fwork = np.empty(3 * e, dtype=np.float64)
     flags = np.empty(2 * n + e, dtype=np.int8)  # assign, keep, dec
-    eff = np.empty(e, dtype=np.float64)
     o, f = address(out), address(flags)
     (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
     if lib.ft_greedy_groups(
-        n, e, *ix.native_arrays[1], cost.alpha * cost.group_size, cost.beta * cost.group_size, cost.gamma, tq0, tq1,
-        tk0, tk1, *ix.native_groups[1], f + 2 * n, address(eff), f, o, o + 8 * n, f + n, o + 16 * n, o + 24 * n,
+        n, e, *ix.native_groups[1], cost.alpha * cost.group_size, cost.beta * cost.group_size, cost.gamma, tq0, tq1,
+        tk0, tk1, o + 8 * (5 * n + 1), address(fwork), f + 2 * n, f, o, o + 8 * n, f + n, o + 16 * n, o + 24 * n,
         o + 32 * n, o + 40 * n,
     ):  # fmt: skip
         raise AssertionError("internal error: the tree index's edges are out of range")
-    k = int(out[-1])
+    k = int(out[5 * n])
     kept = _Kept(flags[n : 2 * n].view(bool), out[2 * n : 2 * n + k], out[3 * n : 3 * n + k], out[4 * n : 4 * n + k])
     return flags[:n], out[:n], out[n : 2 * n], kept
 

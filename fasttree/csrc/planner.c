@@ -84,20 +84,35 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
 
 /* The greedy (ft_greedy) and its groups (fasttree.planner.greedy_edge_assignment and _Kept):
  * with n_nodes nodes, subtree_queries sq and lengths len [n_nodes], and each edge's child node
- * ch[e]: assign[v] (1: the edge into v is concatenated, 0 for roots), group_q[v] (queries left in
- * v's group: sq[v] minus its concatenated children's), group_kv[v] (v's group's tokens: the
- * child's group length of its edge as int64, else len[v]), and the kept groups (>= 1 query and
- * >= 1 token) in node order: node, count (group_q) and kv (group_kv) [n_kept], n_kept in *kept,
- * and keep[v] (1: v's group is kept). dec, eff: scratch [n_edges]. Returns 0, or -1 when a child or parent id is out of range. */
-int64_t ft_greedy_groups(int64_t n_nodes, int64_t n_edges, const int64_t *cp, const int64_t *q, const double *lnf,
-                         const int64_t *n_par, const int64_t *par_edge, const double *root_len, double ag, double bg,
-                         double gamma, int64_t tq0, int64_t tq1, int64_t tk0, int64_t tk1, const int64_t *ch,
-                         const int64_t *sq, const int64_t *len, int8_t *dec, double *eff, int8_t *assign,
-                         int64_t *group_q, int64_t *group_kv, int8_t *keep, int64_t *node, int64_t *count,
-                         int64_t *kv, int64_t *kept) {
-    for (int64_t e = 0; e < n_edges; e++)
+ * ch[e] and parent cp[e] (edges by depth, parent, id), the greedy's per-edge inputs derived here
+ * (the child's queries and length, the parent's queries, the parent's edge, a root parent's
+ * length: fasttree.planner._greedy_arrays), then assign[v] (1: the edge into v is concatenated, 0
+ * for roots), group_q[v] (queries left in v's group: sq[v] minus its concatenated children's),
+ * group_kv[v] (v's group's tokens: the child's group length of its edge as int64, else len[v]),
+ * and the kept groups (>= 1 query and >= 1 token) in node order: node, count (group_q) and kv
+ * (group_kv) [n_kept], n_kept in *kept, and keep[v] (1: v's group is kept). work: int64 [n_nodes
+ * + 3 * n_edges] and fwork: double [3 * n_edges] scratch; dec: int8 [n_edges] scratch. Returns 0,
+ * or -1 when a child or parent id is out of range. */
+int64_t ft_greedy_groups(int64_t n_nodes, int64_t n_edges, const int64_t *ch, const int64_t *cp, const int64_t *sq,
+                         const int64_t *len, double ag, double bg, double gamma, int64_t tq0, int64_t tq1, int64_t tk0,
+                         int64_t tk1, int64_t *work, double *fwork, int8_t *dec, int8_t *assign, int64_t *group_q,
+                         int64_t *group_kv, int8_t *keep, int64_t *node, int64_t *count, int64_t *kv, int64_t *kept) {
+    int64_t *edge_of = work, *q = work + n_nodes, *n_par = q + n_edges, *par_edge = n_par + n_edges;
+    double *lnf = fwork, *root_len = fwork + n_edges, *eff = fwork + 2 * n_edges;
+    for (int64_t v = 0; v < n_nodes; v++) edge_of[v] = -1;
+    for (int64_t e = 0; e < n_edges; e++) {
         if (ch[e] < 0 || ch[e] >= n_nodes || cp[e] < 0 || cp[e] >= n_nodes)
             return -1;
+        edge_of[ch[e]] = e;
+    }
+    for (int64_t e = 0; e < n_edges; e++) {
+        const int64_t c = ch[e], p = cp[e];
+        q[e] = sq[c];
+        n_par[e] = sq[p];
+        lnf[e] = (double)len[c];
+        par_edge[e] = edge_of[p];
+        root_len[e] = par_edge[e] < 0 ? (double)len[p] : 0.0;
+    }
     ft_greedy(n_edges, cp, q, lnf, n_par, par_edge, root_len, ag, bg, gamma, tq0, tq1, tk0, tk1, dec, eff);
     for (int64_t v = 0; v < n_nodes; v++) {
         assign[v] = 0;
