@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["address", "cache_dir", "planner_library"]
+__all__ = ["address", "c_int64", "cache_dir", "planner_library"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,6 @@ _LOADED: tuple[Path | None, ctypes.CDLL | None] | None = None
 
 _I64P = ctypes.c_void_p  # pointers are passed as addresses (:func:`address`): the cheapest call
 _SIGNATURES = {
-    "ft_greedy": (
-        None,
-        [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double,
-         ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P],
-    ),
     "ft_greedy_groups": (
         ctypes.c_int64,
         [ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_double, ctypes.c_double, ctypes.c_double,
@@ -135,6 +130,16 @@ def address(array) -> int:
         except (TypeError, ValueError, BufferError):
             pass
     return array.ctypes.data
+
+
+def c_int64(*arrays) -> bool:
+    """Whether every array is C-contiguous, native-endian int64: what the compiled loops read at
+    an :func:`address` (read from the arrays' attributes: this module imports no numpy)."""
+    for a in arrays:
+        dt = a.dtype
+        if dt.kind != "i" or dt.itemsize != 8 or not dt.isnative or not a.flags.c_contiguous:
+            return False
+    return True
 
 
 def cache_dir() -> Path:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
-from .native import address, planner_library
+from .native import address, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
@@ -702,9 +702,8 @@ def _cut_units_native(groups: Groups, tile_q: int, split_g: np.ndarray | int) ->
     kv_start, kv_len, q_indptr, q_ids = groups.kv_start, groups.kv_len, groups.q_indptr, groups.q_ids
     n_groups = kv_len.size
     split, per_group = (split_g, None) if isinstance(split_g, int) else (0, split_g)
-    for a in (kv_start, kv_len, q_indptr, q_ids) if per_group is None else (kv_start, kv_len, q_indptr, q_ids, split_g):
-        if a.dtype != i64 or not a.flags.c_contiguous:
-            return None
+    if not c_int64(kv_start, kv_len, q_indptr, q_ids) or (per_group is not None and not c_int64(per_group)):
+        return None
     if kv_start.size != n_groups or q_indptr.size != n_groups + 1:
         return None
     if per_group is not None and per_group.size != n_groups:
@@ -818,7 +817,7 @@ def _layout_class_reads_native(
         arrays += [bins.unit, bins.lowest, bins.bits, bins.tokens]
         if bins.new_bin.dtype != np.bool_ or not bins.new_bin.flags.c_contiguous:
             return None
-    if any(a.dtype != i64 or not a.flags.c_contiguous for a in arrays):
+    if not c_int64(*arrays):
         return None
     keep = np.empty(kv_len.size, dtype=np.int8)
     out = np.empty(2, dtype=i64)
@@ -829,7 +828,7 @@ def _layout_class_reads_native(
         pieces = [address(bins.unit), address(bins.lowest), address(bins.bits), address(bins.new_bin.view(np.int8)),
                   address(bins.tokens)]  # fmt: skip
         sor = layout.start_of_rank
-        if sor is not None and (sor.dtype != i64 or not sor.flags.c_contiguous or sor.size != n_queries):
+        if sor is not None and (not c_int64(sor) or sor.size != n_queries):
             return None
         capacity = layout.capacity
     got = lib.ft_layout_class_reads(
@@ -914,9 +913,8 @@ def _unit_arrays_native(
     i64 = np.int64
     kv_start, kv_len, pair_start, q_len, pair_query = units
     n_units, n_pairs = kv_len.size, pair_query.size
-    for a in (kv_start, kv_len, pair_start, q_len, pair_query):
-        if a.dtype != i64 or not a.flags.c_contiguous:
-            return None
+    if not c_int64(kv_start, kv_len, pair_start, q_len, pair_query):
+        return None
     if kv_start.size != n_units or pair_start.size != n_units or q_len.size != n_units or not 0 <= n_kept <= n_units:
         return None
     present = None

@@ -42,7 +42,7 @@ from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import Groups
 from .host_arrays import entry_array
-from .native import address, planner_library
+from .native import address, c_int64, planner_library
 from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
@@ -145,8 +145,6 @@ class _TreeIndex:
         self._groups: _GroupIndex | None = None
         # the per-edge parents, query counts, lengths and parents' counts as lists (built on first use)
         self.scalar_lists: tuple[list, list, list, list] | None = None
-        # the per-edge arrays of the native greedy (built on first use)
-        self.native_arrays: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
         # the edges' children and parents, subtree queries and lengths of the compiled greedy's
         # groups and their addresses (built on first use)
         self.native_groups: tuple[tuple[np.ndarray, ...], tuple[int, ...]] | None = None
@@ -154,8 +152,8 @@ class _TreeIndex:
         # compiled chain loops (built on first use)
         self.native_tree: tuple | None = None
 
-    # The per-edge counts and lengths and the sibling segments: what the numpy paths and the
-    # compiled greedy's own arrays read (the compiled groups derive them), built on first use.
+    # The per-edge counts and lengths and the sibling segments: what the numpy paths read (the
+    # compiled greedy derives its own), built on first use.
     @functools.cached_property
     def q(self) -> np.ndarray:
         """int64 [n_edges]: the child's subtree queries."""
@@ -332,14 +330,11 @@ def _query_positions_native(
     lib = planner_library() if native else None
     if lib is None:
         return None
-    i64 = np.int64
-    arrays = (tree.subtree_queries, tree.query_nodes, ix.roots, ix.children, ix.cp)
-    for a in arrays:
-        if a.dtype != i64 or not a.flags.c_contiguous:
-            return None
+    if not c_int64(tree.subtree_queries, tree.query_nodes, ix.roots, ix.children, ix.cp):
+        return None
     n, nq = tree.n_nodes, tree.n_queries
-    out = np.empty(n + 2 * nq, dtype=i64)  # qlo, rank, perm
-    own = np.empty(n, dtype=i64)
+    out = np.empty(n + 2 * nq, dtype=np.int64)  # qlo, rank, perm
+    own = np.empty(n, dtype=np.int64)
     o = address(out)
     identity = lib.ft_query_positions(
         n, address(tree.subtree_queries), nq, address(tree.query_nodes), ix.roots.size, address(ix.roots),
@@ -470,11 +465,12 @@ def greedy_edge_assignment(
     eff_len = tree.lengths.copy()
     if not ix.level_bounds:
         return assign, n_cur, eff_len
-    threshold = scalar_edges
     lib = planner_library() if native else None
     if lib is not None:
-        dec, group_len = _greedy_native(lib, ix, cost)
-    elif ix.max_level <= threshold:
+        assign, n_cur, eff_len, _ = _greedy_native(lib, tree, ix, cost)
+        return assign, n_cur, eff_len
+    threshold = scalar_edges
+    if ix.max_level <= threshold:
         dec, group_len = _greedy_all_scalar(ix, cost)
     else:
         ec = _EdgeCosts(ix, cost, True)
@@ -496,32 +492,23 @@ def greedy_edge_assignment(
     return assign, n_cur, eff_len
 
 
-def _greedy_native(lib, ix: _TreeIndex, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray]:
-    """The greedy in the compiled loop (``ft_greedy``): decisions (bool) and group lengths
-    (float64) in edge order, those of :func:`_greedy_all_scalar`."""
-    if ix.native_arrays is None:  # the arrays (kept alive there) and their addresses, once per tree
-        _greedy_arrays(ix)
-    arrays, addresses = ix.native_arrays
-    e = arrays[0].size
-    out = np.empty(e, dtype=np.float64)
-    dec = np.empty(e, dtype=np.int8)
-    (tq0, tq1), (tk0, tk1) = cost.q_tiles, cost.kv_tiles
-    lib.ft_greedy(
-        e, *addresses, cost.alpha * cost.group_size, cost.beta * cost.group_size, cost.gamma, tq0, tq1, tk0, tk1,
-        address(dec), address(out),
-    )  # fmt: skip
-    return dec.view(bool), out
-
-
 def _greedy_groups(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Kept]:
-    """:func:`greedy_edge_assignment` and the groups it keeps (:class:`_Kept`), in one compiled call
-    (``ft_greedy_groups``, which derives the greedy's per-edge inputs itself) when it is available:
-    the same arrays, bit for bit."""
+    """:func:`greedy_edge_assignment` and the groups it keeps (:class:`_Kept`): in one compiled call
+    (:func:`_greedy_native`) when it is available, the same arrays bit for bit."""
     lib = planner_library()
     ix = _tree_index(tree)
     if lib is None or not ix.level_bounds:
         assign, group_q, group_kv = greedy_edge_assignment(tree, cost)
         return assign, group_q, group_kv, _Kept.of(group_q, group_kv)
+    return _greedy_native(lib, tree, ix, cost)
+
+
+def _greedy_native(
+    lib, tree: KVTree, ix: _TreeIndex, cost: PaddingCost
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Kept]:
+    """The greedy and its kept groups by ``ft_greedy_groups`` (which derives the per-edge inputs
+    from the edges' children and parents): :func:`greedy_edge_assignment`'s arrays, as
+    :func:`_greedy_all_scalar` decides the edges, and :class:`_Kept` of them. ``ix`` has edges."""
     if ix.native_groups is None:  # the edges' children and parents, subtree queries and lengths, once per tree
         arrays = tuple(
             np.ascontiguousarray(a, dtype=np.int64) for a in (ix.children, ix.cp, tree.subtree_queries, ix.lengths)
@@ -542,18 +529,6 @@ def _greedy_groups(tree: KVTree, cost: PaddingCost) -> tuple[np.ndarray, np.ndar
     k = int(out[5 * n])
     kept = _Kept(flags[n : 2 * n].view(bool), out[2 * n : 2 * n + k], out[3 * n : 3 * n + k], out[4 * n : 4 * n + k])
     return flags[:n], out[:n], out[n : 2 * n], kept
-
-
-def _greedy_arrays(ix: _TreeIndex) -> None:
-    """``ix.native_arrays``: the per-edge arrays the compiled greedy reads and their addresses."""
-    par_edge = ix.edge_of[ix.cp]  # the parent's edge; -1 for the first level's, whose parents are roots
-    root_len = np.where(par_edge < 0, ix.lengths[ix.cp], 0).astype(np.float64)
-    arrays = tuple(
-        np.ascontiguousarray(a, dtype=t)
-        for a, t in ((ix.cp, np.int64), (ix.q, np.int64), (ix.lnf, np.float64), (ix.n_par, np.int64),
-                     (par_edge, np.int64), (root_len, np.float64))
-    )  # fmt: skip
-    ix.native_arrays = (arrays, tuple(address(a) for a in arrays))
 
 
 class _ScalarCosts:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .native import address, planner_library
+from .native import address, c_int64, planner_library
 from .validation import check_int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -337,17 +337,17 @@ class KVTree:
         got = _levels_native(parents, lengths, query_nodes, depth)
         if got is not None:
             depth, level_order, level_ptr, path_lengths, subtree_queries = got
-            bounds = level_ptr.tolist()
-            levels = [level_order[bounds[d] : bounds[d + 1]] for d in range(len(bounds) - 1)]
         else:
             if depth is None:
                 depth = _depths(parents)  # raises on cycles
             level_order = depth.argsort(kind="stable")
             level_ptr = np.searchsorted(depth[level_order], np.arange(int(depth.max()) + 2))
+        bounds = level_ptr.tolist()
+        levels = [level_order[bounds[d] : bounds[d + 1]] for d in range(len(bounds) - 1)]
+        if got is None:
             # Top-down path lengths, bottom-up subtree query counts, one level at a time.
             path_lengths = lengths.copy()
             subtree_queries = np.bincount(query_nodes, minlength=n).astype(np.int64)
-            levels = [level_order[level_ptr[d] : level_ptr[d + 1]] for d in range(len(level_ptr) - 1)]
             for lvl in levels[1:]:
                 path_lengths[lvl] += path_lengths[parents[lvl]]
             for lvl in reversed(levels[1:]):
@@ -535,10 +535,8 @@ def _levels_native(
     if lib is None:
         return None
     n, i64 = parents.size, np.int64
-    arrays = (parents, lengths, query_nodes) if depth is None else (parents, lengths, query_nodes, depth)
-    for a in arrays:
-        if a.dtype != i64 or not a.flags.c_contiguous:
-            return None
+    if not c_int64(parents, lengths, query_nodes) or (depth is not None and not c_int64(depth)):
+        return None
     if lengths.size != n or (depth is not None and depth.size != n):
         return None
     out = np.empty(5 * n + 2, dtype=i64)  # depth, level_order, path_lengths, subtree_queries, level_ptr

@@ -221,6 +221,16 @@ def test_address_is_the_arrays_data_pointer_for_every_kind_of_array():
         assert native.address(a) == a.ctypes.data
 
 
+def test_c_int64_accepts_only_contiguous_native_int64_arrays():
+    """What the compiled loops read at an address: C-contiguous, native-endian int64 (any number of
+    arrays, empty ones too); int32, uint64, big-endian or strided arrays are refused."""
+    base = np.arange(40, dtype=np.int64)
+    assert native.c_int64(base, base[5:], np.empty(0, dtype=np.int64), np.longlong([1, 2]))
+    assert native.c_int64()
+    for bad in (base.astype(np.int32), base.astype(np.uint64), base.astype(">i8"), base[::2], base.astype(float)):
+        assert not native.c_int64(base, bad)
+
+
 def _recorded_assemble_calls(monkeypatch, trees, heads, configs) -> list[tuple]:
     """The arguments of every ``packing._assemble`` call the planner makes on ``trees``."""
     from fasttree import packing
@@ -583,6 +593,7 @@ def test_native_query_positions_equal_numpys(monkeypatch):
     rng = np.random.default_rng(33)
     trees = [paper_tree(c) for c in (1, 9, 13)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
     trees += [family_tree(fc) for fc in FAMILY_CASES[::7]]
+    assert all(planner._query_positions_native(t, planner._TreeIndex(t)) is not None for t in trees)
     got = [planner._GroupIndex(t, planner._TreeIndex(t)) for t in trees]
     monkeypatch.setattr(native, "_LOADED", (None, None))  # the numpy paths from here on
     permuted = 0

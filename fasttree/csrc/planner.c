@@ -32,9 +32,9 @@ static inline int64_t shift_mod(int64_t x, int64_t t, int sh) { return sh >= 0 ?
  * the child's queries q[e] and length lnf[e], the parent's queries n_par[e]; the parent's group
  * length is root_len[e] when par_edge[e] < 0 (a root), else eff[par_edge[e]] (an earlier edge's
  * result). Writes dec[e] (1: concatenated) and eff[e] (the child's group length). */
-void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const double *lnf, const int64_t *n_par,
-               const int64_t *par_edge, const double *root_len, double ag, double bg, double gamma, int64_t tq0,
-               int64_t tq1, int64_t tk0, int64_t tk1, int8_t *dec, double *eff) {
+static void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const double *lnf, const int64_t *n_par,
+                      const int64_t *par_edge, const double *root_len, double ag, double bg, double gamma,
+                      int64_t tq0, int64_t tq1, int64_t tk0, int64_t tk1, int8_t *dec, double *eff) {
     int64_t prev = -2, n = 0;
     const int64_t m0 = pow2_mask(tq0), m1 = pow2_mask(tq1);
     double cn = 0.0, pk0 = 0.0, pk1 = 0.0;
@@ -86,7 +86,7 @@ void ft_greedy(int64_t n_edges, const int64_t *cp, const int64_t *q, const doubl
  * with n_nodes nodes, subtree_queries sq and lengths len [n_nodes], and each edge's child node
  * ch[e] and parent cp[e] (edges by depth, parent, id), the greedy's per-edge inputs derived here
  * (the child's queries and length, the parent's queries, the parent's edge, a root parent's
- * length: fasttree.planner._greedy_arrays), then assign[v] (1: the edge into v is concatenated, 0
+ * length, as the numpy greedy reads them from fasttree.planner._TreeIndex), then assign[v] (1: the edge into v is concatenated, 0
  * for roots), group_q[v] (queries left in v's group: sq[v] minus its concatenated children's),
  * group_kv[v] (v's group's tokens: the child's group length of its edge as int64, else len[v]),
  * and the kept groups (>= 1 query and >= 1 token) in node order: node, count (group_q) and kv
