@@ -27,6 +27,7 @@ from .kernels import (
 __all__ = [
     "current_stream",
     "direct_launcher",
+    "fixed_launcher",
     "interpreting",
     "launch",
     "launch_hooks_active",
@@ -180,6 +181,23 @@ def direct_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: tu
 
     stage1.held = held
     return stage1
+
+
+def fixed_launcher(compiled, grid: tuple[int, int], args: tuple, constexprs: tuple):
+    """A function ``(stream)`` launching ``compiled`` on ``grid`` with ``args``, all fixed: tensors are
+    passed by address (the function holds them, ``held``), so a launch skips the argument binding
+    and cache lookup of :func:`launch` (for a launch that runs outside CUDA graphs with the same
+    arguments every time, such as the runtime's plan relocation)."""
+    run, head = _launch_entry(compiled)
+    fn = compiled.function
+    g0, g1 = grid
+    values = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), *constexprs)
+
+    def fixed(stream):
+        run(g0, g1, 1, stream, fn, *head, *values)
+
+    fixed.held = args
+    return fixed
 
 
 def _triton_version() -> tuple[int, ...]:

@@ -5,7 +5,8 @@ assignment and the groups it keeps, the groups' query lists, KV starts and chain
 units' cuts, the packing's bin layouts (candidates, aligned blocks, pieces and runs), the wide
 units' cost of a bin layout, the packed units' arrays, slot-run gathers and row masks, a laid-out
 plan's reads by tile class, the plan's tile classes, unit order, int32 arrays and partial rows,
-and a tree's levels and queries' DFS positions),
+a tree's levels and queries' DFS positions, and a plan extension's old-slot check and entry
+insertion),
 each the same arithmetic in the same order as the numpy/Python path it replaces, so plans are
 bit-identical either way (``tests/test_native.py``).
 :func:`planner_library` compiles it once per source version with the machine's C compiler (``$CC``,
@@ -109,6 +110,14 @@ _SIGNATURES = {
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P,
          _I64P],
+    ),
+    "ft_prefixes_equal": (
+        ctypes.c_int64, [ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P]
+    ),
+    "ft_extend_entries": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P,
+         ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
     ),
     "ft_unit_arrays": (
         ctypes.c_int64,

@@ -20,6 +20,7 @@ import copy
 
 import numpy as np
 
+from .native import address, c_int64, planner_library
 from .plan_arrays import Plan
 from .tree import KVTree, kept_mask, ragged_arange, splice
 from .validation import check_int
@@ -49,6 +50,37 @@ class _TreeCopy:
         self.slots = tree.slots.copy()
 
 
+def _slot_runs_ok(new_slots: np.ndarray, old_slots: np.ndarray) -> bool:
+    """Whether the compiled prefix check may read both trees' slot arrays (C-contiguous int32)."""
+    return (
+        new_slots.dtype == np.int32 and old_slots.dtype == np.int32
+        and new_slots.flags.c_contiguous and old_slots.flags.c_contiguous
+    )  # fmt: skip
+
+
+def _prefixes_equal_native(lib, tree: KVTree, old: _TreeCopy) -> bool:
+    """Whether every node of ``tree`` starts with the slots it had in ``old`` (``ft_prefixes_equal``;
+    the nodes' lengths have not shrunk: checked before)."""
+    indptr, lengths = tree.slot_indptr, old.lengths
+    if not c_int64(indptr, old.slot_indptr, lengths):
+        indptr, lengths = np.ascontiguousarray(indptr, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64)
+    old_indptr = np.ascontiguousarray(old.slot_indptr, dtype=np.int64)
+    rc = lib.ft_prefixes_equal(
+        lengths.size, address(tree.slots), tree.slots.size, address(indptr), address(old.slots), old.slots.size,
+        address(old_indptr), address(lengths),
+    )  # fmt: skip
+    if rc < 0:
+        raise RuntimeError("internal error: a node's slots outside the tree's slot array")
+    return rc == 1
+
+
+def _entry_arrays_ok(plan: Plan, tree: KVTree) -> bool:
+    """Whether the compiled insertion may read the plan's entry and unit arrays and the tree's slots
+    (C-contiguous int32, as the planner makes them)."""
+    arrays = (plan.kv_indices, plan.kv_row_mask, plan.unit_kv_start, plan.unit_kv_len, tree.slots)
+    return all(a.dtype == np.int32 and a.flags.c_contiguous for a in arrays)
+
+
 class PlanExtender:
     """Extends the last plan it was given to later trees that only grew private nodes.
 
@@ -63,6 +95,10 @@ class PlanExtender:
     max_steps : int
         Consecutive extensions of one fresh plan; afterwards :meth:`extend` returns None,
         so the cost decisions are redone at least every ``max_steps + 1`` steps.
+    native : bool
+        Check the old slots and insert the new entries in compiled loops
+        (:func:`fasttree.native.planner_library`) when they are available: the same plans as
+        the numpy path, bit for bit (``tests/test_native.py``).
 
     Examples
     --------
@@ -73,8 +109,9 @@ class PlanExtender:
     >>> ext.remember(tree, plan)                               # doctest: +SKIP
     """
 
-    def __init__(self, *, max_steps: int = 8) -> None:
+    def __init__(self, *, max_steps: int = 8, native: bool = True) -> None:
         self.max_steps = check_int("max_steps", max_steps, minimum=1, expected="a positive integer")
+        self.native = bool(native)
         self.reset()
 
     def reset(self) -> None:
@@ -145,8 +182,13 @@ class PlanExtender:
             return None  # a node several queries read grew
         # the old tokens keep their slots: the new array without the appended runs is the old one
         first_new = tree.slot_indptr[grown] + old.lengths[grown]
-        new_pos = first_new if one else ragged_arange(first_new, d)
-        if not np.array_equal(tree.slots[kept_mask(tree.slots.size, new_pos)], old.slots):
+        lib = planner_library() if self.native else None
+        if lib is not None and _slot_runs_ok(tree.slots, old.slots):
+            same = _prefixes_equal_native(lib, tree, old)
+        else:
+            new_pos = first_new if one else ragged_arange(first_new, d)
+            same = np.array_equal(tree.slots[kept_mask(tree.slots.size, new_pos)], old.slots)
+        if not same:
             return None
         if all_read:
             nodes = grown
@@ -163,6 +205,10 @@ class PlanExtender:
             return None
         order = anchor.argsort()
         nodes, d, anchor, first_new = nodes[order], d[order], anchor[order], first_new[order]
+        if lib is not None and _entry_arrays_ok(plan, tree):
+            extended, new_anchor = self._insert_native(lib, plan, tree, nodes, d, anchor, first_new, new_entries)
+            self._pending = (extended, _TreeCopy(tree, old), new_anchor, self._anchor_unit)
+            return extended
         # each node's new slots go right after its last token's entry: new positions, in order
         if one:
             at = anchor + np.arange(1, n_new + 1)
@@ -206,6 +252,43 @@ class PlanExtender:
         )
         self._pending = (extended, _TreeCopy(tree, old), new_anchor, self._anchor_unit)
         return extended
+
+    def _insert_native(
+        self, lib, plan: Plan, tree: KVTree, nodes: np.ndarray, d: np.ndarray, anchor: np.ndarray,
+        first_new: np.ndarray, new_entries: int,
+    ) -> tuple[Plan, np.ndarray]:  # fmt: skip
+        """:meth:`extend`'s insertion of the new entries in one compiled call (``ft_extend_entries``):
+        the same arrays as its numpy path. ``nodes, d, anchor, first_new``: the grown nodes in
+        anchor order, their new tokens, anchors and first new slot positions."""
+        n_old, n_units, n_nodes = plan.kv_indices.size, plan.n_units, self._anchor.size
+        masked = plan.kv_row_mask.size > 0
+        out = np.empty(new_entries * (2 if masked else 1) + 2 * n_units, dtype=np.int32)
+        kv = out[:new_entries]
+        mask = out[new_entries : 2 * new_entries] if masked else plan.kv_row_mask
+        units = out[out.size - 2 * n_units :]
+        longs = np.empty(n_nodes + nodes.size + 1, dtype=np.int64)
+        new_anchor, before = longs[:n_nodes], longs[n_nodes:]
+        unit_of = np.ascontiguousarray(self._anchor_unit[nodes])
+        d = np.ascontiguousarray(d, dtype=np.int64)
+        rc = lib.ft_extend_entries(
+            n_old, address(plan.kv_indices), address(plan.kv_row_mask) if masked else None, nodes.size,
+            address(anchor), address(d), address(first_new), address(nodes), address(unit_of), tree.slots.size,
+            address(tree.slots), n_units, address(plan.unit_kv_start), address(plan.unit_kv_len), n_nodes,
+            address(self._anchor), address(kv), address(mask) if masked else None, address(units),
+            address(units[n_units:]), address(new_anchor), address(before),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError("internal error: an extended plan's entry outside its arrays")
+        extended = copy.copy(plan)  # a shallow copy (dataclasses.replace re-runs __init__: slower)
+        extended.__dict__.update(
+            max_slot=tree.max_slot,
+            kv_indices=kv,
+            kv_row_mask=mask,
+            unit_kv_start=units[:n_units],
+            unit_kv_len=units[n_units:],
+            _device_cache={},
+        )
+        return extended, new_anchor
 
     def _find_anchors(self, plan: Plan, old: _TreeCopy) -> tuple[np.ndarray, np.ndarray]:
         """Entry (and unit) of every private node's last token, -1 where there is no token

@@ -78,6 +78,7 @@ from .launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bu
 from .launcher import (
     current_stream,
     direct_launcher,
+    fixed_launcher,
     interpreting,
     launch,
     launch_hooks_active,
@@ -441,6 +442,7 @@ class TreeAttentionRuntime:
         self._plan_buf = torch.zeros(self.plan_words, dtype=torch.int32, device=self.device)
         self._fixed = torch.zeros(max(1, self.fixed_words), dtype=torch.int32, device=self.device)
         self._fixed_dst = torch.tensor(self._fixed_offsets, dtype=torch.int32, device=self.device)
+        self._relocators: dict = {}  # programs -> fixed_launcher of relocate_plan_kernel on those buffers
         sizes = (
             np.diff([*self._fixed_offsets, self.fixed_words]).tolist()
             if self.fixed_words
@@ -784,13 +786,20 @@ class TreeAttentionRuntime:
         after the upload), where the launch variants' kernels read them; ``longest``: the most
         words of one array."""
         programs = max(1, min(_RELOCATE_PROGRAMS, -(-longest // _RELOCATE_BLOCK)))
-        args = (self._plan_buf, self._fixed, self._fixed_dst, self.unit_region, self.max_queries)
-        constexprs = (
-            len(DEVICE_ARRAYS), DEVICE_ARRAYS.index("unit_kv_start"), DEVICE_ARRAYS.index("merge_queries"),
-            _RELOCATE_BLOCK,
-        )  # fmt: skip
         with on_device(self.device):
-            launch(relocate_plan_kernel, (len(DEVICE_ARRAYS), programs), args, constexprs, 4, 1)
+            fixed = self._relocators.get(programs)
+            if fixed is not None and not launch_hooks_active():  # compiled before: its bound launcher
+                fixed(current_stream(self.device))
+                return
+            grid = (len(DEVICE_ARRAYS), programs)
+            args = (self._plan_buf, self._fixed, self._fixed_dst, self.unit_region, self.max_queries)
+            constexprs = (
+                len(DEVICE_ARRAYS), DEVICE_ARRAYS.index("unit_kv_start"), DEVICE_ARRAYS.index("merge_queries"),
+                _RELOCATE_BLOCK,
+            )  # fmt: skip
+            compiled = launch(relocate_plan_kernel, grid, args, constexprs, 4, 1)
+            if compiled is not None:  # None: the interpreter, or launch hooks recording launches
+                self._relocators[programs] = fixed_launcher(compiled, grid, args, constexprs)
 
     @property
     def stage1_programs(self) -> tuple[int, ...]:

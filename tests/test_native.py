@@ -6,6 +6,7 @@ import logging
 
 import numpy as np
 import pytest
+from test_plan_extend import CONFIGS, grow
 from trees import random_tree
 
 import fasttree as ft
@@ -13,6 +14,7 @@ from fasttree import native
 from fasttree.costs import PaddingCost
 from fasttree.packing import _aligned_blocks, _bin_members, _Candidates, _gather_runs, _row_mask
 from fasttree.plan_arrays import DEVICE_ARRAYS
+from fasttree.plan_extend import PlanExtender
 from fasttree.planner import _build_groups, _chain_layout, greedy_edge_assignment, unprepared
 from fasttree.toolkit.family_suite import FAMILY_CASES, family_tree
 from fasttree.toolkit.suite import paper_tree
@@ -603,3 +605,49 @@ def test_native_query_positions_equal_numpys(monkeypatch):
         assert (g.perm is None) == (w.perm is None)
         permuted += w.perm is not None
     assert permuted >= 3
+
+
+def _plan_arrays_equal(a: ft.Plan, b: ft.Plan) -> bool:
+    return a.max_slot == b.max_slot and all(
+        getattr(a, n).dtype == getattr(b, n).dtype and np.array_equal(getattr(a, n), getattr(b, n))
+        for n in DEVICE_ARRAYS
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_native_plan_extension_equals_numpys(seed):
+    """Extensions of random trees by private growth (1 or several tokens a node, unread nodes too),
+    every config shape (packed row masks, query-centric): the same extended plans and anchors,
+    and the same declines (a changed old slot)."""
+    rng = np.random.default_rng(900 + seed)
+    config = CONFIGS[seed % len(CONFIGS)]
+    hq, hkv = [(32, 32), (32, 8), (8, 1)][seed % 3]
+    extended = declined = 0
+    for _ in range(6):
+        tree = random_tree(rng, max_nodes=int(rng.choice([5, 40, 200])), max_len=int(rng.choice([4, 80, 600])))
+        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64)
+        fast, slow = PlanExtender(max_steps=6, native=True), PlanExtender(max_steps=6, native=False)
+        fast.remember(tree, plan)
+        slow.remember(tree, plan)
+        for _step in range(6):
+            nxt = grow(tree, rng, max_new=int(rng.choice([1, 3])))
+            if rng.random() < 0.15 and nxt.num_tokens:  # an old token moved: both must decline
+                slots = nxt.slots.copy()
+                slots[int(rng.integers(0, slots.size))] += 10**6
+                nxt = ft.KVTree.from_flat(nxt.parents, nxt.lengths, slots, nxt.query_nodes)
+            a, b = fast.extend(nxt), slow.extend(nxt)
+            assert (a is None) == (b is None)
+            if a is None:
+                declined += 1
+                a = ft.plan(nxt, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64)
+                fast.remember(nxt, a)
+                slow.remember(nxt, a)
+            else:
+                extended += 1
+                assert _plan_arrays_equal(a, b)
+                fast.remember(nxt, a)
+                slow.remember(nxt, b)
+                assert np.array_equal(fast._anchor, slow._anchor)
+                assert np.array_equal(fast._anchor_unit, slow._anchor_unit)
+            tree = nxt
+    assert extended > 0

@@ -6,6 +6,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Python's (-x) % t for x >= 0, t > 0; mask = t - 1 when t is a power of two (then no division:
  * a 64-bit division costs tens of cycles), else -1. */
@@ -1158,4 +1159,87 @@ int64_t ft_query_positions(int64_t n, const int64_t *sq, int64_t n_queries, cons
         identity &= r == j;
     }
     return identity;
+}
+
+/* Whether every node's first old_len[v] slots are the same in two trees (fasttree.plan_extend:
+ * the old tokens keep their slots): new_slots[new_indptr[v] ...] against old_slots[old_indptr[v]
+ * ...] for v < n. new_size / old_size: the slot arrays' lengths. Returns 1 when they all match,
+ * 0 when one differs, -1 when a run lies outside its slot array. */
+int64_t ft_prefixes_equal(int64_t n, const int32_t *new_slots, int64_t new_size, const int64_t *new_indptr,
+                          const int32_t *old_slots, int64_t old_size, const int64_t *old_indptr,
+                          const int64_t *old_len) {
+    for (int64_t v = 0; v < n; v++) {
+        const int64_t a = new_indptr[v], b = old_indptr[v], len = old_len[v];
+        if (len < 0 || a < 0 || b < 0 || a + len > new_size || b + len > old_size) return -1;
+        if (len && memcmp(new_slots + a, old_slots + b, (size_t)len * sizeof(int32_t)) != 0) return 0;
+    }
+    return 1;
+}
+
+/* Count of sorted[0..n) below x (numpy.searchsorted(sorted, x, side="left")). */
+static int64_t ft_below(const int64_t *sorted, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (sorted[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* A plan's KV entries with new tokens inserted (fasttree.plan_extend.PlanExtender.extend): node k
+ * of n_ins (anchor order: anchor strictly increasing) gets d[k] new entries right after entry
+ * anchor[k], holding slots[first_new[k] ...] (slots: n_slots) and, with a row mask, the anchor's
+ * mask. Writes kv_out (int32 [n_old + sum d]), mask_out (when mask is not NULL), the units' KV
+ * starts shifted by the entries inserted before them and their lengths grown (unit_of[k]: the unit
+ * of node k's anchor; int32 [n_units] each; -1 when a length passes int32), and new_anchor
+ * [n_nodes]: every found anchor (anchor_all >= 0) shifted likewise, node k's (nodes[k]) moved to
+ * its last new entry. Returns 0, or -1 on an index out of range. */
+int64_t ft_extend_entries(int64_t n_old, const int32_t *kv, const int32_t *mask, int64_t n_ins, const int64_t *anchor,
+                          const int64_t *d, const int64_t *first_new, const int64_t *nodes, const int64_t *unit_of,
+                          int64_t n_slots, const int32_t *slots, int64_t n_units, const int32_t *unit_start,
+                          const int32_t *unit_len, int64_t n_nodes, const int64_t *anchor_all, int32_t *kv_out,
+                          int32_t *mask_out, int32_t *unit_start_out, int32_t *unit_len_out, int64_t *new_anchor,
+                          int64_t *before) {
+    /* before[k]: entries inserted by nodes 0..k-1 */
+    int64_t total = 0;
+    for (int64_t k = 0; k < n_ins; k++) {
+        if (anchor[k] < 0 || anchor[k] >= n_old || (k && anchor[k] <= anchor[k - 1]) || d[k] < 0 ||
+            first_new[k] < 0 || first_new[k] + d[k] > n_slots || nodes[k] < 0 || nodes[k] >= n_nodes ||
+            unit_of[k] < 0 || unit_of[k] >= n_units)
+            return -1;
+        before[k] = total;
+        total += d[k];
+    }
+    before[n_ins] = total;
+    int64_t src = 0, dst = 0;
+    for (int64_t k = 0; k < n_ins; k++) {
+        const int64_t upto = anchor[k] + 1, run = upto - src, dk = d[k];
+        memcpy(kv_out + dst, kv + src, (size_t)run * sizeof(int32_t));
+        memcpy(kv_out + dst + run, slots + first_new[k], (size_t)dk * sizeof(int32_t));
+        if (mask) {
+            memcpy(mask_out + dst, mask + src, (size_t)run * sizeof(int32_t));
+            const int32_t m = mask[anchor[k]];
+            for (int64_t j = 0; j < dk; j++) mask_out[dst + run + j] = m;
+        }
+        dst += run + dk;
+        src = upto;
+    }
+    memcpy(kv_out + dst, kv + src, (size_t)(n_old - src) * sizeof(int32_t));
+    if (mask) memcpy(mask_out + dst, mask + src, (size_t)(n_old - src) * sizeof(int32_t));
+    for (int64_t u = 0; u < n_units; u++) {
+        unit_start_out[u] = (int32_t)(unit_start[u] + before[ft_below(anchor, n_ins, unit_start[u])]);
+        unit_len_out[u] = unit_len[u];
+    }
+    for (int64_t k = 0; k < n_ins; k++) {
+        const int64_t len = (int64_t)unit_len_out[unit_of[k]] + d[k];
+        if (len > 0x7FFFFFFF) return -1;
+        unit_len_out[unit_of[k]] = (int32_t)len;
+    }
+    for (int64_t v = 0; v < n_nodes; v++) {
+        const int64_t a = anchor_all[v];
+        new_anchor[v] = a >= 0 ? a + before[ft_below(anchor, n_ins, a)] : a;
+    }
+    for (int64_t k = 0; k < n_ins; k++) new_anchor[nodes[k]] += d[k];
+    return 0;
 }
