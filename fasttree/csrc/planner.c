@@ -290,11 +290,12 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
     int64_t range = n_blocks > n_units ? n_blocks : n_units;
     if (n_queries > range) range = n_queries;
     const int csh = exact_log2(capacity);
-    int64_t *buf = malloc(sizeof(int64_t) * (size_t)(9 * n_pairs + range + 1));
+    int64_t *buf = malloc(sizeof(int64_t) * (size_t)(9 * n_pairs + 2 * range + 1));
     if (!buf) return -1;
     int64_t *c_block = buf, *c_pos = buf + n_pairs, *order = buf + 2 * n_pairs, *tmp = buf + 3 * n_pairs;
     int64_t *p_unit = buf + 4 * n_pairs, *p_lowest = buf + 5 * n_pairs, *p_bits = buf + 6 * n_pairs;
     int64_t *p_cut = buf + 7 * n_pairs, *p_order = buf + 8 * n_pairs, *count = buf + 9 * n_pairs;
+    int64_t *piece_of_block = count + range + 1; /* [n_blocks]: the current unit's piece of a block, or -1 */
     int units_sorted = 1;
     for (int64_t i = 0; i < n_pairs; i++) {
         const int64_t r = c_rank[i];
@@ -315,30 +316,42 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
         /* each unit's pairs merged into its pieces as they come (a unit touches a few blocks),
          * the pieces kept in block order: no sort of the pairs */
         int64_t *p_block = order;
+        for (int64_t b = 0; b < n_blocks; b++) piece_of_block[b] = -1;
         for (int64_t first = 0; first < n_pairs;) {
             int64_t end = first + 1;
             while (end < n_pairs && c_unit[end] == c_unit[first]) end++;
             const int64_t p0 = n_pieces;
+            int64_t in_order = 1;
             for (int64_t i = first; i < end; i++) {
                 const int64_t b = c_block[i];
-                int64_t p = n_pieces - 1;
-                while (p >= p0 && p_block[p] != b) p--;
-                if (p >= p0) {
+                const int64_t p = piece_of_block[b];
+                if (p >= 0) {
                     if (c_rank[i] < p_lowest[p]) p_lowest[p] = c_rank[i];
                     p_bits[p] |= (int64_t)1 << c_pos[i];
                     continue;
                 }
+                if (n_pieces > p0 && p_block[n_pieces - 1] > b) in_order = 0;
+                piece_of_block[b] = n_pieces;
                 p_unit[n_pieces] = c_unit[i]; /* every piece of the unit has its unit and no cut yet */
                 p_cut[n_pieces] = 0;
-                for (p = n_pieces++; p > p0 && p_block[p - 1] > b; p--) {
-                    p_block[p] = p_block[p - 1];
-                    p_lowest[p] = p_lowest[p - 1];
-                    p_bits[p] = p_bits[p - 1];
-                }
-                p_block[p] = b;
-                p_lowest[p] = c_rank[i];
-                p_bits[p] = (int64_t)1 << c_pos[i];
+                p_block[n_pieces] = b;
+                p_lowest[n_pieces] = c_rank[i];
+                p_bits[n_pieces++] = (int64_t)1 << c_pos[i];
             }
+            for (int64_t p = p0; p < n_pieces; p++) piece_of_block[p_block[p]] = -1;
+            if (!in_order) /* the unit's pieces in block order (a unit touches a few blocks) */
+                for (int64_t p = p0 + 1; p < n_pieces; p++) {
+                    const int64_t b = p_block[p], low = p_lowest[p], bits = p_bits[p];
+                    int64_t k = p;
+                    for (; k > p0 && p_block[k - 1] > b; k--) {
+                        p_block[k] = p_block[k - 1];
+                        p_lowest[k] = p_lowest[k - 1];
+                        p_bits[k] = p_bits[k - 1];
+                    }
+                    p_block[k] = b;
+                    p_lowest[k] = low;
+                    p_bits[k] = bits;
+                }
             first = end;
         }
     } else {
