@@ -74,6 +74,24 @@ def _prefixes_equal_native(lib, tree: KVTree, old: _TreeCopy) -> bool:
     return rc == 1
 
 
+def _with_entries(
+    plan: Plan, tree: KVTree, kv_indices: np.ndarray, kv_row_mask: np.ndarray, unit_kv_start: np.ndarray,
+    unit_kv_len: np.ndarray,
+) -> Plan:  # fmt: skip
+    """``plan`` with the KV entries and unit ranges of its extension to ``tree`` (int32 arrays): a
+    shallow copy (``dataclasses.replace`` would re-run the plan's checks), its device copies dropped."""
+    extended = copy.copy(plan)
+    extended.__dict__.update(
+        max_slot=tree.max_slot,
+        kv_indices=kv_indices,
+        kv_row_mask=kv_row_mask,
+        unit_kv_start=unit_kv_start,
+        unit_kv_len=unit_kv_len,
+        _device_cache={},
+    )
+    return extended
+
+
 def _entry_arrays_ok(plan: Plan, tree: KVTree) -> bool:
     """Whether the compiled insertion may read the plan's entry and unit arrays and the tree's slots
     (C-contiguous int32, as the planner makes them)."""
@@ -241,14 +259,8 @@ class PlanExtender:
         has = new_anchor >= 0
         new_anchor[has] += shift(new_anchor[has])
         new_anchor[nodes] += d  # the node's last token is now its last new slot
-        extended = copy.copy(plan)  # a shallow copy (dataclasses.replace re-runs __init__: slower)
-        extended.__dict__.update(
-            max_slot=tree.max_slot,
-            kv_indices=kv_indices,
-            kv_row_mask=kv_row_mask,
-            unit_kv_start=unit_kv_start.astype(np.int32),
-            unit_kv_len=unit_kv_len.astype(np.int32),
-            _device_cache={},
+        extended = _with_entries(
+            plan, tree, kv_indices, kv_row_mask, unit_kv_start.astype(np.int32), unit_kv_len.astype(np.int32)
         )
         self._pending = (extended, _TreeCopy(tree, old), new_anchor, self._anchor_unit)
         return extended
@@ -268,8 +280,8 @@ class PlanExtender:
         units = out[out.size - 2 * n_units :]
         longs = np.empty(n_nodes + nodes.size + 1, dtype=np.int64)
         new_anchor, before = longs[:n_nodes], longs[n_nodes:]
-        unit_of = np.ascontiguousarray(self._anchor_unit[nodes])
-        d = np.ascontiguousarray(d, dtype=np.int64)
+        unit_of = np.ascontiguousarray(self._anchor_unit[nodes], dtype=np.int64)
+        nodes, d, anchor, first_new = (np.ascontiguousarray(a, dtype=np.int64) for a in (nodes, d, anchor, first_new))
         rc = lib.ft_extend_entries(
             n_old, address(plan.kv_indices), address(plan.kv_row_mask) if masked else None, nodes.size,
             address(anchor), address(d), address(first_new), address(nodes), address(unit_of), tree.slots.size,
@@ -279,16 +291,7 @@ class PlanExtender:
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError("internal error: an extended plan's entry outside its arrays")
-        extended = copy.copy(plan)  # a shallow copy (dataclasses.replace re-runs __init__: slower)
-        extended.__dict__.update(
-            max_slot=tree.max_slot,
-            kv_indices=kv,
-            kv_row_mask=mask,
-            unit_kv_start=units[:n_units],
-            unit_kv_len=units[n_units:],
-            _device_cache={},
-        )
-        return extended, new_anchor
+        return _with_entries(plan, tree, kv, mask, units[:n_units], units[n_units:]), new_anchor
 
     def _find_anchors(self, plan: Plan, old: _TreeCopy) -> tuple[np.ndarray, np.ndarray]:
         """Entry (and unit) of every private node's last token, -1 where there is no token
