@@ -233,6 +233,19 @@ def test_c_int64_accepts_only_contiguous_native_int64_arrays():
         assert not native.c_int64(base, bad)
 
 
+def _spy(monkeypatch, module, name: str) -> tuple[list, object]:
+    """Record the positional arguments of every call of ``module.name`` (still called); returns the
+    list they go to and the real function."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen, real
+
+
 def _recorded_assemble_calls(monkeypatch, trees, heads, configs) -> list[tuple]:
     """The arguments of every ``packing._assemble`` call the planner makes on ``trees``."""
     from fasttree import packing
@@ -297,15 +310,9 @@ def test_native_assembly_refuses_pieces_out_of_range():
 def test_native_layout_costs_equal_numpys(monkeypatch, seed):
     """The KV tokens read and partial rows of every bin layout the wide-unit choice compares (fixed
     and aligned blocks) are numpy's; the plans' choices are therefore the same."""
-    from fasttree import packing, plan_arrays
+    from fasttree import plan_arrays
 
-    calls, real = [], packing.layout_reads_and_rows
-
-    def recording(*args, **kw):
-        calls.append(args)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(plan_arrays, "layout_reads_and_rows", recording)
+    calls, real = _spy(monkeypatch, plan_arrays, "layout_reads_and_rows")
     rng = np.random.default_rng(1300 + seed)
     trees = [random_tree(rng, max_nodes=int(rng.choice([30, 300, 1200])), max_len=600) for _ in range(3)]
     if seed == 0:
@@ -369,14 +376,7 @@ def test_native_layout_class_reads_equal_numpys(monkeypatch):
     leaves the decision to numpy."""
     from fasttree import plan_arrays
 
-    seen = []
-    real = plan_arrays._laid_out_weighted_reads
-
-    def spy(*args, **kwargs):
-        seen.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plan_arrays, "_laid_out_weighted_reads", spy)
+    seen, real = _spy(monkeypatch, plan_arrays, "_laid_out_weighted_reads")
     rng = np.random.default_rng(11)
     trees = [paper_tree(c) for c in (2, 9, 12)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(15)]
     for tree in trees:
@@ -402,14 +402,7 @@ def test_native_unit_arrays_equal_numpys(monkeypatch):
     an internal error."""
     from fasttree import plan_arrays
 
-    seen = []
-    real = plan_arrays._unit_arrays
-
-    def spy(*args, **kwargs):
-        seen.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plan_arrays, "_unit_arrays", spy)
+    seen, real = _spy(monkeypatch, plan_arrays, "_unit_arrays")
     rng = np.random.default_rng(5)
     trees = [paper_tree(c) for c in (1, 4, 9, 13)]
     trees += [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
@@ -501,14 +494,7 @@ def test_native_cut_units_equal_numpys(monkeypatch):
     layouts; a group without tokens leaves them to numpy."""
     from fasttree import plan_arrays
 
-    seen = []
-    real = plan_arrays._cut_units
-
-    def spy(*args, **kwargs):
-        seen.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plan_arrays, "_cut_units", spy)
+    seen, real = _spy(monkeypatch, plan_arrays, "_cut_units")
     rng = np.random.default_rng(17)
     trees = [paper_tree(c) for c in (5, 8, 9)] + [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(10)]
     for tree in trees:
