@@ -20,7 +20,7 @@ import copy
 
 import numpy as np
 
-from .native import address, c_int64, planner_library
+from .native import address, planner_library
 from .plan_arrays import Plan
 from .tree import KVTree, kept_mask, ragged_arange, splice
 from .validation import check_int
@@ -61,10 +61,9 @@ def _slot_runs_ok(new_slots: np.ndarray, old_slots: np.ndarray) -> bool:
 def _prefixes_equal_native(lib, tree: KVTree, old: _TreeCopy) -> bool:
     """Whether every node of ``tree`` starts with the slots it had in ``old`` (``ft_prefixes_equal``;
     the nodes' lengths have not shrunk: checked before)."""
-    indptr, lengths = tree.slot_indptr, old.lengths
-    if not c_int64(indptr, old.slot_indptr, lengths):
-        indptr, lengths = np.ascontiguousarray(indptr, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64)
-    old_indptr = np.ascontiguousarray(old.slot_indptr, dtype=np.int64)
+    indptr, old_indptr, lengths = (
+        np.ascontiguousarray(a, dtype=np.int64) for a in (tree.slot_indptr, old.slot_indptr, old.lengths)
+    )  # no copies of the trees' own int64 arrays
     rc = lib.ft_prefixes_equal(
         lengths.size, address(tree.slots), tree.slots.size, address(indptr), address(old.slots), old.slots.size,
         address(old_indptr), address(lengths),
