@@ -138,7 +138,8 @@ class RuntimePlan:
         int32 words copied to the device.
     extended : bool
         The plan is the previous step's, extended to this tree's new tokens
-        (``extend_steps``), not planned afresh.
+        (``extend_steps``), not planned afresh. It keeps that plan's launch variant: its units,
+        tile classes and partial rows are that plan's, only their KV lengths grew.
     variant_id : int
         The launch variant :meth:`TreeAttentionRuntime.forward` runs the plan with: 1, 2, ...
         (the plan's own launches, grids bucketed) or 0 (the fixed persistent launch). A server
@@ -470,6 +471,7 @@ class TreeAttentionRuntime:
         self._counters = torch.zeros((2, _COUNTER_WORDS), dtype=torch.int32, device=self.device)
         self._launch_counters = tuple(self._counters.unbind(0))  # each launch's row, viewed once
         self._current: RuntimePlan | None = None
+        self._own_variant: LaunchVariant | None = None  # launch_variant() of the plan _current extends or is
         self._min_rows = self.max_queries  # smallest q / out seen by forward
         self._min_pool = self.pool_slots  # smallest KV pool seen by forward
         if self.device.type == "cuda":
@@ -721,7 +723,13 @@ class TreeAttentionRuntime:
             merge = np.concatenate([merge[~many], merge[many]])
         merge_counts = (int(merge.size) - n_many, n_many)
 
-        variant = launch_variant(plan, self._target) if self.variants.max_variants else None
+        if not self.variants.max_variants:
+            variant = None
+        elif extended:  # the extended plan's units, classes and partials are its fresh plan's: its launches too
+            variant = self._own_variant
+        else:
+            variant = launch_variant(plan, self._target)
+        own = variant
         variant_id = FIXED_VARIANT if variant is None else self.variants.id_of(variant)
         variant = self.variants.variant(variant_id)  # maybe a covering one; None: the fixed launch (max_variants 0)
         while self.variants.evicted:  # variants that left the table: their launchers go too
@@ -779,6 +787,7 @@ class TreeAttentionRuntime:
             plan=plan, query_centric=query_centric, slot_units=slot_units, merge_counts=merge_counts,
             words=off, extended=extended, variant_id=variant_id, variant=variant, bounded=bounded,
         )  # fmt: skip
+        self._own_variant = own
         return self._current
 
     def _relocate(self, longest: int) -> None:

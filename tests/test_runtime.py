@@ -473,6 +473,36 @@ def test_runtime_extends_plans_of_growing_trees(device, extend_steps):
         assert flags == [False, True, True, True, False, True, True, True]
 
 
+def test_extended_plans_keep_their_fresh_plans_launches(device, monkeypatch):
+    """An extended plan runs the launch variant of the plan it extends (same units, classes and
+    partials): the launch rules run only for fresh plans, and the step's graph id stays."""
+    import fasttree.runtime as runtime_module
+
+    real, fresh = runtime_module.launch_variant, []
+
+    def counting(plan, target):
+        fresh.append(plan)
+        return real(plan, target)
+
+    monkeypatch.setattr(runtime_module, "launch_variant", counting)
+    rt = _runtime(device, ft.FastTreeConfig(pack_tokens=64, pack_min_units=0), extend_steps=8)
+    trees = _decode_steps(np.random.default_rng(9), 8)
+    q, k, v = _inputs(trees[-1], device, 64, seed=3)
+    steps = []
+    for tree in trees:
+        steps.append(rt.plan(tree))
+        out = torch.full_like(q, float("nan"))
+        rt.forward(q, k, v, out=out)
+        n = tree.n_queries
+        assert ft.max_relative_error(out[:n], ft.reference_attention(q[:n], k, v, tree)) < 2e-3
+    assert [s.extended for s in steps] == [False, True, True, True, False, True, True, True]
+    assert len(fresh) == 2 and steps[0].variant_id != 0
+    assert [p is s.plan for p, s in zip(fresh, [s for s in steps if not s.extended], strict=True)] == [True, True]
+    for before, after in itertools.pairwise(steps):
+        if after.extended:
+            assert after.variant_id == before.variant_id and after.variant == before.variant
+
+
 @pytest.mark.parametrize("extend_steps", [-1, 1.0, True, "8"])
 def test_extend_steps_is_validated(device, extend_steps):
     with pytest.raises(ValueError, match="extend_steps"):
