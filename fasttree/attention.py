@@ -24,6 +24,7 @@ from .launch_rules import (
     Stage1Launch,
     kv_offsets_fit_int32,
     merge_launch,
+    next_pow2,
     pdl_wait,
     stage1_launches,
     units_grid,
@@ -307,7 +308,7 @@ def plan_launches(
     (:func:`kernel_launches` of the plan's own launch decisions and device arrays)."""
     part_o, part_lse = _workspace(host, q.device)
     return kernel_launches(
-        stage1_launches(host, target), merge_launch(host, triton.next_power_of_2(host.head_dim)), dev.arrays,
+        stage1_launches(host, target), merge_launch(host, next_pow2(host.head_dim)), dev.arrays,
         part_o, part_lse, q, k_cache, v_cache, out, qk_scale, target,
         offsets_32=kv_offsets_fit_int32(host.max_slot, k_cache, v_cache),
     )  # fmt: skip
@@ -342,7 +343,7 @@ def kernel_launches(
     a = arrays
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     upcast = interpreting() and q.dtype == torch.bfloat16  # the interpreter's bf16 dots need fp32
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     # two non-empty classes: two stage-1 launches, which run side by side (_forks) on a GPU

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 
 from .plan_arrays import Plan, TileClass, tenth_longest
 
@@ -36,6 +35,7 @@ __all__ = [
     "merge_heads_per_program",
     "merge_launch",
     "merge_max_partials",
+    "next_pow2",
     "pdl_wait",
     "peel_tiles",
     "small_tile_maxnreg",
@@ -122,6 +122,12 @@ class GpuTarget:
 
 
 _INTERPRETER = GpuTarget(cuda=False)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n <= 1``): ``triton.next_power_of_2`` without its
+    constexpr-function call overhead (a few microseconds per host call)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @functools.cache
@@ -280,7 +286,7 @@ def merge_heads_per_program(plan: Plan) -> int:
     """Query heads one program of ``plan``'s merge launch handles (1 for the many-partials merge)."""
     if merge_max_partials(plan) >= MANY_PARTIALS:
         return 1
-    return min(triton.next_power_of_2(plan.num_q_heads), MERGE_HEADS)
+    return min(next_pow2(plan.num_q_heads), MERGE_HEADS)
 
 
 @dataclass(frozen=True)
@@ -391,8 +397,8 @@ def merge_launch(plan: Plan, block_d: int) -> MergeLaunch | None:
         return None
     most = merge_max_partials(plan)
     if most >= MANY_PARTIALS:
-        block_p = min(MERGE_PARTIALS_PER_STEP, triton.next_power_of_2(most))
+        block_p = min(MERGE_PARTIALS_PER_STEP, next_pow2(most))
         warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
         return MergeLaunch(many=True, n_merge=n_merge, block_h=1, block_p=block_p, num_warps=warps, num_stages=1)
-    block_h = min(triton.next_power_of_2(plan.num_q_heads), MERGE_HEADS)
+    block_h = min(next_pow2(plan.num_q_heads), MERGE_HEADS)
     return MergeLaunch(many=False, n_merge=n_merge, block_h=block_h, block_p=0, num_warps=4, num_stages=3)

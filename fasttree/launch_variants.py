@@ -22,9 +22,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-import triton
-
-from .launch_rules import GpuTarget, MergeLaunch, Stage1Launch, merge_launch, stage1_launches
+from .launch_rules import GpuTarget, MergeLaunch, Stage1Launch, merge_launch, next_pow2, stage1_launches
 from .plan_arrays import Plan
 
 __all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "launch_variant", "unit_wave"]
@@ -116,7 +114,7 @@ def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
     stage1 = tuple(
         replace(s, first_unit=0, n_units=grid_bucket(s.n_units, wave)) for s in stage1_launches(plan, target)
     )
-    m = merge_launch(plan, triton.next_power_of_2(plan.head_dim))
+    m = merge_launch(plan, next_pow2(plan.head_dim))
     merge = None if m is None else replace(m, n_merge=grid_bucket(m.n_merge))
     return LaunchVariant(stage1=stage1, merge=merge)
 

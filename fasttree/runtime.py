@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import triton
 
 from .attention import (
     _QK_SCALE_ARG,
@@ -71,6 +70,7 @@ from .launch_rules import (
     GpuTarget,
     capped_registers,
     kv_offsets_fit_int32,
+    next_pow2,
     pdl_wait,
     peel_tiles,
 )
@@ -977,7 +977,7 @@ class TreeAttentionRuntime:
         of each launch, stage 1 first, the merge last."""
         launched = []
         d, hq = self.head_dim, self.num_q_heads
-        block_d = triton.next_power_of_2(d)
+        block_d = next_pow2(d)
         upcast = interpreting() and q.dtype == torch.bfloat16
         offsets_32 = self._offsets_32(k_cache, v_cache)
         part_o, part_lse = self._part_o, self._part_lse
@@ -1005,7 +1005,7 @@ class TreeAttentionRuntime:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
         args = (out, part_o, part_lse, self._plan_buf, self._counters, hq, out.stride(0), out.stride(1),
                 part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-        block_h = min(triton.next_power_of_2(hq), MERGE_HEADS)
+        block_h = min(next_pow2(hq), MERGE_HEADS)
         constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel(), gdc_merge)
         grid = _MERGE_PROGRAMS_PER_SM * self._sm_count
         compiled = launch(merge_partials_persistent_kernel, (grid, 1), args, constexprs, 4, 1)
