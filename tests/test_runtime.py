@@ -480,9 +480,9 @@ def test_extended_plans_keep_their_fresh_plans_launches(device, monkeypatch):
 
     real, fresh = runtime_module.launch_variant, []
 
-    def counting(plan, target):
+    def counting(plan, *rest):
         fresh.append(plan)
-        return real(plan, target)
+        return real(plan, *rest)
 
     monkeypatch.setattr(runtime_module, "launch_variant", counting)
     rt = _runtime(device, ft.FastTreeConfig(pack_tokens=64, pack_min_units=0), extend_steps=8)
