@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import triton
 
-from fasttree.launch_rules import GpuTarget, MergeLaunch, Stage1Launch
+from fasttree.launch_rules import GpuTarget, MergeLaunch, Stage1Launch, next_pow2
 from fasttree.launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket, unit_wave
 
 
@@ -103,3 +104,11 @@ def test_stage1_buckets_stop_at_whole_waves_and_never_exceed_the_lattice():
     assert unit_wave(GpuTarget(cuda=False), 4) == 0
     assert grid_bucket(264, unit_wave(GpuTarget(cuda=True, major=9, sms=132), 1)) == 264
     assert grid_bucket(264) == 288
+
+
+def test_next_pow2_is_tritons_next_power_of_2():
+    """The host's power-of-two rounding (merge tiles, head-dim blocks) equals Triton's on every
+    size a plan can ask for, numpy integers included."""
+    sizes = [*range(1, 5000), 65535, 65536, 65537, 2**31 - 1]
+    assert [next_pow2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
+    assert next_pow2(np.int64(100)) == 128 and next_pow2(np.int32(128)) == 128
