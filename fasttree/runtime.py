@@ -724,13 +724,12 @@ class TreeAttentionRuntime:
         merge_counts = (int(merge.size) - n_many, n_many)
 
         if not self.variants.max_variants:
-            variant = None
+            own = None
         elif extended:  # the extended plan's units, classes and partials are its fresh plan's: its launches too
-            variant = self._own_variant
+            own = self._own_variant
         else:
-            variant = launch_variant(plan, self._target)
-        own = variant
-        variant_id = FIXED_VARIANT if variant is None else self.variants.id_of(variant)
+            own = launch_variant(plan, self._target)
+        variant_id = FIXED_VARIANT if own is None else self.variants.id_of(own)
         variant = self.variants.variant(variant_id)  # maybe a covering one; None: the fixed launch (max_variants 0)
         while self.variants.evicted:  # variants that left the table: their launchers go too
             gone = self.variants.evicted.pop()
