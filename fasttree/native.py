@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["address", "c_int64", "cache_dir", "planner_library"]
+__all__ = ["address", "c_int32", "c_int64", "cache_dir", "planner_library"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +141,23 @@ def address(array) -> int:
     return array.ctypes.data
 
 
+def _c_ints(arrays, itemsize: int) -> bool:
+    for a in arrays:
+        dt = a.dtype
+        if dt.kind != "i" or dt.itemsize != itemsize or not dt.isnative or not a.flags.c_contiguous:
+            return False
+    return True
+
+
 def c_int64(*arrays) -> bool:
     """Whether every array is C-contiguous, native-endian int64: what the compiled loops read at
     an :func:`address` (read from the arrays' attributes: this module imports no numpy)."""
-    for a in arrays:
-        dt = a.dtype
-        if dt.kind != "i" or dt.itemsize != 8 or not dt.isnative or not a.flags.c_contiguous:
-            return False
-    return True
+    return _c_ints(arrays, 8)
+
+
+def c_int32(*arrays) -> bool:
+    """:func:`c_int64` for int32 arrays (a plan's entry and unit arrays, a tree's slots)."""
+    return _c_ints(arrays, 4)
 
 
 def cache_dir() -> Path:

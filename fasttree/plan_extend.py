@@ -20,7 +20,7 @@ import copy
 
 import numpy as np
 
-from .native import address, planner_library
+from .native import address, c_int32, planner_library
 from .plan_arrays import Plan
 from .tree import KVTree, kept_mask, ragged_arange, splice
 from .validation import check_int
@@ -48,14 +48,6 @@ class _TreeCopy:
         self.lengths = tree.lengths.copy()
         self.slot_indptr = tree.slot_indptr.copy()
         self.slots = tree.slots.copy()
-
-
-def _slot_runs_ok(new_slots: np.ndarray, old_slots: np.ndarray) -> bool:
-    """Whether the compiled prefix check may read both trees' slot arrays (C-contiguous int32)."""
-    return (
-        new_slots.dtype == np.int32 and old_slots.dtype == np.int32
-        and new_slots.flags.c_contiguous and old_slots.flags.c_contiguous
-    )  # fmt: skip
 
 
 def _prefixes_equal_native(lib, tree: KVTree, old: _TreeCopy) -> bool:
@@ -89,13 +81,6 @@ def _with_entries(
         _device_cache={},
     )
     return extended
-
-
-def _entry_arrays_ok(plan: Plan, tree: KVTree) -> bool:
-    """Whether the compiled insertion may read the plan's entry and unit arrays and the tree's slots
-    (C-contiguous int32, as the planner makes them)."""
-    arrays = (plan.kv_indices, plan.kv_row_mask, plan.unit_kv_start, plan.unit_kv_len, tree.slots)
-    return all(a.dtype == np.int32 and a.flags.c_contiguous for a in arrays)
 
 
 class PlanExtender:
@@ -200,7 +185,7 @@ class PlanExtender:
         # the old tokens keep their slots: the new array without the appended runs is the old one
         first_new = tree.slot_indptr[grown] + old.lengths[grown]
         lib = planner_library() if self.native else None
-        if lib is not None and _slot_runs_ok(tree.slots, old.slots):
+        if lib is not None and c_int32(tree.slots, old.slots):
             same = _prefixes_equal_native(lib, tree, old)
         else:
             new_pos = first_new if one else ragged_arange(first_new, d)
@@ -222,7 +207,8 @@ class PlanExtender:
             return None
         order = anchor.argsort()
         nodes, d, anchor, first_new = nodes[order], d[order], anchor[order], first_new[order]
-        if lib is not None and _entry_arrays_ok(plan, tree):
+        entry_arrays = (plan.kv_indices, plan.kv_row_mask, plan.unit_kv_start, plan.unit_kv_len, tree.slots)
+        if lib is not None and c_int32(*entry_arrays):  # what the compiled insertion reads
             extended, new_anchor = self._insert_native(lib, plan, tree, nodes, d, anchor, first_new, new_entries)
             self._pending = (extended, _TreeCopy(tree, old), new_anchor, self._anchor_unit)
             return extended
