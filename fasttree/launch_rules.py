@@ -29,6 +29,7 @@ __all__ = [
     "MergeLaunch",
     "Stage1Launch",
     "capped_registers",
+    "few_partials_merge_heads",
     "kv_offsets_fit_int32",
     "launch_kv_tile",
     "launch_num_stages",
@@ -282,11 +283,16 @@ def merge_max_partials(plan: Plan) -> int:
     return int(plan.query_num_partials[plan.merge_queries].max())
 
 
+def few_partials_merge_heads(num_q_heads: int) -> int:
+    """Query heads one program of a few-partials merge handles (the runtime's persistent merge too)."""
+    return min(next_pow2(num_q_heads), MERGE_HEADS)
+
+
 def merge_heads_per_program(plan: Plan) -> int:
     """Query heads one program of ``plan``'s merge launch handles (1 for the many-partials merge)."""
     if merge_max_partials(plan) >= MANY_PARTIALS:
         return 1
-    return min(next_pow2(plan.num_q_heads), MERGE_HEADS)
+    return few_partials_merge_heads(plan.num_q_heads)
 
 
 @dataclass(frozen=True)
@@ -400,5 +406,5 @@ def merge_launch(plan: Plan, block_d: int) -> MergeLaunch | None:
         block_p = min(MERGE_PARTIALS_PER_STEP, next_pow2(most))
         warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
         return MergeLaunch(many=True, n_merge=n_merge, block_h=1, block_p=block_p, num_warps=warps, num_stages=1)
-    block_h = min(next_pow2(plan.num_q_heads), MERGE_HEADS)
+    block_h = few_partials_merge_heads(plan.num_q_heads)
     return MergeLaunch(many=False, n_merge=n_merge, block_h=block_h, block_p=0, num_warps=4, num_stages=3)

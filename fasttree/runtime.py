@@ -65,10 +65,10 @@ from .kernels import (
 )
 from .launch_rules import (
     MANY_PARTIALS,
-    MERGE_HEADS,
     SMALL_TILE_CAPPED_PROGRAMS,
     GpuTarget,
     capped_registers,
+    few_partials_merge_heads,
     kv_offsets_fit_int32,
     next_pow2,
     pdl_wait,
@@ -1004,7 +1004,7 @@ class TreeAttentionRuntime:
                 self._programs[i] = self._sm_count * self._occupancy(compiled, warps) * self.waves
         args = (out, part_o, part_lse, self._plan_buf, self._counters, hq, out.stride(0), out.stride(1),
                 part_o.stride(0), part_o.stride(1), part_lse.stride(0))  # fmt: skip
-        block_h = min(next_pow2(hq), MERGE_HEADS)
+        block_h = few_partials_merge_heads(hq)
         constexprs = (hq, d, block_h, _MERGE_BLOCK_P, block_d, self._counters.numel(), gdc_merge)
         grid = _MERGE_PROGRAMS_PER_SM * self._sm_count
         compiled = launch(merge_partials_persistent_kernel, (grid, 1), args, constexprs, 4, 1)
