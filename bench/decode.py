@@ -71,7 +71,9 @@ set before the run, for tests) the same code runs eagerly, without graphs.
 Per (model, scenario, backend): ``--warmup`` untimed steps, then ``--steps`` timed ones,
 each ended by a device synchronisation. Reported: tokens/s (decoded tokens / summed step
 wall times), mean / p50 / p90 step latency, the host time of planning and upload and its
-share of the step, and the attention share (``1 - t_noattn / t``, ``t_noattn`` from the
+share of the step, the share of the step the GPU sat idle (:class:`StepClock`: what of the
+host's work, planning included, is on the critical path; with ``*_overlap`` planning is
+not), and the attention share (``1 - t_noattn / t``, ``t_noattn`` from the
 same steps rerun with attention replaced by a copy and no planning, through the same
 graphs: the share includes planning). The timed steps plan each tree as a new object
 (:func:`as_new_tree`), without the index the planner cached on it in earlier passes, as a
@@ -510,6 +512,32 @@ def upload_inputs(buf: StepBuffers, workload: Workload, step: int) -> None:
         if buf.uploaded is None:
             buf.uploaded = torch.cuda.Event()
         buf.uploaded.record()
+
+
+class StepClock:
+    """The device time of each timed step: CUDA events recorded on the current stream right before
+    the step's first launch and right after its last (no events on the CPU, where :meth:`seconds`
+    is None). The events are made before the timed loop and read after it."""
+
+    def __init__(self, device: torch.device, steps: int) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                           for _ in range(steps)]  # fmt: skip
+
+    def start(self, j: int) -> None:
+        if self.events is not None:
+            self.events[j][0].record()
+
+    def stop(self, j: int) -> None:
+        if self.events is not None:
+            self.events[j][1].record()
+
+    def seconds(self) -> list[float] | None:
+        """Per timed step, the seconds between its two events (call after the last synchronisation)."""
+        if self.events is None:
+            return None
+        return [a.elapsed_time(b) / 1e3 for a, b in self.events]
 
 
 def sync(device: torch.device) -> None:
@@ -1023,7 +1051,8 @@ def time_steps(
     Returns
     -------
     dict
-        ``step_s`` and ``plan_s`` (float64 [steps]) and ``queries`` (int64 [steps]).
+        ``step_s`` and ``plan_s`` (float64 [steps]), ``queries`` (int64 [steps]) and ``device_s``
+        (float64 [steps]: :class:`StepClock`'s device time of each step; None on the CPU).
     """
     buf, dev = runner.buf, runner.model.device
     if prepare is not None:  # compile pass (and, for per-variant keys, one full graph per launch variant)
@@ -1042,10 +1071,11 @@ def time_steps(
         if i == 0:
             runner.capture(attention, key)
     step_s, plan_s, queries = [], [], []
+    clock = StepClock(dev, len(workload.timed))
     if overlap and prepare is not None:
         return _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, after_first_timed,
-                                keep_logits)  # fmt: skip
-    for i in workload.timed:
+                                keep_logits, clock)  # fmt: skip
+    for j, i in enumerate(workload.timed):
         tree = as_new_tree(workload.trees[i])
         if i == workload.warmup and on_first_timed is not None:
             on_first_timed()
@@ -1056,7 +1086,9 @@ def time_steps(
         if prepare is not None:
             prepare(tree)
         p1 = time.perf_counter()
+        clock.start(j)
         runner.run(attention, key)
+        clock.stop(j)
         sync(dev)
         t1 = time.perf_counter()
         step_s.append(t1 - t0)
@@ -1066,7 +1098,7 @@ def time_steps(
             after_first_timed()
         if keep_logits is not None:
             keep_logits.append(_step_logits(buf, tree.n_queries))
-    return _timings(step_s, plan_s, queries)
+    return _timings(step_s, plan_s, queries, clock.seconds())
 
 
 def _step_logits(buf: StepBuffers, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1074,11 +1106,18 @@ def _step_logits(buf: StepBuffers, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return buf.logits[:n].float().cpu(), buf.next_tokens[:n].cpu()
 
 
-def _timings(step_s: list[float], plan_s: list[float], queries: list[int]) -> dict[str, np.ndarray]:
-    return {"step_s": np.array(step_s), "plan_s": np.array(plan_s), "queries": np.array(queries, dtype=np.int64)}
+def _timings(
+    step_s: list[float], plan_s: list[float], queries: list[int], device_s: list[float] | None
+) -> dict[str, np.ndarray | None]:
+    return {
+        "step_s": np.array(step_s), "plan_s": np.array(plan_s), "queries": np.array(queries, dtype=np.int64),
+        "device_s": None if device_s is None else np.array(device_s),
+    }  # fmt: skip
 
 
-def _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, after_first_timed, keep_logits):
+def _time_overlapped(
+    runner, workload, attention, key, prepare, on_first_timed, after_first_timed, keep_logits, clock: StepClock
+):  # fmt: skip
     """The timed steps of :func:`time_steps` with step ``i + 1`` prepared while step ``i`` runs."""
     buf, dev = runner.buf, runner.model.device
     timed = list(workload.timed)
@@ -1090,7 +1129,9 @@ def _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, 
     step_s, plan_s, queries = [], [], []
     t_prev = time.perf_counter()
     for j, i in enumerate(timed):
+        clock.start(j)
         runner.run(attention, key)  # enqueued; the host goes on while the device runs it
+        clock.stop(j)
         p0 = p1 = time.perf_counter()
         if j + 1 < len(timed):  # stream-ordered after this step: safe to overwrite its inputs and plan
             upload_inputs(buf, workload, timed[j + 1])
@@ -1110,7 +1151,7 @@ def _time_overlapped(runner, workload, attention, key, prepare, on_first_timed, 
             after_first_timed()
         if keep_logits is not None or j == 0:
             t_prev = time.perf_counter()
-    return _timings(step_s, plan_s, queries)
+    return _timings(step_s, plan_s, queries, clock.seconds())
 
 
 def run_backend(
@@ -1186,8 +1227,20 @@ def run_backend(
     return row
 
 
-def summarize_times(with_attn: dict[str, np.ndarray], without: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Throughput, latency percentiles, plan share and attention share of the timed steps."""
+def device_idle_share(times: dict[str, np.ndarray | None]) -> float | None:
+    """The share of the timed steps' wall time outside their own device work (``1 - device time /
+    step time``, :class:`StepClock`): what the device waited for the host (planning and uploads not
+    overlapped with the previous step, launches, the synchronisation); None without device times."""
+    device = times.get("device_s")
+    if device is None:
+        return None
+    return 1.0 - float(device.sum()) / float(times["step_s"].sum())
+
+
+def summarize_times(
+    with_attn: dict[str, np.ndarray | None], without: dict[str, np.ndarray | None]
+) -> dict[str, Any]:  # fmt: skip
+    """Throughput, latency percentiles, plan share, device idle share and attention share of the timed steps."""
     step, plan = with_attn["step_s"], with_attn["plan_s"]
     total = float(step.sum())
     tokens = int(with_attn["queries"].sum())
@@ -1195,6 +1248,8 @@ def summarize_times(with_attn: dict[str, np.ndarray], without: dict[str, np.ndar
     plan_share = float(plan.sum()) / total
     attention_share = 1.0 - noattn / total
     return {
+        "device_idle_share": device_idle_share(with_attn),
+        "noattn_device_idle_share": device_idle_share(without),
         "steps": int(step.size),
         "tokens": tokens,
         "tokens_per_s": tokens / total,
@@ -1319,25 +1374,30 @@ def _f(x: Any, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the result rows."""
     lines = [
         "| model | scenario | backend | tokens/s | vs query_separated | bound | floor bound | p50 step ms "
-        "| plan+upload | attention | max err |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| plan+upload | GPU idle | attention | max err |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         head = f"| {r['model']} | {r['scenario']} | {r['backend']} |"
         if "skipped" in r or "error" in r:
             what = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"
-            lines.append(f"{head} {what.replace('|', '/')} | | | | | | | |")
+            lines.append(f"{head} {what.replace('|', '/')} | | | | | | | | |")
             continue
         err = _f(r["max_rel_err"], ".1e") + ("" if r["correct"] else " x")
         lines.append(
             f"{head} {r['tokens_per_s']:.0f} | {_f(r.get('speedup_vs_query_separated'), '.2f')} | "
             f"{_f(r.get('speedup_bound_vs_query_separated'), '.2f')} | "
             f"{_f(r.get('speedup_floor_bound_vs_query_separated'), '.2f')} | {r['step_ms_p50']:.2f} | "
-            f"{100 * r['plan_share']:.1f}% | {100 * r['attention_share']:.1f}% | {err} |"
+            f"{100 * r['plan_share']:.1f}% | {_pct(r.get('device_idle_share'))} | {100 * r['attention_share']:.1f}% | "
+            f"{err} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1378,7 +1438,10 @@ def markdown(report: dict[str, Any]) -> str:
         "attention-free step times, against the baseline's tokens/s: what no attention kernel or planner "
         "can exceed on this decoder); floor bound = the same with attention at its HBM floor (each KV "
         f"entry of the step's tree read once per layer at {HBM_BYTES_PER_S / 1e12:g} TB/s); "
-        "plan+upload = host planning and upload time / step time; attention = 1 - (step time with attention "
+        "plan+upload = host planning and upload time / step time; GPU idle = 1 - (device time of the step's "
+        "launches, CUDA events before the first and after the last) / step time: the host work the GPU waited "
+        "for (planning and uploads not overlapped with the previous step, launches, the synchronisation; "
+        "`-` without a GPU); attention = 1 - (step time with attention "
         "replaced by a copy and no planning, same graphs) / step time (planning included); max err = worst "
         f"relative error of layer 0's and the last layer's attention on <= {CHECK_QUERIES} sampled queries of "
         "the first timed step vs the float64 reference (`x`: above tolerance). "

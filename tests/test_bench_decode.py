@@ -19,7 +19,8 @@ ROW_KEYS = {
     "model", "scenario", "backend", "steps", "tokens", "tokens_per_s", "step_ms_mean", "step_ms_p50",
     "step_ms_p90", "plan_ms_mean", "plan_share", "noattn_step_ms_mean", "attention_share", "mode",
     "max_rel_err", "max_rel_err_layer0", "max_rel_err_last_layer", "correct", "speedup_vs_query_separated",
-    "speedup_bound_vs_query_separated", "speedup_floor_bound_vs_query_separated",
+    "speedup_bound_vs_query_separated", "speedup_floor_bound_vs_query_separated", "device_idle_share",
+    "noattn_device_idle_share",
 }  # fmt: skip
 
 
@@ -69,6 +70,10 @@ def test_rows_are_well_formed(run):
         assert r["tokens"] == round(workload["queries_mean"] * 2)
         assert r["tokens_per_s"] > 0 and r["step_ms_p50"] > 0 and r["step_ms_p90"] >= r["step_ms_p50"]
         assert 0 <= r["plan_share"] < 1 and r["attention_share"] < 1
+        if DEVICE == "cuda":  # the device's time of a step lies inside the step's wall time
+            assert 0 < r["device_idle_share"] < 1 and 0 < r["noattn_device_idle_share"] < 1
+        else:
+            assert r["device_idle_share"] is None and r["noattn_device_idle_share"] is None
         assert r["correct"] and r["max_rel_err"] <= 2e-3
     assert rows[BACKENDS.index("query_separated")]["speedup_vs_query_separated"] == 1.0
     # compile pass (every step), warm-up, correctness check, timed steps
@@ -128,13 +133,29 @@ def test_render_rewrites_the_table_from_the_rows(run, tmp_path):
     assert decode.main(["--render", str(path)]) == 0
     md = (tmp_path / "old.md").read_text()
     floored = 100 / (0.5 + 2 * decode.attention_floor_s(report, "tiny", SCENARIO)) / 50
-    assert "| vs query_separated | bound | floor bound |" in md
+    assert "| vs query_separated | bound | floor bound | p50 step ms | plan+upload | GPU idle |" in md
     assert f"| tiny | {SCENARIO} | fasttree | 100 | 2.00 | 4.00 | {floored:.2f} |" in md
     assert f"| tiny | {SCENARIO} | query_separated | 50 | 1.00 | 4.00 | {floored:.2f} |" in md
     assert json.loads(path.read_text()) == report  # the results themselves are left as they were
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert decode.main(["--render", str(tmp_path / "bad.json")]) == 2
     assert decode.main(["--render", str(tmp_path / "missing.json")]) == 2
+
+
+def test_device_idle_share_is_the_wall_time_outside_the_steps_device_time():
+    times = {"step_s": np.array([0.010, 0.012]), "device_s": np.array([0.009, 0.0105])}
+    assert decode.device_idle_share(times) == pytest.approx(1 - 0.0195 / 0.022)
+    assert decode.device_idle_share({**times, "device_s": None}) is None
+    row = decode.summarize_times(
+        {**times, "plan_s": np.array([0.001, 0.001]), "queries": np.array([4, 4])},
+        {"step_s": np.array([0.008, 0.008]), "device_s": np.array([0.0079, 0.0079])},
+    )  # fmt: skip
+    assert row["device_idle_share"] == pytest.approx(1 - 0.0195 / 0.022)
+    assert row["noattn_device_idle_share"] == pytest.approx(1 - 0.0158 / 0.016)
+    assert "| 1.0% |" in decode.results_table([{
+        "model": "m", "scenario": "s", "backend": "fasttree", **row, "max_rel_err": 1e-4, "correct": True,
+        "device_idle_share": 0.01,
+    }])  # fmt: skip
 
 
 def test_workload_inputs():
