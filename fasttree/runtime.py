@@ -749,19 +749,27 @@ class TreeAttentionRuntime:
         no_mask = reads_masks and plan.kv_row_mask.size == 0
         offsets = []
         off = _HEADER_WORDS
+        # every array's padding up to its aligned end is zeroed: the relocation copies aligned lengths,
+        # so a per-query array's padding lands on queries past the plan's, the merge list's filler
+        # (query max_queries) among them, which must read as no partials (else stale words from an
+        # earlier plan in this staging buffer send a merge program to write an output row past them)
         for name in DEVICE_ARRAYS:
             offsets.append(off)
             if name == "merge_queries":
                 arr = merge
             elif name == "kv_row_mask" and no_mask:
+                end = off + _aligned(n_kv)
                 buf[off : off + n_kv] = -1
-                off += _aligned(n_kv)
+                buf[off + n_kv : end] = 0
+                off = end
                 continue
             else:
                 arr = getattr(plan, name)
             n = arr.size
+            end = off + _aligned(max(1, n))
             buf[off : off + n] = arr
-            off += _aligned(max(1, n))
+            buf[off + n : end] = 0
+            off = end
         ptr = plan.class_unit_ptr
         leads = [0, 0]  # a variant's idle programs of each class run first (relocate_plan_kernel)
         if variant is not None:

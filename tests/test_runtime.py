@@ -777,3 +777,60 @@ def test_runtime_serves_the_crossover_decode_plan(device, launches, max_variants
     q, k, v = _inputs(tree, device, 8, hq=16, hkv=1, d=16, seed=5)
     out = rt.forward(q, k, v)
     assert ft.max_relative_error(out[: tree.n_queries], ft.reference_attention(q[: tree.n_queries], k, v, tree)) < 2e-3
+
+
+def _tiny_server_trees(steps: int = 26) -> list[ft.KVTree]:
+    """A small serving scenario's trees (two prefix levels, forks, arrivals and departures, short
+    answers) with stable pool slots, as a server's allocator keeps them."""
+    from bench.decode import stable_slot_trees
+    from fasttree.toolkit.workloads import ServingScenario, iter_serving
+
+    scenario = ServingScenario(
+        name="tiny_forking", description="test", prefix_levels=((1, 40, 60), (2, 10, 30)), questions_per_prefix=4,
+        question_tokens=(2, 9), output_tokens=(3, 9), forks=(2,), fork_after=(2, 4), max_batch=12, arrival_rate=0.7,
+    )  # fmt: skip
+    return stable_slot_trees(list(iter_serving(scenario, seed=5, steps=steps)))
+
+
+def test_the_merge_filler_query_keeps_no_partials_across_plans(device):
+    """The relocation copies each array's aligned length, so a per-query array's padding lands on the
+    queries past the plan's, the merge list's filler (query ``max_queries``) among them when
+    ``max_queries`` is not a multiple of the alignment: the padding is zeroed, and the filler reads
+    no partials after every upload (stale words from an earlier plan in the staging buffer once gave
+    it 13 partials, and a merge program wrote output row ``max_queries``, past ``out``)."""
+    trees = _tiny_server_trees()
+    rows = max(t.n_queries for t in trees)
+    rt = _runtime(device, ft.FastTreeConfig(pack_tokens=16, pack_min_units=0), max_queries=rows, max_variants=4)
+    assert rows % 32 and any(t.n_queries > rows - rows % 32 for t in trees)  # plans whose padding reaches it
+    for step, tree in enumerate(trees):
+        rt.plan(tree, rows=rows)
+        fixed = {n: rt._fixed_arrays[n].cpu().numpy() for n in ("query_num_partials", "merge_queries")}
+        assert fixed["query_num_partials"][rt.max_queries] == 0, step
+        n_merge = sum(rt._current.merge_counts)
+        assert (fixed["merge_queries"][n_merge : rt._merge_fill_end or n_merge] == rt.max_queries).all()
+
+
+@pytest.mark.parametrize("max_variants", [0, 4])
+def test_runtime_follows_a_simulated_server_step_by_step(device, max_variants):
+    """:func:`_tiny_server_trees` step by step: every step's plan (fresh or extended, under few
+    launch-variant ids or the fixed launch) gives the float64 reference's outputs, with the outputs
+    poisoned before each step and the rows past the step's queries left untouched."""
+    trees = _tiny_server_trees()
+    rows = max(t.n_queries for t in trees)
+    config = ft.FastTreeConfig(pack_tokens=16, pack_min_units=0)
+    rt = _runtime(device, config, max_queries=rows, max_variants=max_variants)
+    q, k, v = _inputs(trees[-1], device, rows, seed=11)
+    pool = k.shape[0]
+    assert all(t.max_slot < pool for t in trees)
+    kinds = set()
+    for step, tree in enumerate(trees):
+        up = rt.plan(tree, rows=rows)
+        kinds.add(up.extended)
+        out = torch.full_like(q, float("nan"))
+        rt.forward(q, k, v, out=out)
+        n = tree.n_queries
+        err = ft.max_relative_error(out[:n], ft.reference_attention(q[:n], k, v, tree))
+        assert err < 2e-3, (step, err)
+        assert torch.isnan(out[n:]).all(), step  # rows past the step's queries are not written
+    assert kinds == {False, True}  # both fresh and extended plans were served
+    assert len({t.n_queries for t in trees}) > 2  # the batch grew and shrank
