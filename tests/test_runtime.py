@@ -811,15 +811,18 @@ def test_the_merge_filler_query_keeps_no_partials_across_plans(device):
 
 
 @pytest.mark.parametrize("max_variants", [0, 4])
-def test_runtime_follows_a_simulated_server_step_by_step(device, max_variants):
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (2, 2), (16, 1)])
+def test_runtime_follows_a_simulated_server_step_by_step(device, max_variants, hq, hkv):
     """:func:`_tiny_server_trees` step by step: every step's plan (fresh or extended, under few
-    launch-variant ids or the fixed launch) gives the float64 reference's outputs, with the outputs
-    poisoned before each step and the rows past the step's queries left untouched."""
+    launch-variant ids or the fixed launch; MHA's two stage-1 launches, GQA 2, GQA 16 over one KV
+    head) gives the float64 reference's outputs, with the outputs poisoned before each step and the
+    rows past the step's queries left untouched."""
     trees = _tiny_server_trees()
     rows = max(t.n_queries for t in trees)
     config = ft.FastTreeConfig(pack_tokens=16, pack_min_units=0)
-    rt = _runtime(device, config, max_queries=rows, max_variants=max_variants)
-    q, k, v = _inputs(trees[-1], device, rows, seed=11)
+    heads = {"num_q_heads": hq, "num_kv_heads": hkv}
+    rt = _runtime(device, config, max_queries=rows, max_variants=max_variants, **heads)
+    q, k, v = _inputs(trees[-1], device, rows, hq=hq, hkv=hkv, seed=11)
     pool = k.shape[0]
     assert all(t.max_slot < pool for t in trees)
     kinds = set()
