@@ -837,3 +837,74 @@ def test_runtime_follows_a_simulated_server_step_by_step(device, max_variants, h
         assert torch.isnan(out[n:]).all(), step  # rows past the step's queries are not written
     assert kinds == {False, True}  # both fresh and extended plans were served
     assert len({t.n_queries for t in trees}) > 2  # the batch grew and shrank
+
+
+def _random_server(seed: int) -> tuple[list[ft.KVTree], dict, tuple[int, int, int]]:
+    """A random small server (prefix levels, forks, arrivals, answer lengths, batch cap) with stable
+    slots, and runtime settings drawn with it: heads, head dim, config, launch-variant bound,
+    extension steps, stage-1 launches, ``max_queries`` up to 4 past the largest batch and
+    ``max_kv_entries`` from 0.6x to 4x the largest batch's context entries."""
+    from bench.decode import stable_slot_trees
+    from fasttree.toolkit.workloads import ServingScenario, iter_serving
+
+    rng = np.random.default_rng(seed)
+    top = int(rng.integers(5, 80))
+    levels = [(1, top, top + int(rng.integers(0, 40)))]
+    if rng.random() < 0.7:
+        low = int(rng.integers(1, 40))
+        levels.append((int(rng.integers(1, 4)), low, low + int(rng.integers(0, 20))))
+    forks = () if rng.random() < 0.5 else (int(rng.integers(2, 4)),)
+    scenario = ServingScenario(
+        name="random", description="test", prefix_levels=tuple(levels),
+        questions_per_prefix=int(rng.integers(1, 6)), question_tokens=(1, int(rng.integers(1, 12))),
+        output_tokens=(1, int(rng.integers(2, 12))), forks=forks, fork_after=(1, 4),
+        max_batch=int(rng.integers(3, 20)) * (forks[0] if forks else 1), arrival_rate=float(rng.uniform(0.2, 2.0)),
+    )  # fmt: skip
+    trees = stable_slot_trees(list(iter_serving(scenario, seed=seed, steps=int(rng.integers(8, 16)))))
+    hq, hkv = [(4, 2), (2, 2), (16, 1), (8, 1), (7, 1), (8, 8), (16, 2)][int(rng.integers(0, 7))]
+    d = (16, 32)[int(rng.integers(0, 2))]
+    context = max(int(t.path_lengths[t.query_nodes].sum()) for t in trees)
+    settings = {
+        "config": (None, ft.FastTreeConfig(pack_tokens=16, pack_min_units=0), ft.FastTreeConfig(pack_tokens=0))[
+            int(rng.integers(0, 3))
+        ],
+        "max_variants": (0, 1, 2, 32)[int(rng.integers(0, 4))],
+        "extend_steps": (0, 1, 8)[int(rng.integers(0, 3))],
+        "stage1_launches": ("auto", 1, 2)[int(rng.integers(0, 3))],
+        "max_queries": max(t.n_queries for t in trees) + int(rng.integers(0, 5)),
+        "max_kv_entries": int(context * (0.6, 1.0, 4.0)[int(rng.integers(0, 3))]) + 1,
+    }
+    return trees, settings, (hq, hkv, d)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_servers_match_the_reference(device, seed):
+    """Random small servers (:func:`_random_server`): each step planned for a random batch bucket
+    ``rows`` between its queries and ``max_queries`` gives the float64 reference's outputs (outputs
+    poisoned, rows past the queries untouched), or, past ``max_kv_entries``, a ValueError naming it."""
+    trees, settings, (hq, hkv, d) = _random_server(seed)
+    config = settings.pop("config")
+    rt = TreeAttentionRuntime(
+        config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float16, device=device, **settings
+    )
+    rng = np.random.default_rng(1000 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    pool = max(t.max_slot for t in trees) + 4
+    q = torch.randn(rt.max_queries, hq, d, generator=gen).to(device, torch.float16)
+    k = torch.randn(pool, hkv, d, generator=gen).to(device, torch.float16)
+    v = torch.randn(pool, hkv, d, generator=gen).to(device, torch.float16)
+    served = 0
+    for step, tree in enumerate(trees):
+        rows = int(rng.integers(tree.n_queries, rt.max_queries + 1))
+        try:
+            rt.plan(tree, rows=rows)
+        except ValueError as err:
+            assert "max_kv_entries" in str(err), (step, err)
+            continue
+        out = torch.full((rows, hq, d), float("nan"), dtype=torch.float16, device=device)
+        rt.forward(q[:rows], k, v, out=out)
+        n = tree.n_queries
+        assert ft.max_relative_error(out[:n], ft.reference_attention(q[:n], k, v, tree)) < 2e-3, step
+        assert torch.isnan(out[n:]).all(), step
+        served += 1
+    assert served > 0
