@@ -3,8 +3,11 @@
 Run: ``compute-sanitizer --tool memcheck --error-exitcode 99 python tests/memcheck_sample.py``.
 Covers both tile classes, merge and direct writes, GQA 7, D 256, bf16, KV tiles of 64
 and 128 (masked index loads), a pool exactly as large as the tree, the query-separated
-plan, every tile class peeled (unmasked whole KV tiles, head dim 96 padded to 128), and the
-runtime's persistent kernels (int32 offsets, peeled 64-row slot).
+plan, every tile class peeled (unmasked whole KV tiles, head dim 96 padded to 128), the
+runtime's persistent kernels (int32 offsets, peeled 64-row slot) and the runtime over a small
+simulated server's steps. ``bench/gpu_check.sh`` runs memcheck with
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor its own allocation, so a write past a tensor is
+an error, not a write into its neighbour in the caching allocator's segment.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trees import random_tree
+sys.path.insert(1, str(Path(__file__).parent.parent))  # the repository root: bench (for tiny_server_trees)
+from trees import random_tree, tiny_server_trees
 
 import fasttree as ft
 from fasttree.toolkit.suite import paper_tree
@@ -87,6 +91,34 @@ def run_runtime(tree, hq, hkv, d, dtype, max_variants: int = 32) -> float:
     return float((out[: rows.size].double() - ref).norm() / ref.norm())
 
 
+def run_runtime_serving(hq, hkv, d, dtype, max_variants: int = 4, device: str = "cuda") -> float:
+    """The runtime over a small simulated server's steps (fresh and extended plans, variants reused
+    across batch sizes), ``out`` exactly ``max_queries`` rows (12, not a multiple of the plan
+    arrays' 32-word alignment: a merge program sent to the filler query would write past it) and
+    the pool exactly as large as the steps' slots; the worst relative error over the steps."""
+    trees = tiny_server_trees()
+    rows = max(t.n_queries for t in trees)
+    pool = max(t.max_slot for t in trees) + 1
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, hq, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(pool, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(pool, hkv, d, generator=gen).to(dtype).to(device)
+    rt = ft.TreeAttentionRuntime(
+        ft.FastTreeConfig(pack_tokens=16, pack_min_units=0), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+        dtype=dtype, device=q.device, max_queries=rows, max_kv_entries=4096, pool_slots=pool,
+        max_variants=max_variants,
+    )  # fmt: skip
+    worst = 0.0
+    for tree in trees:
+        rt.plan(tree, rows=rows)
+        out = torch.full_like(q, float("nan"))
+        rt.forward(q, k, v, out=out)
+        n = tree.n_queries
+        ref = ft.reference_attention(q[:n], k, v, tree)
+        worst = max(worst, float((out[:n].double() - ref).norm() / ref.norm()))
+    return worst
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     cases = [
@@ -117,6 +149,8 @@ def main() -> int:
             "fixed runtime gqa1 d64",
             lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 4, 4, 64, torch.half, max_variants=0),
         ),
+        ("runtime serving gqa4 d128", lambda: run_runtime_serving(8, 2, 128, torch.half)),
+        ("fixed runtime serving gqa16 d64", lambda: run_runtime_serving(16, 1, 64, torch.half, max_variants=0)),
     ]
     worst = 0.0
     for name, fn in cases:

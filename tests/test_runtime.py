@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from trees import random_tree
+from trees import random_tree, tiny_server_trees
 
 import fasttree as ft
 from fasttree.export import ConfigExport, ExportEntry, ExportGuard, load_portfolio, write_export
@@ -779,26 +779,13 @@ def test_runtime_serves_the_crossover_decode_plan(device, launches, max_variants
     assert ft.max_relative_error(out[: tree.n_queries], ft.reference_attention(q[: tree.n_queries], k, v, tree)) < 2e-3
 
 
-def _tiny_server_trees(steps: int = 26) -> list[ft.KVTree]:
-    """A small serving scenario's trees (two prefix levels, forks, arrivals and departures, short
-    answers) with stable pool slots, as a server's allocator keeps them."""
-    from bench.decode import stable_slot_trees
-    from fasttree.toolkit.workloads import ServingScenario, iter_serving
-
-    scenario = ServingScenario(
-        name="tiny_forking", description="test", prefix_levels=((1, 40, 60), (2, 10, 30)), questions_per_prefix=4,
-        question_tokens=(2, 9), output_tokens=(3, 9), forks=(2,), fork_after=(2, 4), max_batch=12, arrival_rate=0.7,
-    )  # fmt: skip
-    return stable_slot_trees(list(iter_serving(scenario, seed=5, steps=steps)))
-
-
 def test_the_merge_filler_query_keeps_no_partials_across_plans(device):
     """The relocation copies each array's aligned length, so a per-query array's padding lands on the
     queries past the plan's, the merge list's filler (query ``max_queries``) among them when
     ``max_queries`` is not a multiple of the alignment: the padding is zeroed, and the filler reads
     no partials after every upload (stale words from an earlier plan in the staging buffer once gave
     it 13 partials, and a merge program wrote output row ``max_queries``, past ``out``)."""
-    trees = _tiny_server_trees()
+    trees = tiny_server_trees()
     rows = max(t.n_queries for t in trees)
     rt = _runtime(device, ft.FastTreeConfig(pack_tokens=16, pack_min_units=0), max_queries=rows, max_variants=4)
     assert rows % 32 and any(t.n_queries > rows - rows % 32 for t in trees)  # plans whose padding reaches it
@@ -813,11 +800,11 @@ def test_the_merge_filler_query_keeps_no_partials_across_plans(device):
 @pytest.mark.parametrize("max_variants", [0, 4])
 @pytest.mark.parametrize("hq, hkv", [(4, 2), (2, 2), (16, 1)])
 def test_runtime_follows_a_simulated_server_step_by_step(device, max_variants, hq, hkv):
-    """:func:`_tiny_server_trees` step by step: every step's plan (fresh or extended, under few
+    """:func:`trees.tiny_server_trees` step by step: every step's plan (fresh or extended, under few
     launch-variant ids or the fixed launch; MHA's two stage-1 launches, GQA 2, GQA 16 over one KV
     head) gives the float64 reference's outputs, with the outputs poisoned before each step and the
     rows past the step's queries left untouched."""
-    trees = _tiny_server_trees()
+    trees = tiny_server_trees()
     rows = max(t.n_queries for t in trees)
     config = ft.FastTreeConfig(pack_tokens=16, pack_min_units=0)
     heads = {"num_q_heads": hq, "num_kv_heads": hkv}

@@ -47,3 +47,17 @@ def random_tree(
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     node_slots = [pool[bounds[i] : bounds[i + 1]] for i in range(n)]
     return ft.KVTree(parents, node_slots, query_nodes)
+
+
+def tiny_server_trees(steps: int = 26) -> list[ft.KVTree]:
+    """A small serving scenario's trees (two prefix levels, forks, arrivals and departures, short
+    answers, at most 12 requests: not a multiple of the runtime's 32-word array alignment) with
+    stable pool slots, as a server's allocator keeps them."""
+    from bench.decode import stable_slot_trees
+    from fasttree.toolkit.workloads import ServingScenario, iter_serving
+
+    scenario = ServingScenario(
+        name="tiny_forking", description="test", prefix_levels=((1, 40, 60), (2, 10, 30)), questions_per_prefix=4,
+        question_tokens=(2, 9), output_tokens=(3, 9), forks=(2,), fork_after=(2, 4), max_batch=12, arrival_rate=0.7,
+    )  # fmt: skip
+    return stable_slot_trees(list(iter_serving(scenario, seed=5, steps=steps)))
