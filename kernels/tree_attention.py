@@ -339,7 +339,9 @@ def relocate_plan_kernel(
     share its words): what a launch variant's :func:`tree_attention_units_kernel` and merge
     launches read through fixed pointers, so a CUDA graph of them replays every plan of their
     variant. An array's length is the distance to the next array's offset (the last one's end is
-    header word ``HDR_WORDS_END``; a unit array's, the plan's units); a unit array's class-1 units
+    header word ``HDR_WORDS_END``; a unit array's, the plan's units): its padding is copied too, which
+    the runtime zeroes (a per-query array's padding lands on queries past the plan's, the merge
+    list's filler among them, which must have no partials); a unit array's class-1 units
     move to ``unit_region``. Each class's units follow ``HDR_UNIT_LEADS`` empty units (zeros): the
     programs a variant's grid bucket has beyond the plan's units come first in the grid, and finish
     at once, instead of last, after the plan's longest units. Past the plan's merge list, up to
