@@ -286,8 +286,9 @@ def test_extension_refuses_a_shared_node():
 
 @st.composite
 def runtime_steps(draw):
-    """A runtime's small capacities and config, and a few decode steps: each a new drawn tree, or
-    the last tree with one more token per query (an extension) when its queries sit alone."""
+    """A runtime's small capacities and config, and 2 to 8 decode steps (enough uploads for each
+    staging buffer to be reused with another plan's layout): each a new drawn tree, or the last
+    tree with one more token per query (an extension) when its queries sit alone."""
     queries = draw(st.integers(4, 40))
     caps = {
         "max_queries": queries,
@@ -298,7 +299,7 @@ def runtime_steps(draw):
     g = draw(st.sampled_from((1, 2, 4)))
     config = draw(configs(group_size=g))
     trees = [draw(kv_trees(max_nodes=8, lengths=(0, 1, 2, 16, 17, 33)))]
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(1, 7))):
         last = trees[-1]
         if draw(st.booleans()) and bool(np.all(last.subtree_queries[last.query_nodes] == 1)):
             start = last.max_slot + 1
