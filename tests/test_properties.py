@@ -295,6 +295,9 @@ def runtime_steps(draw):
         "max_kv_entries": draw(st.sampled_from((64, 300, 4096))),
         "max_units": max(queries, draw(st.sampled_from((4, 64, 4096)))),  # the runtime needs one per query
         "max_partial_rows": draw(st.sampled_from((8, 64, 1024))),
+        # few variant ids: later plans often run a covering variant, whose grids exceed their units and
+        # merge list (the idle programs and the merge filler then run)
+        "max_variants": draw(st.sampled_from((0, 1, 2, 32))),
     }
     g = draw(st.sampled_from((1, 2, 4)))
     config = draw(configs(group_size=g))
