@@ -80,7 +80,8 @@ graphs: the share includes planning). The timed steps plan each tree as a new ob
 server plans the new tree of every step. Correctness, on the first timed step: layer 0's
 attention (outputs poisoned with NaN first, run eagerly) and the last layer's attention as
 the timed step computed it (through the graphs) against the float64 reference on up to 32
-sampled queries.
+sampled queries; and the last layer's attention of the last timed step the same way (after
+every plan, extension and launch variant of the run).
 
 Writes ``<label>.json`` (environment, args, workload summaries, rows) and ``<label>.md``
 under ``--out``. Run from the repository root on the GPU::
@@ -1211,6 +1212,8 @@ def run_backend(
         keep_logits=keep_logits,
         overlap=getattr(backend, "overlap", False),
     )
+    # the last timed step's last layer, as it left q and the attention output (before the rerun below)
+    errors["last_step"] = attention_error(buf, model.n_layers - 1, workload.trees[workload.timed[-1]], seed)
     without = time_steps(runner, workload, copy_attention, "copy", None)
     row = summarize_times(with_attn, without)
     tol = TOL[model.dtype]
@@ -1221,6 +1224,7 @@ def run_backend(
         max_rel_err=err,
         max_rel_err_layer0=errors["layer0"],
         max_rel_err_last_layer=errors["last_layer"],
+        max_rel_err_last_step=errors["last_step"],
         correct=bool(math.isfinite(err) and err <= tol),
         backend_info={**backend.info(), "full_graphs": len(runner._full), "late_captures": runner.late_captures},
     )
@@ -1444,7 +1448,8 @@ def markdown(report: dict[str, Any]) -> str:
         "`-` without a GPU); attention = 1 - (step time with attention "
         "replaced by a copy and no planning, same graphs) / step time (planning included); max err = worst "
         f"relative error of layer 0's and the last layer's attention on <= {CHECK_QUERIES} sampled queries of "
-        "the first timed step vs the float64 reference (`x`: above tolerance). "
+        "the first timed step, and of the last layer's of the last timed step, vs the float64 reference (`x`: "
+        "above tolerance). "
         "`fasttree`: the whole step in one CUDA graph, a step's plan extended from the previous one when only "
         "private nodes grew (at most 8 steps in a row); `fasttree_fresh`: the same with every step planned "
         "afresh; `fasttree_overlap`: `fasttree` with step i + 1 planned while the GPU runs step i; "

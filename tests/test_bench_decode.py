@@ -18,9 +18,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU path needs TR
 ROW_KEYS = {
     "model", "scenario", "backend", "steps", "tokens", "tokens_per_s", "step_ms_mean", "step_ms_p50",
     "step_ms_p90", "plan_ms_mean", "plan_share", "noattn_step_ms_mean", "attention_share", "mode",
-    "max_rel_err", "max_rel_err_layer0", "max_rel_err_last_layer", "correct", "speedup_vs_query_separated",
-    "speedup_bound_vs_query_separated", "speedup_floor_bound_vs_query_separated", "device_idle_share",
-    "noattn_device_idle_share",
+    "max_rel_err", "max_rel_err_layer0", "max_rel_err_last_layer", "max_rel_err_last_step", "correct",
+    "speedup_vs_query_separated", "speedup_bound_vs_query_separated", "speedup_floor_bound_vs_query_separated",
+    "device_idle_share", "noattn_device_idle_share",
 }  # fmt: skip
 
 
