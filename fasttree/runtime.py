@@ -755,19 +755,13 @@ class TreeAttentionRuntime:
         # earlier plan in this staging buffer send a merge program to write an output row past them)
         for name in DEVICE_ARRAYS:
             offsets.append(off)
-            if name == "merge_queries":
-                arr = merge
-            elif name == "kv_row_mask" and no_mask:
-                end = off + _aligned(n_kv)
-                buf[off : off + n_kv] = -1
-                buf[off + n_kv : end] = 0
-                off = end
-                continue
+            if name == "kv_row_mask" and no_mask:
+                n, end = n_kv, off + _aligned(n_kv)
+                buf[off : off + n] = -1
             else:
-                arr = getattr(plan, name)
-            n = arr.size
-            end = off + _aligned(max(1, n))
-            buf[off : off + n] = arr
+                arr = merge if name == "merge_queries" else getattr(plan, name)
+                n, end = arr.size, off + _aligned(max(1, arr.size))
+                buf[off : off + n] = arr
             buf[off + n : end] = 0
             off = end
         ptr = plan.class_unit_ptr
