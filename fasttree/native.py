@@ -94,7 +94,7 @@ _SIGNATURES = {
     "ft_bin_members": (
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P,
-         ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
+         ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
     ),
     "ft_cut_units": (
         ctypes.c_int64,

@@ -275,23 +275,29 @@ static void counting_sort(int64_t n, const int64_t *idx, const int64_t *key, int
     for (int64_t i = 0; i < n; i++) out[count[key[idx[i]]]++] = idx[i];
 }
 
+/* int64 entries of ft_bin_members' scratch: 9 per pair and 2 per value of its counting sorts' keys
+ * (units, blocks, ranks: at most max(n_units, n_queries + 1)), plus one. */
+#define BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries) \
+    (9 * (n_pairs) + 2 * ((n_units) > (n_queries) + 1 ? (n_units) : (n_queries) + 1) + 1)
+
 /* The bins' member pieces of fasttree.packing._bin_members (its _cut_into_pieces and _run_starts
  * with the same integer arithmetic): the candidates' pairs (c_unit nondecreasing, c_rank each
  * pair's query rank) are cut at block boundaries (fixed blocks of capacity ranks when
  * block_of_rank is NULL), the pieces sorted by lowest rank and cut into runs of budget tokens
  * (balanced: round(T / budget) runs of about equal tokens per block of T tokens); runs of one
  * piece of an uncut unit are dropped. Writes the members (at most n_pairs) in bin order and
- * *some_cut (a unit became two pieces or more); returns the member count, or -1 when out of memory. */
+ * *some_cut (a unit became two pieces or more); returns the member count. scratch: int64
+ * [BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries)], the caller's work memory. */
 int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_rank, int64_t n_queries,
                        int64_t n_units, int64_t capacity, const int64_t *block_of_rank, const int64_t *start_of_rank,
                        const int64_t *kv_len, int64_t budget, int64_t balanced, int64_t *o_unit, int64_t *o_lowest,
-                       int64_t *o_bits, int8_t *o_new_run, int64_t *o_tokens, int64_t *some_cut) {
+                       int64_t *o_bits, int8_t *o_new_run, int64_t *o_tokens, int64_t *some_cut, int64_t *scratch) {
+    /* blocks: at most n_queries / capacity + 1 fixed ones, or block_of_rank[n_queries - 1] + 2 <= n_queries + 1 */
     const int64_t n_blocks = block_of_rank ? block_of_rank[n_queries - 1] + 2 : n_queries / capacity + 1;
     int64_t range = n_blocks > n_units ? n_blocks : n_units;
     if (n_queries > range) range = n_queries;
     const int csh = exact_log2(capacity);
-    int64_t *buf = malloc(sizeof(int64_t) * (size_t)(9 * n_pairs + 2 * range + 1));
-    if (!buf) return -1;
+    int64_t *buf = scratch;
     int64_t *c_block = buf, *c_pos = buf + n_pairs, *order = buf + 2 * n_pairs, *tmp = buf + 3 * n_pairs;
     int64_t *p_unit = buf + 4 * n_pairs, *p_lowest = buf + 5 * n_pairs, *p_bits = buf + 6 * n_pairs;
     int64_t *p_cut = buf + 7 * n_pairs, *p_order = buf + 8 * n_pairs, *count = buf + 9 * n_pairs;
@@ -432,7 +438,6 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
         n_out++;
     }
     *some_cut = any_cut;
-    free(buf);
     return n_out;
 }
 
@@ -763,16 +768,11 @@ int64_t ft_layout_cost(int64_t n_units, const int64_t *kv_len, const int64_t *q_
 /* fasttree.packing._aligned_blocks over the candidates (units 0..n_cand-1 of c_len pairs each,
  * c_rank their pairs' ranks, units back to back): blocks of at most capacity consecutive ranks
  * ending where no short unit continues. Writes block_of_rank and start_of_rank (n_queries each)
- * and returns 1, or 0 when the blocks are the fixed ones, -1 out of memory. */
+ * and returns 1, or 0 when the blocks are the fixed ones. scratch: int64 [2 * n + 3]. */
 static int64_t aligned_blocks(int64_t n_cand, const int64_t *c_len, const int64_t *c_rank, int64_t n,
-                              int64_t capacity, int64_t *block_of_rank, int64_t *start_of_rank) {
-    int64_t *inside = calloc((size_t)(n + 2), sizeof(int64_t));
-    int64_t *nxt = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    if (!inside || !nxt) {
-        free(inside);
-        free(nxt);
-        return -1;
-    }
+                              int64_t capacity, int64_t *block_of_rank, int64_t *start_of_rank, int64_t *scratch) {
+    int64_t *inside = scratch, *nxt = scratch + n + 2;
+    memset(inside, 0, sizeof(int64_t) * (size_t)(n + 2));
     int64_t any = 0, first = 0;
     for (int64_t j = 0; j < n_cand; j++) {
         int64_t lo = c_rank[first], hi = c_rank[first];
@@ -818,8 +818,6 @@ static int64_t aligned_blocks(int64_t n_cand, const int64_t *c_len, const int64_
         }
         result = !(fixed && n_blocks == (n + capacity - 1) / capacity);
     }
-    free(inside);
-    free(nxt);
     return result;
 }
 
@@ -858,8 +856,10 @@ static void reads_and_longest(int64_t n_units, const int64_t *kv_len, int64_t co
  * out_f and out_a are [4][n_pairs]: unit, lowest rank, bits, tokens), res[0] = members (0: no
  * bin) and res[1] = 1 when the aligned blocks were taken. work (int64): c_unit, c_rank, c_len
  * [n_pairs each], block_of_rank, start_of_rank [n_queries each], out_f, out_a [4 * n_pairs each],
- * res [2]; work8 (int8): new_f, new_a [n_pairs each], keep [n_units]. Returns 0, -1 out of memory,
- * -2 an index out of range or a unit without pairs (the caller runs numpy). */
+ * res [2], then the scratch of ft_bin_members (BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries),
+ * which also holds aligned_blocks' 2 * n_queries + 3); work8 (int8): new_f, new_a [n_pairs each],
+ * keep [n_units]. Returns 0, or -2 an index out of range or a unit without pairs (the caller runs
+ * numpy). */
 int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_len, int64_t n_pairs,
                       const int64_t *pair_query, const int8_t *eligible, int64_t n_queries, const int64_t *query_rank,
                       int64_t capacity, int64_t budget, int64_t balanced, int64_t aligned, double max_longer,
@@ -867,6 +867,7 @@ int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_l
     int64_t *c_unit = work, *c_rank = work + n_pairs, *c_len = work + 2 * n_pairs;
     int64_t *block_of_rank = work + 3 * n_pairs, *start_of_rank = block_of_rank + n_queries;
     int64_t *out_f = start_of_rank + n_queries, *out_a = out_f + 4 * n_pairs, *res = out_a + 4 * n_pairs;
+    int64_t *scratch = res + 2;
     int8_t *new_f = work8, *new_a = work8 + n_pairs, *keep = work8 + 2 * n_pairs;
     int64_t n_c = 0, n_cand = 0, pr = 0;
     res[0] = res[1] = 0;
@@ -892,23 +893,18 @@ int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_l
     int64_t cut = 0;
     const int64_t nf = ft_bin_members(n_c, c_unit, c_rank, n_queries, n_units, capacity, NULL, NULL, kv_len, budget,
                                       balanced, out_f, out_f + n_pairs, out_f + 2 * n_pairs, new_f, out_f + 3 * n_pairs,
-                                      &cut);
-    if (nf < 0)
-        return -1;
+                                      &cut, scratch);
     res[0] = nf;
     if (!aligned || !cut)
         return 0;
-    const int64_t shifted = aligned_blocks(n_cand, c_len, c_rank, n_queries, capacity, block_of_rank, start_of_rank);
-    if (shifted < 0)
-        return -1;
+    const int64_t shifted =
+        aligned_blocks(n_cand, c_len, c_rank, n_queries, capacity, block_of_rank, start_of_rank, scratch);
     if (!shifted)
         return 0;
     int64_t cut_a = 0;
     const int64_t na = ft_bin_members(n_c, c_unit, c_rank, n_queries, n_units, capacity, block_of_rank, start_of_rank,
                                       kv_len, budget, balanced, out_a, out_a + n_pairs, out_a + 2 * n_pairs, new_a,
-                                      out_a + 3 * n_pairs, &cut_a);
-    if (na < 0)
-        return -1;
+                                      out_a + 3 * n_pairs, &cut_a, scratch);
     int take = aligned == 1;
     if (!take) {
         int64_t reads_f, longest_f, reads_a, longest_a;
