@@ -221,6 +221,13 @@ def test_address_is_the_arrays_data_pointer_for_every_kind_of_array():
     read_only.flags.writeable = False
     for a in (base, base[5:], read_only, np.empty(0, dtype=np.int32), base[::2], np.zeros((3, 4), np.int8)):
         assert native.address(a) == a.ctypes.data
+    assert native._FIELD_TYPE is np.ndarray  # CPython: read from the array object after the first check
+
+    class Sub(np.ndarray):
+        pass
+
+    sub = np.arange(6).view(Sub)[1:]
+    assert native.address(sub) == sub.ctypes.data  # another type: through the buffer
 
 
 def test_c_int64_accepts_only_contiguous_native_int64_arrays():
