@@ -275,6 +275,22 @@ static void counting_sort(int64_t n, const int64_t *idx, const int64_t *key, int
     for (int64_t i = 0; i < n; i++) out[count[key[idx[i]]]++] = idx[i];
 }
 
+/* x[i] = (x[i] * m) / t (t > 0, the products non-negative) for x that mostly rise in small steps:
+ * a quotient is divided out only where the product leaves the last quotient's range of t values
+ * (a 64-bit division costs tens of cycles; a run of budget tokens holds several pieces). */
+static void run_quotients(int64_t n, int64_t *x, int64_t m, int64_t t) {
+    int64_t q = 0, lo = 0, hi = t;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t v = x[i] * m;
+        if (v < lo || v >= hi) {
+            q = v / t;
+            lo = q * t;
+            hi = lo + t;
+        }
+        x[i] = q;
+    }
+}
+
 /* int64 entries of ft_bin_members' scratch: 9 per pair and 2 per value of its counting sorts' keys
  * (units, blocks, ranks: at most max(n_units, n_queries + 1)), plus one. */
 #define BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries) \
@@ -412,16 +428,15 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
             while (e < n_pieces && blk[e] == blk[j]) total += tok[e++];
             int64_t n_runs = (2 * total + budget) / (2 * budget);
             if (n_runs < 1) n_runs = 1;
-            for (int64_t k = j; k < e; k++) {
-                const int64_t x = excl[k] * n_runs;
-                /* numpy's floor division (non-negative here); by a zero total it gives 0 */
-                excl[k] = total ? x / total : 0;
-            }
+            /* numpy's floor division (non-negative here); by a zero total it gives 0 */
+            if (total)
+                run_quotients(e - j, excl + j, n_runs, total);
+            else
+                for (int64_t k = j; k < e; k++) excl[k] = 0;
             j = e;
         }
     } else {
-        const int bsh = exact_log2(budget);
-        for (int64_t j = 0; j < n_pieces; j++) excl[j] = shift_div(excl[j], budget, bsh);
+        run_quotients(n_pieces, excl, 1, budget);
     }
     /* new runs, then the pieces of runs that become bins */
     int64_t n_out = 0;
