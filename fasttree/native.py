@@ -3,10 +3,10 @@
 ``fasttree/csrc/planner.c`` holds C versions of the planner's hottest loops (the greedy edge
 assignment and the groups it keeps, the groups' query lists, KV starts and chained slots, the
 units' cuts, the packing's bin layouts (candidates, aligned blocks, pieces and runs), the wide
-units' cost of a bin layout, the packed units' arrays, slot-run gathers and row masks, a laid-out
-plan's reads by tile class, the plan's tile classes, unit order, int32 arrays and partial rows,
-a tree's levels and queries' DFS positions, and a plan extension's old-slot check and entry
-insertion),
+units' cost of a bin layout, the packed units' arrays (alone, or with the plan's unit arrays in
+one call), slot-run gathers and row masks, a laid-out plan's reads by tile class, the plan's tile
+classes, unit order, int32 arrays and partial rows, a tree's levels and queries' DFS positions,
+and a plan extension's old-slot check and entry insertion),
 each the same arithmetic in the same order as the numpy/Python path it replaces, so plans are
 bit-identical either way (``tests/test_native.py``).
 :func:`planner_library` compiles it once per source version with the machine's C compiler (``$CC``,
@@ -124,6 +124,12 @@ _SIGNATURES = {
         [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,
          _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P,
          _I64P],
+    ),
+    "ft_packed_plan": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64,
+         _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,
+         ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P],
     ),
 }  # fmt: skip
 

@@ -638,6 +638,7 @@ def assemble_bins(
     query_of_rank: np.ndarray | None = None,
     pairs_in_order: bool = False,
     identity_slots: int = 0,
+    native: bool = True,
 ) -> PackedUnits:
     """The packed units of ``layout``: the second step of :func:`pack_units`.
 
@@ -653,6 +654,9 @@ def assemble_bins(
     pairs_in_order : bool
     identity_slots : int
         As :func:`pack_units` takes them.
+    native : bool
+        Built in the compiled loops when they are available (:func:`_assemble`), with the same
+        arrays.
 
     Returns
     -------
@@ -665,6 +669,7 @@ def assemble_bins(
     return _assemble(
         kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, layout.capacity, pairs_in_order,
         identity_slots, layout.start_of_rank, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,
+        native=native,
     )  # fmt: skip
 
 

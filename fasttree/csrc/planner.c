@@ -1039,6 +1039,69 @@ int64_t ft_unit_arrays(int64_t n_units, int64_t n_kept, int64_t small_kept, int6
     return 0;
 }
 
+/* Bounds of ft_packed_plan's arrays for n_units units of n_pairs pairs and n_pieces pieces in bins of
+ * capacity queries (fasttree.plan_arrays._packed_plan_sizes computes the same): the packed units
+ * (the kept ones, then the bins) are at most PACKED_UNITS, their pairs at most PACKED_PAIRS (a bin
+ * has at most capacity rows); its int64 work memory is PACKED_PLAN_WORK entries (the assembly's 6
+ * sizes and the unit arrays' 4 counts, the packed units' kv_start, kv_len, pair_start, q_len
+ * [PACKED_UNITS each] and pair_query [PACKED_PAIRS], per query scratch [n_queries], the unit order's
+ * [3 * PACKED_UNITS], then int8 keep [n_units], pair_present [PACKED_PAIRS] and is_bin [PACKED_UNITS]
+ * in whole int64 entries); its int32 output is PACKED_PLAN_OUT entries. */
+#define PACKED_UNITS(n_units, n_pieces) ((n_units) + (n_pieces))
+#define PACKED_PAIRS(n_pairs, n_pieces, capacity) ((n_pairs) + (capacity) * (n_pieces))
+#define PACKED_PLAN_WORK(n_units, n_pairs, n_pieces, capacity, n_queries)                                           \
+    (10 + 7 * PACKED_UNITS(n_units, n_pieces) + PACKED_PAIRS(n_pairs, n_pieces, capacity) + (n_queries) +          \
+     ((n_units) + PACKED_PAIRS(n_pairs, n_pieces, capacity) + PACKED_UNITS(n_units, n_pieces) + 7) / 8)
+#define PACKED_PLAN_OUT(n_units, n_pairs, n_pieces, capacity, n_queries)                                            \
+    (4 * PACKED_UNITS(n_units, n_pieces) + 2 * PACKED_PAIRS(n_pairs, n_pieces, capacity) + 3 * (n_queries))
+
+/* A packed plan's arrays in one call (fasttree.plan_arrays._packed_plan_native): the packed units of
+ * a bin layout (ft_assemble_sizes, then ft_assemble_fill) and their int32 unit, pair and partial-row
+ * arrays (ft_unit_arrays, small_kept / small_bin its small-class limits). o_slots and o_mask hold
+ * n_slots + b_total entries (b_total: the pieces' tokens; the packed entries are the kept units'
+ * or all n_slots input slots, then the pieces'). out (int32 [PACKED_PLAN_OUT]) receives, back to
+ * back, kv_start, kv_len, q_start, q_len [n_out units each], pair_query, out_row [n_out_pairs each],
+ * part_start, n_part [n_queries each] and merge [n_merge]. work (int64 [PACKED_PLAN_WORK]) starts
+ * with ft_assemble_sizes' sizes (bins, kept units, kept entries, bin entries, kept pairs, bin
+ * pairs), then ft_unit_arrays' counts (partial rows, merge queries, large-class units, small-class
+ * bins). Returns 0; -1 when a piece, KV run, rank or pair is out of range, the pieces' tokens are not
+ * b_total or the packed units exceed the bounds (nothing is written past them); ft_unit_arrays'
+ * -1 or -2 otherwise. */
+int64_t ft_packed_plan(int64_t n_units, const int64_t *kv_start, const int64_t *kv_len, const int64_t *pair_start,
+                       const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query, int64_t n_slots,
+                       const int32_t *kv_slots, int64_t n_queries, const int64_t *query_of_rank, int64_t capacity,
+                       const int64_t *start_of_rank, int64_t n_pieces, const int64_t *unit, const int64_t *lowest,
+                       const int64_t *bits, const int8_t *new_bin, const int64_t *tokens, int64_t b_total,
+                       int64_t small_kept, int64_t small_bin, int32_t *o_slots, int32_t *o_mask, int32_t *out,
+                       int64_t *work) {
+    if (capacity < 1 || n_units < 0 || n_pairs < 0 || n_pieces < 0 || n_queries < 0)
+        return -1;
+    const int64_t max_units = PACKED_UNITS(n_units, n_pieces), max_pairs = PACKED_PAIRS(n_pairs, n_pieces, capacity);
+    int64_t *sizes = work, *counts = work + 6;
+    int64_t *u_kv_start = work + 10, *u_kv_len = u_kv_start + max_units, *u_pair_start = u_kv_len + max_units;
+    int64_t *u_q_len = u_pair_start + max_units, *u_pair_query = u_q_len + max_units;
+    int64_t *seen = u_pair_query + max_pairs, *order = seen + n_queries;
+    int8_t *keep = (int8_t *)(order + 3 * max_units), *present = keep + n_units, *is_bin = present + max_pairs;
+    if (ft_assemble_sizes(n_units, kv_start, kv_len, q_len, n_slots, n_queries, capacity, start_of_rank, n_pieces,
+                          unit, lowest, bits, new_bin, tokens, keep, sizes))
+        return -1;
+    const int64_t n_bins = sizes[0], n_kept = sizes[1], k_total = sizes[2], k_pairs = sizes[4], b_pairs = sizes[5];
+    const int64_t n_out = n_kept + n_bins, n_out_pairs = k_pairs + b_pairs;
+    if (sizes[3] != b_total || n_out > max_units || n_out_pairs > max_pairs)
+        return -1;
+    const int64_t copy_kept = 2 * k_total < n_slots, n_old = copy_kept ? k_total : n_slots;
+    if (ft_assemble_fill(n_units, kv_start, kv_len, pair_start, q_len, n_pairs, pair_query, n_slots, kv_slots,
+                         n_queries, query_of_rank, capacity, start_of_rank, n_pieces, unit, lowest, bits, new_bin,
+                         tokens, keep, copy_kept, n_old, u_kv_start, u_kv_len, u_pair_start, u_q_len, u_pair_query,
+                         present, o_slots, o_mask, is_bin))
+        return -1;
+    int32_t *o_pairs = out + 4 * n_out, *o_queries = o_pairs + 2 * n_out_pairs;
+    return ft_unit_arrays(n_out, n_kept, small_kept, small_bin, u_kv_start, u_kv_len, u_pair_start, u_q_len,
+                          n_out_pairs, u_pair_query, present, n_queries, out, out + n_out, out + 2 * n_out,
+                          out + 3 * n_out, o_pairs, o_pairs + n_out_pairs, o_queries, o_queries + n_queries,
+                          o_queries + 2 * n_queries, seen, order, counts);
+}
+
 /* The work units of fasttree.plan_arrays._cut_units: group g's queries (q_indptr[g] ..
  * q_indptr[g + 1], at least one) cut into tiles of tile_q and its KV (kv_len[g] >= 1 tokens from
  * kv_start[g]) into chunks of its split (split_g[g], or split when split_g is NULL), units in group
