@@ -1,4 +1,4 @@
-"""Reused host memory for a plan's per-KV-entry arrays.
+"""Reused host memory for a plan's per-KV-entry arrays and the compiled loops' work memory.
 
 A plan of a large tree holds three int32 arrays with one entry per KV entry it reads (the
 groups' chained slots, the packed units' slots and their row masks): megabytes per plan. A
@@ -12,6 +12,10 @@ view of those views, holds a reference to the slab (numpy points a view's ``base
 that owns the memory), so a slab referenced only by the pool is free. That count is exact on
 CPython with the GIL; elsewhere (other interpreters, free-threaded builds) the pool allocates
 every array afresh.
+
+:func:`work_array` keeps one int64 array per thread for the compiled loops' work memory (what a
+call reads and writes only while it runs): a fresh block of that size per call would be fresh
+pages as well.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["EntryArrayPool", "entry_array"]
+__all__ = ["EntryArrayPool", "entry_array", "work_array"]
 
 
 def _refs(slabs: list[np.ndarray], i: int) -> int:
@@ -118,3 +122,29 @@ _POOL = EntryArrayPool()
 def entry_array(n: int) -> np.ndarray:
     """An uninitialised int32 array of ``n`` entries from the process's :class:`EntryArrayPool`."""
     return _POOL.empty(n)
+
+
+#: Entries of the largest per-thread work array kept (larger requests get memory of their own).
+_MAX_WORK_ENTRIES = 1 << 23
+_WORK = threading.local()
+
+
+def work_array(n: int) -> np.ndarray:
+    """Uninitialised int64 work memory of ``n`` entries, reused by this thread's next call.
+
+    For a compiled loop's work arrays that no result refers to: the caller copies out what it
+    keeps before it (or anything it calls) asks for work memory again.
+
+    Returns
+    -------
+    ndarray, int64 [n]
+        A view of this thread's work array (grown to :meth:`EntryArrayPool._slab_entries` of ``n``
+        when it is smaller), or an array of its own above ``2**23`` entries.
+    """
+    n = int(n)
+    if n > _MAX_WORK_ENTRIES:
+        return np.empty(n, dtype=np.int64)
+    buf = getattr(_WORK, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _WORK.buf = np.empty(EntryArrayPool._slab_entries(n), dtype=np.int64)
+    return buf[:n]

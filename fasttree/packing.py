@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .host_arrays import entry_array
+from .host_arrays import entry_array, work_array
 from .native import address, planner_library
 from .tree import arange_view, exclusive_sum, ragged_arange, stable_argsort
 
@@ -261,7 +261,7 @@ def _bin_members(
 def _bin_members_native(
     lib, cands: _Candidates, n_queries: int, capacity: int, kv_len, budget: int, balanced: bool, blocks
 ) -> tuple[_Bins | None, bool] | None:
-    """:func:`_bin_members` by ``ft_bin_members``; None when it ran out of memory."""
+    """:func:`_bin_members` by ``ft_bin_members``."""
     n = cands.unit.size
     c_unit = np.ascontiguousarray(cands.unit, dtype=np.int64)
     c_rank = np.ascontiguousarray(cands.rank, dtype=np.int64)
@@ -278,14 +278,18 @@ def _bin_members_native(
     count = lib.ft_bin_members(
         n, address(c_unit), address(c_rank), n_queries, lens.size, capacity, block_ptr, start_ptr,
         address(lens), budget, int(balanced), address(out[0]), address(out[1]), address(out[2]),
-        address(new_run), address(out[3]), address(some_cut),
+        address(new_run), address(out[3]), address(some_cut), address(work_array(_members_scratch(n, lens.size,
+        n_queries))),
     )  # fmt: skip
-    if count < 0:
-        return None
     cut = bool(some_cut[0])
     if count == 0:
         return None, cut
     return _Bins(out[0, :count], out[1, :count], out[2, :count], new_run[:count].view(bool), out[3, :count]), cut
+
+
+def _members_scratch(n_pairs: int, n_units: int, n_queries: int) -> int:
+    """int64 entries of ``ft_bin_members``' scratch (``BIN_MEMBERS_SCRATCH`` of ``planner.c``)."""
+    return 9 * n_pairs + 2 * max(n_units, n_queries + 1) + 1
 
 
 def _reads_and_longest(kv_len: np.ndarray, bins: _Bins | None) -> tuple[int, int]:
@@ -497,25 +501,27 @@ def _bin_layout_native(
     n_units, n_pairs, n_queries = ql.size, pq.size, ranks.size
     if kv.size != n_units or elig.size != n_units or n_queries < 1:
         return False
-    # ft_bin_layout's int64 and int8 work arrays, laid out as it documents
-    work = np.empty(3 * n_pairs + 2 * n_queries + 8 * n_pairs + 2, dtype=i64)
-    work8 = np.empty(2 * n_pairs + n_units, dtype=np.int8)
+    # ft_bin_layout's int64 and int8 work arrays, laid out as it documents, in this thread's work
+    # memory (the chosen bins are copied out)
+    at = 3 * n_pairs + 2 * n_queries + 8 * n_pairs  # res
+    n64 = at + 2 + _members_scratch(n_pairs, n_units, n_queries)
+    work = work_array(n64 + (2 * n_pairs + n_units + 7) // 8)
+    w = address(work)
     mode = 0 if aligned is False else (1 if aligned else 2)
     status = lib.ft_bin_layout(
         n_units, address(ql), address(kv), n_pairs, address(pq), address(elig), n_queries, address(ranks),
-        capacity, budget, int(balanced), mode, float(max_longer), address(work), address(work8),
+        capacity, budget, int(balanced), mode, float(max_longer), w, w + 8 * n64,
     )  # fmt: skip
     if status:
         return False
-    at = 3 * n_pairs
-    start_of_rank = work[at + n_queries : at + 2 * n_queries]
-    out = work[at + 2 * n_queries : at + 2 * n_queries + 8 * n_pairs].reshape(2, 4, n_pairs)  # fixed, aligned
-    count, which = int(work[-2]), int(work[-1])
+    count, which = work[at : at + 2].tolist()
     if not count:
         return None
-    o, flags = out[which], work8[which * n_pairs : which * n_pairs + count].view(bool)
-    bins = _Bins(o[0, :count], o[1, :count], o[2, :count], flags, o[3, :count])
-    return BinLayout(bins, capacity, start_of_rank.copy() if which else None)
+    sor = 3 * n_pairs + n_queries
+    o = work[sor + n_queries + 4 * n_pairs * which :][: 4 * n_pairs].reshape(4, n_pairs)[:, :count].copy()
+    flags = work[n64:].view(np.int8)[which * n_pairs :][:count].view(bool).copy()
+    bins = _Bins(o[0], o[1], o[2], flags, o[3])
+    return BinLayout(bins, capacity, work[sor : sor + n_queries].copy() if which else None)
 
 
 def layout_reads_and_served(
@@ -632,6 +638,7 @@ def assemble_bins(
     query_of_rank: np.ndarray | None = None,
     pairs_in_order: bool = False,
     identity_slots: int = 0,
+    native: bool = True,
 ) -> PackedUnits:
     """The packed units of ``layout``: the second step of :func:`pack_units`.
 
@@ -647,6 +654,9 @@ def assemble_bins(
     pairs_in_order : bool
     identity_slots : int
         As :func:`pack_units` takes them.
+    native : bool
+        Built in the compiled loops when they are available (:func:`_assemble`), with the same
+        arrays.
 
     Returns
     -------
@@ -659,6 +669,7 @@ def assemble_bins(
     return _assemble(
         kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, layout.capacity, pairs_in_order,
         identity_slots, layout.start_of_rank, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,
+        native=native,
     )  # fmt: skip
 
 

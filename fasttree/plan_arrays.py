@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
-from .native import address, c_int64, planner_library
+from .host_arrays import entry_array, work_array
+from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, stable_argsort
@@ -546,27 +547,22 @@ def materialize(
         return None
     if fill_slots is not None:
         groups = replace(groups, kv_slots=fill_slots())
-    packed = None
-    if layout is not None:
-        packed = assemble_bins(
-            layout, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
-            pair_query=units.pair_query, kv_slots=groups.kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
-            pairs_in_order=True, identity_slots=groups.identity_slots,
-        )  # fmt: skip
-    if packed is None:
-        n_kept = units.kv_len.size
-        kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
-        pair_present = None
-    else:
-        units = _Units(packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len, packed.pair_query)
-        kv_slots, kv_row_mask, pair_present = packed.kv_slots, packed.kv_row_mask, packed.pair_present
-        n_kept = packed.n_kept
-    if max(kv_slots.size, units.pair_query.size) > 0x7FFFFFFF:  # partial rows are at most the pairs
-        raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
     # units left alone are small by their query count, bins (the last ones) by their rows (q_len * g)
-    arrays = _unit_arrays(units, n_kept, (int(q_tiles[1]), block_m[1] // g), pair_present, n_queries)
+    small = (small_queries, block_m[1] // g)
+    if layout is None:
+        kv_slots, kv_row_mask = groups.kv_slots, np.zeros(0, dtype=np.int32)
+        _check_int32_counts(kv_slots.size, units.pair_query.size)
+        arrays = _unit_arrays(units, units.kv_len.size, small, None, n_queries)
+        n_bins = 0
+    else:
+        if query_of_rank is None:
+            query_of_rank = np.empty(query_rank.size, dtype=np.int64)
+            query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
+        packed = _packed_arrays(
+            units, layout, groups.kv_slots, query_rank, query_of_rank, small, n_queries, groups.identity_slots
+        )
+        arrays, kv_slots, kv_row_mask, n_bins = packed
     ptr = arrays.class_ptr
-    n_bins = units.kv_len.size - n_kept
     masked = (arrays.small_bins < n_bins, arrays.small_bins > 0)
     unit_kv_len = arrays.kv_len
     warps = config.launch_warps(g)
@@ -944,6 +940,137 @@ def _unit_arrays_native(
         out[u2 : u2 + n_pairs], out[u2 + n_pairs : p2], out[p2:q0], out[q0 : q0 + n_queries],
         out[q0 + n_queries : q0 + n_queries + n_merge], n_rows, (0, n_large, n_units), small_bins,
     )  # fmt: skip
+
+
+def _check_int32_counts(n_entries: int, n_pairs: int) -> None:
+    """Raise ValueError where a plan's KV entries or pairs (so its partial rows, at most the pairs)
+    do not fit the int32 arrays."""
+    if max(n_entries, n_pairs) > 0x7FFFFFFF:
+        raise ValueError("the plan needs more than 2**31 KV entries, pairs or partial rows; split the batch")
+
+
+class _Packed(NamedTuple):
+    """A packed plan's unit arrays (:func:`_unit_arrays`), KV entries (int32 [n_entries]), their row
+    masks (int32 [n_entries]) and its number of bins."""
+
+    arrays: _UnitArrays
+    kv_slots: np.ndarray
+    kv_row_mask: np.ndarray
+    n_bins: int
+
+
+def _packed_arrays(
+    units: _Units,
+    layout: BinLayout,
+    kv_slots: np.ndarray,
+    query_rank: np.ndarray,
+    query_of_rank: np.ndarray,
+    small_queries: tuple[int, int],
+    n_queries: int,
+    identity_slots: int = 0,
+    native: bool = True,
+) -> _Packed:
+    """The plan's arrays with ``layout``'s bins: the packed units
+    (:func:`fasttree.packing.assemble_bins`, pairs in unit order) and their :func:`_unit_arrays`.
+    ``native``: in one compiled call (``ft_packed_plan``) when it is available and the arrays are
+    the ones it reads, with the same arrays; else (or where it refuses the input) step by step.
+
+    Parameters
+    ----------
+    units : _Units
+        The cut units (int64 arrays, pairs in unit order).
+    layout : BinLayout
+        From :func:`fasttree.packing.bin_layout` of ``units``.
+    kv_slots : ndarray, int32 [n_slots]
+        The groups' KV slots.
+    query_rank, query_of_rank : ndarray, int64 [n_queries]
+        Each query's DFS rank and the query at each rank.
+    small_queries : tuple of int
+        The small class's limits, as :func:`_unit_arrays` takes them.
+    n_queries, identity_slots : int
+
+    Returns
+    -------
+    _Packed
+    """
+    got = _packed_arrays_native(units, layout, kv_slots, query_of_rank, small_queries, n_queries) if native else None
+    if got is not None:
+        return got
+    packed = assemble_bins(
+        layout, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
+        pair_query=units.pair_query, kv_slots=kv_slots, query_rank=query_rank,
+        query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=identity_slots, native=native,
+    )  # fmt: skip
+    _check_int32_counts(packed.kv_slots.size, packed.pair_query.size)
+    units = _Units(packed.kv_start, packed.kv_len, packed.pair_start, packed.q_len, packed.pair_query)
+    arrays = _unit_arrays(units, packed.n_kept, small_queries, packed.pair_present, n_queries, native=native)
+    return _Packed(arrays, packed.kv_slots, packed.kv_row_mask, packed.kv_len.size - packed.n_kept)
+
+
+def _packed_plan_sizes(n_units: int, n_pairs: int, n_pieces: int, capacity: int, n_queries: int) -> tuple[int, int]:
+    """Entries of ``ft_packed_plan``'s int64 work memory and int32 output (``PACKED_PLAN_WORK`` and
+    ``PACKED_PLAN_OUT`` of ``planner.c``): at most ``n_units + n_pieces`` packed units (the kept
+    ones, then the bins) of at most ``n_pairs + capacity * n_pieces`` pairs."""
+    max_units, max_pairs = n_units + n_pieces, n_pairs + capacity * n_pieces
+    work = 10 + 7 * max_units + max_pairs + n_queries + (n_units + max_pairs + max_units + 7) // 8
+    return work, 4 * max_units + 2 * max_pairs + 3 * n_queries
+
+
+def _packed_arrays_native(
+    units: _Units,
+    layout: BinLayout,
+    kv_slots: np.ndarray,
+    query_of_rank: np.ndarray,
+    small_queries: tuple[int, int],
+    n_queries: int,
+) -> _Packed | None:
+    """:func:`_packed_arrays` by ``ft_packed_plan``, or None where it is not available, an array is
+    not the int64 (``kv_slots``: int32; ``new_bin``: bool) C-contiguous one it reads, the lengths
+    differ, or the call refuses the input (then the steps run and say what is wrong). The unit
+    arrays are views of one int32 buffer; the entries and masks come from the reused host memory
+    (:func:`fasttree.host_arrays.entry_array`)."""
+    lib = planner_library()
+    if lib is None:
+        return None
+    bins, capacity, sor = layout
+    kv_start, kv_len, pair_start, q_len, pair_query = units
+    unit, lowest, bits, new_bin, tokens = bins
+    n_units, n_pairs, n_pieces = kv_len.size, pair_query.size, unit.size
+    if not (
+        c_int64(kv_start, kv_len, pair_start, q_len, pair_query, query_of_rank, unit, lowest, bits, tokens)
+        and c_int32(kv_slots) and new_bin.dtype == np.bool_ and new_bin.flags.c_contiguous
+        and kv_start.size == n_units and pair_start.size == n_units and q_len.size == n_units
+        and lowest.size == n_pieces and bits.size == n_pieces and new_bin.size == n_pieces
+        and tokens.size == n_pieces and query_of_rank.size == n_queries
+        and (sor is None or (c_int64(sor) and sor.size == n_queries))
+    ):  # fmt: skip
+        return None
+    b_total = int(np.add.reduce(tokens))
+    n_slots = kv_slots.size
+    n_work, n_out = _packed_plan_sizes(n_units, n_pairs, n_pieces, capacity, n_queries)
+    slots, mask = entry_array(n_slots + b_total), entry_array(n_slots + b_total)
+    out = np.empty(n_out, dtype=np.int32)
+    work = work_array(n_work)
+    got = lib.ft_packed_plan(
+        n_units, address(kv_start), address(kv_len), address(pair_start), address(q_len), n_pairs,
+        address(pair_query), n_slots, address(kv_slots), n_queries, address(query_of_rank), capacity,
+        None if sor is None else address(sor), n_pieces, address(unit), address(lowest), address(bits),
+        address(new_bin.view(np.int8)), address(tokens), b_total, small_queries[0], small_queries[1], address(slots),
+        address(mask), address(out), address(work),
+    )  # fmt: skip
+    if got:
+        return None
+    n_bins, n_kept, k_total, _, k_pairs, b_pairs, n_rows, n_merge, n_large, small_bins = work[:10].tolist()
+    n_entries = (k_total if 2 * k_total < n_slots else n_slots) + b_total
+    nu, np_ = n_kept + n_bins, k_pairs + b_pairs
+    _check_int32_counts(n_entries, np_)
+    u4, q0 = 4 * nu, 4 * nu + 2 * np_
+    arrays = _UnitArrays(
+        out[:nu], out[nu : 2 * nu], out[2 * nu : 3 * nu], out[3 * nu : u4], out[u4 : u4 + np_], out[u4 + np_ : q0],
+        out[q0 : q0 + n_queries], out[q0 + n_queries : q0 + 2 * n_queries],
+        out[q0 + 2 * n_queries : q0 + 2 * n_queries + n_merge], n_rows, (0, n_large, nu), small_bins,
+    )  # fmt: skip
+    return _Packed(arrays, slots[:n_entries], mask[:n_entries], n_bins)
 
 
 class _Rows(NamedTuple):

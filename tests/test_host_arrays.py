@@ -1,15 +1,17 @@
 """The reused host memory of plans' per-KV-entry arrays (fasttree.host_arrays): a slab is handed
 out again only when no array uses it, the pool stays within its bounds, and plans kept alive keep
-their arrays intact while later plans are made."""
+their arrays intact while later plans are made; the per-thread work memory is reused within a
+thread and never shared across threads."""
 
 import gc
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 import fasttree as ft
-from fasttree.host_arrays import EntryArrayPool
+from fasttree.host_arrays import EntryArrayPool, work_array
 
 
 def _pool(**kw) -> EntryArrayPool:
@@ -102,3 +104,17 @@ def test_plans_kept_alive_keep_their_arrays_while_later_plans_are_made(heads):
     for plan, *_ in kept:
         assert not np.shares_memory(again.kv_indices, plan.kv_indices)
         assert not np.shares_memory(again.kv_row_mask, plan.kv_row_mask)
+
+
+def test_work_array_is_reused_within_a_thread_and_not_across_threads():
+    a = work_array(1000)
+    assert a.dtype == np.int64 and a.shape == (1000,) and a.flags.c_contiguous
+    b = work_array(900)
+    assert np.shares_memory(a, b)  # the same thread's next call reuses it
+    other = {}
+    thread = threading.Thread(target=lambda: other.setdefault("a", work_array(1000)))
+    thread.start()
+    thread.join()
+    assert not np.shares_memory(other["a"], b)
+    big = work_array((1 << 23) + 1)
+    assert big.size == (1 << 23) + 1 and not np.shares_memory(big, work_array(10))

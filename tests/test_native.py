@@ -221,6 +221,13 @@ def test_address_is_the_arrays_data_pointer_for_every_kind_of_array():
     read_only.flags.writeable = False
     for a in (base, base[5:], read_only, np.empty(0, dtype=np.int32), base[::2], np.zeros((3, 4), np.int8)):
         assert native.address(a) == a.ctypes.data
+    assert native._FIELD_TYPE is np.ndarray  # CPython: read from the array object after the first check
+
+    class Sub(np.ndarray):
+        pass
+
+    sub = np.arange(6).view(Sub)[1:]
+    assert native.address(sub) == sub.ctypes.data  # another type: through the buffer
 
 
 def test_c_int64_accepts_only_contiguous_native_int64_arrays():
@@ -246,30 +253,39 @@ def _spy(monkeypatch, module, name: str) -> tuple[list, object]:
     return seen, real
 
 
-def _recorded_assemble_calls(monkeypatch, trees, heads, configs) -> list[tuple]:
-    """The arguments of every ``packing._assemble`` call the planner makes on ``trees``."""
-    from fasttree import packing
+def _recorded_packed_calls(monkeypatch, trees, heads, configs) -> list[tuple]:
+    """The arguments of every ``plan_arrays._packed_arrays`` call (a packed plan's arrays) the
+    planner makes on ``trees``."""
+    from fasttree import plan_arrays
 
-    calls, real = [], packing._assemble
-
-    def recording(*args, **kw):
-        calls.append((args, kw))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(packing, "_assemble", recording)
+    calls, real = _spy(monkeypatch, plan_arrays, "_packed_arrays")
     for tree in trees:
         for hq, hkv in heads:
             for cfg in configs:
                 ft.plan(unprepared(tree), cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
-    monkeypatch.setattr(packing, "_assemble", real)
+    monkeypatch.setattr(plan_arrays, "_packed_arrays", real)
     return calls
+
+
+def _assembled(args, native: bool):
+    """``packing.assemble_bins`` of a recorded ``_packed_arrays`` call's arguments."""
+    from fasttree import packing
+
+    units, layout, kv_slots, query_rank, query_of_rank = args[:5]
+    return packing.assemble_bins(
+        layout, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
+        pair_query=units.pair_query, kv_slots=kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
+        pairs_in_order=True, identity_slots=args[7], native=native,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_native_assembly_of_packed_units_equals_numpys(monkeypatch, seed):
-    """Every array of the packed units (kept units' KV copied out or left in place, bins' rows,
-    masks with the sign bit, absent rows, blocks from aligned ranks) is numpy's, dtype for dtype."""
-    from fasttree import packing
+    """Every array of a packed plan (kept units' KV copied out or left in place, bins' rows, masks
+    with the sign bit, absent rows, blocks from aligned ranks, unit order and partial rows): the
+    one compiled call's (``ft_packed_plan``) and the compiled assembly's are numpy's, dtype for
+    dtype."""
+    from fasttree import plan_arrays
 
     rng = np.random.default_rng(900 + seed)
     trees = [random_tree(rng, max_nodes=int(rng.choice([20, 300, 1500])), max_len=int(rng.choice([40, 600])))
@@ -277,19 +293,49 @@ def test_native_assembly_of_packed_units_equals_numpys(monkeypatch, seed):
     if seed == 0:
         trees += [paper_tree(c) for c in (2, 6, 9, 13)]
     configs = [ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=512, pack_min_units=64)]
-    calls = _recorded_assemble_calls(monkeypatch, trees, [(32, 32), (32, 8), (16, 1)], configs)
-    assert calls and any(kw["unit"].size for _, kw in calls)
+    calls = _recorded_packed_calls(monkeypatch, trees, [(32, 32), (32, 8), (16, 1)], configs)
+    assert calls and any(args[1].bins.unit.size for args in calls)
     if seed == 0:
-        assert {a[10] is None for a, _ in calls} == {True, False}  # fixed and aligned blocks both met
+        assert {args[1].start_of_rank is None for args in calls} == {True, False}  # fixed and aligned blocks met
     fields = ("kv_start", "kv_len", "pair_start", "q_len", "pair_query", "pair_present", "kv_slots", "kv_row_mask",
               "is_bin")  # fmt: skip
-    for args, kw in calls:
-        a = packing._assemble(*args, **kw, native=True)
-        b = packing._assemble(*args, **kw, native=False)
+    for args in calls:
+        a, b = _assembled(args, native=True), _assembled(args, native=False)
         assert a.n_packed == b.n_packed and a.n_kept == b.n_kept
         for name in fields:
             x, y = getattr(a, name), getattr(b, name)
             assert x.dtype == y.dtype and np.array_equal(x, y), name
+        one = plan_arrays._packed_arrays_native(*args[:1], *args[1:3], *args[4:7])
+        steps = plan_arrays._packed_arrays(*args, native=False)
+        assert one is not None and one.n_bins == steps.n_bins
+        assert one.arrays[-3:] == steps.arrays[-3:]  # partial rows, class boundaries, small bins
+        for x, y in zip([*one.arrays[:-3], one.kv_slots, one.kv_row_mask],
+                        [*steps.arrays[:-3], steps.kv_slots, steps.kv_row_mask], strict=True):  # fmt: skip
+            assert x.dtype == y.dtype == np.int32 and np.array_equal(x, y)
+
+
+def test_the_one_packed_call_refuses_pieces_out_of_range_and_the_steps_say_why():
+    """``ft_packed_plan`` given a piece's unit, rank or tokens out of range, or a bin without its
+    first piece, writes nothing past its buffers and leaves the plan to the steps, which raise."""
+    from fasttree import plan_arrays
+    from fasttree.packing import BinLayout, _Bins
+
+    one = np.ones(1, dtype=np.int64)
+    units = plan_arrays._Units(np.zeros(1, np.int64), 4 * one, np.zeros(1, np.int64), one, np.zeros(1, np.int64))
+    good = {"unit": np.zeros(1, np.int64), "lowest": np.zeros(1, np.int64), "bits": one, "new_bin": np.ones(1, bool),
+            "tokens": 4 * one}  # fmt: skip
+    rest = (np.arange(4, dtype=np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), (1, 1), 1)
+
+    def layout(**pieces) -> BinLayout:
+        return BinLayout(_Bins(**pieces), 32, None)
+
+    got = plan_arrays._packed_arrays_native(units, layout(**good), rest[0], *rest[2:])
+    assert got is not None and got.kv_slots.size == 4 and got.n_bins == 1
+    for name, value in (("unit", one), ("lowest", one), ("tokens", 5 * one), ("new_bin", np.zeros(1, bool))):
+        bad = layout(**{**good, name: value})
+        assert plan_arrays._packed_arrays_native(units, bad, rest[0], *rest[2:]) is None
+        with pytest.raises(ValueError, match="out of range"):
+            plan_arrays._packed_arrays(units, bad, *rest)
 
 
 def test_native_assembly_refuses_pieces_out_of_range():
@@ -403,6 +449,7 @@ def test_native_unit_arrays_equal_numpys(monkeypatch):
     from fasttree import plan_arrays
 
     seen, real = _spy(monkeypatch, plan_arrays, "_unit_arrays")
+    packed, _ = _spy(monkeypatch, plan_arrays, "_packed_arrays")
     rng = np.random.default_rng(5)
     trees = [paper_tree(c) for c in (1, 4, 9, 13)]
     trees += [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
@@ -410,6 +457,10 @@ def test_native_unit_arrays_equal_numpys(monkeypatch):
         for hq, hkv in ((32, 32), (32, 8), (16, 1)):
             ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=128)
         ft.plan_query_separated(tree, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    for args in packed:  # a packed plan's units (its arrays come from one compiled call)
+        p = _assembled(args, native=False)
+        units = plan_arrays._Units(p.kv_start, p.kv_len, p.pair_start, p.q_len, p.pair_query)
+        seen.append((units, p.n_kept, args[5], p.pair_present, args[6]))
     with_absent = [a for a in seen if a[3] is not None and not a[3].all()]
     assert len(seen) >= 60 and with_absent
     long_units = seen[0][0]._replace(kv_len=seen[0][0].kv_len * 40_000)  # past the 16-bit keys

@@ -275,23 +275,45 @@ static void counting_sort(int64_t n, const int64_t *idx, const int64_t *key, int
     for (int64_t i = 0; i < n; i++) out[count[key[idx[i]]]++] = idx[i];
 }
 
+/* x[i] = (x[i] * m) / t (t > 0, the products non-negative) for x that mostly rise in small steps:
+ * a quotient is divided out only where the product leaves the last quotient's range of t values
+ * (a 64-bit division costs tens of cycles; a run of budget tokens holds several pieces). */
+static void run_quotients(int64_t n, int64_t *x, int64_t m, int64_t t) {
+    int64_t q = 0, lo = 0, hi = t;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t v = x[i] * m;
+        if (v < lo || v >= hi) {
+            q = v / t;
+            lo = q * t;
+            hi = lo + t;
+        }
+        x[i] = q;
+    }
+}
+
+/* int64 entries of ft_bin_members' scratch: 9 per pair and 2 per value of its counting sorts' keys
+ * (units, blocks, ranks: at most max(n_units, n_queries + 1)), plus one. */
+#define BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries) \
+    (9 * (n_pairs) + 2 * ((n_units) > (n_queries) + 1 ? (n_units) : (n_queries) + 1) + 1)
+
 /* The bins' member pieces of fasttree.packing._bin_members (its _cut_into_pieces and _run_starts
  * with the same integer arithmetic): the candidates' pairs (c_unit nondecreasing, c_rank each
  * pair's query rank) are cut at block boundaries (fixed blocks of capacity ranks when
  * block_of_rank is NULL), the pieces sorted by lowest rank and cut into runs of budget tokens
  * (balanced: round(T / budget) runs of about equal tokens per block of T tokens); runs of one
  * piece of an uncut unit are dropped. Writes the members (at most n_pairs) in bin order and
- * *some_cut (a unit became two pieces or more); returns the member count, or -1 when out of memory. */
+ * *some_cut (a unit became two pieces or more); returns the member count. scratch: int64
+ * [BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries)], the caller's work memory. */
 int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_rank, int64_t n_queries,
                        int64_t n_units, int64_t capacity, const int64_t *block_of_rank, const int64_t *start_of_rank,
                        const int64_t *kv_len, int64_t budget, int64_t balanced, int64_t *o_unit, int64_t *o_lowest,
-                       int64_t *o_bits, int8_t *o_new_run, int64_t *o_tokens, int64_t *some_cut) {
+                       int64_t *o_bits, int8_t *o_new_run, int64_t *o_tokens, int64_t *some_cut, int64_t *scratch) {
+    /* blocks: at most n_queries / capacity + 1 fixed ones, or block_of_rank[n_queries - 1] + 2 <= n_queries + 1 */
     const int64_t n_blocks = block_of_rank ? block_of_rank[n_queries - 1] + 2 : n_queries / capacity + 1;
     int64_t range = n_blocks > n_units ? n_blocks : n_units;
     if (n_queries > range) range = n_queries;
     const int csh = exact_log2(capacity);
-    int64_t *buf = malloc(sizeof(int64_t) * (size_t)(9 * n_pairs + 2 * range + 1));
-    if (!buf) return -1;
+    int64_t *buf = scratch;
     int64_t *c_block = buf, *c_pos = buf + n_pairs, *order = buf + 2 * n_pairs, *tmp = buf + 3 * n_pairs;
     int64_t *p_unit = buf + 4 * n_pairs, *p_lowest = buf + 5 * n_pairs, *p_bits = buf + 6 * n_pairs;
     int64_t *p_cut = buf + 7 * n_pairs, *p_order = buf + 8 * n_pairs, *count = buf + 9 * n_pairs;
@@ -406,16 +428,15 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
             while (e < n_pieces && blk[e] == blk[j]) total += tok[e++];
             int64_t n_runs = (2 * total + budget) / (2 * budget);
             if (n_runs < 1) n_runs = 1;
-            for (int64_t k = j; k < e; k++) {
-                const int64_t x = excl[k] * n_runs;
-                /* numpy's floor division (non-negative here); by a zero total it gives 0 */
-                excl[k] = total ? x / total : 0;
-            }
+            /* numpy's floor division (non-negative here); by a zero total it gives 0 */
+            if (total)
+                run_quotients(e - j, excl + j, n_runs, total);
+            else
+                for (int64_t k = j; k < e; k++) excl[k] = 0;
             j = e;
         }
     } else {
-        const int bsh = exact_log2(budget);
-        for (int64_t j = 0; j < n_pieces; j++) excl[j] = shift_div(excl[j], budget, bsh);
+        run_quotients(n_pieces, excl, 1, budget);
     }
     /* new runs, then the pieces of runs that become bins */
     int64_t n_out = 0;
@@ -432,7 +453,6 @@ int64_t ft_bin_members(int64_t n_pairs, const int64_t *c_unit, const int64_t *c_
         n_out++;
     }
     *some_cut = any_cut;
-    free(buf);
     return n_out;
 }
 
@@ -763,16 +783,11 @@ int64_t ft_layout_cost(int64_t n_units, const int64_t *kv_len, const int64_t *q_
 /* fasttree.packing._aligned_blocks over the candidates (units 0..n_cand-1 of c_len pairs each,
  * c_rank their pairs' ranks, units back to back): blocks of at most capacity consecutive ranks
  * ending where no short unit continues. Writes block_of_rank and start_of_rank (n_queries each)
- * and returns 1, or 0 when the blocks are the fixed ones, -1 out of memory. */
+ * and returns 1, or 0 when the blocks are the fixed ones. scratch: int64 [2 * n + 3]. */
 static int64_t aligned_blocks(int64_t n_cand, const int64_t *c_len, const int64_t *c_rank, int64_t n,
-                              int64_t capacity, int64_t *block_of_rank, int64_t *start_of_rank) {
-    int64_t *inside = calloc((size_t)(n + 2), sizeof(int64_t));
-    int64_t *nxt = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    if (!inside || !nxt) {
-        free(inside);
-        free(nxt);
-        return -1;
-    }
+                              int64_t capacity, int64_t *block_of_rank, int64_t *start_of_rank, int64_t *scratch) {
+    int64_t *inside = scratch, *nxt = scratch + n + 2;
+    memset(inside, 0, sizeof(int64_t) * (size_t)(n + 2));
     int64_t any = 0, first = 0;
     for (int64_t j = 0; j < n_cand; j++) {
         int64_t lo = c_rank[first], hi = c_rank[first];
@@ -818,8 +833,6 @@ static int64_t aligned_blocks(int64_t n_cand, const int64_t *c_len, const int64_
         }
         result = !(fixed && n_blocks == (n + capacity - 1) / capacity);
     }
-    free(inside);
-    free(nxt);
     return result;
 }
 
@@ -858,8 +871,10 @@ static void reads_and_longest(int64_t n_units, const int64_t *kv_len, int64_t co
  * out_f and out_a are [4][n_pairs]: unit, lowest rank, bits, tokens), res[0] = members (0: no
  * bin) and res[1] = 1 when the aligned blocks were taken. work (int64): c_unit, c_rank, c_len
  * [n_pairs each], block_of_rank, start_of_rank [n_queries each], out_f, out_a [4 * n_pairs each],
- * res [2]; work8 (int8): new_f, new_a [n_pairs each], keep [n_units]. Returns 0, -1 out of memory,
- * -2 an index out of range or a unit without pairs (the caller runs numpy). */
+ * res [2], then the scratch of ft_bin_members (BIN_MEMBERS_SCRATCH(n_pairs, n_units, n_queries),
+ * which also holds aligned_blocks' 2 * n_queries + 3); work8 (int8): new_f, new_a [n_pairs each],
+ * keep [n_units]. Returns 0, or -2 an index out of range or a unit without pairs (the caller runs
+ * numpy). */
 int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_len, int64_t n_pairs,
                       const int64_t *pair_query, const int8_t *eligible, int64_t n_queries, const int64_t *query_rank,
                       int64_t capacity, int64_t budget, int64_t balanced, int64_t aligned, double max_longer,
@@ -867,6 +882,7 @@ int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_l
     int64_t *c_unit = work, *c_rank = work + n_pairs, *c_len = work + 2 * n_pairs;
     int64_t *block_of_rank = work + 3 * n_pairs, *start_of_rank = block_of_rank + n_queries;
     int64_t *out_f = start_of_rank + n_queries, *out_a = out_f + 4 * n_pairs, *res = out_a + 4 * n_pairs;
+    int64_t *scratch = res + 2;
     int8_t *new_f = work8, *new_a = work8 + n_pairs, *keep = work8 + 2 * n_pairs;
     int64_t n_c = 0, n_cand = 0, pr = 0;
     res[0] = res[1] = 0;
@@ -892,23 +908,18 @@ int64_t ft_bin_layout(int64_t n_units, const int64_t *q_len, const int64_t *kv_l
     int64_t cut = 0;
     const int64_t nf = ft_bin_members(n_c, c_unit, c_rank, n_queries, n_units, capacity, NULL, NULL, kv_len, budget,
                                       balanced, out_f, out_f + n_pairs, out_f + 2 * n_pairs, new_f, out_f + 3 * n_pairs,
-                                      &cut);
-    if (nf < 0)
-        return -1;
+                                      &cut, scratch);
     res[0] = nf;
     if (!aligned || !cut)
         return 0;
-    const int64_t shifted = aligned_blocks(n_cand, c_len, c_rank, n_queries, capacity, block_of_rank, start_of_rank);
-    if (shifted < 0)
-        return -1;
+    const int64_t shifted =
+        aligned_blocks(n_cand, c_len, c_rank, n_queries, capacity, block_of_rank, start_of_rank, scratch);
     if (!shifted)
         return 0;
     int64_t cut_a = 0;
     const int64_t na = ft_bin_members(n_c, c_unit, c_rank, n_queries, n_units, capacity, block_of_rank, start_of_rank,
                                       kv_len, budget, balanced, out_a, out_a + n_pairs, out_a + 2 * n_pairs, new_a,
-                                      out_a + 3 * n_pairs, &cut_a);
-    if (na < 0)
-        return -1;
+                                      out_a + 3 * n_pairs, &cut_a, scratch);
     int take = aligned == 1;
     if (!take) {
         int64_t reads_f, longest_f, reads_a, longest_a;
@@ -1026,6 +1037,69 @@ int64_t ft_unit_arrays(int64_t n_units, int64_t n_kept, int64_t small_kept, int6
     counts[0] = rows;
     counts[1] = n_merge;
     return 0;
+}
+
+/* Bounds of ft_packed_plan's arrays for n_units units of n_pairs pairs and n_pieces pieces in bins of
+ * capacity queries (fasttree.plan_arrays._packed_plan_sizes computes the same): the packed units
+ * (the kept ones, then the bins) are at most PACKED_UNITS, their pairs at most PACKED_PAIRS (a bin
+ * has at most capacity rows); its int64 work memory is PACKED_PLAN_WORK entries (the assembly's 6
+ * sizes and the unit arrays' 4 counts, the packed units' kv_start, kv_len, pair_start, q_len
+ * [PACKED_UNITS each] and pair_query [PACKED_PAIRS], per query scratch [n_queries], the unit order's
+ * [3 * PACKED_UNITS], then int8 keep [n_units], pair_present [PACKED_PAIRS] and is_bin [PACKED_UNITS]
+ * in whole int64 entries); its int32 output is PACKED_PLAN_OUT entries. */
+#define PACKED_UNITS(n_units, n_pieces) ((n_units) + (n_pieces))
+#define PACKED_PAIRS(n_pairs, n_pieces, capacity) ((n_pairs) + (capacity) * (n_pieces))
+#define PACKED_PLAN_WORK(n_units, n_pairs, n_pieces, capacity, n_queries)                                           \
+    (10 + 7 * PACKED_UNITS(n_units, n_pieces) + PACKED_PAIRS(n_pairs, n_pieces, capacity) + (n_queries) +          \
+     ((n_units) + PACKED_PAIRS(n_pairs, n_pieces, capacity) + PACKED_UNITS(n_units, n_pieces) + 7) / 8)
+#define PACKED_PLAN_OUT(n_units, n_pairs, n_pieces, capacity, n_queries)                                            \
+    (4 * PACKED_UNITS(n_units, n_pieces) + 2 * PACKED_PAIRS(n_pairs, n_pieces, capacity) + 3 * (n_queries))
+
+/* A packed plan's arrays in one call (fasttree.plan_arrays._packed_plan_native): the packed units of
+ * a bin layout (ft_assemble_sizes, then ft_assemble_fill) and their int32 unit, pair and partial-row
+ * arrays (ft_unit_arrays, small_kept / small_bin its small-class limits). o_slots and o_mask hold
+ * n_slots + b_total entries (b_total: the pieces' tokens; the packed entries are the kept units'
+ * or all n_slots input slots, then the pieces'). out (int32 [PACKED_PLAN_OUT]) receives, back to
+ * back, kv_start, kv_len, q_start, q_len [n_out units each], pair_query, out_row [n_out_pairs each],
+ * part_start, n_part [n_queries each] and merge [n_merge]. work (int64 [PACKED_PLAN_WORK]) starts
+ * with ft_assemble_sizes' sizes (bins, kept units, kept entries, bin entries, kept pairs, bin
+ * pairs), then ft_unit_arrays' counts (partial rows, merge queries, large-class units, small-class
+ * bins). Returns 0; -1 when a piece, KV run, rank or pair is out of range, the pieces' tokens are not
+ * b_total or the packed units exceed the bounds (nothing is written past them); ft_unit_arrays'
+ * -1 or -2 otherwise. */
+int64_t ft_packed_plan(int64_t n_units, const int64_t *kv_start, const int64_t *kv_len, const int64_t *pair_start,
+                       const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query, int64_t n_slots,
+                       const int32_t *kv_slots, int64_t n_queries, const int64_t *query_of_rank, int64_t capacity,
+                       const int64_t *start_of_rank, int64_t n_pieces, const int64_t *unit, const int64_t *lowest,
+                       const int64_t *bits, const int8_t *new_bin, const int64_t *tokens, int64_t b_total,
+                       int64_t small_kept, int64_t small_bin, int32_t *o_slots, int32_t *o_mask, int32_t *out,
+                       int64_t *work) {
+    if (capacity < 1 || n_units < 0 || n_pairs < 0 || n_pieces < 0 || n_queries < 0)
+        return -1;
+    const int64_t max_units = PACKED_UNITS(n_units, n_pieces), max_pairs = PACKED_PAIRS(n_pairs, n_pieces, capacity);
+    int64_t *sizes = work, *counts = work + 6;
+    int64_t *u_kv_start = work + 10, *u_kv_len = u_kv_start + max_units, *u_pair_start = u_kv_len + max_units;
+    int64_t *u_q_len = u_pair_start + max_units, *u_pair_query = u_q_len + max_units;
+    int64_t *seen = u_pair_query + max_pairs, *order = seen + n_queries;
+    int8_t *keep = (int8_t *)(order + 3 * max_units), *present = keep + n_units, *is_bin = present + max_pairs;
+    if (ft_assemble_sizes(n_units, kv_start, kv_len, q_len, n_slots, n_queries, capacity, start_of_rank, n_pieces,
+                          unit, lowest, bits, new_bin, tokens, keep, sizes))
+        return -1;
+    const int64_t n_bins = sizes[0], n_kept = sizes[1], k_total = sizes[2], k_pairs = sizes[4], b_pairs = sizes[5];
+    const int64_t n_out = n_kept + n_bins, n_out_pairs = k_pairs + b_pairs;
+    if (sizes[3] != b_total || n_out > max_units || n_out_pairs > max_pairs)
+        return -1;
+    const int64_t copy_kept = 2 * k_total < n_slots, n_old = copy_kept ? k_total : n_slots;
+    if (ft_assemble_fill(n_units, kv_start, kv_len, pair_start, q_len, n_pairs, pair_query, n_slots, kv_slots,
+                         n_queries, query_of_rank, capacity, start_of_rank, n_pieces, unit, lowest, bits, new_bin,
+                         tokens, keep, copy_kept, n_old, u_kv_start, u_kv_len, u_pair_start, u_q_len, u_pair_query,
+                         present, o_slots, o_mask, is_bin))
+        return -1;
+    int32_t *o_pairs = out + 4 * n_out, *o_queries = o_pairs + 2 * n_out_pairs;
+    return ft_unit_arrays(n_out, n_kept, small_kept, small_bin, u_kv_start, u_kv_len, u_pair_start, u_q_len,
+                          n_out_pairs, u_pair_query, present, n_queries, out, out + n_out, out + 2 * n_out,
+                          out + 3 * n_out, o_pairs, o_pairs + n_out_pairs, o_queries, o_queries + n_queries,
+                          o_queries + 2 * n_queries, seen, order, counts);
 }
 
 /* The work units of fasttree.plan_arrays._cut_units: group g's queries (q_indptr[g] ..
