@@ -58,6 +58,7 @@ _SIGNATURES = {
          _I64P],
     ),
     "ft_chain_fill": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P]),
+    "ft_chain_runs": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P]),
     "ft_gather_runs": (None, [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P]),
     "ft_group_queries": (
         ctypes.c_int64,
@@ -78,8 +79,9 @@ _SIGNATURES = {
     "ft_assemble_fill": (
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64,
-         _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,
-         ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
+         ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P,
+         _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P,
+         _I64P, _I64P],
     ),
     "ft_layout_cost": (
         ctypes.c_int64,
@@ -128,8 +130,8 @@ _SIGNATURES = {
     "ft_packed_plan": (
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64,
-         _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64,
-         ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P],
+         ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P,
+         _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P],
     ),
 }  # fmt: skip
 

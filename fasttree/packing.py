@@ -818,9 +818,9 @@ def _assemble_native(
     o, f = address(out), address(flags)
     if lib.ft_assemble_fill(
         n_units, a_start, a_len, address(pair_start), a_q_len, pair_query.size, address(pair_query), slots_in.size,
-        a_slots, n_queries, address(query_of_rank), capacity, sor_ptr, n_pieces, *pieces, keep_at, int(copy_kept),
-        n_old, o, o + 8 * n_out, o + 16 * n_out, o + 24 * n_out, o + 32 * n_out, f, address(o_slots),
-        address(o_mask), f + n_pairs_out,
+        a_slots, slots_in.size, 0, None, None, n_queries, address(query_of_rank), capacity, sor_ptr, n_pieces, *pieces,
+        keep_at, int(copy_kept), n_old, o, o + 8 * n_out, o + 16 * n_out, o + 24 * n_out, o + 32 * n_out, f,
+        address(o_slots), address(o_mask), f + n_pairs_out,
     ):  # fmt: skip
         raise ValueError("a kept unit's KV run or pairs, or a bin's ranks, are out of range")
     return PackedUnits(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
+from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
@@ -518,8 +519,9 @@ def materialize(
         ``sqrt(block_m / 16)`` for its tile class (:func:`_laid_out_weighted_reads`), exceed this: decided
         once the units and bins are laid out, before their arrays are built.
     fill_slots : callable, optional
-        Returns the groups' ``kv_slots`` (int32) where ``groups`` were built without them: called
-        once, after that test, and the plan's groups carry them.
+        Returns the groups' ``kv_slots`` (int32, or a :class:`fasttree.groups.ChainedSlots`) where
+        ``groups`` were built without them: called once, after that test, and the plan's groups
+        carry them.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -559,7 +561,7 @@ def materialize(
             query_of_rank = np.empty(query_rank.size, dtype=np.int64)
             query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
         packed = _packed_arrays(
-            units, layout, groups.kv_slots, query_rank, query_of_rank, small, n_queries, groups.identity_slots
+            units, layout, groups.kv_slot_source, query_rank, query_of_rank, small, n_queries, groups.identity_slots
         )
         arrays, kv_slots, kv_row_mask, n_bins = packed
     ptr = arrays.class_ptr
@@ -962,7 +964,7 @@ class _Packed(NamedTuple):
 def _packed_arrays(
     units: _Units,
     layout: BinLayout,
-    kv_slots: np.ndarray,
+    kv_slots: np.ndarray | ChainedSlots,
     query_rank: np.ndarray,
     query_of_rank: np.ndarray,
     small_queries: tuple[int, int],
@@ -981,8 +983,9 @@ def _packed_arrays(
         The cut units (int64 arrays, pairs in unit order).
     layout : BinLayout
         From :func:`fasttree.packing.bin_layout` of ``units``.
-    kv_slots : ndarray, int32 [n_slots]
-        The groups' KV slots.
+    kv_slots : ndarray, int32 [n_slots], or ChainedSlots
+        The groups' KV slots (the compiled call reads a :class:`fasttree.groups.ChainedSlots`' two
+        parts as they are; the steps join them).
     query_rank, query_of_rank : ndarray, int64 [n_queries]
         Each query's DFS rank and the query at each rank.
     small_queries : tuple of int
@@ -998,7 +1001,7 @@ def _packed_arrays(
         return got
     packed = assemble_bins(
         layout, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
-        pair_query=units.pair_query, kv_slots=kv_slots, query_rank=query_rank,
+        pair_query=units.pair_query, kv_slots=np.asarray(kv_slots), query_rank=query_rank,
         query_of_rank=query_of_rank, pairs_in_order=True, identity_slots=identity_slots, native=native,
     )  # fmt: skip
     _check_int32_counts(packed.kv_slots.size, packed.pair_query.size)
@@ -1019,26 +1022,28 @@ def _packed_plan_sizes(n_units: int, n_pairs: int, n_pieces: int, capacity: int,
 def _packed_arrays_native(
     units: _Units,
     layout: BinLayout,
-    kv_slots: np.ndarray,
+    kv_slots: np.ndarray | ChainedSlots,
     query_of_rank: np.ndarray,
     small_queries: tuple[int, int],
     n_queries: int,
 ) -> _Packed | None:
     """:func:`_packed_arrays` by ``ft_packed_plan``, or None where it is not available, an array is
-    not the int64 (``kv_slots``: int32; ``new_bin``: bool) C-contiguous one it reads, the lengths
+    not the int64 (the slots: int32; ``new_bin``: bool) C-contiguous one it reads, the lengths
     differ, or the call refuses the input (then the steps run and say what is wrong). The unit
     arrays are views of one int32 buffer; the entries and masks come from the reused host memory
-    (:func:`fasttree.host_arrays.entry_array`)."""
+    (:func:`fasttree.host_arrays.entry_array`). A :class:`fasttree.groups.ChainedSlots` is read as
+    its head and the tail's runs of it (:func:`_slot_runs`), not joined."""
     lib = planner_library()
     if lib is None:
         return None
     bins, capacity, sor = layout
     kv_start, kv_len, pair_start, q_len, pair_query = units
     unit, lowest, bits, new_bin, tokens = bins
+    head, n_slots, runs = _slot_runs(kv_slots)
     n_units, n_pairs, n_pieces = kv_len.size, pair_query.size, unit.size
     if not (
-        c_int64(kv_start, kv_len, pair_start, q_len, pair_query, query_of_rank, unit, lowest, bits, tokens)
-        and c_int32(kv_slots) and new_bin.dtype == np.bool_ and new_bin.flags.c_contiguous
+        c_int64(kv_start, kv_len, pair_start, q_len, pair_query, query_of_rank, unit, lowest, bits, tokens, runs)
+        and c_int32(head) and new_bin.dtype == np.bool_ and new_bin.flags.c_contiguous
         and kv_start.size == n_units and pair_start.size == n_units and q_len.size == n_units
         and lowest.size == n_pieces and bits.size == n_pieces and new_bin.size == n_pieces
         and tokens.size == n_pieces and query_of_rank.size == n_queries
@@ -1046,17 +1051,17 @@ def _packed_arrays_native(
     ):  # fmt: skip
         return None
     b_total = int(np.add.reduce(tokens))
-    n_slots = kv_slots.size
+    n_head, n_runs = head.size, runs.size // 2
     n_work, n_out = _packed_plan_sizes(n_units, n_pairs, n_pieces, capacity, n_queries)
     slots, mask = entry_array(n_slots + b_total), entry_array(n_slots + b_total)
     out = np.empty(n_out, dtype=np.int32)
     work = work_array(n_work)
     got = lib.ft_packed_plan(
         n_units, address(kv_start), address(kv_len), address(pair_start), address(q_len), n_pairs,
-        address(pair_query), n_slots, address(kv_slots), n_queries, address(query_of_rank), capacity,
-        None if sor is None else address(sor), n_pieces, address(unit), address(lowest), address(bits),
-        address(new_bin.view(np.int8)), address(tokens), b_total, small_queries[0], small_queries[1], address(slots),
-        address(mask), address(out), address(work),
+        address(pair_query), n_slots, address(head), n_head, n_runs, address(runs), address(runs) + 8 * n_runs,
+        n_queries, address(query_of_rank), capacity, None if sor is None else address(sor), n_pieces, address(unit),
+        address(lowest), address(bits), address(new_bin.view(np.int8)), address(tokens), b_total, small_queries[0],
+        small_queries[1], address(slots), address(mask), address(out), address(work),
     )  # fmt: skip
     if got:
         return None
@@ -1071,6 +1076,24 @@ def _packed_arrays_native(
         out[q0 + 2 * n_queries : q0 + 2 * n_queries + n_merge], n_rows, (0, n_large, nu), small_bins,
     )  # fmt: skip
     return _Packed(arrays, slots[:n_entries], mask[:n_entries], n_bins)
+
+
+#: The runs of a slot list without a tail (:func:`_slot_runs`): no run, one offset (0).
+_NO_RUNS = np.zeros(1, dtype=np.int64)
+_NO_RUNS.flags.writeable = False
+
+
+def _slot_runs(kv_slots: np.ndarray | ChainedSlots) -> tuple[np.ndarray, int, np.ndarray]:
+    """A slot list as ``ft_packed_plan`` reads it: ``(head, n_slots, runs)``, the list's entries
+    being ``head`` (int32 [n_head]) and then the runs of it that :attr:`fasttree.groups.ChainedSlots.runs`
+    describes (int64 [2 * n_runs + 1]); an array, or a ``ChainedSlots`` without runs (joined), is
+    all head."""
+    if isinstance(kv_slots, ChainedSlots):
+        runs = kv_slots.runs
+        if runs is not None:
+            return kv_slots.head, kv_slots.size, runs
+        kv_slots = kv_slots.array()
+    return kv_slots, kv_slots.size, _NO_RUNS
 
 
 class _Rows(NamedTuple):

@@ -40,9 +40,9 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
-from .groups import Groups
+from .groups import ChainedSlots, Groups
 from .host_arrays import entry_array
-from .native import address, c_int64, planner_library
+from .native import address, c_int32, c_int64, planner_library
 from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
@@ -842,9 +842,10 @@ def _build_groups(
     fill_tokens: int = STRIDED_FILL_TOKENS,
     native: bool = True,
     defer_slots: bool = False,
-) -> Groups | tuple[Groups, Callable[[], np.ndarray]]:
+) -> Groups | tuple[Groups, Callable[[], np.ndarray | ChainedSlots]]:
     # ``defer_slots``: return the groups with an empty ``kv_slots`` and the function that builds
-    # it (the multi-node chains' slot copies), for a caller that may not need them.
+    # it (the multi-node chains' slot copies), for a caller that may not need them. Either way the
+    # native path's slots are a ChainedSlots (the tree's slot array is not copied).
     # A query belongs to the group of its own node and to the parent of every 0-edge on
     # its path: node v's group holds the queries below v except those below a child of
     # v whose edge is not 0. In DFS order those are v's query range minus the ranges of
@@ -868,7 +869,9 @@ def _build_groups(
         q_indptr, q_ids = _group_queries_native(lib, tree, gx, assign, node, g_count)
     else:
         q_indptr, q_ids = _group_queries_numpy(tree, gx, assign, keep, node, g_count)
-    kv_start, fill = _chain_layout(tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native)
+    kv_start, fill = _chain_layout(
+        tree, assign, node, roots_unmarked=not check, fill_tokens=fill_tokens, native=native, parts=True
+    )
     identity = tree.slots.size if getattr(tree, "_slots_are_arange", False) else 0
     groups = Groups(
         node=node, kv_start=kv_start, kv_len=kept.kv_len, kv_slots=_NO_SLOTS if defer_slots else fill(),
@@ -954,7 +957,8 @@ def _chain_layout(
     roots_unmarked: bool = False,
     fill_tokens: int = STRIDED_FILL_TOKENS,
     native: bool = True,
-) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+    parts: bool = False,
+) -> tuple[np.ndarray, Callable[[], np.ndarray | ChainedSlots]]:
     """KV of each group node's 1-chain (top of the chain first), in two steps.
 
     Returns ``(kv_start, fill)``: ``fill()`` returns ``kv_slots``, where a group that is a single
@@ -962,10 +966,14 @@ def _chain_layout(
     ``roots_unmarked`` promises that ``assign`` is 0 at every root (as the greedy's is), which
     skips a check. ``native``: the chains walked in the compiled loops when they are available
     (the same arrays), their slots copied only when ``fill`` is called; False: numpy, both at once.
+    ``parts``: where the compiled loops copy chains, ``fill()`` returns them as a
+    :class:`fasttree.groups.ChainedSlots` (the tree's slot array and the chains' slots, not
+    joined) instead of one array.
     """
     lib = planner_library() if native else None
     if lib is not None:
-        return _chain_layout_native(lib, tree, assign, nodes)
+        kv_start, fill = _chain_layout_native(lib, tree, assign, nodes)
+        return kv_start, fill if parts else (lambda: np.asarray(fill()))
     parents = tree.parents
     kv_start = tree.slot_indptr[nodes]
     chained = (assign[nodes] == 1).nonzero()[0]
@@ -1038,9 +1046,11 @@ def _chain_layout(
 
 def _chain_layout_native(
     lib, tree: KVTree, assign: np.ndarray, nodes: np.ndarray
-) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+) -> tuple[np.ndarray, Callable[[], np.ndarray | ChainedSlots]]:
     """:func:`_chain_layout` by the compiled ``ft_chain_layout`` (the groups' KV starts and chains),
-    and the function that copies the chains' slots by ``ft_chain_fill``."""
+    and the function that copies the chains' slots by ``ft_chain_fill`` into a tail of their own
+    (a :class:`fasttree.groups.ChainedSlots` with the tree's slot array; the array alone where
+    no group chains nodes)."""
     ix = _tree_index(tree)
     if ix.native_tree is None:  # the tree's arrays as the compiled loops read them, once per tree
         arrays = (
@@ -1049,36 +1059,50 @@ def _chain_layout_native(
         )  # fmt: skip
         longest = int(tree.depth.max()) + 2  # nodes of the longest chain, at most
         ix.native_tree = (arrays, tuple(address(a) for a in arrays), longest)
-    (parents, _, _, slots), (parents_at, lengths_at, indptr_at, slots_at), longest = ix.native_tree
+    native_tree = ix.native_tree  # fill_tail holds it: the addresses it passes stay valid
+    (parents, _, _, slots), (parents_at, lengths_at, indptr_at, _), longest = native_tree
     nodes = np.ascontiguousarray(nodes, dtype=np.int64)
     assign8 = np.ascontiguousarray(assign, dtype=np.int8)
     n, n_slots = nodes.size, slots.size
     if assign8.size != parents.size:
         raise AssertionError("internal error: the assignment is not the tree's")
-    out = np.empty(3 * n + 2, dtype=np.int64)  # kv_start, heads, first, the two counts
+    out = np.empty(3 * n + 3, dtype=np.int64)  # kv_start, heads, first, the three counts
     o, a8 = address(out), address(assign8)
     if lib.ft_chain_layout(
         n, address(nodes), parents.size, a8, parents_at, lengths_at, indptr_at, n_slots, o, o + 8 * n, o + 16 * n,
         o + 24 * n,
     ):  # fmt: skip
         raise AssertionError("internal error: a group's node is out of the tree")
-    n_chains, n_chained = out[-2:].tolist()
+    n_chains, n_chained, n_runs = out[-3:].tolist()
     kv_start = out[:n]
     if n_chains == 0:
         return kv_start, lambda: slots
 
-    def fill() -> np.ndarray:
+    def fill_tail(tail: np.ndarray) -> None:
+        if tail.size != n_chained or not c_int32(tail):
+            raise ValueError(f"the chains' slots need an int32 C-contiguous array of {n_chained} entries")
+        # called at the groups' first need of the chains' slots, maybe after the tree's index is gone:
+        # fill_tail and tail_runs keep the tree's arrays (native_tree), assign8 and the heads and
+        # their offsets (out) alive
+        _, (parents_at, lengths_at, indptr_at, slots_at), _ = native_tree
         scratch = np.empty(longest, dtype=np.int64)  # per call: the loops run without the GIL
-        dst = entry_array(n_slots + n_chained)
-        dst[:n_slots] = slots
-        at = address(out)  # the heads and their chains' offsets (this closure keeps out alive)
+        at = address(out)
         lib.ft_chain_fill(
             n_chains, at + 8 * n, parents_at, address(assign8), indptr_at, lengths_at, slots_at, at + 16 * n,
-            address(scratch), address(dst[n_slots:]),
+            address(scratch), address(tail),
         )  # fmt: skip
-        return dst
 
-    return kv_start, fill
+    def tail_runs() -> np.ndarray:
+        _, (parents_at, lengths_at, indptr_at, _), _ = native_tree
+        runs = np.empty(2 * n_runs + 1 + longest, dtype=np.int64)  # src, off, then scratch
+        at, r = address(out), address(runs)
+        lib.ft_chain_runs(
+            n_chains, at + 8 * n, parents_at, address(assign8), indptr_at, lengths_at, r + 8 * (2 * n_runs + 1), r,
+            r + 8 * n_runs,
+        )  # fmt: skip
+        return runs[: 2 * n_runs + 1]
+
+    return kv_start, lambda: ChainedSlots(slots, n_chained, fill_tail, tail_runs)
 
 
 def _fill_strided(tail, slots, run_start, run_len, chain_first, fill_tokens: int) -> bool:

@@ -274,7 +274,7 @@ def _assembled(args, native: bool):
     units, layout, kv_slots, query_rank, query_of_rank = args[:5]
     return packing.assemble_bins(
         layout, kv_start=units.kv_start, kv_len=units.kv_len, pair_start=units.pair_start, q_len=units.q_len,
-        pair_query=units.pair_query, kv_slots=kv_slots, query_rank=query_rank, query_of_rank=query_of_rank,
+        pair_query=units.pair_query, kv_slots=np.asarray(kv_slots), query_rank=query_rank, query_of_rank=query_of_rank,
         pairs_in_order=True, identity_slots=args[7], native=native,
     )  # fmt: skip
 

@@ -159,12 +159,12 @@ void ft_chain_lengths(int64_t n, const int64_t *nodes, const int64_t *parents, c
  * node's run of the tree's slots (slot_indptr) unless its edge is concatenated (assign == 1):
  * then its chain's slots, laid out after the n_slots of the tree, chains in group order. Writes
  * kv_start [n_groups], the chained groups' nodes (heads) and their chains' offsets past n_slots
- * (first), counts[0] = chains and counts[1] = their entries. Returns 0, or -1 when a node is out
- * of range. */
+ * (first), counts[0] = chains, counts[1] = their entries and counts[2] = their nodes. Returns 0,
+ * or -1 when a node is out of range. */
 int64_t ft_chain_layout(int64_t n_groups, const int64_t *nodes, int64_t n_nodes, const int8_t *assign,
                         const int64_t *parents, const int64_t *lengths, const int64_t *slot_indptr, int64_t n_slots,
                         int64_t *kv_start, int64_t *heads, int64_t *first, int64_t *counts) {
-    int64_t k = 0, acc = 0;
+    int64_t k = 0, acc = 0, n_chain_nodes = 0;
     for (int64_t g = 0; g < n_groups; g++) {
         int64_t v = nodes[g];
         if (v < 0 || v >= n_nodes)
@@ -177,14 +177,17 @@ int64_t ft_chain_layout(int64_t n_groups, const int64_t *nodes, int64_t n_nodes,
         first[k++] = acc;
         kv_start[g] = n_slots + acc;
         int64_t sum = lengths[v];
+        n_chain_nodes++;
         while (assign[v] == 1 && parents[v] >= 0) {
             v = parents[v];
             sum += lengths[v];
+            n_chain_nodes++;
         }
         acc += sum;
     }
     counts[0] = k;
     counts[1] = acc;
+    counts[2] = n_chain_nodes;
     return 0;
 }
 
@@ -206,6 +209,30 @@ void ft_chain_fill(int64_t n, const int64_t *nodes, const int64_t *parents, cons
             dst += len;
         }
     }
+}
+
+/* The chains of ft_chain_fill as runs of the tree's slots instead of copies: run k (chains in
+ * order, each top of the chain first) is node u's slots, src[k] = slot_indptr[u], and starts at
+ * off[k] of the chains' concatenation; off[n_runs] = its entries. src and off hold the chains'
+ * nodes (ft_chain_layout's counts[2]) and one more. */
+void ft_chain_runs(int64_t n, const int64_t *nodes, const int64_t *parents, const int8_t *assign,
+                   const int64_t *slot_indptr, const int64_t *lengths, int64_t *scratch, int64_t *src, int64_t *off) {
+    int64_t r = 0, acc = 0;
+    for (int64_t c = 0; c < n; c++) {
+        int64_t v = nodes[c], k = 0;
+        scratch[k++] = v;
+        while (assign[v] == 1 && parents[v] >= 0) {
+            v = parents[v];
+            scratch[k++] = v;
+        }
+        for (int64_t s = k - 1; s >= 0; s--, r++) {
+            const int64_t u = scratch[s];
+            src[r] = slot_indptr[u];
+            off[r] = acc;
+            acc += lengths[u];
+        }
+    }
+    off[r] = acc;
 }
 
 /* out = the concatenation of kv_slots[start[i] : start[i] + length[i]] over the runs
@@ -622,19 +649,74 @@ int64_t ft_assemble_sizes(int64_t n_units, const int64_t *kv_start, const int64_
     return 0;
 }
 
+/* The n_slots input slots of the assembly, as fasttree.groups.ChainedSlots holds them: entries below
+ * n_head are head's; entry n_head + t (0 <= t < n_slots - n_head) is head[run_src[j] + t - run_off[j]]
+ * for the run j with run_off[j] <= t < run_off[j + 1] (the chained groups' slots are runs of the
+ * tree's). valid_runs checks that the runs cover exactly the entries past n_head and read inside
+ * head; copy_entries then copies dst[0 .. n) = entries s .. s + n (0 <= s, s + n <= n_slots: the
+ * caller checked), a run across the parts or the runs included. */
+static int valid_runs(int64_t n_slots, int64_t n_head, int64_t n_runs, const int64_t *run_src,
+                      const int64_t *run_off) {
+    if (n_head < 0 || n_head > n_slots || n_runs < 0)
+        return 0;
+    if (n_head == n_slots)
+        return 1;
+    if (n_runs < 1 || run_off[0] != 0 || run_off[n_runs] != n_slots - n_head)
+        return 0;
+    for (int64_t j = 0; j < n_runs; j++) {
+        const int64_t len = run_off[j + 1] - run_off[j];
+        if (len < 0 || run_src[j] < 0 || run_src[j] > n_head - len)
+            return 0;
+    }
+    return 1;
+}
+
+static inline void copy_entries(int32_t *dst, int64_t s, int64_t n, const int32_t *head, int64_t n_head,
+                                int64_t n_runs, const int64_t *run_src, const int64_t *run_off) {
+    int64_t k = 0;
+    if (s < n_head) {
+        const int64_t m = n_head - s < n ? n_head - s : n;
+        const int32_t *src = head + s;
+        for (; k < m; k++) dst[k] = src[k];
+        if (k == n)
+            return;
+    }
+    int64_t t = s + k - n_head, lo = 0, hi = n_runs; /* run_off[lo] <= t < run_off[hi] */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (run_off[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (int64_t j = lo; k < n; j++) {
+        const int64_t left = run_off[j + 1] - t, m = left < n - k ? left : n - k;
+        const int32_t *src = head + run_src[j] + (t - run_off[j]);
+        int32_t *out = dst + k;
+        for (int64_t i = 0; i < m; i++) out[i] = src[i];
+        k += m;
+        t += m;
+    }
+}
+
 /* Second pass (after ft_assemble_sizes succeeded on the same pieces): the packed units' arrays.
- * copy_kept: the slots are the kept units' runs then the pieces' (else all n_slots input slots
- * then the pieces'); n_old: the entries before the pieces'. Returns 0, or -1 when a kept unit's
- * KV run or pairs or a bin's ranks are out of range. */
+ * The n_slots input slots are kv_slots (n_head entries) and the runs of it past them, as
+ * copy_entries reads them (n_head == n_slots: kv_slots alone, no runs). copy_kept: the slots are
+ * the kept units' runs then the pieces' (else all n_slots input slots then the pieces'); n_old: the
+ * entries before the pieces'. Returns 0, or -1 when a kept unit's KV run or pairs or a bin's ranks
+ * are out of range, or the runs are not valid_runs. */
 int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t *kv_len,
                          const int64_t *pair_start, const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query,
-                         int64_t n_slots, const int32_t *kv_slots, int64_t n_queries, const int64_t *query_of_rank,
-                         int64_t capacity, const int64_t *start_of_rank, int64_t n_pieces, const int64_t *unit,
+                         int64_t n_slots, const int32_t *kv_slots, int64_t n_head, int64_t n_runs,
+                         const int64_t *run_src, const int64_t *run_off, int64_t n_queries, const int64_t *query_of_rank, int64_t capacity,
+                         const int64_t *start_of_rank, int64_t n_pieces, const int64_t *unit,
                          const int64_t *lowest, const int64_t *bits, const int8_t *new_bin, const int64_t *tokens,
                          const int8_t *keep, int64_t copy_kept, int64_t n_old, int64_t *o_kv_start, int64_t *o_kv_len,
                          int64_t *o_pair_start, int64_t *o_q_len, int64_t *o_pair_query, int8_t *o_present,
                          int32_t *o_slots, int32_t *o_mask, int8_t *o_is_bin) {
     int64_t k = 0, e = 0, pr = 0;
+    if (!valid_runs(n_slots, n_head, n_runs, run_src, run_off))
+        return -1;
     /* units left alone: their KV (copied, or where they were), their pairs */
     for (int64_t u = 0; u < n_units; u++) {
         if (!keep[u])
@@ -647,7 +729,10 @@ int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t
         o_is_bin[k] = 0;
         if (copy_kept) {
             o_kv_start[k] = e;
-            for (int64_t i = 0; i < n; i++) o_slots[e + i] = kv_slots[s + i];
+            if (s + n <= n_head)
+                for (int64_t i = 0; i < n; i++) o_slots[e + i] = kv_slots[s + i];
+            else
+                copy_entries(o_slots + e, s, n, kv_slots, n_head, n_runs, run_src, run_off);
             e += n;
         } else {
             o_kv_start[k] = s;
@@ -660,7 +745,7 @@ int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t
         k++;
     }
     if (!copy_kept) {
-        for (int64_t i = 0; i < n_slots; i++) o_slots[i] = kv_slots[i];
+        copy_entries(o_slots, 0, n_slots, kv_slots, n_head, n_runs, run_src, run_off);
         e = n_slots;
     }
     for (int64_t i = 0; i < n_old; i++) o_mask[i] = -1;
@@ -694,11 +779,16 @@ int64_t ft_assemble_fill(int64_t n_units, const int64_t *kv_start, const int64_t
         run_max = new_bin[p] && r > run_max ? r : run_max;
         const int64_t shift = block_pos(run_max, capacity, start_of_rank);
         const int32_t m = (int32_t)(uint32_t)(bits[p] >> shift);
-        const int32_t *src = kv_slots + kv_start[unit[p]];
-        const int64_t n = tokens[p];
-        for (int64_t i = 0; i < n; i++) {
-            o_slots[e + i] = src[i];
-            o_mask[e + i] = m;
+        const int64_t s = kv_start[unit[p]], n = tokens[p];
+        if (s + n <= n_head) { /* the common case in one loop (the head's slots, then the mask) */
+            const int32_t *src = kv_slots + s;
+            for (int64_t i = 0; i < n; i++) {
+                o_slots[e + i] = src[i];
+                o_mask[e + i] = m;
+            }
+        } else {
+            copy_entries(o_slots + e, s, n, kv_slots, n_head, n_runs, run_src, run_off);
+            for (int64_t i = 0; i < n; i++) o_mask[e + i] = m;
         }
         e += n;
         b_bits |= bits[p];
@@ -1057,9 +1147,10 @@ int64_t ft_unit_arrays(int64_t n_units, int64_t n_kept, int64_t small_kept, int6
 
 /* A packed plan's arrays in one call (fasttree.plan_arrays._packed_plan_native): the packed units of
  * a bin layout (ft_assemble_sizes, then ft_assemble_fill) and their int32 unit, pair and partial-row
- * arrays (ft_unit_arrays, small_kept / small_bin its small-class limits). o_slots and o_mask hold
- * n_slots + b_total entries (b_total: the pieces' tokens; the packed entries are the kept units'
- * or all n_slots input slots, then the pieces'). out (int32 [PACKED_PLAN_OUT]) receives, back to
+ * arrays (ft_unit_arrays, small_kept / small_bin its small-class limits). The n_slots input slots
+ * are kv_slots' n_head entries and n_runs runs of them, as ft_assemble_fill reads them. o_slots and
+ * o_mask hold n_slots + b_total entries (b_total: the pieces' tokens; the packed entries are the kept
+ * units' or all n_slots input slots, then the pieces'). out (int32 [PACKED_PLAN_OUT]) receives, back to
  * back, kv_start, kv_len, q_start, q_len [n_out units each], pair_query, out_row [n_out_pairs each],
  * part_start, n_part [n_queries each] and merge [n_merge]. work (int64 [PACKED_PLAN_WORK]) starts
  * with ft_assemble_sizes' sizes (bins, kept units, kept entries, bin entries, kept pairs, bin
@@ -1069,8 +1160,10 @@ int64_t ft_unit_arrays(int64_t n_units, int64_t n_kept, int64_t small_kept, int6
  * -1 or -2 otherwise. */
 int64_t ft_packed_plan(int64_t n_units, const int64_t *kv_start, const int64_t *kv_len, const int64_t *pair_start,
                        const int64_t *q_len, int64_t n_pairs, const int64_t *pair_query, int64_t n_slots,
-                       const int32_t *kv_slots, int64_t n_queries, const int64_t *query_of_rank, int64_t capacity,
-                       const int64_t *start_of_rank, int64_t n_pieces, const int64_t *unit, const int64_t *lowest,
+                       const int32_t *kv_slots, int64_t n_head, int64_t n_runs, const int64_t *run_src,
+                       const int64_t *run_off, int64_t n_queries,
+                       const int64_t *query_of_rank, int64_t capacity, const int64_t *start_of_rank,
+                       int64_t n_pieces, const int64_t *unit, const int64_t *lowest,
                        const int64_t *bits, const int8_t *new_bin, const int64_t *tokens, int64_t b_total,
                        int64_t small_kept, int64_t small_bin, int32_t *o_slots, int32_t *o_mask, int32_t *out,
                        int64_t *work) {
@@ -1091,7 +1184,7 @@ int64_t ft_packed_plan(int64_t n_units, const int64_t *kv_start, const int64_t *
         return -1;
     const int64_t copy_kept = 2 * k_total < n_slots, n_old = copy_kept ? k_total : n_slots;
     if (ft_assemble_fill(n_units, kv_start, kv_len, pair_start, q_len, n_pairs, pair_query, n_slots, kv_slots,
-                         n_queries, query_of_rank, capacity, start_of_rank, n_pieces, unit, lowest, bits, new_bin,
+                         n_head, n_runs, run_src, run_off, n_queries, query_of_rank, capacity, start_of_rank, n_pieces, unit, lowest, bits, new_bin,
                          tokens, keep, copy_kept, n_old, u_kv_start, u_kv_len, u_pair_start, u_q_len, u_pair_query,
                          present, o_slots, o_mask, is_bin))
         return -1;
