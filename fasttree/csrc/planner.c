@@ -191,16 +191,22 @@ int64_t ft_chain_layout(int64_t n_groups, const int64_t *nodes, int64_t n_nodes,
     return 0;
 }
 
+/* The nodes of the chain that starts at node v, bottom first, into scratch; returns their count. */
+static inline int64_t chain_nodes(int64_t v, const int64_t *parents, const int8_t *assign, int64_t *scratch) {
+    int64_t k = 0;
+    scratch[k++] = v;
+    while (assign[v] == 1 && parents[v] >= 0) {
+        v = parents[v];
+        scratch[k++] = v;
+    }
+    return k;
+}
+
 void ft_chain_fill(int64_t n, const int64_t *nodes, const int64_t *parents, const int8_t *assign,
                    const int64_t *slot_indptr, const int64_t *lengths, const int32_t *slots, const int64_t *first,
                    int64_t *scratch, int32_t *out) {
     for (int64_t c = 0; c < n; c++) {
-        int64_t v = nodes[c], k = 0;
-        scratch[k++] = v;
-        while (assign[v] == 1 && parents[v] >= 0) {
-            v = parents[v];
-            scratch[k++] = v;
-        }
+        const int64_t k = chain_nodes(nodes[c], parents, assign, scratch);
         int32_t *dst = out + first[c];
         for (int64_t s = k - 1; s >= 0; s--) {
             const int64_t u = scratch[s], len = lengths[u];
@@ -219,12 +225,7 @@ void ft_chain_runs(int64_t n, const int64_t *nodes, const int64_t *parents, cons
                    const int64_t *slot_indptr, const int64_t *lengths, int64_t *scratch, int64_t *src, int64_t *off) {
     int64_t r = 0, acc = 0;
     for (int64_t c = 0; c < n; c++) {
-        int64_t v = nodes[c], k = 0;
-        scratch[k++] = v;
-        while (assign[v] == 1 && parents[v] >= 0) {
-            v = parents[v];
-            scratch[k++] = v;
-        }
+        const int64_t k = chain_nodes(nodes[c], parents, assign, scratch);
         for (int64_t s = k - 1; s >= 0; s--, r++) {
             const int64_t u = scratch[s];
             src[r] = slot_indptr[u];
