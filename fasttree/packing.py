@@ -28,7 +28,7 @@ import numpy as np
 
 from .host_arrays import entry_array, work_array
 from .native import address, planner_library
-from .tree import arange_view, exclusive_sum, ragged_arange, stable_argsort
+from .tree import arange_view, exclusive_sum, inverse_permutation, ragged_arange, stable_argsort
 
 #: Bits of one KV entry's row mask (int32 on the device).
 MAX_PACK_QUERIES = 32
@@ -664,8 +664,7 @@ def assemble_bins(
     """
     unit, lowest, bits, new_run, tokens = layout.bins
     if query_of_rank is None:
-        query_of_rank = np.empty(query_rank.size, dtype=np.int64)
-        query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
+        query_of_rank = inverse_permutation(query_rank)
     return _assemble(
         kv_start, kv_len, pair_start, q_len, pair_query, kv_slots, query_of_rank, layout.capacity, pairs_in_order,
         identity_slots, layout.start_of_rank, unit=unit, lowest=lowest, bits=bits, new_bin=new_run, tokens=tokens,

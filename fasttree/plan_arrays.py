@@ -27,7 +27,7 @@ from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
 from .plan_rules import PlanRules
-from .tree import arange_view, exclusive_sum, stable_argsort
+from .tree import arange_view, exclusive_sum, inverse_permutation, stable_argsort
 from .validation import check_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -558,8 +558,7 @@ def materialize(
         n_bins = 0
     else:
         if query_of_rank is None:
-            query_of_rank = np.empty(query_rank.size, dtype=np.int64)
-            query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
+            query_of_rank = inverse_permutation(query_rank)
         packed = _packed_arrays(
             units, layout, groups.kv_slot_source, query_rank, query_of_rank, small, n_queries, groups.identity_slots
         )
@@ -758,8 +757,7 @@ def _pack_layout(
         if np.count_nonzero(wide & eligible):
             _, whole = layout(wide if kept_out is None else kept_out | wide)
             if query_of_rank is None:
-                query_of_rank = np.empty(query_rank.size, dtype=np.int64)
-                query_of_rank[query_rank] = np.arange(query_rank.size, dtype=np.int64)
+                query_of_rank = inverse_permutation(query_rank)
             if _wide_units_whole_pay(chosen, whole, units, query_of_rank, rules.wide_row_tokens):
                 chosen = whole
     return chosen, query_of_rank

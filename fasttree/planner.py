@@ -47,7 +47,7 @@ from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materializ
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
 from .query_separated import plan_query_separated
-from .tree import KVTree, arange_view, exclusive_sum, ragged_arange, stable_argsort
+from .tree import KVTree, arange_view, exclusive_sum, inverse_permutation, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
 
@@ -307,9 +307,7 @@ class _GroupIndex:
             key = qlo[tree.query_nodes]
             if key.size > 1 and np.count_nonzero(key[1:] < key[:-1]):
                 self.perm: np.ndarray | None = stable_argsort(key, key.size)
-                rank = np.empty(key.size, dtype=np.int64)
-                rank[self.perm] = np.arange(key.size, dtype=np.int64)
-                self.rank = rank
+                self.rank = inverse_permutation(self.perm)
             else:
                 self.perm = None
                 self.rank = np.arange(key.size, dtype=np.int64)

@@ -70,6 +70,13 @@ def exclusive_sum(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """The int64 inverse of the permutation ``perm`` of ``0 .. n - 1``: ``out[perm[i]] = i``."""
+    out = np.empty(perm.size, dtype=np.int64)
+    out[perm] = np.arange(perm.size, dtype=np.int64)
+    return out
+
+
 #: Longest cached arange behind :func:`arange_view` (longer ones are made on each call).
 _ARANGE_CACHE_MAX = 1 << 20
 _aranges: dict = {}
