@@ -312,3 +312,85 @@ def test_a_fresh_process_that_writes_no_rows_ends_the_run_with_its_status(tmp_pa
     result = kernel._run_rest_in_child(argv, 0, {("1/mha", "flashinfer_decode"): "error: x"})
     assert result == {"rows": [], "lost": None, "stopped": "the fresh process exited with 2, no rows"}
     assert not list(tmp_path.iterdir())
+
+
+def test_a_candidate_is_the_defaults_with_the_named_fields_changed():
+    cand = kernel.parse_candidate("kv_tile=32,32; gamma=0.2")
+    assert cand == FastTreeConfig().with_(kv_tile=(32, 32), gamma=0.2)
+    assert kernel.parse_candidate("pack_tokens=512").pack_tokens == 512
+    for bad in ("kv_tile=32", "no_such_field=1", "kv_tile=a,b", "kv_tile=64,64", " ; ", "kv_tile"):
+        with pytest.raises(ValueError):
+            kernel.parse_candidate(bad)
+
+
+def test_the_candidate_variant_runs_only_with_a_candidate(capsys):
+    argv = ["--export", "none", "--variants", "fasttree,query_separated", "--candidate", "kv_tile=32,32"]
+    args = kernel.parse_args(argv)
+    assert args.variants == ["fasttree", "query_separated", kernel.CANDIDATE]
+    assert args.candidate.kv_tile == (32, 32)
+    assert kernel.CANDIDATE not in kernel.parse_args(["--export", "none"]).variants
+    for argv in (["--variants", "fasttree,candidate"], ["--candidate", "kv_tile=64,64"], ["--candidate", "bad=1"]):
+        with pytest.raises(SystemExit):
+            kernel.parse_args(["--export", "none", *argv])
+    assert "candidate" in capsys.readouterr().err
+
+
+def test_the_heldout_suite_draws_every_family_at_every_shape():
+    args = kernel.parse_args(["--export", "none", "--suite", "heldout", "--seed", "123", "--trees", "56"])
+    cases = args.heldout
+    assert len(cases) == 56 and len({c.name for c in cases}) == 56
+    assert {c.seed for c in cases} == set(range(123, 179))
+    combos = {(c.family, c.heads, c.head_dim, c.dtype) for c in cases}
+    assert len(combos) == 56, "7 families x 8 shapes, each once"
+    again = kernel.parse_args(["--export", "none", "--suite", "heldout", "--seed", "123", "--trees", "56"])
+    assert again.heldout == cases
+    other = kernel.parse_args(["--export", "none", "--suite", "heldout", "--seed", "124", "--trees", "3"]).heldout
+    assert [c.seed for c in other] == [124, 125, 126]
+    one = kernel.parse_args(["--export", "none", "--suite", "heldout", "--trees", "4", "--shapes", "8x1/d256/bf16"])
+    assert {(c.heads, c.head_dim, c.dtype) for c in one.heldout} == {((8, 1), 256, "bfloat16")}
+    for bad in ("8x3/d256/bf16", "8x1/d512/bf16", "8x1/256/bf16", "8x1/d256/fp32", "8x1"):
+        with pytest.raises(SystemExit):
+            kernel.parse_args(["--export", "none", "--suite", "heldout", "--shapes", bad])
+    with pytest.raises(SystemExit):
+        kernel.parse_args(["--export", "none", "--suite", "heldout", "--trees", "0"])
+
+
+def test_a_heldout_case_travels_to_the_probe_child_as_json():
+    from fasttree.toolkit.bench_cases import probe_item
+    from fasttree.toolkit.family_suite import FamilyCase, family_tree
+
+    args = kernel.parse_args(["--export", "none", "--suite", "heldout", "--trees", "3"])
+    item = json.loads(json.dumps(probe_item(args, family=args.heldout[2])))
+    assert item["suite"] == "heldout"
+    rebuilt = FamilyCase(**{**item["family"], "heads": tuple(item["family"]["heads"])})
+    assert rebuilt == args.heldout[2]
+    assert family_tree(rebuilt).num_tokens == family_tree(args.heldout[2]).num_tokens
+
+
+def test_the_summary_reports_the_candidate_against_the_defaults_and_decode():
+    rows = [_row(1, 40.0, 20.0), _row(2, 90.0, 30.0)]
+    for row, cand, qs in zip(rows, (10.0, 40.0), (25.0, 30.0), strict=True):
+        row["variants"][kernel.CANDIDATE] = {"graph_us": cand, "correct": True}
+        row["variants"]["query_separated"] = {"graph_us": qs, "correct": True}
+    s = kernel.summarize(rows)
+    vs_defaults = s["candidate_vs_fasttree"]
+    assert math.isclose(vs_defaults["geomean"], math.sqrt(2.0 * 0.75))
+    assert vs_defaults["worst"] == 0.75 and vs_defaults["worst_case"] == "2/mha" and vs_defaults["below_0.97"] == 1
+    assert math.isclose(s["candidate_vs_query_separated"]["worst"], 0.75)
+    assert s["candidate_vs_query_separated"]["below_0.97"] == 1
+
+
+@pytest.mark.gpu
+def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
+    """Two drawn trees at 8/1 D 256: the candidate is planned, checked against float64 and timed
+    beside the defaults and decode, and the report records it."""
+    argv = ["--suite", "heldout", "--trees", "2", "--seed", "77", "--shapes", "8x1/d256/bf16", "--export", "none",
+            "--variants", "fasttree,query_separated", "--candidate", "kv_tile=32,32", "--out", str(tmp_path),
+            "--label", "t"]  # fmt: skip
+    assert kernel.main(argv) == 0
+    report = json.loads((tmp_path / "kernel_t.json").read_text())
+    assert report["candidate"]["kv_tile"] == [32, 32] and report["heldout"] == {"seed": 77, "trees": 2}
+    assert len(report["rows"]) == 2
+    for row in report["rows"]:
+        assert row["variants"][kernel.CANDIDATE]["correct"] and row["variants"][kernel.CANDIDATE]["graph_us"] > 0
+    assert report["summary"]["candidate_vs_fasttree"]["n"] == 2

@@ -6,6 +6,7 @@ the other at module level)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import torch
@@ -43,7 +44,10 @@ def probe_item(args: argparse.Namespace, *, case: int | None = None, heads: str 
     (``family``) that :func:`probe_inputs` rebuilds in the FlashInfer probe's child process."""
     if family is not None:
         hq, hkv = family.heads
-        suite = next(name for name, cases in SUITES.items() if family in cases)
+        suite = next((name for name, cases in SUITES.items() if family in cases), None)
+        if suite is None:  # a drawn case (the heldout suite): the item carries the case itself
+            return {"key": case_key(family.name, f"{hq}/{hkv}"), "suite": "heldout", "name": family.name,
+                    "family": dataclasses.asdict(family)}  # fmt: skip
         return {"key": case_key(family.name, f"{hq}/{hkv}"), "suite": suite, "name": family.name}
     return {"key": case_key(case, heads), "suite": "paper", "case": case, "heads": heads,
             "head_dim": args.head_dim, "dtype": args.dtype}  # fmt: skip
@@ -51,8 +55,11 @@ def probe_item(args: argparse.Namespace, *, case: int | None = None, heads: str 
 
 def probe_inputs(item: dict[str, Any]) -> tuple[ft.KVTree, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree and the inputs (:func:`case_inputs`) of the case :func:`probe_item` described."""
-    if item["suite"] in SUITES:
-        (fc,) = [c for c in SUITES[item["suite"]] if c.name == item["name"]]
+    if item["suite"] in SUITES or item["suite"] == "heldout":
+        if item["suite"] == "heldout":
+            fc = FamilyCase(**{**item["family"], "heads": tuple(item["family"]["heads"])})
+        else:
+            (fc,) = [c for c in SUITES[item["suite"]] if c.name == item["name"]]
         tree = family_tree(fc)
         return (tree, *case_inputs(tree, *fc.heads, fc.head_dim, DTYPES[fc.dtype], fc.seed))
     hq, hkv = PAPER_HEADS[item["heads"]]

@@ -11,6 +11,10 @@ The last three cases were added after a crossover A/B on the H200 found them los
 query-separated decode (independent requests at 16 query heads over 2 or 4 KV heads, and a
 smaller forest with internal queries at one KV head; ``docs/history.md``): the suite keeps every
 tree a fix must hold on.
+
+:func:`heldout_cases` draws a fresh sample instead (the ``heldout`` suite): trees of every family,
+their sizes drawn by the family's generator from a seed the caller picks, so that a change decided
+on the fixed suites is checked on trees it was not chosen on.
 """
 
 from __future__ import annotations
@@ -19,9 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..tree import KVTree
-from .workloads import sample_tree
+from .workloads import TREE_FAMILIES, sample_tree
 
-__all__ = ["CROSSOVER_CASES", "FAMILY_CASES", "SUITES", "FamilyCase", "family_tree"]
+__all__ = [
+    "CROSSOVER_CASES",
+    "FAMILY_CASES",
+    "HELDOUT_SHAPES",
+    "SUITES",
+    "FamilyCase",
+    "family_tree",
+    "heldout_cases",
+    "parse_shape",
+]
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,49 @@ CROSSOVER_CASES: tuple[FamilyCase, ...] = tuple(
 
 #: The kernel benchmark's suites of family cases, by ``--suite`` name.
 SUITES: dict[str, tuple[FamilyCase, ...]] = {"families": FAMILY_CASES, "crossover": CROSSOVER_CASES}
+
+
+#: Head layouts of the ``heldout`` suite by default, ``((Hq, Hkv), D, dtype)``: MHA, GQA 4, 7, 8 and
+#: 16, one KV head, head dims 64/128/256, fp16 and bf16 (the shapes the families suite covers).
+HELDOUT_SHAPES: tuple[tuple[tuple[int, int], int, str], ...] = (
+    ((32, 32), 128, "float16"), ((32, 8), 128, "float16"), ((28, 4), 128, "float16"), ((32, 4), 64, "bfloat16"),
+    ((16, 1), 128, "float16"), ((8, 1), 256, "bfloat16"), ((16, 2), 256, "bfloat16"), ((32, 8), 256, "bfloat16"),
+)  # fmt: skip
+
+
+def parse_shape(text: str) -> tuple[tuple[int, int], int, str]:
+    """A head layout written ``HQxHKV/dD/DTYPE`` (``8x1/d256/bf16``; dtype ``fp16`` or ``bf16``), as
+    ``((Hq, Hkv), D, dtype name)``; ``ValueError`` names what is wrong."""
+    parts = text.strip().split("/")
+    dtypes = {"fp16": "float16", "bf16": "bfloat16"}
+    try:
+        hq, hkv = (int(x) for x in parts[0].split("x"))
+        d = int(parts[1].removeprefix("d")) if parts[1].startswith("d") else -1
+        dtype = dtypes[parts[2]]
+    except (ValueError, IndexError, KeyError):
+        msg = f"shape {text!r}: expected HQxHKV/dD/DTYPE such as 8x1/d256/bf16 (dtype fp16 or bf16)"
+        raise ValueError(msg) from None
+    if len(parts) != 3 or hq < 1 or hkv < 1 or hq % hkv or not 16 <= d <= 256:
+        raise ValueError(f"shape {text!r}: Hq must be a positive multiple of Hkv and D in [16, 256]")
+    return (hq, hkv), d, dtype
+
+
+def heldout_cases(
+    seed: int, n_trees: int, shapes: tuple[tuple[tuple[int, int], int, str], ...] = HELDOUT_SHAPES
+) -> tuple[FamilyCase, ...]:
+    """``n_trees`` cases of the ``heldout`` suite: case ``i`` is a tree of family ``i mod 7`` (every
+    key of :data:`~fasttree.toolkit.workloads.TREE_FAMILIES` in turn) drawn with seed ``seed + i``
+    and the family's own size ranges, at head layout ``shapes[i mod len(shapes)]``. The same
+    arguments give the same cases; pick a ``seed`` no earlier decision used."""
+    if n_trees < 1 or seed < 0 or not shapes:
+        raise ValueError(f"heldout_cases needs n_trees >= 1, seed >= 0 and a shape, got {n_trees}, {seed}, {shapes}")
+    families = sorted(TREE_FAMILIES)
+    cases = []
+    for i in range(n_trees):
+        heads, d, dtype = shapes[i % len(shapes)]
+        family = families[i % len(families)]
+        cases.append(_case(f"{family}#{seed + i}", family, seed + i, {}, tuple(heads), d, dtype))
+    return tuple(cases)
 
 
 def family_tree(case: FamilyCase) -> KVTree:

@@ -21,7 +21,10 @@ measured in one run on random N(0, 1) inputs:
   see :mod:`.flashinfer_baseline`: skipped with the reason when FlashInfer cannot be imported,
   each call first run in a child process so that a crash of theirs is recorded per case (one the
   probe missed, in the timed process, fails that peer on that case and the run goes on from the
-  case in a fresh process);
+  case in a fresh process); and with ``--candidate FIELD=VALUE;...`` the variant ``candidate``:
+  ``FastTreeConfig()`` with those fields changed, planned and launched as ``fasttree`` is (the A/B
+  of a change to the defaults; the summary gives ``candidate_vs_fasttree`` and
+  ``candidate_vs_query_separated``);
 * every variant's worst per-query relative error against the float64 reference on a
   sample of queries (outputs poisoned with NaN first);
 * the roofline floor ``max(min_bytes / 4.8 TB/s, flops / 700 TFLOP/s)`` as the anchors
@@ -34,11 +37,15 @@ source checkout has it; without that file the variant is skipped). Run as
 ``fasttree-tune bench -- ARGS``, or from the repository root::
 
     python -m bench.kernel --suite paper [--heads mha,gqa4,gqa16] [--cases 1-15] [--out docs/results]
+
+``--suite heldout --seed S --trees N [--shapes 8x1/d256/bf16,...]`` draws ``N`` fresh trees of every
+family (:func:`.family_suite.heldout_cases`) instead of a fixed suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -58,7 +65,7 @@ from ..fileio import write_atomic
 from ..runtime import TreeAttentionRuntime
 from .bench_cases import case_inputs, case_key, probe_item
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
-from .family_suite import SUITES, FamilyCase, family_tree
+from .family_suite import HELDOUT_SHAPES, SUITES, FamilyCase, family_tree, heldout_cases, parse_shape
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, interleaved_graph_times_us
 
@@ -73,7 +80,9 @@ PEER_VARIANTS = ("flashinfer_decode", "flashinfer_cascade")
 #: The variants run when ``--variants`` is not given: ours and the torch baselines.
 DEFAULT_VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
 #: Every variant ``--variants`` accepts.
-VARIANTS = DEFAULT_VARIANTS + PEER_VARIANTS
+#: The variant of ``--candidate``: the defaults with some fields changed (run only when given).
+CANDIDATE = "candidate"
+VARIANTS = DEFAULT_VARIANTS + PEER_VARIANTS + (CANDIDATE,)
 
 
 def roofline_floor_us(tree: ft.KVTree, hq: int, hkv: int, d: int, elem_bytes: int = 2) -> dict[str, float]:
@@ -212,6 +221,15 @@ def bench_tree(
         outs[name] = torch.empty_like(q)
         runners[name] = lambda p=p, o=outs[name]: ft.tree_attention(q, k, v, p, out=o)
         row.setdefault("variant_plans", {})[name] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
+    candidate = getattr(args, "candidate", None)
+    if CANDIDATE in args.variants and candidate is not None:
+        p = ft.plan(tree, candidate, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        outs[CANDIDATE] = torch.empty_like(q)
+        runners[CANDIDATE] = lambda p=p, o=outs[CANDIDATE]: ft.tree_attention(q, k, v, p, out=o)
+        row.setdefault("variant_plans", {})[CANDIDATE] = {
+            "tile_mode": p.tile_mode, "units": p.units_per_class(),
+            "same_plan_as_fasttree": bool(np.array_equal(p.kv_indices, plan.kv_indices)),
+        }  # fmt: skip
     if "query_separated" in args.variants:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         p = ft.plan_query_separated(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_sms=sms)
@@ -438,6 +456,8 @@ _RATIOS = (
     ("runtime_vs_fasttree", "fasttree", "runtime"),
     ("fasttree_vs_query_separated", "query_separated", "fasttree"),
     ("runtime_vs_query_separated", "query_separated", "runtime"),
+    ("candidate_vs_fasttree", "fasttree", CANDIDATE),
+    ("candidate_vs_query_separated", "query_separated", CANDIDATE),
 )
 
 
@@ -575,17 +595,59 @@ def plot(rows, path: Path) -> bool:
     return True
 
 
+def parse_candidate(text: str) -> ft.FastTreeConfig:
+    """``FastTreeConfig()`` with the fields of ``text`` changed: ``FIELD=VALUE`` pairs separated by
+    ``;``, a pair field's two values by a comma (``kv_tile=32,32;gamma=0.2``). ``ValueError`` on an
+    unknown field, a bad value, or no change at all."""
+    fields = {f.name: f for f in dataclasses.fields(ft.FastTreeConfig)}
+    changes: dict[str, Any] = {}
+    for part in (x.strip() for x in text.split(";")):
+        if not part:
+            continue
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or name not in fields:
+            raise ValueError(f"--candidate {part!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        try:
+            numbers = [float(x) if "." in x or "e" in x.lower() else int(x) for x in value.split(",")]
+        except ValueError:
+            raise ValueError(f"--candidate {part!r}: {value!r} is not a number or a pair of numbers") from None
+        changes[name] = tuple(numbers) if len(numbers) > 1 else numbers[0]
+    if not changes:
+        raise ValueError("--candidate names no field")
+    candidate = ft.FastTreeConfig().with_(**changes)
+    if candidate == ft.FastTreeConfig():
+        raise ValueError(f"--candidate {text!r} is the defaults")
+    return candidate
+
+
 def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--suite",
-        choices=["paper", *SUITES],
+        choices=["paper", *SUITES, "heldout"],
         default="paper",
         help="benchmark suite: the paper's 15 trees at --heads, --head-dim and --dtype; 'families': "
         "other tree families at fixed head shapes, head dims and dtypes; 'crossover': batches with no or "
-        "little sharing at tensor-parallel head layouts, where query-separated decode is the bar "
-        "(fasttree.toolkit.family_suite; for both --cases, --heads, --head-dim and --dtype do not apply) "
+        "little sharing at tensor-parallel head layouts, where query-separated decode is the bar; "
+        "'heldout': --trees fresh trees of every family drawn from --seed at --shapes "
+        "(fasttree.toolkit.family_suite; for these --cases, --heads, --head-dim and --dtype do not apply) "
         "(default: paper)",
+    )
+    p.add_argument("--seed", type=int, default=9000, help="heldout suite: the first tree's seed (default: 9000)")
+    p.add_argument("--trees", type=int, default=56, help="heldout suite: number of trees (default: 56)")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="heldout suite: head layouts HQxHKV/dD/DTYPE, comma separated, used in turn (default: "
+        + ",".join(f"{h[0]}x{h[1]}/d{d}/{'bf16' if t == 'bfloat16' else 'fp16'}" for h, d, t in HELDOUT_SHAPES)
+        + ")",
+    )
+    p.add_argument(
+        "--candidate",
+        default=None,
+        metavar="FIELD=VALUE;...",
+        help="time the variant 'candidate': FastTreeConfig() with these fields changed (pairs as "
+        "'kv_tile=32,32;num_stages=3,3'), against the defaults and query-separated decode",
     )
     p.add_argument("--heads", default=",".join(PAPER_HEADS), help="head settings, comma separated")
     p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
@@ -616,8 +678,18 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         lo, _, hi = part.partition("-")
         cases += list(range(int(lo), int(hi or lo) + 1))
     args.cases = [c for c in cases if c in PAPER_SUITE]
+    try:
+        args.shapes = tuple(parse_shape(x) for x in args.shapes.split(",") if x) if args.shapes else HELDOUT_SHAPES
+        args.heldout = heldout_cases(args.seed, args.trees, args.shapes) if args.suite == "heldout" else ()
+        args.candidate = parse_candidate(args.candidate) if args.candidate is not None else None
+    except ValueError as exc:
+        p.error(str(exc))
     args.heads = [h for h in args.heads.split(",") if h]
     args.variants = [v for v in args.variants.split(",") if v]
+    if args.candidate is not None and CANDIDATE not in args.variants:
+        args.variants.append(CANDIDATE)
+    if args.candidate is None and CANDIDATE in args.variants:
+        p.error("the variant 'candidate' needs --candidate FIELD=VALUE;...")
     bad = [h for h in args.heads if h not in PAPER_HEADS] + [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown heads/variants: {bad}")
@@ -734,8 +806,9 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         runs = [lambda c=case, h=heads: bench_case(c, h, args, anchors) for case in args.cases for heads in args.heads]
         items = [probe_item(args, case=case, heads=heads) for case in args.cases for heads in args.heads]
     else:
-        runs = [lambda fc=fc: bench_family_case(fc, args) for fc in SUITES[args.suite]]
-        items = [probe_item(args, family=fc) for fc in SUITES[args.suite]]
+        cases = args.heldout if args.suite == "heldout" else SUITES[args.suite]
+        runs = [lambda fc=fc: bench_family_case(fc, args) for fc in cases]
+        items = [probe_item(args, family=fc) for fc in cases]
     if resume is not None:  # a child of _run_rest_in_child: its cases, its rows to the state file
         args.peer_status = {(key, name): text for key, name, text in resume["peer_status"]}
         rows, lost, stopped = _run_items(runs, items, int(resume["start"]))
@@ -769,6 +842,8 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         "benchmark": f"tree attention kernel, {args.suite} suite",
         "label": args.label,
         "export": args.export_path,
+        "candidate": None if args.candidate is None else args.candidate.to_dict(),
+        "heldout": {"seed": args.seed, "trees": args.trees} if args.suite == "heldout" else None,
         "env": env,
         "summary": summary,
         "rows": rows,
