@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# GPU acceptance of a change, on a CUDA machine, from the repository root after `pip install -e .`:
+# GPU acceptance of a change, on a CUDA machine, from the repository root after `pip install -e .`
+# (on the lent device: `python3 -m pip install -q --no-deps --no-build-isolation -e .`, with skops and
+# Optuna from wheels carried in .whl/, see bench/README.md):
 #   tests     the gpu-marked tests, then the CPU test files whose kernels run compiled on a GPU
 #             (attention, launch cache, runtime, packing), in parallel workers
 #   memcheck  compute-sanitizer memcheck and racecheck of tests/memcheck_sample.py
-#   kernel    the paper-suite kernel benchmark (docs/results/kernel_h200.*)
-#   families  the kernel benchmark on the other tree families (docs/results/kernel_h200_fam.*)
-# Usage: OUT=folder bash bench/gpu_check.sh [tests] [memcheck] [kernel] [families]   (no argument: all four)
+#   kernel    the paper-suite kernel benchmark (kernel_<gpu>.*)
+#   families  the kernel benchmark on the other tree families (kernel_<gpu>_fam.*)
+#   crossover the crossover suite against query-separated decode (kernel_<gpu>_crossover.*)
+#   heldout   with CANDIDATE='FIELD=VALUE;...' (and SEED, TREES, SHAPES): the candidate against the
+#             defaults and decode on fresh trees (kernel_<gpu>_heldout.*)
+#   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
+#   decode    the end-to-end decode benchmark (decode_<gpu>.*)
+# <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
+# gpu-check), to be copied to docs/results/ by hand.
+# Usage: OUT=folder bash bench/gpu_check.sh [step ...]   (no argument: tests memcheck kernel families)
 # Each step has a time limit; its log goes to $OUT and its last lines to the terminal.
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 steps=${*:-tests memcheck kernel families}
 workers=${WORKERS:-8}
+case $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) in
+  *H200*) gpu=h200 ;;
+  *H100*) gpu=h100 ;;
+  *) gpu=gpu ;;
+esac
 for step in $steps; do
   case $step in
     tests)
@@ -36,15 +50,37 @@ for step in $steps; do
       done
       ;;
     kernel)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite paper --out "$out" --label h200 --overwrite \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite paper --out "$out" --label "$gpu" --overwrite \
         >"$out/kernel.log" 2>&1
-      echo "kernel benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200.md
+      echo "kernel benchmark: exit $?"; grep -A8 "^Summary" "$out/kernel_$gpu.md"
       ;;
     families)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite families --out "$out" --label h200_fam \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite families --out "$out" --label "${gpu}_fam" \
         --overwrite >"$out/kernel_families.log" 2>&1
-      echo "families benchmark: exit $?"; grep -A8 "^Summary" "$out"/kernel_h200_fam.md
+      echo "families benchmark: exit $?"; grep -A8 "^Summary" "$out/kernel_${gpu}_fam.md"
       ;;
-    *) echo "unknown step $step (tests, memcheck, kernel, families)"; exit 2 ;;
+    crossover)
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite crossover --variants fasttree,query_separated,runtime \
+        --export none --out "$out" --label "${gpu}_crossover" --overwrite >"$out/kernel_crossover.log" 2>&1
+      echo "crossover benchmark: exit $?"; grep -A14 "^Summary" "$out/kernel_${gpu}_crossover.md"
+      ;;
+    heldout)
+      if [ -z "${CANDIDATE:-}" ]; then echo "heldout needs CANDIDATE='FIELD=VALUE;...'"; exit 2; fi
+      shapes=()
+      [ -n "${SHAPES:-}" ] && shapes=(--shapes "$SHAPES")
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
+        "${shapes[@]}" --candidate "$CANDIDATE" --variants fasttree,query_separated --export none --out "$out" \
+        --label "${gpu}_heldout" --overwrite >"$out/kernel_heldout.log" 2>&1
+      echo "heldout A/B of $CANDIDATE: exit $?"; grep -E "candidate_vs|all_correct" "$out/kernel_${gpu}_heldout.md"
+      ;;
+    plan)
+      timeout "${PLAN_S:-180}" python3 -m bench.plan_time --label "$gpu-host" --out "$out" >"$out/plan_time.log" 2>&1
+      echo "plan_time: exit $?"; grep -E "^- (max|median|rows)" "$out/plan_time_$gpu-host.md"
+      ;;
+    decode)
+      timeout "${DECODE_S:-400}" python3 -m bench.decode --out "$out" --label "decode_$gpu" >"$out/decode.log" 2>&1
+      echo "decode benchmark: exit $?"; tail -n 3 "$out/decode.log"
+      ;;
+    *) echo "unknown step $step (tests, memcheck, kernel, families, crossover, heldout, plan, decode)"; exit 2 ;;
   esac
 done
