@@ -48,6 +48,16 @@ def _refcounts_exact() -> bool:
     return gil is None or bool(gil())
 
 
+def eighth_step_ceil(n: int) -> int:
+    """``n`` (>= 0) rounded up to a step of one eighth of its power of two: ``n`` itself up to 16,
+    above that ``m * 2**e`` with ``8 <= m < 16``, so at most one entry in eight is spare and sizes
+    within one such step share one value (slab sizes here, launch grids in
+    :func:`fasttree.launch_variants.grid_bucket`)."""
+    n = max(int(n), 0)
+    shift = max(n.bit_length() - 4, 0)
+    return -(-n >> shift) << shift
+
+
 class EntryArrayPool:
     """Bounded slabs of int32 host memory, handed out as views of a free slab.
 
@@ -74,13 +84,6 @@ class EntryArrayPool:
         self._exact = _refcounts_exact()
         self._free = _free_refs()
 
-    @staticmethod
-    def _slab_entries(n: int) -> int:
-        """Entries of a new slab for ``n``: ``n`` rounded up to 1/8 steps of its power of two,
-        so that plans of similar sizes reuse one slab."""
-        shift = max(int(n).bit_length() - 4, 0)
-        return -(-int(n) >> shift) << shift
-
     def empty(self, n: int) -> np.ndarray:
         """An uninitialised int32 array of ``n`` entries (C-contiguous, on the host)."""
         n = int(n)
@@ -99,7 +102,7 @@ class EntryArrayPool:
                     spare = i
             if fit >= 0:
                 return slabs[fit][:n]
-            size = self._slab_entries(n)
+            size = eighth_step_ceil(n)  # plans of similar sizes reuse one slab
             if len(slabs) >= self.max_slabs:
                 if spare < 0:
                     return np.empty(n, dtype=np.int32)
@@ -138,7 +141,7 @@ def work_array(n: int) -> np.ndarray:
     Returns
     -------
     ndarray, int64 [n]
-        A view of this thread's work array (grown to :meth:`EntryArrayPool._slab_entries` of ``n``
+        A view of this thread's work array (grown to :func:`eighth_step_ceil` of ``n``
         when it is smaller), or an array of its own above ``2**23`` entries.
     """
     n = int(n)
@@ -146,5 +149,5 @@ def work_array(n: int) -> np.ndarray:
         return np.empty(n, dtype=np.int64)
     buf = getattr(_WORK, "buf", None)
     if buf is None or buf.size < n:
-        buf = _WORK.buf = np.empty(EntryArrayPool._slab_entries(n), dtype=np.int64)
+        buf = _WORK.buf = np.empty(eighth_step_ceil(n), dtype=np.int64)
     return buf[:n]

@@ -22,6 +22,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+from .host_arrays import eighth_step_ceil
 from .launch_rules import GpuTarget, MergeLaunch, Stage1Launch, merge_launch, next_pow2, stage1_launches
 from .plan_arrays import Plan
 
@@ -29,10 +30,9 @@ __all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "lau
 
 #: Variant id of the runtime's fixed persistent launch (serves any plan within the capacities).
 FIXED_VARIANT = 0
-#: Counts up to this many are their own bucket.
+#: Counts up to this many are their own bucket (:func:`fasttree.host_arrays.eighth_step_ceil`
+#: leaves them as they are; above it a bucket holds at most 1/8 idle programs).
 _EXACT_BUCKETS = 16
-#: Mantissa bits of a bucket above that: 3 bits, so a bucket holds at most 1/8 idle programs.
-_BUCKET_BITS = 3
 
 
 def grid_bucket(n: int, wave: int = 0) -> int:
@@ -47,10 +47,9 @@ def grid_bucket(n: int, wave: int = 0) -> int:
     program that would start a partial wave of its own (:func:`unit_wave`).
     """
     n = max(int(n), 0)
+    lattice = eighth_step_ceil(n)
     if n <= _EXACT_BUCKETS:
         return n
-    shift = n.bit_length() - 1 - _BUCKET_BITS
-    lattice = -(-n >> shift) << shift
     if wave > 0:
         return min(lattice, -(-n // wave) * wave)
     return lattice

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fasttree as ft
-from fasttree.host_arrays import EntryArrayPool, work_array
+from fasttree.host_arrays import EntryArrayPool, eighth_step_ceil, work_array
 
 
 def _pool(**kw) -> EntryArrayPool:
@@ -67,9 +67,13 @@ def test_the_pool_keeps_within_its_slab_count_and_bytes():
 
 
 def test_slabs_round_up_so_that_similar_sizes_share_one():
-    assert EntryArrayPool._slab_entries(1000) >= 1000
-    assert EntryArrayPool._slab_entries(1000) - 1000 < 1000 / 8
-    assert EntryArrayPool._slab_entries(64) == 64
+    assert eighth_step_ceil(1000) >= 1000
+    assert eighth_step_ceil(1000) - 1000 < 1000 / 8
+    assert eighth_step_ceil(64) == 64
+    assert [eighth_step_ceil(n) for n in (0, 1, 15, 16, 17, 18, 19)] == [0, 1, 15, 16, 18, 18, 20]
+    for n in range(1, 5000):
+        up = eighth_step_ceil(n)
+        assert n <= up < n + max(1, n / 8) and eighth_step_ceil(up) == up
 
 
 def _deep_tree(seed: int, tokens: int) -> ft.KVTree:
