@@ -219,10 +219,13 @@ def _one_wave_of_small_tiles(head_dim: int, tc: TileClass, items: int, sms: int)
     return head_dim <= 128 and tc.block_m == 16 and tc.num_stages <= 4 and items <= _SMALL_TILE_PROGRAMS * sms
 
 
-def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int) -> int:
+def launch_kv_tile(
+    group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int, wide_head_cap: int = 0
+) -> int:
     """KV tokens per inner-loop tile of one stage-1 launch of tile class ``tc``.
 
-    ``tc.block_n`` (the plan's), except that a 16-row GQA class (several heads per query, 4 or
+    ``tc.block_n`` (the plan's), at most ``wide_head_cap`` (``PlanRules.wide_head_kv_tile``; 0: no
+    cap) for a class of 32 or more rows above head dim 128; and a 16-row GQA class (several heads per query, 4 or
     more warps, at most 4 stages, head dim <= 128) with a 64-token tile runs 128-token tiles
     when its ``items`` fit one wave of the GPU's ``sms`` SMs at 3 programs per SM and one unit in
     ten or more (``lengths``: the class's unit KV lengths) is longer than 64 tokens. Such a
@@ -231,6 +234,8 @@ def launch_kv_tile(group_size: int, head_dim: int, tc: TileClass, lengths: np.nd
     the same tile on 2.6 waves cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it).
     ``sms`` is :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply).
     """
+    if wide_head_cap and head_dim > 128 and tc.block_m >= 32 and tc.block_n > wide_head_cap:
+        return wide_head_cap
     if (
         group_size == 1
         or not _one_wave_of_small_tiles(head_dim, tc, items, sms)
@@ -360,7 +365,8 @@ def stage1_launches(plan: Plan, target: GpuTarget) -> tuple[Stage1Launch, ...]:
     """The stage-1 launch of each non-empty tile class of ``plan`` on ``target``.
 
     One place for the per-plan choices :func:`fasttree.tree_attention` and the runtime's launch
-    variants make alike: the KV tile (:func:`launch_kv_tile`), the stages
+    variants make alike: the KV tile (:func:`launch_kv_tile`, with the plan's
+    ``rules.wide_head_kv_tile``), the stages
     (:func:`launch_num_stages`, only where the config leaves them to their defaults), peeling
     (:func:`peel_tiles`) and MHA's register cap (:func:`small_tile_maxnreg`).
     """
@@ -375,7 +381,7 @@ def stage1_launches(plan: Plan, target: GpuTarget) -> tuple[Stage1Launch, ...]:
             continue
         lengths = plan.unit_kv_len[ptr[c] : ptr[c + 1]]
         items = n_units * plan.num_kv_heads
-        block_n = launch_kv_tile(g, d, tc, lengths, items, sms)
+        block_n = launch_kv_tile(g, d, tc, lengths, items, sms, plan.rules.wide_head_kv_tile)
         num_stages = launch_num_stages(g, d, tc, items, sms) if default_stages else tc.num_stages
         mean_tiles = float(np.add.reduce(-(-lengths // block_n), dtype=np.int64)) / n_units
         maxnreg = None

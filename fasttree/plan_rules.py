@@ -92,6 +92,12 @@ class PlanRules:
     whole_groups_max_tail : float
         ... or whose longest group would hold more than this many times the class's KV x heads
         over ``para_threshs1`` (uncut, it would be the launch's tail).
+    wide_head_kv_tile : int
+        At head dims above 128, the KV tile (tokens) a launch of 32 or more rows runs at most
+        (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in [16, 512], or 0 for the
+        plan's own tile. On sm_90 the 64-row tile at head dim 256 with 64-token tiles takes 164 KB
+        of shared memory at 3 stages (one program per SM), with 32-token tiles 98 KB (two); the
+        rule's speed is not yet measured, so it is off by default (``docs/history.md``).
     """
 
     solo_units: bool = True
@@ -110,6 +116,7 @@ class PlanRules:
     whole_groups: bool = True
     whole_groups_min_items: tuple[int, int] = (1, 2)
     whole_groups_max_tail: float = 2.0
+    wide_head_kv_tile: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -121,6 +128,10 @@ class PlanRules:
                 value = check_int_pair(name, value, minimum=0)
             elif f.name == "solo_split_max_kv_heads":
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
+            elif f.name == "wide_head_kv_tile":
+                value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
+                if value and (value & (value - 1) or not 16 <= value <= 512):
+                    raise ValueError(f"{name} must be 0 or a power of two in [16, 512], got {value}")
             elif f.type == "int":
                 value = check_int(name, value, minimum=1, expected="a positive integer")
             else:

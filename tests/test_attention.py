@@ -349,6 +349,41 @@ def test_wide_kv_tile_only_for_one_wave_gqa_small_classes(args, expected):
     assert launch_rules.launch_kv_tile(*args) == expected
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((8, 256, _tile(block_m=64), _LONG, 256, 132, 32), 32),  # the cap: 64-row class at head dim 256
+        ((1, 256, _tile(block_m=32), _LONG, 256, 132, 32), 32),
+        ((8, 256, _tile(block_m=64, block_n=16), _LONG, 256, 132, 32), 16),  # a smaller tile stays
+        ((8, 256, _tile(block_m=16), _LONG, 256, 132, 32), 64),  # 16-row classes keep theirs
+        ((8, 128, _tile(block_m=64), _LONG, 256, 132, 32), 64),  # head dim 128: no cap
+        ((8, 256, _tile(block_m=64), _LONG, 256, 132, 0), 64),  # 0: the rule is off (the default)
+        ((8, 256, _tile(block_m=64), _LONG, 256, 0, 32), 32),  # a shared-memory rule: no SM count needed
+    ],
+)
+def test_wide_head_cap_shrinks_only_wide_tiles_above_head_dim_128(args, expected):
+    assert launch_rules.launch_kv_tile(*args) == expected
+
+
+def test_wide_head_kv_tile_rule_launches_match_reference(device):
+    """A plan made with ``PlanRules.wide_head_kv_tile=32`` at head dim 256 launches its 32-row class
+    with 32-token KV tiles, and its result matches the float64 reference (the default rules keep 64)."""
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
+    # gamma < 0 groups shared prefixes with their queries; para_threshs2 keeps both tile classes
+    cfg = ft.FastTreeConfig(q_tile_queries=(4, 1), pack_tokens=0, para_threshs2=(1, 1), gamma=-10.0)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = make_inputs(tree, 8, 1, 256, torch.bfloat16, device, gen)
+    capped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256,
+                     rules=ft.PlanRules.defaults().with_(wide_head_kv_tile=32))  # fmt: skip
+    default = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256)
+    target = _h200_like(device)
+    wide = [s for s in launch_rules.stage1_launches(capped, target) if s.block_m >= 32]
+    assert wide and all(s.block_n == 32 for s in wide)
+    assert all(s.block_n == 64 for s in launch_rules.stage1_launches(default, target) if s.block_m >= 32)
+    out = run_poisoned(lambda o: _run(_launches(capped, q, k, v, o, target)), q)
+    check_against_reference(out, q, k, v, tree)
+
+
 @pytest.mark.parametrize(("g", "q_tiles", "pack_tokens"), [(8, (2, 2), 0), (16, None, 0), (16, None, 1024)])
 def test_wide_kv_tile_launch_matches_reference(g, q_tiles, pack_tokens, device, monkeypatch):
     """A one-wave 16-row GQA class launched with 128-token KV tiles (launches sized for an H200's

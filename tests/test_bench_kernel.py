@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from fasttree import ExportEntry, ExportGuard, FastTreeConfig, Portfolio, Selector
+from fasttree import ExportEntry, ExportGuard, FastTreeConfig, PlanRules, Portfolio, Selector
 from fasttree.export import ConfigExport
 from fasttree.portfolio import TREE_FEATURES
 from fasttree.toolkit import kernel_bench as kernel
@@ -315,10 +315,14 @@ def test_a_fresh_process_that_writes_no_rows_ends_the_run_with_its_status(tmp_pa
 
 
 def test_a_candidate_is_the_defaults_with_the_named_fields_changed():
-    cand = kernel.parse_candidate("kv_tile=32,32; gamma=0.2")
-    assert cand == FastTreeConfig().with_(kv_tile=(32, 32), gamma=0.2)
-    assert kernel.parse_candidate("pack_tokens=512").pack_tokens == 512
-    for bad in ("kv_tile=32", "no_such_field=1", "kv_tile=a,b", "kv_tile=64,64", " ; ", "kv_tile"):
+    cand, rules = kernel.parse_candidate("kv_tile=32,32; gamma=0.2")
+    assert cand == FastTreeConfig().with_(kv_tile=(32, 32), gamma=0.2) and rules == PlanRules.defaults()
+    assert kernel.parse_candidate("pack_tokens=512")[0].pack_tokens == 512
+    cand, rules = kernel.parse_candidate("wide_head_kv_tile=32;wide_units=false")
+    assert cand == FastTreeConfig() and rules == PlanRules.defaults().with_(wide_head_kv_tile=32, wide_units=False)
+    assert kernel._candidate_dict(cand, rules)["rules"] == {"wide_head_kv_tile": 32, "wide_units": False}
+    for bad in ("kv_tile=32", "no_such_field=1", "kv_tile=a,b", "kv_tile=64,64", " ; ", "kv_tile",
+                "wide_head_kv_tile=48", "wide_head_kv_tile=0", "wide_units=1"):  # fmt: skip
         with pytest.raises(ValueError):
             kernel.parse_candidate(bad)
 
@@ -327,7 +331,7 @@ def test_the_candidate_variant_runs_only_with_a_candidate(capsys):
     argv = ["--export", "none", "--variants", "fasttree,query_separated", "--candidate", "kv_tile=32,32"]
     args = kernel.parse_args(argv)
     assert args.variants == ["fasttree", "query_separated", kernel.CANDIDATE]
-    assert args.candidate.kv_tile == (32, 32)
+    assert args.candidate[0].kv_tile == (32, 32)
     assert kernel.CANDIDATE not in kernel.parse_args(["--export", "none"]).variants
     for argv in (["--variants", "fasttree,candidate"], ["--candidate", "kv_tile=64,64"], ["--candidate", "bad=1"]):
         with pytest.raises(SystemExit):
@@ -389,7 +393,8 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
             "--label", "t"]  # fmt: skip
     assert kernel.main(argv) == 0
     report = json.loads((tmp_path / "kernel_t.json").read_text())
-    assert report["candidate"]["kv_tile"] == [32, 32] and report["heldout"] == {"seed": 77, "trees": 2}
+    assert report["candidate"]["config"]["kv_tile"] == [32, 32] and report["candidate"]["rules"] == {}
+    assert report["heldout"] == {"seed": 77, "trees": 2}
     assert len(report["rows"]) == 2
     for row in report["rows"]:
         assert row["variants"][kernel.CANDIDATE]["correct"] and row["variants"][kernel.CANDIDATE]["graph_us"] > 0

@@ -527,6 +527,9 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ({"wide_row_tokens": float("nan")}, "PlanRules.wide_row_tokens must be a finite number"),
         ({"aligned_max_longer": -1.0}, "PlanRules.aligned_max_longer must be >= 0"),
         ({"whole_groups_min_items": (1, -1)}, r"PlanRules.whole_groups_min_items\[1\] must be >= 0"),
+        ({"wide_head_kv_tile": 48}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two in \[16, 512\], got 48"),
+        ({"wide_head_kv_tile": 8}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
+        ({"wide_head_kv_tile": -16}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
     ],
 )
 def test_plan_rules_refuse_bad_values(kwargs, match):

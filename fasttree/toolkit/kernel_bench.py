@@ -22,8 +22,8 @@ measured in one run on random N(0, 1) inputs:
   each call first run in a child process so that a crash of theirs is recorded per case (one the
   probe missed, in the timed process, fails that peer on that case and the run goes on from the
   case in a fresh process); and with ``--candidate FIELD=VALUE;...`` the variant ``candidate``:
-  ``FastTreeConfig()`` with those fields changed, planned and launched as ``fasttree`` is (the A/B
-  of a change to the defaults; the summary gives ``candidate_vs_fasttree`` and
+  ``FastTreeConfig()`` and ``PlanRules.defaults()`` with those fields changed, planned and launched
+  as ``fasttree`` is (the A/B of a change to the defaults; the summary gives ``candidate_vs_fasttree`` and
   ``candidate_vs_query_separated``);
 * every variant's worst per-query relative error against the float64 reference on a
   sample of queries (outputs poisoned with NaN first);
@@ -223,7 +223,7 @@ def bench_tree(
         row.setdefault("variant_plans", {})[name] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
     candidate = getattr(args, "candidate", None)
     if CANDIDATE in args.variants and candidate is not None:
-        p = ft.plan(tree, candidate, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        p = ft.plan(tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1])
         outs[CANDIDATE] = torch.empty_like(q)
         runners[CANDIDATE] = lambda p=p, o=outs[CANDIDATE]: ft.tree_attention(q, k, v, p, out=o)
         row.setdefault("variant_plans", {})[CANDIDATE] = {
@@ -595,29 +595,45 @@ def plot(rows, path: Path) -> bool:
     return True
 
 
-def parse_candidate(text: str) -> ft.FastTreeConfig:
-    """``FastTreeConfig()`` with the fields of ``text`` changed: ``FIELD=VALUE`` pairs separated by
-    ``;``, a pair field's two values by a comma (``kv_tile=32,32;gamma=0.2``). ``ValueError`` on an
+def parse_candidate(text: str) -> tuple[ft.FastTreeConfig, ft.PlanRules]:
+    """``FastTreeConfig()`` and ``PlanRules.defaults()`` with the fields of ``text`` changed:
+    ``FIELD=VALUE`` pairs separated by ``;``, a pair field's two values by a comma, a bool as
+    ``true``/``false`` (``kv_tile=32,32;gamma=0.2``, ``wide_head_kv_tile=32``). ``ValueError`` on an
     unknown field, a bad value, or no change at all."""
-    fields = {f.name: f for f in dataclasses.fields(ft.FastTreeConfig)}
-    changes: dict[str, Any] = {}
+    config_fields = {f.name for f in dataclasses.fields(ft.FastTreeConfig)}
+    rule_fields = {f.name for f in dataclasses.fields(ft.PlanRules)}
+    changes: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     for part in (x.strip() for x in text.split(";")):
         if not part:
             continue
         name, eq, value = (x.strip() for x in part.partition("="))
-        if not eq or name not in fields:
-            raise ValueError(f"--candidate {part!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-        try:
-            numbers = [float(x) if "." in x or "e" in x.lower() else int(x) for x in value.split(",")]
-        except ValueError:
-            raise ValueError(f"--candidate {part!r}: {value!r} is not a number or a pair of numbers") from None
-        changes[name] = tuple(numbers) if len(numbers) > 1 else numbers[0]
-    if not changes:
+        if not eq or name not in config_fields | rule_fields:
+            raise ValueError(
+                f"--candidate {part!r}: expected FIELD=VALUE with FIELD a FastTreeConfig field "
+                f"({', '.join(sorted(config_fields))}) or a PlanRules field ({', '.join(sorted(rule_fields))})"
+            )
+        if value.lower() in ("true", "false"):
+            parsed: Any = value.lower() == "true"
+        else:
+            try:
+                numbers = [float(x) if "." in x or "e" in x.lower() else int(x) for x in value.split(",")]
+            except ValueError:
+                raise ValueError(f"--candidate {part!r}: {value!r} is not a number or a pair of numbers") from None
+            parsed = tuple(numbers) if len(numbers) > 1 else numbers[0]
+        changes[0 if name in config_fields else 1][name] = parsed
+    if not changes[0] and not changes[1]:
         raise ValueError("--candidate names no field")
-    candidate = ft.FastTreeConfig().with_(**changes)
-    if candidate == ft.FastTreeConfig():
+    config, rules = ft.FastTreeConfig().with_(**changes[0]), ft.PlanRules.defaults().with_(**changes[1])
+    if config == ft.FastTreeConfig() and rules == ft.PlanRules.defaults():
         raise ValueError(f"--candidate {text!r} is the defaults")
-    return candidate
+    return config, rules
+
+
+def _candidate_dict(config: ft.FastTreeConfig, rules: ft.PlanRules) -> dict[str, Any]:
+    """The report's record of a candidate: its config and the rules it changes."""
+    defaults = dataclasses.asdict(ft.PlanRules.defaults())
+    changed = {k: v for k, v in dataclasses.asdict(rules).items() if v != defaults[k]}
+    return {"config": config.to_dict(), "rules": changed}
 
 
 def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> argparse.Namespace:
@@ -646,8 +662,9 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         "--candidate",
         default=None,
         metavar="FIELD=VALUE;...",
-        help="time the variant 'candidate': FastTreeConfig() with these fields changed (pairs as "
-        "'kv_tile=32,32;num_stages=3,3'), against the defaults and query-separated decode",
+        help="time the variant 'candidate': FastTreeConfig() and PlanRules.defaults() with these fields "
+        "changed (as 'kv_tile=32,32;num_stages=3,3' or 'wide_head_kv_tile=32'), against the defaults and "
+        "query-separated decode",
     )
     p.add_argument("--heads", default=",".join(PAPER_HEADS), help="head settings, comma separated")
     p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
@@ -842,7 +859,7 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         "benchmark": f"tree attention kernel, {args.suite} suite",
         "label": args.label,
         "export": args.export_path,
-        "candidate": None if args.candidate is None else args.candidate.to_dict(),
+        "candidate": None if args.candidate is None else _candidate_dict(*args.candidate),
         "heldout": {"seed": args.seed, "trees": args.trees} if args.suite == "heldout" else None,
         "env": env,
         "summary": summary,
