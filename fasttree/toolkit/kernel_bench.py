@@ -79,9 +79,9 @@ SDPA_MAX_BYTES = 40e9
 PEER_VARIANTS = ("flashinfer_decode", "flashinfer_cascade")
 #: The variants run when ``--variants`` is not given: ours and the torch baselines.
 DEFAULT_VARIANTS = ("fasttree", "no_greedy", "query_centric", "no_split", "query_separated", "sdpa", "tuned", "runtime")
-#: Every variant ``--variants`` accepts.
 #: The variant of ``--candidate``: the defaults with some fields changed (run only when given).
 CANDIDATE = "candidate"
+#: Every variant ``--variants`` accepts.
 VARIANTS = DEFAULT_VARIANTS + PEER_VARIANTS + (CANDIDATE,)
 
 
