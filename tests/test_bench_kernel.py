@@ -382,6 +382,14 @@ def test_the_summary_reports_the_candidate_against_the_defaults_and_decode():
     assert vs_defaults["worst"] == 0.75 and vs_defaults["worst_case"] == "2/mha" and vs_defaults["below_0.97"] == 1
     assert math.isclose(s["candidate_vs_query_separated"]["worst"], 0.75)
     assert s["candidate_vs_query_separated"]["below_0.97"] == 1
+    # where the candidate changes neither the plan nor a launch, its ratio is noise: reported apart
+    rows[0]["variant_plans"] = {kernel.CANDIDATE: {"same_plan_as_fasttree": True, "same_launches_as_fasttree": False}}
+    rows[1]["variant_plans"] = {kernel.CANDIDATE: {"same_plan_as_fasttree": True, "same_launches_as_fasttree": True}}
+    s = kernel.summarize(rows)
+    assert s["candidate_changed_cases"] == 1
+    assert s["candidate_vs_fasttree_where_changed"]["n"] == 1
+    assert math.isclose(s["candidate_vs_fasttree_where_changed"]["geomean"], 2.0)
+    assert "candidate_changed_cases" not in kernel.summarize([_row(1, 40.0, 20.0)])
 
 
 @pytest.mark.gpu
@@ -398,4 +406,5 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
     assert len(report["rows"]) == 2
     for row in report["rows"]:
         assert row["variants"][kernel.CANDIDATE]["correct"] and row["variants"][kernel.CANDIDATE]["graph_us"] > 0
+        assert isinstance(row["variant_plans"][kernel.CANDIDATE]["same_launches_as_fasttree"], bool)
     assert report["summary"]["candidate_vs_fasttree"]["n"] == 2

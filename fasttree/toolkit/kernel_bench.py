@@ -62,6 +62,7 @@ import fasttree as ft
 
 from ..export import ConfigExport, read_export
 from ..fileio import write_atomic
+from ..launch_rules import GpuTarget, stage1_launches
 from ..runtime import TreeAttentionRuntime
 from .bench_cases import case_inputs, case_key, probe_item
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
@@ -226,9 +227,11 @@ def bench_tree(
         p = ft.plan(tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1])
         outs[CANDIDATE] = torch.empty_like(q)
         runners[CANDIDATE] = lambda p=p, o=outs[CANDIDATE]: ft.tree_attention(q, k, v, p, out=o)
+        target = GpuTarget.of(q.device, interpreting=False)
         row.setdefault("variant_plans", {})[CANDIDATE] = {
             "tile_mode": p.tile_mode, "units": p.units_per_class(),
             "same_plan_as_fasttree": bool(np.array_equal(p.kv_indices, plan.kv_indices)),
+            "same_launches_as_fasttree": stage1_launches(p, target) == stage1_launches(plan, target),
         }  # fmt: skip
     if "query_separated" in args.variants:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -447,7 +450,20 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     same = [r for r in rows if r.get("variant_plans", {}).get("runtime", {}).get("same_plan_as_fasttree")]
     if same:  # the runtime's launches alone: the rows it planned as tree_attention did (no capacity retry)
         s["runtime_vs_fasttree_same_plan"] = _ratio_summary(same).get("runtime_vs_fasttree")
+    changed = [r for r in rows if _candidate_changes(r)]
+    if any(CANDIDATE in r["variants"] for r in rows):  # the candidate where it changes the plan or a launch
+        s["candidate_changed_cases"] = len(changed)
+        s["candidate_vs_fasttree_where_changed"] = _ratio_summary(changed).get("candidate_vs_fasttree")
     return s
+
+
+def _candidate_changes(row: dict[str, Any]) -> bool:
+    """Whether the candidate's plan or stage-1 launches differ from the defaults' on ``row`` (rows
+    without that record count as changed)."""
+    info = row.get("variant_plans", {}).get(CANDIDATE)
+    if info is None:
+        return False
+    return not (info.get("same_plan_as_fasttree", False) and info.get("same_launches_as_fasttree", False))
 
 
 #: Ratios the summary reports, as (key, faster variant's time in the numerator, slower's in the denominator):
