@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .plan_arrays import Plan, TileClass, tenth_longest
+from .plan_rules import wide_head_tile
 
 __all__ = [
     "MANY_PARTIALS",
@@ -234,8 +235,9 @@ def launch_kv_tile(
     the same tile on 2.6 waves cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it).
     ``sms`` is :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply).
     """
-    if wide_head_cap and head_dim > 128 and tc.block_m >= 32 and tc.block_n > wide_head_cap:
-        return wide_head_cap
+    capped = wide_head_tile(head_dim, tc.block_m, tc.block_n, wide_head_cap)
+    if capped != tc.block_n:
+        return capped
     if (
         group_size == 1
         or not _one_wave_of_small_tiles(head_dim, tc, items, sms)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["PlanRules"]
+__all__ = ["PlanRules", "wide_head_tile"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,13 @@ class PlanRules:
 
 
 _DEFAULTS = PlanRules()
+
+
+def wide_head_tile(head_dim: int, block_m: int, block_n: int, cap: int) -> int:
+    """``block_n``, or ``cap`` (:attr:`PlanRules.wide_head_kv_tile`; 0: off) where it is smaller, for
+    a launch of 32 or more rows above head dim 128: the one place of that rule, for the per-plan
+    launches (:func:`fasttree.launch_rules.launch_kv_tile`) and the runtime's fixed launch slots
+    (:func:`fasttree.runtime_planning.launch_slots`)."""
+    if cap and head_dim > 128 and block_m >= 32 and block_n > cap:
+        return cap
+    return block_n

@@ -358,7 +358,8 @@ class TreeAttentionRuntime:
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class; both
         # run in one persistent launch, with the large class's warps and stages (the config's small-class
         # warps and stages apply to tree_attention's per-plan launches only)
-        self.slots = launch_slots(self.config, self.group_size, self.head_dim)
+        rules = self._rules or PlanRules.runtime(self.stage1_launches)  # the plans' rules: their KV-tile cap
+        self.slots = launch_slots(self.config, self.group_size, self.head_dim, rules.wide_head_kv_tile)
         if max(s[0] for s in self.slots) > MAX_BLOCK_M:
             q_tiles = self.config.query_tiles(self.group_size)
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")

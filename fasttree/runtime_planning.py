@@ -21,7 +21,7 @@ import numpy as np
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
 from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, _tile_class, check_heads
-from .plan_rules import PlanRules
+from .plan_rules import PlanRules, wide_head_tile
 from .planner import plan as plan_tree
 from .tree import KVTree
 from .validation import check_choice
@@ -63,20 +63,25 @@ def resolve_stage1_launches(stage1_launches: int | str, group_size: int, head_di
     return int(stage1_launches)
 
 
-def launch_slots(config: FastTreeConfig, group_size: int, head_dim: int) -> tuple[tuple[int, int, int, int], ...]:
+def launch_slots(
+    config: FastTreeConfig, group_size: int, head_dim: int, wide_head_cap: int = 0
+) -> tuple[tuple[int, int, int, int], ...]:
     """``(block_m, block_n, num_warps, num_stages)`` of the runtime's launch slot 0 (the large tile
     class) and slot 1 (the small one): the config's tiles, whatever a plan's units need.
 
     ``block_m`` is the tile's queries times ``g`` rounded up to a power of two (at least 16), as
-    :func:`fasttree.plan` sizes it.
+    :func:`fasttree.plan` sizes it; ``block_n`` the config's KV tile, capped as the plans' rules cap
+    it (``wide_head_cap``: :attr:`fasttree.PlanRules.wide_head_kv_tile`, :func:`wide_head_tile`).
     """
     q_tiles = config.query_tiles(group_size)
     warps = config.launch_warps(group_size)
     stages = config.launch_stages(group_size, head_dim)
-    return tuple(
-        (max(_MIN_BLOCK_M, _next_pow2(t * group_size)), int(config.kv_tile[c]), int(warps[c]), int(stages[c]))
-        for c, t in enumerate(q_tiles)
-    )
+    slots = []
+    for c, t in enumerate(q_tiles):
+        block_m = max(_MIN_BLOCK_M, _next_pow2(t * group_size))
+        block_n = wide_head_tile(head_dim, block_m, int(config.kv_tile[c]), wide_head_cap)
+        slots.append((block_m, block_n, int(warps[c]), int(stages[c])))
+    return tuple(slots)
 
 
 def _shares_tokens(tree: KVTree) -> bool:
@@ -171,7 +176,7 @@ def launch_view(plan: Plan, config: FastTreeConfig, *, stage1_launches: int | st
     """
     g, d = plan.group_size, plan.head_dim
     launches = resolve_stage1_launches(stage1_launches, g, d)
-    slots = launch_slots(config, g, d)
+    slots = launch_slots(config, g, d, plan.rules.wide_head_kv_tile)
     masked = config.pack_tokens > 0  # the runtime compiles row masks in whenever the config packs
     classes = []
     for c, tc in enumerate(plan.tile_classes):

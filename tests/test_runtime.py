@@ -106,6 +106,24 @@ def test_query_centric_modes(device):
         _runtime(device, query_centric="sometimes")
 
 
+def test_the_fixed_launch_slots_and_the_launch_view_take_the_rules_kv_tile_cap():
+    # PlanRules.wide_head_kv_tile caps the KV tile of 32+ row launches above head dim 128: the
+    # runtime's fixed launch slots and the latency model's view of a runtime plan cap it as the
+    # per-plan launches do (fasttree.plan_rules.wide_head_tile)
+    from fasttree.runtime_planning import launch_slots, launch_view, plan_for_runtime
+
+    config = ft.FastTreeConfig()
+    assert [s[:2] for s in launch_slots(config, 8, 256)] == [(64, 64), (16, 64)]
+    assert [s[:2] for s in launch_slots(config, 8, 256, 32)] == [(64, 32), (16, 64)]
+    assert launch_slots(config, 8, 128, 32) == launch_slots(config, 8, 128)  # head dim 128: no cap
+    assert launch_slots(config, 1, 256, 32)[0][:2] == (64, 32)
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
+    rules = ft.PlanRules.runtime(1).with_(wide_head_kv_tile=32)
+    plan, _ = plan_for_runtime(tree, config, num_q_heads=8, num_kv_heads=1, head_dim=256, rules=rules)
+    view = launch_view(plan, config)
+    assert [tc.block_n for tc in view.tile_classes] == [32, 64]
+
+
 @pytest.mark.parametrize(
     ("heads", "query_centric"), [((4, 2, 16), "auto"), ((4, 4, 16), "auto"), ((8, 1, 32), "never")]
 )
