@@ -71,7 +71,7 @@ for step in $steps; do
       timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
         "${shapes[@]}" --candidate "$CANDIDATE" --variants fasttree,query_separated --export none --out "$out" \
         --label "${gpu}_heldout" --overwrite >"$out/kernel_heldout.log" 2>&1
-      echo "heldout A/B of $CANDIDATE: exit $?"; grep -E "candidate_vs|all_correct" "$out/kernel_${gpu}_heldout.md"
+      echo "heldout A/B of $CANDIDATE: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_${gpu}_heldout.md"
       ;;
     plan)
       timeout "${PLAN_S:-180}" python3 -m bench.plan_time --label "$gpu-host" --out "$out" >"$out/plan_time.log" 2>&1
