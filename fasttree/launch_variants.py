@@ -30,9 +30,6 @@ __all__ = ["FIXED_VARIANT", "LaunchVariant", "VariantTable", "grid_bucket", "lau
 
 #: Variant id of the runtime's fixed persistent launch (serves any plan within the capacities).
 FIXED_VARIANT = 0
-#: Counts up to this many are their own bucket (:func:`fasttree.host_arrays.eighth_step_ceil`
-#: leaves them as they are; above it a bucket holds at most 1/8 idle programs).
-_EXACT_BUCKETS = 16
 
 
 def grid_bucket(n: int, wave: int = 0) -> int:
@@ -47,9 +44,7 @@ def grid_bucket(n: int, wave: int = 0) -> int:
     program that would start a partial wave of its own (:func:`unit_wave`).
     """
     n = max(int(n), 0)
-    lattice = eighth_step_ceil(n)
-    if n <= _EXACT_BUCKETS:
-        return n
+    lattice = eighth_step_ceil(n)  # n itself up to 16, where no multiple of a wave is smaller
     if wave > 0:
         return min(lattice, -(-n // wave) * wave)
     return lattice

@@ -55,11 +55,12 @@ def probe_item(args: argparse.Namespace, *, case: int | None = None, heads: str 
 
 def probe_inputs(item: dict[str, Any]) -> tuple[ft.KVTree, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree and the inputs (:func:`case_inputs`) of the case :func:`probe_item` described."""
-    if item["suite"] in SUITES or item["suite"] == "heldout":
-        if item["suite"] == "heldout":
-            fc = FamilyCase(**{**item["family"], "heads": tuple(item["family"]["heads"])})
-        else:
-            (fc,) = [c for c in SUITES[item["suite"]] if c.name == item["name"]]
+    fc = None
+    if item["suite"] == "heldout":  # a drawn case: the item carries it
+        fc = FamilyCase(**{**item["family"], "heads": tuple(item["family"]["heads"])})
+    elif item["suite"] in SUITES:
+        (fc,) = [c for c in SUITES[item["suite"]] if c.name == item["name"]]
+    if fc is not None:
         tree = family_tree(fc)
         return (tree, *case_inputs(tree, *fc.heads, fc.head_dim, DTYPES[fc.dtype], fc.seed))
     hq, hkv = PAPER_HEADS[item["heads"]]

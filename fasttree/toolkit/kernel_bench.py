@@ -458,8 +458,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _candidate_changes(row: dict[str, Any]) -> bool:
-    """Whether the candidate's plan or stage-1 launches differ from the defaults' on ``row`` (rows
-    without that record count as changed)."""
+    """Whether the candidate's plan or stage-1 launches differ from the defaults' on ``row``: False
+    without a candidate, True where its record lacks either comparison."""
     info = row.get("variant_plans", {}).get(CANDIDATE)
     if info is None:
         return False
