@@ -161,6 +161,10 @@ _LEGACY_RULES: tuple[PlanRules, ...] = tuple(PlanRules(**off) for off in _switch
 #: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
 #: record as it was measured (over the runtime's rules).
 _RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :])
+#: The first kernel version whose launches cap the KV tile of wide-head launches
+#: (:attr:`fasttree.PlanRules.wide_head_kv_tile`); a runtime record measured before it is launched
+#: without the cap. The cap leaves the plan as it is, so the plan summary cannot tell.
+WIDE_HEAD_CAP_KERNEL = 31
 
 
 def record_plan(record: dict[str, Any]):
@@ -174,7 +178,8 @@ def record_plan(record: dict[str, Any]):
     otherwise the re-planned one is returned (logged at DEBUG).
 
     A measurement of the runtime's launches (``launch`` set) is planned as the runtime plans
-    and returned as the runtime launches it (:func:`fasttree.runtime_planning.plan_as_launched`).
+    and returned as the runtime launches it (:func:`fasttree.runtime_planning.plan_as_launched`),
+    without the wide-head KV-tile cap when measured before :data:`WIDE_HEAD_CAP_KERNEL`.
     """
     import fasttree as ft
 
@@ -183,12 +188,14 @@ def record_plan(record: dict[str, Any]):
     launch = record_launch(record)
     if launch is not None:
         how = {"stage1_launches": launch["stage1_launches"], "query_centric": launch["query_centric"]}
-        plan = plan_as_launched(*args, **heads, **how)
+        group_size = heads["num_q_heads"] // heads["num_kv_heads"]
+        launches = resolve_stage1_launches(launch["stage1_launches"], group_size, heads["head_dim"])
+        runtime = PlanRules.runtime(launches)
+        if measured_kernel_version(record) < WIDE_HEAD_CAP_KERNEL:
+            runtime = runtime.with_(wide_head_kv_tile=0)
+        plan = plan_as_launched(*args, **heads, **how, rules=runtime)
         if record.get("plan") is not None and not _same_plan(plan, record["plan"]):
             # measured before the newest rules: the runtime's rules with some of them off
-            group_size = heads["num_q_heads"] // heads["num_kv_heads"]
-            launches = resolve_stage1_launches(launch["stage1_launches"], group_size, heads["head_dim"])
-            runtime = PlanRules.runtime(launches)
             for off in _RUNTIME_LEGACY:
                 before = plan_as_launched(*args, **heads, **how, rules=runtime.with_(**off))
                 if _same_plan(before, record["plan"]):

@@ -64,7 +64,7 @@ def resolve_stage1_launches(stage1_launches: int | str, group_size: int, head_di
 
 
 def launch_slots(
-    config: FastTreeConfig, group_size: int, head_dim: int, wide_head_cap: int = 0
+    config: FastTreeConfig, group_size: int, head_dim: int, wide_head_cap: int
 ) -> tuple[tuple[int, int, int, int], ...]:
     """``(block_m, block_n, num_warps, num_stages)`` of the runtime's launch slot 0 (the large tile
     class) and slot 1 (the small one): the config's tiles, whatever a plan's units need.

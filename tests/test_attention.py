@@ -366,20 +366,20 @@ def test_wide_head_cap_shrinks_only_wide_tiles_above_head_dim_128(args, expected
 
 
 def test_wide_head_kv_tile_rule_launches_match_reference(device):
-    """A plan made with ``PlanRules.wide_head_kv_tile=32`` at head dim 256 launches its 32-row class
-    with 32-token KV tiles, and its result matches the float64 reference (the default rules keep 64)."""
+    """At head dim 256 the default rules (``PlanRules.wide_head_kv_tile=32``) launch the 32-row class
+    with 32-token KV tiles, and the result matches the float64 reference (the cap off keeps 64)."""
     tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
     # gamma < 0 groups shared prefixes with their queries; para_threshs2 keeps both tile classes
     cfg = ft.FastTreeConfig(q_tile_queries=(4, 1), pack_tokens=0, para_threshs2=(1, 1), gamma=-10.0)
     gen = torch.Generator().manual_seed(5)
     q, k, v = make_inputs(tree, 8, 1, 256, torch.bfloat16, device, gen)
-    capped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256,
-                     rules=ft.PlanRules.defaults().with_(wide_head_kv_tile=32))  # fmt: skip
-    default = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256)
+    capped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256)
+    uncapped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256,
+                       rules=ft.PlanRules.defaults().with_(wide_head_kv_tile=0))  # fmt: skip
     target = _h200_like(device)
     wide = [s for s in launch_rules.stage1_launches(capped, target) if s.block_m >= 32]
     assert wide and all(s.block_n == 32 for s in wide)
-    assert all(s.block_n == 64 for s in launch_rules.stage1_launches(default, target) if s.block_m >= 32)
+    assert all(s.block_n == 64 for s in launch_rules.stage1_launches(uncapped, target) if s.block_m >= 32)
     out = run_poisoned(lambda o: _run(_launches(capped, q, k, v, o, target)), q)
     check_against_reference(out, q, k, v, tree)
 

@@ -593,12 +593,13 @@ def test_runtime_records_are_featured_as_the_runtime_plans_and_launches_them(hea
     # a measurement of the runtime's launches is re-planned with the runtime's own rules, seen with the
     # tiles, warps and stages its launches run, and marked: the runtime_launch column, the runtime's
     # launch count, and no side-by-side stage 1 when its two launches run one after the other
-    from fasttree.costmodel.dataset import _features_chunk, record_plan
+    from fasttree.costmodel.dataset import WIDE_HEAD_CAP_KERNEL, _features_chunk, record_plan
     from fasttree.costmodel.features import _LAUNCHES, RUNTIME_COLUMN, STAGE1_OVERLAP, features_of_plan, mark_runtime
     from fasttree.costmodel.predict import PlanJob, features_of_jobs
     from fasttree.runtime_planning import launch_slots, launch_view, plan_for_runtime
     from fasttree.toolkit.suite import paper_tree
     from fasttree.traces import encode_tree, plan_summary, runtime_launch
+    from fasttree.versions import KERNEL_VERSION
 
     hq, hkv, d = heads
     shape = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
@@ -608,14 +609,18 @@ def test_runtime_records_are_featured_as_the_runtime_plans_and_launches_them(hea
         "workload": {"tree": encode_tree(tree)}, "config": config.to_dict(), **shape, "plan": plan_summary(plan),
         "env": {"git_commit": "9a6a950", "gpu_name": "NVIDIA H200", "gpu_sm_count": 132},
         "launch": runtime_launch(stage1_launches=launches),
-        "meta": {"profiler": {"stage1_overlap": False, "kernel_version": 30}},
+        "meta": {"profiler": {"stage1_overlap": False, "kernel_version": KERNEL_VERSION}},
     }  # fmt: skip
     seen = record_plan(record)
     assert np.array_equal(seen.unit_kv_len, plan.unit_kv_len) and seen.class_unit_ptr == plan.class_unit_ptr
-    slots = launch_slots(config, hq // hkv, d)
+    slots = launch_slots(config, hq // hkv, d, ft.PlanRules.defaults().wide_head_kv_tile)
     for c, tc in enumerate(seen.tile_classes):
         assert (tc.block_m, tc.block_n) == slots[c][:2]
         assert (tc.num_warps, tc.num_stages) == slots[0 if launches == 1 else c][2:]
+    # measured before the wide-head KV-tile cap: featured with the tiles it ran
+    before = {**record, "meta": {"profiler": {"stage1_overlap": False, "kernel_version": WIDE_HEAD_CAP_KERNEL - 1}}}
+    uncapped = launch_slots(config, hq // hkv, d, 0)
+    assert all((tc.block_m, tc.block_n) == uncapped[c][:2] for c, tc in enumerate(record_plan(before).tile_classes))
     row = record_features(record, H200)
     assert row[RUNTIME_COLUMN] == 1.0 and row[_LAUNCHES] == launches + 1
     two_classes = min(plan.units_per_class()) > 0

@@ -113,15 +113,16 @@ def test_the_fixed_launch_slots_and_the_launch_view_take_the_rules_kv_tile_cap()
     from fasttree.runtime_planning import launch_slots, launch_view, plan_for_runtime
 
     config = ft.FastTreeConfig()
-    assert [s[:2] for s in launch_slots(config, 8, 256)] == [(64, 64), (16, 64)]
+    assert [s[:2] for s in launch_slots(config, 8, 256, 0)] == [(64, 64), (16, 64)]
     assert [s[:2] for s in launch_slots(config, 8, 256, 32)] == [(64, 32), (16, 64)]
-    assert launch_slots(config, 8, 128, 32) == launch_slots(config, 8, 128)  # head dim 128: no cap
+    assert launch_slots(config, 8, 128, 32) == launch_slots(config, 8, 128, 0)  # head dim 128: no cap
     assert launch_slots(config, 1, 256, 32)[0][:2] == (64, 32)
     tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
-    rules = ft.PlanRules.runtime(1).with_(wide_head_kv_tile=32)
-    plan, _ = plan_for_runtime(tree, config, num_q_heads=8, num_kv_heads=1, head_dim=256, rules=rules)
-    view = launch_view(plan, config)
-    assert [tc.block_n for tc in view.tile_classes] == [32, 64]
+    assert ft.PlanRules.runtime(1).wide_head_kv_tile == 32  # the runtime's rules cap by default
+    for cap, tiles in ((32, [32, 64]), (0, [64, 64])):
+        rules = ft.PlanRules.runtime(1).with_(wide_head_kv_tile=cap)
+        plan, _ = plan_for_runtime(tree, config, num_q_heads=8, num_kv_heads=1, head_dim=256, rules=rules)
+        assert [tc.block_n for tc in launch_view(plan, config).tile_classes] == tiles
 
 
 @pytest.mark.parametrize(
@@ -137,7 +138,7 @@ def test_host_runtime_planning_is_what_the_runtime_uploads(device, heads, query_
     rng = np.random.default_rng(hq + hkv)
     config = ft.FastTreeConfig(kv_tile=(32, 16), num_warps=(8, 4), kv_split_sizes=(64, 32), pack_tokens=64)
     rt = _runtime(device, config, **shape, query_centric=query_centric, extend_steps=0, max_variants=0)
-    assert rt.slots == launch_slots(config, hq // hkv, d)
+    assert rt.slots == launch_slots(config, hq // hkv, d, ft.PlanRules.defaults().wide_head_kv_tile)
     for _ in range(6):
         tree = random_tree(rng, max_nodes=12, max_len=60)
         uploaded = rt.plan(tree)
