@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
+from .costs import ALL_LARGE
 from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
@@ -568,6 +569,8 @@ def materialize(
     unit_kv_len = arrays.kv_len
     warps = config.launch_warps(g)
     stages = config.launch_stages(g, head_dim)
+    if tile_mode == ALL_LARGE:  # class 1 runs the large tiles: with the large class's warps and stages
+        warps, stages = (warps[0], warps[0]), (stages[0], stages[0])
     classes = tuple(
         _tile_class(
             int(q_tiles[c]),
