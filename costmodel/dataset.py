@@ -16,13 +16,14 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fasttree.config import FastTreeConfig
+from fasttree.costs import ALL_LARGE
 from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, read_traces, record_launch
@@ -164,7 +165,10 @@ _RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[_RULES.index(
 #: The first kernel version whose launches cap the KV tile of wide-head launches
 #: (:attr:`fasttree.PlanRules.wide_head_kv_tile`); a runtime record measured before it is launched
 #: without the cap. The cap leaves the plan as it is, so the plan summary cannot tell.
-WIDE_HEAD_CAP_KERNEL = 31
+WIDE_HEAD_CAP_KERNEL = 32
+#: The first kernel version whose all-large plans run tile class 1 (the large tiles) at the large
+#: class's warps and stages; before it, class 1 kept the small class's.
+ALL_LARGE_WARPS_KERNEL = 33
 
 
 def record_plan(record: dict[str, Any]):
@@ -179,7 +183,8 @@ def record_plan(record: dict[str, Any]):
 
     A measurement of the runtime's launches (``launch`` set) is planned as the runtime plans
     and returned as the runtime launches it (:func:`fasttree.runtime_planning.plan_as_launched`),
-    without the wide-head KV-tile cap when measured before :data:`WIDE_HEAD_CAP_KERNEL`.
+    without the wide-head KV-tile cap when measured before :data:`WIDE_HEAD_CAP_KERNEL`; one of
+    ``tree_attention`` with the warps and stages its classes ran at the record's kernel version.
     """
     import fasttree as ft
 
@@ -204,14 +209,27 @@ def record_plan(record: dict[str, Any]):
         return plan
     plan = ft.plan(*args, **heads)
     measured = record.get("plan")
-    if measured is None or _same_plan(plan, measured):
+    if measured is not None and not _same_plan(plan, measured):
+        for rules in _LEGACY_RULES:
+            legacy = ft.plan(*args, **heads, rules=rules)
+            if _same_plan(legacy, measured):
+                plan = legacy
+                break
+        else:
+            logger.debug("record %s: no planner rule set reproduces its measured plan", record.get("key"))
+    return _launched_as_measured(plan, measured_kernel_version(record))
+
+
+def _launched_as_measured(plan, kernel_version: int):
+    """``plan`` with the warps and stages its tile classes were launched with at ``kernel_version``:
+    before :data:`ALL_LARGE_WARPS_KERNEL`, an all-large plan's class 1 ran the small class's."""
+    if kernel_version >= ALL_LARGE_WARPS_KERNEL or plan.tile_mode != ALL_LARGE:
         return plan
-    for rules in _LEGACY_RULES:
-        legacy = ft.plan(*args, **heads, rules=rules)
-        if _same_plan(legacy, measured):
-            return legacy
-    logger.debug("record %s: no planner rule set reproduces its measured plan", record.get("key"))
-    return plan
+    g = plan.group_size
+    warps, stages = plan.config.launch_warps(g)[1], plan.config.launch_stages(g, plan.head_dim)[1]
+    large, small = plan.tile_classes
+    small = replace(small, num_warps=warps, num_stages=stages)
+    return replace(plan, tile_classes=(large, small), _device_cache={})
 
 
 def _same_plan(plan, summary: dict[str, Any]) -> bool:

@@ -677,3 +677,26 @@ def test_fit_time_bench_times_the_shipped_ensemble_and_one_seed(trace_file, tmp_
     with pytest.raises(SystemExit):
         main(["--traces", str(trace_file), "--rows", "161", "--out", str(tmp_path)])
     assert "the traces hold 160 measurements" in capsys.readouterr().err
+
+
+def test_all_large_records_are_featured_with_the_warps_their_kernels_ran():
+    # an all-large plan's class 1 runs the large tiles: at the large class's warps and stages from
+    # ALL_LARGE_WARPS_KERNEL on, at the small class's before it (MHA: 2 warps, 3 stages)
+    from fasttree.costmodel.dataset import ALL_LARGE_WARPS_KERNEL, record_plan
+    from fasttree.traces import encode_tree, plan_summary
+
+    parents = [-1] + [0] * 40 + [1] * 30
+    tree = ft.KVTree.from_lengths(parents, [64] + [300] * 40 + [8] * 30, list(range(2, 71)))
+    config = ft.FastTreeConfig(para_threshs1=(10**6, 10**6), para_threshs2=(0, 10**6))
+    heads = {"num_q_heads": 4, "num_kv_heads": 4, "head_dim": 64}
+    plan = ft.plan(tree, config, **heads)
+    assert plan.tile_mode == "all_large"
+    record = {
+        "workload": {"tree": encode_tree(tree)}, "config": config.to_dict(), **heads, "plan": plan_summary(plan),
+        "env": {"git_commit": None, "gpu_name": "NVIDIA H200", "gpu_sm_count": 132},
+    }  # fmt: skip
+    for version, launched in ((ALL_LARGE_WARPS_KERNEL, (4, 5)), (ALL_LARGE_WARPS_KERNEL - 1, (2, 3))):
+        record["meta"] = {"profiler": {"kernel_version": version}}
+        large, small = record_plan(record).tile_classes
+        assert (large.num_warps, large.num_stages) == (4, 5)
+        assert (small.block_m, small.num_warps, small.num_stages) == (large.block_m, *launched)
