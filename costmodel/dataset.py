@@ -167,7 +167,7 @@ _RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[_RULES.index(
 #: without the cap. The cap leaves the plan as it is, so the plan summary cannot tell.
 WIDE_HEAD_CAP_KERNEL = 32
 #: The first kernel version whose all-large plans run tile class 1 (the large tiles) at the large
-#: class's warps and stages; before it, class 1 kept the small class's.
+#: class's warps; before it, class 1 kept the small class's.
 ALL_LARGE_WARPS_KERNEL = 33
 
 
@@ -184,7 +184,7 @@ def record_plan(record: dict[str, Any]):
     A measurement of the runtime's launches (``launch`` set) is planned as the runtime plans
     and returned as the runtime launches it (:func:`fasttree.runtime_planning.plan_as_launched`),
     without the wide-head KV-tile cap when measured before :data:`WIDE_HEAD_CAP_KERNEL`; one of
-    ``tree_attention`` with the warps and stages its classes ran at the record's kernel version.
+    ``tree_attention`` with the warps its classes ran at the record's kernel version.
     """
     import fasttree as ft
 
@@ -221,14 +221,12 @@ def record_plan(record: dict[str, Any]):
 
 
 def _launched_as_measured(plan, kernel_version: int):
-    """``plan`` with the warps and stages its tile classes were launched with at ``kernel_version``:
-    before :data:`ALL_LARGE_WARPS_KERNEL`, an all-large plan's class 1 ran the small class's."""
+    """``plan`` with the warps its tile classes were launched with at ``kernel_version``: before
+    :data:`ALL_LARGE_WARPS_KERNEL`, an all-large plan's class 1 ran the small class's."""
     if kernel_version >= ALL_LARGE_WARPS_KERNEL or plan.tile_mode != ALL_LARGE:
         return plan
-    g = plan.group_size
-    warps, stages = plan.config.launch_warps(g)[1], plan.config.launch_stages(g, plan.head_dim)[1]
     large, small = plan.tile_classes
-    small = replace(small, num_warps=warps, num_stages=stages)
+    small = replace(small, num_warps=plan.config.launch_warps(plan.group_size)[1])
     return replace(plan, tile_classes=(large, small), _device_cache={})
 
 

@@ -569,8 +569,8 @@ def materialize(
     unit_kv_len = arrays.kv_len
     warps = config.launch_warps(g)
     stages = config.launch_stages(g, head_dim)
-    if tile_mode == ALL_LARGE:  # class 1 runs the large tiles: with the large class's warps and stages
-        warps, stages = (warps[0], warps[0]), (stages[0], stages[0])
+    if tile_mode == ALL_LARGE:  # class 1 runs the large tiles: with the large class's warps
+        warps = (warps[0], warps[0])
     classes = tuple(
         _tile_class(
             int(q_tiles[c]),
