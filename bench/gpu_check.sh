@@ -8,8 +8,9 @@
 #   kernel    the paper-suite kernel benchmark (kernel_<gpu>.*)
 #   families  the kernel benchmark on the other tree families (kernel_<gpu>_fam.*)
 #   crossover the crossover suite against query-separated decode (kernel_<gpu>_crossover.*)
-#   heldout   with CANDIDATE='FIELD=VALUE;...' (and SEED, TREES, SHAPES): the candidate against the
-#             defaults and decode on fresh trees (kernel_<gpu>_heldout.*)
+#   heldout   with CANDIDATE='FIELD=VALUE;...' (and SEED, TREES, SHAPES; CHANGED_ONLY=1 times only
+#             the trees it changes): the candidate against the defaults and decode on fresh trees
+#             (kernel_<gpu>_heldout.*)
 #   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
 #   decode    the end-to-end decode benchmark (decode_<gpu>.*)
 # <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
@@ -68,6 +69,7 @@ for step in $steps; do
       if [ -z "${CANDIDATE:-}" ]; then echo "heldout needs CANDIDATE='FIELD=VALUE;...'"; exit 2; fi
       shapes=()
       [ -n "${SHAPES:-}" ] && shapes=(--shapes "$SHAPES")
+      [ -n "${CHANGED_ONLY:-}" ] && shapes+=(--changed-only)
       timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
         "${shapes[@]}" --candidate "$CANDIDATE" --variants fasttree,query_separated --export none --out "$out" \
         --label "${gpu}_heldout" --overwrite >"$out/kernel_heldout.log" 2>&1

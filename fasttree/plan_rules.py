@@ -92,6 +92,12 @@ class PlanRules:
     whole_groups_max_tail : float
         ... or whose longest group would hold more than this many times the class's KV x heads
         over ``para_threshs1`` (uncut, it would be the launch's tail).
+    all_large_without_large : bool
+        Whether a plan whose groups are all small (no unit in the large phase) still moves every
+        group to the large tiles when the small phase has fewer than ``para_threshs2[1]`` units
+        (the all-large tile mode). One launch runs such a plan either way, so the large tiles
+        only add idle rows: on the H200, 22 of 28 held-out all-large trees (1-20 queries) ran below
+        0.97x of query-separated decode. True (the published planner's choice) until its A/B is run.
     wide_head_kv_tile : int
         At head dims above 128, the KV tile (tokens) a launch of 32 or more rows runs at most
         (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in [16, 512], or 0 for the
@@ -117,6 +123,7 @@ class PlanRules:
     whole_groups: bool = True
     whole_groups_min_items: tuple[int, int] = (1, 2)
     whole_groups_max_tail: float = 2.0
+    all_large_without_large: bool = True
     wide_head_kv_tile: int = 32
 
     def __post_init__(self) -> None:

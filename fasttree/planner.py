@@ -1311,7 +1311,8 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
     ``para_threshs1`` programs (one long group would be the launch's tail). Then a phase with
     fewer units x KV heads than ``para_threshs1`` takes the small split size; only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
-    the small (large) tiles.
+    the small (large) tiles; to the large ones only where the large phase has units, unless
+    ``rules.all_large_without_large``.
     """
     big, small = config.kv_split_sizes
     splits = [big, big]
@@ -1336,7 +1337,7 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
         units = units_for(splits)
         if 0 < units[0] < config.para_threshs2[0]:
             mode = ALL_SMALL
-        elif 0 < units[1] < config.para_threshs2[1]:
+        elif 0 < units[1] < config.para_threshs2[1] and (units[0] or rules.all_large_without_large):
             mode = ALL_LARGE
     return splits, mode
 

@@ -151,19 +151,18 @@ def test_the_tuned_variant_skips_an_entry_of_other_kernels():
 
 
 def test_the_tuned_variant_reads_the_committed_export():
-    """The committed export serves its entries' picks while its guard names today's defaults, and
-    falls back (no tuned variant) once the defaults changed since it was confirmed."""
-    from fasttree.versions import defaults_fingerprint
+    """The committed export serves its entries' picks while its guard names today's defaults and
+    kernels, and falls back (no tuned variant) once either changed since it was confirmed."""
+    from fasttree.versions import KERNEL_VERSION, defaults_fingerprint
 
     export = kernel.parse_args([]).export  # docs/tune/export.json
     (entry,) = [e for e in export.entries if e.bucket == (16, 128, "float16") and e.target == "tree_attention"]
     shape = {"gpu": entry.gpu, "hq": 32, "hkv": 2, "d": 128, "dtype": torch.float16}
-    stale = entry.guard.defaults != defaults_fingerprint()
-    assert (kernel.tuned_config(export, paper_tree(1), **shape) is None) == stale
     fingerprint = defaults_fingerprint()
-    restamped = [
-        dataclasses.replace(e, guard=dataclasses.replace(e.guard, defaults=fingerprint)) for e in export.entries
-    ]
+    stale = entry.guard.defaults != fingerprint or entry.guard.kernel_version != KERNEL_VERSION
+    assert (kernel.tuned_config(export, paper_tree(1), **shape) is None) == stale
+    current = {"defaults": fingerprint, "kernel_version": KERNEL_VERSION}
+    restamped = [dataclasses.replace(e, guard=dataclasses.replace(e.guard, **current)) for e in export.entries]
     today = dataclasses.replace(export, entries=tuple(restamped))
     for case in range(1, 16):  # the tree_attention entry's pick (the runtime entry has other members)
         tree = paper_tree(case)
@@ -318,11 +317,11 @@ def test_a_candidate_is_the_defaults_with_the_named_fields_changed():
     cand, rules = kernel.parse_candidate("kv_tile=32,32; gamma=0.2")
     assert cand == FastTreeConfig().with_(kv_tile=(32, 32), gamma=0.2) and rules == PlanRules.defaults()
     assert kernel.parse_candidate("pack_tokens=512")[0].pack_tokens == 512
-    cand, rules = kernel.parse_candidate("wide_head_kv_tile=32;wide_units=false")
-    assert cand == FastTreeConfig() and rules == PlanRules.defaults().with_(wide_head_kv_tile=32, wide_units=False)
-    assert kernel._candidate_dict(cand, rules)["rules"] == {"wide_head_kv_tile": 32, "wide_units": False}
+    cand, rules = kernel.parse_candidate("wide_head_kv_tile=16;wide_units=false")
+    assert cand == FastTreeConfig() and rules == PlanRules.defaults().with_(wide_head_kv_tile=16, wide_units=False)
+    assert kernel._candidate_dict(cand, rules)["rules"] == {"wide_head_kv_tile": 16, "wide_units": False}
     for bad in ("kv_tile=32", "no_such_field=1", "kv_tile=a,b", "kv_tile=64,64", " ; ", "kv_tile",
-                "wide_head_kv_tile=48", "wide_head_kv_tile=0", "wide_units=1"):  # fmt: skip
+                "wide_head_kv_tile=48", "wide_head_kv_tile=32", "wide_units=1"):  # fmt: skip
         with pytest.raises(ValueError):
             kernel.parse_candidate(bad)
 
@@ -337,6 +336,24 @@ def test_the_candidate_variant_runs_only_with_a_candidate(capsys):
         with pytest.raises(SystemExit):
             kernel.parse_args(["--export", "none", *argv])
     assert "candidate" in capsys.readouterr().err
+
+
+def test_changed_only_keeps_the_trees_the_candidate_plans_or_launches_differently(capsys):
+    from fasttree.launch_rules import GpuTarget
+    from fasttree.toolkit.family_suite import heldout_cases, parse_shape
+
+    target = GpuTarget(cuda=False, major=9, sms=132)
+    cases = heldout_cases(30000, 4, (parse_shape("4x4/d256/fp16"),))
+    cand = kernel.parse_candidate("all_large_without_large=false")
+    # the first tree is all-large with no large group: the candidate keeps its small tiles
+    assert [kernel.candidate_changes(c, *cand, target) for c in cases] == [True, False, False, False]
+    assert not kernel.candidate_changes(cases[0], FastTreeConfig(), PlanRules.defaults(), target)
+    args = kernel.parse_args(["--export", "none", "--suite", "heldout", "--candidate", "gamma=0.2", "--changed-only"])
+    assert args.changed_only
+    for argv in (["--changed-only"], ["--suite", "paper", "--candidate", "gamma=0.2", "--changed-only"]):
+        with pytest.raises(SystemExit):
+            kernel.parse_args(["--export", "none", *argv])
+    assert "--changed-only needs" in capsys.readouterr().err
 
 
 def test_the_heldout_suite_draws_every_family_at_every_shape():
@@ -408,3 +425,11 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
         assert row["variants"][kernel.CANDIDATE]["correct"] and row["variants"][kernel.CANDIDATE]["graph_us"] > 0
         assert isinstance(row["variant_plans"][kernel.CANDIDATE]["same_launches_as_fasttree"], bool)
     assert report["summary"]["candidate_vs_fasttree"]["n"] == 2
+    # --changed-only: of four trees, only the one the candidate changes is timed
+    argv = ["--suite", "heldout", "--trees", "4", "--seed", "30000", "--shapes", "4x4/d256/fp16", "--export", "none",
+            "--variants", "fasttree", "--candidate", "all_large_without_large=false", "--changed-only",
+            "--out", str(tmp_path), "--label", "c"]  # fmt: skip
+    assert kernel.main(argv) == 0
+    report = json.loads((tmp_path / "kernel_c.json").read_text())
+    assert report["changed_only"] and [row["case"] for row in report["rows"]] == ["beam_search#30000/4x4/d256/fp16"]
+    assert report["summary"]["candidate_changed_cases"] == 1

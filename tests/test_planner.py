@@ -311,6 +311,28 @@ def test_tile_pass_forces_small_tiles_when_large_phase_is_underfilled():
     assert cfg.launch_warps(1) == (4, 2) and cfg.launch_stages(1, 64) == (5, 3)
 
 
+def test_all_large_tiles_without_large_groups_follow_the_rule():
+    # every group small (one query per path): the small phase alone has too few units, and the
+    # published planner moves it to the large tiles anyway; PlanRules.all_large_without_large=False
+    # keeps the small ones (one launch either way)
+    tree = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
+    heads = {"num_q_heads": 2, "num_kv_heads": 2, "head_dim": 64}
+    published = ft.plan(tree, **heads)
+    kept = ft.plan(tree, **heads, rules=ft.PlanRules.defaults().with_(all_large_without_large=False))
+    assert published.tile_mode == ALL_LARGE and published.tile_classes[1].block_m == 64
+    assert kept.tile_mode == TWO_CLASSES and kept.tile_classes[1].block_m == 16
+    assert published.units_per_class()[0] == kept.units_per_class()[0] == 0
+    for plan in (published, kept):
+        check_plan(tree, plan)
+    # with a large group beside the small ones, the rule does not apply: all-large either way
+    parents = [-1] + [0] * 40 + [1] * 30
+    tree = ft.KVTree.from_lengths(parents, [64] + [300] * 40 + [8] * 30, list(range(2, 71)))
+    cfg = ft.FastTreeConfig(para_threshs1=(10**6, 10**6), para_threshs2=(0, 10**6))
+    for flag in (True, False):
+        rules = ft.PlanRules.defaults().with_(all_large_without_large=flag)
+        assert ft.plan(tree, cfg, num_q_heads=4, num_kv_heads=4, head_dim=64, rules=rules).tile_mode == ALL_LARGE
+
+
 def test_tile_pass_needs_a_split_change_first():
     # the published planner only reconsiders tiles when the split pass changed a split
     tree = paper_tree(2)

@@ -611,6 +611,16 @@ def plot(rows, path: Path) -> bool:
     return True
 
 
+def candidate_changes(fc: FamilyCase, config: ft.FastTreeConfig, rules: ft.PlanRules, target: GpuTarget) -> bool:
+    """Whether the candidate (``config``, ``rules``) plans the tree of ``fc`` differently from the
+    defaults (its KV entries) or launches its stage 1 differently on ``target``."""
+    tree, (hq, hkv) = family_tree(fc), fc.heads
+    heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": fc.head_dim}
+    default, candidate = ft.plan(tree, **heads), ft.plan(tree, config, **heads, rules=rules)
+    same_plan = np.array_equal(default.kv_indices, candidate.kv_indices)
+    return not same_plan or stage1_launches(default, target) != stage1_launches(candidate, target)
+
+
 def parse_candidate(text: str) -> tuple[ft.FastTreeConfig, ft.PlanRules]:
     """``FastTreeConfig()`` and ``PlanRules.defaults()`` with the fields of ``text`` changed:
     ``FIELD=VALUE`` pairs separated by ``;``, a pair field's two values by a comma, a bool as
@@ -682,6 +692,12 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         "changed (as 'kv_tile=32,32;num_stages=3,3' or 'wide_head_kv_tile=32'), against the defaults and "
         "query-separated decode",
     )
+    p.add_argument(
+        "--changed-only",
+        action="store_true",
+        help="with --candidate, on a family or heldout suite: time only the trees whose candidate plan or "
+        "stage-1 launches differ from the defaults' (decided on the host before any timing)",
+    )
     p.add_argument("--heads", default=",".join(PAPER_HEADS), help="head settings, comma separated")
     p.add_argument("--cases", default="1-15", help="case numbers: '1-15', '1,5,8'")
     p.add_argument("--head-dim", type=int, default=128)
@@ -723,6 +739,8 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         args.variants.append(CANDIDATE)
     if args.candidate is None and CANDIDATE in args.variants:
         p.error("the variant 'candidate' needs --candidate FIELD=VALUE;...")
+    if args.changed_only and (args.candidate is None or args.suite == "paper"):
+        p.error("--changed-only needs --candidate and a family or heldout suite")
     bad = [h for h in args.heads if h not in PAPER_HEADS] + [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown heads/variants: {bad}")
@@ -840,6 +858,10 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         items = [probe_item(args, case=case, heads=heads) for case in args.cases for heads in args.heads]
     else:
         cases = args.heldout if args.suite == "heldout" else SUITES[args.suite]
+        if args.changed_only:
+            target = GpuTarget.of(torch.device("cuda"), interpreting=False)
+            cases = [fc for fc in cases if candidate_changes(fc, *args.candidate, target)]
+            log.info("--changed-only: the candidate changes %d trees", len(cases))
         runs = [lambda fc=fc: bench_family_case(fc, args) for fc in cases]
         items = [probe_item(args, family=fc) for fc in cases]
     if resume is not None:  # a child of _run_rest_in_child: its cases, its rows to the state file
@@ -877,6 +899,7 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         "export": args.export_path,
         "candidate": None if args.candidate is None else _candidate_dict(*args.candidate),
         "heldout": {"seed": args.seed, "trees": args.trees} if args.suite == "heldout" else None,
+        "changed_only": args.changed_only,
         "env": env,
         "summary": summary,
         "rows": rows,
