@@ -15,8 +15,9 @@ save more than ``margin`` of the defaults' time still saves time on the GPU unle
 it by more than on ``1 - quantile`` of the held-out pairs. A bucket and target with fewer than
 ``min_pairs`` pairs gets no margin (a model-only export then serves the defaults there).
 
-Only rows of the kernel version the tuner predicts for are used (the model takes the version as a
-feature; older versions' errors say little about today's kernels).
+The caller passes measurements of today's kernel launches only
+(:func:`~fasttree.costmodel.dataset.timed_todays_launches`: older versions' errors say little about
+today's kernels where a change reached them); a pair never mixes two kernel versions.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from fasttree.validation import check_int, check_number
-from fasttree.versions import KERNEL_VERSION
 
 from .dataset import Dataset
 from .features import FEATURE_NAMES
@@ -66,9 +66,7 @@ class GainMargin:
         return {"margin": self.margin, "pairs": self.pairs, "quantile": self.quantile}
 
 
-def gain_errors(
-    pred_us: np.ndarray, data: Dataset, *, kernel_version: int | None = KERNEL_VERSION
-) -> dict[tuple[int, int, str, str], np.ndarray]:
+def gain_errors(pred_us: np.ndarray, data: Dataset) -> dict[tuple[int, int, str, str], np.ndarray]:
     """The held-out errors of predicted gains, per bucket and target.
 
     Parameters
@@ -77,9 +75,7 @@ def gain_errors(
         The model's predictions of ``data``'s rows.
     data : Dataset
         Held-out measurements; trees measured under the defaults (``default_config``) and other
-        configs give the pairs.
-    kernel_version : int or None
-        Use only rows of this kernel version (None: every row).
+        configs with the same kernel version give the pairs.
 
     Returns
     -------
@@ -90,12 +86,9 @@ def gain_errors(
     pred = np.asarray(pred_us, dtype=np.float64)
     if pred.shape != data.y_us.shape:
         raise ValueError(f"pred_us must hold one prediction per row ({data.y_us.size}), got shape {pred.shape}")
-    keep = np.ones(len(data), dtype=bool)
-    if kernel_version is not None:
-        keep &= data.X[:, _COLUMN["kernel_version"]] == kernel_version
-    rows_of: dict[str, list[int]] = {}
-    for i in np.flatnonzero(keep):
-        rows_of.setdefault(str(data.tree[i]), []).append(int(i))
+    rows_of: dict[tuple[str, float], list[int]] = {}
+    for i in range(len(data)):
+        rows_of.setdefault((str(data.tree[i]), float(data.X[i, _COLUMN["kernel_version"]])), []).append(i)
     errors: dict[tuple[int, int, str, str], list[float]] = {}
     for rows in rows_of.values():
         defaults = [i for i in rows if data.default_config[i]]
@@ -124,7 +117,6 @@ def gain_margins(
     *,
     quantile: float = MARGIN_QUANTILE,
     min_pairs: int = MIN_PAIRS,
-    kernel_version: int | None = KERNEL_VERSION,
 ) -> dict[tuple[int, int, str, str], GainMargin]:
     """The margin of every bucket and target with at least ``min_pairs`` held-out pairs (see the module
     docstring).
@@ -139,8 +131,6 @@ def gain_margins(
         In (0, 1).
     min_pairs : int
         Fewest pairs to calibrate on (>= 1).
-    kernel_version : int or None
-        As in :func:`gain_errors`.
 
     Returns
     -------
@@ -150,7 +140,7 @@ def gain_margins(
     quantile = float(check_number("quantile", quantile, above=0, below=1))
     min_pairs = check_int("min_pairs", min_pairs, minimum=1)
     out = {}
-    for key, err in gain_errors(pred_us, data, kernel_version=kernel_version).items():
+    for key, err in gain_errors(pred_us, data).items():
         if err.size >= min_pairs:
             q = max(0.0, float(np.quantile(err, quantile)))
             out[key] = GainMargin(margin=1.0 - math.exp(-q), pairs=int(err.size), quantile=quantile)

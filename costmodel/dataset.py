@@ -49,6 +49,7 @@ __all__ = [
     "measured_kernel_version",
     "record_features",
     "record_plan",
+    "timed_todays_launches",
     "tree_id",
 ]
 
@@ -348,6 +349,31 @@ def measured_kernel_version(record: dict[str, Any]) -> int:
     if is_int(version) and version >= 0:
         return int(version)
     return KERNEL_VERSION_OF_COMMIT.get(_commit(record), KERNEL_VERSION)
+
+
+#: The oldest kernel version whose records can have timed today's launches: the kernel changes
+#: after it (:data:`WIDE_HEAD_CAP_KERNEL`, :data:`ALL_LARGE_WARPS_KERNEL`) reach only some plans.
+_COMPARABLE_SINCE = 30
+
+
+def timed_todays_launches(record: dict[str, Any]) -> bool:
+    """Whether a measurement record timed the launches today's kernels make of its plan: it was
+    measured with :data:`fasttree.versions.KERNEL_VERSION`, or with a version from
+    :data:`_COMPARABLE_SINCE` on that no later change reaches. The wide-head KV-tile cap reaches
+    every record above head dim 128 (counted whether or not its tile was capped); the all-large
+    warps a ``tree_attention`` record of an all-large plan whose config gives its two classes
+    different warps (and one without a plan summary). For the held-out traces that calibrate the
+    tuner's margins: a kernel change leaves the measurements it does not reach usable."""
+    version = measured_kernel_version(record)
+    if version >= KERNEL_VERSION:
+        return True
+    if version < _COMPARABLE_SINCE or (version < WIDE_HEAD_CAP_KERNEL and record["head_dim"] > 128):
+        return False
+    if version < ALL_LARGE_WARPS_KERNEL and record_launch(record) is None:
+        mode = (record.get("plan") or {}).get("tile_mode")
+        warps = FastTreeConfig.from_dict(record["config"]).launch_warps(record["num_q_heads"] // record["num_kv_heads"])
+        return mode is not None and (mode != ALL_LARGE or warps[0] == warps[1])
+    return True
 
 
 def _is_default(record: dict[str, Any]) -> bool:

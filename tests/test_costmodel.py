@@ -700,3 +700,35 @@ def test_all_large_records_are_featured_with_the_warps_their_kernels_ran():
         large, small = record_plan(record).tile_classes
         assert (large.num_warps, large.num_stages) == (4, 5)
         assert (small.block_m, small.num_warps, small.num_stages) == (large.block_m, *launched)
+
+
+def test_a_record_timed_todays_launches_unless_a_later_kernel_change_reaches_it():
+    # the held-out traces that calibrate the tuner's margins stay usable where a kernel change
+    # does not reach them: the wide-head cap above head dim 128, the all-large warps where the
+    # record's config gives its classes different warps
+    from fasttree.costmodel.dataset import ALL_LARGE_WARPS_KERNEL, WIDE_HEAD_CAP_KERNEL, timed_todays_launches
+    from fasttree.versions import KERNEL_VERSION
+
+    def record(version, head_dim=128, g=4, mode="two_classes", warps=None, runtime=False):
+        r = {
+            "num_q_heads": 8 * g, "num_kv_heads": 8, "head_dim": head_dim, "plan": {"tile_mode": mode},
+            "config": ft.FastTreeConfig(num_warps=warps).to_dict(), "env": {"git_commit": None},
+            "meta": {"profiler": {"kernel_version": version}},
+        }  # fmt: skip
+        if runtime:
+            r["launch"] = {"stage1_launches": 1, "query_centric": "auto"}
+        return r
+
+    old = WIDE_HEAD_CAP_KERNEL - 2  # 30: before both changes
+    assert timed_todays_launches(record(KERNEL_VERSION, head_dim=256, g=1, mode="all_large"))
+    assert timed_todays_launches(record(old)) and not timed_todays_launches(record(old - 1))
+    assert not timed_todays_launches(record(old, head_dim=256))
+    assert timed_todays_launches(record(WIDE_HEAD_CAP_KERNEL, head_dim=256))
+    assert timed_todays_launches(record(old, g=4, mode="all_large"))  # GQA: the same warps in both classes
+    assert not timed_todays_launches(record(old, g=1, mode="all_large"))  # MHA: 4 and 2 warps
+    assert not timed_todays_launches(record(old, g=4, mode="all_large", warps=(8, 4)))
+    assert timed_todays_launches(record(old, g=1, mode="all_large", runtime=True))  # the runtime's slot 0 ran it
+    assert timed_todays_launches(record(ALL_LARGE_WARPS_KERNEL, g=1, mode="all_large"))
+    no_summary = record(old, g=1)
+    no_summary["plan"] = None
+    assert not timed_todays_launches(no_summary)

@@ -658,13 +658,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _gain_margins(args: argparse.Namespace, model, meta: dict[str, Any], buckets) -> tuple[dict, str | None]:
     """The calibrated margins ``(bucket label, target) -> GainMargin`` of ``--model`` for ``buckets`` on
-    ``--calibration`` (:mod:`fasttree.costmodel.calibration`: only their measurements of today's kernels are
-    read) and where they came from; ``({}, None)`` without held-out traces (a WARNING: every leaf then serves
-    the defaults). A usage error for traces that cannot calibrate the model."""
+    ``--calibration`` (:mod:`fasttree.costmodel.calibration`: only their measurements of today's kernel
+    launches are read, :func:`fasttree.costmodel.dataset.timed_todays_launches`) and where they came
+    from; ``({}, None)`` without held-out traces (a WARNING: every leaf then serves the defaults). A
+    usage error for traces that cannot calibrate the model."""
     from fasttree.costmodel.calibration import gain_margins
-    from fasttree.costmodel.dataset import load_dataset, measured_kernel_version
+    from fasttree.costmodel.dataset import load_dataset, timed_todays_launches
     from fasttree.export import bucket_label
-    from fasttree.versions import KERNEL_VERSION
 
     path = args.calibration
     if path == CALIBRATION_NONE:
@@ -687,7 +687,7 @@ def _gain_margins(args: argparse.Namespace, model, meta: dict[str, Any], buckets
 
     def keep(r: dict[str, Any]) -> bool:
         bucket = (r["num_q_heads"] // r["num_kv_heads"], r["head_dim"], r["dtype"])
-        return bucket in wanted and measured_kernel_version(r) == KERNEL_VERSION
+        return bucket in wanted and timed_todays_launches(r)
 
     try:
         data = load_dataset(path, keep=keep)
@@ -696,7 +696,7 @@ def _gain_margins(args: argparse.Namespace, model, meta: dict[str, Any], buckets
             logger.warning("no margin calibrated on %s (%s): every selector leaf serves the defaults", path, exc)
             return {}, None
         args.subparser.error(
-            f"--calibration {path}: no measurements of kernel version {KERNEL_VERSION} in the buckets tuned ({exc})"
+            f"--calibration {path}: no measurements of today's kernel launches in the buckets tuned ({exc})"
         )
     if data.gpu.name != gpu_name:
         if default:
