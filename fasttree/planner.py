@@ -1211,7 +1211,7 @@ def plan(
     limit = margin * _decode_weighted_reads(tree, g) if margin and g >= _MIN_BLOCK_M else None
     planned = _tree_plan(tree, config, rules, g, q_tiles, max_weighted_reads=limit, **heads)
     if planned is None:  # the crossover test: the tree plan costs more than margin x decode's
-        return plan_query_separated(tree, **heads)
+        return plan_query_separated(tree, **heads, rules=rules)
     return planned
 
 

@@ -15,6 +15,7 @@ from .costs import QUERY_SEPARATED
 from .groups import Groups
 from .native import address, planner_library
 from .plan_arrays import Plan, check_heads, chunked_split, materialize
+from .plan_rules import PlanRules
 from .tree import KVTree
 from .validation import check_int
 
@@ -66,14 +67,19 @@ def plan_query_separated(
     kv_split_size: int | None = None,
     num_sms: int = 132,
     kv_tile: int = 64,
+    rules: PlanRules | None = None,
 ) -> Plan:
     """Plan FlashDecoding-style attention: every query alone over its whole context.
 
     Each query's root-path KV is cut into chunks of ``kv_split_size`` tokens (by default
     sized so that about four waves of ``num_sms`` programs run); one program handles the
-    ``g`` heads of one KV head of one query over one chunk, and chunks are merged.
+    ``g`` heads of one KV head of one query over one chunk, and chunks are merged. ``rules``
+    (default :meth:`PlanRules.defaults`) is recorded in the plan: its launch rules (the
+    wide-head KV-tile cap) apply to the plan's launches.
     """
     check_heads(num_q_heads, num_kv_heads, head_dim)
+    if rules is not None and not isinstance(rules, PlanRules):
+        raise ValueError(f"rules must be a PlanRules, got {type(rules).__name__}")
     if kv_split_size is not None:
         kv_split_size = check_int("kv_split_size", kv_split_size, minimum=1)
     kv_indptr, kv_slots = query_contexts(tree)
@@ -103,6 +109,7 @@ def plan_query_separated(
         n_queries=nq,
         max_slot=tree.max_slot,
         tile_mode=QUERY_SEPARATED,
+        rules=rules,
     )
 
 

@@ -598,6 +598,11 @@ def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
     assert tree_plan.tile_mode != QUERY_SEPARATED
     check_plan(tree, tree_plan)
     assert ft.plan(tree, num_q_heads=28, num_kv_heads=4, head_dim=128).tile_mode != QUERY_SEPARATED
+    # the decode plan carries the caller's rules (their launch rules apply to it)
+    uncapped = ft.PlanRules.defaults().with_(wide_head_kv_tile=0)
+    assert plan.rules == ft.PlanRules.defaults() and ft.plan(tree, **heads, rules=uncapped).rules == uncapped
+    with pytest.raises(ValueError, match="rules must be a PlanRules"):
+        ft.plan_query_separated(tree, **heads, rules={"wide_head_kv_tile": 0})
 
 
 @pytest.mark.parametrize("case", [2, 5, 8, 9, 12])
