@@ -10,7 +10,8 @@
 #   crossover the crossover suite against query-separated decode (kernel_<gpu>_crossover.*)
 #   heldout   with CANDIDATE='FIELD=VALUE;...' (and SEED, TREES, SHAPES; CHANGED_ONLY=1 times only
 #             the trees it changes): the candidate against the defaults and decode on fresh trees
-#             (kernel_<gpu>_heldout.*)
+#             (kernel_<gpu>_heldout.*; several candidates separated by '|' run in turn, the second
+#             writing kernel_<gpu>_heldout2.*, ...)
 #   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
 #   decode    the end-to-end decode benchmark (decode_<gpu>.*)
 # <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
@@ -70,10 +71,16 @@ for step in $steps; do
       shapes=()
       [ -n "${SHAPES:-}" ] && shapes=(--shapes "$SHAPES")
       [ -n "${CHANGED_ONLY:-}" ] && shapes+=(--changed-only)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
-        "${shapes[@]}" --candidate "$CANDIDATE" --variants fasttree,query_separated --export none --out "$out" \
-        --label "${gpu}_heldout" --overwrite >"$out/kernel_heldout.log" 2>&1
-      echo "heldout A/B of $CANDIDATE: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_${gpu}_heldout.md"
+      # several candidates separated by '|' run one after the other: kernel_<gpu>_heldout, _heldout2, ...
+      IFS='|' read -r -a candidates <<<"$CANDIDATE"
+      n=0
+      for candidate in "${candidates[@]}"; do
+        n=$((n + 1)); label="${gpu}_heldout"; [ "$n" -gt 1 ] && label="${gpu}_heldout$n"
+        timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
+          "${shapes[@]}" --candidate "$candidate" --variants fasttree,query_separated --export none --out "$out" \
+          --label "$label" --overwrite >"$out/kernel_$label.log" 2>&1
+        echo "heldout A/B of $candidate: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_$label.md"
+      done
       ;;
     plan)
       timeout "${PLAN_S:-180}" python3 -m bench.plan_time --label "$gpu-host" --out "$out" >"$out/plan_time.log" 2>&1
