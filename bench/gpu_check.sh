@@ -22,6 +22,9 @@ set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 steps=${*:-tests memcheck kernel families}
+if [ -z "${FASTTREE_GIT_COMMIT:-}" ]; then
+  echo "note: FASTTREE_GIT_COMMIT is unset: reports record git rev-parse HEAD (stale on a copied checkout)"
+fi
 workers=${WORKERS:-8}
 case $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) in
   *H200*) gpu=h200 ;;
