@@ -14,7 +14,10 @@ the scenario's trees. The best of ``--repeats`` repetitions is reported. The run
 built on the CPU, so set ``TRITON_INTERPRET=1`` on a machine without a GPU. There its
 upload's "device" copy is a CPU tensor copy, which torch runs on ``--threads`` threads
 (default 1: with a busy core, a copy split over two OpenMP threads can wait ~8 ms for the
-second, a cost the GPU host's asynchronous host-to-device copy does not have).
+second, a cost the GPU host's asynchronous host-to-device copy does not have), and the
+runtime's plan relocation kernel runs in Triton's interpreter (70-800 ms per step on 2 cores):
+``runtime_ms`` is host time only on a GPU host; on a CPU the run is a smoke test and
+``plan_ms`` the number to read.
 
 Run from the repository root::
 
