@@ -80,6 +80,11 @@ def test_rows_are_well_formed(run):
     info = [r["backend_info"] for r in rows[:3]]
     assert info[0]["plans"] == info[1]["plans"] == info[2]["plans"] == 3 + 1 + 1 + 2
     assert info[2]["extended_plans"] == 0 and info[2]["extend_steps"] == 0 and info[0]["extend_steps"] == 8
+    # the plan's host time, fresh and extended apart (the fresh backend never extends)
+    assert info[2]["plan_ms_median_extended"] is None and info[2]["plan_ms_median_fresh"] > 0
+    assert info[0]["plan_ms_median_fresh"] > 0 and (info[0]["plan_ms_median_extended"] is None) == (
+        info[0]["extended_plans"] == 0
+    )
     assert run.report["all_correct"] and run.report["graphs"] is (DEVICE == "cuda")
 
 
