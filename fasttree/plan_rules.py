@@ -109,8 +109,8 @@ class PlanRules:
         (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in [16, 512], or 0 for the
         plan's own tile. On sm_90 the 64-row tile at head dim 256 with 64-token tiles takes 164 KB
         of shared memory at 3 stages (one program per SM), with 32-token tiles 98 KB (two). 32 by
-        default: on 21 held-out D 256 trees it changes, 1.21x faster geomean, none slower
-        (``docs/history.md``).
+        default: on an H100, 1.00-1.56x on 36 of the 39 held-out D 256 trees it changed (two
+        seeds), 0.73-0.94x on three (``docs/history.md``).
     """
 
     solo_units: bool = True
