@@ -110,7 +110,8 @@ class PlanRules:
         plan's own tile. On sm_90 the 64-row tile at head dim 256 with 64-token tiles takes 164 KB
         of shared memory at 3 stages (one program per SM), with 32-token tiles 98 KB (two). 32 by
         default: on an H100, 1.00-1.56x on 36 of the 39 held-out D 256 trees it changed (two
-        seeds), 0.73-0.94x on three (``docs/history.md``).
+        seeds); slower on three: 0.94x, 0.73x (a launch bound by one 6,747-token unit) and an
+        all-large MHA tree whose 64-row tiles then ran at 2 warps (``docs/history.md``).
     """
 
     solo_units: bool = True
