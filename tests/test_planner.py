@@ -142,6 +142,11 @@ def test_random_plans_cover_every_context_exactly_once():
         )
         plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
         check_plan(tree, plan)
+        # the candidate tile and split rules keep every plan valid
+        rules = ft.PlanRules.defaults().with_(
+            all_large_without_large=bool(rng.integers(2)), fill_split=bool(rng.integers(2))
+        )
+        check_plan(tree, ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=rules))
 
 
 @pytest.mark.parametrize("case", sorted(PAPER_SUITE))
