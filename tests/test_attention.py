@@ -365,6 +365,21 @@ def test_wide_head_cap_shrinks_only_wide_tiles_above_head_dim_128(args, expected
     assert launch_rules.launch_kv_tile(*args) == expected
 
 
+def test_an_all_large_mha_plan_runs_its_64_row_tiles_at_4_warps(device):
+    """MHA at head dim 256, two queries: the plan is all-large, so its class 1 holds 64-row tiles and
+    launches them at the large class's 4 warps (MHA's small class has 2), with the wide-head cap's
+    32-token KV tiles; the result matches the float64 reference (compiled on a GPU)."""
+    tree = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
+    plan = ft.plan(tree, num_q_heads=2, num_kv_heads=2, head_dim=256)
+    target = _h200_like(device)
+    (launch,) = launch_rules.stage1_launches(plan, target)
+    assert plan.tile_mode == "all_large" and (launch.block_m, launch.block_n, launch.num_warps) == (64, 32, 4)
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = make_inputs(tree, 2, 2, 256, torch.bfloat16, device, gen)
+    out = run_poisoned(lambda o: _run(_launches(plan, q, k, v, o, target)), q)
+    check_against_reference(out, q, k, v, tree)
+
+
 def test_candidate_tile_and_split_rules_match_reference(device):
     """Two requests over a shared prefix at GQA 4: the defaults plan them all-large at the small
     split (7 units of 64-row tiles); with ``all_large_without_large=False`` and ``fill_split`` the
