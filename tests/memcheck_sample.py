@@ -4,8 +4,9 @@ Run: ``compute-sanitizer --tool memcheck --error-exitcode 99 python tests/memche
 Covers both tile classes, merge and direct writes, GQA 7, D 256, bf16, KV tiles of 64
 and 128 (masked index loads), a pool exactly as large as the tree, the query-separated
 plan, every tile class peeled (unmasked whole KV tiles, head dim 96 padded to 128), the
-runtime's persistent kernels (int32 offsets, peeled 64-row slot) and the runtime over a small
-simulated server's steps. ``bench/gpu_check.sh`` runs memcheck with
+runtime's persistent kernels (int32 offsets, peeled 64-row slot), the runtime over a small
+simulated server's steps, an all-large MHA plan at D 256 and the fixed runtime at D 256 (the
+wide-head KV-tile cap). ``bench/gpu_check.sh`` runs memcheck with
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor its own allocation, so a write past a tensor is
 an error, not a write into its neighbour in the caching allocator's segment.
 """
@@ -116,6 +117,10 @@ def run_runtime_serving(hq, hkv, d, dtype, max_variants: int = 4, device: str = 
     return worst
 
 
+#: Two queries whose MHA plan at head dim 256 is all-large (its small phase has too few units).
+ALL_LARGE_TREE = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     cases = [
@@ -148,6 +153,14 @@ def main() -> int:
         ),
         ("runtime serving gqa4 d128", lambda: run_runtime_serving(8, 2, 128, torch.half)),
         ("fixed runtime serving gqa16 d64", lambda: run_runtime_serving(16, 1, 64, torch.half, max_variants=0)),
+        (  # class 1 of 64-row tiles at the large class's 4 warps, 32-token KV tiles (the wide-head cap)
+            "all-large mha d256 bf16",
+            lambda: run(ALL_LARGE_TREE, 2, 2, 256, torch.bfloat16),
+        ),
+        (  # the fixed launch slots with the wide-head cap
+            "fixed runtime gqa8 d256 bf16",
+            lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 8, 1, 256, torch.bfloat16, max_variants=0),
+        ),
     ]
     worst = 0.0
     for name, fn in cases:
