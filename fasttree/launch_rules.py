@@ -221,7 +221,7 @@ def _one_wave_of_small_tiles(head_dim: int, tc: TileClass, items: int, sms: int)
 
 
 def launch_kv_tile(
-    group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int, wide_head_cap: int = 0
+    group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int, wide_head_cap: int
 ) -> int:
     """KV tokens per inner-loop tile of one stage-1 launch of tile class ``tc``.
 

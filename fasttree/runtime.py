@@ -351,15 +351,15 @@ class TreeAttentionRuntime:
             check_int("max_variants", max_variants, minimum=0, expected="a non-negative integer")
         )
         self._target = GpuTarget.of(self.device, interpreting())
-        self._rules = PlanRules.defaults() if self.variants.max_variants else None
+        # the plans' rules: tree_attention's with launch variants, else the fixed launch's
+        self._rules = PlanRules.defaults() if self.variants.max_variants else PlanRules.runtime(self.stage1_launches)
         self.portfolio = self._resolve_portfolio(config)
         self.config = self.portfolio.launch_config  # member 0: the fixed launch's launch fields
 
         # launch slots: (block_m, block_n, num_warps, num_stages) of the large and the small tile class; both
         # run in one persistent launch, with the large class's warps and stages (the config's small-class
         # warps and stages apply to tree_attention's per-plan launches only)
-        rules = self._rules or PlanRules.runtime(self.stage1_launches)  # the plans' rules: their KV-tile cap
-        self.slots = launch_slots(self.config, self.group_size, self.head_dim, rules.wide_head_kv_tile)
+        self.slots = launch_slots(self.config, self.group_size, self.head_dim, self._rules.wide_head_kv_tile)
         if max(s[0] for s in self.slots) > MAX_BLOCK_M:
             q_tiles = self.config.query_tiles(self.group_size)
             raise ValueError(f"query tiles {q_tiles} x GQA {self.group_size} exceed {MAX_BLOCK_M} rows")
@@ -637,9 +637,7 @@ class TreeAttentionRuntime:
         tree plan."""
         if split_scale != 1:
             config = config.with_(kv_split_sizes=tuple(split_scale * s for s in config.kv_split_sizes))
-        rules = self._rules
-        if not crossover:
-            rules = (PlanRules.runtime(self.stage1_launches) if rules is None else rules).with_(crossover_margin=0.0)
+        rules = self._rules if crossover else self._rules.with_(crossover_margin=0.0)
         return plan_for_runtime(
             tree, config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,

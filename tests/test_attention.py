@@ -327,22 +327,22 @@ _LONG = np.full(40, 288, dtype=np.int32)
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        ((16, 128, _tile(), _LONG, 256, 132), 128),  # 4/gqa16: one wave of 288-token units
-        ((4, 128, _tile(), _LONG, 396, 132), 128),  # exactly one wave at 3 programs per SM
-        ((4, 128, _tile(), _LONG, 397, 132), 64),  # a second wave: throughput-bound
-        ((16, 128, _tile(), _LONG, 1024, 132), 64),  # 8/gqa16: 2.6 waves
-        ((1, 128, _tile(), _LONG, 256, 132), 64),  # MHA
-        ((16, 256, _tile(), _LONG, 256, 132), 64),  # head dim 256: the wide tile would not fit 3 per SM
-        ((16, 64, _tile(), _LONG, 256, 132), 128),
-        ((16, 128, _tile(block_m=64), _LONG, 256, 132), 64),  # 64-row tiles
-        ((16, 128, _tile(block_n=32), _LONG, 256, 132), 32),  # a shrunk or configured tile stays
-        ((16, 128, _tile(num_warps=2), _LONG, 256, 132), 64),
-        ((16, 128, _tile(num_stages=5), _LONG, 256, 132), 64),  # two K/V buffers
-        ((16, 128, _tile(), np.full(40, 64, dtype=np.int32), 256, 132), 64),  # short units: one tile each
-        ((16, 128, _tile(), np.r_[np.full(35, 64), np.full(5, 200)].astype(np.int32), 256, 132), 128),  # p90 long
-        ((16, 128, _tile(), np.r_[np.full(36, 64), np.full(4, 200)].astype(np.int32), 256, 132), 64),
-        ((16, 128, _tile(), np.zeros(0, dtype=np.int32), 0, 132), 64),
-        ((16, 128, _tile(), _LONG, 256, 0), 64),  # no GPU
+        ((16, 128, _tile(), _LONG, 256, 132, 0), 128),  # 4/gqa16: one wave of 288-token units
+        ((4, 128, _tile(), _LONG, 396, 132, 0), 128),  # exactly one wave at 3 programs per SM
+        ((4, 128, _tile(), _LONG, 397, 132, 0), 64),  # a second wave: throughput-bound
+        ((16, 128, _tile(), _LONG, 1024, 132, 0), 64),  # 8/gqa16: 2.6 waves
+        ((1, 128, _tile(), _LONG, 256, 132, 0), 64),  # MHA
+        ((16, 256, _tile(), _LONG, 256, 132, 0), 64),  # head dim 256: the wide tile would not fit 3 per SM
+        ((16, 64, _tile(), _LONG, 256, 132, 0), 128),
+        ((16, 128, _tile(block_m=64), _LONG, 256, 132, 0), 64),  # 64-row tiles
+        ((16, 128, _tile(block_n=32), _LONG, 256, 132, 0), 32),  # a shrunk or configured tile stays
+        ((16, 128, _tile(num_warps=2), _LONG, 256, 132, 0), 64),
+        ((16, 128, _tile(num_stages=5), _LONG, 256, 132, 0), 64),  # two K/V buffers
+        ((16, 128, _tile(), np.full(40, 64, dtype=np.int32), 256, 132, 0), 64),  # short units: one tile each
+        ((16, 128, _tile(), np.r_[np.full(35, 64), np.full(5, 200)].astype(np.int32), 256, 132, 0), 128),  # p90 long
+        ((16, 128, _tile(), np.r_[np.full(36, 64), np.full(4, 200)].astype(np.int32), 256, 132, 0), 64),
+        ((16, 128, _tile(), np.zeros(0, dtype=np.int32), 0, 132, 0), 64),
+        ((16, 128, _tile(), _LONG, 256, 0, 0), 64),  # no GPU
     ],
 )
 def test_wide_kv_tile_only_for_one_wave_gqa_small_classes(args, expected):
@@ -357,7 +357,7 @@ def test_wide_kv_tile_only_for_one_wave_gqa_small_classes(args, expected):
         ((8, 256, _tile(block_m=64, block_n=16), _LONG, 256, 132, 32), 16),  # a smaller tile stays
         ((8, 256, _tile(block_m=16), _LONG, 256, 132, 32), 64),  # 16-row classes keep theirs
         ((8, 128, _tile(block_m=64), _LONG, 256, 132, 32), 64),  # head dim 128: no cap
-        ((8, 256, _tile(block_m=64), _LONG, 256, 132, 0), 64),  # 0: the rule is off (the default)
+        ((8, 256, _tile(block_m=64), _LONG, 256, 132, 0), 64),  # 0: the rule is off
         ((8, 256, _tile(block_m=64), _LONG, 256, 0, 32), 32),  # a shared-memory rule: no SM count needed
     ],
 )

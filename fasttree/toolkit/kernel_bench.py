@@ -229,9 +229,7 @@ def bench_tree(
         runners[CANDIDATE] = lambda p=p, o=outs[CANDIDATE]: ft.tree_attention(q, k, v, p, out=o)
         target = GpuTarget.of(q.device, interpreting=False)
         row.setdefault("variant_plans", {})[CANDIDATE] = {
-            "tile_mode": p.tile_mode, "units": p.units_per_class(),
-            "same_plan_as_fasttree": bool(np.array_equal(p.kv_indices, plan.kv_indices)),
-            "same_launches_as_fasttree": stage1_launches(p, target) == stage1_launches(plan, target),
+            "tile_mode": p.tile_mode, "units": p.units_per_class(), **_compared_with_defaults(plan, p, target),
         }  # fmt: skip
     if "query_separated" in args.variants:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -617,8 +615,16 @@ def candidate_changes(fc: FamilyCase, config: ft.FastTreeConfig, rules: ft.PlanR
     tree, (hq, hkv) = family_tree(fc), fc.heads
     heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": fc.head_dim}
     default, candidate = ft.plan(tree, **heads), ft.plan(tree, config, **heads, rules=rules)
-    same_plan = np.array_equal(default.kv_indices, candidate.kv_indices)
-    return not same_plan or stage1_launches(default, target) != stage1_launches(candidate, target)
+    return not all(_compared_with_defaults(default, candidate, target).values())
+
+
+def _compared_with_defaults(default: ft.Plan, candidate: ft.Plan, target: GpuTarget) -> dict[str, bool]:
+    """Whether ``candidate`` has the defaults' plan (its KV entries) and stage-1 launches on
+    ``target``: a candidate row's ``same_plan_as_fasttree`` and ``same_launches_as_fasttree``."""
+    return {
+        "same_plan_as_fasttree": bool(np.array_equal(candidate.kv_indices, default.kv_indices)),
+        "same_launches_as_fasttree": stage1_launches(candidate, target) == stage1_launches(default, target),
+    }
 
 
 def parse_candidate(text: str) -> tuple[ft.FastTreeConfig, ft.PlanRules]:
