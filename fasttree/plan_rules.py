@@ -95,7 +95,8 @@ class PlanRules:
     all_large_without_large : bool
         Whether a plan whose groups are all small (no unit in the large phase) still moves every
         group to the large tiles when the small phase has fewer than ``para_threshs2[1]`` units
-        (the all-large tile mode). One launch runs such a plan either way, so the large tiles
+        (the all-large tile mode); False plans it all-small (16-row tiles for its groups and for
+        the bins packed from them). One launch runs such a plan either way, so the large tiles
         only add idle rows: on the H200, 22 of 28 held-out all-large trees (1-20 queries) ran below
         0.97x of query-separated decode. True (the published planner's choice) until its A/B is run.
     fill_split : bool

@@ -1312,7 +1312,7 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
     fewer units x KV heads than ``para_threshs1`` takes the small split size; only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
     the small (large) tiles; to the large ones only where the large phase has units, unless
-    ``rules.all_large_without_large``. With ``rules.fill_split``, a phase still short of
+    ``rules.all_large_without_large`` (else all-small). With ``rules.fill_split``, a phase still short of
     ``para_threshs1`` at the small split is cut finer first (:func:`_fill_splits`).
     """
     big, small = config.kv_split_sizes
@@ -1340,8 +1340,8 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
             units = units_for(splits)
         if 0 < units[0] < config.para_threshs2[0]:
             mode = ALL_SMALL
-        elif 0 < units[1] < config.para_threshs2[1] and (units[0] or rules.all_large_without_large):
-            mode = ALL_LARGE
+        elif 0 < units[1] < config.para_threshs2[1]:
+            mode = ALL_LARGE if units[0] or rules.all_large_without_large else ALL_SMALL
     return splits, mode
 
 

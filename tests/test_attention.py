@@ -383,7 +383,8 @@ def test_an_all_large_mha_plan_runs_its_64_row_tiles_at_4_warps(device):
 def test_candidate_tile_and_split_rules_match_reference(device):
     """Two requests over a shared prefix at GQA 4: the defaults plan them all-large at the small
     split (7 units of 64-row tiles); with ``all_large_without_large=False`` and ``fill_split`` the
-    plan keeps 16-row tiles and cuts 11 units at one KV tile, and both match the float64 reference."""
+    plan is all-small (16-row tiles) and cuts 11 units at one KV tile, and both match the float64
+    reference."""
     tree = ft.KVTree.from_lengths([-1, 0, 0], [40, 300, 260], [1, 2])
     rules = ft.PlanRules.defaults().with_(all_large_without_large=False, fill_split=True)
     gen = torch.Generator().manual_seed(11)
@@ -391,7 +392,7 @@ def test_candidate_tile_and_split_rules_match_reference(device):
     default = ft.plan(tree, num_q_heads=4, num_kv_heads=1, head_dim=64)
     candidate = ft.plan(tree, num_q_heads=4, num_kv_heads=1, head_dim=64, rules=rules)
     assert (default.tile_mode, default.n_units, default.tile_classes[1].block_m) == ("all_large", 7, 64)
-    assert (candidate.tile_mode, candidate.n_units, candidate.tile_classes[1].split) == ("two_classes", 11, 64)
+    assert (candidate.tile_mode, candidate.n_units, candidate.tile_classes[1].split) == ("all_small", 11, 64)
     for plan in (default, candidate):
         out = run_poisoned(lambda o, plan=plan: _run(_launches(plan, q, k, v, o, _h200_like(device))), q)
         check_against_reference(out, q, k, v, tree)

@@ -319,13 +319,13 @@ def test_tile_pass_forces_small_tiles_when_large_phase_is_underfilled():
 def test_all_large_tiles_without_large_groups_follow_the_rule():
     # every group small (one query per path): the small phase alone has too few units, and the
     # published planner moves it to the large tiles anyway; PlanRules.all_large_without_large=False
-    # keeps the small ones (one launch either way)
+    # plans it all-small (one launch either way, and no 64-row bins packed from its short units)
     tree = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
     heads = {"num_q_heads": 2, "num_kv_heads": 2, "head_dim": 64}
     published = ft.plan(tree, **heads)
     kept = ft.plan(tree, **heads, rules=ft.PlanRules.defaults().with_(all_large_without_large=False))
     assert published.tile_mode == ALL_LARGE and published.tile_classes[1].block_m == 64
-    assert kept.tile_mode == TWO_CLASSES and kept.tile_classes[1].block_m == 16
+    assert kept.tile_mode == ALL_SMALL and [tc.block_m for tc in kept.tile_classes] == [16, 16]
     assert published.units_per_class()[0] == kept.units_per_class()[0] == 0
     for plan in (published, kept):
         check_plan(tree, plan)
