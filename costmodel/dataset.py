@@ -157,9 +157,13 @@ def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
     )
 
 
-#: Rule sets to re-plan a record with, as it was measured: every combination of rules switched
-#: off, all of them first (how most shipped traces were planned), then more rules on before fewer.
-_LEGACY_RULES: tuple[PlanRules, ...] = tuple(PlanRules(**off) for off in _switched_off(_RULES))
+#: Rule sets to re-plan a record with, as it was measured: today's rules with all-small trees on
+#: the large tiles (``all_large_without_large``, every trace before it changed), then also every
+#: combination of the older rules switched off, all of them first (how most shipped traces were
+#: planned), then more rules on before fewer.
+_LEGACY_RULES: tuple[PlanRules, ...] = tuple(
+    PlanRules(all_large_without_large=True, **off) for off in ({}, *_switched_off(_RULES))
+)
 #: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
 #: record as it was measured (over the runtime's rules).
 _RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :])
@@ -177,9 +181,9 @@ def record_plan(record: dict[str, Any]):
 
     The plan must be the one that was measured. When the record's plan summary (units per
     tile class, KV tokens read, partial rows) differs from the re-planned one, the record
-    is planned again with the planner's newer rules switched off (:data:`_LEGACY_RULES`:
-    aligned blocks, wide units, whole groups, balanced bins, the solo rules, the crossover) and the first plan that
-    matches is kept;
+    is planned again with the planner's newer rules switched off (:data:`_LEGACY_RULES`: all-small
+    plans, aligned blocks, wide units, whole groups, balanced bins, the solo rules, the crossover)
+    and the first plan that matches is kept;
     otherwise the re-planned one is returned (logged at DEBUG).
 
     A measurement of the runtime's launches (``launch`` set) is planned as the runtime plans
@@ -233,10 +237,11 @@ def _launched_as_measured(plan, kernel_version: int):
 
 def _same_plan(plan, summary: dict[str, Any]) -> bool:
     """``plan`` has the recorded summary's (``Plan.stats()`` as the profiler stored it) units per
-    class, KV tokens read and partial rows."""
+    class, tile mode, KV tokens read and partial rows."""
     stats = plan.stats()
     return (
         list(stats["units"]) == list(summary.get("units", stats["units"]))
+        and stats["tile_mode"] == summary.get("tile_mode", stats["tile_mode"])
         and stats["kv_tokens_read"] == summary.get("kv_tokens_read")
         and stats["partial_rows"] == summary.get("partial_rows")
     )

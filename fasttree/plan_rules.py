@@ -95,10 +95,13 @@ class PlanRules:
     all_large_without_large : bool
         Whether a plan whose groups are all small (no unit in the large phase) still moves every
         group to the large tiles when the small phase has fewer than ``para_threshs2[1]`` units
-        (the all-large tile mode); False plans it all-small (16-row tiles for its groups and for
-        the bins packed from them). One launch runs such a plan either way, so the large tiles
-        only add idle rows: on the H200, 22 of 28 held-out all-large trees (1-20 queries) ran below
-        0.97x of query-separated decode. True (the published planner's choice) until its A/B is run.
+        (the all-large tile mode, the published planner's choice); False plans it all-small
+        (16-row tiles for its groups and for the bins packed from them). One launch runs such a
+        plan either way, so the large tiles only add idle rows. False for ``ft.plan``: on an H100,
+        1.17-1.20x geomean on the held-out trees it changed in three draws (122 trees of 1-16
+        queries; the third draw, not used for any choice, 52 trees, worst 1.002x), two trees
+        below 0.97x (0.955x, 0.970x: 6.5 and 5.4 us). True for the runtime, where it was not
+        timed (:meth:`runtime`).
     fill_split : bool
         A phase with fewer units x KV heads than ``para_threshs1`` even at the small split size
         is cut finer, down to one KV tile per unit, for about ``para_threshs1`` programs, as plain
@@ -131,7 +134,7 @@ class PlanRules:
     whole_groups: bool = True
     whole_groups_min_items: tuple[int, int] = (1, 2)
     whole_groups_max_tail: float = 2.0
-    all_large_without_large: bool = True
+    all_large_without_large: bool = False
     fill_split: bool = False
     wide_head_kv_tile: int = 32
 
@@ -169,9 +172,14 @@ class PlanRules:
         choice packs MHA plans twice on every fresh step. Blocks are fixed: aligned ones changed
         none of the decode benchmark's tuned plans and cost up to 0.17 ms more host time per
         fresh step. Solo units only with two launches: with one launch, a unit kept out of the
-        bins would run with the large tile's registers.
+        bins would run with the large tile's registers. All-small trees go to the large tiles
+        (``all_large_without_large``), as before the rule changed for ``ft.plan``: the runtime's
+        fixed launch slots were not timed with all-small plans of such trees.
         """
-        return replace(_DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False)
+        return replace(
+            _DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False,
+            all_large_without_large=True,
+        )  # fmt: skip
 
     def with_(self, **changes: Any) -> PlanRules:
         """A validated copy with some fields changed."""

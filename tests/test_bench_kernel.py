@@ -344,8 +344,8 @@ def test_changed_only_keeps_the_trees_the_candidate_plans_or_launches_differentl
 
     target = GpuTarget(cuda=False, major=9, sms=132)
     cases = heldout_cases(30000, 4, (parse_shape("4x4/d256/fp16"),))
-    cand = kernel.parse_candidate("all_large_without_large=false")
-    # the first tree is all-large with no large group: the candidate keeps its small tiles
+    cand = kernel.parse_candidate("all_large_without_large=true")
+    # the first tree has no large group: planned all-small, the candidate moves it to the large tiles
     assert [kernel.candidate_changes(c, *cand, target) for c in cases] == [True, False, False, False]
     assert not kernel.candidate_changes(cases[0], FastTreeConfig(), PlanRules.defaults(), target)
     args = kernel.parse_args(["--export", "none", "--suite", "heldout", "--candidate", "gamma=0.2", "--changed-only"])

@@ -4,6 +4,7 @@ deterministic, and the adaptive passes and ablations behave as documented."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
@@ -318,12 +319,13 @@ def test_tile_pass_forces_small_tiles_when_large_phase_is_underfilled():
 
 def test_all_large_tiles_without_large_groups_follow_the_rule():
     # every group small (one query per path): the small phase alone has too few units, and the
-    # published planner moves it to the large tiles anyway; PlanRules.all_large_without_large=False
-    # plans it all-small (one launch either way, and no 64-row bins packed from its short units)
+    # published planner moves it to the large tiles anyway (PlanRules.all_large_without_large, the
+    # runtime's rule); by default it is planned all-small (one launch either way, and no 64-row
+    # bins packed from its short units)
     tree = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
     heads = {"num_q_heads": 2, "num_kv_heads": 2, "head_dim": 64}
-    published = ft.plan(tree, **heads)
-    kept = ft.plan(tree, **heads, rules=ft.PlanRules.defaults().with_(all_large_without_large=False))
+    published = ft.plan(tree, **heads, rules=ft.PlanRules.defaults().with_(all_large_without_large=True))
+    kept = ft.plan(tree, **heads)
     assert published.tile_mode == ALL_LARGE and published.tile_classes[1].block_m == 64
     assert kept.tile_mode == ALL_SMALL and [tc.block_m for tc in kept.tile_classes] == [16, 16]
     assert published.units_per_class()[0] == kept.units_per_class()[0] == 0
@@ -604,7 +606,9 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
     for launches in (1, 2):
         rt = ft.PlanRules.runtime(launches)
         assert (rt.solo_units, rt.wide_units, rt.aligned_blocks) == (launches == 2, False, False)
-        assert rt.with_(solo_units=True, wide_units=True, aligned_blocks=True) == ft.PlanRules()
+        assert rt.all_large_without_large and not ft.PlanRules().all_large_without_large
+        same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True, all_large_without_large=False)
+        assert same == ft.PlanRules()
 
 
 # ---------------------------------------------------------- crossover with plain decode
@@ -664,7 +668,7 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
     assembled cost the plan is built (the same arrays), one float below it is abandoned. And
     plan() returns decode's plan exactly where the assembled tree plan costs more than 1.03x
     decode's (paper trees, random forests with internal queries, crossover batches; GQA 4-16,
-    packing on and off)."""
+    packing on and off; all-small trees planned all-small, as by default, and all-large)."""
     from fasttree.costs import QUERY_SEPARATED
     from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
 
@@ -672,27 +676,28 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
     trees = [paper_tree(c) for c in (2, 6, 9, 11)]
     trees += [random_tree(rng, roots=int(rng.integers(1, 5))) for _ in range(12)]
     trees += [family_tree(c) for c in CROSSOVER_CASES if c.name.endswith("/16x1/d128/fp16")][:6]
-    off = ft.PlanRules(crossover_margin=0.0)
     switched = kept = 0
-    for tree in trees:
-        for hq, hkv in ((16, 1), (32, 2), (32, 8)):
-            for config in (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)):
-                heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
-                full = ft.plan(tree, config, **heads, rules=off)
-                cost = _assembled_weighted_reads(full)
-                g = hq // hkv
-                args = (tree, config, ft.PlanRules.defaults(), g, config.query_tiles(g))
-                at_cost = planner_mod._tree_plan(*args, **heads, max_weighted_reads=cost)
-                assert at_cost is not None and _same_arrays(at_cost, full)
-                assert planner_mod._tree_plan(*args, **heads, max_weighted_reads=np.nextafter(cost, -1.0)) is None
-                decode = planner_mod._decode_weighted_reads(tree, g)
-                want = g >= 16 and cost > 1.03 * decode
-                got = ft.plan(tree, config, **heads)
-                assert (got.tile_mode == QUERY_SEPARATED) == want
-                if not want:
-                    assert _same_arrays(got, full)
-                switched += want
-                kept += not want
+    for tree, (hq, hkv), config, rules in itertools.product(
+        trees, ((16, 1), (32, 2), (32, 8)), (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)),
+        (ft.PlanRules.defaults(), ft.PlanRules.defaults().with_(all_large_without_large=True)),
+    ):  # fmt: skip
+        off = rules.with_(crossover_margin=0.0)
+        heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
+        full = ft.plan(tree, config, **heads, rules=off)
+        cost = _assembled_weighted_reads(full)
+        g = hq // hkv
+        args = (tree, config, rules, g, config.query_tiles(g))
+        at_cost = planner_mod._tree_plan(*args, **heads, max_weighted_reads=cost)
+        assert at_cost is not None and _same_arrays(at_cost, full)
+        assert planner_mod._tree_plan(*args, **heads, max_weighted_reads=np.nextafter(cost, -1.0)) is None
+        decode = planner_mod._decode_weighted_reads(tree, g)
+        want = g >= 16 and cost > 1.03 * decode
+        got = ft.plan(tree, config, **heads, rules=rules)
+        assert (got.tile_mode == QUERY_SEPARATED) == want
+        if not want:
+            assert _same_arrays(got, full)
+        switched += want
+        kept += not want
     assert switched >= 4 and kept >= 100
 
 

@@ -781,20 +781,25 @@ def test_past_max_variants_a_covering_variant_serves_the_plan_else_a_new_id_repl
 
 @pytest.mark.parametrize(("launches", "max_variants"), [(1, 0), (2, 0), ("auto", 32)])
 def test_runtime_serves_the_crossover_decode_plan(device, launches, max_variants):
-    """A small forest at 16 query heads over one KV head that the crossover rule sends to plain
-    decode's plan: the runtime uploads that plan and its outputs match the reference, with the
-    fixed persistent launch and with launch variants."""
+    """Forests at 16 query heads over one KV head that the crossover rule sends to plain decode's
+    plan: the runtime uploads that plan and its outputs match the reference, with the fixed
+    persistent launch and with launch variants. The fixed launch plans all-small trees all-large,
+    so a small forest with internal queries crosses over there; with variants the runtime plans as
+    ``ft.plan`` does, where only trees of enough units (here 132 one-query roots) pack 64-row bins."""
     from fasttree.costs import QUERY_SEPARATED
 
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 16}
-    tree = ft.KVTree.from_lengths([4, -1, 0, 1, -1, 4], [16, 1, 2, 1, 16, 2], [3, 2, 1, 5, 4])
+    if max_variants:
+        tree = ft.KVTree.from_lengths([-1] * 132, [2] * 132, list(range(132)))
+    else:
+        tree = ft.KVTree.from_lengths([4, -1, 0, 1, -1, 4], [16, 1, 2, 1, 16, 2], [3, 2, 1, 5, 4])
     rt = TreeAttentionRuntime(
-        None, dtype=torch.float16, device=device, max_queries=8, max_kv_entries=256, stage1_launches=launches,
+        None, dtype=torch.float16, device=device, max_queries=136, max_kv_entries=512, stage1_launches=launches,
         max_variants=max_variants, **heads,
     )  # fmt: skip
     info = rt.plan(tree)
     assert info.plan.tile_mode == QUERY_SEPARATED and not info.bounded
-    q, k, v = _inputs(tree, device, 8, hq=16, hkv=1, d=16, seed=5)
+    q, k, v = _inputs(tree, device, 136, hq=16, hkv=1, d=16, seed=5)
     out = rt.forward(q, k, v)
     assert ft.max_relative_error(out[: tree.n_queries], ft.reference_attention(q[: tree.n_queries], k, v, tree)) < 2e-3
 
