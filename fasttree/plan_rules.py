@@ -102,12 +102,6 @@ class PlanRules:
         queries; the third draw, not used for any choice, 52 trees, worst 1.002x), two trees
         below 0.97x (0.955x, 0.970x: 6.5 and 5.4 us). True for the runtime, where it was not
         timed (:meth:`runtime`).
-    fill_split : bool
-        A phase with fewer units x KV heads than ``para_threshs1`` even at the small split size
-        is cut finer, down to one KV tile per unit, for about ``para_threshs1`` programs, as plain
-        split-KV decode sizes its chunks. For small trees, whose time is each program's chain of
-        KV tiles: on an H100, held-out trees of 3-10 queries planned at the small split ran
-        0.83-0.85x of decode, whose units are one or two KV tiles long. False until its A/B is run.
     wide_head_kv_tile : int
         At head dims above 128, the KV tile (tokens) a launch of 32 or more rows runs at most
         (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in [16, 512], or 0 for the
@@ -135,7 +129,6 @@ class PlanRules:
     whole_groups_min_items: tuple[int, int] = (1, 2)
     whole_groups_max_tail: float = 2.0
     all_large_without_large: bool = False
-    fill_split: bool = False
     wide_head_kv_tile: int = 32
 
     def __post_init__(self) -> None:

@@ -43,7 +43,7 @@ from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import ChainedSlots, Groups
 from .host_arrays import entry_array
 from .native import address, c_int32, c_int64, planner_library
-from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, chunked_split, materialize
+from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize
 from .plan_rules import PlanRules
 from .portfolio import Portfolio, head_layout
 from .query_separated import plan_query_separated
@@ -1312,8 +1312,7 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
     fewer units x KV heads than ``para_threshs1`` takes the small split size; only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
     the small (large) tiles; to the large ones only where the large phase has units, unless
-    ``rules.all_large_without_large`` (else all-small). With ``rules.fill_split``, a phase still short of
-    ``para_threshs1`` at the small split is cut finer first (:func:`_fill_splits`).
+    ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
     splits = [big, big]
@@ -1336,32 +1335,11 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
     mode = TWO_CLASSES
     if changed:
         units = units_for(splits)
-        if rules.fill_split and _fill_splits(units_for, units, splits, config):
-            units = units_for(splits)
         if 0 < units[0] < config.para_threshs2[0]:
             mode = ALL_SMALL
         elif 0 < units[1] < config.para_threshs2[1]:
             mode = ALL_LARGE if units[0] or rules.all_large_without_large else ALL_SMALL
     return splits, mode
-
-
-def _fill_splits(units_for: _PhaseUnits, units: list[int], splits: list[int], config: FastTreeConfig) -> bool:
-    """Lower the split of each phase that has fewer units x KV heads than ``para_threshs1`` at the
-    small split size to the multiple of its KV tile that cuts its longest group into enough chunks
-    for about ``para_threshs1`` programs (as plain split-KV decode sizes its chunks,
-    :func:`fasttree.plan_arrays.chunked_split`), where that is shorter; ``splits`` is changed in
-    place. Whether a split changed."""
-    small = config.kv_split_sizes[1]
-    uncut = units_for([units_for.longest, units_for.longest])
-    lowered = False
-    for c, (_, longest) in enumerate(units_for.uncut_work()):
-        if splits[c] != small or not 0 < units[c] < config.para_threshs1[c]:
-            continue
-        fill = chunked_split(longest, config.para_threshs1[c], uncut[c], config.kv_tile[c])
-        if fill < splits[c]:
-            splits[c] = fill
-            lowered = True
-    return lowered
 
 
 class _PhaseUnits:

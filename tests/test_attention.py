@@ -381,13 +381,11 @@ def test_an_all_large_mha_plan_runs_its_64_row_tiles_at_4_warps(device):
     check_against_reference(out, q, k, v, tree)
 
 
-def test_candidate_tile_and_split_rules_match_reference(device):
+def test_all_small_and_all_large_plans_of_a_small_tree_match_reference(device):
     """Two requests over a shared prefix at GQA 4: with ``all_large_without_large`` (the runtime's
-    rule) they are planned all-large at the small split (7 units of 64-row tiles); by default
-    all-small, and with ``fill_split`` too the plan cuts 11 units at one KV tile; each matches the
-    float64 reference."""
+    rule) they are planned all-large at the small split (7 units of 64-row tiles), by default
+    all-small; each matches the float64 reference."""
     tree = ft.KVTree.from_lengths([-1, 0, 0], [40, 300, 260], [1, 2])
-    rules = ft.PlanRules.defaults().with_(fill_split=True)
     gen = torch.Generator().manual_seed(11)
     q, k, v = make_inputs(tree, 4, 1, 64, torch.float16, device, gen)
     all_large = ft.plan(
@@ -395,11 +393,9 @@ def test_candidate_tile_and_split_rules_match_reference(device):
         rules=ft.PlanRules.defaults().with_(all_large_without_large=True),
     )  # fmt: skip
     default = ft.plan(tree, num_q_heads=4, num_kv_heads=1, head_dim=64)
-    candidate = ft.plan(tree, num_q_heads=4, num_kv_heads=1, head_dim=64, rules=rules)
     assert (all_large.tile_mode, all_large.n_units, all_large.tile_classes[1].block_m) == ("all_large", 7, 64)
     assert (default.tile_mode, default.tile_classes[1].block_m) == ("all_small", 16)
-    assert (candidate.tile_mode, candidate.n_units, candidate.tile_classes[1].split) == ("all_small", 11, 64)
-    for plan in (all_large, default, candidate):
+    for plan in (all_large, default):
         out = run_poisoned(lambda o, plan=plan: _run(_launches(plan, q, k, v, o, _h200_like(device))), q)
         check_against_reference(out, q, k, v, tree)
 

@@ -143,10 +143,8 @@ def test_random_plans_cover_every_context_exactly_once():
         )
         plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64)
         check_plan(tree, plan)
-        # the candidate tile and split rules keep every plan valid
-        rules = ft.PlanRules.defaults().with_(
-            all_large_without_large=bool(rng.integers(2)), fill_split=bool(rng.integers(2))
-        )
+        # the all-small rule either way keeps every plan valid
+        rules = ft.PlanRules.defaults().with_(all_large_without_large=bool(rng.integers(2)))
         check_plan(tree, ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=rules))
 
 
@@ -338,31 +336,6 @@ def test_all_large_tiles_without_large_groups_follow_the_rule():
     for flag in (True, False):
         rules = ft.PlanRules.defaults().with_(all_large_without_large=flag)
         assert ft.plan(tree, cfg, num_q_heads=4, num_kv_heads=4, head_dim=64, rules=rules).tile_mode == ALL_LARGE
-
-
-def test_fill_split_cuts_a_small_tree_as_decode_does():
-    # three queries over ~3k tokens at one KV head: at the small split (128) the plan has 39 units of
-    # two or more KV tiles each; PlanRules.fill_split cuts them at one KV tile (64), as decode does
-    from fasttree.toolkit.family_suite import family_tree, heldout_cases, parse_shape
-
-    (case,) = [c for c in heldout_cases(9000, 5, (parse_shape("16x1/d256/bf16"),)) if c.name.startswith("paper_random")]
-    tree = family_tree(case)
-    heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 256}
-    default = ft.plan(tree, **heads)
-    filled = ft.plan(tree, **heads, rules=ft.PlanRules.defaults().with_(fill_split=True))
-    assert [tc.split for tc in default.tile_classes] == [128, 128] and default.n_units == 39
-    assert [tc.split for tc in filled.tile_classes] == [64, 64]
-    assert filled.n_units == ft.plan_query_separated(tree, **heads).n_units == 78
-    for plan in (default, filled):
-        check_plan(tree, plan)
-    # a tree that fills the GPU at the small split is left alone
-    big = paper_tree(5)
-    rules = ft.PlanRules.defaults().with_(fill_split=True)
-    assert _plan_key(ft.plan(big, **heads)) == _plan_key(ft.plan(big, **heads, rules=rules))
-
-
-def _plan_key(plan) -> tuple:
-    return (plan.tile_classes, plan.kv_indices.tobytes(), plan.unit_kv_len.tobytes())
 
 
 def test_tile_pass_needs_a_split_change_first():
