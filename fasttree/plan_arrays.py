@@ -27,7 +27,7 @@ from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
-from .plan_rules import PlanRules
+from .plan_rules import PlanRules, wide_head_split
 from .tree import arange_view, exclusive_sum, inverse_permutation, stable_argsort
 from .validation import check_int
 
@@ -224,7 +224,7 @@ def _solo_group_split(
     else:
         cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
         if cut <= rules.solo_recut_programs * programs:  # only the groups at the small split
-            solo &= current <= config.kv_split_sizes[1]
+            solo &= current <= wide_head_split(head_dim, config.kv_split_sizes[1], rules.wide_head_small_split)
         total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
         chunks = np.maximum(1, -(-(kv_len * programs) // total))
         even = -(-kv_len // chunks)  # tokens per chunk, rounded up to the tile below

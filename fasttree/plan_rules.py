@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["PlanRules", "wide_head_tile"]
+__all__ = ["PlanRules", "wide_head_split", "wide_head_tile"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,10 @@ class PlanRules:
         default: on an H100, 1.00-1.56x on 36 of the 39 held-out D 256 trees it changed (two
         seeds); slower on three: 0.94x, 0.73x (a launch bound by one 6,747-token unit) and an
         all-large MHA tree whose 64-row tiles then ran at 2 warps (``docs/history.md``).
+    wide_head_small_split : int
+        At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
+        tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
+        for the config's own.
     """
 
     solo_units: bool = True
@@ -130,6 +134,7 @@ class PlanRules:
     whole_groups_max_tail: float = 2.0
     all_large_without_large: bool = False
     wide_head_kv_tile: int = 32
+    wide_head_small_split: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -139,7 +144,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name == "solo_split_max_kv_heads":
+            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
@@ -190,3 +195,13 @@ def wide_head_tile(head_dim: int, block_m: int, block_n: int, cap: int) -> int:
     if cap and head_dim > 128 and block_m >= 32 and block_n > cap:
         return cap
     return block_n
+
+
+def wide_head_split(head_dim: int, split: int, cap: int) -> int:
+    """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or ``cap``
+    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128: the
+    one place of that rule, for the adaptive splits (:func:`fasttree.planner._adaptive_splits`)
+    and the solo groups' re-cut (:func:`fasttree.plan_arrays._solo_group_split`)."""
+    if cap and head_dim > 128 and split > cap:
+        return cap
+    return split

@@ -44,7 +44,7 @@ from .groups import ChainedSlots, Groups
 from .host_arrays import entry_array
 from .native import address, c_int32, c_int64, planner_library
 from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize
-from .plan_rules import PlanRules
+from .plan_rules import PlanRules, wide_head_split
 from .portfolio import Portfolio, head_layout
 from .query_separated import plan_query_separated
 from .tree import KVTree, arange_view, exclusive_sum, inverse_permutation, ragged_arange, stable_argsort
@@ -1240,7 +1240,7 @@ def _tree_plan(
     # adaptive passes only count units
     cost, assign, group_q, group_kv, kept = run_greedy(TWO_CLASSES)
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    splits, mode = _adaptive_splits(units_for, config, rules)
+    splits, mode = _adaptive_splits(units_for, config, rules, head_dim)
     if mode != TWO_CLASSES:
         cost, assign, group_q, group_kv, kept = run_greedy(mode)
         units_for = None
@@ -1302,7 +1302,9 @@ def _decode_weighted_reads(tree: KVTree, g: int) -> float:
     return float(np.dot(tree.lengths, tree.subtree_queries)) * math.sqrt(decode_rows / _MIN_BLOCK_M)
 
 
-def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules) -> tuple[list[int], str]:
+def _adaptive_splits(
+    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int
+) -> tuple[list[int], str]:
     """The split size of each phase and the tile mode, from the two-class greedy's groups.
 
     Groups longer than the big split size are cut at it only where their phase needs the
@@ -1315,6 +1317,7 @@ def _adaptive_splits(units_for: _PhaseUnits, config: FastTreeConfig, rules: Plan
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
+    small = wide_head_split(head_dim, small, rules.wide_head_small_split)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest
