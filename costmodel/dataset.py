@@ -158,15 +158,20 @@ def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
 
 
 #: Rule sets to re-plan a record with, as it was measured: today's rules with all-small trees on
-#: the large tiles (``all_large_without_large``, every trace before it changed), then also every
+#: the large tiles (``all_large_without_large``) and the config's own small split at every head
+#: dim (``wide_head_small_split`` 0), as every trace before they changed, then also every
 #: combination of the older rules switched off, all of them first (how most shipped traces were
 #: planned), then more rules on before fewer.
 _LEGACY_RULES: tuple[PlanRules, ...] = tuple(
-    PlanRules(all_large_without_large=True, **off) for off in ({}, *_switched_off(_RULES))
+    PlanRules(all_large_without_large=True, wide_head_small_split=0, **off) for off in ({}, *_switched_off(_RULES))
 )
 #: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
-#: record as it was measured (over the runtime's rules).
-_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = _switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :])
+#: record as it was measured (over the runtime's rules); the wide-head small split, newer than
+#: every shipped trace, is off in each.
+_RUNTIME_LEGACY: tuple[dict[str, Any], ...] = tuple(
+    {**off, "wide_head_small_split": 0}
+    for off in ({}, *_switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :]))
+)
 #: The first kernel version whose launches cap the KV tile of wide-head launches
 #: (:attr:`fasttree.PlanRules.wide_head_kv_tile`); a runtime record measured before it is launched
 #: without the cap. The cap leaves the plan as it is, so the plan summary cannot tell.

@@ -562,6 +562,7 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ({"wide_head_kv_tile": 48}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two in \[16, 512\], got 48"),
         ({"wide_head_kv_tile": 8}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
         ({"wide_head_kv_tile": -16}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
+        ({"wide_head_small_split": -64}, "PlanRules.wide_head_small_split must be a non-negative integer"),
     ],
 )
 def test_plan_rules_refuse_bad_values(kwargs, match):
@@ -582,6 +583,29 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         assert rt.all_large_without_large and not ft.PlanRules().all_large_without_large
         same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True, all_large_without_large=False)
         assert same == ft.PlanRules()
+
+
+def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
+    """``PlanRules.wide_head_small_split`` is the config's small split size where smaller, above
+    head dim 128 only: a small tree whose phase takes the small split is cut into units of at most
+    that many tokens there (more units), planned as the config with that small split would plan it, and left
+    as it was at head dim 128 or with the rule off (0)."""
+    from fasttree.plan_rules import wide_head_split
+
+    assert wide_head_split(256, 128, 64) == 64 and wide_head_split(256, 32, 64) == 32
+    assert wide_head_split(128, 128, 64) == 128 and wide_head_split(256, 128, 0) == 128
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
+    on, off = ft.PlanRules().with_(wide_head_small_split=64), ft.PlanRules().with_(wide_head_small_split=0)
+    for d in (128, 256):
+        heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
+        capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=off)
+        check_plan(tree, capped)
+        if d == 128:
+            assert _same_arrays(capped, uncapped)
+            continue
+        assert capped.n_units > uncapped.n_units  # the small phase cut finer
+        as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=off)
+        assert _same_arrays(capped, as_config)
 
 
 # ---------------------------------------------------------- crossover with plain decode
