@@ -12,6 +12,8 @@
 #             the trees it changes): the candidate against the defaults and decode on fresh trees
 #             (kernel_<gpu>_heldout.*; several candidates separated by '|' run in turn, the second
 #             writing kernel_<gpu>_heldout2.*, ...)
+#   suites_ab with CANDIDATE (one): the candidate against the defaults and decode on the crossover and
+#             families cases it changes (kernel_<gpu>_crossover_ab.*, kernel_<gpu>_fam_ab.*)
 #   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
 #   decode    the end-to-end decode benchmark (decode_<gpu>.*)
 # <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
@@ -85,6 +87,16 @@ for step in $steps; do
         echo "heldout A/B of $candidate: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_$label.md"
       done
       ;;
+    suites_ab)
+      if [ -z "${CANDIDATE:-}" ]; then echo "suites_ab needs CANDIDATE='FIELD=VALUE;...'"; exit 2; fi
+      for suite in crossover families; do
+        label="${gpu}_${suite/families/fam}_ab"
+        timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite "$suite" --candidate "$CANDIDATE" --changed-only \
+          --variants fasttree,query_separated --export none --out "$out" --label "$label" --overwrite \
+          >"$out/kernel_$label.log" 2>&1
+        echo "$suite A/B of $CANDIDATE: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_$label.md"
+      done
+      ;;
     plan)
       timeout "${PLAN_S:-180}" python3 -m bench.plan_time --label "$gpu-host" --out "$out" >"$out/plan_time.log" 2>&1
       echo "plan_time: exit $?"; grep -E "^- (max|median|rows)" "$out/plan_time_$gpu-host.md"
@@ -93,6 +105,6 @@ for step in $steps; do
       timeout "${DECODE_S:-400}" python3 -m bench.decode --out "$out" --label "decode_$gpu" >"$out/decode.log" 2>&1
       echo "decode benchmark: exit $?"; tail -n 3 "$out/decode.log"
       ;;
-    *) echo "unknown step $step (tests, memcheck, kernel, families, crossover, heldout, plan, decode)"; exit 2 ;;
+    *) echo "unknown step $step (tests, memcheck, kernel, families, crossover, heldout, suites_ab, plan, decode)"; exit 2 ;;
   esac
 done

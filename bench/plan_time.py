@@ -200,6 +200,11 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _loaded(native: bool | None) -> str:
+    """How the markdown names ``env["native_planner"]`` (absent in results written before it)."""
+    return "unknown" if native is None else ("loaded" if native else "NOT loaded (numpy path)")
+
+
 def markdown(
     rows: list[dict[str, Any]],
     summary: dict[str, Any],
@@ -269,7 +274,7 @@ def markdown(
     lines.append(
         f"- env: {env['cpu_model'] or env['processor'] or env['machine']}, python {env['python']}, "
         f"numpy {env['numpy']}, fasttree {env['fasttree']}, commit {(env['git_commit'] or 'unknown')[:12]}, "
-        f"{env['timestamp_utc']}"
+        f"compiled planner loops {_loaded(env.get('native_planner'))}, {env['timestamp_utc']}"
     )
     return "\n".join(lines) + "\n"
 

@@ -14,8 +14,15 @@ def test_a_cases_row_times_the_plan_and_counts_its_page_faults():
     faults = row["page_faults_per_plan"]
     assert faults is None or (faults >= 0 and np.isfinite(faults))
     summary = plan_time.summarize([row])
-    text = plan_time.markdown([row], summary, plan_time.environment(), "t")
+    env = plan_time.environment()
+    text = plan_time.markdown([row], summary, env, "t")
     assert "| faults |" in text and f"| {row['n_nodes']} | {row['n_queries']} |" in text
+    # the environment says whether the compiled planner loops ran (a host time means little without)
+    from fasttree.native import planner_library
+
+    assert env["native_planner"] is (planner_library() is not None)
+    assert ("compiled planner loops loaded" in text) is env["native_planner"]
+    assert "compiled planner loops unknown" in plan_time.markdown([row], summary, {**env, "native_planner": None}, "t")
 
 
 def test_reused_host_memory_leaves_a_big_tree_without_page_faults():

@@ -111,7 +111,7 @@ def configs(draw, *, group_size: int) -> ft.FastTreeConfig:
     )
 
 
-RULES = ("solo_units", "balanced_bins", "whole_groups", "wide_units", "aligned_blocks")
+RULES = ("solo_units", "balanced_bins", "whole_groups", "wide_units", "aligned_blocks", "all_large_without_large")
 
 
 @st.composite
@@ -124,7 +124,9 @@ def planned(draw, *, max_nodes: int = 24, lengths: tuple[int, ...] = LENGTHS, he
     hkv = draw(st.integers(1, 3))
     d = draw(st.sampled_from(head_dims))
     config = draw(configs(group_size=g))
-    rules = ft.PlanRules(**{name: draw(st.booleans()) for name in RULES})
+    rules = ft.PlanRules(
+        **{name: draw(st.booleans()) for name in RULES}, wide_head_small_split=draw(st.sampled_from((0, 16, 64)))
+    )
     plan_args = {"config": config, "num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, "rules": rules}
     return tree, ft.plan(tree, **plan_args), plan_args
 

@@ -43,7 +43,11 @@ def _cpu_model() -> str | None:
 
 
 def environment(*, gpu: bool = False) -> dict[str, Any]:
-    """Host-name-free description of the machine and software versions (and the GPU)."""
+    """Host-name-free description of the machine and software versions (and the GPU), and whether
+    the planner's compiled loops loaded (``native_planner``; without them it plans several times
+    slower, so a host-time result means little unless this is True)."""
+    from fasttree.native import planner_library
+
     env: dict[str, Any] = {
         "processor": platform.processor() or None,
         "machine": platform.machine() or None,
@@ -53,6 +57,7 @@ def environment(*, gpu: bool = False) -> dict[str, Any]:
         "numpy": np.__version__,
         "fasttree": __version__,
         "git_commit": git_commit(),
+        "native_planner": planner_library() is not None,
         "timestamp_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if gpu:
