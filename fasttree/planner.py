@@ -1311,7 +1311,8 @@ def _adaptive_splits(
     parallelism: enough units x KV heads uncut (``rules.whole_groups_min_items`` times
     ``para_threshs1``), and no group much longer than the phase's work spread over
     ``para_threshs1`` programs (one long group would be the launch's tail). Then a phase with
-    fewer units x KV heads than ``para_threshs1`` takes the small split size; only if a split
+    fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim 128
+    at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.wide_head_split`); only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
     the small (large) tiles; to the large ones only where the large phase has units, unless
     ``rules.all_large_without_large`` (else all-small).
