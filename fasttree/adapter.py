@@ -335,6 +335,25 @@ def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: A
     return _trie(rows.reshape(-1), np.arange(idx.size, dtype=np.int64) * width, lens)
 
 
+def _integer_node_arrays(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(slots, lengths)`` of ``node_slots`` when every entry is a 1-D numpy array of a signed,
+    or narrower than 64-bit unsigned, integer dtype: the slots back to back (one concatenation,
+    an integer dtype that holds every entry's values) and each entry's length (int64
+    [n_nodes]); None for any other entry, which the per-entry checks then name. The fast path of
+    :func:`tree_from_radix_nodes`: a radix cache hands over one array per node every step, and
+    checking each through :func:`fasttree.validation.check_int_array` cost about as much as
+    planning the tree."""
+    lengths = np.empty(len(node_slots), dtype=np.int64)
+    for i, a in enumerate(node_slots):
+        if type(a) is not np.ndarray or a.ndim != 1:
+            return None
+        kind = a.dtype.kind
+        if kind != "i" and (kind != "u" or a.dtype.itemsize == 8):
+            return None
+        lengths[i] = a.size
+    return np.concatenate(node_slots), lengths
+
+
 def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any, *, prune: bool = False) -> KVTree:
     """The KV tree of a batch from a radix cache's own nodes.
 
@@ -387,10 +406,12 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
     if bad.size:
         j = int(bad[0])
         raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
-    arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
-    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
+    flat_lengths = _integer_node_arrays(node_slots)
+    if flat_lengths is None:  # lists, tensors or an irregular entry: checked one by one, named
+        arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
+        flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
     # validates parents (range, cycles), slots and empty contexts
-    tree = KVTree.from_flat(par, lengths, np.concatenate(arrays), req)
+    tree = KVTree.from_flat(par, flat_lengths[1], flat_lengths[0], req)
     if not prune:
         return tree
     keep = tree.subtree_queries > 0

@@ -310,6 +310,38 @@ def test_radix_nodes_random_prune_keeps_contexts(seed):
     assert pruned.n_nodes == int((full.subtree_queries > 0).sum())
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_radix_nodes_of_numpy_arrays_build_the_tree_of_lists(seed):
+    """Per-node numpy arrays of any integer dtype (the fast path: one concatenation, no per-node
+    check) give the tree the per-node checks give to the same slots as lists, empty nodes,
+    uint16 and int8 entries included; an entry the fast path does not take (a float, 2-D or
+    uint64 array, a list among arrays) is checked and named as before."""
+    rng = np.random.default_rng(seed)
+    src = random_tree(rng, max_nodes=40, max_len=20)
+    dtypes = (np.int64, np.int32, np.uint32, np.int16, np.uint16)
+    arrays = [src.node_slots(i).astype(dtypes[i % len(dtypes)]) for i in range(src.n_nodes)]
+    lists = [a.tolist() for a in arrays]
+    fast = tree_from_radix_nodes(src.parents, arrays, src.query_nodes)
+    slow = tree_from_radix_nodes(src.parents, lists, src.query_nodes)
+    for name in ("parents", "lengths", "slot_indptr", "slots", "query_nodes"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name))
+    assert fast.slots.dtype == slow.slots.dtype
+    assert context_slots(fast) == context_slots(src)
+    mixed = [*arrays[:-1], lists[-1]]  # a list among arrays: the checked path, the same tree
+    np.testing.assert_array_equal(tree_from_radix_nodes(src.parents, mixed, src.query_nodes).slots, fast.slots)
+    parents, good = [-1, 0], [np.array([1, 2], dtype=np.int32), np.array([3], dtype=np.int8)]
+    for bad, match in (
+        (np.array([3.0]), r"node_slots\[1\] must hold integers"),
+        (np.array([[3]], dtype=np.int32), r"node_slots\[1\] must be a 1-D integer array"),
+        (np.array([2**63], dtype=np.uint64), r"node_slots\[1\] holds 9223372036854775808, beyond the int64"),
+        (np.array([-3], dtype=np.int16), r"negative slot id"),
+        (np.array([2**31], dtype=np.int64), r"beyond the int32 range"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tree_from_radix_nodes(parents, [good[0], bad], [1])
+    assert context_slots(tree_from_radix_nodes(parents, good, [1])) == [[1, 2, 3]]
+
+
 # ------------------------------------------------------------------- errors
 @pytest.mark.parametrize(
     ("slot_lists", "match"),
