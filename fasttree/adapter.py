@@ -337,12 +337,15 @@ def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: A
 
 def _integer_node_arrays(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
     """``(slots, lengths)`` of ``node_slots`` when every entry is a 1-D numpy array of a signed,
-    or narrower than 64-bit unsigned, integer dtype: the slots back to back (one concatenation,
+    or narrower than 64-bit unsigned, integer dtype (or a CPU tensor, :func:`_integer_node_tensors`):
+    the slots back to back (one concatenation,
     an integer dtype that holds every entry's values) and each entry's length (int64
     [n_nodes]); None for any other entry, which the per-entry checks then name. The fast path of
     :func:`tree_from_radix_nodes`: a radix cache hands over one array per node every step, and
     checking each through :func:`fasttree.validation.check_int_array` cost about as much as
     planning the tree."""
+    if _is_tensor(node_slots[0]):
+        return _integer_node_tensors(node_slots)
     lengths = np.empty(len(node_slots), dtype=np.int64)
     for i, a in enumerate(node_slots):
         if type(a) is not np.ndarray or a.ndim != 1:
@@ -352,6 +355,22 @@ def _integer_node_arrays(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] 
             return None
         lengths[i] = a.size
     return np.concatenate(node_slots), lengths
+
+
+def _integer_node_tensors(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_integer_node_arrays` for CPU torch tensors of one type, each 1-D of a signed integer
+    dtype or uint8 (one ``torch.cat``, on the host; an engine's radix cache may keep a tensor per
+    node); None for any other entry."""
+    import torch  # the caller holds torch tensors: torch is imported already
+
+    kind = type(node_slots[0])
+    integer = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    lengths = np.empty(len(node_slots), dtype=np.int64)
+    for i, a in enumerate(node_slots):
+        if type(a) is not kind or a.dim() != 1 or a.dtype not in integer or a.device.type != "cpu":
+            return None
+        lengths[i] = a.numel()
+    return torch.cat(list(node_slots)).detach().numpy(), lengths
 
 
 def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any, *, prune: bool = False) -> KVTree:

@@ -314,8 +314,8 @@ def test_radix_nodes_random_prune_keeps_contexts(seed):
 def test_radix_nodes_of_numpy_arrays_build_the_tree_of_lists(seed):
     """Per-node numpy arrays of any integer dtype (the fast path: one concatenation, no per-node
     check) give the tree the per-node checks give to the same slots as lists, empty nodes,
-    uint16 and int8 entries included; an entry the fast path does not take (a float, 2-D or
-    uint64 array, a list among arrays) is checked and named as before."""
+    uint16 and int8 entries included, and so do CPU tensors; an entry the fast path does not take
+    (a float, 2-D or uint64 array, a list among arrays) is checked and named as before."""
     rng = np.random.default_rng(seed)
     src = random_tree(rng, max_nodes=40, max_len=20)
     dtypes = (np.int64, np.int32, np.uint32, np.int16, np.uint16)
@@ -340,6 +340,22 @@ def test_radix_nodes_of_numpy_arrays_build_the_tree_of_lists(seed):
         with pytest.raises(ValueError, match=match):
             tree_from_radix_nodes(parents, [good[0], bad], [1])
     assert context_slots(tree_from_radix_nodes(parents, good, [1])) == [[1, 2, 3]]
+    # CPU tensors, one per node (one torch.cat): the same tree; an irregular one is checked and named
+    tdtypes = (torch.int64, torch.int32, torch.uint8, torch.int16)
+    tensors = [torch.from_numpy(src.node_slots(i).astype(np.int64)) for i in range(src.n_nodes)]
+    tensors = [t.to(tdtypes[i % len(tdtypes)]) if t.numel() == 0 or t.max() < 256 else t for i, t in enumerate(tensors)]
+    from_tensors = tree_from_radix_nodes(torch.from_numpy(src.parents), tensors, src.query_nodes)
+    np.testing.assert_array_equal(from_tensors.slots, fast.slots)
+    np.testing.assert_array_equal(from_tensors.slot_indptr, fast.slot_indptr)
+    t_good = [torch.tensor([1, 2]), torch.tensor([3], dtype=torch.int32)]
+    assert context_slots(tree_from_radix_nodes(parents, t_good, [1])) == [[1, 2, 3]]
+    for bad, match in (
+        (torch.tensor([3.0]), r"node_slots\[1\] must hold integers"),
+        (torch.tensor([[3]]), r"node_slots\[1\] must be a 1-D integer array"),
+        (torch.tensor([-3]), r"negative slot id"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tree_from_radix_nodes(parents, [t_good[0], bad], [1])
 
 
 # ------------------------------------------------------------------- errors
