@@ -337,10 +337,10 @@ def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: A
 
 def _integer_node_arrays(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
     """``(slots, lengths)`` of ``node_slots`` when every entry is a 1-D numpy array of a signed,
-    or narrower than 64-bit unsigned, integer dtype (or a CPU tensor, :func:`_integer_node_tensors`):
-    the slots back to back (one concatenation,
-    an integer dtype that holds every entry's values) and each entry's length (int64
-    [n_nodes]); None for any other entry, which the per-entry checks then name. The fast path of
+    or narrower than 64-bit unsigned, integer dtype (or a CPU tensor,
+    :func:`_integer_node_tensors`): the slots back to back (one concatenation, an integer dtype
+    that holds every entry's values) and each entry's length (int64 [n_nodes]); None for any
+    other entry, which the per-entry checks then name. The fast path of
     :func:`tree_from_radix_nodes`: a radix cache hands over one array per node every step, and
     checking each through :func:`fasttree.validation.check_int_array` cost about as much as
     planning the tree."""
