@@ -242,16 +242,19 @@ def tree_from_token_slots(slot_lists: Sequence) -> KVTree:
     n = len(slot_lists)
     if n == 0:
         raise ValueError("slot_lists is empty: a batch needs at least one request")
-    arrays = []
-    for j, s in enumerate(slot_lists):
-        arr = _host_array(f"slot_lists[{j}]", s, 1)
-        if arr.size == 0:
-            raise ValueError(f"slot_lists[{j}] is empty: a request's context holds at least the token being decoded")
-        arrays.append(arr)
-    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
+    flat_lengths = _integer_arrays(slot_lists)
+    if flat_lengths is None or not flat_lengths[1].all():  # checked one by one, the first bad one named
+        arrays = []
+        for j, s in enumerate(slot_lists):
+            arr = _host_array(f"slot_lists[{j}]", s, 1)
+            if arr.size == 0:
+                msg = f"slot_lists[{j}] is empty: a request's context holds at least the token being decoded"
+                raise ValueError(msg)
+            arrays.append(arr)
+        flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
+    flat, lengths = flat_lengths
     indptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=indptr[1:])
-    flat = np.concatenate(arrays)
     _check_slot_range(flat, indptr, lambda j, k: f"slot_lists[{j}][{k}]")
     return _trie(flat, indptr[:-1], lengths)
 
@@ -335,42 +338,44 @@ def tree_from_req_to_token(req_to_token: Any, req_pool_indices: Any, seq_lens: A
     return _trie(rows.reshape(-1), np.arange(idx.size, dtype=np.int64) * width, lens)
 
 
-def _integer_node_arrays(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(slots, lengths)`` of ``node_slots`` when every entry is a 1-D numpy array of a signed,
+def _integer_arrays(entries: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(slots, lengths)`` of ``entries`` when every entry is a 1-D numpy array of a signed,
     or narrower than 64-bit unsigned, integer dtype (or a CPU tensor,
-    :func:`_integer_node_tensors`): the slots back to back (one concatenation, an integer dtype
-    that holds every entry's values) and each entry's length (int64 [n_nodes]); None for any
+    :func:`_integer_tensors`): the slots back to back (one concatenation, an integer dtype
+    that holds every entry's values) and each entry's length (int64 [n_entries]); None for any
     other entry, which the per-entry checks then name. The fast path of
-    :func:`tree_from_radix_nodes`: a radix cache hands over one array per node every step, and
-    checking each through :func:`fasttree.validation.check_int_array` cost about as much as
-    planning the tree."""
-    if _is_tensor(node_slots[0]):
-        return _integer_node_tensors(node_slots)
-    lengths = np.empty(len(node_slots), dtype=np.int64)
-    for i, a in enumerate(node_slots):
+    :func:`tree_from_radix_nodes` and :func:`tree_from_token_slots`: a server hands over one array
+    per node or request every step, and checking each through
+    :func:`fasttree.validation.check_int_array` cost about as much as planning the tree."""
+    if _is_tensor(entries[0]):
+        return _integer_tensors(entries)
+    lengths = np.empty(len(entries), dtype=np.int64)
+    for i, a in enumerate(entries):
         if type(a) is not np.ndarray or a.ndim != 1:
             return None
         kind = a.dtype.kind
         if kind != "i" and (kind != "u" or a.dtype.itemsize == 8):
             return None
         lengths[i] = a.size
-    return np.concatenate(node_slots), lengths
+    return np.concatenate(entries), lengths
 
 
-def _integer_node_tensors(node_slots: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`_integer_node_arrays` for CPU torch tensors of one type, each 1-D of a signed integer
+def _integer_tensors(entries: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_integer_arrays` for CPU torch tensors of one type, each 1-D of a signed integer
     dtype or uint8 (one ``torch.cat``, on the host; an engine's radix cache may keep a tensor per
     node); None for any other entry."""
     import torch  # the caller holds torch tensors: torch is imported already
 
-    kind = type(node_slots[0])
+    kind = type(entries[0])
+    if not issubclass(kind, torch.Tensor):  # tensor-like, not a tensor: the per-entry checks
+        return None
     integer = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-    lengths = np.empty(len(node_slots), dtype=np.int64)
-    for i, a in enumerate(node_slots):
-        if type(a) is not kind or a.dim() != 1 or a.dtype not in integer or a.device.type != "cpu":
+    lengths = np.empty(len(entries), dtype=np.int64)
+    for i, a in enumerate(entries):
+        if type(a) is not kind or a.device.type != "cpu" or a.dim() != 1 or a.dtype not in integer:
             return None
         lengths[i] = a.numel()
-    return torch.cat(list(node_slots)).detach().numpy(), lengths
+    return torch.cat(list(entries)).detach().numpy(), lengths
 
 
 def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any, *, prune: bool = False) -> KVTree:
@@ -425,7 +430,7 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
     if bad.size:
         j = int(bad[0])
         raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
-    flat_lengths = _integer_node_arrays(node_slots)
+    flat_lengths = _integer_arrays(node_slots)
     if flat_lengths is None:  # lists, tensors or an irregular entry: checked one by one, named
         arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
         flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)

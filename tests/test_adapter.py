@@ -155,6 +155,7 @@ def test_input_types_and_non_contiguous_slots():
     expected = tree_from_token_slots(seqs)
     for conv in (
         lambda s: np.asarray(s, dtype=np.int32),
+        lambda s: np.asarray(s, dtype=np.uint16),
         lambda s: np.asarray(s, dtype=np.uint64),
         lambda s: torch.tensor(s, dtype=torch.int32),
         lambda s: torch.tensor(s, dtype=torch.int64),
@@ -372,6 +373,13 @@ def test_radix_nodes_of_numpy_arrays_build_the_tree_of_lists(seed):
         ([5], r"slot_lists\[0\] must be a 1-D integer array, got shape \(\)"),
         ("abc", r"slot_lists must be a sequence"),
         ([np.array([2**63 + 5], dtype=np.uint64)], r"slot_lists\[0\] holds 9223372036854775813, beyond the int64"),
+        # numpy arrays and CPU tensors (one concatenation): the same checks, the same names
+        ([np.array([1, 2]), np.array([], dtype=np.int32)], r"slot_lists\[1\] is empty"),
+        ([np.array([1, 2]), np.array([3, -4], dtype=np.int16)], r"^slot_lists\[1\]\[1\] = -4 is a negative slot id$"),
+        ([np.array([1, 2]), np.array([2**31])], r"slot_lists\[1\]\[0\] = 2147483648 is beyond the int32"),
+        ([torch.tensor([1, 2]), torch.tensor([], dtype=torch.int64)], r"slot_lists\[1\] is empty"),
+        ([torch.tensor([1, 2]), torch.tensor([3, -4])], r"^slot_lists\[1\]\[1\] = -4 is a negative slot id$"),
+        ([torch.tensor([1, 2]), torch.tensor([3.0])], r"slot_lists\[1\] must hold integers"),
     ],
 )
 def test_token_slots_errors(slot_lists, match):
