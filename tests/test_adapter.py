@@ -419,6 +419,19 @@ def test_token_slots_refuses_device_tensors():
             (np.array([[1, 2, -3, 4], [5, 6, 7, 8]]), [1, 0], [2, 3]),
             r"req_to_token\[0, 2\] \(request 1's context\) = -3 is a negative slot id",
         ),
+        # 4-byte tables: the trie is built first and KVTree's check fails, then the entry is named
+        (
+            (np.array([[1, 2, -3, 4], [5, 6, 7, 8]], dtype=np.int32), [1, 0], [2, 3]),
+            r"req_to_token\[0, 2\] \(request 1's context\) = -3 is a negative slot id",
+        ),
+        (
+            (np.array([[9, -5, 3], [9, -5, 4], [9, 1, 1]], dtype=np.int32), [2, 0, 1], [3, 3, 3]),
+            r"req_to_token\[0, 1\] \(request 1's context\) = -5 is a negative slot id",
+        ),
+        (
+            (torch.tensor([[1, 2, 3], [1, 2, -7]], dtype=torch.int32), [0, 1], [3, 3]),
+            r"req_to_token\[1, 2\] \(request 1's context\) = -7 is a negative slot id",
+        ),
     ],
 )
 def test_req_to_token_errors(args, match):
