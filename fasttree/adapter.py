@@ -420,7 +420,9 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
         internal ones included; several requests may end at one node.
     prune : bool
         Drop the nodes no request reads (the rest of the cache), renumbering the kept
-        nodes in increasing order of their ids. Off by default: node ids stay the cache's.
+        nodes in increasing order of their ids; only the kept nodes' slots are read and
+        checked, so the cost follows the batch's tokens, not the cache's. Off by default:
+        node ids stay the cache's.
 
     Returns
     -------
@@ -450,24 +452,30 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
     if bad.size:
         j = int(bad[0])
         raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
-    flat_lengths = _integer_arrays(node_slots)
-    if flat_lengths is None:  # lists, tensors or an irregular entry: checked one by one, named
-        arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in enumerate(node_slots)]
-        flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
-    # validates parents (range, cycles), slots and empty contexts
-    tree = KVTree.from_flat(par, flat_lengths[1], flat_lengths[0], req)
     if not prune:
-        return tree
-    keep = tree.subtree_queries > 0
-    if keep.all():
-        return tree
+        flat, lengths = _node_slots_flat(node_slots, range(n))
+        return KVTree.from_flat(par, lengths, flat, req)  # checks parents (range, cycles), slots, contexts
+    # only the requests' root paths are read: the structure alone first (one token a node; it checks
+    # the parents' range and cycles), then the kept nodes' slots, so a step costs the batch's
+    # tokens, not the cache's
+    shape = KVTree._from_lengths(par, np.ones(n, dtype=np.int64), req)
+    keep = shape.subtree_queries > 0
     kept = np.flatnonzero(keep)
     new_id = np.cumsum(keep) - 1  # a kept node's parent is kept: it is on the same requests' paths
-    kept_parents = tree.parents[kept]
-    logger.debug("radix tree pruned from %d to %d nodes", n, kept.size)
+    kept_parents = par[kept]
+    flat, lengths = _node_slots_flat([node_slots[i] for i in kept.tolist()], kept.tolist())
+    if kept.size < n:
+        logger.debug("radix tree pruned from %d to %d nodes", n, kept.size)
     return KVTree.from_flat(
-        np.where(kept_parents >= 0, new_id[np.maximum(kept_parents, 0)], -1),
-        tree.lengths[kept],
-        tree.slots[ragged_arange(tree.slot_indptr[kept], tree.lengths[kept])],
-        new_id[tree.query_nodes],
+        np.where(kept_parents >= 0, new_id[np.maximum(kept_parents, 0)], -1), lengths, flat, new_id[req]
     )
+
+
+def _node_slots_flat(entries: Sequence, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(slots, lengths)`` of a radix cache's node arrays ``entries`` (those of nodes ``ids``, as
+    errors name them): :func:`_integer_arrays`, else each entry checked and named."""
+    flat_lengths = _integer_arrays(entries)
+    if flat_lengths is None:  # lists, tensors or an irregular entry: checked one by one, named
+        arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in zip(ids, entries, strict=True)]
+        flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    return flat_lengths

@@ -311,6 +311,23 @@ def test_radix_nodes_random_prune_keeps_contexts(seed):
     assert pruned.n_nodes == int((full.subtree_queries > 0).sum())
 
 
+def test_radix_nodes_pruned_read_only_the_requests_nodes():
+    """With ``prune`` the slots of nodes no request reads are neither read nor checked (the cost
+    follows the batch, not the cache), while the parents are still checked whole."""
+    parents = [-1, 0, 0, 1, 2]
+    node_slots = [np.array([0, 1]), np.array([2]), np.array([-9]), np.array([3, 4]), np.array([[7]])]
+    tree = tree_from_radix_nodes(parents, node_slots, [3, 1], prune=True)
+    assert tree.parents.tolist() == [-1, 0, 1] and context_slots(tree) == [[0, 1, 2, 3, 4], [0, 1, 2]]
+    with pytest.raises(ValueError, match=r"node_slots\[4\] must be a 1-D integer array"):
+        tree_from_radix_nodes(parents, node_slots, [3, 1])  # unpruned, every node is read
+    with pytest.raises(ValueError, match=r"node_slots hold a negative slot id"):
+        tree_from_radix_nodes(parents, node_slots, [2], prune=True)  # a request reads node 2
+    with pytest.raises(ValueError, match=r"node_slots\[4\] must be a 1-D integer array"):
+        tree_from_radix_nodes(parents, [*node_slots[:4], [[7]]], [4], prune=True)  # named by its cache id
+    with pytest.raises(ValueError, match="cycle"):  # a cycle among unread nodes is still refused
+        tree_from_radix_nodes([-1, 0, 3, 2], [[1], [2], [3], [4]], [1], prune=True)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_radix_nodes_of_numpy_arrays_build_the_tree_of_lists(seed):
     """Per-node numpy arrays of any integer dtype (the fast path: one concatenation, no per-node
