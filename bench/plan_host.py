@@ -5,8 +5,11 @@ For the serving scenarios ``few_shot``, ``chain_reasoning``, ``multi_document_qa
 seed=0, steps=51)``, the first 3 skipped) and the head shapes ``(Hq, Hkv, D)`` =
 ``(32, 32, 128)`` and ``(32, 8, 128)``, this script times
 
-* ``runtime_ms``: ``TreeAttentionRuntime.plan(tree)`` (plan plus staging upload), and
-* ``plan_ms``: ``fasttree.plan(tree)`` alone,
+* ``runtime_ms``: ``TreeAttentionRuntime.plan(tree)`` (plan plus staging upload),
+* ``plan_ms``: ``fasttree.plan(tree)`` alone, and
+* ``tree_ms``: building the tree from a radix cache's view of it
+  (:func:`fasttree.adapter.tree_from_radix_nodes` over one numpy array per node, made
+  beforehand), which a server pays before either (per head shape alike: no head enters it),
 
 per tree, in milliseconds. Every tree object is planned once (a tree caches its planner
 index on first use, as a fresh serving tree would not have it): each repetition regenerates
@@ -32,9 +35,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import fasttree
+from fasttree.adapter import tree_from_radix_nodes
 from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.toolkit.bench_common import environment
@@ -50,6 +55,29 @@ def serving_trees(scenario: str) -> list[fasttree.KVTree]:
     """Fresh tree objects of the scenario's decode steps (the first ``SKIP`` dropped)."""
     steps = list(iter_serving(scenario, seed=0, steps=STEPS))
     return [s.tree for s in steps[SKIP:]]
+
+
+def radix_views(trees: list[fasttree.KVTree]) -> list[tuple]:
+    """Each tree as a radix cache would hand it over: ``(parents, one int64 array per node,
+    query nodes)``, the arguments of :func:`fasttree.adapter.tree_from_radix_nodes`."""
+    views = []
+    for t in trees:
+        ptr = t.slot_indptr.tolist()
+        nodes = [t.slots[ptr[i] : ptr[i + 1]].astype(np.int64) for i in range(t.n_nodes)]
+        views.append((t.parents.copy(), nodes, t.query_nodes.copy()))
+    return views
+
+
+def tree_build_ms(views: list[tuple], repeats: int) -> float:
+    """Best-of-``repeats`` milliseconds per tree of :func:`fasttree.adapter.tree_from_radix_nodes`
+    over ``views`` (:func:`radix_views`)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for parents, nodes, queries in views:
+            tree_from_radix_nodes(parents, nodes, queries)
+        best = min(best, (time.perf_counter() - t0) / len(views) * 1e3)
+    return best
 
 
 def make_runtime(trees: list[fasttree.KVTree], hq: int, hkv: int, d: int, device: str) -> TreeAttentionRuntime:
@@ -84,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     rows = []
-    print(f"{'scenario':28s} {'heads':>12s} {'nodes':>6s} {'queries':>8s} {'runtime_ms':>11s} {'plan_ms':>8s}")
+    head = f"{'scenario':28s} {'heads':>12s} {'nodes':>6s} {'queries':>8s} {'runtime_ms':>11s} {'plan_ms':>8s}"
+    print(head + f" {'tree_ms':>8s}")
     for scenario in SCENARIOS:
         trees = serving_trees(scenario)
         nodes = sum(t.n_nodes for t in trees) / len(trees)
         queries = sum(t.n_queries for t in trees) / len(trees)
+        tree_ms = tree_build_ms(radix_views(trees), args.repeats)
         for hq, hkv, d in HEADS:
             rt = make_runtime(trees, hq, hkv, d, device)
             for t in trees[:3]:  # warm-up (imports, first-call costs)
@@ -100,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             plan_ms = time_per_tree(scenario, lambda t, h=heads: fasttree.plan(t, **h), args.repeats)
             row = {
                 "scenario": scenario, "heads": [hq, hkv, d], "mean_nodes": nodes, "mean_queries": queries,
-                "trees": len(trees), "runtime_ms": runtime_ms, "plan_ms": plan_ms,
+                "trees": len(trees), "runtime_ms": runtime_ms, "plan_ms": plan_ms, "tree_ms": tree_ms,
             }  # fmt: skip
             rows.append(row)
             shape = f"{hq}/{hkv}/{d}"
-            print(f"{scenario:28s} {shape:>12s} {nodes:6.0f} {queries:8.0f} {runtime_ms:11.3f} {plan_ms:8.3f}")
+            cells = f"{runtime_ms:11.3f} {plan_ms:8.3f} {tree_ms:8.3f}"
+            print(f"{scenario:28s} {shape:>12s} {nodes:6.0f} {queries:8.0f} {cells}")
     if args.json is not None:
         doc = {"env": environment(gpu=device != "cpu"), "device": device, "repeats": args.repeats, "rows": rows}
         write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
