@@ -1443,7 +1443,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{env.get('gpu_name') or env.get('cpu_model')}, torch {env.get('torch', torch.__version__)}, "
         f"triton {env.get('triton', '-')}, commit {(env.get('git_commit') or 'unknown')[:12]}, "
         f"{env['timestamp_utc']}"
-        + {True: "", False: ", planner WITHOUT its compiled loops (numpy path)", None: ""}[env.get("native_planner")]
+        + (", planner WITHOUT its compiled loops (numpy path)" if env.get("native_planner") is False else "")
         + ".",
         "",
         f"Random-weight {a['dtype']} decoders: {layers}; RoPE on; non-attention ops: {non_attention} "

@@ -60,12 +60,10 @@ def serving_trees(scenario: str) -> list[fasttree.KVTree]:
 def radix_views(trees: list[fasttree.KVTree]) -> list[tuple]:
     """Each tree as a radix cache would hand it over: ``(parents, one int64 array per node,
     query nodes)``, the arguments of :func:`fasttree.adapter.tree_from_radix_nodes`."""
-    views = []
-    for t in trees:
-        ptr = t.slot_indptr.tolist()
-        nodes = [t.slots[ptr[i] : ptr[i + 1]].astype(np.int64) for i in range(t.n_nodes)]
-        views.append((t.parents.copy(), nodes, t.query_nodes.copy()))
-    return views
+    return [
+        (t.parents.copy(), [t.node_slots(i).astype(np.int64) for i in range(t.n_nodes)], t.query_nodes.copy())
+        for t in trees
+    ]
 
 
 def tree_build_ms(views: list[tuple], repeats: int) -> float:

@@ -247,17 +247,7 @@ def tree_from_token_slots(slot_lists: Sequence) -> KVTree:
     n = len(slot_lists)
     if n == 0:
         raise ValueError("slot_lists is empty: a batch needs at least one request")
-    flat_lengths = _integer_arrays(slot_lists)
-    if flat_lengths is None or not flat_lengths[1].all():  # checked one by one, the first bad one named
-        arrays = []
-        for j, s in enumerate(slot_lists):
-            arr = _host_array(f"slot_lists[{j}]", s, 1)
-            if arr.size == 0:
-                msg = f"slot_lists[{j}] is empty: a request's context holds at least the token being decoded"
-                raise ValueError(msg)
-            arrays.append(arr)
-        flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=n)
-    flat, lengths = flat_lengths
+    flat, lengths = _flat_entries(slot_lists, "slot_lists", range(n), empty_ok=False)
     indptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=indptr[1:])
     _check_slot_range(flat, indptr, lambda j, k: f"slot_lists[{j}][{k}]")
@@ -453,7 +443,7 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
         j = int(bad[0])
         raise ValueError(f"request_nodes[{j}] = {int(req[j])} is out of range [0, {n}) of the radix nodes")
     if not prune:
-        flat, lengths = _node_slots_flat(node_slots, range(n))
+        flat, lengths = _flat_entries(node_slots, "node_slots", range(n))
         return KVTree.from_flat(par, lengths, flat, req)  # checks parents (range, cycles), slots, contexts
     # only the requests' root paths are read: the structure alone first (one token a node; it checks
     # the parents' range and cycles), then the kept nodes' slots, so a step costs the batch's
@@ -463,7 +453,7 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
     kept = np.flatnonzero(keep)
     new_id = np.cumsum(keep) - 1  # a kept node's parent is kept: it is on the same requests' paths
     kept_parents = par[kept]
-    flat, lengths = _node_slots_flat([node_slots[i] for i in kept.tolist()], kept.tolist())
+    flat, lengths = _flat_entries([node_slots[i] for i in kept.tolist()], "node_slots", kept.tolist())
     if kept.size < n:
         logger.debug("radix tree pruned from %d to %d nodes", n, kept.size)
     return KVTree.from_flat(
@@ -471,11 +461,20 @@ def tree_from_radix_nodes(parents: Any, node_slots: Sequence, request_nodes: Any
     )
 
 
-def _node_slots_flat(entries: Sequence, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """``(slots, lengths)`` of a radix cache's node arrays ``entries`` (those of nodes ``ids``, as
-    errors name them): :func:`_integer_arrays`, else each entry checked and named."""
+def _flat_entries(
+    entries: Sequence, name: str, ids: Sequence[int], *, empty_ok: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(slots, lengths)`` of the 1-D slot arrays ``entries`` back to back: one concatenation
+    where :func:`_integer_arrays` takes them, else each entry checked in order and named
+    ``{name}[{id}]`` by its id in ``ids`` (and, unless ``empty_ok``, refused when empty: a
+    request's context)."""
     flat_lengths = _integer_arrays(entries)
-    if flat_lengths is None:  # lists, tensors or an irregular entry: checked one by one, named
-        arrays = [_host_array(f"node_slots[{i}]", s, 1) for i, s in zip(ids, entries, strict=True)]
-        flat_lengths = np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    return flat_lengths
+    if flat_lengths is not None and (empty_ok or flat_lengths[1].all()):
+        return flat_lengths
+    arrays = []
+    for i, s in zip(ids, entries, strict=True):
+        arr = _host_array(f"{name}[{i}]", s, 1)
+        if not empty_ok and arr.size == 0:
+            raise ValueError(f"{name}[{i}] is empty: a request's context holds at least the token being decoded")
+        arrays.append(arr)
+    return np.concatenate(arrays), np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
