@@ -113,7 +113,10 @@ class PlanRules:
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
-        for the config's own.
+        for the config's own ...
+    wide_head_small_split_programs : int
+        ... in plans whose units x KV heads at the config's split sizes are at most this many (a
+        launch that leaves most SMs idle); 0: in every plan.
     """
 
     solo_units: bool = True
@@ -135,6 +138,7 @@ class PlanRules:
     all_large_without_large: bool = False
     wide_head_kv_tile: int = 32
     wide_head_small_split: int = 0
+    wide_head_small_split_programs: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -144,7 +148,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
+            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split", "wide_head_small_split_programs"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
