@@ -427,7 +427,7 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
     assert report["summary"]["candidate_vs_fasttree"]["n"] == 2
     # --changed-only: of four trees, only the one the candidate changes is timed
     argv = ["--suite", "heldout", "--trees", "4", "--seed", "30000", "--shapes", "4x4/d256/fp16", "--export", "none",
-            "--variants", "fasttree", "--candidate", "all_large_without_large=false", "--changed-only",
+            "--variants", "fasttree", "--candidate", "all_large_without_large=true", "--changed-only",
             "--out", str(tmp_path), "--label", "c"]  # fmt: skip
     assert kernel.main(argv) == 0
     report = json.loads((tmp_path / "kernel_c.json").read_text())

@@ -608,6 +608,24 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
         assert _same_arrays(capped, as_config)
 
 
+def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
+    """With ``PlanRules.wide_head_small_split_programs``, the cap applies only to plans whose units
+    x KV heads at the config's split sizes are at most that many: the small tree above (27 units
+    uncapped) is capped under a limit of 32 and planned as without the cap under a limit of 24."""
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
+    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
+    off = ft.PlanRules().with_(wide_head_small_split=0)
+    uncapped = ft.plan(tree, **heads, rules=off)
+    rules = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=32)
+    capped = ft.plan(tree, **heads, rules=rules)
+    check_plan(tree, capped)
+    assert capped.n_units > uncapped.n_units
+    assert _same_arrays(capped, ft.plan(tree, **heads, rules=ft.PlanRules().with_(wide_head_small_split=64)))
+    limited = ft.plan(tree, **heads, rules=rules.with_(wide_head_small_split_programs=24))
+    check_plan(tree, limited)
+    assert _same_arrays(limited, uncapped)
+
+
 # ---------------------------------------------------------- crossover with plain decode
 def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
     """A random forest with internal queries at 16 query heads per KV head: the tree plan's
