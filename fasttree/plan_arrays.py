@@ -27,7 +27,7 @@ from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
-from .plan_rules import PlanRules, wide_head_split
+from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, inverse_permutation, stable_argsort
 from .validation import check_int
 
@@ -175,6 +175,7 @@ def _solo_group_split(
     g: int,
     num_kv_heads: int,
     head_dim: int,
+    small_split: int,
     config: FastTreeConfig,
     rules: PlanRules,
 ) -> np.ndarray | int:
@@ -224,7 +225,7 @@ def _solo_group_split(
     else:
         cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
         if cut <= rules.solo_recut_programs * programs:  # only the groups at the small split
-            solo &= current <= wide_head_split(head_dim, config.kv_split_sizes[1], rules.wide_head_small_split)
+            solo &= current <= small_split
         total = int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads
         chunks = np.maximum(1, -(-(kv_len * programs) // total))
         even = -(-kv_len // chunks)  # tokens per chunk, rounded up to the tile below
@@ -485,6 +486,7 @@ def materialize(
     rules: PlanRules | None = None,
     max_weighted_reads: float | None = None,
     fill_slots: Callable[[], np.ndarray] | None = None,
+    small_split: int | None = None,
 ) -> Plan | None:
     """Cut groups into units, assign partial rows, and pack the int32 arrays of a :class:`Plan`.
 
@@ -523,6 +525,9 @@ def materialize(
         Returns the groups' ``kv_slots`` (int32, or a :class:`fasttree.groups.ChainedSlots`) where
         ``groups`` were built without them: called once, after that test, and the plan's groups
         carry them.
+    small_split : int, optional
+        The small split size the planner cut phases with too few units at (the solo rule re-cuts
+        the groups at it); ``config.kv_split_sizes[1]`` when None.
     """
     g = num_q_heads // num_kv_heads
     for t in q_tiles:
@@ -536,7 +541,8 @@ def materialize(
     block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
     packing = query_rank is not None and config.pack_tokens > 0
     if packing:
-        group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, config, rules)
+        small = config.kv_split_sizes[1] if small_split is None else small_split
+        group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, small, config, rules)
     units = _cut_units(groups, int(q_tiles[0]), group_split)
     layout = None
     if packing:

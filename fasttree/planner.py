@@ -1240,7 +1240,7 @@ def _tree_plan(
     # adaptive passes only count units
     cost, assign, group_q, group_kv, kept = run_greedy(TWO_CLASSES)
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    splits, mode, rules = _adaptive_splits(units_for, config, rules, head_dim)
+    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim)
     if mode != TWO_CLASSES:
         cost, assign, group_q, group_kv, kept = run_greedy(mode)
         units_for = None
@@ -1276,6 +1276,7 @@ def _tree_plan(
         rules=rules,
         max_weighted_reads=max_weighted_reads,
         fill_slots=fill_slots,
+        small_split=small_split,
     )
 
 
@@ -1304,9 +1305,9 @@ def _decode_weighted_reads(tree: KVTree, g: int) -> float:
 
 def _adaptive_splits(
     units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int
-) -> tuple[list[int], str, PlanRules]:
-    """The split size of each phase, the tile mode and the rules the plan's arrays are built
-    with, from the two-class greedy's groups.
+) -> tuple[list[int], str, int]:
+    """The split size of each phase, the tile mode and the small split size (what a phase with
+    too few units takes), from the two-class greedy's groups.
 
     Groups longer than the big split size are cut at it only where their phase needs the
     parallelism: enough units x KV heads uncut (``rules.whole_groups_min_items`` times
@@ -1315,7 +1316,7 @@ def _adaptive_splits(
     fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim 128
     at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.wide_head_split`, where the
     plan's units x KV heads at the config's splits are at most
-    ``rules.wide_head_small_split_programs``; else the returned rules have the cap off); only if a split
+    ``rules.wide_head_small_split_programs``); only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
     the small (large) tiles; to the large ones only where the large phase has units, unless
     ``rules.all_large_without_large`` (else all-small).
@@ -1342,8 +1343,8 @@ def _adaptive_splits(
         if not most or sum(units_for(splits)) <= most:
             for c in changed:
                 splits[c] = small
-        else:  # the plan's groups at the small split are at the config's (the solo re-cut reads it)
-            rules = rules.with_(wide_head_small_split=0)
+        else:
+            small = config.kv_split_sizes[1]
     mode = TWO_CLASSES
     if changed:
         units = units_for(splits)
@@ -1351,7 +1352,7 @@ def _adaptive_splits(
             mode = ALL_SMALL
         elif 0 < units[1] < config.para_threshs2[1]:
             mode = ALL_LARGE if units[0] or rules.all_large_without_large else ALL_SMALL
-    return splits, mode, rules
+    return splits, mode, small
 
 
 class _PhaseUnits:

@@ -595,7 +595,8 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
     assert wide_head_split(256, 128, 64) == 64 and wide_head_split(256, 32, 64) == 32
     assert wide_head_split(128, 128, 64) == 128 and wide_head_split(256, 128, 0) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    on, off = ft.PlanRules().with_(wide_head_small_split=64), ft.PlanRules().with_(wide_head_small_split=0)
+    on = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=0)  # in every plan
+    off = ft.PlanRules().with_(wide_head_small_split=0)
     for d in (128, 256):
         heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
         capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=off)
@@ -620,7 +621,8 @@ def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
     capped = ft.plan(tree, **heads, rules=rules)
     check_plan(tree, capped)
     assert capped.n_units > uncapped.n_units
-    assert _same_arrays(capped, ft.plan(tree, **heads, rules=ft.PlanRules().with_(wide_head_small_split=64)))
+    every = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=0)
+    assert _same_arrays(capped, ft.plan(tree, **heads, rules=every))
     limited = ft.plan(tree, **heads, rules=rules.with_(wide_head_small_split_programs=24))
     check_plan(tree, limited)
     assert _same_arrays(limited, uncapped)
