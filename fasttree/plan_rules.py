@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["PlanRules", "wide_head_split", "wide_head_tile"]
+__all__ = ["PlanRules", "crossover_exponent", "wide_head_split", "wide_head_tile"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,11 @@ class PlanRules:
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
         for the config's own ...
+    wide_head_crossover_exponent : float
+        At head dims above 128, the crossover test weighs the KV tokens a tile of ``b`` rows reads
+        by ``(b / 16) ** this`` instead of the square root (:func:`crossover_exponent`). 0.5 (the
+        square root) by default, pending its GPU A/B: on the H200 a 64-row tile took about 3.1x a
+        16-row tile's time per KV token at head dim 256 (``4 ** 0.82``), 2.4x at 128.
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
         launch that leaves most SMs idle); 0: in every plan. Off by default until measured: on an
@@ -142,6 +147,7 @@ class PlanRules:
     wide_head_kv_tile: int = 32
     wide_head_small_split: int = 0
     wide_head_small_split_programs: int = 24
+    wide_head_crossover_exponent: float = 0.5
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -211,3 +217,10 @@ def wide_head_split(head_dim: int, split: int, cap: int) -> int:
     if cap and head_dim > 128 and split > cap:
         return cap
     return split
+
+
+def crossover_exponent(head_dim: int, rules: PlanRules) -> float:
+    """The exponent ``e`` of the crossover test's tile weight ``(rows / 16) ** e``: 0.5 up to head
+    dim 128, :attr:`PlanRules.wide_head_crossover_exponent` above (the one place of that rule, for
+    the tree plan's reads and decode's)."""
+    return rules.wide_head_crossover_exponent if head_dim > 128 else 0.5

@@ -656,6 +656,35 @@ def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
         ft.plan_query_separated(tree, **heads, rules={"wide_head_kv_tile": 0})
 
 
+def test_wide_head_crossover_exponent_weighs_wide_tiles_above_head_dim_128_only():
+    """``PlanRules.wide_head_crossover_exponent`` is the crossover test's tile-weight power above
+    head dim 128: at 0.8 a 16/1 beam-search tree whose 64-row tiles the square root let through
+    goes to plain decode at head dim 256, and stays a tree plan at 128; 0.5 keeps today's plans."""
+    from fasttree.costs import QUERY_SEPARATED
+    from fasttree.plan_arrays import tile_read_weight
+    from fasttree.toolkit.family_suite import family_tree, heldout_cases, parse_shape
+
+    assert tile_read_weight(64) == 2.0 and tile_read_weight(16, 0.8) == 1.0
+    assert abs(tile_read_weight(64, 0.8) - 4**0.8) < 1e-12
+    case = heldout_cases(43000, 92, (parse_shape("16x1/d256/bf16"),))[91]
+    assert case.name == "beam_search#43091/16x1/d256/bf16"
+    tree = family_tree(case)
+    steep = ft.PlanRules().with_(wide_head_crossover_exponent=0.8)
+    for d in (128, 256):
+        heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": d}
+        default = ft.plan(tree, **heads)
+        assert default.tile_mode != QUERY_SEPARATED
+        assert _same_arrays(
+            default, ft.plan(tree, **heads, rules=ft.PlanRules().with_(wide_head_crossover_exponent=0.5))
+        )
+        steeper = ft.plan(tree, **heads, rules=steep)
+        check_plan(tree, steeper)
+        if d == 128:
+            assert _same_arrays(steeper, default)
+        else:
+            assert steeper.tile_mode == QUERY_SEPARATED
+
+
 @pytest.mark.parametrize("case", [2, 5, 8, 9, 12])
 def test_crossover_keeps_the_tree_plan_of_paper_trees(case):
     from fasttree.costs import QUERY_SEPARATED
