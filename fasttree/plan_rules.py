@@ -121,8 +121,8 @@ class PlanRules:
         16-row tile's time per KV token at head dim 256 (``4 ** 0.82``), 2.4x at 128.
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
-        launch that leaves most SMs idle); 0: in every plan. Off by default until measured: on an
-        H100, in every plan it ran 1.037x geomean on the 75 D 256 held-out trees it changed, with 11
+        launch that leaves most SMs idle). Off by default until measured: on an H100, in every
+        plan it ran 1.037x geomean on the 75 D 256 held-out trees it changed, with 11
         below 0.97x (0.71x where a plan's units tripled); at most 24 programs kept 12 of them,
         1.15-1.29x but one 0.949x (seed 43000, which chose the 24; no other seed measured yet).
     """
@@ -157,7 +157,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split", "wide_head_small_split_programs"):
+            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")

@@ -1341,8 +1341,7 @@ def _adaptive_splits(
     for c in changed:
         splits[c] = config.kv_split_sizes[1]
     if changed and small != splits[changed[0]]:
-        most = rules.wide_head_small_split_programs
-        if not most or sum(units_for(splits)) <= most:
+        if sum(units_for(splits)) <= rules.wide_head_small_split_programs:
             for c in changed:
                 splits[c] = small
         else:

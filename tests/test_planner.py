@@ -563,6 +563,7 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ({"wide_head_kv_tile": 8}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
         ({"wide_head_kv_tile": -16}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
         ({"wide_head_small_split": -64}, "PlanRules.wide_head_small_split must be a non-negative integer"),
+        ({"wide_head_small_split_programs": 0}, "PlanRules.wide_head_small_split_programs must be a positive integer"),
     ],
 )
 def test_plan_rules_refuse_bad_values(kwargs, match):
@@ -595,7 +596,7 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
     assert wide_head_split(256, 128, 64) == 64 and wide_head_split(256, 32, 64) == 32
     assert wide_head_split(128, 128, 64) == 128 and wide_head_split(256, 128, 0) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    on = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=0)  # in every plan
+    on = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)  # in every plan
     off = ft.PlanRules().with_(wide_head_small_split=0)
     for d in (128, 256):
         heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
@@ -621,7 +622,7 @@ def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
     capped = ft.plan(tree, **heads, rules=rules)
     check_plan(tree, capped)
     assert capped.n_units > uncapped.n_units
-    every = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=0)
+    every = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
     assert _same_arrays(capped, ft.plan(tree, **heads, rules=every))
     limited = ft.plan(tree, **heads, rules=rules.with_(wide_head_small_split_programs=24))
     check_plan(tree, limited)
