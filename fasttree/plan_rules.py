@@ -11,12 +11,16 @@ persistent launches gain nothing from three of the rules. A plan records its rul
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["PlanRules", "crossover_exponent", "wide_head_split", "wide_head_tile"]
+__all__ = ["ADDED_AS", "PlanRules", "crossover_exponent", "deciding_fields", "wide_head_split", "wide_head_tile"]
+
+#: Field metadata key of a rule added switched off: the value it was added with, at which it
+#: changed no plan of the defaults (:func:`deciding_fields` leaves it out there).
+ADDED_AS = "added_as"
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,10 @@ class PlanRules:
     whole_groups_max_tail: float = 2.0
     all_large_without_large: bool = False
     wide_head_kv_tile: int = 32
-    wide_head_small_split: int = 0
-    wide_head_small_split_programs: int = 24
-    wide_head_crossover_exponent: float = 0.5
+    # candidate rules: ADDED_AS holds the value each was added with, which changed no default plan
+    wide_head_small_split: int = field(default=0, metadata={ADDED_AS: 0})
+    wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
+    wide_head_crossover_exponent: float = field(default=0.5, metadata={ADDED_AS: 0.5})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -217,6 +222,20 @@ def wide_head_split(head_dim: int, split: int, cap: int) -> int:
     if cap and head_dim > 128 and split > cap:
         return cap
     return split
+
+
+def deciding_fields(rules: PlanRules) -> dict[str, Any]:
+    """``rules`` as a dict of its fields, less the rules at the value they were added with
+    (:data:`ADDED_AS`): what the defaults' fingerprint (:func:`fasttree.versions.defaults_fingerprint`)
+    hashes, so that adding a rule switched off leaves tuned exports valid, while adopting it (a
+    new default value) does not."""
+    out = {}
+    for f in fields(rules):
+        value = getattr(rules, f.name)
+        if ADDED_AS in f.metadata and value == f.metadata[ADDED_AS]:
+            continue
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def crossover_exponent(head_dim: int, rules: PlanRules) -> float:

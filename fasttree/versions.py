@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 
 from .config import FastTreeConfig
-from .plan_rules import PlanRules
+from .plan_rules import PlanRules, deciding_fields
 
 __all__ = ["KERNEL_VERSION", "defaults_fingerprint"]
 
@@ -25,11 +24,12 @@ KERNEL_VERSION = 33
 
 def defaults_fingerprint() -> str:
     """A short SHA-256 of what "the defaults" mean today: ``FastTreeConfig()`` and the planning
-    rules of ``ft.plan`` and of the runtime. A tuned export records it: an entry tuned against
-    other defaults (whose gains were measured against another baseline) falls back to them."""
+    rules of ``ft.plan`` and of the runtime (less the rules still at the value they were added
+    with: :func:`fasttree.plan_rules.deciding_fields`). A tuned export records it: an entry tuned
+    against other defaults (whose gains were measured against another baseline) falls back to them."""
     state = {
         "config": FastTreeConfig().to_dict(),
-        "rules": asdict(PlanRules.defaults()),
-        "runtime_rules": [asdict(PlanRules.runtime(n)) for n in (1, 2)],
+        "rules": deciding_fields(PlanRules.defaults()),
+        "runtime_rules": [deciding_fields(PlanRules.runtime(n)) for n in (1, 2)],
     }
     return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]

@@ -1279,3 +1279,21 @@ def test_export_module_imports_no_heavy_optional_packages():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_defaults_fingerprint_ignores_rules_at_the_value_they_were_added_with():
+    """A planning rule added switched off (field metadata ``ADDED_AS``) is left out of the defaults'
+    fingerprint at that value, so adding it keeps tuned exports valid; at another value (the rule
+    adopted) it is hashed, and every other field always is."""
+    from dataclasses import fields
+
+    from fasttree.plan_rules import ADDED_AS, deciding_fields
+
+    rules = fasttree.PlanRules.defaults()
+    added = [f.name for f in fields(rules) if ADDED_AS in f.metadata]
+    assert "wide_head_small_split" in added and "wide_head_crossover_exponent" in added
+    state = deciding_fields(rules)
+    assert not set(added) & set(state) and set(state) == {f.name for f in fields(rules)} - set(added)
+    adopted = deciding_fields(rules.with_(wide_head_small_split=64))
+    assert adopted == state | {"wide_head_small_split": 64}
+    assert deciding_fields(rules.with_(crossover_margin=1.1))["crossover_margin"] == 1.1
