@@ -118,17 +118,17 @@ class PlanRules:
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
         for the config's own ...
-    wide_head_crossover_exponent : float
-        At head dims above 128, the crossover test weighs the KV tokens a tile of ``b`` rows reads
-        by ``(b / 16) ** this`` instead of the square root (:func:`crossover_exponent`). 0.5 (the
-        square root) by default, pending its GPU A/B: on the H200 a 64-row tile took about 3.1x a
-        16-row tile's time per KV token at head dim 256 (``4 ** 0.82``), 2.4x at 128.
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
         launch that leaves most SMs idle). Off by default until measured: on an H100, in every
         plan it ran 1.037x geomean on the 75 D 256 held-out trees it changed, with 11
         below 0.97x (0.71x where a plan's units tripled); at most 24 programs kept 12 of them,
         1.15-1.29x but one 0.949x (seed 43000, which chose the 24; no other seed measured yet).
+    wide_head_crossover_exponent : float
+        At head dims above 128, the crossover test weighs the KV tokens a tile of ``b`` rows reads
+        by ``(b / 16) ** this`` instead of the square root (:func:`crossover_exponent`). 0.5 (the
+        square root) by default, pending its GPU A/B: on the H200 a 64-row tile took about 3.1x a
+        16-row tile's time per KV token at head dim 256 (``4 ** 0.82``), 2.4x at 128.
     """
 
     solo_units: bool = True
