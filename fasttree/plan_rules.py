@@ -229,13 +229,11 @@ def deciding_fields(rules: PlanRules) -> dict[str, Any]:
     (:data:`ADDED_AS`): what the defaults' fingerprint (:func:`fasttree.versions.defaults_fingerprint`)
     hashes, so that adding a rule switched off leaves tuned exports valid, while adopting it (a
     new default value) does not."""
-    out = {}
-    for f in fields(rules):
-        value = getattr(rules, f.name)
-        if ADDED_AS in f.metadata and value == f.metadata[ADDED_AS]:
-            continue
-        out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
+    return {
+        f.name: getattr(rules, f.name)
+        for f in fields(rules)
+        if not (ADDED_AS in f.metadata and getattr(rules, f.name) == f.metadata[ADDED_AS])
+    }
 
 
 def crossover_exponent(head_dim: int, rules: PlanRules) -> float:

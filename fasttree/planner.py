@@ -1324,7 +1324,7 @@ def _adaptive_splits(
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
-    small = wide_head_split(head_dim, small, rules.wide_head_small_split)
+    capped = wide_head_split(head_dim, small, rules.wide_head_small_split)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest
@@ -1339,13 +1339,12 @@ def _adaptive_splits(
     units = units_for(splits)
     changed = [c for c in (0, 1) if 0 < units[c] < config.para_threshs1[c]]
     for c in changed:
-        splits[c] = config.kv_split_sizes[1]
-    if changed and small != splits[changed[0]]:
-        if sum(units_for(splits)) <= rules.wide_head_small_split_programs:
-            for c in changed:
-                splits[c] = small
-        else:
-            small = config.kv_split_sizes[1]
+        splits[c] = small
+    if changed and capped != small:
+        if sum(units_for(splits)) > rules.wide_head_small_split_programs:
+            capped = small  # a launch with enough programs at the config's split keeps it
+        for c in changed:
+            splits[c] = capped
     mode = TWO_CLASSES
     if changed:
         units = units_for(splits)
@@ -1353,7 +1352,7 @@ def _adaptive_splits(
             mode = ALL_SMALL
         elif 0 < units[1] < config.para_threshs2[1]:
             mode = ALL_LARGE if units[0] or rules.all_large_without_large else ALL_SMALL
-    return splits, mode, small
+    return splits, mode, capped
 
 
 class _PhaseUnits:
