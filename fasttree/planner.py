@@ -1241,7 +1241,7 @@ def _tree_plan(
     # adaptive passes only count units
     cost, assign, group_q, group_kv, kept = run_greedy(TWO_CLASSES)
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim)
+    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim, tree.n_queries)
     if mode != TWO_CLASSES:
         cost, assign, group_q, group_kv, kept = run_greedy(mode)
         units_for = None
@@ -1306,7 +1306,7 @@ def _decode_weighted_reads(tree: KVTree, g: int, exponent: float = 0.5) -> float
 
 
 def _adaptive_splits(
-    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int
+    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int, n_queries: int
 ) -> tuple[list[int], str, int]:
     """The split size of each phase, the tile mode and the small split size (what a phase with
     too few units takes), from the two-class greedy's groups.
@@ -1318,7 +1318,9 @@ def _adaptive_splits(
     fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim 128
     at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.wide_head_split`, where the
     plan's units x KV heads at the config's splits are at most
-    ``rules.wide_head_small_split_programs``); only if a split
+    ``rules.wide_head_small_split_programs`` and the plan merges partial results there already: a
+    query of ``n_queries`` reads two groups, or a group is cut; a cap that cuts a plan with no
+    merge adds the merge launch, about 2 us of a 7 us plan on an H100); only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
     the small (large) tiles; to the large ones only where the large phase has units, unless
     ``rules.all_large_without_large`` (else all-small).
@@ -1341,8 +1343,8 @@ def _adaptive_splits(
     for c in changed:
         splits[c] = small
     if changed and capped != small:
-        if sum(units_for(splits)) > rules.wide_head_small_split_programs:
-            capped = small  # a launch with enough programs at the config's split keeps it
+        if sum(units_for(splits)) > rules.wide_head_small_split_programs or not units_for.merges(splits, n_queries):
+            capped = small  # enough programs at the config's split, or no merge there: it keeps the split
         for c in changed:
             splits[c] = capped
     mode = TWO_CLASSES
@@ -1367,6 +1369,7 @@ class _PhaseUnits:
     def __init__(self, nq: np.ndarray, kv_len: np.ndarray, q_tiles: tuple[int, int], num_kv_heads: int) -> None:
         # Every group has >= 1 query and q_tiles[1] <= q_tiles[0], so a phase-1 group (at most
         # q_tiles[1] queries) is one query tile under either tile size.
+        self.nq = nq
         self.small = nq <= q_tiles[1]
         self.n_small = int(np.count_nonzero(self.small))
         self.kv_len = kv_len
@@ -1393,6 +1396,17 @@ class _PhaseUnits:
             in_small = total if one == 1 else 0 if one == 0 else int(np.add.reduce(units[small]))
         h = self.num_kv_heads
         return [(total - in_small) * h, in_small * h]
+
+    def merges(self, splits, n_queries: int) -> bool:
+        """Whether a plan at ``splits`` merges partial results: one of the tree's ``n_queries``
+        queries is in two groups (the groups hold more queries than the tree), or a group is
+        longer than its phase's split (cut into chunks)."""
+        if int(np.add.reduce(self.nq)) > n_queries:
+            return True
+        if splits[0] == splits[1] or self.one_phase is not None:
+            split = splits[0] if splits[0] == splits[1] else splits[self.one_phase]
+            return self.longest > split
+        return bool(np.any(self.kv_len > np.where(self.small, splits[1], splits[0])))
 
     def uncut_work(self) -> list[tuple[int, int]]:
         """Per phase, uncut: ``(KV tokens over all units x KV heads, the longest group's KV)``."""
