@@ -27,7 +27,7 @@ from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
-from .plan_rules import PlanRules, crossover_exponent
+from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, inverse_permutation, stable_argsort
 from .validation import check_int
 
@@ -551,10 +551,7 @@ def materialize(
         )
     small_queries = int(q_tiles[1])
     if max_weighted_reads is not None and (
-        _laid_out_weighted_reads(
-            units, layout, block_m, g, small_queries, n_queries, exponent=crossover_exponent(head_dim, rules)
-        )
-        > max_weighted_reads
+        _laid_out_weighted_reads(units, layout, block_m, g, small_queries, n_queries) > max_weighted_reads
     ):
         return None
     if fill_slots is not None:
@@ -775,12 +772,10 @@ def _pack_layout(
     return chosen, query_of_rank
 
 
-def tile_read_weight(block_m: int, exponent: float = 0.5) -> float:
+def tile_read_weight(block_m: int) -> float:
     """The crossover test's weight of a KV token read by a tile of ``block_m`` rows:
-    ``(block_m / 16) ** exponent``, by ``math.sqrt`` at 0.5 (the same float either way it is
-    computed, so plans stay as they were)."""
-    ratio = block_m / _MIN_BLOCK_M
-    return math.sqrt(ratio) if exponent == 0.5 else ratio**exponent
+    ``sqrt(block_m / 16)``."""
+    return math.sqrt(block_m / _MIN_BLOCK_M)
 
 
 def _laid_out_weighted_reads(
@@ -791,11 +786,9 @@ def _laid_out_weighted_reads(
     small_queries: int,
     n_queries: int,
     native: bool = True,
-    exponent: float = 0.5,
 ) -> float:
     """The KV tokens read by the plan :func:`materialize` builds from ``units`` and ``layout`` (None:
-    no bins), each weighted by ``(block_m / 16) ** exponent`` for its tile class (the square root
-    unless :func:`fasttree.plan_rules.crossover_exponent` says otherwise), before the plan's arrays:
+    no bins), each weighted by :func:`tile_read_weight` for its tile class, before the plan's arrays:
     units left alone in the small class when they have at most ``small_queries`` queries, bins when
     their rows fit the small tile (:func:`fasttree.packing.bin_rows`). The class-0 sum, then the
     class-1 sum, as the assembled plan's classes give them. ``native``: the two token counts in one
@@ -815,7 +808,7 @@ def _laid_out_weighted_reads(
             b_tokens, b_rows = bin_rows(layout)
             total += int(np.add.reduce(b_tokens, dtype=np.int64))
             small += int(np.add.reduce(b_tokens[b_rows <= block_m[1] // g], dtype=np.int64))
-    w_large, w_small = (tile_read_weight(b, exponent) for b in block_m)
+    w_large, w_small = (tile_read_weight(b) for b in block_m)
     return 0.0 + (total - small) * w_large + small * w_small
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["ADDED_AS", "PlanRules", "crossover_exponent", "deciding_fields", "wide_head_split", "wide_head_tile"]
+__all__ = ["ADDED_AS", "PlanRules", "deciding_fields", "wide_head_split", "wide_head_tile"]
 
 #: Field metadata key of a rule added switched off: the value it was added with, at which it
 #: changed no plan of the defaults (:func:`deciding_fields` leaves it out there).
@@ -120,15 +120,12 @@ class PlanRules:
         for the config's own ...
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
-        launch that leaves most SMs idle). Off by default until measured: on an H100, in every
-        plan it ran 1.037x geomean on the 75 D 256 held-out trees it changed, with 11
-        below 0.97x (0.71x where a plan's units tripled); at most 24 programs kept 12 of them,
-        1.15-1.29x but one 0.949x (seed 43000, which chose the 24; no other seed measured yet).
-    wide_head_crossover_exponent : float
-        At head dims above 128, the crossover test weighs the KV tokens a tile of ``b`` rows reads
-        by ``(b / 16) ** this`` instead of the square root (:func:`crossover_exponent`). 0.5 (the
-        square root) by default, pending its GPU A/B: on the H200 a 64-row tile took about 3.1x a
-        16-row tile's time per KV token at head dim 256 (``4 ** 0.82``), 2.4x at 128.
+        launch that leaves most SMs idle) and which merge partial results there already (a cap
+        that cuts a plan with no merge adds the merge launch). Off by default until measured: on
+        an H100, in every plan it ran 1.037x geomean on the 75 D 256 held-out trees it changed,
+        with 11 below 0.97x (0.71x where a plan's units tripled); at most 24 programs, 1.15-1.17x
+        on 91 trees of three fresh seeds, one 0.766x (a plan with no merge, hence that
+        condition, chosen on those rows).
     """
 
     solo_units: bool = True
@@ -152,7 +149,6 @@ class PlanRules:
     # candidate rules: ADDED_AS holds the value each was added with, which changed no default plan
     wide_head_small_split: int = field(default=0, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
-    wide_head_crossover_exponent: float = field(default=0.5, metadata={ADDED_AS: 0.5})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -234,10 +230,3 @@ def deciding_fields(rules: PlanRules) -> dict[str, Any]:
         for f in fields(rules)
         if not (ADDED_AS in f.metadata and getattr(rules, f.name) == f.metadata[ADDED_AS])
     }
-
-
-def crossover_exponent(head_dim: int, rules: PlanRules) -> float:
-    """The exponent ``e`` of the crossover test's tile weight ``(rows / 16) ** e``: 0.5 up to head
-    dim 128, :attr:`PlanRules.wide_head_crossover_exponent` above (the one place of that rule, for
-    the tree plan's reads and decode's)."""
-    return rules.wide_head_crossover_exponent if head_dim > 128 else 0.5

@@ -43,7 +43,7 @@ from .groups import ChainedSlots, Groups
 from .host_arrays import entry_array
 from .native import address, c_int32, c_int64, planner_library
 from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize, tile_read_weight
-from .plan_rules import PlanRules, crossover_exponent, wide_head_split
+from .plan_rules import PlanRules, wide_head_split
 from .portfolio import Portfolio, head_layout
 from .query_separated import plan_query_separated
 from .tree import KVTree, arange_view, exclusive_sum, inverse_permutation, ragged_arange, stable_argsort
@@ -1207,9 +1207,7 @@ def plan(
     q_tiles = config.query_tiles(g)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     margin = rules.crossover_margin
-    limit = None
-    if margin and g >= _MIN_BLOCK_M:
-        limit = margin * _decode_weighted_reads(tree, g, crossover_exponent(head_dim, rules))
+    limit = margin * _decode_weighted_reads(tree, g) if margin and g >= _MIN_BLOCK_M else None
     planned = _tree_plan(tree, config, rules, g, q_tiles, max_weighted_reads=limit, **heads)
     if planned is None:  # the crossover test: the tree plan costs more than margin x decode's
         return plan_query_separated(tree, **heads, rules=rules)
@@ -1281,14 +1279,13 @@ def _tree_plan(
     )
 
 
-def _decode_weighted_reads(tree: KVTree, g: int, exponent: float = 0.5) -> float:
+def _decode_weighted_reads(tree: KVTree, g: int) -> float:
     """The crossover test's cost of plain split-KV decode of ``tree``
     (:func:`fasttree.plan_query_separated`): :func:`plan` returns decode's plan where the tree
     plan's cost exceeds ``PlanRules.crossover_margin`` times this.
 
     A plan's cost is the KV tokens its units read, each weighted by ``sqrt(block_m / 16)`` for
-    its tile's rows (:func:`fasttree.plan_arrays.tile_read_weight`; above head dim 128 the power
-    ``PlanRules.wide_head_crossover_exponent``): on the H200 a 64-row tile took
+    its tile's rows (:func:`fasttree.plan_arrays.tile_read_weight`): on the H200 a 64-row tile took
     about twice a 16-row tile's time per KV token, on trees where neither is bound by the GPU's
     bandwidth. Decode reads every query's context (the sum over nodes of tokens x queries below)
     in tiles of ``max(16, g)`` rows. :func:`plan` applies the test only from ``g = 16``, where
@@ -1302,7 +1299,7 @@ def _decode_weighted_reads(tree: KVTree, g: int, exponent: float = 0.5) -> float
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
     decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
-    return float(np.dot(tree.lengths, tree.subtree_queries)) * tile_read_weight(decode_rows, exponent)
+    return float(np.dot(tree.lengths, tree.subtree_queries)) * tile_read_weight(decode_rows)
 
 
 def _adaptive_splits(

@@ -1291,7 +1291,7 @@ def test_defaults_fingerprint_ignores_rules_at_the_value_they_were_added_with():
 
     rules = fasttree.PlanRules.defaults()
     added = [f.name for f in fields(rules) if ADDED_AS in f.metadata]
-    assert "wide_head_small_split" in added and "wide_head_crossover_exponent" in added
+    assert "wide_head_small_split" in added
     state = deciding_fields(rules)
     assert not set(added) & set(state) and set(state) == {f.name for f in fields(rules)} - set(added)
     adopted = deciding_fields(rules.with_(wide_head_small_split=64))

@@ -629,6 +629,25 @@ def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
     assert _same_arrays(limited, uncapped)
 
 
+def test_wide_head_small_split_leaves_plans_without_a_merge_alone():
+    """The cap applies only to plans that merge partial results at the config's splits: three
+    independent requests of at most 128 tokens (each query one group, no group cut) keep their
+    plan, which merges nothing; one request of 200 tokens (cut at the small split, merged) is
+    capped, more units and still merged."""
+    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
+    on = ft.PlanRules().with_(wide_head_small_split=64)
+    off = ft.PlanRules().with_(wide_head_small_split=0)
+    alone = ft.KVTree.from_lengths([-1, -1, -1], [100, 120, 90], [0, 1, 2])
+    uncapped = ft.plan(alone, **heads, rules=off)
+    assert uncapped.n_partial_rows == 0
+    assert _same_arrays(ft.plan(alone, **heads, rules=on), uncapped)
+    cut = ft.KVTree.from_lengths([-1, -1, -1], [100, 200, 90], [0, 1, 2])
+    uncapped = ft.plan(cut, **heads, rules=off)
+    capped = ft.plan(cut, **heads, rules=on)
+    check_plan(cut, capped)
+    assert uncapped.n_partial_rows > 0 and capped.n_units > uncapped.n_units
+
+
 # ---------------------------------------------------------- crossover with plain decode
 def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
     """A random forest with internal queries at 16 query heads per KV head: the tree plan's
@@ -655,35 +674,6 @@ def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
     assert plan.rules == ft.PlanRules.defaults() and ft.plan(tree, **heads, rules=uncapped).rules == uncapped
     with pytest.raises(ValueError, match="rules must be a PlanRules"):
         ft.plan_query_separated(tree, **heads, rules={"wide_head_kv_tile": 0})
-
-
-def test_wide_head_crossover_exponent_weighs_wide_tiles_above_head_dim_128_only():
-    """``PlanRules.wide_head_crossover_exponent`` is the crossover test's tile-weight power above
-    head dim 128: at 0.8 a 16/1 beam-search tree whose 64-row tiles the square root let through
-    goes to plain decode at head dim 256, and stays a tree plan at 128; 0.5 keeps today's plans."""
-    from fasttree.costs import QUERY_SEPARATED
-    from fasttree.plan_arrays import tile_read_weight
-    from fasttree.toolkit.family_suite import family_tree, heldout_cases, parse_shape
-
-    assert tile_read_weight(64) == 2.0 and tile_read_weight(16, 0.8) == 1.0
-    assert abs(tile_read_weight(64, 0.8) - 4**0.8) < 1e-12
-    case = heldout_cases(43000, 92, (parse_shape("16x1/d256/bf16"),))[91]
-    assert case.name == "beam_search#43091/16x1/d256/bf16"
-    tree = family_tree(case)
-    steep = ft.PlanRules().with_(wide_head_crossover_exponent=0.8)
-    for d in (128, 256):
-        heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": d}
-        default = ft.plan(tree, **heads)
-        assert default.tile_mode != QUERY_SEPARATED
-        assert _same_arrays(
-            default, ft.plan(tree, **heads, rules=ft.PlanRules().with_(wide_head_crossover_exponent=0.5))
-        )
-        steeper = ft.plan(tree, **heads, rules=steep)
-        check_plan(tree, steeper)
-        if d == 128:
-            assert _same_arrays(steeper, default)
-        else:
-            assert steeper.tile_mode == QUERY_SEPARATED
 
 
 @pytest.mark.parametrize("case", [2, 5, 8, 9, 12])
