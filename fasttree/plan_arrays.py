@@ -545,7 +545,7 @@ def materialize(
         group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, small, config, rules)
     units = _cut_units(groups, int(q_tiles[0]), group_split)
     layout = None
-    if packing:
+    if packing and (rules.pack_few_units or units.kv_len.size * num_kv_heads > config.pack_min_units):
         layout, query_of_rank = _pack_layout(
             units, block_m, g, config, rules, num_kv_heads, head_dim, query_rank, query_of_rank
         )

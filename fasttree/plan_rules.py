@@ -126,6 +126,14 @@ class PlanRules:
         with 11 below 0.97x (0.71x where a plan's units tripled); at most 24 programs, 1.15-1.17x
         on 91 trees of three fresh seeds, one 0.766x (a plan with no merge, hence that
         condition, chosen on those rows).
+    pack_few_units : bool
+        Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
+        packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
+        thousands of latency-bound programs; a plan already short of ``pack_min_units`` programs
+        only gets fewer and longer ones (on held-out D 256 trees of 2-10 queries, one bin of a
+        64-token unit and a short tail ran two KV tiles where decode's units ran one, and the
+        launch applied row masks). False leaves such a plan's units unpacked: a candidate, not
+        yet measured.
     """
 
     solo_units: bool = True
@@ -149,6 +157,7 @@ class PlanRules:
     # candidate rules: ADDED_AS holds the value each was added with, which changed no default plan
     wide_head_small_split: int = field(default=0, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
+    pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -648,6 +648,26 @@ def test_wide_head_small_split_leaves_plans_without_a_merge_alone():
     assert uncapped.n_partial_rows > 0 and capped.n_units > uncapped.n_units
 
 
+def test_pack_few_units_false_leaves_plans_of_few_programs_unpacked():
+    """``PlanRules.pack_few_units=False``: a plan of at most ``pack_min_units`` units x KV heads
+    keeps its units (no bins, no row masks), where the defaults pack its short ones; a plan of
+    more programs (the same tree at 32 KV heads, and a config with ``pack_min_units`` below its
+    units) packs as before."""
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0, 0], [100, 6, 6, 6, 6], [1, 2, 3, 4])
+    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
+    few = ft.PlanRules().with_(pack_few_units=False)
+    packed, unpacked = ft.plan(tree, **heads), ft.plan(tree, **heads, rules=few)
+    check_plan(tree, unpacked)
+    assert packed.kv_row_mask.size > 0 and unpacked.kv_row_mask.size == 0
+    assert unpacked.n_units > packed.n_units
+    mha = {"num_q_heads": 32, "num_kv_heads": 32, "head_dim": 128}
+    tree = ft.KVTree.from_lengths([-1] + [0] * 10, [64] + [20] * 10, list(range(1, 11)))
+    assert ft.plan(tree, **mha).kv_row_mask.size > 0
+    assert _same_arrays(ft.plan(tree, **mha, rules=few), ft.plan(tree, **mha))
+    config = ft.FastTreeConfig(pack_min_units=2)
+    assert _same_arrays(ft.plan(tree, config, **heads, rules=few), ft.plan(tree, config, **heads))
+
+
 # ---------------------------------------------------------- crossover with plain decode
 def test_crossover_returns_decode_plan_for_a_forest_at_gqa16():
     """A random forest with internal queries at 16 query heads per KV head: the tree plan's
