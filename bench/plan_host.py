@@ -6,6 +6,10 @@ seed=0, steps=51)``, the first 3 skipped) and the head shapes ``(Hq, Hkv, D)`` =
 ``(32, 32, 128)`` and ``(32, 8, 128)``, this script times
 
 * ``runtime_ms``: ``TreeAttentionRuntime.plan(tree)`` (plan plus staging upload),
+* ``runtime_plan_ms``: the runtime's planning alone
+  (:func:`fasttree.runtime_planning.plan_for_runtime` as a runtime with launch variants calls it),
+  so that ``runtime_ms - runtime_plan_ms`` is the upload's host time (staging, launch variant, copy
+  and relocation launch),
 * ``plan_ms``: ``fasttree.plan(tree)`` alone, and
 * ``tree_ms``: building the tree from a radix cache's view of it
   (:func:`fasttree.adapter.tree_from_radix_nodes` over one numpy array per node, made
@@ -42,6 +46,7 @@ import fasttree
 from fasttree.adapter import tree_from_radix_nodes
 from fasttree.fileio import write_atomic
 from fasttree.runtime import TreeAttentionRuntime
+from fasttree.runtime_planning import plan_for_runtime
 from fasttree.toolkit.bench_common import environment
 from fasttree.toolkit.workloads import iter_serving
 
@@ -109,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.threads)
 
+    # what a runtime with launch variants plans with (make_runtime: no export, default rules)
+    config, rules = fasttree.FastTreeConfig(), fasttree.PlanRules.defaults()
     rows = []
-    head = f"{'scenario':28s} {'heads':>12s} {'nodes':>6s} {'queries':>8s} {'runtime_ms':>11s} {'plan_ms':>8s}"
+    head = f"{'scenario':28s} {'heads':>12s} {'nodes':>6s} {'queries':>8s} {'runtime_ms':>11s} {'rt_plan_ms':>11s}"
+    head += f" {'plan_ms':>8s}"
     print(head + f" {'tree_ms':>8s}")
     for scenario in SCENARIOS:
         trees = serving_trees(scenario)
@@ -125,14 +133,18 @@ def main(argv: list[str] | None = None) -> int:
             if device != "cpu":
                 torch.cuda.synchronize()
             heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
+            runtime_plan_ms = time_per_tree(
+                scenario, lambda t, h=heads: plan_for_runtime(t, config, **h, rules=rules), args.repeats
+            )
             plan_ms = time_per_tree(scenario, lambda t, h=heads: fasttree.plan(t, **h), args.repeats)
             row = {
                 "scenario": scenario, "heads": [hq, hkv, d], "mean_nodes": nodes, "mean_queries": queries,
-                "trees": len(trees), "runtime_ms": runtime_ms, "plan_ms": plan_ms, "tree_ms": tree_ms,
+                "trees": len(trees), "runtime_ms": runtime_ms, "runtime_plan_ms": runtime_plan_ms, "plan_ms": plan_ms,
+                "tree_ms": tree_ms,
             }  # fmt: skip
             rows.append(row)
             shape = f"{hq}/{hkv}/{d}"
-            cells = f"{runtime_ms:11.3f} {plan_ms:8.3f} {tree_ms:8.3f}"
+            cells = f"{runtime_ms:11.3f} {runtime_plan_ms:11.3f} {plan_ms:8.3f} {tree_ms:8.3f}"
             print(f"{scenario:28s} {shape:>12s} {nodes:6.0f} {queries:8.0f} {cells}")
     if args.json is not None:
         doc = {"env": environment(gpu=device != "cpu"), "device": device, "repeats": args.repeats, "rows": rows}

@@ -18,3 +18,19 @@ def test_radix_views_rebuild_the_serving_trees_and_are_timed():
         for name in ("parents", "lengths", "slot_indptr", "slots", "query_nodes"):
             np.testing.assert_array_equal(getattr(built, name), getattr(tree, name))
     assert 0 < plan_host.tree_build_ms(views, repeats=2) < 1e3
+
+
+def test_runtime_plan_column_times_the_plan_the_runtime_uploads():
+    """``runtime_plan_ms`` times :func:`plan_for_runtime` with the default config and rules: the
+    plan the benchmark's runtime uploads (so ``runtime_ms - runtime_plan_ms`` is the upload)."""
+    import fasttree
+    from fasttree.runtime_planning import plan_for_runtime
+
+    trees = plan_host.serving_trees("chain_reasoning")[:2]
+    rt = plan_host.make_runtime(trees, 32, 8, 128, "cpu")
+    heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    for tree in trees:
+        uploaded = rt.plan(tree).plan
+        planned, _ = plan_for_runtime(tree, fasttree.FastTreeConfig(), **heads, rules=fasttree.PlanRules.defaults())
+        for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query", "query_num_partials"):
+            np.testing.assert_array_equal(getattr(planned, name), getattr(uploaded, name))
