@@ -157,13 +157,14 @@ def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
     )
 
 
-#: Rule sets to re-plan a record with, as it was measured: today's rules with all-small trees on
-#: the large tiles (``all_large_without_large``) and the config's own small split at every head
-#: dim (``wide_head_small_split`` 0), as every trace before they changed, then also every
-#: combination of the older rules switched off, all of them first (how most shipped traces were
-#: planned), then more rules on before fewer.
-_LEGACY_RULES: tuple[PlanRules, ...] = tuple(
-    PlanRules(all_large_without_large=True, wide_head_small_split=0, **off) for off in ({}, *_switched_off(_RULES))
+#: Rule sets to re-plan a record with, as it was measured: today's rules with the config's own
+#: small split at every head dim (``wide_head_small_split`` 0, newer than every shipped trace),
+#: then also with all-small trees on the large tiles (``all_large_without_large``), as every trace
+#: before they changed, then also every combination of the older rules switched off, all of them
+#: first (how most shipped traces were planned), then more rules on before fewer.
+_LEGACY_RULES: tuple[PlanRules, ...] = (
+    PlanRules(wide_head_small_split=0),
+    *(PlanRules(all_large_without_large=True, wide_head_small_split=0, **off) for off in ({}, *_switched_off(_RULES))),
 )
 #: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
 #: record as it was measured (over the runtime's rules); the wide-head small split, newer than

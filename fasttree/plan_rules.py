@@ -121,11 +121,12 @@ class PlanRules:
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
         launch that leaves most SMs idle) and which merge partial results there already (a cap
-        that cuts a plan with no merge adds the merge launch). Off by default until measured: on
-        an H100, in every plan it ran 1.037x geomean on the 75 D 256 held-out trees it changed,
-        with 11 below 0.97x (0.71x where a plan's units tripled); at most 24 programs, 1.15-1.17x
-        on 91 trees of three fresh seeds, one 0.766x (a plan with no merge, hence that
-        condition, chosen on those rows).
+        that cuts a plan with no merge adds the merge launch). 64 and 24 by default: on an H100,
+        on the held-out D 256 trees it changes (2-15 queries, up to 3k tokens; seeds 44000-46000
+        chose the merge condition, 47000-48000 checked it), 1.18x geomean on 133 trees, 130 of
+        them 1.00-1.32x (to decode's time), three 0.91-0.95x (``docs/history.md``). In every plan
+        it lost (1.037x, 11 of 75 trees below 0.97x). Not in :meth:`runtime`'s fixed launch slots,
+        where it was not timed.
     pack_few_units : bool
         Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
         packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
@@ -155,7 +156,7 @@ class PlanRules:
     all_large_without_large: bool = False
     wide_head_kv_tile: int = 32
     # candidate rules: ADDED_AS holds the value each was added with, which changed no default plan
-    wide_head_small_split: int = field(default=0, metadata={ADDED_AS: 0})
+    wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
 
@@ -195,11 +196,12 @@ class PlanRules:
         fresh step. Solo units only with two launches: with one launch, a unit kept out of the
         bins would run with the large tile's registers. All-small trees go to the large tiles
         (``all_large_without_large``), as before the rule changed for ``ft.plan``: the runtime's
-        fixed launch slots were not timed with all-small plans of such trees.
+        fixed launch slots were not timed with all-small plans of such trees, nor with the wide-head
+        small split (``wide_head_small_split`` 0).
         """
         return replace(
             _DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False,
-            all_large_without_large=True,
+            all_large_without_large=True, wide_head_small_split=0,
         )  # fmt: skip
 
     def with_(self, **changes: Any) -> PlanRules:

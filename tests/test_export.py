@@ -1290,10 +1290,14 @@ def test_defaults_fingerprint_ignores_rules_at_the_value_they_were_added_with():
     from fasttree.plan_rules import ADDED_AS, deciding_fields
 
     rules = fasttree.PlanRules.defaults()
-    added = [f.name for f in fields(rules) if ADDED_AS in f.metadata]
-    assert "wide_head_small_split" in added
+    added = {f.name: f.metadata[ADDED_AS] for f in fields(rules) if ADDED_AS in f.metadata}
+    assert {"wide_head_small_split", "pack_few_units"} <= set(added)
+    at_added = {name for name, value in added.items() if getattr(rules, name) == value}
+    assert "pack_few_units" in at_added and "wide_head_small_split" not in at_added  # the cap adopted
     state = deciding_fields(rules)
-    assert not set(added) & set(state) and set(state) == {f.name for f in fields(rules)} - set(added)
-    adopted = deciding_fields(rules.with_(wide_head_small_split=64))
-    assert adopted == state | {"wide_head_small_split": 64}
+    assert set(state) == {f.name for f in fields(rules)} - at_added
+    assert state["wide_head_small_split"] == 64
+    switched = deciding_fields(rules.with_(pack_few_units=False))
+    assert switched == state | {"pack_few_units": False}
+    assert "wide_head_small_split" not in deciding_fields(rules.with_(wide_head_small_split=0))
     assert deciding_fields(rules.with_(crossover_margin=1.1))["crossover_margin"] == 1.1

@@ -582,7 +582,9 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         rt = ft.PlanRules.runtime(launches)
         assert (rt.solo_units, rt.wide_units, rt.aligned_blocks) == (launches == 2, False, False)
         assert rt.all_large_without_large and not ft.PlanRules().all_large_without_large
-        same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True, all_large_without_large=False)
+        assert rt.wide_head_small_split == 0 and ft.PlanRules().wide_head_small_split == 64
+        same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True)
+        same = same.with_(all_large_without_large=False, wide_head_small_split=64)
         assert same == ft.PlanRules()
 
 
