@@ -155,7 +155,8 @@ class PlanRules:
     whole_groups_max_tail: float = 2.0
     all_large_without_large: bool = False
     wide_head_kv_tile: int = 32
-    # candidate rules: ADDED_AS holds the value each was added with, which changed no default plan
+    # rules added switched off: ADDED_AS holds the value each was added with (it changed no default
+    # plan); a default away from it is a rule adopted since
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})

@@ -1378,13 +1378,22 @@ class _PhaseUnits:
         # the phase that holds every group (0 or 1), None when both hold some
         self.one_phase = 1 if self.n_small == self.n_groups else 0 if not self.n_small else None
 
+    def _group_split(self, splits) -> int | np.ndarray:
+        """The split size of every group at ``splits``: one int where every group takes the same
+        (equal splits, or one phase holding every group), else per group."""
+        if splits[0] == splits[1]:
+            return splits[0]
+        if self.one_phase is not None:
+            return splits[self.one_phase]
+        return np.where(self.small, splits[1], splits[0])
+
     def __call__(self, splits) -> list[int]:
         kv_len, small, one = self.kv_len, self.small, self.one_phase
-        split = splits[0] if splits[0] == splits[1] else None if one is None else splits[one]
-        if split is not None:
+        split = self._group_split(splits)
+        if isinstance(split, int):
             chunks = 1 if self.longest <= split else -(-kv_len // split)
         else:
-            chunks = -(-kv_len // np.where(small, splits[1], splits[0]))
+            chunks = -(-kv_len // split)
         units = chunks if self.q_tiles is None else chunks * self.q_tiles
         if isinstance(units, int):
             total, in_small = self.n_groups, self.n_small
@@ -1400,10 +1409,10 @@ class _PhaseUnits:
         longer than its phase's split (cut into chunks)."""
         if int(np.add.reduce(self.nq)) > n_queries:
             return True
-        if splits[0] == splits[1] or self.one_phase is not None:
-            split = splits[0] if splits[0] == splits[1] else splits[self.one_phase]
+        split = self._group_split(splits)
+        if isinstance(split, int):
             return self.longest > split
-        return bool(np.any(self.kv_len > np.where(self.small, splits[1], splits[0])))
+        return bool(np.any(self.kv_len > split))
 
     def uncut_work(self) -> list[tuple[int, int]]:
         """Per phase, uncut: ``(KV tokens over all units x KV heads, the longest group's KV)``."""
