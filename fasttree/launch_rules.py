@@ -12,6 +12,7 @@ the KV heads (one program each in a per-plan launch).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -363,8 +364,12 @@ class MergeLaunch:
     num_stages: int
 
 
-def stage1_launches(plan: Plan, target: GpuTarget) -> tuple[Stage1Launch, ...]:
-    """The stage-1 launch of each non-empty tile class of ``plan`` on ``target``.
+def stage1_launches(
+    plan: Plan, target: GpuTarget, grid: Callable[[int], int] | None = None
+) -> tuple[Stage1Launch, ...]:
+    """The stage-1 launch of each non-empty tile class of ``plan`` on ``target``; with ``grid``,
+    each launch starts at unit 0 and runs ``grid(n)`` units for a class of ``n`` (a launch
+    variant's grid bucket, :func:`fasttree.launch_variants.launch_variant`).
 
     One place for the per-plan choices :func:`fasttree.tree_attention` and the runtime's launch
     variants make alike: the KV tile (:func:`launch_kv_tile`, with the plan's
@@ -391,7 +396,8 @@ def stage1_launches(plan: Plan, target: GpuTarget) -> tuple[Stage1Launch, ...]:
             maxnreg = small_tile_maxnreg(g, d, tc.block_m, tc.num_warps, items, target.sms)
         out.append(
             Stage1Launch(
-                tile_class=c, first_unit=int(ptr[c]), n_units=n_units, block_m=tc.block_m, block_n=block_n,
+                tile_class=c, first_unit=0 if grid else int(ptr[c]), n_units=grid(n_units) if grid else n_units,
+                block_m=tc.block_m, block_n=block_n,
                 num_warps=tc.num_warps, num_stages=num_stages, maxnreg=maxnreg, masked=tc.masked,
                 peel=peel_tiles(tc.block_m, mean_tiles), shrink_stages=default_stages,
             )
@@ -399,9 +405,10 @@ def stage1_launches(plan: Plan, target: GpuTarget) -> tuple[Stage1Launch, ...]:
     return tuple(out)
 
 
-def merge_launch(plan: Plan, block_d: int) -> MergeLaunch | None:
+def merge_launch(plan: Plan, block_d: int, grid: Callable[[int], int] | None = None) -> MergeLaunch | None:
     """The merge launch of ``plan`` (None when no query has several partials); ``block_d`` is
-    the head dim rounded up to a power of two.
+    the head dim rounded up to a power of two; with ``grid``, it runs ``grid(n)`` programs for
+    ``n`` merged queries (a launch variant's grid bucket).
 
     Every merged query goes to the many-partials merge when one has :data:`MANY_PARTIALS` or
     more partial rows, else to the few-partials merge.
@@ -413,6 +420,11 @@ def merge_launch(plan: Plan, block_d: int) -> MergeLaunch | None:
     if most >= MANY_PARTIALS:
         block_p = min(MERGE_PARTIALS_PER_STEP, next_pow2(most))
         warps = 1 if block_p * block_d <= 512 else 2 if block_p * block_d <= 2048 else 4
-        return MergeLaunch(many=True, n_merge=n_merge, block_h=1, block_p=block_p, num_warps=warps, num_stages=1)
+        return MergeLaunch(
+            many=True, n_merge=grid(n_merge) if grid else n_merge, block_h=1, block_p=block_p, num_warps=warps,
+            num_stages=1,
+        )  # fmt: skip
     block_h = few_partials_merge_heads(plan.num_q_heads)
-    return MergeLaunch(many=False, n_merge=n_merge, block_h=block_h, block_p=0, num_warps=4, num_stages=3)
+    return MergeLaunch(
+        many=False, n_merge=grid(n_merge) if grid else n_merge, block_h=block_h, block_p=0, num_warps=4, num_stages=3
+    )

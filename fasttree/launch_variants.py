@@ -105,12 +105,8 @@ class LaunchVariant:
 def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
     """The launch variant of ``plan`` on ``target``: ``plan``'s own launch decisions, grids bucketed."""
     wave = unit_wave(target, plan.num_kv_heads)
-    stage1 = tuple(
-        replace(s, first_unit=0, n_units=grid_bucket(s.n_units, wave)) for s in stage1_launches(plan, target)
-    )
-    m = merge_launch(plan, next_pow2(plan.head_dim))
-    merge = None if m is None else replace(m, n_merge=grid_bucket(m.n_merge))
-    return LaunchVariant(stage1=stage1, merge=merge)
+    stage1 = stage1_launches(plan, target, lambda n: grid_bucket(n, wave))
+    return LaunchVariant(stage1=stage1, merge=merge_launch(plan, next_pow2(plan.head_dim), grid_bucket))
 
 
 class VariantTable:
