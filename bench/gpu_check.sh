@@ -16,6 +16,7 @@
 #             families cases it changes (kernel_<gpu>_crossover_ab.*, kernel_<gpu>_fam_ab.*)
 #   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
 #   decode    the end-to-end decode benchmark (decode_<gpu>.*)
+# INSTANCES=N times each of our variants as N independent instances (bench.kernel --instances; default 1).
 # <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
 # gpu-check), to be copied to docs/results/ by hand.
 # Usage: OUT=folder bash bench/gpu_check.sh [step ...]   (no argument: tests memcheck kernel families)
@@ -28,6 +29,7 @@ if [ -z "${FASTTREE_GIT_COMMIT:-}" ]; then
   echo "note: FASTTREE_GIT_COMMIT is unset: reports record git rev-parse HEAD (stale on a copied checkout)"
 fi
 workers=${WORKERS:-8}
+inst=(--instances "${INSTANCES:-1}")
 case $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) in
   *H200*) gpu=h200 ;;
   *H100*) gpu=h100 ;;
@@ -57,17 +59,17 @@ for step in $steps; do
       done
       ;;
     kernel)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite paper --out "$out" --label "$gpu" --overwrite \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel "${inst[@]}" --suite paper --out "$out" --label "$gpu" --overwrite \
         >"$out/kernel.log" 2>&1
       echo "kernel benchmark: exit $?"; grep -A8 "^Summary" "$out/kernel_$gpu.md"
       ;;
     families)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite families --out "$out" --label "${gpu}_fam" \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel "${inst[@]}" --suite families --out "$out" --label "${gpu}_fam" \
         --overwrite >"$out/kernel_families.log" 2>&1
       echo "families benchmark: exit $?"; grep -A8 "^Summary" "$out/kernel_${gpu}_fam.md"
       ;;
     crossover)
-      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite crossover --variants fasttree,query_separated,runtime \
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel "${inst[@]}" --suite crossover --variants fasttree,query_separated,runtime \
         --export none --out "$out" --label "${gpu}_crossover" --overwrite >"$out/kernel_crossover.log" 2>&1
       echo "crossover benchmark: exit $?"; grep -A14 "^Summary" "$out/kernel_${gpu}_crossover.md"
       ;;
@@ -81,7 +83,7 @@ for step in $steps; do
       n=0
       for candidate in "${candidates[@]}"; do
         n=$((n + 1)); label="${gpu}_heldout"; [ "$n" -gt 1 ] && label="${gpu}_heldout$n"
-        timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
+        timeout "${KERNEL_S:-300}" python3 -m bench.kernel "${inst[@]}" --suite heldout --seed "${SEED:-9000}" --trees "${TREES:-56}" \
           "${shapes[@]}" --candidate "$candidate" --variants fasttree,query_separated --export none --out "$out" \
           --label "$label" --overwrite >"$out/kernel_$label.log" 2>&1
         echo "heldout A/B of $candidate: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_$label.md"
@@ -91,7 +93,7 @@ for step in $steps; do
       if [ -z "${CANDIDATE:-}" ]; then echo "suites_ab needs CANDIDATE='FIELD=VALUE;...'"; exit 2; fi
       for suite in crossover families; do
         label="${gpu}_${suite/families/fam}_ab"
-        timeout "${KERNEL_S:-300}" python3 -m bench.kernel --suite "$suite" --candidate "$CANDIDATE" --changed-only \
+        timeout "${KERNEL_S:-300}" python3 -m bench.kernel "${inst[@]}" --suite "$suite" --candidate "$CANDIDATE" --changed-only \
           --variants fasttree,query_separated --export none --out "$out" --label "$label" --overwrite \
           >"$out/kernel_$label.log" 2>&1
         echo "$suite A/B of $CANDIDATE: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_$label.md"

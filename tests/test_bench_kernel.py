@@ -433,3 +433,40 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
     report = json.loads((tmp_path / "kernel_c.json").read_text())
     assert report["changed_only"] and [row["case"] for row in report["rows"]] == ["beam_search#30000/4x4/d256/fp16"]
     assert report["summary"]["candidate_changed_cases"] == 1
+
+
+def test_instances_report_their_spread_and_at_least_one_is_asked_for(capsys):
+    rows = [_row(1, 40.0, 20.0, runtime=21.0), _row(2, 90.0, 30.0, runtime=30.0)]
+    rows[0]["variants"]["fasttree"]["graph_instances_us"] = [20.0, 19.0, 21.0]
+    rows[0]["variants"]["runtime"]["graph_instances_us"] = [21.0, 22.05, 21.5]
+    rows[1]["variants"]["fasttree"]["graph_instances_us"] = [30.0, 30.3, 29.9]
+    s = kernel.summarize(rows)
+    spread = s["instance_spread"]
+    assert spread["n"] == 3 and math.isclose(spread["worst"], 21.0 / 19.0) and spread["worst_case"] == "1/mha/fasttree"
+    assert math.isclose(spread["median"], 1.05)
+    env = {"gpu_name": "GPU", "gpu_sm_count": 1, "torch": "t", "triton": "t", "git_commit": "abc",
+           "timestamp_utc": "now"}  # fmt: skip
+    assert "as 3 independent instances" in kernel.markdown(rows, s, env, "label", instances=3)
+    assert "independent instances" not in kernel.markdown(rows, s, env, "label")
+    assert "instance_spread" not in kernel.summarize([_row(1, 40.0, 20.0)])
+    assert kernel.parse_args(["--export", "none", "--instances", "3"]).instances == 3
+    with pytest.raises(SystemExit):
+        kernel.parse_args(["--export", "none", "--instances", "0"])
+    assert "--instances must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_instances_time_independent_allocations_of_each_of_our_variants(tmp_path):
+    """With --instances 2, every one of our variants (the runtime included) is built, checked against
+    float64 and timed twice on fresh allocations; its time is the median of the two."""
+    argv = ["--suite", "heldout", "--trees", "1", "--seed", "77", "--shapes", "16x2/d128/fp16", "--export", "none",
+            "--variants", "fasttree,query_separated,runtime", "--instances", "2", "--out", str(tmp_path),
+            "--label", "i"]  # fmt: skip
+    assert kernel.main(argv) == 0
+    report = json.loads((tmp_path / "kernel_i.json").read_text())
+    assert report["instances"] == 2
+    for name in ("fasttree", "query_separated", "runtime"):
+        v = report["rows"][0]["variants"][name]
+        assert v["correct"] and len(v["graph_instances_us"]) == 2
+        assert math.isclose(v["graph_us"], sum(v["graph_instances_us"]) / 2)
+    assert report["summary"]["instance_spread"]["n"] == 3

@@ -338,3 +338,7 @@ def test_interleaved_graph_timing_rotates_which_call_runs_first(monkeypatch):
     assert {r[0] for r in rounds} == {"a", "b", "c"}, names
     follows = {(r[i], r[i + 1]) for r in rounds for i in range(2)}
     assert {("a", "b"), ("b", "c"), ("c", "a")} <= follows, names
+    # min_rounds lowers the floor of one round per call (instances of a few variants)
+    ran.clear()
+    timing.interleaved_graph_times_us(fns, calls=2, rounds=10, replays=2, budget_s=0.0, min_rounds=2)
+    assert len(ran) == 2 * 3, [graph_of[g] for g in ran]

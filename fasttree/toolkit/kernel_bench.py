@@ -215,27 +215,46 @@ def bench_tree(
     outs: dict[str, torch.Tensor] = {}
     skipped: dict[str, str] = {}  # variant -> why it did not run
     failed: dict[str, str] = {}  # variant -> the error it raised (a peer's failure, recorded per case)
+    # each of our variants as a maker of independent instances (own plan arrays, workspace and output)
+    makers: dict[str, Callable[[], tuple[Callable[[], object], torch.Tensor]]] = {}
+
+    def plan_runner(make_plan: Callable[[], ft.Plan]) -> Callable[[], tuple[Callable[[], object], torch.Tensor]]:
+        def make() -> tuple[Callable[[], object], torch.Tensor]:
+            p, o = make_plan(), torch.empty_like(q)
+            return (lambda: ft.tree_attention(q, k, v, p, out=o)), o
+
+        return make
+
     for name, cfg in variant_configs(base).items():
         if name not in args.variants:
             continue
         p = plan if name == "fasttree" else ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
         outs[name] = torch.empty_like(q)
         runners[name] = lambda p=p, o=outs[name]: ft.tree_attention(q, k, v, p, out=o)
+        makers[name] = plan_runner(lambda cfg=cfg: ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d))
         row.setdefault("variant_plans", {})[name] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
     candidate = getattr(args, "candidate", None)
     if CANDIDATE in args.variants and candidate is not None:
         p = ft.plan(tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1])
         outs[CANDIDATE] = torch.empty_like(q)
         runners[CANDIDATE] = lambda p=p, o=outs[CANDIDATE]: ft.tree_attention(q, k, v, p, out=o)
+        makers[CANDIDATE] = plan_runner(
+            lambda: ft.plan(tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1])
+        )
         target = GpuTarget.of(q.device, interpreting=False)
         row.setdefault("variant_plans", {})[CANDIDATE] = {
             "tile_mode": p.tile_mode, "units": p.units_per_class(), **_compared_with_defaults(plan, p, target),
         }  # fmt: skip
     if "query_separated" in args.variants:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        p = ft.plan_query_separated(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_sms=sms)
+
+        def qs_plan() -> ft.Plan:
+            return ft.plan_query_separated(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_sms=sms)
+
+        p = qs_plan()
         outs["query_separated"] = torch.empty_like(q)
         runners["query_separated"] = lambda p=p, o=outs["query_separated"]: ft.tree_attention(q, k, v, p, out=o)
+        makers["query_separated"] = plan_runner(qs_plan)
     if "sdpa" in args.variants:
         runners["sdpa"] = sdpa_runner(q, k, v, tree)
         if runners["sdpa"] is None:
@@ -250,16 +269,28 @@ def bench_tree(
             p = ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
             outs["tuned"] = torch.empty_like(q)
             runners["tuned"] = lambda p=p, o=outs["tuned"]: ft.tree_attention(q, k, v, p, out=o)
+            makers["tuned"] = plan_runner(lambda: ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d))
             row.setdefault("variant_plans", {})["tuned"] = {
                 "tile_mode": p.tile_mode, "units": p.units_per_class(), "member": member,
             }  # fmt: skip
     if "runtime" in args.variants:
-        rt = TreeAttentionRuntime(
-            base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
-            max_queries=tree.n_queries, max_kv_entries=int(tree.path_lengths[tree.query_nodes].sum()),
-            pool_slots=pool,
-        )  # fmt: skip
-        uploaded = rt.plan(tree)
+
+        def new_runtime() -> TreeAttentionRuntime:
+            rt = TreeAttentionRuntime(
+                base, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device="cuda",
+                max_queries=tree.n_queries, max_kv_entries=int(tree.path_lengths[tree.query_nodes].sum()),
+                pool_slots=pool,
+            )  # fmt: skip
+            rt.plan(tree)
+            return rt
+
+        def runtime_runner() -> tuple[Callable[[], object], torch.Tensor]:
+            rt, o = new_runtime(), torch.empty_like(q)
+            return (lambda: rt.forward(q, k, v, out=o)), o
+
+        rt = new_runtime()
+        makers["runtime"] = runtime_runner
+        uploaded = rt.current_plan
         row.setdefault("variant_plans", {})["runtime"] = {
             "variant_id": uploaded.variant_id, "units": uploaded.plan.units_per_class(), "bounded": uploaded.bounded,
             "same_plan_as_fasttree": bool(np.array_equal(uploaded.plan.kv_indices, plan.kv_indices)),
@@ -278,31 +309,42 @@ def bench_tree(
         row.setdefault("variant_plans", {})[name] = peer.info
 
     results: dict[str, Any] = {}
+    # more instances of each of our variants (--instances): each times its own allocations
+    instances: dict[str, list[tuple[Callable[[], object], torch.Tensor]]] = {}
+    for name, make in makers.items():
+        if runners.get(name) is not None:
+            instances[name] = [(runners[name], outs[name])] + [make() for _ in range(getattr(args, "instances", 1) - 1)]
+    timed = {name: fn for name, fn in runners.items() if fn is not None}
+    for name, inst in instances.items():
+        timed.update({f"{name}@{i}": fn for i, (fn, _) in enumerate(inst) if i})
     # graph times of the variants, replays interleaved (their ratios are the benchmark's findings)
-    graph_times = interleaved_graph_times_us({name: fn for name, fn in runners.items() if fn is not None})
+    graph_times = interleaved_graph_times_us(timed, min_rounds=sum(fn is not None for fn in runners.values()))
     for name, fn in runners.items():
         if fn is None:
             results[name] = {"error": failed[name], "correct": False} if name in failed else {"skipped": skipped[name]}
             continue
-        if name in outs:
-            outs[name].fill_(float("nan"))
-            fn()
-            out = outs[name]
-        else:
-            out = fn()
-        torch.cuda.synchronize()
-        finite = bool(torch.isfinite(out).all())
-        err = worst_rel_error(out, ref, rows) if finite else float("nan")
-        g = graph_times[name]
+        errs = []
+        for run, out in instances.get(name, [(fn, outs.get(name))]):
+            if out is not None:
+                out.fill_(float("nan"))
+                run()
+            else:
+                out = run()
+            torch.cuda.synchronize()
+            errs.append(worst_rel_error(out, ref, rows) if bool(torch.isfinite(out).all()) else float("nan"))
+        err = float("nan") if any(math.isnan(x) for x in errs) else max(errs)
+        times = [graph_times[name]] + [graph_times[f"{name}@{i}"] for i in range(1, len(instances.get(name, ())))]
         e = eager_time_us(fn, rep_ms=50)
         results[name] = {
-            "graph_us": g["median"],
-            "graph_p20_us": g["p20"],
-            "graph_p80_us": g["p80"],
+            "graph_us": float(np.median([g["median"] for g in times])),
+            "graph_p20_us": float(np.median([g["p20"] for g in times])),
+            "graph_p80_us": float(np.median([g["p80"] for g in times])),
             "eager_us": e,
             "max_rel_err": err,
-            "correct": finite and err <= TOL[dtype],
+            "correct": not math.isnan(err) and err <= TOL[dtype],
         }
+        if len(times) > 1:
+            results[name]["graph_instances_us"] = [g["median"] for g in times]
         if name == "fasttree":  # our default call: also eagerly back to back, as the graph runs it, and
             # one graph replay at a time with L2 cleared, as do_bench times the eager call
             results[name]["eager_loop_us"] = eager_loop_time_us(fn)["median"]
@@ -414,6 +456,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             s[f"geomean_speedup_vs_published_{name}"] = geomean(sp_v)
             s[f"min_speedup_vs_published_{name}"] = min(sp_v)
             s[f"n_cases_{name}"] = len(sp_v)
+    spreads = [
+        (max(v["graph_instances_us"]) / min(v["graph_instances_us"]), f"{r['case']}/{r['heads']}/{name}")
+        for r in rows
+        for name, v in r["variants"].items()
+        if v.get("graph_instances_us")
+    ]
+    if spreads:  # slowest over fastest instance of one variant on one case
+        s["instance_spread"] = {
+            "median": float(np.median([x for x, _ in spreads])),
+            "worst": max(spreads)[0],
+            "worst_case": max(spreads)[1],
+            "n": len(spreads),
+        }
     big = [r["floor_over_ours"] for r in rows if r["floor_us"] >= 20 and "floor_over_ours" in r]
     s["n_floor_ge_20us"] = len(big)
     s["geomean_floor_over_ours_floor_ge_20us"] = geomean(big) if big else None
@@ -533,7 +588,7 @@ def _f(x, fmt=".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def markdown(rows, summary, env, label) -> str:
+def markdown(rows, summary, env, label, instances: int = 1) -> str:
     names = [n for n in VARIANTS if any(n in r["variants"] for r in rows)]
     head = (
         "| case | heads | floor us | published us | "
@@ -550,7 +605,13 @@ def markdown(rows, summary, env, label) -> str:
         "from a CUDA graph, timed as eager is (one at a time, L2 cleared); eager loop = 20 of our default calls "
         "issued back to back without a graph, timed like the replay (median / 20); runtime/ours = our default "
         "call's time over the runtime's (>= 1: the runtime as fast). `x` marks a wrong result, `fail` a call "
-        "that raised or crashed (the error is in the JSON and the summary), `skip` one not run (why: the JSON).",
+        "that raised or crashed (the error is in the JSON and the summary), `skip` one not run (why: the JSON)."
+        + (
+            f" Each of our variants timed as {instances} independent instances (own plan arrays, workspace and "
+            "output), replays interleaved: its time is the median of theirs (`graph_instances_us` in the JSON)."
+            if instances > 1
+            else ""
+        ),
         "",
         head,
         "|" + "---:|" * (len(names) + 10),
@@ -726,6 +787,14 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         help=f"tuner export for the 'tuned' variant ('none': skip the variant; default: {DEFAULT_EXPORT} when "
         "the working folder has it, else none)",
     )
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="time each of our variants as this many independent instances (own plan arrays, workspace and "
+        "output; the runtime its own buffers), all replays interleaved; its time is the median of theirs "
+        "(identical instances of a small plan differ by up to 5%% on an H100). Peers run once (default: 1)",
+    )
     p.add_argument("--resume", type=Path, default=None, help=argparse.SUPPRESS)  # the child of _run_rest_in_child
     args = p.parse_args(argv)
     cases: list[int] = []
@@ -739,6 +808,8 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         args.candidate = parse_candidate(args.candidate) if args.candidate is not None else None
     except ValueError as exc:
         p.error(str(exc))
+    if args.instances < 1:
+        p.error("--instances must be at least 1")
     args.heads = [h for h in args.heads.split(",") if h]
     args.variants = [v for v in args.variants.split(",") if v]
     if args.candidate is not None and CANDIDATE not in args.variants:
@@ -906,13 +977,14 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         "candidate": None if args.candidate is None else _candidate_dict(*args.candidate),
         "heldout": {"seed": args.seed, "trees": args.trees} if args.suite == "heldout" else None,
         "changed_only": args.changed_only,
+        "instances": args.instances,
         "env": env,
         "summary": summary,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / f"kernel_{args.label}.json", json.dumps(report, indent=1) + "\n")
-    md = markdown(rows, summary, env, args.label)
+    md = markdown(rows, summary, env, args.label, args.instances)
     write_atomic(args.out / f"kernel_{args.label}.md", md)
     plot(rows, args.out / f"kernel_{args.label}.png")
     sys.stdout.write(md)

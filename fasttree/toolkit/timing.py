@@ -73,6 +73,7 @@ def interleaved_graph_times_us(
     replays: int = 5,
     warmup: int = 3,
     budget_s: float = 0.5,
+    min_rounds: int | None = None,
 ) -> dict[str, dict]:
     """:func:`graph_time_us` of several calls, their replays interleaved: ``rounds`` rounds, each
     ``replays`` replays of every call's graph in turn, so that a drift of the GPU's clocks or
@@ -80,8 +81,8 @@ def interleaved_graph_times_us(
     Each round starts one call later in the order (round ``r`` runs call ``r mod n`` first), so no
     call always follows the same other one (a heavy call before it warms the GPU and evicts the L2
     cache it would find warm). Fewer rounds when they would exceed ``budget_s``, never fewer than
-    the number of calls (every call in every position) nor 2. Same keys as ``fns``; each value as
-    :func:`graph_time_us`'s."""
+    ``min_rounds`` (default: the number of calls, so every call runs in every position) nor 2.
+    Same keys as ``fns``; each value as :func:`graph_time_us`'s."""
     graphs = {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -96,7 +97,8 @@ def interleaved_graph_times_us(
     t1.record()
     torch.cuda.synchronize()
     one_round = t0.elapsed_time(t1) * 1e-3 * replays
-    rounds = int(max(2, len(graphs), min(rounds, budget_s / max(one_round, 1e-9))))
+    least = len(graphs) if min_rounds is None else min_rounds
+    rounds = int(max(2, least, min(rounds, budget_s / max(one_round, 1e-9))))
     order = list(graphs)
     times: dict[str, list[np.ndarray]] = {name: [] for name in graphs}
     for r in range(rounds):
