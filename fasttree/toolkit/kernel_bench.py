@@ -5,7 +5,9 @@ measured in one run on random N(0, 1) inputs:
 
 * host planning time (median) and plan upload time;
 * each variant's GPU time by CUDA-graph replay (20 calls per graph, median / 20; the variants'
-  replays interleaved in rounds, so a drift of the clocks reaches them alike) and its
+  replays interleaved in rounds, so a drift of the clocks reaches them alike; with
+  ``--instances N`` each of our variants is timed as N independent instances, each with its own
+  allocations, and its time is the median of theirs) and its
   eager time (``do_bench`` median; for ``fasttree`` also 20 eager calls back to back, timed
   like the replay): ``fasttree`` (default config), the ablations
   ``no_greedy`` (gamma = -10), ``query_centric`` (gamma = 10, split 81920) and
