@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -220,29 +221,29 @@ def bench_tree(
     # each of our variants as a maker of independent instances (own plan arrays, workspace and output)
     makers: dict[str, Callable[[], tuple[Callable[[], object], torch.Tensor]]] = {}
 
-    def plan_runner(make_plan: Callable[[], ft.Plan]) -> Callable[[], tuple[Callable[[], object], torch.Tensor]]:
-        def make() -> tuple[Callable[[], object], torch.Tensor]:
-            p, o = make_plan(), torch.empty_like(q)
-            return (lambda: ft.tree_attention(q, k, v, p, out=o)), o
+    def plan_instance(p: ft.Plan) -> tuple[Callable[[], object], torch.Tensor]:
+        o = torch.empty_like(q)
+        return (lambda: ft.tree_attention(q, k, v, p, out=o)), o
 
-        return make
+    def add_planned(name: str, p: ft.Plan, make_plan: Callable[[], ft.Plan]) -> None:
+        """Variant ``name``: plan ``p`` is its first instance, ``make_plan()`` plans each further one."""
+        runners[name], outs[name] = plan_instance(p)
+        makers[name] = lambda: plan_instance(make_plan())
 
     for name, cfg in variant_configs(base).items():
         if name not in args.variants:
             continue
-        p = plan if name == "fasttree" else ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-        outs[name] = torch.empty_like(q)
-        runners[name] = lambda p=p, o=outs[name]: ft.tree_attention(q, k, v, p, out=o)
-        makers[name] = plan_runner(lambda cfg=cfg: ft.plan(tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d))
+        make_plan = functools.partial(ft.plan, tree, cfg, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        p = plan if name == "fasttree" else make_plan()
+        add_planned(name, p, make_plan)
         row.setdefault("variant_plans", {})[name] = {"tile_mode": p.tile_mode, "units": p.units_per_class()}
     candidate = getattr(args, "candidate", None)
     if CANDIDATE in args.variants and candidate is not None:
-        p = ft.plan(tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1])
-        outs[CANDIDATE] = torch.empty_like(q)
-        runners[CANDIDATE] = lambda p=p, o=outs[CANDIDATE]: ft.tree_attention(q, k, v, p, out=o)
-        makers[CANDIDATE] = plan_runner(
-            lambda: ft.plan(tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1])
+        candidate_plan = functools.partial(
+            ft.plan, tree, candidate[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=candidate[1]
         )
+        p = candidate_plan()
+        add_planned(CANDIDATE, p, candidate_plan)
         target = GpuTarget.of(q.device, interpreting=False)
         row.setdefault("variant_plans", {})[CANDIDATE] = {
             "tile_mode": p.tile_mode, "units": p.units_per_class(), **_compared_with_defaults(plan, p, target),
@@ -250,13 +251,10 @@ def bench_tree(
     if "query_separated" in args.variants:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-        def qs_plan() -> ft.Plan:
-            return ft.plan_query_separated(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_sms=sms)
-
-        p = qs_plan()
-        outs["query_separated"] = torch.empty_like(q)
-        runners["query_separated"] = lambda p=p, o=outs["query_separated"]: ft.tree_attention(q, k, v, p, out=o)
-        makers["query_separated"] = plan_runner(qs_plan)
+        qs_plan = functools.partial(
+            ft.plan_query_separated, tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_sms=sms
+        )
+        add_planned("query_separated", qs_plan(), qs_plan)
     if "sdpa" in args.variants:
         runners["sdpa"] = sdpa_runner(q, k, v, tree)
         if runners["sdpa"] is None:
@@ -268,10 +266,9 @@ def bench_tree(
             skipped["tuned"] = "no export entry"
         else:
             tuned, member = picked
-            p = ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
-            outs["tuned"] = torch.empty_like(q)
-            runners["tuned"] = lambda p=p, o=outs["tuned"]: ft.tree_attention(q, k, v, p, out=o)
-            makers["tuned"] = plan_runner(lambda: ft.plan(tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d))
+            tuned_plan = functools.partial(ft.plan, tree, tuned, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+            p = tuned_plan()
+            add_planned("tuned", p, tuned_plan)
             row.setdefault("variant_plans", {})["tuned"] = {
                 "tile_mode": p.tile_mode, "units": p.units_per_class(), "member": member,
             }  # fmt: skip
@@ -286,19 +283,18 @@ def bench_tree(
             rt.plan(tree)
             return rt
 
-        def runtime_runner() -> tuple[Callable[[], object], torch.Tensor]:
-            rt, o = new_runtime(), torch.empty_like(q)
+        def runtime_instance(rt: TreeAttentionRuntime) -> tuple[Callable[[], object], torch.Tensor]:
+            o = torch.empty_like(q)
             return (lambda: rt.forward(q, k, v, out=o)), o
 
         rt = new_runtime()
-        makers["runtime"] = runtime_runner
+        runners["runtime"], outs["runtime"] = runtime_instance(rt)
+        makers["runtime"] = lambda: runtime_instance(new_runtime())
         uploaded = rt.current_plan
         row.setdefault("variant_plans", {})["runtime"] = {
             "variant_id": uploaded.variant_id, "units": uploaded.plan.units_per_class(), "bounded": uploaded.bounded,
             "same_plan_as_fasttree": bool(np.array_equal(uploaded.plan.kv_indices, plan.kv_indices)),
         }  # fmt: skip
-        outs["runtime"] = torch.empty_like(q)
-        runners["runtime"] = lambda rt=rt, o=outs["runtime"]: rt.forward(q, k, v, out=o)
     for name in (n for n in PEER_VARIANTS if n in args.variants):
         peer = _peer_runner(name, q, k, v, tree, getattr(args, "peer_status", {}).get((case_key(case, heads), name)))
         if isinstance(peer, str):
