@@ -6,7 +6,7 @@ units' cuts, the packing's bin layouts (candidates, aligned blocks, pieces and r
 units' cost of a bin layout, the packed units' arrays (alone, or with the plan's unit arrays in
 one call), slot-run gathers and row masks, a laid-out plan's reads by tile class, the plan's tile
 classes, unit order, int32 arrays and partial rows, a tree's levels and queries' DFS positions,
-and a plan extension's old-slot check and entry insertion),
+and a plan extension's old-slot check, anchors and entry insertion),
 each the same arithmetic in the same order as the numpy/Python path it replaces, so plans are
 bit-identical either way (``tests/test_native.py``).
 :func:`planner_library` compiles it once per source version with the machine's C compiler (``$CC``,
@@ -120,6 +120,11 @@ _SIGNATURES = {
         ctypes.c_int64,
         [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, ctypes.c_int64, _I64P,
          ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P],
+    ),
+    "ft_find_anchors": (
+        ctypes.c_int64,
+        [ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P,
+         ctypes.c_int64, _I64P, ctypes.c_int64, _I64P, _I64P, _I64P],
     ),
     "ft_unit_arrays": (
         ctypes.c_int64,

@@ -279,8 +279,11 @@ class PlanExtender:
         return _with_entries(plan, tree, kv, mask, units[:n_units], units[n_units:]), new_anchor
 
     def _find_anchors(self, plan: Plan, old: _TreeCopy) -> tuple[np.ndarray, np.ndarray]:
-        """Entry (and unit) of every private node's last token, -1 where there is no token
-        or where that slot is not read by exactly one of the plan's entries."""
+        """Entry (and unit) of every private node's last token, -1 where there is no token, where
+        another private node ends in the same slot, or where that slot is not read by exactly one
+        entry of the plan's units or that entry serves more than one row (in the compiled loop,
+        ``ft_find_anchors``, when it is available and the plan's arrays are int32: the same
+        anchors)."""
         n = old.parents.size
         anchor = np.full(n, -1, dtype=np.int64)
         anchor_unit = np.full(n, -1, dtype=np.int64)
@@ -289,30 +292,44 @@ class PlanExtender:
         if cand.size == 0 or kv.size == 0:
             return anchor, anchor_unit
         last = old.slots[old.slot_indptr[cand + 1] - 1].astype(np.int64)
-        size = max(int(np.maximum.reduce(last)), int(np.maximum.reduce(kv))) + 1
-        if self._table.size < size:
-            self._table = np.full(max(size, 2 * self._table.size), -1, dtype=np.int32)
+        lib = planner_library() if self.native else None
+        mask = plan.kv_row_mask
+        arrays = (kv, plan.unit_kv_start, plan.unit_kv_len, plan.unit_q_len, *((mask,) if mask.size else ()))
+        if lib is not None and c_int32(*arrays):
+            self._grow_table(int(np.maximum.reduce(last)) + 1)
+            scratch = np.empty(4 * cand.size, dtype=np.int64)
+            rc = lib.ft_find_anchors(
+                cand.size, address(cand), address(last), kv.size, address(kv), address(mask) if mask.size else None,
+                plan.n_units, address(plan.unit_kv_start), address(plan.unit_kv_len), address(plan.unit_q_len),
+                self._table.size, address(self._table), n, address(scratch), address(anchor), address(anchor_unit),
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError("internal error: a plan's unit range or a node outside its arrays")
+            return anchor, anchor_unit
+        self._grow_table(max(int(np.maximum.reduce(last)), int(np.maximum.reduce(kv))) + 1)
         table = self._table
         table[last] = np.arange(cand.size, dtype=np.int32)
         try:
-            unique = table[last] == np.arange(cand.size)  # two private nodes ending in one slot: neither
+            winner = table[last].astype(np.int64)  # of the candidates ending in one slot, one wins it
             hit = table.take(kv)  # every entry, read by a unit or not (packing leaves copied runs behind)
         finally:
             table[last] = -1
+        # a candidate alone in its slot (two private nodes ending in one slot: neither)
+        unique = np.bincount(winner, minlength=cand.size) == 1
         found = np.flatnonzero(hit >= 0)
-        # the unit whose KV range holds each found entry (ranges are disjoint), if any
-        start = plan.unit_kv_start.astype(np.int64)
+        # the unit whose KV range holds each found entry (non-empty ranges are disjoint), if any
+        units = np.flatnonzero(plan.unit_kv_len > 0)
+        start = plan.unit_kv_start[units].astype(np.int64)
         by_start = start.argsort()
         k = np.searchsorted(start[by_start], found, side="right") - 1
-        unit = by_start[np.maximum(k, 0)]
-        inside = (k >= 0) & (found < start[unit] + plan.unit_kv_len[unit])
+        unit = units[by_start[np.maximum(k, 0)]]
+        inside = (k >= 0) & (found < plan.unit_kv_start[unit].astype(np.int64) + plan.unit_kv_len[unit])
         found, unit = found[inside], unit[inside]
         which = hit[found].astype(np.int64)
         ok = unique & (np.bincount(which, minlength=cand.size) == 1)
         keep = ok[which]
         found, which, unit = found[keep], which[keep], unit[keep]
         # the entry must serve one row: a one-query unit, or a bin entry with one mask bit
-        mask = plan.kv_row_mask
         if mask.size:
             m = mask[found].astype(np.int64) & 0xFFFFFFFF
             single = (m != 0) & ((m & (m - 1)) == 0)
@@ -323,3 +340,8 @@ class PlanExtender:
         anchor[cand[which]] = found
         anchor_unit[cand[which]] = unit
         return anchor, anchor_unit
+
+    def _grow_table(self, size: int) -> None:
+        """Make the slot lookup table (all -1 between uses) at least ``size`` long."""
+        if self._table.size < size:
+            self._table = np.full(max(size, 2 * self._table.size), -1, dtype=np.int32)

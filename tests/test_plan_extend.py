@@ -304,3 +304,23 @@ def test_append_tokens_errors():
     with pytest.raises(ValueError, match="query 0 sits at node 1, which other queries read too"):
         shared.append_tokens([9, 10])
     assert tree.append_tokens([9, 10]).lengths.tolist() == [4, 3, 2]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("config", CONFIGS[:3])
+def test_two_private_nodes_ending_in_one_slot_get_no_anchor(native, config):
+    """Two private nodes whose last tokens share a pool slot: neither is anchored (an insertion
+    after either entry could land in the other's unit), so growing them is planned afresh; with
+    distinct last slots both are anchored and the growth extends."""
+    parents = [-1, 0, 0]
+    for last_b, extends in ((9, False), (8, True)):
+        tree = ft.KVTree(parents, [np.arange(4), np.array([4, 9]), np.array([5, last_b])], [1, 2])
+        plan = ft.plan(tree, config, num_q_heads=8, num_kv_heads=2, head_dim=64)
+        ext = PlanExtender(native=native)
+        ext.remember(tree, plan)
+        grown = ft.KVTree(parents, [np.arange(4), np.array([4, 9, 10]), np.array([5, last_b, 11])], [1, 2])
+        extended = ext.extend(grown)
+        assert (extended is not None) == extends
+        assert (ext._anchor[1:] >= 0).all() == extends
+        if extended is not None:
+            check(grown, extended)

@@ -1424,3 +1424,61 @@ int64_t ft_extend_entries(int64_t n_old, const int32_t *kv, const int32_t *mask,
     for (int64_t k = 0; k < n_ins; k++) new_anchor[nodes[k]] += d[k];
     return 0;
 }
+
+/* The anchors of a plan's private nodes (fasttree.plan_extend.PlanExtender._find_anchors):
+ * candidate j of n_cand (node cand[j] < n_nodes, whose last token is in slot last[j]) is anchored
+ * at entry e when e lies in a unit's range [unit_start[u], unit_start[u] + unit_len[u]), kv[e] ==
+ * last[j], no other entry in a unit's range holds that slot, no other candidate ends in it, and the
+ * entry serves one row: a mask (when not NULL) with one bit set, or all ones (or no mask) on a
+ * one-query unit (unit_q_len[u] == 1). Writes anchor[cand[j]] = e and anchor_unit[cand[j]] = u
+ * for each anchored candidate (others untouched). table: int32 [table_size] scratch, -1 everywhere
+ * on entry and on return, table_size > every last[j]; scratch: int64 [4 * n_cand]. Returns 0, or
+ * -1 on an index out of range (the table is then restored too). */
+int64_t ft_find_anchors(int64_t n_cand, const int64_t *cand, const int64_t *last, int64_t n_kv, const int32_t *kv,
+                        const int32_t *mask, int64_t n_units, const int32_t *unit_start, const int32_t *unit_len,
+                        const int32_t *unit_q_len, int64_t table_size, int32_t *table, int64_t n_nodes,
+                        int64_t *scratch, int64_t *anchor, int64_t *anchor_unit) {
+    int64_t *sharing = scratch, *hits = scratch + n_cand, *at = scratch + 2 * n_cand, *at_unit = scratch + 3 * n_cand;
+    for (int64_t j = 0; j < n_cand; j++) {
+        if (last[j] < 0 || last[j] >= table_size || cand[j] < 0 || cand[j] >= n_nodes) return -1;
+        sharing[j] = hits[j] = 0;
+    }
+    for (int64_t j = 0; j < n_cand; j++) table[last[j]] = (int32_t)j;
+    for (int64_t j = 0; j < n_cand; j++) sharing[table[last[j]]]++; /* candidates ending in the slot j won */
+    int64_t rc = 0;
+    for (int64_t u = 0; u < n_units && rc == 0; u++) {
+        const int64_t lo = unit_start[u], hi = lo + (int64_t)unit_len[u];
+        if (lo < 0 || hi > n_kv) {
+            rc = -1;
+            break;
+        }
+        for (int64_t e = lo; e < hi; e++) {
+            const int64_t s = kv[e];
+            if (s < 0 || s >= table_size) continue; /* beyond every candidate's slot: no hit */
+            const int32_t h = table[s];
+            if (h >= 0) {
+                hits[h]++;
+                at[h] = e;
+                at_unit[h] = u;
+            }
+        }
+    }
+    for (int64_t j = 0; j < n_cand; j++) table[last[j]] = -1;
+    if (rc) return rc;
+    for (int64_t j = 0; j < n_cand; j++) {
+        if (sharing[j] != 1 || hits[j] != 1) continue; /* a shared last slot (or not this slot's winner), or not once */
+        const int64_t e = at[j], u = at_unit[j];
+        int64_t single;
+        if (mask) {
+            const uint32_t m = (uint32_t)mask[e];
+            single = (m != 0 && (m & (m - 1)) == 0) || (m == 0xFFFFFFFFu && unit_q_len[u] == 1);
+        } else {
+            single = unit_q_len[u] == 1;
+        }
+        if (single) {
+            anchor[cand[j]] = e;
+            anchor_unit[cand[j]] = u;
+        }
+    }
+    return 0;
+}
