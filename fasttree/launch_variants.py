@@ -18,9 +18,10 @@ Numpy only (no device work).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 
 from .host_arrays import eighth_step_ceil
 from .launch_rules import GpuTarget, MergeLaunch, Stage1Launch, merge_launch, next_pow2, stage1_launches
@@ -71,6 +72,28 @@ class LaunchVariant:
     stage1: tuple[Stage1Launch, ...]  # first_unit 0, n_units the class's grid bucket
     merge: MergeLaunch | None  # n_merge the merge list's grid bucket
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:  # once per variant: a server's table hashes every step's
+        return hash((self.stage1, self.merge))
+
+    @functools.cached_property
+    def shape(self) -> tuple:
+        """Everything of its launches but the grids and the stage-1 masks: variants of one shape
+        differ only in grid sizes and masked classes (:meth:`covers`)."""
+        return (
+            tuple(tuple(getattr(s, f) for f in _STAGE1_SHAPE) for s in self.stage1),
+            None if self.merge is None else tuple(getattr(self.merge, f) for f in _MERGE_SHAPE),
+        )
+
+    @functools.cached_property
+    def _grids(self) -> tuple[tuple[int, bool], ...]:
+        """Each stage-1 launch's units and mask, then the merged queries (with False)."""
+        merge = () if self.merge is None else ((self.merge.n_merge, False),)
+        return (*((s.n_units, s.masked) for s in self.stage1), *merge)
+
     @property
     def forked(self) -> bool:
         """Two stage-1 launches, run side by side."""
@@ -87,19 +110,18 @@ class LaunchVariant:
         least ``other``'s, a masked tile class serving an unmasked one too. The runtime keeps its
         fixed arrays empty past each plan (empty units, the merge list's filler query), so the extra
         programs find nothing to do, and uploads all-ones row masks for a plan without any."""
-        if len(self.stage1) != len(other.stage1) or (self.merge is None) != (other.merge is None):
+        if self.shape != other.shape:
             return False
-        for mine, theirs in zip(self.stage1, other.stage1, strict=True):
-            if mine.n_units < theirs.n_units or (theirs.masked and not mine.masked):
-                return False
-            if replace(mine, n_units=theirs.n_units, masked=theirs.masked) != theirs:
-                return False
-        if self.merge is None:
-            return True
-        return (
-            self.merge.n_merge >= other.merge.n_merge
-            and replace(self.merge, n_merge=other.merge.n_merge) == other.merge
+        return all(
+            n >= on and (masked or not other_masked)
+            for (n, masked), (on, other_masked) in zip(self._grids, other._grids, strict=True)
         )
+
+
+#: The fields of a stage-1 launch and of a merge launch that make a variant's :attr:`LaunchVariant.shape`
+#: (all but the grid sizes and the stage-1 mask).
+_STAGE1_SHAPE = tuple(f.name for f in fields(Stage1Launch) if f.name not in ("n_units", "masked"))
+_MERGE_SHAPE = tuple(f.name for f in fields(MergeLaunch) if f.name != "n_merge")
 
 
 def launch_variant(plan: Plan, target: GpuTarget) -> LaunchVariant:
@@ -133,6 +155,7 @@ class VariantTable:
         self.max_variants = int(max_variants)
         self._ids: OrderedDict[LaunchVariant, int] = OrderedDict()  # least recently used first
         self._by_id: dict[int, LaunchVariant] = {}
+        self._by_shape: dict[tuple, dict[int, LaunchVariant]] = {}  # live variants of each shape, by id
         self._last_id = 0
         self.evicted: list[int] = []
 
@@ -147,17 +170,23 @@ class VariantTable:
         if not self.max_variants:
             return FIXED_VARIANT
         if len(self._ids) >= self.max_variants:
-            covering = [(v.programs, i, v) for v, i in self._ids.items() if v.covers(variant)]
+            same = self._by_shape.get(variant.shape, {})
+            covering = [(v.programs, i, v) for i, v in same.items() if v.covers(variant)]
             if covering:
                 _, vid, cover = min(covering, key=lambda c: c[:2])
                 self._ids.move_to_end(cover)
                 return vid
-            _, old = self._ids.popitem(last=False)
+            gone, old = self._ids.popitem(last=False)
             del self._by_id[old]
+            shape = self._by_shape[gone.shape]
+            del shape[old]
+            if not shape:
+                del self._by_shape[gone.shape]
             self.evicted.append(old)
         self._last_id += 1
         self._ids[variant] = self._last_id
         self._by_id[self._last_id] = variant
+        self._by_shape.setdefault(variant.shape, {})[self._last_id] = variant
         return self._last_id
 
     def variant(self, variant_id: int) -> LaunchVariant | None:

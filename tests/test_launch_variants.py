@@ -112,3 +112,50 @@ def test_next_pow2_is_tritons_next_power_of_2():
     sizes = [*range(1, 5000), 65535, 65536, 65537, 2**31 - 1]
     assert [next_pow2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
     assert next_pow2(np.int64(100)) == 128 and next_pow2(np.int32(128)) == 128
+
+
+def _covers_by_fields(mine: LaunchVariant, other: LaunchVariant) -> bool:
+    """:meth:`LaunchVariant.covers` spelled out field by field (the reference for its shape index)."""
+    if len(mine.stage1) != len(other.stage1) or (mine.merge is None) != (other.merge is None):
+        return False
+    for a, b in zip(mine.stage1, other.stage1, strict=True):
+        if a.n_units < b.n_units or (b.masked and not a.masked) or replace(a, n_units=b.n_units, masked=b.masked) != b:
+            return False
+    return mine.merge is None or (
+        mine.merge.n_merge >= other.merge.n_merge and replace(mine.merge, n_merge=other.merge.n_merge) == other.merge
+    )
+
+
+def test_the_tables_shape_index_hands_out_the_ids_of_a_scan_of_every_live_variant():
+    """Random variants of a few shapes through tables of 1-6 live ids: every id, eviction and covering
+    choice equals a reference table that scans every live variant with the field-by-field test."""
+    rng = np.random.default_rng(7)
+    shapes = [{}, {"num_stages": 4}, {"peel": True}, {"block_n": 32}]
+
+    def draw() -> LaunchVariant:
+        units = tuple(int(u) for u in rng.integers(1, 9, size=int(rng.integers(1, 3))) * 8)
+        v = _variant(units, None if rng.random() < 0.2 else int(rng.integers(1, 9)) * 8, **shapes[rng.integers(0, 4)])
+        if rng.random() < 0.3:
+            v = LaunchVariant(stage1=tuple(replace(s, masked=False) for s in v.stage1), merge=v.merge)
+        return v
+
+    for max_variants in range(1, 7):
+        table, ids, last, evicted = VariantTable(max_variants), {}, 0, []  # the reference: ids in LRU order
+        for _ in range(400):
+            v = draw()
+            assert v.covers(v) and all(w.covers(v) == _covers_by_fields(w, v) for w in ids)
+            if v in ids:
+                ids[v] = ids.pop(v)
+                want = ids[v]
+            else:
+                covering = [(w.programs, i, w) for w, i in ids.items() if _covers_by_fields(w, v)]
+                if len(ids) >= max_variants and covering:
+                    _, want, w = min(covering, key=lambda c: c[:2])
+                    ids[w] = ids.pop(w)
+                else:
+                    if len(ids) >= max_variants:
+                        evicted.append(ids.pop(next(iter(ids))))
+                    last += 1
+                    ids[v] = want = last
+            assert table.id_of(v) == want
+        assert table.evicted == evicted and len(table) == len(ids)
