@@ -10,7 +10,8 @@ live ids, as :meth:`fasttree.runtime.TreeAttentionRuntime.plan` does. It reports
 and heads: the distinct variants met, the ids handed out (each one a CUDA graph a server
 captures), the share of steps served by a covering variant (a live one with larger grids) and
 their programs over the plan's own, and the share that ran the fixed launch (none unless
-``max_variants`` is 0).
+``max_variants`` is 0), and the mean host time a step of taking the plan's launch variant and of
+the table's lookup.
 
 Outputs ``variant_ids_<label>.json`` and ``.md`` under ``--out`` (written atomically) and prints
 the table. Run from the repository root::
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +51,17 @@ def scenario_row(scenario: str, hq: int, hkv: int, d: int, steps: int, max_varia
     table = VariantTable(max_variants)
     rules = PlanRules.defaults()
     distinct, covered, fixed, ratios = set(), 0, 0, []
+    variant_s = table_s = 0.0  # host time of launch_variant and of the table's id_of over the steps
     for tree in trees:
         plan, _ = plan_for_runtime(tree, ft.FastTreeConfig(), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=rules)
+        t0 = time.perf_counter()
         own = launch_variant(plan, H200)
-        distinct.add(own)
+        t1 = time.perf_counter()
         vid = table.id_of(own)
+        t2 = time.perf_counter()
+        variant_s += t1 - t0
+        table_s += t2 - t1
+        distinct.add(own)
         if vid == FIXED_VARIANT:
             fixed += 1
             continue
@@ -73,6 +81,8 @@ def scenario_row(scenario: str, hq: int, hkv: int, d: int, steps: int, max_varia
         "covered_programs_mean": float(np.mean(ratios)) if ratios else None,
         "covered_programs_max": float(np.max(ratios)) if ratios else None,
         "fixed_share": fixed / n,
+        "variant_us": variant_s / n * 1e6,
+        "table_us": table_s / n * 1e6,
     }
 
 
@@ -85,10 +95,12 @@ def markdown(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         "do not edit by hand. Each step planned as the runtime plans afresh, its launch variant for an "
         f"H200 (132 SMs), served by a `VariantTable` of {args.max_variants} live ids: ids handed out = "
         "CUDA graphs a server captures; covered = steps run by a live variant with larger grids (its "
-        "programs over the plan's own: mean, max); fixed = steps on the fixed launch.",
+        "programs over the plan's own: mean, max); fixed = steps on the fixed launch; host us = mean host "
+        "time a step of `launch_variant` and of the table's `id_of` (this CPU).",
         "",
-        "| scenario | heads | steps | distinct variants | ids handed out | covered | covered programs | fixed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| scenario | heads | steps | distinct variants | ids handed out | covered | covered programs | fixed "
+        "| host us: variant, table |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         prog = (
@@ -98,7 +110,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, env: dict) -> str:
         )
         out.append(
             f"| {r['scenario']} | {r['heads']} | {r['steps']} | {r['distinct_variants']} | {r['ids_handed_out']} | "
-            f"{r['covered_share']:.0%} | {prog} | {r['fixed_share']:.0%} |"
+            f"{r['covered_share']:.0%} | {prog} | {r['fixed_share']:.0%} | {r['variant_us']:.0f}, {r['table_us']:.0f} |"
         )
     out += ["", f"- env: {env.get('cpu_model', '?')}, python {env.get('python', '?')}, numpy {env.get('numpy', '?')}, "
             f"fasttree {env.get('fasttree', '?')}, commit {env.get('git_commit', '?')}"]  # fmt: skip

@@ -18,6 +18,7 @@ def test_short_run_counts_add_up_and_writes_both_reports(tmp_path, capsys):
         assert row["covered_share"] > 0 or row["ids_handed_out"] > 2
         if row["covered_share"]:
             assert row["covered_programs_mean"] >= 1.0
+        assert row["variant_us"] > 0 and row["table_us"] > 0  # host time a step, both measured
     assert "| few_shot | 32/32 | 24 |" in (tmp_path / "variant_ids_t.md").read_text()
     assert "ids handed out" in capsys.readouterr().out
 
