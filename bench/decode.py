@@ -83,8 +83,9 @@ the timed step computed it (through the graphs) against the float64 reference on
 sampled queries; and the last layer's attention of the last timed step the same way (after
 every plan, extension and launch variant of the run).
 
-Writes ``<label>.json`` (environment, args, workload summaries, rows) and ``<label>.md``
-under ``--out``. Run from the repository root on the GPU::
+Writes ``<label>.json`` (environment, with the host's planning speed on a reference tree
+(:func:`host_reference_ms`): the plan share moves with it; args, workload summaries, rows) and
+``<label>.md`` under ``--out``. Run from the repository root on the GPU::
 
     python -m bench.decode [--models llama,mistral] [--scenarios ...] [--backends ...]
 """
@@ -115,6 +116,7 @@ from fasttree.fileio import write_atomic
 from fasttree.planner import unprepared
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.toolkit.bench_common import DTYPES, HBM_BYTES_PER_S, TOL, environment
+from fasttree.toolkit.suite import paper_tree
 from fasttree.toolkit.workloads import SCENARIOS, iter_serving
 
 log = logging.getLogger("bench.decode")
@@ -1432,6 +1434,25 @@ def _config_source(report: dict[str, Any]) -> str:
     return f"export `{export}` (" + ", ".join(f"{m}: {v}" for m, v in seen.items()) + ")"
 
 
+#: The host-speed reference: ``ft.plan`` of this paper-suite tree at 32 query / 8 KV heads, D 128.
+HOST_REFERENCE_CASE = 5
+
+
+def host_reference_ms(repeats: int = 30) -> float:
+    """Median milliseconds of ``ft.plan`` of paper case :data:`HOST_REFERENCE_CASE` (1,025 nodes,
+    1,024 queries) at 32/8 heads, D 128, warm: the host's planning speed, recorded with each run
+    so that plan shares measured on hosts of different speeds can be compared."""
+    tree = paper_tree(HOST_REFERENCE_CASE)
+    heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    ft.plan(tree, **heads)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ft.plan(tree, **heads)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The markdown report: set-up, results table, workload table."""
     env, a = report["env"], report["args"]
@@ -1444,6 +1465,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"triton {env.get('triton', '-')}, commit {(env.get('git_commit') or 'unknown')[:12]}, "
         f"{env['timestamp_utc']}"
         + (", planner WITHOUT its compiled loops (numpy path)" if env.get("native_planner") is False else "")
+        + (
+            f"; host planning speed: `ft.plan` of paper case {HOST_REFERENCE_CASE} at 32/8 in "
+            f"{env['host_plan_reference_ms']:.3f} ms (warm median)"
+            if env.get("host_plan_reference_ms") is not None
+            else ""
+        )
         + ".",
         "",
         f"Random-weight {a['dtype']} decoders: {layers}; RoPE on; non-attention ops: {non_attention} "
@@ -1598,6 +1625,7 @@ def run_benchmark(args: argparse.Namespace, *, keep_logits: bool = False) -> tup
     graphs = device.type == "cuda" and not args.no_graphs
     dtype = DTYPES[args.dtype]
     env = environment(gpu=device.type == "cuda")
+    env["host_plan_reference_ms"] = host_reference_ms()
     logits: dict = {}
     rows: list[dict[str, Any]] = []
     workloads: list[dict[str, Any]] = []

@@ -97,6 +97,8 @@ def test_report_files(run):
     assert js["rows"] == json.loads(json.dumps(run.report["rows"]))
     md = (run.out / "tiny.md").read_text()
     assert "| model | scenario | backend | tokens/s |" in md
+    ref = js["env"]["host_plan_reference_ms"]  # the host's planning speed, beside the plan shares
+    assert 0 < ref < 1e3 and f"in {ref:.3f} ms (warm median)" in md
     for b in BACKENDS:
         assert f"| tiny | {SCENARIO} | {b} |" in md
 
