@@ -83,6 +83,15 @@ def _with_entries(
     return extended
 
 
+def _consistent(plan: Plan) -> bool:
+    """Whether ``plan``'s unit arrays have one entry per unit and its row masks (if any) one per
+    KV entry: what the compiled loops index without a check of their own (a plan built by hand
+    otherwise goes the numpy way, which raises on a mismatch)."""
+    n = plan.unit_kv_len.size
+    masks = plan.kv_row_mask.size
+    return plan.unit_kv_start.size == n and plan.unit_q_len.size == n and (masks == 0 or masks == plan.kv_indices.size)
+
+
 class PlanExtender:
     """Extends the last plan it was given to later trees that only grew private nodes.
 
@@ -208,7 +217,7 @@ class PlanExtender:
         order = anchor.argsort()
         nodes, d, anchor, first_new = nodes[order], d[order], anchor[order], first_new[order]
         entry_arrays = (plan.kv_indices, plan.kv_row_mask, plan.unit_kv_start, plan.unit_kv_len, tree.slots)
-        if lib is not None and c_int32(*entry_arrays):  # what the compiled insertion reads
+        if lib is not None and c_int32(*entry_arrays) and _consistent(plan):  # what the compiled insertion reads
             extended, new_anchor = self._insert_native(lib, plan, tree, nodes, d, anchor, first_new, new_entries)
             self._pending = (extended, _TreeCopy(tree, old), new_anchor, self._anchor_unit)
             return extended
@@ -295,7 +304,7 @@ class PlanExtender:
         lib = planner_library() if self.native else None
         mask = plan.kv_row_mask
         arrays = (kv, plan.unit_kv_start, plan.unit_kv_len, plan.unit_q_len, *((mask,) if mask.size else ()))
-        if lib is not None and c_int32(*arrays):
+        if lib is not None and c_int32(*arrays) and _consistent(plan):
             self._grow_table(int(np.maximum.reduce(last)) + 1)
             scratch = np.empty(4 * cand.size, dtype=np.int64)
             rc = lib.ft_find_anchors(

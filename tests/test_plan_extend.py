@@ -324,3 +324,22 @@ def test_two_private_nodes_ending_in_one_slot_get_no_anchor(native, config):
         assert (ext._anchor[1:] >= 0).all() == extends
         if extended is not None:
             check(grown, extended)
+
+
+def test_a_plan_whose_masks_do_not_match_its_entries_never_reaches_the_compiled_loops():
+    """A hand-built plan with fewer row masks than KV entries goes the numpy way, which raises, instead
+    of the compiled anchors and insertion reading past the masks."""
+    import copy
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        tree = random_tree(rng, max_nodes=40, max_len=80)
+        plan = ft.plan(tree, CONFIGS[2], num_q_heads=8, num_kv_heads=2, head_dim=64)
+        if plan.kv_row_mask.size > 1 and tree.n_queries > 1:
+            break
+    bad = copy.copy(plan)
+    bad.__dict__["kv_row_mask"] = plan.kv_row_mask[:1].copy()
+    ext = PlanExtender()
+    ext.remember(tree, bad)
+    with pytest.raises(IndexError):
+        ext.extend(grow(tree, rng, p=1.0, max_new=1))
