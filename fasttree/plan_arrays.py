@@ -355,6 +355,9 @@ class Plan:
     edge_assignment: np.ndarray | None = None
     rules: PlanRules = _DEFAULT_RULES
     _device_cache: dict = field(default_factory=dict, repr=False)
+    # made by the planner (its arrays consistent by construction): a plan built or replaced by hand
+    # is checked once, before its first upload (:func:`check_plan_arrays`)
+    _planned: bool = field(default=False, init=False, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -382,12 +385,20 @@ class Plan:
             another stream must wait for the current one first. False: the copy is done when
             this returns. Only the first upload to a device copies (later calls return the
             cached arrays).
+
+        Raises
+        ------
+        ValueError
+            For a plan not made by the planner (built or replaced by hand) whose arrays would
+            send a kernel outside them (:func:`check_plan_arrays`), before anything is uploaded.
         """
         import torch
 
         device = torch.device(device)
         cached = self._device_cache.get(device)
         if cached is None:
+            if not self._planned:
+                check_plan_arrays(self)
             cached = DevicePlan.upload(self, device, non_blocking=non_blocking)
             self._device_cache[device] = cached
         return cached
@@ -464,6 +475,75 @@ class DevicePlan:
             buf = staged.to(device)
         arrays = {name: buf[offsets[i] : offsets[i] + sizes[i]] for i, name in enumerate(DEVICE_ARRAYS)}
         return cls(plan=plan, device=buf.device, buffer=buf, arrays=arrays)
+
+
+def check_plan_arrays(plan: Plan) -> None:
+    """Raise ValueError naming the first of ``plan``'s arrays that would send the kernels outside
+    their buffers: what a plan not made by the planner must satisfy before it is uploaded.
+
+    Every unit array has one entry per unit and the tile classes' unit ranges lie within them;
+    each unit's KV range lies within ``kv_indices`` and its pairs within ``pair_query``, and its
+    queries fit its class's tile rows; slots lie in ``[0, max_slot]``; row masks, when present or
+    read by a masked class, one per KV entry; pairs name queries below ``n_queries`` and write the
+    output (-1), nothing (-2) or a partial row below ``n_partial_rows``; merged queries lie below
+    ``n_queries`` and their partial rows below ``n_partial_rows``. O(KV entries).
+
+    Parameters
+    ----------
+    plan : Plan
+    """
+
+    def ints(name: str) -> np.ndarray:
+        a = np.asarray(getattr(plan, name))
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError(f"the plan's {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
+        if a.size and (int(a.min()) < -(2**31) or int(a.max()) >= 2**31):
+            raise ValueError(f"the plan's {name} holds values outside int32")
+        return a.astype(np.int64, copy=False)
+
+    def fail(what: str) -> None:
+        raise ValueError(f"inconsistent plan (not made by fasttree.plan?): {what}")
+
+    n_queries, max_slot, rows = int(plan.n_queries), int(plan.max_slot), int(plan.n_partial_rows)
+    if n_queries < 0 or rows < 0:
+        fail(f"n_queries={n_queries}, n_partial_rows={rows}")
+    kv, mask = ints("kv_indices"), ints("kv_row_mask")
+    kv_start, kv_len, q_start, q_len = (ints(n) for n in ("unit_kv_start", "unit_kv_len", "unit_q_start", "unit_q_len"))
+    pairs, out_row = ints("pair_query"), ints("pair_out_row")
+    part_start, n_part, merge = ints("query_partial_start"), ints("query_num_partials"), ints("merge_queries")
+    n_units = kv_len.size
+    if not kv_start.size == q_start.size == q_len.size == n_units:
+        fail("the unit arrays differ in length")
+    ptr = [int(p) for p in plan.class_unit_ptr]
+    if len(ptr) != 3 or not 0 <= ptr[0] <= ptr[1] <= ptr[2] <= n_units:
+        fail(f"class_unit_ptr {tuple(plan.class_unit_ptr)} for {n_units} units")
+    if n_units and (kv_start.min() < 0 or kv_len.min() < 0 or (kv_start + kv_len).max() > kv.size):
+        fail("a unit's KV range lies outside kv_indices")
+    if kv.size and (kv.min() < 0 or kv.max() > max_slot):
+        fail(f"kv_indices outside [0, max_slot={max_slot}]")
+    masked = any(tc.masked and ptr[c + 1] > ptr[c] for c, tc in enumerate(plan.tile_classes))
+    if mask.size not in (0, kv.size) or (masked and mask.size != kv.size):
+        fail(f"{mask.size} row masks for {kv.size} KV entries")
+    if out_row.size != pairs.size:
+        fail("pair_query and pair_out_row differ in length")
+    if n_units and (q_start.min() < 0 or q_len.min() < 0 or (q_start + q_len).max() > pairs.size):
+        fail("a unit's pairs lie outside pair_query")
+    g = max(1, int(plan.num_q_heads) // max(1, int(plan.num_kv_heads)))
+    for c, tc in enumerate(plan.tile_classes):
+        if ptr[c + 1] > ptr[c] and q_len[ptr[c] : ptr[c + 1]].max() > max(1, tc.block_m // g):
+            fail(f"a unit of tile class {c} has more queries than its {tc.block_m}-row tiles hold")
+    if pairs.size and (pairs.min() < 0 or pairs.max() >= n_queries):
+        fail(f"pair_query outside [0, n_queries={n_queries})")
+    if out_row.size and (out_row.min() < -2 or out_row.max() >= rows):
+        fail(f"pair_out_row outside [-2, n_partial_rows={rows})")
+    if part_start.size < n_queries or n_part.size < n_queries:
+        fail("query_partial_start and query_num_partials need one entry per query")
+    if merge.size and (merge.min() < 0 or merge.max() >= n_queries):
+        fail(f"merge_queries outside [0, n_queries={n_queries})")
+    if merge.size:  # the merge reads each merged query's partial rows
+        start, count = part_start[merge], n_part[merge]
+        if start.min() < 0 or count.min() < 0 or (start + count).max() > rows:
+            fail(f"a merged query's partial rows lie outside [0, n_partial_rows={rows})")
 
 
 def materialize(
@@ -589,7 +669,7 @@ def materialize(
         )
         for c in (0, 1)
     )
-    return Plan(
+    plan = Plan(
         num_q_heads=int(num_q_heads),
         num_kv_heads=int(num_kv_heads),
         head_dim=int(head_dim),
@@ -615,6 +695,8 @@ def materialize(
         edge_assignment=edge_assignment,
         rules=rules,
     )
+    plan._planned = True
+    return plan
 
 
 class _Units(NamedTuple):

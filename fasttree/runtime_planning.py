@@ -184,7 +184,9 @@ def launch_view(plan: Plan, config: FastTreeConfig, *, stage1_launches: int | st
         if launches == 1:
             warps, stages = slots[0][2], slots[0][3]
         classes.append(_tile_class(tc.queries, block_m, block_n, tc.split, warps, stages, masked))
-    return replace(plan, tile_classes=tuple(classes), _device_cache={})
+    view = replace(plan, tile_classes=tuple(classes), _device_cache={})
+    view._planned = plan._planned  # the same arrays
+    return view
 
 
 def plan_as_launched(
