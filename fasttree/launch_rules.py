@@ -390,8 +390,7 @@ def stage1_launches(
         items = n_units * plan.num_kv_heads
         block_n = launch_kv_tile(g, d, tc, lengths, items, sms, plan.rules.wide_head_kv_tile)
         num_stages = launch_num_stages(g, d, tc, items, sms) if default_stages else tc.num_stages
-        # peeling only ever applies above 16 rows: only there the mean KV tiles are counted
-        mean_tiles = float(np.add.reduce(-(-lengths // block_n), dtype=np.int64)) / n_units if tc.block_m > 16 else None
+        mean_tiles = float(np.add.reduce(-(-lengths // block_n), dtype=np.int64)) / n_units
         maxnreg = None
         if g == 1 and tc.block_m <= 16 and target.cuda:
             maxnreg = small_tile_maxnreg(g, d, tc.block_m, tc.num_warps, items, target.sms)
