@@ -29,7 +29,7 @@ from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
 from .plan_rules import PlanRules
 from .tree import arange_view, exclusive_sum, inverse_permutation, stable_argsort
-from .validation import check_int
+from .validation import check_int, check_int_array
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -494,12 +494,10 @@ def check_plan_arrays(plan: Plan) -> None:
     """
 
     def ints(name: str) -> np.ndarray:
-        a = np.asarray(getattr(plan, name))
-        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise ValueError(f"the plan's {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
+        a = check_int_array(f"the plan's {name}", getattr(plan, name))
         if a.size and (int(a.min()) < -(2**31) or int(a.max()) >= 2**31):
             raise ValueError(f"the plan's {name} holds values outside int32")
-        return a.astype(np.int64, copy=False)
+        return a
 
     def fail(what: str) -> None:
         raise ValueError(f"inconsistent plan (not made by fasttree.plan?): {what}")
