@@ -356,3 +356,46 @@ def test_a_plans_repr_is_short():
     plan = ft.plan(tree, ft.FastTreeConfig(), num_q_heads=32, num_kv_heads=8, head_dim=128)
     text = repr(plan)
     assert len(text) < 200 and text.startswith("Plan(n_queries=3, heads=32/8, head_dim=128") and "array" not in text
+
+
+def _fake_gpu(monkeypatch, name: str) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: name)
+
+
+def test_validate_on_a_gpu_the_export_has_no_entry_for_stops_before_measuring(tmp_path, monkeypatch, capsys):
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", "--config", str(ROOT / "docs" / "tune" / "run_export.json"), "--steps", "1",
+              "--traces-out", str(tmp_path / "t.jsonl"), "-o", str(tmp_path / "v.json")])  # fmt: skip
+    assert exc.value.code == 2
+    line = _usage_error(capsys, "validate")
+    assert "no entry for this GPU ('NVIDIA H100 80GB HBM3'" in line and "'NVIDIA H200'" in line
+    assert not (tmp_path / "t.jsonl").exists() and not (tmp_path / "v.json").exists()
+
+
+def test_validate_of_an_export_no_entry_of_which_is_served_stops_before_measuring(tmp_path, monkeypatch, capsys):
+    from fasttree.export import ExportGuard
+
+    doc = json.loads((ROOT / "docs" / "tune" / "run_export.json").read_text())
+    for entry in doc["entries"]:
+        entry["guard"] = dict(ExportGuard.current("0" * 64).to_dict(), defaults="0123456789abcdef")
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(doc))
+    _fake_gpu(monkeypatch, "NVIDIA H200")
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", "--config", str(stale), "--steps", "1", "--traces-out", str(tmp_path / "t.jsonl")])
+    assert exc.value.code == 2
+    line = _usage_error(capsys, "validate")
+    assert "none of its 6 entries for 'NVIDIA H200'" in line and "0123456789abcdef" in line
+    assert "re-tune" in line and not (tmp_path / "t.jsonl").exists()
+
+
+def test_validate_goes_on_when_an_entry_for_this_gpu_is_served():
+    from fasttree.cli.tune import _nothing_to_validate
+
+    export = read_export(ROOT / "docs" / "tune" / "run_export.json")
+    assert _nothing_to_validate(export, "NVIDIA H200") is None
+    assert _nothing_to_validate(export, "NVIDIA A100") is not None

@@ -991,6 +991,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nothing_to_validate(export: Any, gpu_name: str) -> str | None:
+    """Why validating ``export`` on GPU ``gpu_name`` would only time the defaults against themselves
+    (no entry for this GPU, or every entry for it tuned for other kernels or defaults, so served as
+    the defaults), or None when some entry would be served."""
+    mine = [e for e in export.entries if e.gpu == gpu_name]
+    if not mine:
+        have = ", ".join(sorted({repr(e.gpu) for e in export.entries})) or "no entries"
+        return (
+            f"no entry for this GPU ({gpu_name!r}; the export has {have}): every tree would get the defaults, "
+            "so there is nothing to validate here; validate on the GPU it was tuned for, or tune for this one "
+            "('fasttree-tune profile', 'fit', 'run --model': docs/walkthrough.md)"
+        )
+    stale = [e.guard.mismatch() for e in mine if e.guard is not None]
+    if len(stale) == len(mine) and all(r is not None for r in stale):
+        return (
+            f"none of its {len(mine)} entries for {gpu_name!r} can be served by the installed package ({stale[0]}): "
+            "every tree would get the defaults; re-tune ('fasttree-tune run')"
+        )
+    return None
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     import torch
 
@@ -1016,6 +1037,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not records:
         args.subparser.error(f"no workload lines in {' '.join(args.workloads)}")
     gpu_name = torch.cuda.get_device_name()
+    reason = _nothing_to_validate(export, gpu_name)
+    if reason is not None:
+        args.subparser.error(f"--config {args.config}: {reason}")
     try:
         writer = TraceWriter(args.traces_out)
     except (ValueError, OSError) as exc:
