@@ -67,8 +67,12 @@ _PEEL_MIN_TILES = 2.5
 #: The KV tile of a one-wave 16-row GQA class (:func:`launch_kv_tile`): 16 x 128-token tiles keep 3
 #: programs per SM on sm_90 at head dim 128 (168 registers, 75 KB of shared memory, one K/V buffer).
 _WIDE_KV_TILE_TOKENS = 128
-#: Head dims up to which ``PlanRules.narrow_head_kv_tile`` applies (:func:`launch_kv_tile`).
+#: Head dims up to which ``PlanRules.narrow_head_kv_tile`` applies (:func:`launch_kv_tile`), and
+#: the mean unit KV length (tokens) from which it does: on an H100, 43 held-out head-dim-64 trees
+#: whose small class ran more than one wave gained 1.068x geomean (26, none below 0.97x) at a mean of
+#: 256 or more, 1.007x below it (17; 0.93x and 0.94x on two small trees).
 _NARROW_HEAD_DIM = 64
+_NARROW_HEAD_MIN_MEAN_TOKENS = 256
 #: Stages of a one-wave 16-row MHA class (:func:`launch_num_stages`): two gathered K/V buffers
 #: (73 KB at head dim 128: 3 programs per SM instead of 5).
 _DEEP_ONE_WAVE_STAGES = 5
@@ -245,7 +249,8 @@ def launch_kv_tile(
     the same tile on 2.6 waves cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it).
     ``sms`` is :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply). At head dims up to
     :data:`_NARROW_HEAD_DIM`, ``narrow_head_tile`` (``PlanRules.narrow_head_kv_tile``; 0: off) is
-    that class's tile on any number of waves.
+    that class's tile on any number of waves when its units hold
+    :data:`_NARROW_HEAD_MIN_MEAN_TOKENS` tokens or more on average.
     """
     capped = wide_head_tile(head_dim, tc.block_m, tc.block_n, wide_head_cap)
     if capped != tc.block_n:
@@ -253,7 +258,8 @@ def launch_kv_tile(
     if group_size == 1 or tc.block_n != 64 or tc.num_warps < 4 or lengths.size == 0:
         return tc.block_n
     if narrow_head_tile and head_dim <= _NARROW_HEAD_DIM and tc.block_m == 16 and tc.num_stages <= 4:
-        return narrow_head_tile if tenth_longest(lengths) > tc.block_n else tc.block_n
+        mean = float(np.add.reduce(lengths, dtype=np.int64)) / lengths.size
+        return narrow_head_tile if mean >= _NARROW_HEAD_MIN_MEAN_TOKENS else tc.block_n
     if not _one_wave_of_small_tiles(head_dim, tc, items, sms):
         return tc.block_n
     return _WIDE_KV_TILE_TOKENS if tenth_longest(lengths) > tc.block_n else tc.block_n

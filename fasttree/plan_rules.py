@@ -116,9 +116,10 @@ class PlanRules:
         all-large MHA tree whose 64-row tiles then ran at 2 warps (``docs/history.md``).
     narrow_head_kv_tile : int
         At head dims up to 64, the KV tile (tokens) of a 16-row GQA class with 64-token tiles (4 or
-        more warps, at most 4 stages) when one of its units in ten is longer than 64 tokens, however
-        many waves its programs take (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two
-        in [16, 512], or 0 for the one-wave rule alone.
+        more warps, at most 4 stages) whose units hold 256 tokens or more on average, however many
+        waves its programs take (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in
+        [16, 512], or 0 for the one-wave rule alone. 0 by default until a fresh draw confirms it
+        (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0

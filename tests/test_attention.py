@@ -696,3 +696,36 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     q, k, v = make_inputs(tree, hq, hkv, 64, dtype, device, torch.Generator().manual_seed(seed))
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, aligned, out=o), q)
     check_against_reference(out, q, k, v, tree)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((4, 64, _tile(), np.full(600, 300, dtype=np.int32), 2400, 132, 32, 128), 128),  # many waves, long units
+        ((4, 64, _tile(), np.full(600, 200, dtype=np.int32), 2400, 132, 32, 128), 64),  # short units on average
+        ((4, 64, _tile(), np.full(600, 300, dtype=np.int32), 2400, 132, 32, 0), 64),  # the rule off
+        ((4, 128, _tile(), np.full(600, 300, dtype=np.int32), 2400, 132, 32, 128), 64),  # head dim 128
+        ((1, 64, _tile(), np.full(600, 300, dtype=np.int32), 2400, 132, 32, 128), 64),  # MHA
+        ((4, 64, _tile(block_m=64), np.full(600, 300, dtype=np.int32), 2400, 132, 32, 128), 64),  # 64-row class
+    ],
+)
+def test_narrow_head_tile_runs_long_gqa_small_classes_on_any_number_of_waves(args, expected):
+    assert launch_rules.launch_kv_tile(*args) == expected
+
+
+def test_narrow_head_rule_reaches_the_launches_of_a_plan():
+    import fasttree as ft
+    from fasttree.launch_rules import GpuTarget, stage1_launches
+
+    n = 300  # 300 requests of 800 private tokens: 225 units of 800-1,608 tokens, 450 items (> one wave)
+    tree = ft.KVTree.from_lengths([-1] + [0] * n, [8] + [800] * n, list(range(1, n + 1)))
+    target = GpuTarget(cuda=True, major=9, sms=132)
+    rules = ft.PlanRules.defaults()
+    kwargs = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+    base = ft.plan(tree, ft.FastTreeConfig(), **kwargs)
+    on = ft.plan(tree, ft.FastTreeConfig(), rules=rules.with_(narrow_head_kv_tile=128), **kwargs)
+    tiles = {s.tile_class: s.block_n for s in stage1_launches(base, target)}
+    tiles_on = {s.tile_class: s.block_n for s in stage1_launches(on, target)}
+    assert tiles.get(1) == 64 and tiles_on.get(1) == 128
+    with pytest.raises(ValueError, match="narrow_head_kv_tile"):
+        rules.with_(narrow_head_kv_tile=100)
