@@ -18,12 +18,14 @@ from fasttree.toolkit.measure import point_plan
 from fasttree.toolkit.shipped import workloads_path
 from fasttree.toolkit.validate import (
     CaseValidation,
+    earlier_measurements,
     family_of_record,
     summarise,
     validate_portfolios,
     workload_steps,
 )
 from fasttree.traces import TraceWriter, decode_tree, measurement_record, read_traces
+from fasttree.versions import KERNEL_VERSION
 
 HELDOUT = workloads_path("heldout")
 RECORDS = read_traces(HELDOUT / "few_shot_mistral_7b.jsonl.gz", kind="workload").records
@@ -51,12 +53,14 @@ class FakeMeasure:
         status = "failed" if point.config in self.fail else "ok"
         timing = {"graph_us": {"median": us, "p20": us, "p80": us, "replays": 5, "calls_per_graph": 10},
                   "eager_us": {"median": us + 5}} if status == "ok" else None  # fmt: skip
-        return measurement_record(
+        rec = measurement_record(
             env=ENV, family=point.family, seed=point.seed, tree=tree, num_q_heads=point.num_q_heads,
             num_kv_heads=point.num_kv_heads, head_dim=point.head_dim, dtype=point.dtype, config=point.config,
             plan=point_plan(point, tree), status=status, timing=timing, launch=point_launch(point),
             error="it broke" if status == "failed" else None, correct=True if check else None,
         )  # fmt: skip
+        rec["meta"] = {"profiler": {"kernel_version": KERNEL_VERSION}}  # as measure_point records it
+        return rec
 
 
 def _steps(records, k: int) -> list[dict]:
@@ -297,3 +301,58 @@ def test_validate_cli_writes_the_cases_confirm_fences_leaves_with(tmp_path, monk
     shape = {"gpu": "NVIDIA H200", "head_dim": 128, "dtype": "float16"}
     assert load_portfolio(confirmed, **shape, num_q_heads=32, num_kv_heads=8).select(tree) == TUNED
     assert load_portfolio(confirmed, **shape, num_q_heads=4, num_kv_heads=1).select(tree) == FastTreeConfig()
+
+
+def test_a_rerun_into_the_same_trace_file_reads_its_measurements_back(tmp_path):
+    """A validate stopped after two trees, rerun into its trace file: the members measured before are read
+    back (not measured, not written again), the rest measured; the results equal an uninterrupted run's."""
+    path = tmp_path / "v.jsonl"
+    whole = validate_portfolios(export(), CASES, gpu_name="NVIDIA H200", env=ENV, measure=FakeMeasure())
+    with TraceWriter(path) as w:
+        validate_portfolios(export(), CASES[:2], gpu_name="NVIDIA H200", writer=w, env=ENV, measure=FakeMeasure())
+    earlier = earlier_measurements(path, "NVIDIA H200")
+    assert len(earlier) == 2 * 4  # two trees, two members of two targets
+    measure = FakeMeasure()
+    with TraceWriter(path) as w:
+        again = validate_portfolios(export(), CASES, gpu_name="NVIDIA H200", writer=w, env=ENV, measure=measure,
+                                    earlier=earlier)  # fmt: skip
+    assert [(v.case, v.target, v.picked, v.member_us) for v in again] == [
+        (v.case, v.target, v.picked, v.member_us) for v in whole
+    ]
+    assert {_point_case(c["point"]) for c in measure.calls} == {_case(r) for r in CASES[2:]}
+    lines = read_traces(path, kind="measurement").records
+    assert len(lines) == len(CASES) * 4 and len({r["key"] for r in lines}) == len(lines)  # none written twice
+    # another GPU's, another kernel version's or a failed measurement is never read back
+    assert earlier_measurements(path, "NVIDIA H100") == {}
+    assert earlier_measurements(tmp_path / "missing.jsonl", "NVIDIA H200") == {}
+    stale = tmp_path / "stale.jsonl"
+    with TraceWriter(stale) as w:
+        for r in lines[:3]:
+            w.append({**r, "meta": {**r["meta"], "profiler": {"kernel_version": KERNEL_VERSION - 1}}})
+        w.append({**lines[3], "status": "failed", "timing": None, "error": "it broke"})
+    assert earlier_measurements(stale, "NVIDIA H200") == {}
+
+
+def test_validate_cli_resumes_from_its_trace_file_unless_told_to_remeasure(tmp_path, monkeypatch):
+    import torch
+
+    import fasttree.toolkit.validate as validate_module
+
+    real = validate_module.validate_portfolios
+    measures = []
+
+    def run(*a, **k):
+        measures.append(FakeMeasure())
+        return real(*a, **k, env=ENV, measure=measures[-1])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(validate_module, "validate_portfolios", run)
+    config = tmp_path / "e.json"
+    config.write_text(json.dumps(export().to_dict()))
+    argv = ["validate", "--config", str(config), str(HELDOUT / "few_shot_mistral_7b.jsonl.gz"), "--steps", "2",
+            "--traces-out", str(tmp_path / "t.jsonl")]  # fmt: skip
+    assert main(argv) == 0 and main(argv) == 0 and main([*argv, "--remeasure"]) == 0
+    first, resumed, remeasured = (len(m.calls) for m in measures)
+    assert first == 2 * 4 and resumed == 0 and remeasured == first
+    assert len(read_traces(tmp_path / "t.jsonl", kind="measurement").records) == 2 * first

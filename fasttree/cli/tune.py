@@ -365,7 +365,14 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
     v.add_argument(
         "--targets", type=_targets_arg, default=RUN_TARGETS, metavar="LIST", help="tree_attention, runtime (both)"
     )
-    v.add_argument("--traces-out", required=True, metavar="FILE", help="measurement trace FILE to append to")
+    v.add_argument(
+        "--traces-out",
+        required=True,
+        metavar="FILE",
+        help="measurement trace FILE to append to; a rerun into the same FILE resumes: the members it already "
+        "holds measured on this GPU model by today's kernels are read back, not measured again",
+    )
+    v.add_argument("--remeasure", action="store_true", help="measure every member again, even those --traces-out holds")
     v.add_argument(
         "--steps",
         type=int_at_least(1),
@@ -1017,7 +1024,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     from fasttree.export import read_export
     from fasttree.fileio import write_atomic
-    from fasttree.toolkit.validate import summarise, validate_portfolios, workload_steps
+    from fasttree.toolkit.validate import earlier_measurements, summarise, validate_portfolios, workload_steps
     from fasttree.traces import TraceError, TraceWriter, read_traces
 
     if not torch.cuda.is_available():
@@ -1044,8 +1051,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         writer = TraceWriter(args.traces_out)
     except (ValueError, OSError) as exc:
         args.subparser.error(f"--traces-out: {exc}")
+    try:
+        earlier = {} if args.remeasure else earlier_measurements(args.traces_out, gpu_name)
+    except (TraceError, ValueError, OSError) as exc:
+        args.subparser.error(f"--traces-out: {exc}")
     with writer:
-        results = validate_portfolios(export, records, gpu_name=gpu_name, targets=args.targets, writer=writer)
+        results = validate_portfolios(
+            export, records, gpu_name=gpu_name, targets=args.targets, writer=writer, earlier=earlier
+        )
     summary = summarise(results)
     text = _validation_report(results, summary, gpu_name)
     print(text)

@@ -9,7 +9,9 @@ each family checked against the float64 reference). A case's speedup is the defa
 summed time over the best member's per tree, per family. A member the selector picks is the
 defaults for most trees: its time is then the defaults' own measurement (the same plan and kernels).
 Every measurement is appended to a trace file (``meta.split = "validate"``), so the loop closes: the
-next fit of the latency model can use them.
+next fit of the latency model can use them. A rerun into the same file resumes: the members that file
+already holds measured (same tree, heads, config and launch on the same GPU model, by today's kernels:
+:func:`earlier_measurements`) are read back, not measured again.
 
 Runs on the GPU machine: imports torch, numpy and fasttree, never Optuna or scikit-learn.
 """
@@ -27,13 +29,21 @@ import numpy as np
 from ..config import FastTreeConfig
 from ..export import TARGETS, ConfigExport, bucket_label
 from ..portfolio import tree_features
-from ..traces import TraceWriter, decode_tree
+from ..traces import TraceWriter, decode_tree, read_traces
 from ..validation import check_int
-from .design import DesignPoint
+from ..versions import KERNEL_VERSION
+from .design import DesignPoint, point_key
 from .environment import collect_env
 from .measure import measure_point
 
-__all__ = ["CaseValidation", "family_of_record", "summarise", "validate_portfolios", "workload_steps"]
+__all__ = [
+    "CaseValidation",
+    "earlier_measurements",
+    "family_of_record",
+    "summarise",
+    "validate_portfolios",
+    "workload_steps",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +128,28 @@ def family_of_record(record: Mapping[str, Any]) -> str:
     return f"serving/{w['scenario']}" if w["family"] == "serving" else str(w["family"])
 
 
+def earlier_measurements(path: Any, gpu_name: str) -> dict[str, float]:
+    """The graph-replay medians (us) of the validate measurements a trace file already holds, by
+    measurement key: lines with ``meta.split = "validate"``, status ok, measured on a GPU named
+    ``gpu_name`` by the installed kernels (``meta.profiler.kernel_version``). A missing file holds none;
+    invalid lines (a torn last line) are skipped."""
+    from pathlib import Path
+
+    if path is None or not Path(path).exists():
+        return {}
+    out = {}
+    for r in read_traces(path, kind="measurement", skip_invalid=True).records:
+        meta = r.get("meta") or {}
+        if (
+            r["status"] == "ok"
+            and meta.get("split") == "validate"
+            and (r.get("env") or {}).get("gpu_name") == gpu_name
+            and (meta.get("profiler") or {}).get("kernel_version") == KERNEL_VERSION
+        ):
+            out[r["key"]] = float(r["timing"]["graph_us"]["median"])
+    return out
+
+
 def _point(record: Mapping[str, Any], config: FastTreeConfig, index: int, runtime: bool) -> DesignPoint:
     w = record["workload"]
     return DesignPoint(
@@ -146,6 +178,7 @@ def validate_portfolios(
     device: Any = "cuda",
     env: dict[str, Any] | None = None,
     measure: Callable[..., dict[str, Any]] = measure_point,
+    earlier: Mapping[str, float] | None = None,
 ) -> list[CaseValidation]:
     """Measure every member of the export's portfolio of each record's bucket and target.
 
@@ -165,6 +198,9 @@ def validate_portfolios(
         :func:`fasttree.toolkit.environment.collect_env` of ``device`` (collected when None).
     measure : callable
         :func:`fasttree.toolkit.measure.measure_point` (replaceable in tests).
+    earlier : mapping of str to float, optional
+        Graph-replay medians already measured, by measurement key (:func:`earlier_measurements`):
+        those members are not measured (nor written) again.
 
     Returns
     -------
@@ -176,6 +212,8 @@ def validate_portfolios(
         When a measurement fails (the failed record is still written).
     """
     env = collect_env(device) if env is None else env
+    earlier = earlier or {}
+    reused = 0
     results = []
     index = 0
     checked: set[tuple[str, str, int, str, int]] = set()  # (family, bucket, q heads, target, member) checked
@@ -198,12 +236,17 @@ def validate_portfolios(
             v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree), leaf=leaf,
                                features=x.tolist(), heads=heads)  # fmt: skip
             for m, config in enumerate(portfolio.members):
+                point = _point(r, config, index, target == "runtime")
+                index += 1
+                done = earlier.get(point_key(point, gpu_name, tree=tree)) if earlier else None
+                if done is not None:
+                    v.member_us.append(done)
+                    reused += 1
+                    continue
                 key = (family, bucket, int(r["num_q_heads"]), target, m)
                 check = key not in checked  # every member of every target on the family's first tree
-                rec = measure(_point(r, config, index, target == "runtime"), device=device, check=check, env=env,
-                              tree=tree)  # fmt: skip
+                rec = measure(point, device=device, check=check, env=env, tree=tree)
                 checked.add(key)
-                index += 1
                 rec.setdefault("meta", {}).update(
                     {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked, "leaf": leaf}
                 )
@@ -214,6 +257,8 @@ def validate_portfolios(
                 v.member_us.append(float(rec["timing"]["graph_us"]["median"]))
             logger.info("%s %s: picks member %d, %.3fx", case, target, v.picked, v.speedup)
             results.append(v)
+    if reused:
+        logger.info("%d measurements read back from the trace file, not measured again", reused)
     return results
 
 
