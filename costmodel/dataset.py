@@ -26,7 +26,7 @@ from fasttree.config import FastTreeConfig
 from fasttree.costs import ALL_LARGE
 from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
-from fasttree.traces import decode_tree, read_traces, record_launch
+from fasttree.traces import decode_tree, read_traces, record_launch, timed_launch_variants
 from fasttree.validation import is_int
 from fasttree.versions import KERNEL_VERSION
 
@@ -418,6 +418,8 @@ def load_dataset(
         Fewest ``ok`` measurements the set must hold (after ``keep``).
     keep : callable, optional
         Keeps only the measurement records for which it returns true (before the costly re-planning).
+        Measurements of the runtime's launch variants (``fasttree-tune validate``'s) are always left
+        out: the model's runtime target is the runtime's fixed launch.
 
     Returns
     -------
@@ -437,6 +439,10 @@ def load_dataset(
         logger.warning("%s:%s: skipped: %s", file, line, reason)
     # one measurement per key (a key measured again, e.g. to gauge the spread, counts once: the first)
     records = list({r["key"]: r for r in reversed(ts.records) if r["status"] == "ok"}.values())[::-1]
+    variants = sum(timed_launch_variants(r) for r in records)
+    if variants:  # the model's runtime target is the fixed launch; these timed the launch variants
+        logger.info("%d measurements of the runtime's launch variants left out (validate's)", variants)
+        records = [r for r in records if not timed_launch_variants(r)]
     if keep is not None:
         records = [r for r in records if keep(r)]
     if len(records) < min_rows:

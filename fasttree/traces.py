@@ -114,8 +114,16 @@ _OPTIONAL = {"measurement": ("meta", "launch"), "workload": ("weight", "meta")}
 #: ``launch.kind`` of a measurement of :class:`fasttree.runtime.TreeAttentionRuntime`'s launches (a record
 #: without ``launch`` timed ``fasttree.tree_attention``'s per-plan launches).
 RUNTIME_LAUNCH = "runtime"
+#: ``launch.kind`` of a measurement of the runtime as a server runs it: its launch variants
+#: (``tree_attention``'s own launches over the runtime's buffers). ``RUNTIME_LAUNCH``: its fixed
+#: persistent launch (``max_variants=0``), what the profiler's traces and the latency model time.
+RUNTIME_VARIANTS_LAUNCH = "runtime_variants"
 #: Fields of a measurement's ``launch`` object, and the values each may take.
-_LAUNCH_VALUES = {"kind": (RUNTIME_LAUNCH,), "stage1_launches": (1, 2), "query_centric": ("auto", "never", "always")}
+_LAUNCH_VALUES = {
+    "kind": (RUNTIME_LAUNCH, RUNTIME_VARIANTS_LAUNCH),
+    "stage1_launches": (1, 2),
+    "query_centric": ("auto", "never", "always"),
+}
 _WORKLOAD_REQUIRED = {
     "measurement": ("family", "seed", "tree"),
     "workload": ("family", "scenario", "step", "seed", "tree"),
@@ -359,7 +367,7 @@ def measurement_key(
     )
 
 
-def runtime_launch(*, stage1_launches: int, query_centric: str = "auto") -> dict[str, Any]:
+def runtime_launch(*, stage1_launches: int, query_centric: str = "auto", variants: bool = False) -> dict[str, Any]:
     """The ``launch`` object of a measurement of :class:`fasttree.runtime.TreeAttentionRuntime`.
 
     Parameters
@@ -367,13 +375,17 @@ def runtime_launch(*, stage1_launches: int, query_centric: str = "auto") -> dict
     stage1_launches : {1, 2}
         The runtime's resolved stage-1 launches.
     query_centric : {"auto", "never", "always"}
+    variants : bool
+        Timed with its launch variants (kind :data:`RUNTIME_VARIANTS_LAUNCH`), else its fixed
+        persistent launch (kind :data:`RUNTIME_LAUNCH`).
 
     Raises
     ------
     ValueError
         On a value outside those.
     """
-    return _checked_launch({"kind": RUNTIME_LAUNCH, "stage1_launches": stage1_launches, "query_centric": query_centric})
+    kind = RUNTIME_VARIANTS_LAUNCH if variants else RUNTIME_LAUNCH
+    return _checked_launch({"kind": kind, "stage1_launches": stage1_launches, "query_centric": query_centric})
 
 
 def _launch_problems(launch: Any) -> list[str]:
@@ -401,6 +413,12 @@ def record_launch(record: dict[str, Any]) -> dict[str, Any] | None:
     """The ``launch`` of a measurement record: :func:`runtime_launch`'s object, or None when the
     record timed ``fasttree.tree_attention``'s per-plan launches."""
     return record.get("launch")
+
+
+def timed_launch_variants(record: dict[str, Any]) -> bool:
+    """Whether a measurement record timed the runtime's launch variants (as servers run it)."""
+    launch = record.get("launch")
+    return launch is not None and launch.get("kind") == RUNTIME_VARIANTS_LAUNCH
 
 
 # ------------------------------------------------------------------- records

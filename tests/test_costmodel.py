@@ -732,3 +732,24 @@ def test_a_record_timed_todays_launches_unless_a_later_kernel_change_reaches_it(
     no_summary = record(old, g=1)
     no_summary["plan"] = None
     assert not timed_todays_launches(no_summary)
+
+
+def test_measurements_of_the_runtimes_launch_variants_are_left_out_of_the_dataset(trace_file, tmp_path):
+    # validate times the runtime as servers run it; the model's runtime target is the fixed launch
+    from fasttree.traces import runtime_launch
+
+    recs = read_traces(trace_file).records[:4]
+    variants = copy.deepcopy(recs[0])
+    served = measurement_record(
+        env=variants["env"], family=variants["workload"]["family"], seed=variants["workload"]["seed"],
+        tree=variants["workload"]["tree"], num_q_heads=variants["num_q_heads"],
+        num_kv_heads=variants["num_kv_heads"], head_dim=variants["head_dim"], dtype=variants["dtype"],
+        config=variants["config"], plan=variants["plan"], timing=variants["timing"], correct=None,
+        max_rel_err=None, launch=runtime_launch(stage1_launches=1, variants=True),
+    )  # fmt: skip
+    path = tmp_path / "with_variants.jsonl"
+    with TraceWriter(path) as w:
+        for r in [*recs, served]:
+            w.append(r)
+    ds = load_dataset(path, workers=1)
+    assert len(ds) == 4 and served["key"] not in set(ds.keys.tolist())

@@ -648,6 +648,27 @@ def test_measure_point_times_the_runtime_and_keys_its_launch(cpu_measure, device
     assert cpu_measure == ["graph", "eager"]
 
 
+def test_measure_point_times_the_runtime_as_served_with_its_launch_variants(cpu_measure, device, monkeypatch):
+    import fasttree.toolkit.measure as measure_module
+
+    built = []
+    real = measure_module.runtime_for
+
+    def spy(point, tree, plan, dev):
+        rt = real(point, tree, plan, dev)
+        built.append(rt.variants.max_variants)
+        return rt
+
+    monkeypatch.setattr(measure_module, "runtime_for", spy)
+    fixed, served = small_point(runtime=True), small_point(runtime=True, variants=True)
+    a = measure_point(fixed, device=device, check=True, env=FAKE_ENV)
+    b = measure_point(served, device=device, check=True, env=FAKE_ENV)
+    assert a["status"] == b["status"] == "ok" and a["correct"] is b["correct"] is True, b.get("error")
+    assert built[0] == 0 and built[1] > 0  # the fixed launch, then the launch variants
+    assert a["launch"]["kind"] == "runtime" and b["launch"]["kind"] == "runtime_variants"
+    assert b["key"] == point_key(served, FAKE_ENV["gpu_name"]) != a["key"]
+
+
 def test_measure_point_records_the_tree_parameters_of_a_deep_point(cpu_measure, device):
     p = dataclasses.replace(small_point(), params=(("levels", 11),), split="heldout")
     ok = measure_point(p, device=device, check=False, env=FAKE_ENV)
@@ -886,3 +907,18 @@ def test_summary_line_and_rate():
     line = s.line()
     assert "6 measured, 2 failed, 1 skipped" in line and "16.0 points/minute" in line
     assert json.loads(json.dumps(dataclasses.asdict(s)))["measured"] == 6
+
+
+def test_a_served_runtime_points_plan_is_the_one_its_runtime_uploads():
+    from fasttree.runtime import TreeAttentionRuntime
+    from fasttree.toolkit.measure import point_plan
+
+    p = small_point(runtime=True, variants=True)
+    plan = point_plan(p, SMALL_TREE)
+    rt = TreeAttentionRuntime(p.config, num_q_heads=p.num_q_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+                              dtype=torch.float16, device="cpu", max_queries=SMALL_TREE.n_queries,
+                              max_kv_entries=4 * int(SMALL_TREE.lengths.sum()), pool_slots=SMALL_TREE.max_slot + 1,
+                              extend_steps=0)  # fmt: skip
+    served = rt.plan(SMALL_TREE).plan
+    assert plan_summary(served) == plan_summary(plan)
+    assert np.array_equal(served.kv_indices, plan.kv_indices)

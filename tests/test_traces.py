@@ -35,6 +35,7 @@ from fasttree.traces import (
     read_traces,
     record_launch,
     runtime_launch,
+    timed_launch_variants,
     validate,
     workload_record,
 )
@@ -302,8 +303,15 @@ def test_a_runtime_measurement_carries_its_launch_in_record_and_key():
     assert any("does not match" in p for p in validate({**rec, "launch": runtime_launch(stage1_launches=2)}))
     assert validate({**rec, "launch": {**launch, "waves": 2}}) == ["launch has an unknown field 'waves'"]
     assert validate({**rec, "launch": {**launch, "kind": "eager"}}) == [
-        "launch.kind must be one of ['runtime'], got 'eager'"
+        "launch.kind must be one of ['runtime', 'runtime_variants'], got 'eager'"
     ]
+    # the runtime timed with its launch variants (validate's) is another launch, another key
+    served = runtime_launch(stage1_launches=1, variants=True)
+    rec_served = measurement(launch=served)
+    assert validate(rec_served) == [] and served["kind"] == "runtime_variants"
+    assert rec_served["key"] != rec["key"]
+    assert timed_launch_variants(rec_served) and not timed_launch_variants(rec)
+    assert not timed_launch_variants(measurement())
     with pytest.raises(ValueError, match="stage1_launches must be one of"):
         runtime_launch(stage1_launches=3)
     with pytest.raises(ValueError, match="query_centric must be one of"):

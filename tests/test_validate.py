@@ -150,6 +150,7 @@ def test_validate_measures_every_member_per_tree_and_target(tmp_path):
     ]
     assert [(_point_case(p), p.runtime, p.config) for p in points] == expected
     assert all(p.split == "validate" and p.default_config == (p.config == FastTreeConfig()) for p in points)
+    assert all(p.variants == p.runtime for p in points)  # the runtime as servers run it: its launch variants
     assert len({p.index for p in points}) == len(points)
     # the first tree of each (family, bucket, heads) is checked against the reference, no later one
     first = {}
@@ -164,6 +165,7 @@ def test_validate_measures_every_member_per_tree_and_target(tmp_path):
     meta = [tuple(r["meta"][k] for k in ("case", "target", "member", "picked", "leaf")) for r in lines]
     assert meta == [(v.case, v.target, m, v.picked, v.leaf) for v in results for m in range(2)]
     assert [("launch" in r) for r in lines] == [r["meta"]["target"] == "runtime" for r in lines]
+    assert {r["launch"]["kind"] for r in lines if "launch" in r} == {"runtime_variants"}
 
 
 def _point_case(p) -> str:

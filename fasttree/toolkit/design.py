@@ -197,6 +197,11 @@ class DesignPoint:
         Time :class:`fasttree.runtime.TreeAttentionRuntime`'s launches (its own plan, persistent
         kernels, ``stage1_launches`` and ``query_centric`` ``"auto"``) instead of
         ``fasttree.tree_attention``'s per-plan launches; the record's ``launch`` says so.
+    variants : bool
+        With ``runtime``: time the runtime as servers run it, with its launch variants
+        (``fasttree.tree_attention``'s own launches over its buffers; ``validate`` does), instead of
+        its fixed persistent launch (the profiler's designs: what the latency model's runtime target
+        was fitted on). Part of the record's ``launch`` (and so of its key).
     bucket : str or None
         The headroom bucket (:func:`fasttree.toolkit.headroom.bucket_name`) of a point of the
         headroom design; None for the sampled design.
@@ -217,6 +222,7 @@ class DesignPoint:
     tree_index: int = 0
     runtime: bool = False
     bucket: str | None = None
+    variants: bool = False
 
     @property
     def gqa(self) -> int:
@@ -581,7 +587,9 @@ def point_launch(point: DesignPoint) -> dict[str, Any] | None:
     from ..runtime_planning import resolve_stage1_launches
 
     return runtime_launch(
-        stage1_launches=resolve_stage1_launches("auto", point.gqa, point.head_dim), query_centric="auto"
+        stage1_launches=resolve_stage1_launches("auto", point.gqa, point.head_dim),
+        query_centric="auto",
+        variants=point.variants,
     )
 
 

@@ -133,14 +133,19 @@ def _inputs(point: DesignPoint, tree: KVTree, device: Any):
 
 
 def point_plan(point: DesignPoint, tree: KVTree):
-    """The plan the point's launches run: ``fasttree.plan``'s, or the runtime's own for a runtime point."""
+    """The plan the point's launches run: ``fasttree.plan``'s, or the runtime's own for a runtime point
+    (with launch variants it plans with ``tree_attention``'s rules, as the runtime then does)."""
     heads = {"num_q_heads": point.num_q_heads, "num_kv_heads": point.num_kv_heads, "head_dim": point.head_dim}
     if point.runtime:
+        from ..plan_rules import PlanRules
         from ..runtime_planning import plan_for_runtime
 
         launch = point_launch(point)
         stage1, centric = launch["stage1_launches"], launch["query_centric"]
-        return plan_for_runtime(tree, point.config, **heads, stage1_launches=stage1, query_centric=centric)[0]
+        rules = PlanRules.defaults() if point.variants else None
+        return plan_for_runtime(
+            tree, point.config, **heads, stage1_launches=stage1, query_centric=centric, rules=rules
+        )[0]
     import fasttree as ft
 
     return ft.plan(tree, point.config, **heads)
@@ -148,7 +153,9 @@ def point_plan(point: DesignPoint, tree: KVTree):
 
 def runtime_for(point: DesignPoint, tree: KVTree, plan, device: Any):
     """A :class:`fasttree.runtime.TreeAttentionRuntime` for the point, its capacities those of
-    ``plan`` (the runtime's own plan of ``tree``), with ``tree`` planned and uploaded."""
+    ``plan`` (the runtime's own plan of ``tree``), with ``tree`` planned and uploaded: with its
+    launch variants (as servers run it) for a point with ``variants``, else its fixed persistent
+    launch (``max_variants=0``)."""
     import torch
 
     from ..runtime import TreeAttentionRuntime
@@ -160,7 +167,8 @@ def runtime_for(point: DesignPoint, tree: KVTree, plan, device: Any):
         max_kv_entries=max(1, int(plan.kv_indices.size)), max_units=max(tree.n_queries, plan.n_units),
         max_partial_rows=max(1, int(plan.n_partial_rows)), max_pairs=max(tree.n_queries, int(plan.pair_query.size)),
         pool_slots=tree.max_slot + 1, query_centric=launch["query_centric"],
-        stage1_launches=launch["stage1_launches"], extend_steps=0, max_variants=0,
+        stage1_launches=launch["stage1_launches"], extend_steps=0,
+        **({} if point.variants else {"max_variants": 0}),
     )  # fmt: skip
     rt.plan(tree)
     return rt

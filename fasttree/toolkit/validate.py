@@ -1,7 +1,8 @@
 """Measure a tuned export against the defaults on workload trees, on the GPU (``fasttree-tune validate``).
 
 For every workload tree and every target of the export (``tree_attention``: ``fasttree.plan`` and
-``fasttree.tree_attention``; ``runtime``: :class:`fasttree.runtime.TreeAttentionRuntime`), every
+``fasttree.tree_attention``; ``runtime``: :class:`fasttree.runtime.TreeAttentionRuntime` with its
+launch variants, as servers run it, not the fixed launch the profiler's traces time), every
 member of the entry's portfolio is measured, by the profiler's own measurement
 (:func:`fasttree.toolkit.measure.measure_point`: CUDA-graph replay on random inputs, the first tree of
 each family checked against the float64 reference). A case's speedup is the defaults' time (member
@@ -165,6 +166,7 @@ def _point(record: Mapping[str, Any], config: FastTreeConfig, index: int, runtim
         split="validate",
         tree_index=int(w["step"]),
         runtime=runtime,
+        variants=runtime,  # the runtime as servers run it
     )
 
 
