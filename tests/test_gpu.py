@@ -262,6 +262,7 @@ def test_validate_measures_export_and_defaults_on_the_gpu(tmp_path):
     assert [r["meta"]["picked"] for r in lines] == [1, 1, 0] * 2
     assert lines[0]["correct"] is True  # the first tree of the family is checked against the reference
     assert lines[1]["config"]["num_warps"] == [4, 2] and "launch" in lines[2]  # the tuned member; the runtime
+    assert lines[2]["launch"]["kind"] == "runtime_variants" and lines[2]["correct"] is True  # as servers run it
     s = summarise(results)
     assert set(s["targets"]) == {"tree_attention", "runtime"} and s["targets"]["tree_attention"]["cases"] == 2
 
