@@ -358,3 +358,24 @@ def test_validate_cli_resumes_from_its_trace_file_unless_told_to_remeasure(tmp_p
     first, resumed, remeasured = (len(m.calls) for m in measures)
     assert first == 2 * 4 and resumed == 0 and remeasured == first
     assert len(read_traces(tmp_path / "t.jsonl", kind="measurement").records) == 2 * first
+
+
+def test_a_case_measured_in_part_or_over_two_runs_is_measured_again_whole(tmp_path):
+    path = tmp_path / "v.jsonl"
+    with TraceWriter(path) as w:
+        validate_portfolios(export(), CASES[:1], gpu_name="NVIDIA H200", writer=w, env=ENV, measure=FakeMeasure(),
+                            run="first")  # fmt: skip
+    lines = read_traces(path, kind="measurement").records
+    assert {r["meta"]["run"] for r in lines} == {"first"}
+    full = earlier_measurements(path, "NVIDIA H200")
+    (k0, k1) = [r["key"] for r in lines if r["meta"]["target"] == "tree_attention"]
+    for earlier, measured in (
+        (full, 0),  # the whole case from one run: read back
+        ({k: v for k, v in full.items() if k != k1}, 2),  # member 1 missing: both members measured again
+        ({**full, k1: (full[k1][0], "second")}, 2),  # members from two runs: both measured again
+    ):
+        measure = FakeMeasure()
+        validate_portfolios(export(), CASES[:1], gpu_name="NVIDIA H200", targets=("tree_attention",), env=ENV,
+                            measure=measure, earlier=earlier)  # fmt: skip
+        assert len(measure.calls) == measured
+    assert k0 in full and full[k0][1] == "first"

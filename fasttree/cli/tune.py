@@ -369,8 +369,9 @@ def _add_validate(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "--traces-out",
         required=True,
         metavar="FILE",
-        help="measurement trace FILE to append to; a rerun into the same FILE resumes: the members it already "
-        "holds measured on this GPU model by today's kernels are read back, not measured again",
+        help="measurement trace FILE to append to; a rerun into the same FILE resumes: a case whose members it "
+        "holds, all measured in one earlier run on this GPU model by today's kernels, is read back, not measured "
+        "again",
     )
     v.add_argument("--remeasure", action="store_true", help="measure every member again, even those --traces-out holds")
     v.add_argument(

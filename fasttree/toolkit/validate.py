@@ -10,9 +10,11 @@ each family checked against the float64 reference). A case's speedup is the defa
 summed time over the best member's per tree, per family. A member the selector picks is the
 defaults for most trees: its time is then the defaults' own measurement (the same plan and kernels).
 Every measurement is appended to a trace file (``meta.split = "validate"``), so the loop closes: the
-next fit of the latency model can use them. A rerun into the same file resumes: the members that file
-already holds measured (same tree, heads, config and launch on the same GPU model, by today's kernels:
-:func:`earlier_measurements`) are read back, not measured again.
+next fit of the latency model can use them. A rerun into the same file resumes: a case (tree and
+target) whose every member that file already holds measured in one earlier run (same tree, heads,
+config and launch on the same GPU model, by today's kernels: :func:`earlier_measurements`) is read
+back, not measured again; a case measured in part is measured again whole, so that its ratios come
+from one run.
 
 Runs on the GPU machine: imports torch, numpy and fasttree, never Optuna or scikit-learn.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,11 +132,12 @@ def family_of_record(record: Mapping[str, Any]) -> str:
     return f"serving/{w['scenario']}" if w["family"] == "serving" else str(w["family"])
 
 
-def earlier_measurements(path: Any, gpu_name: str) -> dict[str, float]:
-    """The graph-replay medians (us) of the validate measurements a trace file already holds, by
-    measurement key: lines with ``meta.split = "validate"``, status ok, measured on a GPU named
-    ``gpu_name`` by the installed kernels (``meta.profiler.kernel_version``). A missing file holds none;
-    invalid lines (a torn last line) are skipped."""
+def earlier_measurements(path: Any, gpu_name: str) -> dict[str, tuple[float, str | None]]:
+    """The graph-replay medians (us) of the validate measurements a trace file already holds, and the
+    run that measured each (``meta.run``; None for lines of an older validate), by measurement key:
+    lines with ``meta.split = "validate"``, status ok, measured on a GPU named ``gpu_name`` by the
+    installed kernels (``meta.profiler.kernel_version``). A missing file holds none; invalid lines (a
+    torn last line) are skipped; of a key measured twice, the last line counts."""
     from pathlib import Path
 
     if path is None or not Path(path).exists():
@@ -147,7 +151,7 @@ def earlier_measurements(path: Any, gpu_name: str) -> dict[str, float]:
             and (r.get("env") or {}).get("gpu_name") == gpu_name
             and (meta.get("profiler") or {}).get("kernel_version") == KERNEL_VERSION
         ):
-            out[r["key"]] = float(r["timing"]["graph_us"]["median"])
+            out[r["key"]] = (float(r["timing"]["graph_us"]["median"]), meta.get("run"))
     return out
 
 
@@ -180,7 +184,8 @@ def validate_portfolios(
     device: Any = "cuda",
     env: dict[str, Any] | None = None,
     measure: Callable[..., dict[str, Any]] = measure_point,
-    earlier: Mapping[str, float] | None = None,
+    earlier: Mapping[str, tuple[float, str | None]] | None = None,
+    run: str | None = None,
 ) -> list[CaseValidation]:
     """Measure every member of the export's portfolio of each record's bucket and target.
 
@@ -200,9 +205,12 @@ def validate_portfolios(
         :func:`fasttree.toolkit.environment.collect_env` of ``device`` (collected when None).
     measure : callable
         :func:`fasttree.toolkit.measure.measure_point` (replaceable in tests).
-    earlier : mapping of str to float, optional
-        Graph-replay medians already measured, by measurement key (:func:`earlier_measurements`):
-        those members are not measured (nor written) again.
+    earlier : mapping of str to (float, str or None), optional
+        Graph-replay medians already measured and their runs, by measurement key
+        (:func:`earlier_measurements`): a case whose every member is there, from one run, is not
+        measured (nor written) again.
+    run : str, optional
+        This run's id, written to every line's ``meta.run`` (a fresh random id by default).
 
     Returns
     -------
@@ -215,6 +223,7 @@ def validate_portfolios(
     """
     env = collect_env(device) if env is None else env
     earlier = earlier or {}
+    run = uuid.uuid4().hex[:16] if run is None else str(run)
     reused = 0
     results = []
     index = 0
@@ -237,21 +246,22 @@ def validate_portfolios(
             heads = [int(r["num_q_heads"]), int(r["num_kv_heads"])]
             v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree), leaf=leaf,
                                features=x.tolist(), heads=heads)  # fmt: skip
-            for m, config in enumerate(portfolio.members):
-                point = _point(r, config, index, target == "runtime")
+            points = []
+            for config in portfolio.members:
+                points.append(_point(r, config, index, target == "runtime"))
                 index += 1
-                done = earlier.get(point_key(point, gpu_name, tree=tree)) if earlier else None
-                if done is not None:
-                    v.member_us.append(done)
-                    reused += 1
-                    continue
+            done = [earlier.get(point_key(p, gpu_name, tree=tree)) for p in points] if earlier else [None]
+            if all(d is not None for d in done) and len({d[1] for d in done}) == 1:  # every member, one run
+                v.member_us = [d[0] for d in done]
+                reused += len(done)
+                points = []
+            for m, point in enumerate(points):
                 key = (family, bucket, int(r["num_q_heads"]), target, m)
                 check = key not in checked  # every member of every target on the family's first tree
                 rec = measure(point, device=device, check=check, env=env, tree=tree)
                 checked.add(key)
-                rec.setdefault("meta", {}).update(
-                    {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked, "leaf": leaf}
-                )
+                meta = {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked}
+                rec.setdefault("meta", {}).update({**meta, "leaf": leaf, "run": run})
                 if writer is not None:
                     writer.append(rec)
                 if rec["status"] != "ok":
