@@ -159,12 +159,18 @@ def _solo_pays(
     return tokens > 0 and tokens >= rules.solo_min_share * int(np.add.reduce(all_kv_len, dtype=np.int64))
 
 
-def chunked_split(longest: int, programs: int, items: int, kv_tile: int) -> int:
+def chunked_split(longest: int, programs: int, items: int, kv_tile: int, work: int | None = None) -> int:
     """The split size of plain split-KV decode: the multiple of ``kv_tile`` (at least one tile)
     that cuts the ``longest`` context into ``ceil(programs / items)`` chunks (at least one), so
-    that ``items`` (queries or groups x KV heads) fill about ``programs`` programs."""
+    that ``items`` (queries or groups x KV heads) fill about ``programs`` programs. With ``work``
+    (their summed context x KV heads: ``PlanRules.decode_split_by_context``) at most the chunk
+    that cuts ``work`` into about ``programs`` programs: finer where the contexts' lengths
+    differ (cut by the longest, the shorter ones make fewer programs), about the same where they
+    are equal."""
     chunks = max(1, -(-programs // items))
     split = max(kv_tile, -(-longest // chunks))
+    if work is not None:
+        split = min(split, max(kv_tile, -(-max(1, work) // programs)))
     return -(-split // kv_tile) * kv_tile
 
 
@@ -221,7 +227,10 @@ def _solo_group_split(
     programs, tile = config.para_threshs1[1], config.kv_tile[1]
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
     if few_heads:
-        split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile)
+        work = (
+            int(np.add.reduce(kv_len[solo], dtype=np.int64)) * num_kv_heads if rules.decode_split_by_context else None
+        )
+        split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile, work)
     else:
         cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
         if cut <= rules.solo_recut_programs * programs:  # only the groups at the small split

@@ -120,6 +120,14 @@ class PlanRules:
         waves its programs take (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in
         [16, 512], or 0 for the one-wave rule alone. 0 by default until a fresh draw confirms it
         (``docs/history.md``).
+    decode_split_by_context : bool
+        How query-separated decode (:func:`fasttree.plan_query_separated`, also the plan the
+        crossover test picks) sizes its default chunks for about four waves of programs: False
+        cuts the longest context into ``ceil(4 x SMs / (queries x KV heads))`` chunks, so a batch of
+        mixed lengths runs fewer programs (a 64-request batch of 1-4k tokens at one KV head: about
+        368 for 528); True caps the chunk at ``ceil(context x KV heads / (4 x SMs))`` tokens for the
+        summed context, rounded up to the KV tile (finer chunks where lengths differ, about the
+        same where they are equal). False by default until measured (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
@@ -167,6 +175,7 @@ class PlanRules:
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     narrow_head_kv_tile: int = field(default=0, metadata={ADDED_AS: 0})
+    decode_split_by_context: bool = field(default=False, metadata={ADDED_AS: False})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -86,7 +86,9 @@ def plan_query_separated(
     nq = tree.n_queries
     lens = np.diff(kv_indptr)
     if kv_split_size is None:
-        kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile)
+        by_context = rules is not None and rules.decode_split_by_context
+        context = int(np.add.reduce(lens, dtype=np.int64)) if by_context else None
+        kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile, context=context)
     groups = Groups(
         node=tree.query_nodes.copy(),
         kv_start=kv_indptr[:-1],
@@ -122,8 +124,13 @@ def _decode_config(kv_tile: int, kv_split_size: int) -> FastTreeConfig:
     )
 
 
-def query_separated_split(longest: int, n_queries: int, num_kv_heads: int, num_sms: int, kv_tile: int) -> int:
+def query_separated_split(
+    longest: int, n_queries: int, num_kv_heads: int, num_sms: int, kv_tile: int, *, context: int | None = None
+) -> int:
     """The default chunk size of :func:`plan_query_separated`: a multiple of ``kv_tile`` that cuts
     the ``longest`` context into enough chunks for about four waves of ``num_sms`` programs over
-    ``n_queries`` queries x ``num_kv_heads`` KV heads."""
-    return chunked_split(longest, 4 * num_sms, n_queries * num_kv_heads, kv_tile)
+    ``n_queries`` queries x ``num_kv_heads`` KV heads; with ``context`` (the queries' summed
+    context entries, ``PlanRules.decode_split_by_context``) no longer than the chunk that cuts the
+    summed context x ``num_kv_heads`` into about that many programs (:func:`chunked_split`)."""
+    work = None if context is None else context * num_kv_heads
+    return chunked_split(longest, 4 * num_sms, n_queries * num_kv_heads, kv_tile, work)

@@ -780,3 +780,33 @@ def test_query_contexts_match_query_slots(monkeypatch):
     monkeypatch.setattr(qs_mod, "planner_library", lambda: None)  # no compiler: the numpy gather
     got_ptr, got = query_contexts(trees[0])
     np.testing.assert_array_equal(got, trees[0].query_slots()[1])
+
+
+def test_decode_split_by_context_cuts_mixed_lengths_finer_and_equal_lengths_alike():
+    """``PlanRules.decode_split_by_context``: plain decode's chunk is capped at the summed context x KV
+    heads over 4 x 132 programs. 64 requests of 1-4k tokens at one KV head (cut by the longest into
+    9 chunks of 512 tokens, the shorter ones make fewer than 400 programs): 320-token chunks, about
+    500 programs; the tree plan's solo units alike. 32 equal requests of 4k: 256-token chunks either way."""
+    from fasttree.plan_arrays import chunked_split
+    from fasttree.query_separated import plan_query_separated
+
+    on = ft.PlanRules.defaults().with_(decode_split_by_context=True)
+    assert ft.PlanRules.defaults().decode_split_by_context is False
+    lens = np.random.default_rng(0).integers(1024, 4097, 64)
+    mixed = ft.KVTree.from_lengths([-1] * 64, lens, list(range(64)))
+    equal = ft.KVTree.from_lengths([-1] * 32, [4096] * 32, list(range(32)))
+    heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
+    base, cut = plan_query_separated(mixed, **heads), plan_query_separated(mixed, **heads, rules=on)
+    assert base.config.kv_split_sizes[0] == 512  # ceil(4088 / 9) rounded up to the 64-token tile
+    assert cut.config.kv_split_sizes[0] == 320  # ceil(sum(lens) / 528) = 312, rounded up
+    assert base.n_units < 400 and 450 < cut.n_units <= 560
+    for plan in (base, cut):
+        check_plan(mixed, plan)
+    assert plan_query_separated(equal, **heads, rules=on).config.kv_split_sizes == (256, 256)
+    assert plan_query_separated(equal, **heads).config.kv_split_sizes == (256, 256)
+    assert chunked_split(4096, 528, 32, 64, work=32 * 4096) == chunked_split(4096, 528, 32, 64) == 256
+    # the tree plan's solo units (independent requests, few KV heads) follow the same chunk
+    tree_base, tree_cut = ft.plan(mixed, **heads), ft.plan(mixed, **heads, rules=on)
+    check_plan(mixed, tree_cut)
+    assert tree_base.unit_kv_len.max() == 512 and tree_cut.unit_kv_len.max() == 320
+    assert tree_cut.n_units > tree_base.n_units
