@@ -10,7 +10,8 @@ each family checked against the float64 reference). A case's speedup is the defa
 summed time over the best member's per tree, per family. A member the selector picks is the
 defaults for most trees: its time is then the defaults' own measurement (the same plan and kernels).
 Every measurement is appended to a trace file (``meta.split = "validate"``), so the loop closes: the
-next fit of the latency model can use them. A rerun into the same file resumes: a case (tree and
+next fit of the latency model can use the ``tree_attention`` lines (it leaves the runtime's
+launch-variant lines out: its runtime target is the fixed launch). A rerun into the same file resumes: a case (tree and
 target) whose every member that file already holds measured in one earlier run (same tree, heads,
 config and launch on the same GPU model, by today's kernels: :func:`earlier_measurements`) is read
 back, not measured again; a case measured in part is measured again whole, so that its ratios come
