@@ -729,3 +729,37 @@ def test_narrow_head_rule_reaches_the_launches_of_a_plan():
     assert tiles.get(1) == 64 and tiles_on.get(1) == 128
     with pytest.raises(ValueError, match="narrow_head_kv_tile"):
         rules.with_(narrow_head_kv_tile=100)
+
+
+@pytest.mark.parametrize(
+    ("g", "hkv", "dtype"), [(4, 1, torch.bfloat16), (16, 1, torch.float16), (8, 2, torch.bfloat16)]
+)
+def test_rules_added_off_match_the_reference_when_on(g, hkv, dtype, device):
+    """The two rules waiting for their GPU A/B, switched on, on random forests at head dim 64 with
+    long nodes: ``narrow_head_kv_tile=128`` (128-token tiles for 16-row GQA classes of long units;
+    the launches it changes run here) and ``decode_split_by_context`` (plain decode's chunks from
+    the summed context: the query-separated plans and the tree plans' solo units)."""
+    rules = ft.PlanRules.defaults().with_(narrow_head_kv_tile=128, decode_split_by_context=True)
+    rng = np.random.default_rng(4100 + 10 * g + hkv)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    wide = 0
+    for i in range(4):
+        cfg = None
+        if i % 2:  # independent requests of 300-700 tokens, scattered slots, groups kept whole: long 16-row units
+            lens = rng.integers(300, 701, int(rng.integers(2, 5)))
+            slots = rng.permutation(int(lens.sum()) + 40)
+            bounds = np.concatenate([[0], np.cumsum(lens)])
+            nodes = [slots[bounds[j] : bounds[j + 1]] for j in range(lens.size)]
+            tree = ft.KVTree([-1] * lens.size, nodes, list(range(lens.size)))
+            cfg = ft.FastTreeConfig(kv_split_sizes=(1024, 1024), para_threshs1=(1, 1))
+        else:
+            tree = random_tree(rng, max_nodes=12, max_len=700)
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=rules)
+        wide += any(s.block_n == 128 for s in launch_rules.stage1_launches(plan, _h200_like(device)))
+        q, k, v = make_inputs(tree, g * hkv, hkv, 64, dtype, device, gen)
+        out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+        qs = ft.plan_query_separated(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=rules)
+        out = run_poisoned(lambda o, qs=qs, q=q, k=k, v=v: ft.tree_attention(q, k, v, qs, out=o), q)
+        check_against_reference(out, q, k, v, tree)
+    assert wide >= 1, "no plan ran the narrow-head tile"
