@@ -27,6 +27,7 @@ import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,8 +140,6 @@ def earlier_measurements(path: Any, gpu_name: str) -> dict[str, tuple[float, str
     lines with ``meta.split = "validate"``, status ok, measured on a GPU named ``gpu_name`` by the
     installed kernels (``meta.profiler.kernel_version``). A missing file holds none; invalid lines (a
     torn last line) are skipped; of a key measured twice, the last line counts."""
-    from pathlib import Path
-
     if path is None or not Path(path).exists():
         return {}
     out = {}
@@ -154,6 +153,19 @@ def earlier_measurements(path: Any, gpu_name: str) -> dict[str, tuple[float, str
         ):
             out[r["key"]] = (float(r["timing"]["graph_us"]["median"]), meta.get("run"))
     return out
+
+
+def _read_back(
+    points: list[DesignPoint], tree: Any, gpu_name: str, earlier: Mapping[str, tuple[float, str | None]] | None
+) -> list[float] | None:
+    """The case's member times ``earlier`` holds (:func:`earlier_measurements`), when it holds every
+    member's from one run (so that the case's ratios come from one run); else None."""
+    if not earlier:
+        return None
+    done = [earlier.get(point_key(p, gpu_name, tree=tree)) for p in points]
+    if any(d is None for d in done) or len({d[1] for d in done}) != 1:
+        return None
+    return [d[0] for d in done]
 
 
 def _point(record: Mapping[str, Any], config: FastTreeConfig, index: int, runtime: bool) -> DesignPoint:
@@ -223,7 +235,6 @@ def validate_portfolios(
         When a measurement fails (the failed record is still written).
     """
     env = collect_env(device) if env is None else env
-    earlier = earlier or {}
     run = uuid.uuid4().hex[:16] if run is None else str(run)
     reused = 0
     results = []
@@ -247,27 +258,26 @@ def validate_portfolios(
             heads = [int(r["num_q_heads"]), int(r["num_kv_heads"])]
             v = CaseValidation(family, case, bucket, target, portfolio.member_of(tree), leaf=leaf,
                                features=x.tolist(), heads=heads)  # fmt: skip
-            points = []
-            for config in portfolio.members:
-                points.append(_point(r, config, index, target == "runtime"))
-                index += 1
-            done = [earlier.get(point_key(p, gpu_name, tree=tree)) for p in points] if earlier else [None]
-            if all(d is not None for d in done) and len({d[1] for d in done}) == 1:  # every member, one run
-                v.member_us = [d[0] for d in done]
-                reused += len(done)
-                points = []
-            for m, point in enumerate(points):
-                key = (family, bucket, int(r["num_q_heads"]), target, m)
-                check = key not in checked  # every member of every target on the family's first tree
-                rec = measure(point, device=device, check=check, env=env, tree=tree)
-                checked.add(key)
-                meta = {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked}
-                rec.setdefault("meta", {}).update({**meta, "leaf": leaf, "run": run})
-                if writer is not None:
-                    writer.append(rec)
-                if rec["status"] != "ok":
-                    raise RuntimeError(f"{case} {target} member {m}: {rec.get('error')}")
-                v.member_us.append(float(rec["timing"]["graph_us"]["median"]))
+            runtime = target == "runtime"
+            points = [_point(r, config, index + m, runtime) for m, config in enumerate(portfolio.members)]
+            index += len(points)
+            times = _read_back(points, tree, gpu_name, earlier)
+            if times is not None:
+                v.member_us = times
+                reused += len(times)
+            else:
+                for m, point in enumerate(points):
+                    key = (family, bucket, int(r["num_q_heads"]), target, m)
+                    check = key not in checked  # every member of every target on the family's first tree
+                    rec = measure(point, device=device, check=check, env=env, tree=tree)
+                    checked.add(key)
+                    meta = {"split": "validate", "case": case, "target": target, "member": m, "picked": v.picked}
+                    rec.setdefault("meta", {}).update({**meta, "leaf": leaf, "run": run})
+                    if writer is not None:
+                        writer.append(rec)
+                    if rec["status"] != "ok":
+                        raise RuntimeError(f"{case} {target} member {m}: {rec.get('error')}")
+                    v.member_us.append(float(rec["timing"]["graph_us"]["median"]))
             logger.info("%s %s: picks member %d, %.3fx", case, target, v.picked, v.speedup)
             results.append(v)
     if reused:
