@@ -203,9 +203,11 @@ class PlanRules:
         return _DEFAULTS
 
     @classmethod
-    def runtime(cls, stage1_launches: int) -> PlanRules:
+    def runtime(cls, stage1_launches: int, *, variants: bool = False) -> PlanRules:
         """The rules of :class:`fasttree.runtime.TreeAttentionRuntime` for its resolved number of
-        stage-1 launches (1 or 2).
+        stage-1 launches (1 or 2): with launch ``variants`` (its default, ``max_variants`` > 0) it
+        runs ``tree_attention``'s own launches and plans with its rules (:meth:`defaults`); the
+        fixed persistent launch (``max_variants=0``) plans with the rules below.
 
         Wide units are packed: kept whole they ran the runtime's decode trees no faster, and the
         choice packs MHA plans twice on every fresh step. Blocks are fixed: aligned ones changed
@@ -216,6 +218,8 @@ class PlanRules:
         fixed launch slots were not timed with all-small plans of such trees, nor with the wide-head
         small split (``wide_head_small_split`` 0).
         """
+        if variants:
+            return _DEFAULTS
         return replace(
             _DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False,
             all_large_without_large=True, wide_head_small_split=0,

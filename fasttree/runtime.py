@@ -352,7 +352,7 @@ class TreeAttentionRuntime:
         )
         self._target = GpuTarget.of(self.device, interpreting())
         # the plans' rules: tree_attention's with launch variants, else the fixed launch's
-        self._rules = PlanRules.defaults() if self.variants.max_variants else PlanRules.runtime(self.stage1_launches)
+        self._rules = PlanRules.runtime(self.stage1_launches, variants=bool(self.variants.max_variants))
         self.portfolio = self._resolve_portfolio(config)
         self.config = self.portfolio.launch_config  # member 0: the fixed launch's launch fields
 

@@ -142,7 +142,7 @@ def point_plan(point: DesignPoint, tree: KVTree):
 
         launch = point_launch(point)
         stage1, centric = launch["stage1_launches"], launch["query_centric"]
-        rules = PlanRules.defaults() if point.variants else None
+        rules = PlanRules.runtime(stage1, variants=point.variants)
         return plan_for_runtime(
             tree, point.config, **heads, stage1_launches=stage1, query_centric=centric, rules=rules
         )[0]
