@@ -163,7 +163,7 @@ def chunked_split(longest: int, programs: int, items: int, kv_tile: int, work: i
     """The split size of plain split-KV decode: the multiple of ``kv_tile`` (at least one tile)
     that cuts the ``longest`` context into ``ceil(programs / items)`` chunks (at least one), so
     that ``items`` (queries or groups x KV heads) fill about ``programs`` programs. With ``work``
-    (their summed context x KV heads: ``PlanRules.decode_split_by_context``) at most the chunk
+    (their summed context x KV heads: ``PlanRules.decode_split_by_context``, plain decode) at most the chunk
     that cuts ``work`` into about ``programs`` programs: finer where the contexts' lengths
     differ (cut by the longest, the shorter ones make fewer programs), about the same where they
     are equal."""
@@ -227,10 +227,7 @@ def _solo_group_split(
     programs, tile = config.para_threshs1[1], config.kv_tile[1]
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
     if few_heads:
-        work = (
-            int(np.add.reduce(kv_len[solo], dtype=np.int64)) * num_kv_heads if rules.decode_split_by_context else None
-        )
-        split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile, work)
+        split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile)
     else:
         cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
         if cut <= rules.solo_recut_programs * programs:  # only the groups at the small split

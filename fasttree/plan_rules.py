@@ -127,7 +127,9 @@ class PlanRules:
         mixed lengths runs fewer programs (a 64-request batch of 1-4k tokens at one KV head: about
         368 for 528); True caps the chunk at ``ceil(context x KV heads / (4 x SMs))`` tokens for the
         summed context, rounded up to the KV tile (finer chunks where lengths differ, about the
-        same where they are equal). False by default until measured (``docs/history.md``).
+        same where they are equal). Plain decode's plans only: a tree plan's solo units keep the
+        longest context's chunks (capped too, they measured 0.91-0.97x on no-sharing batches). False
+        by default until a fresh draw confirms it (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0

@@ -738,7 +738,7 @@ def test_rules_added_off_match_the_reference_when_on(g, hkv, dtype, device):
     """The two rules waiting for their GPU A/B, switched on, on random forests at head dim 64 with
     long nodes: ``narrow_head_kv_tile=128`` (128-token tiles for 16-row GQA classes of long units;
     the launches it changes run here) and ``decode_split_by_context`` (plain decode's chunks from
-    the summed context: the query-separated plans and the tree plans' solo units)."""
+    the summed context: the query-separated plans)."""
     rules = ft.PlanRules.defaults().with_(narrow_head_kv_tile=128, decode_split_by_context=True)
     rng = np.random.default_rng(4100 + 10 * g + hkv)
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))

@@ -786,7 +786,7 @@ def test_decode_split_by_context_cuts_mixed_lengths_finer_and_equal_lengths_alik
     """``PlanRules.decode_split_by_context``: plain decode's chunk is capped at the summed context x KV
     heads over 4 x 132 programs. 64 requests of 1-4k tokens at one KV head (cut by the longest into
     9 chunks of 512 tokens, the shorter ones make fewer than 400 programs): 320-token chunks, about
-    500 programs; the tree plan's solo units alike. 32 equal requests of 4k: 256-token chunks either way."""
+    500 programs; the tree plan's solo units are left alone. 32 equal requests of 4k: 256-token chunks either way."""
     from fasttree.plan_arrays import chunked_split
     from fasttree.query_separated import plan_query_separated
 
@@ -805,8 +805,8 @@ def test_decode_split_by_context_cuts_mixed_lengths_finer_and_equal_lengths_alik
     assert plan_query_separated(equal, **heads, rules=on).config.kv_split_sizes == (256, 256)
     assert plan_query_separated(equal, **heads).config.kv_split_sizes == (256, 256)
     assert chunked_split(4096, 528, 32, 64, work=32 * 4096) == chunked_split(4096, 528, 32, 64) == 256
-    # the tree plan's solo units (independent requests, few KV heads) follow the same chunk
-    tree_base, tree_cut = ft.plan(mixed, **heads), ft.plan(mixed, **heads, rules=on)
-    check_plan(mixed, tree_cut)
-    assert tree_base.unit_kv_len.max() == 512 and tree_cut.unit_kv_len.max() == 320
-    assert tree_cut.n_units > tree_base.n_units
+    # the tree plan's solo units (independent requests, few KV heads) keep the longest context's chunks
+    tree_base, tree_on = ft.plan(mixed, **heads), ft.plan(mixed, **heads, rules=on)
+    assert tree_base.unit_kv_len.max() == 512
+    for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
+        np.testing.assert_array_equal(getattr(tree_on, name), getattr(tree_base, name))
