@@ -67,12 +67,6 @@ _PEEL_MIN_TILES = 2.5
 #: The KV tile of a one-wave 16-row GQA class (:func:`launch_kv_tile`): 16 x 128-token tiles keep 3
 #: programs per SM on sm_90 at head dim 128 (168 registers, 75 KB of shared memory, one K/V buffer).
 _WIDE_KV_TILE_TOKENS = 128
-#: Head dims up to which ``PlanRules.narrow_head_kv_tile`` applies (:func:`launch_kv_tile`), and
-#: the mean unit KV length (tokens) from which it does: on an H100, 43 held-out head-dim-64 trees
-#: whose small class ran more than one wave gained 1.068x geomean (26, none below 0.97x) at a mean of
-#: 256 or more, 1.007x below it (17; 0.93x and 0.94x on two small trees).
-_NARROW_HEAD_DIM = 64
-_NARROW_HEAD_MIN_MEAN_TOKENS = 256
 #: Stages of a one-wave 16-row MHA class (:func:`launch_num_stages`): two gathered K/V buffers
 #: (73 KB at head dim 128: 3 programs per SM instead of 5).
 _DEEP_ONE_WAVE_STAGES = 5
@@ -235,7 +229,6 @@ def launch_kv_tile(
     items: int,
     sms: int,
     wide_head_cap: int,
-    narrow_head_tile: int = 0,
 ) -> int:
     """KV tokens per inner-loop tile of one stage-1 launch of tile class ``tc``.
 
@@ -247,19 +240,13 @@ def launch_kv_tile(
     launch is bound by each program's chain of dependent KV tiles, not by the GPU's throughput,
     so halving the tiles shortens it (H200 paper suite: 0.89-0.91x on the four cases it changes;
     the same tile on 2.6 waves cost 5%, and MHA's 2-warp 16-row tiles lost 10-40% with it).
-    ``sms`` is :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply). At head dims up to
-    :data:`_NARROW_HEAD_DIM`, ``narrow_head_tile`` (``PlanRules.narrow_head_kv_tile``; 0: off) is
-    that class's tile on any number of waves when its units hold
-    :data:`_NARROW_HEAD_MIN_MEAN_TOKENS` tokens or more on average.
+    ``sms`` is :attr:`GpuTarget.one_wave_sms` (0: the rule does not apply).
     """
     capped = wide_head_tile(head_dim, tc.block_m, tc.block_n, wide_head_cap)
     if capped != tc.block_n:
         return capped
     if group_size == 1 or tc.block_n != 64 or tc.num_warps < 4 or lengths.size == 0:
         return tc.block_n
-    if narrow_head_tile and head_dim <= _NARROW_HEAD_DIM and tc.block_m == 16 and tc.num_stages <= 4:
-        mean = float(np.add.reduce(lengths, dtype=np.int64)) / lengths.size
-        return narrow_head_tile if mean >= _NARROW_HEAD_MIN_MEAN_TOKENS else tc.block_n
     if not _one_wave_of_small_tiles(head_dim, tc, items, sms):
         return tc.block_n
     return _WIDE_KV_TILE_TOKENS if tenth_longest(lengths) > tc.block_n else tc.block_n
@@ -403,9 +390,7 @@ def stage1_launches(
             continue
         lengths = plan.unit_kv_len[ptr[c] : ptr[c + 1]]
         items = n_units * plan.num_kv_heads
-        block_n = launch_kv_tile(
-            g, d, tc, lengths, items, sms, plan.rules.wide_head_kv_tile, plan.rules.narrow_head_kv_tile
-        )
+        block_n = launch_kv_tile(g, d, tc, lengths, items, sms, plan.rules.wide_head_kv_tile)
         num_stages = launch_num_stages(g, d, tc, items, sms) if default_stages else tc.num_stages
         mean_tiles = float(np.add.reduce(-(-lengths // block_n), dtype=np.int64)) / n_units
         maxnreg = None

@@ -114,12 +114,6 @@ class PlanRules:
         default: on an H100, 1.00-1.56x on 36 of the 39 held-out D 256 trees it changed (two
         seeds); slower on three: 0.94x, 0.73x (a launch bound by one 6,747-token unit) and an
         all-large MHA tree whose 64-row tiles then ran at 2 warps (``docs/history.md``).
-    narrow_head_kv_tile : int
-        At head dims up to 64, the KV tile (tokens) of a 16-row GQA class with 64-token tiles (4 or
-        more warps, at most 4 stages) whose units hold 256 tokens or more on average, however many
-        waves its programs take (:func:`fasttree.launch_rules.launch_kv_tile`): a power of two in
-        [16, 512], or 0 for the one-wave rule alone. 0 by default until a fresh draw confirms it
-        (``docs/history.md``).
     decode_split_by_context : bool
         How query-separated decode (:func:`fasttree.plan_query_separated`, also the plan the
         crossover test picks) sizes its default chunks for about four waves of programs: False
@@ -176,7 +170,6 @@ class PlanRules:
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
-    narrow_head_kv_tile: int = field(default=0, metadata={ADDED_AS: 0})
     decode_split_by_context: bool = field(default=False, metadata={ADDED_AS: False})
 
     def __post_init__(self) -> None:
@@ -189,7 +182,7 @@ class PlanRules:
                 value = check_int_pair(name, value, minimum=0)
             elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
-            elif f.name in ("wide_head_kv_tile", "narrow_head_kv_tile"):
+            elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
                 if value and (value & (value - 1) or not 16 <= value <= 512):
                     raise ValueError(f"{name} must be 0 or a power of two in [16, 512], got {value}")
