@@ -374,6 +374,14 @@ def test_the_heldout_suite_draws_every_family_at_every_shape():
             kernel.parse_args(["--export", "none", "--suite", "heldout", "--shapes", bad])
     with pytest.raises(SystemExit):
         kernel.parse_args(["--export", "none", "--suite", "heldout", "--trees", "0"])
+    # --families narrows the draw to the named families, in turn, with the same seeds
+    argv = ["--export", "none", "--suite", "heldout", "--seed", "123", "--trees", "6"]
+    two = kernel.parse_args([*argv, "--families", "random_recursive,beam_search"]).heldout
+    assert [c.family for c in two] == ["random_recursive", "beam_search"] * 3
+    assert [c.seed for c in two] == list(range(123, 129))
+    for bad in ("random", ",", "beam_search,nope"):
+        with pytest.raises(SystemExit):
+            kernel.parse_args([*argv, "--families", bad])
 
 
 def test_a_heldout_case_travels_to_the_probe_child_as_json():

@@ -204,15 +204,24 @@ def parse_shape(text: str) -> tuple[tuple[int, int], int, str]:
 
 
 def heldout_cases(
-    seed: int, n_trees: int, shapes: tuple[tuple[tuple[int, int], int, str], ...] = HELDOUT_SHAPES
+    seed: int,
+    n_trees: int,
+    shapes: tuple[tuple[tuple[int, int], int, str], ...] = HELDOUT_SHAPES,
+    families: tuple[str, ...] | None = None,
 ) -> tuple[FamilyCase, ...]:
-    """``n_trees`` cases of the ``heldout`` suite: case ``i`` is a tree of family ``i mod 7`` (every
-    key of :data:`~fasttree.toolkit.workloads.TREE_FAMILIES` in turn) drawn with seed ``seed + i``
-    and the family's own size ranges, at head layout ``shapes[i mod len(shapes)]``. The same
-    arguments give the same cases; pick a ``seed`` no earlier decision used."""
+    """``n_trees`` cases of the ``heldout`` suite: case ``i`` is a tree of family ``i mod F`` of
+    ``families`` (default: every key of :data:`~fasttree.toolkit.workloads.TREE_FAMILIES`, sorted)
+    drawn with seed ``seed + i`` and the family's own size ranges, at head layout
+    ``shapes[i mod len(shapes)]``. The same arguments give the same cases; pick a ``seed`` no
+    earlier decision used. ``families`` narrows a draw to the trees a rule acts on (random
+    recursive forests for the crossover's plain decode, say)."""
     if n_trees < 1 or seed < 0 or not shapes:
         raise ValueError(f"heldout_cases needs n_trees >= 1, seed >= 0 and a shape, got {n_trees}, {seed}, {shapes}")
-    families = sorted(TREE_FAMILIES)
+    if families is None:
+        families = tuple(sorted(TREE_FAMILIES))
+    unknown = [f for f in families if f not in TREE_FAMILIES]
+    if not families or unknown:
+        raise ValueError(f"heldout_cases needs families among {sorted(TREE_FAMILIES)}, got {list(families)}")
     cases = []
     for i in range(n_trees):
         heads, d, dtype = shapes[i % len(shapes)]

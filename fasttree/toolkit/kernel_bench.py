@@ -40,8 +40,9 @@ source checkout has it; without that file the variant is skipped). Run as
 
     python -m bench.kernel --suite paper [--heads mha,gqa4,gqa16] [--cases 1-15] [--out docs/results]
 
-``--suite heldout --seed S --trees N [--shapes 8x1/d256/bf16,...]`` draws ``N`` fresh trees of every
-family (:func:`.family_suite.heldout_cases`) instead of a fixed suite.
+``--suite heldout --seed S --trees N [--shapes 8x1/d256/bf16,...] [--families random_recursive,...]`` draws
+``N`` fresh trees of every family, or of those named (:func:`.family_suite.heldout_cases`), instead of a
+fixed suite.
 """
 
 from __future__ import annotations
@@ -750,6 +751,11 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         + ")",
     )
     p.add_argument(
+        "--families",
+        default=None,
+        help="heldout suite: tree families, comma separated, used in turn (default: every family)",
+    )
+    p.add_argument(
         "--candidate",
         default=None,
         metavar="FIELD=VALUE;...",
@@ -802,7 +808,8 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
     args.cases = [c for c in cases if c in PAPER_SUITE]
     try:
         args.shapes = tuple(parse_shape(x) for x in args.shapes.split(",") if x) if args.shapes else HELDOUT_SHAPES
-        args.heldout = heldout_cases(args.seed, args.trees, args.shapes) if args.suite == "heldout" else ()
+        families = tuple(f for f in args.families.split(",") if f) if args.families else None
+        args.heldout = heldout_cases(args.seed, args.trees, args.shapes, families) if args.suite == "heldout" else ()
         args.candidate = parse_candidate(args.candidate) if args.candidate is not None else None
     except ValueError as exc:
         p.error(str(exc))
