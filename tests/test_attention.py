@@ -698,15 +698,19 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     check_against_reference(out, q, k, v, tree)
 
 
+@pytest.mark.parametrize("rule", ["decode_split_by_context", "decode_one_wave"])
 @pytest.mark.parametrize(
-    ("g", "hkv", "dtype"), [(4, 1, torch.bfloat16), (16, 1, torch.float16), (8, 2, torch.bfloat16)]
+    ("g", "hkv", "d", "dtype"),
+    [(4, 1, 64, torch.bfloat16), (16, 1, 64, torch.float16), (8, 2, 64, torch.bfloat16), (8, 1, 256, torch.bfloat16)],
 )
-def test_decode_split_by_context_matches_the_reference_when_on(g, hkv, dtype, device):
-    """``decode_split_by_context`` (plain decode's chunks from the summed context), waiting for its
-    GPU A/B, switched on: random forests and independent requests of mixed lengths at head dim 64,
-    tree plans and query-separated plans against the float64 reference."""
-    rules = ft.PlanRules.defaults().with_(decode_split_by_context=True)
-    rng = np.random.default_rng(4100 + 10 * g + hkv)
+def test_plain_decode_rules_added_off_match_the_reference_when_on(rule, g, hkv, d, dtype, device):
+    """The plain-decode chunk rules waiting for their GPU A/B, switched on: ``decode_split_by_context``
+    (chunks from the summed context) and ``decode_one_wave`` (chunks fitted to one wave; a tree plan
+    of solo units alike), on random forests and independent requests of mixed lengths (default
+    config: solo units; a config keeping them whole), tree plans and query-separated plans against
+    the float64 reference."""
+    rules = ft.PlanRules.defaults().with_(**{rule: True})
+    rng = np.random.default_rng(4100 + 10 * g + hkv + d)
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     for i in range(4):
         cfg = None
@@ -716,13 +720,14 @@ def test_decode_split_by_context_matches_the_reference_when_on(g, hkv, dtype, de
             bounds = np.concatenate([[0], np.cumsum(lens)])
             nodes = [slots[bounds[j] : bounds[j + 1]] for j in range(lens.size)]
             tree = ft.KVTree([-1] * lens.size, nodes, list(range(lens.size)))
-            cfg = ft.FastTreeConfig(kv_split_sizes=(1024, 1024), para_threshs1=(1, 1))
+            if i == 3:
+                cfg = ft.FastTreeConfig(kv_split_sizes=(1024, 1024), para_threshs1=(1, 1))
         else:
             tree = random_tree(rng, max_nodes=12, max_len=700)
-        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=rules)
-        q, k, v = make_inputs(tree, g * hkv, hkv, 64, dtype, device, gen)
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, rules=rules)
+        q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
         check_against_reference(out, q, k, v, tree)
-        qs = ft.plan_query_separated(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=rules)
+        qs = ft.plan_query_separated(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, rules=rules)
         out = run_poisoned(lambda o, qs=qs, q=q, k=k, v=v: ft.tree_attention(q, k, v, qs, out=o), q)
         check_against_reference(out, q, k, v, tree)
