@@ -8,7 +8,7 @@
 #   kernel    the paper-suite kernel benchmark (kernel_<gpu>.*)
 #   families  the kernel benchmark on the other tree families (kernel_<gpu>_fam.*)
 #   crossover the crossover suite against query-separated decode (kernel_<gpu>_crossover.*)
-#   heldout   with CANDIDATE='FIELD=VALUE;...' (and SEED, TREES, SHAPES, FAMILIES; CHANGED_ONLY=1 times only
+#   heldout   with CANDIDATE='FIELD=VALUE;...' (and SEED, TREES, SHAPES, FAMILIES, FAMILY_PARAMS; CHANGED_ONLY=1 times only
 #             the trees it changes): the candidate against the defaults and decode on fresh trees
 #             (kernel_<gpu>_heldout.*; several candidates separated by '|' run in turn, the second
 #             writing kernel_<gpu>_heldout2.*, ...)
@@ -78,6 +78,7 @@ for step in $steps; do
       shapes=()
       [ -n "${SHAPES:-}" ] && shapes=(--shapes "$SHAPES")
       [ -n "${FAMILIES:-}" ] && shapes+=(--families "$FAMILIES")
+      [ -n "${FAMILY_PARAMS:-}" ] && shapes+=(--family-params "$FAMILY_PARAMS")
       [ -n "${CHANGED_ONLY:-}" ] && shapes+=(--changed-only)
       # several candidates separated by '|' run one after the other: kernel_<gpu>_heldout, _heldout2, ...
       IFS='|' read -r -a candidates <<<"$CANDIDATE"

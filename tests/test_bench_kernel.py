@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -382,6 +383,21 @@ def test_the_heldout_suite_draws_every_family_at_every_shape():
     for bad in ("random", ",", "beam_search,nope"):
         with pytest.raises(SystemExit):
             kernel.parse_args([*argv, "--families", bad])
+    # --family-params narrows the named families' size ranges; one a family refuses stops the parse
+    from fasttree.toolkit.bench_cases import probe_item
+    from fasttree.toolkit.family_suite import FamilyCase, family_tree
+
+    narrow = [*argv, "--families", "no_sharing", "--family-params", '{"context_tokens": [1024, 2048]}']
+    args = kernel.parse_args(narrow)
+    for case in args.heldout:
+        lengths = family_tree(case).lengths
+        assert lengths.min() >= 1024 and lengths.max() <= 2048
+    item = json.loads(json.dumps(probe_item(args, family=args.heldout[1])))  # as the probe child gets it
+    rebuilt = FamilyCase(**{**item["family"], "heads": tuple(item["family"]["heads"])})
+    np.testing.assert_array_equal(family_tree(rebuilt).slots, family_tree(args.heldout[1]).slots)
+    for bad in ('{"context_tokens": [1024, 2048]}', "[1, 2]", "{nope"):
+        with pytest.raises(SystemExit):
+            kernel.parse_args([*argv, "--families", "random_recursive", "--family-params", bad])
 
 
 def test_a_heldout_case_travels_to_the_probe_child_as_json():

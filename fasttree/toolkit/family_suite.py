@@ -208,13 +208,17 @@ def heldout_cases(
     n_trees: int,
     shapes: tuple[tuple[tuple[int, int], int, str], ...] = HELDOUT_SHAPES,
     families: tuple[str, ...] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> tuple[FamilyCase, ...]:
     """``n_trees`` cases of the ``heldout`` suite: case ``i`` is a tree of family ``i mod F`` of
     ``families`` (default: every key of :data:`~fasttree.toolkit.workloads.TREE_FAMILIES`, sorted)
     drawn with seed ``seed + i`` and the family's own size ranges, at head layout
     ``shapes[i mod len(shapes)]``. The same arguments give the same cases; pick a ``seed`` no
     earlier decision used. ``families`` narrows a draw to the trees a rule acts on (random
-    recursive forests for the crossover's plain decode, say)."""
+    recursive forests for the crossover's plain decode, say), and ``params`` (keyword parameters
+    every named family's generator takes, e.g. ``{"context_tokens": (1024, 4096)}`` for
+    ``no_sharing``) narrows their size ranges; a parameter a family refuses is a ``ValueError``
+    here, before any case is built."""
     if n_trees < 1 or seed < 0 or not shapes:
         raise ValueError(f"heldout_cases needs n_trees >= 1, seed >= 0 and a shape, got {n_trees}, {seed}, {shapes}")
     if families is None:
@@ -223,10 +227,16 @@ def heldout_cases(
     if not families or unknown:
         raise ValueError(f"heldout_cases needs families among {sorted(TREE_FAMILIES)}, got {list(families)}")
     cases = []
+    params = dict(params or {})
+    for family in families if params else ():
+        try:
+            sample_tree(family, seed, **params)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"heldout_cases: family {family} refuses params {params}: {exc}") from None
     for i in range(n_trees):
         heads, d, dtype = shapes[i % len(shapes)]
         family = families[i % len(families)]
-        cases.append(_case(f"{family}#{seed + i}", family, seed + i, {}, tuple(heads), d, dtype))
+        cases.append(_case(f"{family}#{seed + i}", family, seed + i, params, tuple(heads), d, dtype))
     return tuple(cases)
 
 

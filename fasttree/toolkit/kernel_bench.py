@@ -728,6 +728,20 @@ def _candidate_dict(config: ft.FastTreeConfig, rules: ft.PlanRules) -> dict[str,
     return {"config": config.to_dict(), "rules": changed}
 
 
+def _family_params(text: str | None) -> dict[str, Any] | None:
+    """``--family-params`` as a dict (JSON lists become tuples, as the generators' ranges are);
+    ValueError when it is not a JSON object."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--family-params is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--family-params must be a JSON object, got {text!r}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+
+
 def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -754,6 +768,13 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
         "--families",
         default=None,
         help="heldout suite: tree families, comma separated, used in turn (default: every family)",
+    )
+    p.add_argument(
+        "--family-params",
+        default=None,
+        metavar="JSON",
+        help="heldout suite: keyword parameters every --families generator takes, as a JSON object "
+        "(e.g. '{\"context_tokens\": [1024, 4096]}' for no_sharing; default: their own ranges)",
     )
     p.add_argument(
         "--candidate",
@@ -809,7 +830,9 @@ def parse_args(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_benc
     try:
         args.shapes = tuple(parse_shape(x) for x in args.shapes.split(",") if x) if args.shapes else HELDOUT_SHAPES
         families = tuple(f for f in args.families.split(",") if f) if args.families else None
-        args.heldout = heldout_cases(args.seed, args.trees, args.shapes, families) if args.suite == "heldout" else ()
+        params = _family_params(args.family_params)
+        heldout = args.suite == "heldout"
+        args.heldout = heldout_cases(args.seed, args.trees, args.shapes, families, params) if heldout else ()
         args.candidate = parse_candidate(args.candidate) if args.candidate is not None else None
     except ValueError as exc:
         p.error(str(exc))
