@@ -176,11 +176,11 @@ def chunked_split(longest: int, programs: int, items: int, kv_tile: int, work: i
 
 def one_wave_split(lens: np.ndarray, num_kv_heads: int, programs: int, kv_tile: int) -> int:
     """The smallest multiple of ``kv_tile`` that cuts the contexts of lengths ``lens`` (int64
-    [n_queries], each >= 1) into at most ``programs`` chunks x ``num_kv_heads``
+    [n_queries], not empty) into at most ``programs`` chunks x ``num_kv_heads``
     (``PlanRules.decode_one_wave``), or the longest context rounded up to the tile (one chunk per
     query) when no chunk size does: a binary search over the tiles, the chunk count falling as the
     chunk grows."""
-    tiles_hi = -(-int(np.maximum.reduce(lens)) // kv_tile)
+    tiles_hi = max(1, -(-int(np.maximum.reduce(lens)) // kv_tile))
 
     def fits(tiles: int) -> bool:
         return int(np.add.reduce(-(-lens // (tiles * kv_tile)), dtype=np.int64)) * num_kv_heads <= programs
@@ -253,9 +253,10 @@ def _solo_group_split(
         return group_split
     programs, tile = config.para_threshs1[1], config.kv_tile[1]
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
-    one_wave = rules.decode_one_wave and n_solo == kv_len.size
+    per_sm = decode_programs_per_sm(head_dim) if rules.decode_one_wave and n_solo == kv_len.size else None
+    one_wave = per_sm is not None
     if one_wave:  # every group solo: plain decode's one-wave chunks, the wave scaled from P at 4 per SM
-        split = one_wave_split(kv_len, num_kv_heads, programs * decode_programs_per_sm(head_dim) // 4, tile)
+        split = one_wave_split(kv_len, num_kv_heads, programs * per_sm // 4, tile)
     elif few_heads:
         split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile)
     else:

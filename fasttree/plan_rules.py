@@ -128,7 +128,8 @@ class PlanRules:
         How query-separated decode (:func:`fasttree.plan_query_separated`, also the plan the crossover
         test picks) sizes its default chunks: False as ``decode_split_by_context`` says; True, the
         smallest multiple of the KV tile whose chunks of every query's context, times the KV heads,
-        fit one wave of the launch at :func:`decode_programs_per_sm` programs per SM (a query's whole
+        fit one wave of the launch at :func:`decode_programs_per_sm` programs per SM (head dims
+        above 64; a query's whole
         context, rounded up to the tile, when even one chunk per query does not): the longer
         contexts cut into more chunks than the shorter, no short last wave. Nsight Compute on an H100
         put plain decode of batches without sharing at 1.2-1.3 waves and 68-70% of DRAM peak where
@@ -260,12 +261,16 @@ def wide_head_split(head_dim: int, split: int, cap: int) -> int:
     return split
 
 
-def decode_programs_per_sm(head_dim: int) -> int:
+def decode_programs_per_sm(head_dim: int) -> int | None:
     """Programs per SM of plain decode's stage-1 launch (16 rows, 64-token KV tiles, 4 warps, 3
-    stages) on sm_90, which :attr:`PlanRules.decode_one_wave` fits its chunks to: 4 up to head
-    dim 128 (114 registers and 39 KB of shared memory at 128), 3 above (160 registers, 76 KB at
-    256), as Nsight Compute reported them on an H100 (``docs/history.md``). Head dims below 128
-    need no more of either, so 4 is their lower bound."""
+    stages) on sm_90, which :attr:`PlanRules.decode_one_wave` fits its chunks to: 4 above head dim 64
+    up to 128 (114 registers and 39 KB of shared memory at 128), 3 above (160 registers, 76 KB at
+    256), as Nsight Compute reported them on an H100 (``docs/history.md``); None at head dims up to
+    64, not measured (the compiler's table puts that launch at about half the registers and shared
+    memory of head dim 128, so one wave there holds more programs than 4 per SM): the rule leaves
+    those plans alone."""
+    if head_dim <= 64:
+        return None
     return 4 if head_dim <= 128 else 3
 
 

@@ -86,8 +86,9 @@ def plan_query_separated(
     nq = tree.n_queries
     lens = np.diff(kv_indptr)
     if kv_split_size is None:
-        if rules is not None and rules.decode_one_wave:
-            kv_split_size = one_wave_split(lens, num_kv_heads, decode_programs_per_sm(head_dim) * num_sms, kv_tile)
+        per_sm = decode_programs_per_sm(head_dim) if rules is not None and rules.decode_one_wave else None
+        if per_sm is not None:
+            kv_split_size = one_wave_split(lens, num_kv_heads, per_sm * num_sms, kv_tile)
         else:
             by_context = rules is not None and rules.decode_split_by_context
             context = int(np.add.reduce(lens, dtype=np.int64)) if by_context else None

@@ -701,7 +701,7 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
 @pytest.mark.parametrize("rule", ["decode_split_by_context", "decode_one_wave"])
 @pytest.mark.parametrize(
     ("g", "hkv", "d", "dtype"),
-    [(4, 1, 64, torch.bfloat16), (16, 1, 64, torch.float16), (8, 2, 64, torch.bfloat16), (8, 1, 256, torch.bfloat16)],
+    [(4, 1, 64, torch.bfloat16), (16, 1, 128, torch.float16), (8, 2, 64, torch.bfloat16), (8, 1, 256, torch.bfloat16)],
 )
 def test_plain_decode_rules_added_off_match_the_reference_when_on(rule, g, hkv, d, dtype, device):
     """The plain-decode chunk rules waiting for their GPU A/B, switched on: ``decode_split_by_context``

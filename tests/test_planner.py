@@ -844,7 +844,7 @@ def test_decode_one_wave_fits_plain_decode_and_solo_batches_to_one_wave():
     from fasttree.plan_rules import decode_programs_per_sm
 
     assert ft.PlanRules.defaults().decode_one_wave is False
-    assert [decode_programs_per_sm(d) for d in (64, 128, 256)] == [4, 4, 3]
+    assert [decode_programs_per_sm(d) for d in (64, 96, 128, 256)] == [None, 4, 4, 3]
     on = ft.PlanRules.defaults().with_(decode_one_wave=True)
     for n, length, hq, hkv, d, today in ((16, 2048, 32, 8, 128, 640), (32, 4096, 8, 1, 256, 512)):
         tree = ft.KVTree.from_lengths([-1] * n, [length] * n, list(range(n)))
@@ -861,6 +861,11 @@ def test_decode_one_wave_fits_plain_decode_and_solo_batches_to_one_wave():
     fitted = ft.plan_query_separated(mixed, num_q_heads=16, num_kv_heads=1, head_dim=128, rules=on)
     assert 400 < fitted.n_units <= 528
     check_plan(mixed, fitted)
+    # head dim 64 (occupancy not measured): plans unchanged
+    small = ft.KVTree.from_lengths([-1] * 16, [2048] * 16, list(range(16)))
+    for make in (ft.plan_query_separated, ft.plan):
+        heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 64}
+        np.testing.assert_array_equal(make(small, **heads).unit_kv_len, make(small, **heads, rules=on).unit_kv_len)
     # shared prefixes: not a batch of solo units, the tree plan unchanged
     shared = ft.KVTree.from_lengths([-1, 0, 0, 0, 0], [4096, 300, 500, 700, 900], [1, 2, 3, 4])
     heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
