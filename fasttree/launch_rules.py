@@ -222,13 +222,7 @@ def _one_wave_of_small_tiles(head_dim: int, tc: TileClass, items: int, sms: int)
 
 
 def launch_kv_tile(
-    group_size: int,
-    head_dim: int,
-    tc: TileClass,
-    lengths: np.ndarray,
-    items: int,
-    sms: int,
-    wide_head_cap: int,
+    group_size: int, head_dim: int, tc: TileClass, lengths: np.ndarray, items: int, sms: int, wide_head_cap: int
 ) -> int:
     """KV tokens per inner-loop tile of one stage-1 launch of tile class ``tc``.
 
@@ -245,9 +239,13 @@ def launch_kv_tile(
     capped = wide_head_tile(head_dim, tc.block_m, tc.block_n, wide_head_cap)
     if capped != tc.block_n:
         return capped
-    if group_size == 1 or tc.block_n != 64 or tc.num_warps < 4 or lengths.size == 0:
-        return tc.block_n
-    if not _one_wave_of_small_tiles(head_dim, tc, items, sms):
+    if (
+        group_size == 1
+        or not _one_wave_of_small_tiles(head_dim, tc, items, sms)
+        or tc.block_n != 64
+        or tc.num_warps < 4
+        or lengths.size == 0
+    ):
         return tc.block_n
     return _WIDE_KV_TILE_TOKENS if tenth_longest(lengths) > tc.block_n else tc.block_n
 

@@ -129,12 +129,11 @@ class PlanRules:
         test picks) sizes its default chunks: False as ``decode_split_by_context`` says; True, the
         smallest multiple of the KV tile whose chunks of every query's context, times the KV heads,
         fit one wave of the launch at :func:`decode_programs_per_sm` programs per SM (head dims
-        above 64; a query's whole
-        context, rounded up to the tile, when even one chunk per query does not): the longer
-        contexts cut into more chunks than the shorter, no short last wave. Nsight Compute on an H100
-        put plain decode of batches without sharing at 1.2-1.3 waves and 68-70% of DRAM peak where
-        FlashInfer's batch decode, which sizes its chunks to one wave of its kernel's occupancy, ran
-        2-4% faster. A tree plan whose groups are all solo units (a batch without sharing)
+        above 64; a query's whole context, rounded up to the tile, when even one chunk per query
+        does not): the longer contexts cut into more chunks than the shorter, no short last wave.
+        Nsight Compute on an H100 put plain decode of batches without sharing at 1.2-1.3 waves and
+        68-70% of DRAM peak where FlashInfer's batch decode, which sizes its chunks to one wave of
+        its kernel's occupancy, ran 2-4% faster. A tree plan whose groups are all solo units (a batch without sharing)
         chunks them alike. Takes precedence over ``decode_split_by_context``. False by default
         until measured (``docs/history.md``).
     wide_head_small_split : int

@@ -40,9 +40,9 @@ source checkout has it; without that file the variant is skipped). Run as
 
     python -m bench.kernel --suite paper [--heads mha,gqa4,gqa16] [--cases 1-15] [--out docs/results]
 
-``--suite heldout --seed S --trees N [--shapes 8x1/d256/bf16,...] [--families random_recursive,...]`` draws
-``N`` fresh trees of every family, or of those named (:func:`.family_suite.heldout_cases`), instead of a
-fixed suite.
+``--suite heldout --seed S --trees N [--shapes 8x1/d256/bf16,...] [--families random_recursive,...]
+[--family-params JSON]`` draws ``N`` fresh trees of every family, or of those named with the size ranges
+the JSON narrows (:func:`.family_suite.heldout_cases`), instead of a fixed suite.
 """
 
 from __future__ import annotations
