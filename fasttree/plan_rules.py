@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["ADDED_AS", "PlanRules", "deciding_fields", "decode_programs_per_sm", "wide_head_split", "wide_head_tile"]
+__all__ = ["ADDED_AS", "PlanRules", "deciding_fields", "wide_head_split", "wide_head_tile"]
 
 #: Field metadata key of a rule added switched off: the value it was added with, at which it
 #: changed no plan of the defaults (:func:`deciding_fields` leaves it out there).
@@ -124,18 +124,6 @@ class PlanRules:
         same where they are equal). Plain decode's plans only: a tree plan's solo units keep the
         longest context's chunks (capped too, they measured 0.91-0.97x on no-sharing batches). False
         by default until a fresh draw confirms it (``docs/history.md``).
-    decode_one_wave : bool
-        How query-separated decode (:func:`fasttree.plan_query_separated`, also the plan the crossover
-        test picks) sizes its default chunks: False as ``decode_split_by_context`` says; True, the
-        smallest multiple of the KV tile whose chunks of every query's context, times the KV heads,
-        fit one wave of the launch at :func:`decode_programs_per_sm` programs per SM (head dims
-        above 64; a query's whole context, rounded up to the tile, when even one chunk per query
-        does not): the longer contexts cut into more chunks than the shorter, no short last wave.
-        Nsight Compute on an H100 put plain decode of batches without sharing at 1.2-1.3 waves and
-        68-70% of DRAM peak where FlashInfer's batch decode, which sizes its chunks to one wave of
-        its kernel's occupancy, ran 2-4% faster. A tree plan whose groups are all solo units (a batch without sharing)
-        chunks them alike. Takes precedence over ``decode_split_by_context``. False by default
-        until measured (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
@@ -183,7 +171,6 @@ class PlanRules:
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=False, metadata={ADDED_AS: False})
-    decode_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -258,19 +245,6 @@ def wide_head_split(head_dim: int, split: int, cap: int) -> int:
     if cap and head_dim > 128 and split > cap:
         return cap
     return split
-
-
-def decode_programs_per_sm(head_dim: int) -> int | None:
-    """Programs per SM of plain decode's stage-1 launch (16 rows, 64-token KV tiles, 4 warps, 3
-    stages) on sm_90, which :attr:`PlanRules.decode_one_wave` fits its chunks to: 4 above head dim 64
-    up to 128 (114 registers and 39 KB of shared memory at 128), 3 above (160 registers, 76 KB at
-    256), as Nsight Compute reported them on an H100 (``docs/history.md``); None at head dims up to
-    64, not measured (the compiler's table puts that launch at about half the registers and shared
-    memory of head dim 128, so one wave there holds more programs than 4 per SM): the rule leaves
-    those plans alone."""
-    if head_dim <= 64:
-        return None
-    return 4 if head_dim <= 128 else 3
 
 
 def deciding_fields(rules: PlanRules) -> dict[str, Any]:

@@ -698,18 +698,16 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     check_against_reference(out, q, k, v, tree)
 
 
-@pytest.mark.parametrize("rule", ["decode_split_by_context", "decode_one_wave"])
 @pytest.mark.parametrize(
     ("g", "hkv", "d", "dtype"),
     [(4, 1, 64, torch.bfloat16), (16, 1, 128, torch.float16), (8, 2, 64, torch.bfloat16), (8, 1, 256, torch.bfloat16)],
 )
-def test_plain_decode_rules_added_off_match_the_reference_when_on(rule, g, hkv, d, dtype, device):
-    """The plain-decode chunk rules waiting for their GPU A/B, switched on: ``decode_split_by_context``
-    (chunks from the summed context) and ``decode_one_wave`` (chunks fitted to one wave; a tree plan
-    of solo units alike), on random forests and independent requests of mixed lengths (default
-    config: solo units; a config keeping them whole), tree plans and query-separated plans against
-    the float64 reference."""
-    rules = ft.PlanRules.defaults().with_(**{rule: True})
+def test_decode_split_by_context_matches_the_reference_when_on(g, hkv, d, dtype, device):
+    """``decode_split_by_context`` (plain decode's chunks from the summed context), off by default,
+    switched on: random forests and independent requests of mixed lengths (default config: solo
+    units; a config keeping them whole), tree plans and query-separated plans against the float64
+    reference."""
+    rules = ft.PlanRules.defaults().with_(decode_split_by_context=True)
     rng = np.random.default_rng(4100 + 10 * g + hkv + d)
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     for i in range(4):
