@@ -117,13 +117,14 @@ class PlanRules:
     decode_split_by_context : bool
         How query-separated decode (:func:`fasttree.plan_query_separated`, also the plan the
         crossover test picks) sizes its default chunks for about four waves of programs: False
-        cuts the longest context into ``ceil(4 x SMs / (queries x KV heads))`` chunks, so a batch of
-        mixed lengths runs fewer programs (a 64-request batch of 1-4k tokens at one KV head: about
-        368 for 528); True caps the chunk at ``ceil(context x KV heads / (4 x SMs))`` tokens for the
-        summed context, rounded up to the KV tile (finer chunks where lengths differ, about the
-        same where they are equal). Plain decode's plans only: a tree plan's solo units keep the
-        longest context's chunks (capped too, they measured 0.91-0.97x on no-sharing batches). False
-        by default until a fresh draw confirms it (``docs/history.md``).
+        cuts the longest context into ``ceil(4 x SMs / (queries x KV heads))`` chunks, which is one
+        chunk per query once the queries x KV heads alone reach ``4 x SMs`` (each query's context
+        whole: the longest is the launch's tail); True there caps the chunk at ``ceil(context x KV
+        heads / (4 x SMs))`` tokens for the summed context, rounded up to the KV tile (smaller
+        batches keep the default's chunks: capped, small forests lost up to 0.93x). Plain decode's
+        plans only: a tree plan's solo units keep the longest context's chunks (capped too, they
+        measured 0.91-0.97x on no-sharing batches). False by default until a fresh draw confirms
+        it (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0

@@ -129,8 +129,11 @@ def query_separated_split(
 ) -> int:
     """The default chunk size of :func:`plan_query_separated`: a multiple of ``kv_tile`` that cuts
     the ``longest`` context into enough chunks for about four waves of ``num_sms`` programs over
-    ``n_queries`` queries x ``num_kv_heads`` KV heads; with ``context`` (the queries' summed
-    context entries, ``PlanRules.decode_split_by_context``) no longer than the chunk that cuts the
-    summed context x ``num_kv_heads`` into about that many programs (:func:`chunked_split`)."""
-    work = None if context is None else context * num_kv_heads
-    return chunked_split(longest, 4 * num_sms, n_queries * num_kv_heads, kv_tile, work)
+    ``n_queries`` queries x ``num_kv_heads`` KV heads. With ``context`` (the queries' summed
+    context entries, ``PlanRules.decode_split_by_context``), where those items alone fill the
+    four waves (one chunk per query: the longest context whole), no longer than the chunk that
+    cuts the summed context x ``num_kv_heads`` into about that many programs
+    (:func:`chunked_split`)."""
+    items, programs = n_queries * num_kv_heads, 4 * num_sms
+    work = None if context is None or items < programs else context * num_kv_heads
+    return chunked_split(longest, programs, items, kv_tile, work)

@@ -782,31 +782,35 @@ def test_query_contexts_match_query_slots(monkeypatch):
     np.testing.assert_array_equal(got, trees[0].query_slots()[1])
 
 
-def test_decode_split_by_context_cuts_mixed_lengths_finer_and_equal_lengths_alike():
-    """``PlanRules.decode_split_by_context``: plain decode's chunk is capped at the summed context x KV
-    heads over 4 x 132 programs. 64 requests of 1-4k tokens at one KV head (cut by the longest into
-    9 chunks of 512 tokens, the shorter ones make fewer than 400 programs): 320-token chunks, about
-    500 programs; the tree plan's solo units are left alone. 32 equal requests of 4k: 256-token chunks either way."""
+def test_decode_split_by_context_cuts_only_batches_of_one_chunk_per_query():
+    """``PlanRules.decode_split_by_context``: where the queries x KV heads alone reach 4 x 132
+    programs, plain decode's default reads each context whole (one chunk per query, the longest
+    the tail); the rule caps the chunk at the summed context x KV heads over 4 x 132 programs.
+    600 requests of 64-2,048 tokens at one KV head: 2,048-token chunks, 600 programs; capped, the
+    summed context over 528 rounded up to the tile, more programs. Smaller batches (64 requests of
+    1-4k) keep the default's chunks; the tree plan's solo units are left alone."""
     from fasttree.plan_arrays import chunked_split
-    from fasttree.query_separated import plan_query_separated
+    from fasttree.query_separated import plan_query_separated, query_separated_split
 
     on = ft.PlanRules.defaults().with_(decode_split_by_context=True)
     assert ft.PlanRules.defaults().decode_split_by_context is False
-    lens = np.random.default_rng(0).integers(1024, 4097, 64)
-    mixed = ft.KVTree.from_lengths([-1] * 64, lens, list(range(64)))
-    equal = ft.KVTree.from_lengths([-1] * 32, [4096] * 32, list(range(32)))
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
-    base, cut = plan_query_separated(mixed, **heads), plan_query_separated(mixed, **heads, rules=on)
-    assert base.config.kv_split_sizes[0] == 512  # ceil(4088 / 9) rounded up to the 64-token tile
-    assert cut.config.kv_split_sizes[0] == 320  # ceil(sum(lens) / 528) = 312, rounded up
-    assert base.n_units < 400 and 450 < cut.n_units <= 560
+    rng = np.random.default_rng(0)
+    lens = rng.integers(64, 2049, 600)
+    many = ft.KVTree.from_lengths([-1] * 600, lens, list(range(600)))
+    base, cut = plan_query_separated(many, **heads), plan_query_separated(many, **heads, rules=on)
+    longest = -(-int(lens.max()) // 64) * 64
+    assert base.config.kv_split_sizes[0] == longest and base.n_units == 600
+    per_program = -(-int(lens.sum()) // 528)
+    capped = -(-per_program // 64) * 64
+    assert cut.config.kv_split_sizes[0] == capped < longest and cut.n_units > 600
     for plan in (base, cut):
-        check_plan(mixed, plan)
-    assert plan_query_separated(equal, **heads, rules=on).config.kv_split_sizes == (256, 256)
-    assert plan_query_separated(equal, **heads).config.kv_split_sizes == (256, 256)
+        check_plan(many, plan)
+    assert query_separated_split(2048, 600, 1, 132, 64, context=int(lens.sum())) == capped
+    # 64 requests of 1-4k at one KV head: 9 chunks of the longest, left as they are
+    mixed = ft.KVTree.from_lengths([-1] * 64, rng.integers(1024, 4097, 64), list(range(64)))
+    for make in (plan_query_separated, ft.plan):
+        a, b = make(mixed, **heads), make(mixed, **heads, rules=on)
+        for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert chunked_split(4096, 528, 32, 64, work=32 * 4096) == chunked_split(4096, 528, 32, 64) == 256
-    # the tree plan's solo units (independent requests, few KV heads) keep the longest context's chunks
-    tree_base, tree_on = ft.plan(mixed, **heads), ft.plan(mixed, **heads, rules=on)
-    assert tree_base.unit_kv_len.max() == 512
-    for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
-        np.testing.assert_array_equal(getattr(tree_on, name), getattr(tree_base, name))
