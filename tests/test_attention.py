@@ -699,9 +699,9 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
 
 
 def test_decode_split_by_context_where_it_cuts_matches_the_reference(device):
-    """``decode_split_by_context`` switched on where it changes plain decode's chunks: 80 requests at
-    8 KV heads (640 items, more than 4 x 132 programs: one chunk per query by default), mixed
-    lengths, scattered slots; the capped chunks against the float64 reference, the default's too."""
+    """``decode_split_by_context`` where it changes plain decode's chunks: 80 requests at 8 KV heads
+    (640 items, more than 4 x 132 programs: one chunk per query without the rule), mixed lengths,
+    scattered slots; the capped chunks against the float64 reference, the uncapped ones too."""
     from fasttree.query_separated import plan_query_separated
 
     rng = np.random.default_rng(4180)
@@ -710,9 +710,9 @@ def test_decode_split_by_context_where_it_cuts_matches_the_reference(device):
     bounds = np.concatenate([[0], np.cumsum(lens)])
     tree = ft.KVTree([-1] * 80, [slots[bounds[j] : bounds[j + 1]] for j in range(80)], list(range(80)))
     heads = {"num_q_heads": 16, "num_kv_heads": 8, "head_dim": 64}
-    on = ft.PlanRules.defaults().with_(decode_split_by_context=True)
+    on = ft.PlanRules.defaults()
     base, cut = plan_query_separated(tree, **heads), plan_query_separated(tree, **heads, rules=on)
-    assert cut.n_units > base.n_units == 80
+    assert on.decode_split_by_context and cut.n_units > base.n_units == 80
     q, k, v = make_inputs(tree, 16, 8, 64, torch.bfloat16, device, torch.Generator().manual_seed(4180))
     for plan in (base, cut):
         out = run_poisoned(lambda o, plan=plan: ft.tree_attention(q, k, v, plan, out=o), q)
@@ -723,12 +723,12 @@ def test_decode_split_by_context_where_it_cuts_matches_the_reference(device):
     ("g", "hkv", "d", "dtype"),
     [(4, 1, 64, torch.bfloat16), (16, 1, 128, torch.float16), (8, 2, 64, torch.bfloat16), (8, 1, 256, torch.bfloat16)],
 )
-def test_decode_split_by_context_matches_the_reference_when_on(g, hkv, d, dtype, device):
-    """``decode_split_by_context`` (plain decode's chunks from the summed context), off by default,
-    switched on: random forests and independent requests of mixed lengths (default config: solo
-    units; a config keeping them whole), tree plans and query-separated plans against the float64
+def test_decode_split_by_context_matches_the_reference(g, hkv, d, dtype, device):
+    """The default rules with ``decode_split_by_context`` (plain decode's chunks from the summed
+    context): random forests and independent requests of mixed lengths (default config: solo units;
+    a config keeping them whole), tree plans and query-separated plans against the float64
     reference."""
-    rules = ft.PlanRules.defaults().with_(decode_split_by_context=True)
+    rules = ft.PlanRules.defaults()
     rng = np.random.default_rng(4100 + 10 * g + hkv + d)
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     for i in range(4):

@@ -784,16 +784,17 @@ def test_query_contexts_match_query_slots(monkeypatch):
 
 def test_decode_split_by_context_cuts_only_batches_of_one_chunk_per_query():
     """``PlanRules.decode_split_by_context``: where the queries x KV heads alone reach 4 x 132
-    programs, plain decode's default reads each context whole (one chunk per query, the longest
-    the tail); the rule caps the chunk at the summed context x KV heads over 4 x 132 programs.
+    programs, plain decode without the rule reads each context whole (one chunk per query, the
+    longest the tail); the rule caps the chunk at the summed context x KV heads over 4 x 132
+    programs when that is at most four fifths of the longest context.
     600 requests of 64-2,048 tokens at one KV head: 2,048-token chunks, 600 programs; capped, the
     summed context over 528 rounded up to the tile, more programs. Smaller batches (64 requests of
     1-4k) keep the default's chunks; the tree plan's solo units are left alone."""
     from fasttree.plan_arrays import chunked_split
     from fasttree.query_separated import plan_query_separated, query_separated_split
 
-    on = ft.PlanRules.defaults().with_(decode_split_by_context=True)
-    assert ft.PlanRules.defaults().decode_split_by_context is False
+    on = ft.PlanRules.defaults()
+    assert on.decode_split_by_context is True  # adopted
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
     rng = np.random.default_rng(0)
     lens = rng.integers(64, 2049, 600)
@@ -807,6 +808,8 @@ def test_decode_split_by_context_cuts_only_batches_of_one_chunk_per_query():
     for plan in (base, cut):
         check_plan(many, plan)
     assert query_separated_split(2048, 600, 1, 132, 64, context=int(lens.sum())) == capped
+    # a cap just below the longest context (more than four fifths of it) is not taken
+    assert query_separated_split(2048, 600, 1, 132, 64, context=600 * 1800) == 2048
     # 64 requests of 1-4k at one KV head: 9 chunks of the longest, left as they are
     mixed = ft.KVTree.from_lengths([-1] * 64, rng.integers(1024, 4097, 64), list(range(64)))
     for make in (plan_query_separated, ft.plan):
