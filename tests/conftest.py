@@ -2,10 +2,18 @@
 
 ``TRITON_INTERPRET`` must be set before ``fasttree.kernels`` is imported, so it is
 decided here, before any test module imports fasttree.
+
+Under pytest-xdist the workers share one GPU: every ``gpu`` test holds a shared lock on one file
+while it runs, and a ``gpu_timing`` test (one that compares times) holds it exclusively, so no
+other worker's kernels run beside its timings.
 """
 
+import contextlib
+import fcntl
 import importlib.util
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -27,6 +35,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+#: The lock file of :func:`_gpu_share` (one per user and machine, so concurrent workers find it).
+_GPU_LOCK = Path(tempfile.gettempdir()) / f"fasttree-gpu-tests-{os.getuid()}.lock"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share(request):
+    """A ``gpu`` test runs under a shared lock, a ``gpu_timing`` one under an exclusive lock (it
+    waits until no other worker runs a GPU test, and none starts until it ends)."""
+    if not HAS_CUDA or "gpu" not in request.keywords:
+        yield
+        return
+    exclusive = "gpu_timing" in request.keywords
+    with open(_GPU_LOCK, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        with contextlib.ExitStack() as unlock:
+            unlock.callback(fcntl.flock, handle, fcntl.LOCK_UN)
+            yield
 
 
 @pytest.fixture

@@ -88,6 +88,7 @@ def test_same_shapes_fp16_then_bf16_use_their_own_kernels():
             assert err <= TOL[dtype], f"{dtype}: {err:.2e}"
 
 
+@pytest.mark.gpu_timing
 def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
     from fasttree.toolkit.timing import graph_time_us
 
@@ -103,6 +104,7 @@ def test_graph_timing_captures_fewer_calls_when_one_call_is_slow():
     assert abs(capped["median"] / 1e3 - one) < 0.3 * one, "fewer calls per graph must not change the time per call"
 
 
+@pytest.mark.gpu_timing
 def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
     """A call whose GPU time dwarfs its launch: back-to-back eager calls time as the graph does,
     and a call that waits on the host (a sync) shows its gap."""
@@ -114,7 +116,7 @@ def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
         return x @ x
 
     tries = []
-    for _ in range(3):  # other pytest workers may share the GPU: one quiet try of three is enough
+    for _ in range(3):  # gpu_timing keeps other workers' GPU tests out; one quiet try of three is enough
         graph = graph_time_us(slow, calls=10, replays=5)["median"]
         loop = eager_loop_time_us(slow, calls=10, replays=5)
         assert loop["p20"] <= loop["median"] <= loop["p80"]
@@ -138,6 +140,7 @@ def test_eager_loop_timing_matches_the_graph_for_a_gpu_bound_call():
     assert eager_loop_time_us(synced, calls=10, replays=5)["median"] > quick_us
 
 
+@pytest.mark.gpu_timing
 def test_cold_graph_timing_matches_the_eager_call_at_the_same_cache_state():
     """One replay at a time with L2 cleared (graph cold) times a GPU-bound call as do_bench times
     it eagerly, and a call whose data fits in L2 no faster than 20 warm replays in one graph."""
@@ -145,7 +148,7 @@ def test_cold_graph_timing_matches_the_eager_call_at_the_same_cache_state():
 
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
     tries = []
-    for _ in range(3):  # other pytest workers may share the GPU: one quiet try of three is enough
+    for _ in range(3):  # gpu_timing keeps other workers' GPU tests out; one quiet try of three is enough
         cold = graph_cold_time_us(lambda: x @ x, rep_ms=30)
         eager = eager_time_us(lambda: x @ x, rep_ms=30)
         tries.append((cold, eager))
@@ -287,6 +290,7 @@ def test_non_blocking_upload_does_not_wait_for_the_stream():
     assert _max_rel_error(out, q, k, v, tree, rows) <= TOL[torch.float16]
 
 
+@pytest.mark.gpu_timing
 def test_interleaved_graph_timing_orders_calls_by_their_work():
     """Interleaved replays time each call as its own graph does: a call of twice the work takes
     about twice as long, and a call timed beside others keeps its own time."""
