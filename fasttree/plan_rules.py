@@ -121,12 +121,13 @@ class PlanRules:
         chunk per query once the queries x KV heads alone reach ``4 x SMs`` (each query's context
         whole: the longest is the launch's tail); True there caps the chunk at ``ceil(context x KV
         heads / (4 x SMs))`` tokens for the summed context, rounded up to the KV tile, where that
-        is at most four fifths of the longest context (:func:`fasttree.query_separated.query_separated_split`;
-        smaller batches keep the default's chunks: capped, small forests lost up to 0.93x). Plain
-        decode's plans only: a tree plan's solo units keep the longest context's chunks (capped
-        too, they measured 0.91-0.97x on no-sharing batches). On random forests at GQA 16 that the
-        crossover sends to plain decode (H100, fresh draws) 1.32x on the trees it changed, none
-        below 0.97x (``docs/history.md``).
+        is at most four fifths of the longest context
+        (:func:`fasttree.query_separated.query_separated_split`; smaller batches keep the
+        default's chunks: capped, small forests lost up to 0.93x). Plain decode's plans only: a
+        tree plan's solo units keep the longest context's chunks (capped too, they measured
+        0.91-0.97x on no-sharing batches). On random forests at GQA 16 that the crossover sends to
+        plain decode (H100, two fresh draws) 1.28-1.32x on the trees it changed, none below 0.97x
+        (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
