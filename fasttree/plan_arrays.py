@@ -27,7 +27,7 @@ from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
 from .packing import MAX_PACK_QUERIES, BinLayout, assemble_bins, bin_layout, bin_rows, layout_reads_and_rows
-from .plan_rules import PlanRules
+from .plan_rules import PlanRules, decode_programs_per_sm
 from .tree import arange_view, exclusive_sum, inverse_permutation, stable_argsort
 from .validation import check_int, check_int_array
 
@@ -174,6 +174,35 @@ def chunked_split(longest: int, programs: int, items: int, kv_tile: int, work: i
     return -(-split // kv_tile) * kv_tile
 
 
+def equal_lengths(lens: np.ndarray, kv_tile: int) -> bool:
+    """Whether the contexts of lengths ``lens`` (int64, not empty) are equal to within one KV tile
+    (:attr:`PlanRules.equal_lengths_one_wave`)."""
+    return int(np.maximum.reduce(lens)) - int(np.minimum.reduce(lens)) < kv_tile
+
+
+def one_wave_split(lens: np.ndarray, num_kv_heads: int, programs: int, kv_tile: int) -> int:
+    """The smallest multiple of ``kv_tile`` that cuts the contexts of lengths ``lens`` (int64
+    [n_queries], not empty) into at most ``programs`` chunks x ``num_kv_heads``
+    (:attr:`PlanRules.equal_lengths_one_wave`), or the longest context rounded up to the tile (one
+    chunk per query) when no chunk size does: a binary search over the tiles, the chunk count
+    falling as the chunk grows."""
+    tiles_hi = max(1, -(-int(np.maximum.reduce(lens)) // kv_tile))
+
+    def fits(tiles: int) -> bool:
+        return int(np.add.reduce(-(-lens // (tiles * kv_tile)), dtype=np.int64)) * num_kv_heads <= programs
+
+    if not fits(tiles_hi):
+        return tiles_hi * kv_tile
+    lo, hi = 1, tiles_hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * kv_tile
+
+
 def _solo_group_split(
     groups: Groups,
     group_split: np.ndarray | int,
@@ -207,6 +236,10 @@ def _solo_group_split(
       left a long group whole as the launch's tail on mixed lengths, and re-cutting groups
       already cut at the big split size into about ``P`` programs lost waves (0.93x on 32 x
       4k-token requests at 32/8 heads, whose cut made 1.9 P programs);
+    - with ``rules.equal_lengths_one_wave``, every group solo (a batch without sharing) and their
+      lengths equal to within the small KV tile, either way the chunk of :func:`one_wave_split` for
+      one wave of ``P x p / 4`` programs, ``p`` the launch's programs per SM
+      (:func:`fasttree.plan_rules.decode_programs_per_sm`).
 
     A longer split is kept.
 
@@ -226,7 +259,13 @@ def _solo_group_split(
         return group_split
     programs, tile = config.para_threshs1[1], config.kv_tile[1]
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
-    if few_heads:
+    per_sm = None
+    if rules.equal_lengths_one_wave and n_solo == kv_len.size and equal_lengths(kv_len, tile):
+        per_sm = decode_programs_per_sm(head_dim)
+    one_wave = per_sm is not None
+    if one_wave:  # every group solo, equal lengths: one wave of plain decode's launch, scaled from P at 4 per SM
+        split = one_wave_split(kv_len, num_kv_heads, programs * per_sm // 4, tile)
+    elif few_heads:
         split = chunked_split(int(np.maximum.reduce(kv_len[solo])), programs, n_solo * num_kv_heads, tile)
     else:
         cut = int(np.add.reduce(-(-kv_len[solo] // current[solo]), dtype=np.int64)) * num_kv_heads
@@ -240,7 +279,7 @@ def _solo_group_split(
     if not np.count_nonzero(raised):
         return group_split
     out = np.array(current, dtype=np.int64)
-    out[raised] = split if few_heads else split[raised]
+    out[raised] = split if few_heads or one_wave else split[raised]
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["ADDED_AS", "PlanRules", "deciding_fields", "wide_head_split", "wide_head_tile"]
+__all__ = ["ADDED_AS", "PlanRules", "deciding_fields", "decode_programs_per_sm", "wide_head_split", "wide_head_tile"]
 
 #: Field metadata key of a rule added switched off: the value it was added with, at which it
 #: changed no plan of the defaults (:func:`deciding_fields` leaves it out there).
@@ -128,6 +128,16 @@ class PlanRules:
         0.91-0.97x on no-sharing batches). On random forests at GQA 16 that the crossover sends to
         plain decode (H100, two fresh draws) 1.28-1.32x on the trees it changed, none below 0.97x
         (``docs/history.md``).
+    equal_lengths_one_wave : bool
+        How plain decode (:func:`fasttree.plan_query_separated`) and a tree plan whose groups are all
+        solo units (a batch without sharing) chunk a batch whose contexts are equal to within one
+        KV tile: False as above; True, the smallest multiple of the KV tile whose chunks of every
+        context x KV heads fit one wave of the launch at :func:`decode_programs_per_sm` programs
+        per SM (head dims above 64), as FlashInfer's batch decode sizes its own. On mixed lengths
+        one wave waits for the longest chunk (0.993x, 14 of 47 below 0.97x on a fresh draw of
+        no-sharing batches); on the crossover and families suites' seven equal-length batches it
+        ran 1.011-1.080x, where FlashInfer's batch decode had been up to 4% faster than ours. False
+        by default until a fresh draw of equal-length batches confirms it (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
@@ -175,6 +185,7 @@ class PlanRules:
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
+    equal_lengths_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -240,6 +251,17 @@ def wide_head_tile(head_dim: int, block_m: int, block_n: int, cap: int) -> int:
     if cap and head_dim > 128 and block_m >= 32 and block_n > cap:
         return cap
     return block_n
+
+
+def decode_programs_per_sm(head_dim: int) -> int | None:
+    """Programs per SM of plain decode's stage-1 launch (16 rows, 64-token KV tiles, 4 warps, 3
+    stages) on sm_90, which :attr:`PlanRules.equal_lengths_one_wave` fits its chunks to: 4 above
+    head dim 64 up to 128 (114 registers and 39 KB of shared memory at 128), 3 above (160 registers,
+    76 KB at 256), as Nsight Compute reported them on an H100 (``docs/history.md``); None at head
+    dims up to 64, not measured: the rule leaves those plans alone."""
+    if head_dim <= 64:
+        return None
+    return 4 if head_dim <= 128 else 3
 
 
 def wide_head_split(head_dim: int, split: int, cap: int) -> int:

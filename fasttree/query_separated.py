@@ -14,8 +14,8 @@ from .config import FastTreeConfig
 from .costs import QUERY_SEPARATED
 from .groups import Groups
 from .native import address, planner_library
-from .plan_arrays import Plan, check_heads, chunked_split, materialize
-from .plan_rules import PlanRules
+from .plan_arrays import Plan, check_heads, chunked_split, equal_lengths, materialize, one_wave_split
+from .plan_rules import PlanRules, decode_programs_per_sm
 from .tree import KVTree
 from .validation import check_int
 
@@ -86,9 +86,15 @@ def plan_query_separated(
     nq = tree.n_queries
     lens = np.diff(kv_indptr)
     if kv_split_size is None:
-        by_context = rules is not None and rules.decode_split_by_context
-        context = int(np.add.reduce(lens, dtype=np.int64)) if by_context else None
-        kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile, context=context)
+        per_sm = None
+        if rules is not None and rules.equal_lengths_one_wave and equal_lengths(lens, kv_tile):
+            per_sm = decode_programs_per_sm(head_dim)
+        if per_sm is not None:
+            kv_split_size = one_wave_split(lens, num_kv_heads, per_sm * num_sms, kv_tile)
+        else:
+            by_context = rules is not None and rules.decode_split_by_context
+            context = int(np.add.reduce(lens, dtype=np.int64)) if by_context else None
+            kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile, context=context)
     groups = Groups(
         node=tree.query_nodes.copy(),
         kv_start=kv_indptr[:-1],

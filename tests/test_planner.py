@@ -817,3 +817,66 @@ def test_decode_split_by_context_cuts_only_batches_of_one_chunk_per_query():
         for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert chunked_split(4096, 528, 32, 64, work=32 * 4096) == chunked_split(4096, 528, 32, 64) == 256
+
+
+def test_one_wave_split_is_the_smallest_tile_multiple_that_fits_the_wave():
+    """``one_wave_split``: the chunks of every context x KV heads fit the wave, one tile less does not;
+    no chunk size fits when the queries x KV heads alone exceed it (one chunk per query then)."""
+    from fasttree.plan_arrays import one_wave_split
+
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        lens = rng.integers(1, 9000, int(rng.integers(1, 200))).astype(np.int64)
+        heads, wave, tile = int(rng.choice([1, 2, 4, 8])), int(rng.choice([396, 528])), int(rng.choice([32, 64]))
+
+        def count(split, lens=lens, heads=heads):
+            return int(np.sum(-(-lens // split))) * heads
+
+        split = one_wave_split(lens, heads, wave, tile)
+        assert split % tile == 0 and split >= tile
+        if lens.size * heads > wave:
+            assert split == -(-int(lens.max()) // tile) * tile
+        else:
+            assert count(split) <= wave
+            assert split == tile or count(split - tile) > wave
+    # 32 requests of 4k at one KV head, 396 programs (3 per SM at head dim 256): 384-token chunks, 352 programs
+    assert one_wave_split(np.full(32, 4096, dtype=np.int64), 1, 396, 64) == 384
+
+
+def test_equal_lengths_one_wave_fits_equal_batches_to_one_wave_and_leaves_the_rest():
+    """``PlanRules.equal_lengths_one_wave`` (off by default): plain decode's plans, and tree plans of
+    batches without sharing, whose contexts are equal to within a KV tile run at most one wave of
+    programs at ``decode_programs_per_sm`` per SM (4 up to head dim 128, 3 above); mixed lengths,
+    head dim 64 and trees with shared prefixes keep their plans."""
+    from fasttree.plan_rules import decode_programs_per_sm
+
+    assert ft.PlanRules.defaults().equal_lengths_one_wave is False
+    assert [decode_programs_per_sm(d) for d in (64, 96, 128, 256)] == [None, 4, 4, 3]
+    on = ft.PlanRules.defaults().with_(equal_lengths_one_wave=True)
+    for n, length, hq, hkv, d, today in ((16, 2048, 32, 8, 128, 640), (32, 4096, 8, 1, 256, 512)):
+        tree = ft.KVTree.from_lengths([-1] * n, [length] * n, list(range(n)))
+        heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
+        wave = decode_programs_per_sm(d) * 132
+        for make in (ft.plan_query_separated, ft.plan):
+            base, fitted = make(tree, **heads), make(tree, **heads, rules=on)
+            assert base.n_units * hkv == today > wave
+            assert fitted.n_units * hkv <= wave
+            check_plan(tree, fitted)
+        # within one tile of each other: still equal; a tile apart: not
+        near = ft.KVTree.from_lengths([-1] * n, [length - (i % 2) * 63 for i in range(n)], list(range(n)))
+        assert ft.plan_query_separated(near, **heads, rules=on).n_units * hkv <= wave
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1024, 4097, 64)
+    mixed = ft.KVTree.from_lengths([-1] * 64, lens, list(range(64)))
+    shared = ft.KVTree.from_lengths([-1, 0, 0, 0, 0], [4096, 300, 300, 300, 300], [1, 2, 3, 4])
+    narrow = ft.KVTree.from_lengths([-1] * 32, [2048] * 32, list(range(32)))
+    for tree, d, makers in (
+        (mixed, 128, (ft.plan_query_separated, ft.plan)),
+        (shared, 128, (ft.plan,)),  # a tree plan with sharing (plain decode of it reads equal contexts)
+        (narrow, 64, (ft.plan_query_separated, ft.plan)),
+    ):
+        heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": d}
+        for make in makers:
+            a, b = make(tree, **heads), make(tree, **heads, rules=on)
+            for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
