@@ -174,10 +174,16 @@ def chunked_split(longest: int, programs: int, items: int, kv_tile: int, work: i
     return -(-split // kv_tile) * kv_tile
 
 
-def equal_lengths(lens: np.ndarray, kv_tile: int) -> bool:
-    """Whether the contexts of lengths ``lens`` (int64, not empty) are equal to within one KV tile
-    (:attr:`PlanRules.equal_lengths_one_wave`)."""
-    return int(np.maximum.reduce(lens)) - int(np.minimum.reduce(lens)) < kv_tile
+def one_wave_programs_per_sm(rules: PlanRules | None, lens: np.ndarray, kv_tile: int, head_dim: int) -> int | None:
+    """The programs per SM :func:`one_wave_split` fits a batch's chunks to under
+    :attr:`PlanRules.equal_lengths_one_wave` (:func:`fasttree.plan_rules.decode_programs_per_sm`),
+    or None where the rule is off, the head dim unmeasured, or the contexts of lengths ``lens``
+    (int64, not empty) not equal to within one KV tile."""
+    if rules is None or not rules.equal_lengths_one_wave:
+        return None
+    if int(np.maximum.reduce(lens)) - int(np.minimum.reduce(lens)) >= kv_tile:
+        return None
+    return decode_programs_per_sm(head_dim)
 
 
 def one_wave_split(lens: np.ndarray, num_kv_heads: int, programs: int, kv_tile: int) -> int:
@@ -259,9 +265,7 @@ def _solo_group_split(
         return group_split
     programs, tile = config.para_threshs1[1], config.kv_tile[1]
     current = np.full(kv_len.size, group_split, dtype=np.int64) if np.ndim(group_split) == 0 else group_split
-    per_sm = None
-    if rules.equal_lengths_one_wave and n_solo == kv_len.size and equal_lengths(kv_len, tile):
-        per_sm = decode_programs_per_sm(head_dim)
+    per_sm = one_wave_programs_per_sm(rules, kv_len, tile, head_dim) if n_solo == kv_len.size else None
     one_wave = per_sm is not None
     if one_wave:  # every group solo, equal lengths: one wave of plain decode's launch, scaled from P at 4 per SM
         split = one_wave_split(kv_len, num_kv_heads, programs * per_sm // 4, tile)

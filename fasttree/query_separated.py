@@ -14,8 +14,8 @@ from .config import FastTreeConfig
 from .costs import QUERY_SEPARATED
 from .groups import Groups
 from .native import address, planner_library
-from .plan_arrays import Plan, check_heads, chunked_split, equal_lengths, materialize, one_wave_split
-from .plan_rules import PlanRules, decode_programs_per_sm
+from .plan_arrays import Plan, check_heads, chunked_split, materialize, one_wave_programs_per_sm, one_wave_split
+from .plan_rules import PlanRules
 from .tree import KVTree
 from .validation import check_int
 
@@ -86,9 +86,7 @@ def plan_query_separated(
     nq = tree.n_queries
     lens = np.diff(kv_indptr)
     if kv_split_size is None:
-        per_sm = None
-        if rules is not None and rules.equal_lengths_one_wave and equal_lengths(lens, kv_tile):
-            per_sm = decode_programs_per_sm(head_dim)
+        per_sm = one_wave_programs_per_sm(rules, lens, kv_tile, head_dim)
         if per_sm is not None:
             kv_split_size = one_wave_split(lens, num_kv_heads, per_sm * num_sms, kv_tile)
         else:
