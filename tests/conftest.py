@@ -8,7 +8,6 @@ while it runs, and a ``gpu_timing`` test (one that compares times) holds it excl
 other worker's kernels run beside its timings.
 """
 
-import contextlib
 import fcntl
 import importlib.util
 import os
@@ -49,11 +48,9 @@ def _gpu_share(request):
         yield
         return
     exclusive = "gpu_timing" in request.keywords
-    with open(_GPU_LOCK, "a+") as handle:
+    with open(_GPU_LOCK, "a+") as handle:  # closing the file releases the lock
         fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        with contextlib.ExitStack() as unlock:
-            unlock.callback(fcntl.flock, handle, fcntl.LOCK_UN)
-            yield
+        yield
 
 
 @pytest.fixture
