@@ -45,6 +45,7 @@ import torch
 import fasttree
 from fasttree.adapter import tree_from_radix_nodes
 from fasttree.fileio import write_atomic
+from fasttree.launcher import interpreting
 from fasttree.runtime import TreeAttentionRuntime
 from fasttree.runtime_planning import plan_for_runtime
 from fasttree.toolkit.bench_common import environment
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="the runtime's device (default: cuda when available, else cpu)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith("cuda") and not interpreting():
+        ap.error(f"the runtime runs on {device} only under TRITON_INTERPRET=1 (set it, or run on a GPU host)")
     torch.set_num_threads(args.threads)
 
     # what a runtime with launch variants plans with (make_runtime: no export, default rules)

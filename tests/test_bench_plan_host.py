@@ -34,3 +34,15 @@ def test_runtime_plan_column_times_the_plan_the_runtime_uploads():
         planned, _ = plan_for_runtime(tree, fasttree.FastTreeConfig(), **heads, rules=fasttree.PlanRules.defaults())
         for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query", "query_num_partials"):
             np.testing.assert_array_equal(getattr(planned, name), getattr(uploaded, name))
+
+
+def test_a_cpu_run_without_the_interpreter_is_refused_with_a_usage_error(monkeypatch, capsys):
+    """On a machine without a GPU the runtime needs ``TRITON_INTERPRET=1``: without it the script
+    stops with a usage error naming the variable, not a traceback from the runtime's constructor."""
+    import pytest
+
+    monkeypatch.setattr(plan_host, "interpreting", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        plan_host.main(["--device", "cpu", "--repeats", "1"])
+    assert stop.value.code == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
