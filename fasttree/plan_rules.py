@@ -133,11 +133,12 @@ class PlanRules:
         solo units (a batch without sharing) chunk a batch whose contexts are equal to within one
         KV tile: False as above; True, the smallest multiple of the KV tile whose chunks of every
         context x KV heads fit one wave of the launch at :func:`decode_programs_per_sm` programs
-        per SM (head dims above 64), as FlashInfer's batch decode sizes its own. On mixed lengths
-        one wave waits for the longest chunk (0.993x, 14 of 47 below 0.97x on a fresh draw of
-        no-sharing batches); on the crossover and families suites' seven equal-length batches it
-        ran 1.011-1.080x, where FlashInfer's batch decode had been up to 4% faster than ours. False
-        by default until a fresh draw of equal-length batches confirms it (``docs/history.md``).
+        per SM (head dims above 64 up to 128), as FlashInfer's batch decode sizes its own. On
+        mixed lengths one wave waits for the longest chunk (0.993x, 14 of 47 below 0.97x on a fresh
+        draw of no-sharing batches). On fresh draws of equal-length batches (H100, 1k and 2k
+        tokens) it ran 1.01-1.19x on every changed batch at head dim 128 and lost up to 0.89x at
+        head dim 256, where it no longer applies. False by default until a fresh draw at head dims
+        up to 128 confirms it (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
@@ -256,12 +257,12 @@ def wide_head_tile(head_dim: int, block_m: int, block_n: int, cap: int) -> int:
 def decode_programs_per_sm(head_dim: int) -> int | None:
     """Programs per SM of plain decode's stage-1 launch (16 rows, 64-token KV tiles, 4 warps, 3
     stages) on sm_90, which :attr:`PlanRules.equal_lengths_one_wave` fits its chunks to: 4 above
-    head dim 64 up to 128 (114 registers and 39 KB of shared memory at 128), 3 above (160 registers,
-    76 KB at 256), as Nsight Compute reported them on an H100 (``docs/history.md``); None at head
-    dims up to 64, not measured: the rule leaves those plans alone."""
-    if head_dim <= 64:
-        return None
-    return 4 if head_dim <= 128 else 3
+    head dim 64 up to 128 (114 registers and 39 KB of shared memory at 128, as Nsight Compute
+    reported them on an H100, ``docs/history.md``). None elsewhere, where the rule leaves plans
+    alone: at head dims up to 64 (not measured), and above 128, where the launch runs 3 per SM
+    (160 registers, 76 KB at 256) and one-wave chunks lost on fresh draws of equal-length batches
+    (up to 0.89x at 16/2 D 256 bf16)."""
+    return 4 if 64 < head_dim <= 128 else None
 
 
 def wide_head_split(head_dim: int, split: int, cap: int) -> int:

@@ -846,14 +846,14 @@ def test_one_wave_split_is_the_smallest_tile_multiple_that_fits_the_wave():
 def test_equal_lengths_one_wave_fits_equal_batches_to_one_wave_and_leaves_the_rest():
     """``PlanRules.equal_lengths_one_wave`` (off by default): plain decode's plans, and tree plans of
     batches without sharing, whose contexts are equal to within a KV tile run at most one wave of
-    programs at ``decode_programs_per_sm`` per SM (4 up to head dim 128, 3 above); mixed lengths,
-    head dim 64 and trees with shared prefixes keep their plans."""
+    programs at ``decode_programs_per_sm`` per SM (4 above head dim 64 up to 128); mixed lengths,
+    head dims 64 and 256 and trees with shared prefixes keep their plans."""
     from fasttree.plan_rules import decode_programs_per_sm
 
     assert ft.PlanRules.defaults().equal_lengths_one_wave is False
-    assert [decode_programs_per_sm(d) for d in (64, 96, 128, 256)] == [None, 4, 4, 3]
+    assert [decode_programs_per_sm(d) for d in (64, 96, 128, 256)] == [None, 4, 4, None]
     on = ft.PlanRules.defaults().with_(equal_lengths_one_wave=True)
-    for n, length, hq, hkv, d, today in ((16, 2048, 32, 8, 128, 640), (32, 4096, 8, 1, 256, 512)):
+    for n, length, hq, hkv, d, today in ((16, 2048, 32, 8, 128, 640), (70, 4096, 8, 1, 96, 560)):
         tree = ft.KVTree.from_lengths([-1] * n, [length] * n, list(range(n)))
         heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
         wave = decode_programs_per_sm(d) * 132
@@ -870,7 +870,9 @@ def test_equal_lengths_one_wave_fits_equal_batches_to_one_wave_and_leaves_the_re
     mixed = ft.KVTree.from_lengths([-1] * 64, lens, list(range(64)))
     shared = ft.KVTree.from_lengths([-1, 0, 0, 0, 0], [4096, 300, 300, 300, 300], [1, 2, 3, 4])
     narrow = ft.KVTree.from_lengths([-1] * 32, [2048] * 32, list(range(32)))
+    wide = ft.KVTree.from_lengths([-1] * 32, [4096] * 32, list(range(32)))  # would change at head dim <= 128
     for tree, d, makers in (
+        (wide, 256, (ft.plan_query_separated, ft.plan)),
         (mixed, 128, (ft.plan_query_separated, ft.plan)),
         (shared, 128, (ft.plan,)),  # a tree plan with sharing (plain decode of it reads equal contexts)
         (narrow, 64, (ft.plan_query_separated, ft.plan)),
