@@ -17,7 +17,12 @@ from collections.abc import Mapping
 import torch
 import triton
 
-from .kernels import merge_many_partials_kernel, merge_partials_kernel, tree_attention_units_kernel
+from .kernels import (
+    merge_many_partials_kernel,
+    merge_partials_kernel,
+    tree_attention_units_kernel,
+    tree_attention_units_sm90_kernel,
+)
 from .launch_rules import (
     GpuTarget,
     MergeLaunch,
@@ -26,6 +31,7 @@ from .launch_rules import (
     merge_launch,
     next_pow2,
     pdl_wait,
+    sm90_tile,
     stage1_launches,
     units_grid,
 )
@@ -268,7 +274,7 @@ def _forks(target: GpuTarget, launches: list[tuple]) -> bool:
     """Whether a call's two stage-1 launches (a plan with two non-empty tile classes) run side by
     side on two streams (:func:`fasttree.launcher.side_stream`): on a GPU, always (with the direct
     launchers, eager calls of every two-class plan were 2-6 us shorter forked on the H200)."""
-    return target.cuda and sum(1 for kernel, *_ in launches if kernel is tree_attention_units_kernel) == 2
+    return target.cuda and sum(1 for kernel, *_ in launches if not _is_merge(kernel)) == 2
 
 
 def _fast_path(host: Plan, dev: DevicePlan, q, k_cache, v_cache, out) -> tuple | None:
@@ -359,6 +365,12 @@ def kernel_launches(
             part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         )  # fmt: skip
         grid, heads_fastest = units_grid(s.n_units, hkv)
+        if s.warp_specialized:  # the sm_90 Gluon kernel at its own tile: one consumer warpgroup
+            t = sm90_tile(d, offsets_32)
+            constexprs = (d, hq // hkv, s.block_m, t.block_n, s.masked, offsets_32, heads_fastest, t.stages,
+                          t.loader_warps, t.loader_regs, pdl_stage1)  # fmt: skip
+            out_launches.append((tree_attention_units_sm90_kernel, grid, args, constexprs, 4, 1, t.maxnreg))
+            continue
         constexprs = (d, block_d, hq // hkv, s.block_m, s.block_n, s.masked, upcast, offsets_32, s.peel,
                       heads_fastest, pdl_stage1)  # fmt: skip
         out_launches.append(

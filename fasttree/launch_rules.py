@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .kernels import tree_attention_units_sm90_kernel
 from .plan_arrays import Plan, TileClass, tenth_longest
 from .plan_rules import wide_head_tile
 
@@ -26,9 +27,11 @@ __all__ = [
     "MAX_GRID_Y",
     "MERGE_HEADS",
     "MERGE_PARTIALS_PER_STEP",
+    "SM90_TILES",
     "SMALL_TILE_CAPPED_PROGRAMS",
     "GpuTarget",
     "MergeLaunch",
+    "Sm90Tile",
     "Stage1Launch",
     "capped_registers",
     "few_partials_merge_heads",
@@ -41,9 +44,11 @@ __all__ = [
     "next_pow2",
     "pdl_wait",
     "peel_tiles",
+    "sm90_tile",
     "small_tile_maxnreg",
     "stage1_launches",
     "units_grid",
+    "warp_specialized_stage1",
 ]
 
 #: The largest second grid dimension a CUDA launch takes.
@@ -325,6 +330,9 @@ class Stage1Launch:
         Whole KV tiles unmasked, then one masked tail tile.
     shrink_stages : bool
         The stages are the config's defaults: fewer may be compiled where shared memory ends.
+    warp_specialized : bool
+        The class runs the sm_90 Gluon kernel (:func:`warp_specialized_stage1`) at its own tile
+        (:func:`sm90_tile`), not the Triton kernel at ``block_n``, ``num_warps``, ``num_stages``.
     """
 
     tile_class: int
@@ -338,6 +346,71 @@ class Stage1Launch:
     masked: bool
     peel: bool
     shrink_stages: bool
+    warp_specialized: bool = False
+
+
+@dataclass(frozen=True)
+class Sm90Tile:
+    """The launch shape of the sm_90 Gluon stage 1 (:mod:`fasttree.kernels.tree_attention_sm90`)
+    at one head dim; its results do not depend on it.
+
+    Attributes
+    ----------
+    block_n : int
+        KV entries per tile.
+    stages : int
+        Depth of the shared-memory ring of K and V tiles.
+    maxnreg : int
+        Registers per thread of the whole program (the consumer warpgroup and the loader's warps),
+        which the two partitions share through ``setmaxnreg``.
+    loader_regs : int
+        Registers per thread of the loader partition.
+    loader_warps : int
+        Warps of the loader partition.
+    """
+
+    block_n: int
+    stages: int
+    maxnreg: int
+    loader_regs: int
+    loader_warps: int = 4
+
+
+#: The Gluon stage 1's tile per head dim, with 32-bit K/V offsets (``OFFSETS_32``) and with 64-bit
+#: ones (pools past 2**31 elements: the loader's addresses take more registers, at 40 it spills).
+#: Compiled for sm_90a with Triton 3.6, none spills: D 64 3 programs per SM (75 KB of shared memory,
+#: 8 warps x 80 registers; 2 with 64-bit offsets), D 128 2 (82 KB, 128 registers), D 256 1 (164 KB,
+#: 168 registers: the 64 x 256 fp32 accumulator alone is 128 registers a thread, wgmma needs at
+#: least 158 under the cap, and 64-entry tiles spill at every cap up to 248).
+SM90_TILES: dict[tuple[int, bool], Sm90Tile] = {
+    (64, True): Sm90Tile(block_n=64, stages=4, maxnreg=80, loader_regs=40),
+    (128, True): Sm90Tile(block_n=64, stages=2, maxnreg=128, loader_regs=40),
+    (256, True): Sm90Tile(block_n=32, stages=4, maxnreg=168, loader_regs=48),
+    (64, False): Sm90Tile(block_n=64, stages=4, maxnreg=96, loader_regs=56),
+    (128, False): Sm90Tile(block_n=64, stages=2, maxnreg=128, loader_regs=56),
+    (256, False): Sm90Tile(block_n=32, stages=4, maxnreg=168, loader_regs=64),
+}
+#: The tile class the Gluon stage 1 runs: one consumer warpgroup of 64 rows.
+_SM90_BLOCK_M = 64
+
+
+def sm90_tile(head_dim: int, offsets_32: bool) -> Sm90Tile:
+    """The Gluon stage 1's tile at ``head_dim`` (64, 128 or 256) with 32-bit or 64-bit K/V offsets."""
+    return SM90_TILES[(head_dim, offsets_32)]
+
+
+def warp_specialized_stage1(on: bool, target: GpuTarget, block_m: int, head_dim: int) -> bool:
+    """Whether a tile class of ``block_m`` rows at ``head_dim`` runs the sm_90 Gluon stage 1: where
+    ``on`` (:attr:`fasttree.PlanRules.sm90_stage1`), on a compiled sm_90 target, for 64-row tiles at
+    head dims 64, 128 and 256, and where the installed Triton has Gluon's Hopper ops."""
+    return (
+        on
+        and target.cuda
+        and target.major == 9
+        and block_m == _SM90_BLOCK_M
+        and (head_dim, True) in SM90_TILES
+        and tree_attention_units_sm90_kernel is not None
+    )
 
 
 @dataclass(frozen=True)
@@ -375,7 +448,8 @@ def stage1_launches(
     variants make alike: the KV tile (:func:`launch_kv_tile`, with the plan's
     ``rules.wide_head_kv_tile``), the stages
     (:func:`launch_num_stages`, only where the config leaves them to their defaults), peeling
-    (:func:`peel_tiles`) and MHA's register cap (:func:`small_tile_maxnreg`).
+    (:func:`peel_tiles`), MHA's register cap (:func:`small_tile_maxnreg`) and the sm_90 Gluon
+    kernel (:func:`warp_specialized_stage1`, with the plan's ``rules.sm90_stage1``).
     """
     ptr = plan.class_unit_ptr
     d, g = plan.head_dim, plan.group_size
@@ -400,6 +474,7 @@ def stage1_launches(
                 block_m=tc.block_m, block_n=block_n,
                 num_warps=tc.num_warps, num_stages=num_stages, maxnreg=maxnreg, masked=tc.masked,
                 peel=peel_tiles(tc.block_m, mean_tiles), shrink_stages=default_stages,
+                warp_specialized=warp_specialized_stage1(plan.rules.sm90_stage1, target, tc.block_m, d),
             )
         )  # fmt: skip
     return tuple(out)

@@ -139,6 +139,15 @@ class PlanRules:
         tokens) it ran 1.01-1.19x on every changed batch at head dim 128 and lost up to 0.89x at
         head dim 256, where it no longer applies. False by default until a fresh draw at head dims
         up to 128 confirms it (``docs/history.md``).
+    sm90_stage1 : bool
+        Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
+        (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dims 64, 128 and 256
+        (:func:`fasttree.launch_rules.warp_specialized_stage1`); other classes, head dims and GPUs,
+        and the CPU interpreter, keep the Triton kernel. On 24 random unit sets (H100; GQA 4/8/16,
+        D 64/128/256, fp16/bf16, packed or not) it matched the float64 reference and took 1/1.089 of
+        the Triton kernel's time on geomean (D 128 1.18x, D 256 1.06x, D 64 1.02x; 0.945-0.976x on
+        four sets). False until the suites and a fresh draw measure it through ``tree_attention``
+        (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
@@ -187,6 +196,7 @@ class PlanRules:
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
+    sm90_stage1: bool = field(default=False, metadata={ADDED_AS: False})
 
     def __post_init__(self) -> None:
         for f in fields(self):

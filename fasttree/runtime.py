@@ -61,7 +61,6 @@ from .kernels import (
     merge_partials_persistent_kernel,
     relocate_plan_kernel,
     tree_attention_persistent_kernel,
-    tree_attention_units_kernel,
 )
 from .launch_rules import (
     MANY_PARTIALS,
@@ -76,6 +75,7 @@ from .launch_rules import (
 )
 from .launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket, launch_variant
 from .launcher import (
+    STAGE1_KERNELS,
     current_stream,
     direct_launcher,
     fixed_launcher,
@@ -952,9 +952,7 @@ class TreeAttentionRuntime:
         compiled = launch_through_triton(launches, q.device, variant.forked and self._target.cuda)
         if key is not None and all(c is not None for c in compiled):
             self._variant_launchers[(vid, key)] = tuple(
-                direct_launcher(
-                    c, grid, args, constexprs, _QK_SCALE_ARG if kernel is tree_attention_units_kernel else None
-                )
+                direct_launcher(c, grid, args, constexprs, _QK_SCALE_ARG if kernel in STAGE1_KERNELS else None)
                 for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
             )
 

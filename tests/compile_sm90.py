@@ -1,5 +1,8 @@
 """Compile the kernels for Hopper (sm_90) ahead of time, without a GPU; run by test_compile_sm90.py.
 
+The sm_90 Gluon stage 1 compiles for sm_90a (its wgmma and setmaxnreg), at the tiles
+:data:`fasttree.launch_rules.SM90_TILES` launches it with.
+
 Run with ``TRITON_INTERPRET`` unset (the interpreter replaces Triton's compiler). Prints one JSON
 object: variant name -> "ok" or the error text. ``--bench-model``: the variants of the decode
 benchmark's non-attention kernels (:mod:`bench.model_kernels`) instead of fasttree's.
@@ -22,7 +25,9 @@ from fasttree.kernels import (
     relocate_plan_kernel,
     tree_attention_persistent_kernel,
     tree_attention_units_kernel,
+    tree_attention_units_sm90_kernel,
 )
+from fasttree.launch_rules import sm90_tile
 
 HOPPER = GPUTarget("cuda", 90, 32)
 UNITS_POINTERS = ("Q", "K", "V", "Out", "PartO", "PartLse", "KvIndices", "KvRowMask", "UnitKvStart", "UnitKvLen",
@@ -48,6 +53,32 @@ def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=F
     for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
         signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
+
+
+def compile_units_sm90(dtype, head_dim, group, masked, offsets_32=True, gdc=0):
+    """The sm_90 Gluon stage 1 at its tile (:func:`fasttree.launch_rules.sm90_tile`), as a real launch
+    compiles it (16-byte aligned pointers, strides divisible by 16)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tile = sm90_tile(head_dim, offsets_32)
+    kernel = tree_attention_units_sm90_kernel
+    types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
+             "PartLse": "*fp32"}  # fmt: skip
+    signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
+    constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_M": 64, "BLOCK_N": tile.block_n, "MASKED": masked,
+                  "OFFSETS_32": offsets_32, "HEADS_FASTEST": False, "STAGES": tile.stages,
+                  "LOADER_WARPS": tile.loader_warps, "LOADER_REGS": tile.loader_regs, "GDC_WAIT": gdc}  # fmt: skip
+    for name in kernel.arg_names[len(UNITS_POINTERS) :]:
+        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name] not in ("constexpr", "fp32") and name not in ("unit_offset", "stride_ln")
+    }
+    return triton.compile(
+        GluonASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
+        options={"num_warps": 4, "num_stages": 1, "maxnreg": tile.maxnreg},
+    )  # fmt: skip
 
 
 def compile_persistent(
@@ -149,6 +180,12 @@ def fasttree_jobs() -> dict:
     jobs["persistent_slot1_fp16_d128_g4_m16_n16_masked"] = (compile_persistent, ("fp16", 128, 4, 16, 16, True, 1))
     jobs |= {f"merge_persistent_{d}": (compile_merge, (merge_partials_persistent_kernel, d)) for d in ("fp16", "bf16")}
     jobs["relocate_plan"] = (compile_relocate, ())
+    if tree_attention_units_sm90_kernel is not None:  # the sm_90 Gluon stage 1
+        jobs["units_sm90_fp16_d128_g4_masked"] = (compile_units_sm90, ("fp16", 128, 4, True))
+        jobs["units_sm90_bf16_d256_g16"] = (compile_units_sm90, ("bf16", 256, 16, False))
+        jobs["units_sm90_fp16_d64_g8_masked_offsets64"] = (compile_units_sm90, ("fp16", 64, 8, True, False))
+        jobs["gdc_units_sm90_bf16_d128_g8"] = (compile_units_sm90, ("bf16", 128, 8, False, True, 1))
+        jobs["gdc_early_units_sm90_fp16_d64_g4_masked"] = (compile_units_sm90, ("fp16", 64, 4, True, True, 2))
     # programmatic dependent launch (GDC_WAIT): the PTX must hold the wait (checked in main)
     jobs["gdc_units_fp16_d128_g4_m64_n64_masked"] = (compile_units, ("fp16", 128, 4, 64, 64, True, True, True, True))
     jobs["gdc_persistent_fp16_d128_g1_m16_n32"] = (
@@ -181,6 +218,10 @@ def check(name: str, kernel) -> str:
         return "griddepcontrol.wait " + ("missing" if name.startswith("gdc_") else "present without GDC_WAIT")
     if ("griddepcontrol.launch_dependents" in ptx) != name.startswith("gdc_early_"):
         return "griddepcontrol.launch_dependents " + ("missing" if name.startswith("gdc_early_") else "present")
+    if "_sm90_" in name and not ("setmaxnreg" in ptx and "wgmma" in ptx):
+        return "the warp-specialized kernel's PTX lacks setmaxnreg or wgmma"
+    if "_sm90_" in name and kernel.metadata.shared > 227 * 1024:
+        return f"{kernel.metadata.shared} bytes of shared memory: more than an sm_90 program gets"
     return "ok"
 
 

@@ -5,8 +5,9 @@ Covers both tile classes, merge and direct writes, GQA 7, D 256, bf16, KV tiles 
 and 128 (masked index loads), a pool exactly as large as the tree, the query-separated
 plan, every tile class peeled (unmasked whole KV tiles, head dim 96 padded to 128), the
 runtime's persistent kernels (int32 offsets, peeled 64-row slot), the runtime over a small
-simulated server's steps, an all-large MHA plan at D 256 and the fixed runtime at D 256 (the
-wide-head KV-tile cap). ``bench/gpu_check.sh`` runs memcheck with
+simulated server's steps, an all-large MHA plan at D 256, the fixed runtime at D 256 (the
+wide-head KV-tile cap) and, on sm_90, the Gluon stage 1 (``PlanRules.sm90_stage1``) at head dims
+64, 128 and 256. ``bench/gpu_check.sh`` runs memcheck with
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor its own allocation, so a write past a tensor is
 an error, not a write into its neighbour in the caching allocator's segment.
 """
@@ -27,8 +28,13 @@ from trees import random_tree, tiny_server_trees
 import fasttree as ft
 from fasttree.toolkit.suite import paper_tree
 
+#: The rules with the sm_90 Gluon stage 1 on (its 64-row classes; the Triton kernel elsewhere).
+SM90 = ft.PlanRules.defaults().with_(sm90_stage1=True)
+#: A config without packed units (the Gluon kernel's unmasked path).
+UNPACKED = ft.FastTreeConfig(pack_tokens=0)
 
-def run(tree, hq, hkv, d, dtype, config=None, query_separated=False) -> float:
+
+def run(tree, hq, hkv, d, dtype, config=None, query_separated=False, rules=None) -> float:
     gen = torch.Generator().manual_seed(0)
     pool = tree.max_slot + 1  # exactly the tree: any over-read of K/V is out of bounds
     q = torch.randn(tree.n_queries, hq, d, generator=gen).to(dtype).cuda()
@@ -37,7 +43,7 @@ def run(tree, hq, hkv, d, dtype, config=None, query_separated=False) -> float:
     if query_separated:
         plan = ft.plan_query_separated(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     else:
-        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        plan = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, rules=rules)
     out = ft.tree_attention(q, k, v, plan)
     torch.cuda.synchronize()
     rows = np.arange(min(tree.n_queries, 16))
@@ -160,6 +166,20 @@ def main() -> int:
         (  # the fixed launch slots with the wide-head cap
             "fixed runtime gqa8 d256 bf16",
             lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 8, 1, 256, torch.bfloat16, max_variants=0),
+        ),
+        # the sm_90 Gluon stage 1 (PlanRules.sm90_stage1) on its 64-row classes, each head dim it takes
+        ("sm90 stage 1 suite 8 gqa16", lambda: run(paper_tree(8), 16, 1, 128, torch.float16, rules=SM90)),
+        (
+            "sm90 stage 1 forest gqa8 d256 bf16",
+            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 16, 2, 256, torch.bfloat16, rules=SM90),
+        ),
+        (
+            "sm90 stage 1 forest gqa16 d64 bf16",
+            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 32, 2, 64, torch.bfloat16, rules=SM90),
+        ),
+        (
+            "sm90 stage 1 forest gqa4 d128 unpacked",
+            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 16, 4, 128, torch.float16, UNPACKED, rules=SM90),
         ),
     ]
     worst = 0.0

@@ -557,7 +557,7 @@ def test_int32_kv_offsets_only_with_a_fixed_pool(device, monkeypatch, pool_slots
     def recording(kernel, grid, args, constexprs, *rest, **kw):
         if kernel is runtime_module.tree_attention_persistent_kernel:
             seen.append(constexprs[10])  # OFFSETS_32
-        if kernel is runtime_module.tree_attention_units_kernel:  # a launch variant's stage 1
+        if kernel is ft.attention.tree_attention_units_kernel:  # a launch variant's stage 1
             seen.append(constexprs[7])
         return real(kernel, grid, args, constexprs, *rest, **kw)
 

@@ -61,3 +61,30 @@ def tiny_server_trees(steps: int = 26) -> list[ft.KVTree]:
         question_tokens=(2, 9), output_tokens=(3, 9), forks=(2,), fork_after=(2, 4), max_batch=12, arrival_rate=0.7,
     )  # fmt: skip
     return stable_slot_trees(list(iter_serving(scenario, seed=5, steps=steps)))
+
+
+def shared_forest(rng: np.random.Generator, *, fanout: int = 40) -> ft.KVTree:
+    """A forest of 1-3 documents (64-1,499 tokens), each with 1-3 branches (1-399 tokens, half of
+    them queried) read by 4 to ``fanout - 1`` queried leaves (1-300 tokens, tile-boundary lengths
+    among them): wide sharing, so that plans have large query tiles. Slots scattered over a pool
+    larger than the tree."""
+    parents: list[int] = []
+    lengths: list[int] = []
+    queries: list[int] = []
+    for _ in range(int(rng.integers(1, 4))):
+        root = len(parents)
+        parents.append(-1)
+        lengths.append(int(rng.integers(64, 1500)))
+        for _ in range(int(rng.integers(1, 4))):
+            node = len(parents)
+            parents.append(root)
+            lengths.append(int(rng.integers(1, 400)))
+            if rng.random() < 0.5:
+                queries.append(node)
+            for _ in range(int(rng.integers(4, fanout))):
+                queries.append(len(parents))
+                parents.append(node)
+                lengths.append(int(rng.choice([1, 7, 33, 64, 129, 300])))
+    slots = rng.permutation(sum(lengths) + 64)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return ft.KVTree(parents, [slots[bounds[i] : bounds[i + 1]] for i in range(len(parents))], queries)
