@@ -19,7 +19,7 @@ from .tree_attention import (
 
 try:  # Gluon's Hopper ops (Triton 3.5+): the sm_90 stage 1 is optional, the Triton kernel the fallback
     from .tree_attention_sm90 import tree_attention_units_sm90_kernel
-except ImportError:  # pragma: no cover - older Triton
+except (ImportError, AttributeError):  # pragma: no cover - a Triton without Gluon for Hopper
     tree_attention_units_sm90_kernel = None
 
 __all__ = [

@@ -43,15 +43,19 @@ _SHIPPED_WORKLOADS = "the shipped workloads (package data: fasttree/toolkit/data
 _SHIPPED_HELDOUT = "the shipped held-out workloads (package data: fasttree/toolkit/data/workloads_heldout)"
 _SHIPPED_TEST = "the shipped test workloads (package data: fasttree/toolkit/data/workloads_test)"
 RUN_OUT = "fasttree-run"
-RUN_TRIALS = 250
+#: Complete trials per study of ``tune``.
+TUNE_TRIALS = 250
+#: Complete trials per study of ``run``: a count, not a time budget, so that the same workloads,
+#: model and seed give the same export on any machine (a per-study time limit cut the studies at
+#: whatever trial the host's speed reached, and the choices near the margin moved with it). Six
+#: studies (three buckets, two targets) of 60 trials, their polishes and the portfolio choice take
+#: about 2.5 minutes on 2 cores.
+RUN_TRIALS = 60
 #: Tuning and export use every 16th step of each long workload (``--every``): consecutive decode
 #: steps differ by a token, and the portfolio's candidates are planned on every step many times.
 RUN_EVERY = 16
 #: Passes of the polish after each study (``fasttree.tuner.polish``); ``export`` uses it too.
 POLISH_PASSES = 1
-#: Seconds per study after which ``run`` starts no new trial: six studies (three buckets, two
-#: targets), their polishes and the portfolio choice fit the main job in 10 minutes on 2 cores.
-RUN_TIMEOUT_S = 15.0
 #: What ``run`` and ``export`` tune portfolios for.
 RUN_TARGETS = ("tree_attention", "runtime")
 
@@ -111,24 +115,24 @@ def _study_options(*, settings_from_study: bool = False) -> argparse.ArgumentPar
     return p
 
 
-def _trial_options(*, timeout: float | None = None) -> argparse.ArgumentParser:
-    """Options of the subcommands that run trials; ``timeout`` is ``--timeout``'s default (seconds per bucket)."""
+def _trial_options(*, trials: int) -> argparse.ArgumentParser:
+    """Options of the subcommands that run trials; ``trials`` is ``--trials``' default."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("trials")
     g.add_argument(
         "--trials",
         type=int_at_least(1),
-        default=RUN_TRIALS,
+        default=trials,
         metavar="N",
-        help=f"complete trials per bucket study, counting earlier runs and other workers (default {RUN_TRIALS})",
+        help=f"complete trials per bucket study, counting earlier runs and other workers (default {trials})",
     )
     g.add_argument(
         "--timeout",
         type=duration_arg,
-        default=timeout,
+        default=None,
         metavar="DURATION",
-        help="stop starting trials of a bucket after this time ('90s', '5m'); default: "
-        + ("none" if timeout is None else f"{timeout:.0f}s per bucket"),
+        help="also stop starting trials of a bucket after this time ('90s', '5m'; default: none, the trial "
+        "count alone, so that a rerun anywhere gives the same studies)",
     )
     g.add_argument("--seed", type=int_at_least(0), default=0, help="sampler seed (default 0)")
     g.add_argument(
@@ -245,7 +249,7 @@ def _add_tune(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "objective is the model's predicted total latency of the steps, planned by the real planner. "
         "Studies live in --storage and resume: rerunning the same command after a kill runs only the "
         "missing trials, and workers started on other machines with the same --storage and --study join.",
-        parents=[*common, _study_options(), _trial_options()],
+        parents=[*common, _study_options(), _trial_options(trials=TUNE_TRIALS)],
     )
     t.add_argument("workloads", nargs="+", metavar="WORKLOADS", help="workload trace files or folders")
     t.add_argument(
@@ -303,7 +307,7 @@ def _add_run(sub: Any, common: list[argparse.ArgumentParser]) -> None:
         "3 configs (the defaults first) and its selector on the predictions, the design on --heldout. "
         "Writes --out/export.json and a report (report.md, report.json). Rerunning after a kill resumes the "
         "studies; a finished run's --out is replaced only with --overwrite.",
-        parents=[*common, _study_options(), _trial_options(timeout=RUN_TIMEOUT_S), _target_options()],
+        parents=[*common, _study_options(), _trial_options(trials=RUN_TRIALS), _target_options()],
     )
     r.add_argument(
         "--traces",
