@@ -205,13 +205,7 @@ def tree_attention(
     with on_device(device):
         compiled = launch_through_triton([(*spec, shrink) for spec in launches], device, forked)
     if fast is not None and all(c is not None for c in compiled):
-        host._device_cache[fast[0]] = (
-            forked,
-            tuple(
-                direct_launcher(c, grid, args, constexprs, None if _is_merge(kernel) else _QK_SCALE_ARG)
-                for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
-            ),
-        )
+        host._device_cache[fast[0]] = (forked, direct_launchers(compiled, launches))
     return out
 
 
@@ -235,6 +229,16 @@ def launch_through_triton(launches: list[tuple], device: torch.device, forked: b
         if forked and i == 1:
             main.wait_event(join)
     return compiled
+
+
+def direct_launchers(compiled: list, launches: list[tuple]) -> tuple:
+    """The direct launchers (:func:`fasttree.launcher.direct_launcher`) of ``launches`` (``(kernel,
+    grid, args, constexprs, ...)``, as :func:`kernel_launches` gives them) compiled as ``compiled``:
+    a stage-1 launch's take ``qk_scale`` at :data:`_QK_SCALE_ARG`, a merge's none."""
+    return tuple(
+        direct_launcher(c, grid, args, constexprs, None if _is_merge(kernel) else _QK_SCALE_ARG)
+        for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
+    )
 
 
 def run_direct(entry: tuple, ptrs: tuple, device: torch.device, qk_scale: float) -> None:

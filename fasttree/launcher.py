@@ -26,7 +26,6 @@ from .kernels import (
 )
 
 __all__ = [
-    "STAGE1_KERNELS",
     "current_stream",
     "direct_launcher",
     "fixed_launcher",
@@ -43,13 +42,13 @@ logger = logging.getLogger(__name__)
 
 #: Compiled kernels by (kernel, device, constexprs, launch options, argument specialisation).
 _COMPILED: dict[tuple, object] = {}
-#: The stage-1 kernels of a plan's launches: the Triton kernel and, where the installed Triton has
-#: Gluon's Hopper ops, the sm_90 one (their arguments alike, ``qk_scale`` at the same position).
-STAGE1_KERNELS = frozenset(k for k in (tree_attention_units_kernel, tree_attention_units_sm90_kernel) if k)
-#: Kernels whose last constexpr is ``GDC_WAIT`` (every kernel of :mod:`fasttree.kernels`).
-GDC_KERNELS = STAGE1_KERNELS | frozenset(
-    (merge_partials_kernel, merge_many_partials_kernel, tree_attention_persistent_kernel,
-     merge_partials_persistent_kernel)
+#: Kernels whose last constexpr is ``GDC_WAIT`` (every kernel of :mod:`fasttree.kernels`; the sm_90
+#: Gluon stage 1 where the installed Triton has Gluon's Hopper ops).
+GDC_KERNELS = frozenset(
+    k for k in (
+        tree_attention_units_kernel, tree_attention_units_sm90_kernel, merge_partials_kernel,
+        merge_many_partials_kernel, tree_attention_persistent_kernel, merge_partials_persistent_kernel,
+    ) if k is not None
 )  # fmt: skip
 #: The Triton release whose ``CudaLauncher`` C launch function :func:`_launch_entry` calls directly
 #: (its argument order is Triton's internal); other releases go through the launcher's ``__call__``.

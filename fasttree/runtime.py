@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from .attention import (
-    _QK_SCALE_ARG,
     LOG2E,
+    direct_launchers,
     kernel_launches,
     launch_through_triton,
     output_like,
@@ -75,7 +75,6 @@ from .launch_rules import (
 )
 from .launch_variants import FIXED_VARIANT, LaunchVariant, VariantTable, grid_bucket, launch_variant
 from .launcher import (
-    STAGE1_KERNELS,
     current_stream,
     direct_launcher,
     fixed_launcher,
@@ -951,10 +950,7 @@ class TreeAttentionRuntime:
         launches = self._variant_launches(variant, q, k_cache, v_cache, out, qk_scale)
         compiled = launch_through_triton(launches, q.device, variant.forked and self._target.cuda)
         if key is not None and all(c is not None for c in compiled):
-            self._variant_launchers[(vid, key)] = tuple(
-                direct_launcher(c, grid, args, constexprs, _QK_SCALE_ARG if kernel in STAGE1_KERNELS else None)
-                for c, (kernel, grid, args, constexprs, *_) in zip(compiled, launches, strict=True)
-            )
+            self._variant_launchers[(vid, key)] = direct_launchers(compiled, launches)
 
     def _variant_launches(self, variant: LaunchVariant, q, k_cache, v_cache, out, qk_scale: float) -> list:
         """``(kernel, grid, args, constexprs, num_warps, num_stages, maxnreg, shrink_stages)`` of each

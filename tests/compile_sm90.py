@@ -43,15 +43,29 @@ UNITS = {
 MERGE_VALUES = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_H": 4, "BLOCK_D": 128, "BLOCK_P": 16, "N_COUNTERS": 8}
 
 
-def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False):
+def units_signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
+    """``(signature, attrs)`` of a stage-1 kernel (Triton's or the sm_90 Gluon one: the same runtime
+    arguments) over ``dtype`` tensors with ``constexprs``; ``attrs`` mark what a real launch's
+    specialisation gives: 16-byte aligned pointers and strides divisible by 16 (not ``unit_offset``
+    nor ``stride_ln``, which the kernels do not specialise)."""
     types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
              "PartLse": "*fp32"}  # fmt: skip
     signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
+    for name in kernel.arg_names[len(UNITS_POINTERS) :]:
+        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name] not in ("constexpr", "fp32") and name not in ("unit_offset", "stride_ln")
+    }
+    return signature, attrs
+
+
+def compile_units(dtype, head_dim, group, block_m, block_n, masked, offsets_32=False, peel=False, gdc=False):
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "GROUP": group,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "MASKED": masked, "UPCAST_DOT": False,
                   "OFFSETS_32": offsets_32, "PEEL": peel, "GDC_WAIT": gdc}  # fmt: skip
-    for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
-        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
+    signature, _ = units_signature(tree_attention_units_kernel, dtype, constexprs)
     return triton.compile(ASTSource(tree_attention_units_kernel, signature, constexprs), target=HOPPER)
 
 
@@ -62,19 +76,10 @@ def compile_units_sm90(dtype, head_dim, group, masked, offsets_32=True, gdc=0):
 
     tile = sm90_tile(head_dim, offsets_32)
     kernel = tree_attention_units_sm90_kernel
-    types = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "PartO": "*fp32",
-             "PartLse": "*fp32"}  # fmt: skip
-    signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_M": 64, "BLOCK_N": tile.block_n, "MASKED": masked,
                   "OFFSETS_32": offsets_32, "HEADS_FASTEST": False, "STAGES": tile.stages,
                   "LOADER_WARPS": tile.loader_warps, "LOADER_REGS": tile.loader_regs, "GDC_WAIT": gdc}  # fmt: skip
-    for name in kernel.arg_names[len(UNITS_POINTERS) :]:
-        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(kernel.arg_names)
-        if signature[name] not in ("constexpr", "fp32") and name not in ("unit_offset", "stride_ln")
-    }
+    signature, attrs = units_signature(kernel, dtype, constexprs)
     return triton.compile(
         GluonASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
         options={"num_warps": 4, "num_stages": 1, "maxnreg": tile.maxnreg},
@@ -232,17 +237,9 @@ SMEM_STAGES = (2, 3, 4, 5, 6, 7, 8)
 
 
 def units_shared_bytes(block_m, block_n, head_dim, num_warps, num_stages) -> int:
-    types = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32"}
-    signature = {name: types.get(name, "*i32") for name in UNITS_POINTERS}
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": 1, "BLOCK_M": block_m, "BLOCK_N": block_n,
                   "MASKED": True, "UPCAST_DOT": False, "OFFSETS_32": True, "PEEL": False}  # fmt: skip
-    for name in tree_attention_units_kernel.arg_names[len(UNITS_POINTERS) :]:
-        signature[name] = "constexpr" if name in constexprs else ("fp32" if name == "qk_scale" else "i32")
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(tree_attention_units_kernel.arg_names)
-        if signature[name] not in ("constexpr", "fp32") and name not in ("unit_offset", "stride_ln")
-    }
+    signature, attrs = units_signature(tree_attention_units_kernel, "fp16", constexprs)
     k = triton.compile(
         ASTSource(tree_attention_units_kernel, signature, constexprs, attrs), target=HOPPER,
         options={"num_warps": num_warps, "num_stages": num_stages},
