@@ -2,8 +2,11 @@
 # GPU acceptance of a change, on a CUDA machine, from the repository root after `pip install -e .`
 # (on the lent device: `python3 -m pip install -q --no-deps --no-build-isolation -e .`, with skops and
 # Optuna from wheels carried in .whl/, see bench/README.md):
-#   tests     the gpu-marked tests, then the CPU test files whose kernels run compiled on a GPU
-#             (attention, launch cache, runtime, packing), in parallel workers
+#   tests     the gpu-marked tests, in parallel workers; a test still running after TEST_HANG_S
+#             (default 150) seconds dumps every thread's stack into the log, and the log ends with
+#             the slowest tests
+#   compiled  the CPU test files whose kernels run compiled on a GPU (attention, launch cache,
+#             runtime, packing, PDL), in parallel workers
 #   memcheck  compute-sanitizer memcheck and racecheck of tests/memcheck_sample.py
 #   kernel    the paper-suite kernel benchmark (kernel_<gpu>.*)
 #   families  the kernel benchmark on the other tree families (kernel_<gpu>_fam.*)
@@ -19,12 +22,12 @@
 # INSTANCES=N times each of our variants as N independent instances (bench.kernel --instances; default 1).
 # <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
 # gpu-check), to be copied to docs/results/ by hand.
-# Usage: OUT=folder bash bench/gpu_check.sh [step ...]   (no argument: tests memcheck kernel families)
+# Usage: OUT=folder bash bench/gpu_check.sh [step ...]   (no argument: tests compiled memcheck kernel families)
 # Each step has a time limit; its log goes to $OUT and its last lines to the terminal.
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
-steps=${*:-tests memcheck kernel families}
+steps=${*:-tests compiled memcheck kernel families}
 if [ -z "${FASTTREE_GIT_COMMIT:-}" ]; then
   echo "note: FASTTREE_GIT_COMMIT is unset: reports record git rev-parse HEAD (stale on a copied checkout)"
 fi
@@ -38,9 +41,11 @@ esac
 for step in $steps; do
   case $step in
     tests)
-      timeout "${TESTS_S:-300}" python3 -m pytest -q -n "$workers" -p no:cacheprovider -m gpu tests \
-        >"$out/gpu_tests_marked.log" 2>&1
-      echo "gpu-marked tests: exit $?"; tail -n 3 "$out/gpu_tests_marked.log"
+      timeout "${TESTS_S:-540}" python3 -m pytest -q -n "$workers" -p no:cacheprovider -m gpu --durations=25 \
+        -o faulthandler_timeout="${TEST_HANG_S:-150}" tests >"$out/gpu_tests_marked.log" 2>&1
+      echo "gpu-marked tests: exit $?"; grep -E "(passed|failed)" "$out/gpu_tests_marked.log" | tail -n 3
+      ;;
+    compiled)
       timeout "${TESTS_S:-300}" python3 -m pytest -q -n "$workers" -p no:cacheprovider tests/test_attention.py \
         tests/test_launch_cache.py tests/test_runtime.py tests/test_packing.py tests/test_pdl.py \
         >"$out/gpu_tests_compiled.log" 2>&1
@@ -109,6 +114,6 @@ for step in $steps; do
       timeout "${DECODE_S:-400}" python3 -m bench.decode --out "$out" --label "decode_$gpu" >"$out/decode.log" 2>&1
       echo "decode benchmark: exit $?"; tail -n 3 "$out/decode.log"
       ;;
-    *) echo "unknown step $step (tests, memcheck, kernel, families, crossover, heldout, suites_ab, plan, decode)"; exit 2 ;;
+    *) echo "unknown step $step (tests, compiled, memcheck, kernel, families, crossover, heldout, suites_ab, plan, decode)"; exit 2 ;;
   esac
 done

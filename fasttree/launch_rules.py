@@ -376,33 +376,32 @@ class Sm90Tile:
     loader_warps: int = 4
 
 
-#: The Gluon stage 1's tile per head dim, with 32-bit K/V offsets (``OFFSETS_32``) and with 64-bit
-#: ones (pools past 2**31 elements: the loader's addresses take more registers, at 40 it spills).
-#: Compiled for sm_90a with Triton 3.6, none spills: D 64 3 programs per SM (75 KB of shared memory,
-#: 8 warps x 80 registers; 2 with 64-bit offsets), D 128 2 (82 KB, 128 registers), D 256 1 (164 KB,
-#: 168 registers: the 64 x 256 fp32 accumulator alone is 128 registers a thread, wgmma needs at
-#: least 158 under the cap, and 64-entry tiles spill at every cap up to 248).
+#: The Gluon stage 1's tile, with 32-bit K/V offsets (``OFFSETS_32``) and with 64-bit ones (pools
+#: past 2**31 elements: the loader's addresses take more registers, at 40 it spills). Head dim 128
+#: only: through ``tree_attention`` on an H100 it ran 1.07x as fast as the Triton kernel on the 83
+#: trees it changed at D 128 (fresh draws and the suites; none below 0.99x), but 0.91x at D 256 (one
+#: program per SM against the Triton kernel's two) and 1.03x at D 64 with a loss of 0.958x
+#: (``docs/history.md``). Compiled for
+#: sm_90a with Triton 3.6: 2 programs per SM (82 KB of shared memory, 8 warps x 128 registers), no
+#: spill.
 SM90_TILES: dict[tuple[int, bool], Sm90Tile] = {
-    (64, True): Sm90Tile(block_n=64, stages=4, maxnreg=80, loader_regs=40),
     (128, True): Sm90Tile(block_n=64, stages=2, maxnreg=128, loader_regs=40),
-    (256, True): Sm90Tile(block_n=32, stages=4, maxnreg=168, loader_regs=48),
-    (64, False): Sm90Tile(block_n=64, stages=4, maxnreg=96, loader_regs=56),
     (128, False): Sm90Tile(block_n=64, stages=2, maxnreg=128, loader_regs=56),
-    (256, False): Sm90Tile(block_n=32, stages=4, maxnreg=168, loader_regs=64),
 }
 #: The tile class the Gluon stage 1 runs: one consumer warpgroup of 64 rows.
 _SM90_BLOCK_M = 64
 
 
 def sm90_tile(head_dim: int, offsets_32: bool) -> Sm90Tile:
-    """The Gluon stage 1's tile at ``head_dim`` (64, 128 or 256) with 32-bit or 64-bit K/V offsets."""
+    """The Gluon stage 1's tile at ``head_dim`` (a head dim of :data:`SM90_TILES`) with 32-bit or
+    64-bit K/V offsets."""
     return SM90_TILES[(head_dim, offsets_32)]
 
 
 def warp_specialized_stage1(on: bool, target: GpuTarget, block_m: int, head_dim: int) -> bool:
     """Whether a tile class of ``block_m`` rows at ``head_dim`` runs the sm_90 Gluon stage 1: where
     ``on`` (:attr:`fasttree.PlanRules.sm90_stage1`), on a compiled sm_90 target, for 64-row tiles at
-    head dims 64, 128 and 256, and where the installed Triton has Gluon's Hopper ops."""
+    a head dim of :data:`SM90_TILES` (128), and where the installed Triton has Gluon's Hopper ops."""
     return (
         on
         and target.cuda

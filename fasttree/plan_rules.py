@@ -141,13 +141,13 @@ class PlanRules:
         up to 128 confirms it (``docs/history.md``).
     sm90_stage1 : bool
         Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
-        (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dims 64, 128 and 256
+        (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dim 128
         (:func:`fasttree.launch_rules.warp_specialized_stage1`); other classes, head dims and GPUs,
-        and the CPU interpreter, keep the Triton kernel. On 24 random unit sets (H100; GQA 4/8/16,
-        D 64/128/256, fp16/bf16, packed or not) it matched the float64 reference and took 1/1.089 of
-        the Triton kernel's time on geomean (D 128 1.18x, D 256 1.06x, D 64 1.02x; 0.945-0.976x on
-        four sets). False until the suites and a fresh draw measure it through ``tree_attention``
-        (``docs/history.md``).
+        and the CPU interpreter, keep the Triton kernel. Through ``tree_attention`` on an H100 (two
+        fresh draws and the crossover and families suites, the 83 trees it changed at D 128, fp16
+        and bf16) it ran 1.07x as fast as the defaults, none below 0.99x; at D 256 it lost (0.91x)
+        and at D 64 it gained 1.03x with a loss, so it runs at D 128 only. False until the full GPU
+        tests pass with it on and a draw not used for this choice confirms it (``docs/history.md``).
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0

@@ -187,10 +187,10 @@ def fasttree_jobs() -> dict:
     jobs["relocate_plan"] = (compile_relocate, ())
     if tree_attention_units_sm90_kernel is not None:  # the sm_90 Gluon stage 1
         jobs["units_sm90_fp16_d128_g4_masked"] = (compile_units_sm90, ("fp16", 128, 4, True))
-        jobs["units_sm90_bf16_d256_g16"] = (compile_units_sm90, ("bf16", 256, 16, False))
-        jobs["units_sm90_fp16_d64_g8_masked_offsets64"] = (compile_units_sm90, ("fp16", 64, 8, True, False))
+        jobs["units_sm90_bf16_d128_g16"] = (compile_units_sm90, ("bf16", 128, 16, False))
+        jobs["units_sm90_fp16_d128_g8_masked_offsets64"] = (compile_units_sm90, ("fp16", 128, 8, True, False))
         jobs["gdc_units_sm90_bf16_d128_g8"] = (compile_units_sm90, ("bf16", 128, 8, False, True, 1))
-        jobs["gdc_early_units_sm90_fp16_d64_g4_masked"] = (compile_units_sm90, ("fp16", 64, 4, True, True, 2))
+        jobs["gdc_early_units_sm90_fp16_d128_g4_masked"] = (compile_units_sm90, ("fp16", 128, 4, True, True, 2))
     # programmatic dependent launch (GDC_WAIT): the PTX must hold the wait (checked in main)
     jobs["gdc_units_fp16_d128_g4_m64_n64_masked"] = (compile_units, ("fp16", 128, 4, 64, 64, True, True, True, True))
     jobs["gdc_persistent_fp16_d128_g1_m16_n32"] = (

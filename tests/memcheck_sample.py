@@ -6,8 +6,8 @@ and 128 (masked index loads), a pool exactly as large as the tree, the query-sep
 plan, every tile class peeled (unmasked whole KV tiles, head dim 96 padded to 128), the
 runtime's persistent kernels (int32 offsets, peeled 64-row slot), the runtime over a small
 simulated server's steps, an all-large MHA plan at D 256, the fixed runtime at D 256 (the
-wide-head KV-tile cap) and, on sm_90, the Gluon stage 1 (``PlanRules.sm90_stage1``) at head dims
-64, 128 and 256. ``bench/gpu_check.sh`` runs memcheck with
+wide-head KV-tile cap) and, on sm_90, the Gluon stage 1 (``PlanRules.sm90_stage1``) at head dim
+128, GQA 4, 8 and 16, fp16 and bf16, packed and not. ``bench/gpu_check.sh`` runs memcheck with
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor its own allocation, so a write past a tensor is
 an error, not a write into its neighbour in the caching allocator's segment.
 """
@@ -167,15 +167,15 @@ def main() -> int:
             "fixed runtime gqa8 d256 bf16",
             lambda: run_runtime(random_tree(rng, max_nodes=60, max_len=500), 8, 1, 256, torch.bfloat16, max_variants=0),
         ),
-        # the sm_90 Gluon stage 1 (PlanRules.sm90_stage1) on its 64-row classes, each head dim it takes
+        # the sm_90 Gluon stage 1 (PlanRules.sm90_stage1) on its 64-row classes (head dim 128)
         ("sm90 stage 1 suite 8 gqa16", lambda: run(paper_tree(8), 16, 1, 128, torch.float16, rules=SM90)),
         (
-            "sm90 stage 1 forest gqa8 d256 bf16",
-            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 16, 2, 256, torch.bfloat16, rules=SM90),
+            "sm90 stage 1 forest gqa8 d128 bf16",
+            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 16, 2, 128, torch.bfloat16, rules=SM90),
         ),
         (
-            "sm90 stage 1 forest gqa16 d64 bf16",
-            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 32, 2, 64, torch.bfloat16, rules=SM90),
+            "sm90 stage 1 forest gqa16 d128 bf16",
+            lambda: run(random_tree(rng, max_nodes=80, max_len=700), 32, 2, 128, torch.bfloat16, rules=SM90),
         ),
         (
             "sm90 stage 1 forest gqa4 d128 unpacked",

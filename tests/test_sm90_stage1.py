@@ -34,11 +34,11 @@ def _two_class_tree() -> ft.KVTree:
 
 def test_the_rule_is_off_by_default_and_only_for_64_row_tiles_on_sm90():
     assert ft.PlanRules.defaults().sm90_stage1 is False
-    assert {d for d, _ in SM90_TILES} == {64, 128, 256}
+    assert {d for d, _ in SM90_TILES} == {128}  # D 64 and 256 measured no better (docs/history.md)
     for block_m, d, target, on, expected in (
         (64, 128, H100, True, True),
-        (64, 64, H100, True, True),
-        (64, 256, H100, True, True),
+        (64, 64, H100, True, False),  # head dims without a tile
+        (64, 256, H100, True, False),
         (64, 128, H100, False, False),  # the rule off
         (32, 128, H100, True, False),  # another tile class
         (16, 128, H100, True, False),
@@ -117,15 +117,15 @@ def _sm90() -> bool:
 
 needs_sm90 = pytest.mark.skipif(not _sm90() or tree_attention_units_sm90_kernel is None, reason="needs an sm_90 GPU")
 
-#: (GQA ratio, KV heads, head dim, dtype, queries per large tile): every head dim the kernel takes,
-#: GQA 1 (MHA), 4, 7, 8 and 16, one KV head, fp16 and bf16
+#: (GQA ratio, KV heads, head dim, dtype, queries per large tile): the head dim the kernel runs at,
+#: GQA 1 (MHA), 4, 7, 8 and 16, one to four KV heads, fp16 and bf16
 GPU_SHAPES = [
     (16, 1, 128, torch.float16, 4),
     (8, 2, 128, torch.bfloat16, 8),
-    (4, 4, 64, torch.float16, 16),
-    (16, 2, 64, torch.bfloat16, 4),
-    (8, 1, 256, torch.float16, 8),
-    (4, 2, 256, torch.bfloat16, 16),
+    (4, 4, 128, torch.float16, 16),
+    (16, 2, 128, torch.bfloat16, 4),
+    (8, 1, 128, torch.float16, 8),
+    (4, 2, 128, torch.bfloat16, 16),
     (7, 1, 128, torch.float16, 8),
     (1, 2, 128, torch.bfloat16, 64),
 ]
@@ -219,9 +219,9 @@ def test_gluon_stage1_under_pdl_graphs_and_the_runtime(monkeypatch):
         t = random_tree(rng, max_nodes=40, max_len=400) if i else tree
         if t.max_slot >= k.shape[0]:
             continue
-        rt.plan(t)
+        rt.plan(t, rows=128)  # one batch bucket for every step
         qq = torch.randn(128, 16, 128, device=device).half()
-        err = run_runtime(rt, t, qq, k, v, t.n_queries)
+        err = run_runtime(rt, t, qq, k, v, 128)
         assert err <= 2e-3, err
     assert any(seen)
 
