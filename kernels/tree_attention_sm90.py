@@ -85,9 +85,10 @@ def _loader_partition(
     if kv_len > 0:  # an empty unit (no query, no KV entry) reads nothing past its unit arrays
         q_start = gl.load(UnitQStart + unit)
         q_len = gl.load(UnitQLen + unit)
-        kv_layout: gl.constexpr = _gather_layout(HEAD_DIM, NW)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-        dk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        # one register layout for every gathered tile (Q, K, V) and one column index over the head dim
+        gather: gl.constexpr = _gather_layout(HEAD_DIM, NW)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather))
+        dk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gather))
         idx_base = KvIndices + kv_start
         last = kv_len - 1
         # the first tile's slots before anything else: their latency overlaps the Q gather
@@ -95,15 +96,13 @@ def _loader_partition(
 
         # Q rows: query r // GROUP of the unit's pairs, head kv_head * GROUP + r % GROUP; rows past
         # the unit's queries are zero-filled (cp.async with a false mask copies zeros)
-        q_layout: gl.constexpr = _gather_layout(HEAD_DIM, NW)
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
         row_query = rows // GROUP
         row_valid = row_query < q_len
         head = kv_head * GROUP + rows % GROUP
         qid = gl.load(PairQuery + q_start + row_query, mask=row_valid, other=0).to(gl.int64)
-        q_ptrs = Q + (qid * stride_qn + head * stride_qh)[:, None] + dq[None, :]
-        q_mask = row_valid[:, None] & (dq < HEAD_DIM)[None, :]
+        q_ptrs = Q + (qid * stride_qn + head * stride_qh)[:, None] + dk[None, :]
+        q_mask = row_valid[:, None] & (dk < HEAD_DIM)[None, :]
         cp.async_copy_global_to_shared(q_smem, q_ptrs, mask=q_mask)
         cp.mbarrier_arrive(q_bar, increment_count=False)
 

@@ -44,9 +44,13 @@ def random_tree(
     query_nodes = rng.integers(0, n, size=n_queries)
     total = int(lengths.sum())
     pool = rng.permutation(total + int(rng.integers(0, 50)))[:total] if scatter_slots else np.arange(total)
+    return ft.KVTree(parents, _split(pool, lengths), query_nodes)
+
+
+def _split(pool: np.ndarray, lengths) -> list[np.ndarray]:
+    """``pool``'s first ``sum(lengths)`` slots, node by node: node ``i`` takes the next ``lengths[i]``."""
     bounds = np.concatenate([[0], np.cumsum(lengths)])
-    node_slots = [pool[bounds[i] : bounds[i + 1]] for i in range(n)]
-    return ft.KVTree(parents, node_slots, query_nodes)
+    return [pool[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
 
 
 def tiny_server_trees(steps: int = 26) -> list[ft.KVTree]:
@@ -85,6 +89,4 @@ def shared_forest(rng: np.random.Generator, *, fanout: int = 40) -> ft.KVTree:
                 queries.append(len(parents))
                 parents.append(node)
                 lengths.append(int(rng.choice([1, 7, 33, 64, 129, 300])))
-    slots = rng.permutation(sum(lengths) + 64)
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    return ft.KVTree(parents, [slots[bounds[i] : bounds[i + 1]] for i in range(len(parents))], queries)
+    return ft.KVTree(parents, _split(rng.permutation(sum(lengths) + 64), lengths), queries)
