@@ -14,7 +14,6 @@ Vocabulary (dimension names used in every docstring of the package):
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -646,8 +645,9 @@ def materialize(
         :meth:`PlanRules.defaults` when None.
     max_weighted_reads : float, optional
         Abandon the plan (return None) when the KV tokens its units read, each weighted by
-        ``sqrt(block_m / 16)`` for its tile class (:func:`_laid_out_weighted_reads`), exceed this: decided
-        once the units and bins are laid out, before their arrays are built.
+        ``(block_m / 16) ** rules.crossover_row_exponent`` for its tile class
+        (:func:`_laid_out_weighted_reads`), exceed this: decided once the units and bins are laid
+        out, before their arrays are built.
     fill_slots : callable, optional
         Returns the groups' ``kv_slots`` (int32, or a :class:`fasttree.groups.ChainedSlots`) where
         ``groups`` were built without them: called once, after that test, and the plan's groups
@@ -678,7 +678,8 @@ def materialize(
         )
     small_queries = int(q_tiles[1])
     if max_weighted_reads is not None and (
-        _laid_out_weighted_reads(units, layout, block_m, g, small_queries, n_queries) > max_weighted_reads
+        _laid_out_weighted_reads(units, layout, block_m, g, small_queries, n_queries, rules.crossover_row_exponent)
+        > max_weighted_reads
     ):
         return None
     if fill_slots is not None:
@@ -901,10 +902,10 @@ def _pack_layout(
     return chosen, query_of_rank
 
 
-def tile_read_weight(block_m: int) -> float:
+def tile_read_weight(block_m: int, exponent: float) -> float:
     """The crossover test's weight of a KV token read by a tile of ``block_m`` rows:
-    ``sqrt(block_m / 16)``."""
-    return math.sqrt(block_m / _MIN_BLOCK_M)
+    ``(block_m / 16) ** exponent`` (:attr:`fasttree.PlanRules.crossover_row_exponent`)."""
+    return (block_m / _MIN_BLOCK_M) ** exponent
 
 
 def _laid_out_weighted_reads(
@@ -914,10 +915,12 @@ def _laid_out_weighted_reads(
     g: int,
     small_queries: int,
     n_queries: int,
+    exponent: float,
     native: bool = True,
 ) -> float:
     """The KV tokens read by the plan :func:`materialize` builds from ``units`` and ``layout`` (None:
-    no bins), each weighted by :func:`tile_read_weight` for its tile class, before the plan's arrays:
+    no bins), each weighted by :func:`tile_read_weight` (with ``exponent``) for its tile class, before
+    the plan's arrays:
     units left alone in the small class when they have at most ``small_queries`` queries, bins when
     their rows fit the small tile (:func:`fasttree.packing.bin_rows`). The class-0 sum, then the
     class-1 sum, as the assembled plan's classes give them. ``native``: the two token counts in one
@@ -937,7 +940,7 @@ def _laid_out_weighted_reads(
             b_tokens, b_rows = bin_rows(layout)
             total += int(np.add.reduce(b_tokens, dtype=np.int64))
             small += int(np.add.reduce(b_tokens[b_rows <= block_m[1] // g], dtype=np.int64))
-    w_large, w_small = (tile_read_weight(b) for b in block_m)
+    w_large, w_small = (tile_read_weight(b, exponent) for b in block_m)
     return 0.0 + (total - small) * w_large + small * w_small
 
 

@@ -63,8 +63,14 @@ class PlanRules:
         At 16 or more query heads per KV head, :func:`fasttree.plan` returns plain split-KV
         decode's plan (:func:`fasttree.plan_query_separated`) where the tree plan costs more than
         this many times as much by the crossover test
-        (:func:`fasttree.planner._decode_weighted_reads`: KV tokens read, weighted by the square
-        root of the tile's rows). 0: never.
+        (:func:`fasttree.planner._decode_weighted_reads`: KV tokens read, each weighted by
+        ``(block_m / 16) ** crossover_row_exponent`` for its tile's rows). 0: never.
+    crossover_row_exponent : float
+        That weight's exponent. 0.5 (a 64-row tile's token costs twice a 16-row tile's) from the
+        H200's crossover suite; on an H100 the trees at GQA 16 that the test kept, timed against
+        query-separated decode, put a 64-row tile's token at 2.3-2.9 times a 16-row tile's with
+        the Triton kernel and 2.1-2.4 times with the sm_90 Gluon stage 1 at head dim 128, so
+        trees it scored 0.94-1.00 ran 0.76-0.86x of decode (``docs/history.md``).
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -197,6 +203,7 @@ class PlanRules:
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
     sm90_stage1: bool = field(default=False, metadata={ADDED_AS: False})
+    crossover_row_exponent: float = field(default=0.5, metadata={ADDED_AS: 0.5})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -1206,8 +1206,8 @@ def plan(
     g = check_heads(num_q_heads, num_kv_heads, head_dim)
     q_tiles = config.query_tiles(g)
     heads = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    margin = rules.crossover_margin
-    limit = margin * _decode_weighted_reads(tree, g) if margin and g >= _MIN_BLOCK_M else None
+    margin, exponent = rules.crossover_margin, rules.crossover_row_exponent
+    limit = margin * _decode_weighted_reads(tree, g, exponent) if margin and g >= _MIN_BLOCK_M else None
     planned = _tree_plan(tree, config, rules, g, q_tiles, max_weighted_reads=limit, **heads)
     if planned is None:  # the crossover test: the tree plan costs more than margin x decode's
         return plan_query_separated(tree, **heads, rules=rules)
@@ -1279,18 +1279,17 @@ def _tree_plan(
     )
 
 
-def _decode_weighted_reads(tree: KVTree, g: int) -> float:
+def _decode_weighted_reads(tree: KVTree, g: int, exponent: float) -> float:
     """The crossover test's cost of plain split-KV decode of ``tree``
     (:func:`fasttree.plan_query_separated`): :func:`plan` returns decode's plan where the tree
     plan's cost exceeds ``PlanRules.crossover_margin`` times this.
 
-    A plan's cost is the KV tokens its units read, each weighted by ``sqrt(block_m / 16)`` for
-    its tile's rows (:func:`fasttree.plan_arrays.tile_read_weight`): on the H200 a 64-row tile took
-    about twice a 16-row tile's time per KV token, on trees where neither is bound by the GPU's
-    bandwidth. Decode reads every query's context (the sum over nodes of tokens x queries below)
-    in tiles of ``max(16, g)`` rows. :func:`plan` applies the test only from ``g = 16``, where
-    decode's tile has no idle rows, and decides it once the tree plan's units and bins are laid
-    out, before its arrays are built.
+    A plan's cost is the KV tokens its units read, each weighted by ``(block_m / 16) ** exponent``
+    for its tile's rows (:func:`fasttree.plan_arrays.tile_read_weight`,
+    :attr:`PlanRules.crossover_row_exponent`). Decode reads every query's context (the sum over
+    nodes of tokens x queries below) in tiles of ``max(16, g)`` rows. :func:`plan` applies the
+    test only from ``g = 16``, where decode's tile has no idle rows, and decides it once the tree
+    plan's units and bins are laid out, before its arrays are built.
 
     Measured on the H200 (``docs/history.md``, crossover): on the crossover, families and paper
     suites every paper tree and batch without sharing costs at most 1.01 times decode's, and the
@@ -1299,7 +1298,7 @@ def _decode_weighted_reads(tree: KVTree, g: int) -> float:
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
     decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
-    return float(np.dot(tree.lengths, tree.subtree_queries)) * tile_read_weight(decode_rows)
+    return float(np.dot(tree.lengths, tree.subtree_queries)) * tile_read_weight(decode_rows, exponent)
 
 
 def _adaptive_splits(

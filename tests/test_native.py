@@ -431,11 +431,11 @@ def test_native_layout_class_reads_equal_numpys(monkeypatch):
     with_bins = [a for a in seen if a[1] is not None]
     assert len(seen) >= 40 and len(with_bins) >= 10
     assert any(a[1].start_of_rank is not None for a in with_bins)
-    for units, layout, block_m, g, small_queries, n_queries in seen:
-        args = (units, layout, block_m, g, small_queries, n_queries)
+    for units, layout, block_m, g, small_queries, n_queries, exponent in seen:
+        args = (units, layout, block_m, g, small_queries, n_queries, exponent)
         assert plan_arrays._layout_class_reads_native(units, layout, block_m[1] // g, small_queries, n_queries)
         assert real(*args) == real(*args, native=False)
-    units, layout, block_m, g, small_queries, n_queries = with_bins[0]
+    units, layout, block_m, g, small_queries, n_queries, _ = with_bins[0]
     bad = layout._replace(bins=layout.bins._replace(unit=layout.bins.unit + units.kv_len.size))
     assert plan_arrays._layout_class_reads_native(units, bad, block_m[1] // g, small_queries, n_queries) is None
 

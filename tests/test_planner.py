@@ -712,12 +712,13 @@ def _same_arrays(a, b) -> bool:
     )
 
 
-def _assembled_weighted_reads(plan) -> float:
-    """The crossover test's cost of an assembled plan: each tile class's KV tokens x sqrt(rows / 16)."""
+def _assembled_weighted_reads(plan, exponent: float) -> float:
+    """The crossover test's cost of an assembled plan: each tile class's KV tokens x (rows / 16) **
+    exponent."""
     ptr, work = plan.class_unit_ptr, 0.0
     for c, tile in enumerate(plan.tile_classes):
         if ptr[c + 1] > ptr[c]:
-            work += int(plan.unit_kv_len[ptr[c] : ptr[c + 1]].sum(dtype=np.int64)) * np.sqrt(tile.block_m / 16)
+            work += int(plan.unit_kv_len[ptr[c] : ptr[c + 1]].sum(dtype=np.int64)) * (tile.block_m / 16) ** exponent
     return work
 
 
@@ -727,7 +728,8 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
     assembled cost the plan is built (the same arrays), one float below it is abandoned. And
     plan() returns decode's plan exactly where the assembled tree plan costs more than 1.03x
     decode's (paper trees, random forests with internal queries, crossover batches; GQA 4-16,
-    packing on and off; all-small trees planned all-small, as by default, and all-large)."""
+    packing on and off; all-small trees planned all-small, as by default, and all-large; the
+    weight's exponent as by default and raised)."""
     from fasttree.costs import QUERY_SEPARATED
     from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
 
@@ -738,18 +740,19 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
     switched = kept = 0
     for tree, (hq, hkv), config, rules in itertools.product(
         trees, ((16, 1), (32, 2), (32, 8)), (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)),
-        (ft.PlanRules.defaults(), ft.PlanRules.defaults().with_(all_large_without_large=True)),
+        (ft.PlanRules.defaults(), ft.PlanRules.defaults().with_(all_large_without_large=True),
+         ft.PlanRules.defaults().with_(crossover_row_exponent=0.75)),
     ):  # fmt: skip
         off = rules.with_(crossover_margin=0.0)
         heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
         full = ft.plan(tree, config, **heads, rules=off)
-        cost = _assembled_weighted_reads(full)
+        cost = _assembled_weighted_reads(full, rules.crossover_row_exponent)
         g = hq // hkv
         args = (tree, config, rules, g, config.query_tiles(g))
         at_cost = planner_mod._tree_plan(*args, **heads, max_weighted_reads=cost)
         assert at_cost is not None and _same_arrays(at_cost, full)
         assert planner_mod._tree_plan(*args, **heads, max_weighted_reads=np.nextafter(cost, -1.0)) is None
-        decode = planner_mod._decode_weighted_reads(tree, g)
+        decode = planner_mod._decode_weighted_reads(tree, g, rules.crossover_row_exponent)
         want = g >= 16 and cost > 1.03 * decode
         got = ft.plan(tree, config, **heads, rules=rules)
         assert (got.tile_mode == QUERY_SEPARATED) == want
@@ -757,7 +760,28 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
             assert _same_arrays(got, full)
         switched += want
         kept += not want
-    assert switched >= 4 and kept >= 100
+    assert switched >= 6 and kept >= 150
+
+
+def test_the_crossover_weighs_a_tiles_rows_by_the_rules_exponent():
+    """A token read by a tile of ``block_m`` rows weighs ``(block_m / 16) ** exponent``: decode's
+    cost scales so at GQA 32 (32-row tiles), and a drawn beam-search tree whose tree plan reads
+    half of decode's tokens, all in 64-row tiles (0.94x decode's cost at exponent 0.5, 1.18x at
+    0.66), keeps its tree plan at 0.5 and goes to decode at 0.66."""
+    from fasttree.costs import QUERY_SEPARATED
+    from fasttree.toolkit.workloads import sample_tree
+
+    tree = sample_tree("beam_search", 69084)
+    reads = float(np.dot(tree.lengths, tree.subtree_queries))
+    for exponent in (0.5, 0.66, 1.0):
+        assert planner_mod._decode_weighted_reads(tree, 16, exponent) == reads
+        assert planner_mod._decode_weighted_reads(tree, 32, exponent) == pytest.approx(reads * 2**exponent)
+    heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
+    kept = ft.plan(tree, **heads, rules=ft.PlanRules(crossover_row_exponent=0.5))
+    assert kept.tile_mode != QUERY_SEPARATED and {tc.block_m for tc in kept.tile_classes} == {64}
+    assert 0.9 < _assembled_weighted_reads(kept, 0.5) / reads < 1.0
+    sent = ft.plan(tree, **heads, rules=ft.PlanRules(crossover_row_exponent=0.66))
+    assert sent.tile_mode == QUERY_SEPARATED
 
 
 def test_query_contexts_match_query_slots(monkeypatch):
