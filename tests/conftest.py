@@ -5,7 +5,9 @@ decided here, before any test module imports fasttree.
 
 Under pytest-xdist the workers share one GPU: every ``gpu`` test holds a shared lock on one file
 while it runs, and a ``gpu_timing`` test (one that compares times) holds it exclusively, so no
-other worker's kernels run beside its timings.
+other worker's kernels run beside its timings. They also share the CPU's cores: each worker's torch
+runs its share of them (the float64 references run on the CPU; 8 workers of 16 threads each on 16
+cores took minutes over references that take 35 s in one process).
 """
 
 import fcntl
@@ -17,6 +19,9 @@ from pathlib import Path
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
