@@ -24,6 +24,7 @@ import numpy as np
 
 from fasttree.config import FastTreeConfig
 from fasttree.costs import ALL_LARGE
+from fasttree.launch_rules import SM90_TILES, next_pow2
 from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, read_traces, record_launch, timed_launch_variants
@@ -180,6 +181,10 @@ WIDE_HEAD_CAP_KERNEL = 32
 #: The first kernel version whose all-large plans run tile class 1 (the large tiles) at the large
 #: class's warps; before it, class 1 kept the small class's.
 ALL_LARGE_WARPS_KERNEL = 33
+#: The first kernel version whose ``tree_attention`` launches run a 64-row class's stage 1 with the
+#: sm_90 Gluon kernel on sm_90 GPUs at its head dims (:attr:`fasttree.PlanRules.sm90_stage1`,
+#: :data:`fasttree.launch_rules.SM90_TILES`); the runtime's fixed launch keeps the Triton kernel.
+SM90_STAGE1_KERNEL = 35
 
 
 def record_plan(record: dict[str, Any]):
@@ -363,7 +368,8 @@ def measured_kernel_version(record: dict[str, Any]) -> int:
 
 
 #: The oldest kernel version whose records can have timed today's launches: the kernel changes
-#: after it (:data:`WIDE_HEAD_CAP_KERNEL`, :data:`ALL_LARGE_WARPS_KERNEL`) reach only some plans.
+#: after it (:data:`WIDE_HEAD_CAP_KERNEL`, :data:`ALL_LARGE_WARPS_KERNEL`,
+#: :data:`SM90_STAGE1_KERNEL`) reach only some plans.
 _COMPARABLE_SINCE = 30
 
 
@@ -373,18 +379,41 @@ def timed_todays_launches(record: dict[str, Any]) -> bool:
     :data:`_COMPARABLE_SINCE` on that no later change reaches. The wide-head KV-tile cap reaches
     every record above head dim 128 (counted whether or not its tile was capped); the all-large
     warps a ``tree_attention`` record of an all-large plan whose config gives its two classes
-    different warps (and one without a plan summary). For the held-out traces that calibrate the
-    tuner's margins: a kernel change leaves the measurements it does not reach usable."""
+    different warps (and one without a plan summary); the sm_90 Gluon stage 1 a ``tree_attention``
+    record on an sm_90 GPU at a head dim it runs whose plan has a 64-row class with units (and one
+    without a plan summary). For the held-out traces that calibrate the tuner's margins: a kernel
+    change leaves the measurements it does not reach usable."""
     version = measured_kernel_version(record)
     if version >= KERNEL_VERSION:
         return True
     if version < _COMPARABLE_SINCE or (version < WIDE_HEAD_CAP_KERNEL and record["head_dim"] > 128):
+        return False
+    if version < SM90_STAGE1_KERNEL and _reached_by_sm90_stage1(record):
         return False
     if version < ALL_LARGE_WARPS_KERNEL and record_launch(record) is None:
         mode = (record.get("plan") or {}).get("tile_mode")
         warps = FastTreeConfig.from_dict(record["config"]).launch_warps(record["num_q_heads"] // record["num_kv_heads"])
         return mode is not None and (mode != ALL_LARGE or warps[0] == warps[1])
     return True
+
+
+def _reached_by_sm90_stage1(record: dict[str, Any]) -> bool:
+    """Whether the sm_90 Gluon stage 1 (:data:`SM90_STAGE1_KERNEL`) runs a launch of the record's
+    plan today: a ``tree_attention`` record measured on an sm_90 GPU (``env.compute_capability``
+    9.x) at a head dim of :data:`fasttree.launch_rules.SM90_TILES` whose plan summary has units in a
+    64-row tile class (``max(16, next_pow2(q_tiles[c] x group size))`` rows); a record without
+    that summary counts as reached."""
+    env = record.get("env") or {}
+    if record_launch(record) is not None or not str(env.get("compute_capability", "")).startswith("9."):
+        return False
+    if (record["head_dim"], True) not in SM90_TILES:
+        return False
+    summary = record.get("plan") or {}
+    q_tiles, units = summary.get("q_tiles"), summary.get("units")
+    if not q_tiles or not units:
+        return True
+    g = record["num_q_heads"] // record["num_kv_heads"]
+    return any(n > 0 and max(16, next_pow2(q * g)) == 64 for q, n in zip(q_tiles, units, strict=True))
 
 
 def _is_default(record: dict[str, Any]) -> bool:

@@ -66,11 +66,14 @@ class PlanRules:
         (:func:`fasttree.planner._decode_weighted_reads`: KV tokens read, each weighted by
         ``(block_m / 16) ** crossover_row_exponent`` for its tile's rows). 0: never.
     crossover_row_exponent : float
-        That weight's exponent. 0.5 (a 64-row tile's token costs twice a 16-row tile's) from the
-        H200's crossover suite; on an H100 the trees at GQA 16 that the test kept, timed against
-        query-separated decode, put a 64-row tile's token at 2.3-2.9 times a 16-row tile's with
-        the Triton kernel and 2.1-2.4 times with the sm_90 Gluon stage 1 at head dim 128, so
-        trees it scored 0.94-1.00 ran 0.76-0.86x of decode (``docs/history.md``).
+        That weight's exponent. 0.63 (a 64-row tile's token costs 2.4 times a 16-row tile's): on an
+        H100 the trees at GQA 16 that the test kept at 0.5, timed against query-separated decode,
+        put a 64-row tile's token at 2.3-2.9 times a 16-row tile's with the Triton kernel and
+        2.1-2.4 times with the sm_90 Gluon stage 1 at head dim 128 (trees scored 0.94-1.00 ran
+        0.76-0.86x of decode). On a fresh draw (480 trees at GQA 16, D 64/128/256) 0.63 changed 21,
+        1.17x geomean against 0.5, every one within 0.983x of decode (13 of them below 0.97x at
+        0.5); two whose tree plans had beaten decode (1.24x, 1.12x) lost that (``docs/history.md``).
+        The weight alone predicts small trees loosely: their implied 64-row weight ranged 0.9-4.5.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -149,11 +152,12 @@ class PlanRules:
         Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
         (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dim 128
         (:func:`fasttree.launch_rules.warp_specialized_stage1`); other classes, head dims and GPUs,
-        and the CPU interpreter, keep the Triton kernel. Through ``tree_attention`` on an H100 (two
-        fresh draws and the crossover and families suites, the 83 trees it changed at D 128, fp16
-        and bf16) it ran 1.07x as fast as the defaults, none below 0.99x; at D 256 it lost (0.91x)
-        and at D 64 it gained 1.03x with a loss, so it runs at D 128 only. False until the full GPU
-        tests pass with it on and a draw not used for this choice confirms it (``docs/history.md``).
+        and the CPU interpreter, keep the Triton kernel. True by default: through
+        ``tree_attention`` on an H100 it ran 1.07x as fast as the Triton kernel on the 83 D 128
+        trees (fp16 and bf16) it changed in the suites and two fresh draws, none below 0.99x, and
+        1.10x on the 52 of a third draw, not used for the choice (worst 0.996x); at D 256 it lost
+        (0.91x) and at D 64 it gained 1.03x with a loss, so it runs at D 128 only
+        (``docs/history.md``). False: the Triton kernel everywhere.
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
@@ -202,8 +206,8 @@ class PlanRules:
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
-    sm90_stage1: bool = field(default=False, metadata={ADDED_AS: False})
-    crossover_row_exponent: float = field(default=0.5, metadata={ADDED_AS: 0.5})
+    sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
+    crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
 
     def __post_init__(self) -> None:
         for f in fields(self):

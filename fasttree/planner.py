@@ -1291,8 +1291,8 @@ def _decode_weighted_reads(tree: KVTree, g: int, exponent: float) -> float:
     test only from ``g = 16``, where decode's tile has no idle rows, and decides it once the tree
     plan's units and bins are laid out, before its arrays are built.
 
-    Measured on the H200 (``docs/history.md``, crossover): on the crossover, families and paper
-    suites every paper tree and batch without sharing costs at most 1.01 times decode's, and the
+    Measured on the H200 at exponent 0.5 (``docs/history.md``, crossover): on the crossover,
+    families and paper suites every paper tree and batch without sharing costs at most 1.01 times decode's, and the
     forests with internal queries at GQA 16 that lost to decode (0.84-0.97x) cost 1.05-1.26
     times; on 46 held-out trees, of the 27 at GQA 16 the test sent to decode 24 ran 1.01-1.44x
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).

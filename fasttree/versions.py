@@ -19,7 +19,7 @@ __all__ = ["KERNEL_VERSION", "defaults_fingerprint"]
 #: and add its line to the version table of ``docs/history.md``. The profiler writes it into every
 #: trace (``meta.profiler.kernel_version``), the latency model takes it as a feature, and a tuned
 #: export's entries record it: an entry tuned for other kernels falls back to the defaults.
-KERNEL_VERSION = 33
+KERNEL_VERSION = 35
 
 
 def defaults_fingerprint() -> str:

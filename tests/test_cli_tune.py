@@ -42,14 +42,23 @@ def workload(tmp_path_factory) -> Path:
     return path
 
 
+def _one_bucket(workload: Path, folder: Path, group_size: int) -> Path:
+    """A folder holding the small workload's 4 trees at ``group_size``: one bucket."""
+    records = read_traces(workload, kind="workload").records
+    records = [r for r in records if r["num_q_heads"] == group_size * r["num_kv_heads"]]
+    assert len(records) == 4
+    (folder / f"g{group_size}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def workload_g4(workload, tmp_path_factory) -> Path:
-    """A folder holding the small workload's 4 GQA-4 trees: one bucket."""
-    folder = tmp_path_factory.mktemp("wl4")
-    records = [r for r in read_traces(workload, kind="workload").records if r["num_q_heads"] == 4 * r["num_kv_heads"]]
-    assert len(records) == 4
-    (folder / "g4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return folder
+    return _one_bucket(workload, tmp_path_factory.mktemp("wl4"), 4)
+
+
+@pytest.fixture(scope="module")
+def workload_g1(workload, tmp_path_factory) -> Path:
+    return _one_bucket(workload, tmp_path_factory.mktemp("wl1"), 1)
 
 
 #: What keeps a run short: two trials, the default polish, one process.
@@ -131,29 +140,31 @@ def _journal(path: Path):
     return JournalStorage(JournalFileBackend(str(path)))
 
 
-def test_export_subcommand_reads_the_studies(tmp_path, workload_g4, capsys):
+def test_export_subcommand_reads_the_studies(tmp_path, workload_g1, capsys):
+    # GQA 1: the bucket whose tree_attention margin the shipped held-out traces calibrate (at GQA 4
+    # and 16 their pairs ran 64-row tiles the sm_90 Gluon stage 1 now runs)
     journal = tmp_path / "s.log"
     common = ["--model", str(MODEL), "--storage", str(journal), "--study", "j", "--targets", "tree_attention",
-              "--jobs", "1", "--heldout", str(workload_g4)]  # fmt: skip
-    run = ["run", "--workloads", str(workload_g4), *common, "--out", str(tmp_path / "out"), *FAST]
+              "--jobs", "1", "--heldout", str(workload_g1)]  # fmt: skip
+    run = ["run", "--workloads", str(workload_g1), *common, "--out", str(tmp_path / "out"), *FAST]
     assert main(run) == 0
     capsys.readouterr()
-    export = ["export", str(workload_g4), *common, "-o", str(tmp_path / "b.json")]
+    export = ["export", str(workload_g1), *common, "-o", str(tmp_path / "b.json")]
     assert main(export) == 0
-    assert "g4-d128-float16" in capsys.readouterr().out
+    assert "g1-d128-float16" in capsys.readouterr().out
     a, b = read_export(tmp_path / "out" / "export.json"), read_export(tmp_path / "b.json")
     assert [(e.bucket, e.target, e.portfolio, e.guard) for e in a.entries] == [
         (e.bucket, e.target, e.portfolio, e.guard) for e in b.entries
     ]
-    assert [(e.bucket, e.target) for e in b.entries] == [((4, 128, "float16"), "tree_attention")]
-    assert b.entries[0].provenance["n_trials"] == 2 and b.entries[0].provenance["study_name"] == "j-g4-d128-float16"
+    assert [(e.bucket, e.target) for e in b.entries] == [((1, 128, "float16"), "tree_attention")]
+    assert b.entries[0].provenance["n_trials"] == 2 and b.entries[0].provenance["study_name"] == "j-g1-d128-float16"
     for trials in _studies(_journal(journal)).values():  # export ran no trial
         assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 2
     with pytest.raises(SystemExit) as exc:  # the export exists: refused before anything runs
         main(export)
     assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # no storage given and none in --folder: nothing was tuned there
-        main(["export", str(workload_g4), "--model", str(MODEL), "--folder", str(tmp_path / "none"),
+        main(["export", str(workload_g1), "--model", str(MODEL), "--folder", str(tmp_path / "none"),
               "-o", str(tmp_path / "c.json")])  # fmt: skip
     assert exc.value.code == 2 and "nothing was tuned" in capsys.readouterr().err
     # the margin came from the shipped held-out traces; without any, every leaf serves the defaults
@@ -267,7 +278,8 @@ def test_run_writes_portfolio_export_and_report(tmp_path, workload, capsys):
         assert served == p.for_heads(8 * e.group_size, 8)
         # every leaf serving a member has beaten the calibrated margin on >= 4 held-out trees, fenced by them
         evidence = e.provenance["evidence"]
-        assert evidence["split"] == "validation" and evidence["calibration"]["margin"] == evidence["margin"]
+        calibration = evidence["calibration"]
+        assert evidence["split"] == "validation" and (calibration or {}).get("margin") == evidence["margin"]
         for leaf in evidence["leaves"]:
             if leaf["served"]:
                 assert leaf["predicted_gain"] > evidence["margin"] and leaf["trees"] >= 4
@@ -284,7 +296,13 @@ def test_run_writes_portfolio_export_and_report(tmp_path, workload, capsys):
         assert set(j["rules"]) == {"margin", "family_loss", "tree_loss", "max_depth", "min_leaf"}
         assert j["train"]["families"].keys() == {"paper"} and j["train"]["objective"] <= 1.0 + 1e-12
         assert sum(j["valid"]["picks"]) == 4  # the held-out steps: 4 trees per bucket
-        assert j["evidence"]["margin"] > 0 and j["evidence"]["calibration"]["pairs"] >= 20
+        # the shipped held-out pairs calibrate every bucket but tree_attention's at GQA 4 and 16, whose
+        # 64-row D 128 plans the sm_90 Gluon stage 1 now runs (not today's launches: the defaults there)
+        calibrated = j["target"] == "runtime" or j["bucket"] == "g1-d128-float16"
+        if calibrated:
+            assert j["evidence"]["margin"] > 0 and j["evidence"]["calibration"]["pairs"] >= 20
+        else:
+            assert j["evidence"]["margin"] is None and j["evidence"]["calibration"] is None
     md = (out / "report.md").read_text()
     assert md.startswith("# fasttree-tune run") and "| calibrated margin | leaves served (model's) |" in md
     for t in targets:

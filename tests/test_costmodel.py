@@ -734,6 +734,38 @@ def test_a_record_timed_todays_launches_unless_a_later_kernel_change_reaches_it(
     assert not timed_todays_launches(no_summary)
 
 
+def test_the_sm90_stage1_reaches_64_row_tree_attention_records_at_head_dim_128_on_sm90():
+    # records of tree_attention plans with a 64-row class at head dim 128 on an sm_90 GPU, measured
+    # before the Gluon stage 1, no longer time today's launches; other records, other GPUs and the
+    # runtime's fixed launch (Triton) still do
+    from fasttree.costmodel.dataset import SM90_STAGE1_KERNEL, timed_todays_launches
+
+    def record(q_tiles, units, g=16, head_dim=128, cc="9.0", runtime=False, version=SM90_STAGE1_KERNEL - 2):
+        r = {
+            "num_q_heads": 2 * g, "num_kv_heads": 2, "head_dim": head_dim,
+            "plan": {"tile_mode": "two_classes", "q_tiles": q_tiles, "units": units},
+            "config": ft.FastTreeConfig().to_dict(), "env": {"git_commit": None, "compute_capability": cc},
+            "meta": {"profiler": {"kernel_version": version}},
+        }  # fmt: skip
+        if runtime:
+            r["launch"] = {"stage1_launches": 1, "query_centric": "auto"}
+        return r
+
+    assert not timed_todays_launches(record([4, 1], [10, 5]))  # 64 rows at GQA 16
+    assert timed_todays_launches(record([4, 1], [0, 5]))  # the 64-row class empty
+    assert not timed_todays_launches(record([16, 4], [3, 0], g=4))  # 64 rows at GQA 4
+    assert timed_todays_launches(record([8, 4], [3, 7], g=4))  # 32 and 16 rows
+    assert not timed_todays_launches(record([64, 16], [1, 9], g=1))  # MHA: 64-query tiles
+    assert timed_todays_launches(record([4, 1], [10, 5], head_dim=64))  # no Gluon tile at D 64
+    assert timed_todays_launches(record([4, 1], [10, 5], head_dim=256))
+    assert timed_todays_launches(record([4, 1], [10, 5], cc="8.0"))  # not sm_90
+    assert timed_todays_launches(record([4, 1], [10, 5], runtime=True))  # the fixed launch
+    assert timed_todays_launches(record([4, 1], [10, 5], version=SM90_STAGE1_KERNEL))
+    no_summary = record([4, 1], [10, 5])
+    no_summary["plan"] = {"tile_mode": "two_classes"}
+    assert not timed_todays_launches(no_summary)
+
+
 def test_measurements_of_the_runtimes_launch_variants_are_left_out_of_the_dataset(trace_file, tmp_path):
     # validate times the runtime as servers run it; the model's runtime target is the fixed launch
     from fasttree.traces import runtime_launch

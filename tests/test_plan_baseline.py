@@ -7,7 +7,8 @@ shape), its decisions and its groups, on the 15 paper-suite trees, seeded random
 queries, scattered slots, empty nodes), the large trees of ``bench.plan_time``'s other families,
 serving-simulation steps and extended trees (``KVTree.append_tokens``). The digests in
 ``tests/data/plan_digests_default_rules.json`` were recorded from the planner before its per-token
-host work was vectorised further; a host-time optimisation must leave every plan as it was.
+host work was vectorised further (re-recorded where a rule changed plans on purpose: the
+crossover's exponent at v35); a host-time optimisation must leave every plan as it was.
 
 Regenerate them (only when a plan change is intended) with::
 

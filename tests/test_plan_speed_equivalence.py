@@ -1,7 +1,8 @@
 """Plans and runtime uploads are bit-identical to recorded digests.
 
 The digests in ``tests/data/plan_digests.json`` were recorded with the planner before its
-host-time optimisations; every :class:`fasttree.Plan` array (values, dtype and shape), every
+host-time optimisations (re-recorded where a rule changed plans on purpose: the crossover's exponent at
+v35); every :class:`fasttree.Plan` array (values, dtype and shape), every
 decision of the plan and the runtime's staged plan-buffer words must still hash the same.
 
 Regenerate them (only when a plan change is intended) with::

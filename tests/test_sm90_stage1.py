@@ -19,6 +19,7 @@ from fasttree.launch_rules import SM90_TILES, GpuTarget, sm90_tile, stage1_launc
 
 H100 = GpuTarget(cuda=True, major=9, sms=132)
 ON = ft.PlanRules.defaults().with_(sm90_stage1=True)
+OFF = ft.PlanRules.defaults().with_(sm90_stage1=False)
 
 needs_gluon = pytest.mark.skipif(tree_attention_units_sm90_kernel is None, reason="this Triton has no Gluon for Hopper")
 
@@ -32,8 +33,8 @@ def _two_class_tree() -> ft.KVTree:
     )
 
 
-def test_the_rule_is_off_by_default_and_only_for_64_row_tiles_on_sm90():
-    assert ft.PlanRules.defaults().sm90_stage1 is False
+def test_the_rule_is_on_by_default_and_only_for_64_row_tiles_on_sm90():
+    assert ft.PlanRules.defaults().sm90_stage1 is True
     assert {d for d, _ in SM90_TILES} == {128}  # D 64 and 256 measured no better (docs/history.md)
     for block_m, d, target, on, expected in (
         (64, 128, H100, True, True),
@@ -55,7 +56,7 @@ def test_the_rule_is_off_by_default_and_only_for_64_row_tiles_on_sm90():
 def test_stage1_launches_flag_the_64_row_class_only_where_the_plan_rules_say():
     tree = _two_class_tree()
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
-    on, off = ft.plan(tree, **heads, rules=ON), ft.plan(tree, **heads)
+    on, off = ft.plan(tree, **heads, rules=ON), ft.plan(tree, **heads, rules=OFF)
     assert [tc.block_m for tc in on.tile_classes] == [64, 16]
     flags = [(s.block_m, s.warp_specialized) for s in stage1_launches(on, H100)]
     assert flags == [(64, True), (16, False)]
@@ -74,7 +75,7 @@ def test_kernel_launches_pass_the_gluon_kernel_the_triton_kernels_arguments(offs
     register cap; the 16-row class keeps the Triton kernel."""
     tree = _two_class_tree()
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
-    plans = {rules: ft.plan(tree, **heads, rules=rules) for rules in (ON, ft.PlanRules.defaults())}
+    plans = {rules: ft.plan(tree, **heads, rules=rules) for rules in (ON, OFF)}
     q = torch.randn(tree.n_queries, 16, 128).half()
     k = torch.randn(tree.max_slot + 1, 1, 128).half()
     out = torch.empty_like(q)
@@ -88,7 +89,7 @@ def test_kernel_launches_pass_the_gluon_kernel_the_triton_kernels_arguments(offs
         )  # fmt: skip
     plan = plans[ON]
     (g_kernel, g_grid, g_args, g_const, g_warps, _, g_maxnreg), small = launches[ON]
-    (t_kernel, t_grid, t_args, *_), t_small = launches[ft.PlanRules.defaults()]
+    (t_kernel, t_grid, t_args, *_), t_small = launches[OFF]
     assert g_kernel is tree_attention_units_sm90_kernel and t_kernel is tree_attention_units_kernel
     assert small[0] is tree_attention_units_kernel and small[1] == t_small[1] and small[3] == t_small[3]
     assert g_grid == t_grid
