@@ -75,7 +75,10 @@ def plan_query_separated(
     sized so that about four waves of ``num_sms`` programs run); one program handles the
     ``g`` heads of one KV head of one query over one chunk, and chunks are merged. ``rules``
     (default :meth:`PlanRules.defaults`) is recorded in the plan: its launch rules (the
-    wide-head KV-tile cap) apply to the plan's launches.
+    wide-head KV-tile cap) apply to the plan's launches. Its chunking rules
+    (``decode_split_by_context``, ``equal_lengths_one_wave``) apply only where ``rules`` is
+    given, as :func:`fasttree.plan`'s crossover gives it; without it the chunks are the longest
+    context's for about four waves (the benchmarks' query-separated baseline).
     """
     check_heads(num_q_heads, num_kv_heads, head_dim)
     if rules is not None and not isinstance(rules, PlanRules):
