@@ -24,7 +24,8 @@ import numpy as np
 
 from fasttree.config import FastTreeConfig
 from fasttree.costs import ALL_LARGE
-from fasttree.launch_rules import SM90_TILES, next_pow2
+from fasttree.launch_rules import sm90_tile_class
+from fasttree.plan_arrays import tile_rows
 from fasttree.plan_rules import PlanRules
 from fasttree.runtime_planning import plan_as_launched, resolve_stage1_launches
 from fasttree.traces import decode_tree, read_traces, record_launch, timed_launch_variants
@@ -400,20 +401,18 @@ def timed_todays_launches(record: dict[str, Any]) -> bool:
 def _reached_by_sm90_stage1(record: dict[str, Any]) -> bool:
     """Whether the sm_90 Gluon stage 1 (:data:`SM90_STAGE1_KERNEL`) runs a launch of the record's
     plan today: a ``tree_attention`` record measured on an sm_90 GPU (``env.compute_capability``
-    9.x) at a head dim of :data:`fasttree.launch_rules.SM90_TILES` whose plan summary has units in a
-    64-row tile class (``max(16, next_pow2(q_tiles[c] x group size))`` rows); a record without
-    that summary counts as reached."""
+    9.x) whose plan summary has units in a tile class the Gluon kernel runs
+    (:func:`fasttree.launch_rules.sm90_tile_class` of its rows, :func:`fasttree.plan_arrays.tile_rows`);
+    a record without that summary, at a head dim the kernel runs, counts as reached."""
     env = record.get("env") or {}
     if record_launch(record) is not None or not str(env.get("compute_capability", "")).startswith("9."):
         return False
-    if (record["head_dim"], True) not in SM90_TILES:
-        return False
+    d, g = record["head_dim"], record["num_q_heads"] // record["num_kv_heads"]
     summary = record.get("plan") or {}
     q_tiles, units = summary.get("q_tiles"), summary.get("units")
     if not q_tiles or not units:
-        return True
-    g = record["num_q_heads"] // record["num_kv_heads"]
-    return any(n > 0 and max(16, next_pow2(q * g)) == 64 for q, n in zip(q_tiles, units, strict=True))
+        return sm90_tile_class(64, d)  # the kernel's one class: 64 rows
+    return any(n > 0 and sm90_tile_class(tile_rows(q, g), d) for q, n in zip(q_tiles, units, strict=True))
 
 
 def _is_default(record: dict[str, Any]) -> bool:

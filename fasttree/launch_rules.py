@@ -398,16 +398,21 @@ def sm90_tile(head_dim: int, offsets_32: bool) -> Sm90Tile:
     return SM90_TILES[(head_dim, offsets_32)]
 
 
+def sm90_tile_class(block_m: int, head_dim: int) -> bool:
+    """Whether the Gluon stage 1 has a tile for a class of ``block_m`` rows at ``head_dim``: 64 rows
+    at a head dim of :data:`SM90_TILES` (128)."""
+    return block_m == _SM90_BLOCK_M and (head_dim, True) in SM90_TILES
+
+
 def warp_specialized_stage1(on: bool, target: GpuTarget, block_m: int, head_dim: int) -> bool:
     """Whether a tile class of ``block_m`` rows at ``head_dim`` runs the sm_90 Gluon stage 1: where
-    ``on`` (:attr:`fasttree.PlanRules.sm90_stage1`), on a compiled sm_90 target, for 64-row tiles at
-    a head dim of :data:`SM90_TILES` (128), and where the installed Triton has Gluon's Hopper ops."""
+    ``on`` (:attr:`fasttree.PlanRules.sm90_stage1`), on a compiled sm_90 target, for a class of
+    :func:`sm90_tile_class`, and where the installed Triton has Gluon's Hopper ops."""
     return (
         on
         and target.cuda
         and target.major == 9
-        and block_m == _SM90_BLOCK_M
-        and (head_dim, True) in SM90_TILES
+        and sm90_tile_class(block_m, head_dim)
         and tree_attention_units_sm90_kernel is not None
     )
 

@@ -77,6 +77,12 @@ def _next_pow2(x: int) -> int:
     return 1 << (max(1, int(x)) - 1).bit_length()
 
 
+def tile_rows(queries: int, group_size: int) -> int:
+    """Rows (``block_m``) of a tile of ``queries`` queries at ``group_size`` query heads per KV
+    head: the power of two covering ``queries x group_size``, at least 16 (``tl.dot``'s least)."""
+    return max(_MIN_BLOCK_M, _next_pow2(queries * group_size))
+
+
 def tenth_longest(kv_len: np.ndarray, *, descending: bool = False) -> int:
     """The KV length that one unit in ten (or more) of a tile class reaches: the ``size // 10``-th
     of the units' lengths ``kv_len`` (non-empty) in decreasing order. ``descending``: ``kv_len`` is
@@ -665,7 +671,7 @@ def materialize(
     rules = PlanRules.defaults() if rules is None else rules
     # tile class of every unit: large (0) above q_tiles[1] queries; packing (when on)
     # builds bins of up to a large tile's rows, which join the class their rows fit
-    block_m = (max(_MIN_BLOCK_M, _next_pow2(q_tiles[0] * g)), max(_MIN_BLOCK_M, _next_pow2(q_tiles[1] * g)))
+    block_m = (tile_rows(q_tiles[0], g), tile_rows(q_tiles[1], g))
     packing = query_rank is not None and config.pack_tokens > 0
     if packing:
         small = config.kv_split_sizes[1] if small_split is None else small_split

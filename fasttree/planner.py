@@ -42,7 +42,7 @@ from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import ChainedSlots, Groups
 from .host_arrays import entry_array
 from .native import address, c_int32, c_int64, planner_library
-from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, check_heads, materialize, tile_read_weight
+from .plan_arrays import _MIN_BLOCK_M, Plan, check_heads, materialize, tile_read_weight, tile_rows
 from .plan_rules import PlanRules, wide_head_split
 from .portfolio import Portfolio, head_layout
 from .query_separated import plan_query_separated
@@ -1297,7 +1297,7 @@ def _decode_weighted_reads(tree: KVTree, g: int, exponent: float) -> float:
     times; on 46 held-out trees, of the 27 at GQA 16 the test sent to decode 24 ran 1.01-1.44x
     faster there and 3 lost 1-2.5%; at GQA 7 it would have lost on all 5 it picked (0.80-0.94x).
     """
-    decode_rows = max(_MIN_BLOCK_M, _next_pow2(g))  # the rows of decode's one-query tile
+    decode_rows = tile_rows(1, g)  # the rows of decode's one-query tile
     return float(np.dot(tree.lengths, tree.subtree_queries)) * tile_read_weight(decode_rows, exponent)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import FastTreeConfig
 from .costs import ALL_LARGE
-from .plan_arrays import _MIN_BLOCK_M, Plan, _next_pow2, _tile_class, check_heads
+from .plan_arrays import Plan, _tile_class, check_heads, tile_rows
 from .plan_rules import PlanRules, wide_head_tile
 from .planner import plan as plan_tree
 from .tree import KVTree
@@ -78,7 +78,7 @@ def launch_slots(
     stages = config.launch_stages(group_size, head_dim)
     slots = []
     for c, t in enumerate(q_tiles):
-        block_m = max(_MIN_BLOCK_M, _next_pow2(t * group_size))
+        block_m = tile_rows(t, group_size)
         block_n = wide_head_tile(head_dim, block_m, int(config.kv_tile[c]), wide_head_cap)
         slots.append((block_m, block_n, int(warps[c]), int(stages[c])))
     return tuple(slots)
