@@ -75,13 +75,15 @@ def plan_query_separated(
     sized so that about four waves of ``num_sms`` programs run); one program handles the
     ``g`` heads of one KV head of one query over one chunk, and chunks are merged. ``rules``
     (default :meth:`PlanRules.defaults`) is recorded in the plan: its launch rules (the
-    wide-head KV-tile cap) apply to the plan's launches. Its chunking rules
-    (``decode_split_by_context``, ``equal_lengths_one_wave``) apply only where ``rules`` is
-    given, as :func:`fasttree.plan`'s crossover gives it; without it the chunks are the longest
-    context's for about four waves (the benchmarks' query-separated baseline).
+    wide-head KV-tile cap) apply to the plan's launches and its chunking rules
+    (``decode_split_by_context``, ``equal_lengths_one_wave``) to the chunk size, so this is the
+    plan :func:`fasttree.plan`'s crossover returns where decode wins (also the benchmarks'
+    query-separated baseline).
     """
     check_heads(num_q_heads, num_kv_heads, head_dim)
-    if rules is not None and not isinstance(rules, PlanRules):
+    if rules is None:
+        rules = PlanRules.defaults()
+    elif not isinstance(rules, PlanRules):
         raise ValueError(f"rules must be a PlanRules, got {type(rules).__name__}")
     if kv_split_size is not None:
         kv_split_size = check_int("kv_split_size", kv_split_size, minimum=1)
@@ -93,8 +95,7 @@ def plan_query_separated(
         if per_sm is not None:
             kv_split_size = one_wave_split(lens, num_kv_heads, per_sm * num_sms, kv_tile)
         else:
-            by_context = rules is not None and rules.decode_split_by_context
-            context = int(np.add.reduce(lens, dtype=np.int64)) if by_context else None
+            context = int(np.add.reduce(lens, dtype=np.int64)) if rules.decode_split_by_context else None
             kv_split_size = query_separated_split(int(lens.max()), nq, num_kv_heads, num_sms, kv_tile, context=context)
     groups = Groups(
         node=tree.query_nodes.copy(),

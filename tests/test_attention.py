@@ -737,7 +737,8 @@ def test_decode_split_by_context_where_it_cuts_matches_the_reference(device):
     tree = ft.KVTree([-1] * 80, [slots[bounds[j] : bounds[j + 1]] for j in range(80)], list(range(80)))
     heads = {"num_q_heads": 16, "num_kv_heads": 8, "head_dim": 64}
     on = ft.PlanRules.defaults()
-    base, cut = plan_query_separated(tree, **heads), plan_query_separated(tree, **heads, rules=on)
+    base = plan_query_separated(tree, **heads, rules=on.with_(decode_split_by_context=False))
+    cut = plan_query_separated(tree, **heads)
     assert on.decode_split_by_context and cut.n_units > base.n_units == 80
     q, k, v = make_inputs(tree, 16, 8, 64, torch.bfloat16, device, torch.Generator().manual_seed(4180))
     for plan in (base, cut):

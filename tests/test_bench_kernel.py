@@ -433,6 +433,28 @@ def test_the_summary_reports_the_candidate_against_the_defaults_and_decode():
     assert "candidate_changed_cases" not in kernel.summarize([_row(1, 40.0, 20.0)])
 
 
+def test_a_heldout_report_records_what_regenerates_its_trees():
+    """The report's ``heldout`` entry (seed, count, layouts, families in their order, parameters)
+    draws the run's cases again through ``heldout_cases``."""
+    from fasttree.toolkit.family_suite import heldout_cases, parse_shape
+
+    shapes = ["--shapes", "16x1/d64/fp16,32x2/d128/bf16"]
+    for narrowed in (["--families", "no_sharing,few_shot"],
+                     ["--families", "no_sharing", "--family-params", '{"context_tokens": [100, 300]}']):  # fmt: skip
+        args = kernel.parse_args(["--suite", "heldout", "--seed", "4100", "--trees", "7", *shapes, *narrowed])
+        draw = json.loads(json.dumps(kernel._heldout_draw(args)))
+        assert draw["families"] == narrowed[1].split(",") and draw["shapes"] == ["16x1/d64/fp16", "32x2/d128/bf16"]
+        again = heldout_cases(
+            draw["seed"],
+            draw["trees"],
+            tuple(parse_shape(x) for x in draw["shapes"]),
+            tuple(draw["families"]),
+            draw["family_params"] and kernel._family_params(json.dumps(draw["family_params"])),  # as the option
+        )
+        assert again == args.heldout and len(again) == 7
+    assert kernel._heldout_draw(kernel.parse_args(["--suite", "heldout"]))["families"] is None
+
+
 @pytest.mark.gpu
 def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
     """Two drawn trees at 8/1 D 256: the candidate is planned, checked against float64 and timed
@@ -443,7 +465,9 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
     assert kernel.main(argv) == 0
     report = json.loads((tmp_path / "kernel_t.json").read_text())
     assert report["candidate"]["config"]["kv_tile"] == [32, 32] and report["candidate"]["rules"] == {}
-    assert report["heldout"] == {"seed": 77, "trees": 2}
+    assert report["heldout"] == {
+        "seed": 77, "trees": 2, "shapes": ["8x1/d256/bf16"], "families": None, "family_params": None,
+    }  # fmt: skip
     assert len(report["rows"]) == 2
     for row in report["rows"]:
         assert row["variants"][kernel.CANDIDATE]["correct"] and row["variants"][kernel.CANDIDATE]["graph_us"] > 0

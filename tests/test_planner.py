@@ -819,11 +819,14 @@ def test_decode_split_by_context_cuts_only_batches_of_one_chunk_per_query():
 
     on = ft.PlanRules.defaults()
     assert on.decode_split_by_context is True  # adopted
+    off = on.with_(decode_split_by_context=False)
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128}
     rng = np.random.default_rng(0)
     lens = rng.integers(64, 2049, 600)
     many = ft.KVTree.from_lengths([-1] * 600, lens, list(range(600)))
-    base, cut = plan_query_separated(many, **heads), plan_query_separated(many, **heads, rules=on)
+    base, cut = plan_query_separated(many, **heads, rules=off), plan_query_separated(many, **heads)
+    # rules=None is the defaults: the benchmarks' baseline is the plan the crossover returns
+    assert np.array_equal(cut.unit_kv_len, plan_query_separated(many, **heads, rules=on).unit_kv_len)
     longest = -(-int(lens.max()) // 64) * 64
     assert base.config.kv_split_sizes[0] == longest and base.n_units == 600
     per_program = -(-int(lens.sum()) // 528)
@@ -837,7 +840,7 @@ def test_decode_split_by_context_cuts_only_batches_of_one_chunk_per_query():
     # 64 requests of 1-4k at one KV head: 9 chunks of the longest, left as they are
     mixed = ft.KVTree.from_lengths([-1] * 64, rng.integers(1024, 4097, 64), list(range(64)))
     for make in (plan_query_separated, ft.plan):
-        a, b = make(mixed, **heads), make(mixed, **heads, rules=on)
+        a, b = make(mixed, **heads, rules=off), make(mixed, **heads, rules=on)
         for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert chunked_split(4096, 528, 32, 64, work=32 * 4096) == chunked_split(4096, 528, 32, 64) == 256

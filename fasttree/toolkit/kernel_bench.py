@@ -721,6 +721,19 @@ def parse_candidate(text: str) -> tuple[ft.FastTreeConfig, ft.PlanRules]:
     return config, rules
 
 
+def _heldout_draw(args: argparse.Namespace) -> dict[str, Any]:
+    """What regenerates a heldout run's trees (:func:`.family_suite.heldout_cases`): seed, count,
+    head layouts (``HQxHKV/dD/DTYPE``), families (None: every family) and their parameters."""
+    dtypes = {"float16": "fp16", "bfloat16": "bf16"}
+    return {
+        "seed": args.seed,
+        "trees": args.trees,
+        "shapes": [f"{hq}x{hkv}/d{d}/{dtypes[dt]}" for (hq, hkv), d, dt in args.shapes],
+        "families": [f for f in args.families.split(",") if f] if args.families else None,
+        "family_params": _family_params(args.family_params),
+    }
+
+
 def _candidate_dict(config: ft.FastTreeConfig, rules: ft.PlanRules) -> dict[str, Any]:
     """The report's record of a candidate: its config and the rules it changes."""
     defaults = dataclasses.asdict(ft.PlanRules.defaults())
@@ -1003,7 +1016,7 @@ def main(argv=None, *, prog: str = "python -m fasttree.toolkit.kernel_bench") ->
         "label": args.label,
         "export": args.export_path,
         "candidate": None if args.candidate is None else _candidate_dict(*args.candidate),
-        "heldout": {"seed": args.seed, "trees": args.trees} if args.suite == "heldout" else None,
+        "heldout": _heldout_draw(args) if args.suite == "heldout" else None,
         "changed_only": args.changed_only,
         "instances": args.instances,
         "env": env,
