@@ -162,6 +162,8 @@ class PlanRules:
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
         for the config's own ...
+    narrow_head_small_split : int
+        The same cap at head dims up to 128 (0: off, by default), under the same conditions.
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
         launch that leaves most SMs idle) and which merge partial results there already (a cap
@@ -203,6 +205,7 @@ class PlanRules:
     # plan); a default away from it is a rule adopted since
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
+    narrow_head_small_split: int = field(default=0, metadata={ADDED_AS: 0})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
@@ -217,7 +220,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
+            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split", "narrow_head_small_split"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
@@ -286,11 +289,13 @@ def decode_programs_per_sm(head_dim: int) -> int | None:
     return 4 if 64 < head_dim <= 128 else None
 
 
-def wide_head_split(head_dim: int, split: int, cap: int) -> int:
+def wide_head_split(head_dim: int, split: int, cap: int, narrow_cap: int = 0) -> int:
     """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or ``cap``
-    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128
+    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128,
+    ``narrow_cap`` (:attr:`PlanRules.narrow_head_small_split`; 0: off) up to 128
     (:func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the result)."""
-    if cap and head_dim > 128 and split > cap:
+    cap = cap if head_dim > 128 else narrow_cap
+    if cap and split > cap:
         return cap
     return split
 

@@ -1322,7 +1322,7 @@ def _adaptive_splits(
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
-    capped = wide_head_split(head_dim, small, rules.wide_head_small_split)
+    capped = wide_head_split(head_dim, small, rules.wide_head_small_split, rules.narrow_head_small_split)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest

@@ -564,6 +564,7 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ({"wide_head_kv_tile": -16}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
         ({"wide_head_small_split": -64}, "PlanRules.wide_head_small_split must be a non-negative integer"),
         ({"wide_head_small_split_programs": 0}, "PlanRules.wide_head_small_split_programs must be a positive integer"),
+        ({"narrow_head_small_split": -1}, "PlanRules.narrow_head_small_split must be a non-negative integer"),
     ],
 )
 def test_plan_rules_refuse_bad_values(kwargs, match):
@@ -610,6 +611,34 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
         assert capped.n_units > uncapped.n_units  # the small phase cut finer
         as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=off)
         assert _same_arrays(capped, as_config)
+
+
+def test_narrow_head_small_split_caps_the_small_split_up_to_head_dim_128_only():
+    """``PlanRules.narrow_head_small_split`` (off by default): the same cap at head dims up to 128,
+    under the same programs limit; a plan at head dim 64 or 128 is then the config's with that
+    small split, at head dim 256 the wide-head cap's alone."""
+    from fasttree.plan_rules import wide_head_split
+
+    assert ft.PlanRules().narrow_head_small_split == 0
+    assert wide_head_split(128, 128, 64, 32) == 32 and wide_head_split(64, 128, 0, 64) == 64
+    assert wide_head_split(256, 128, 0, 32) == 128 and wide_head_split(128, 128, 64) == 128
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
+    off = ft.PlanRules().with_(wide_head_small_split_programs=10**6)
+    on = off.with_(narrow_head_small_split=64)
+    for d in (64, 128, 256):
+        heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
+        capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=off)
+        check_plan(tree, capped)
+        if d == 256:
+            assert _same_arrays(capped, uncapped)
+            continue
+        assert capped.n_units > uncapped.n_units
+        as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=off)
+        assert _same_arrays(capped, as_config)
+    # the programs limit holds here too: at 24 (the default) this 27-unit plan keeps its split
+    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 128}
+    limited = ft.PlanRules().with_(narrow_head_small_split=64)
+    assert _same_arrays(ft.plan(tree, **heads, rules=limited), ft.plan(tree, **heads))
 
 
 def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
