@@ -195,8 +195,10 @@ def _aligned(words: int) -> int:
 _MERGE_ARGS = 11
 #: Position of ``qk_scale`` among ``tree_attention_persistent_kernel``'s arguments.
 _STAGE1_QK_ARG = 9
-#: Factors of the KV split sizes a plan over a capacity is tried again with, before the bounded plan.
-_SPLIT_SCALES = (4, 32)
+#: Factors of the KV split sizes a plan over a capacity is tried again with, smallest first, before
+#: the bounded plan: the first that fits keeps the most of the planner's own chunks (a tree a few
+#: partial rows over ``max_partial_rows`` loses a third of its units at 1.5x, three quarters at 4x).
+_SPLIT_SCALES = (1.5, 2, 4, 32)
 
 #: The plan's KV index (and row-mask) arrays hold this many times ``max_kv_entries``.
 KV_CAPACITY_FACTOR = 2
@@ -628,14 +630,14 @@ class TreeAttentionRuntime:
             return self._upload_within_capacity(tree, config, err)
 
     def _plan_afresh(
-        self, tree: KVTree, config: FastTreeConfig, split_scale: int = 1, *, crossover: bool = True
+        self, tree: KVTree, config: FastTreeConfig, split_scale: float = 1, *, crossover: bool = True
     ) -> tuple[Plan, bool]:
         """Plan ``tree`` with ``config`` (a portfolio member; its KV split sizes times
-        ``split_scale``); whether the plan is query-centric. ``crossover=False``: never plain
+        ``split_scale``, rounded up); whether the plan is query-centric. ``crossover=False``: never plain
         decode's plan (``PlanRules.crossover_margin`` 0), which may need more KV entries than a
         tree plan."""
         if split_scale != 1:
-            config = config.with_(kv_split_sizes=tuple(split_scale * s for s in config.kv_split_sizes))
+            config = config.with_(kv_split_sizes=tuple(math.ceil(split_scale * s) for s in config.kv_split_sizes))
         rules = self._rules if crossover else self._rules.with_(crossover_margin=0.0)
         return plan_for_runtime(
             tree, config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,

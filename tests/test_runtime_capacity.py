@@ -181,6 +181,23 @@ def test_sized_at_its_context_the_runtime_serves_tree_attentions_plan():
         assert np.array_equal(served.kv_indices, plan.kv_indices), name
 
 
+def test_a_plan_just_over_a_capacity_keeps_most_of_its_chunks(device):
+    """A drawn few-shot tree at 16/2 D 256 needs 822 partial rows where a runtime sized at its
+    context holds 819: the runtime serves its plan at 1.5x the KV split sizes (the smallest retry
+    that fits, 114 units), not at 4x (fewer chunks per group, the plan 0.78x as fast on an H200)."""
+    tree = sample_tree("few_shot", 72078)
+    heads = {"num_q_heads": 16, "num_kv_heads": 2, "head_dim": 256}
+    rt = _runtime(device, tree, 16, 2, 256)
+    own = ft.plan(tree, **heads)
+    assert own.n_partial_rows > rt.max_partial_rows  # the premise
+    up = rt.plan(tree)
+    wider = ft.FastTreeConfig(kv_split_sizes=(1536, 192))
+    want = ft.plan(tree, wider, **heads, rules=ft.PlanRules().with_(crossover_margin=0.0))
+    assert not up.bounded and np.array_equal(up.plan.kv_indices, want.kv_indices)
+    assert up.plan.n_partial_rows <= rt.max_partial_rows
+    assert up.plan.config.kv_split_sizes == (1536, 192)
+
+
 def test_bounded_plan_chunks_no_finer_than_query_separated_decode(device):
     """With room to spare, the bounded plan cuts contexts as query-separated decode does (not into
     the smallest chunks the capacities allow: 64-token chunks of 2k-token requests ran 1.8x slower)."""
