@@ -16,7 +16,7 @@ from typing import Any
 
 from .validation import check_int, check_int_pair, check_number
 
-__all__ = ["ADDED_AS", "PlanRules", "deciding_fields", "decode_programs_per_sm", "wide_head_split", "wide_head_tile"]
+__all__ = ["ADDED_AS", "PlanRules", "capped_small_split", "deciding_fields", "decode_programs_per_sm", "wide_head_tile"]
 
 #: Field metadata key of a rule added switched off: the value it was added with, at which it
 #: changed no plan of the defaults (:func:`deciding_fields` leaves it out there).
@@ -160,7 +160,7 @@ class PlanRules:
         (``docs/history.md``). False: the Triton kernel everywhere.
     wide_head_small_split : int
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
-        tokens per unit of a phase with too few units) at most this (:func:`wide_head_split`), or 0
+        tokens per unit of a phase with too few units) at most this (:func:`capped_small_split`), or 0
         for the config's own ...
     narrow_head_small_split : int
         The same cap at head dims up to 128 (0: off, by default), under the same conditions.
@@ -289,7 +289,7 @@ def decode_programs_per_sm(head_dim: int) -> int | None:
     return 4 if 64 < head_dim <= 128 else None
 
 
-def wide_head_split(head_dim: int, split: int, cap: int, narrow_cap: int = 0) -> int:
+def capped_small_split(head_dim: int, split: int, cap: int, narrow_cap: int = 0) -> int:
     """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or ``cap``
     (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128,
     ``narrow_cap`` (:attr:`PlanRules.narrow_head_small_split`; 0: off) up to 128

@@ -589,56 +589,37 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         assert same == ft.PlanRules()
 
 
-def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
-    """``PlanRules.wide_head_small_split`` is the config's small split size where smaller, above
-    head dim 128 only: a small tree whose phase takes the small split is cut into units of at most
-    that many tokens there (more units), planned as the config with that small split would plan it, and left
-    as it was at head dim 128 or with the rule off (0)."""
-    from fasttree.plan_rules import wide_head_split
+@pytest.mark.parametrize(
+    ("field", "capped_dims"), [("wide_head_small_split", (256,)), ("narrow_head_small_split", (64, 128))]
+)
+def test_small_split_caps_apply_at_their_head_dims_only(field, capped_dims):
+    """``PlanRules.wide_head_small_split`` (above head dim 128) and ``narrow_head_small_split`` (up
+    to 128; off by default) cap the config's small split size: a small tree whose phase takes the
+    small split is cut into units of at most that many tokens at those head dims (more units),
+    planned as the config with that small split would plan it, and left as it was at the others
+    or with the cap off (0). The programs limit holds for both."""
+    from fasttree.plan_rules import capped_small_split
 
-    assert wide_head_split(256, 128, 64) == 64 and wide_head_split(256, 32, 64) == 32
-    assert wide_head_split(128, 128, 64) == 128 and wide_head_split(256, 128, 0) == 128
+    assert ft.PlanRules().narrow_head_small_split == 0 and ft.PlanRules().wide_head_small_split == 64
+    assert capped_small_split(256, 128, 64) == 64 and capped_small_split(256, 32, 64) == 32
+    assert capped_small_split(128, 128, 64) == 128 and capped_small_split(256, 128, 0) == 128
+    assert capped_small_split(128, 128, 64, 32) == 32 and capped_small_split(256, 128, 0, 32) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    on = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)  # in every plan
-    off = ft.PlanRules().with_(wide_head_small_split=0)
-    for d in (128, 256):
+    off = ft.PlanRules().with_(wide_head_small_split=0, wide_head_small_split_programs=10**6)  # in every plan
+    on = off.with_(**{field: 64})
+    for d in (64, 128, 256):
         heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
         capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=off)
         check_plan(tree, capped)
-        if d == 128:
+        if d not in capped_dims:
             assert _same_arrays(capped, uncapped)
             continue
         assert capped.n_units > uncapped.n_units  # the small phase cut finer
         as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=off)
         assert _same_arrays(capped, as_config)
-
-
-def test_narrow_head_small_split_caps_the_small_split_up_to_head_dim_128_only():
-    """``PlanRules.narrow_head_small_split`` (off by default): the same cap at head dims up to 128,
-    under the same programs limit; a plan at head dim 64 or 128 is then the config's with that
-    small split, at head dim 256 the wide-head cap's alone."""
-    from fasttree.plan_rules import wide_head_split
-
-    assert ft.PlanRules().narrow_head_small_split == 0
-    assert wide_head_split(128, 128, 64, 32) == 32 and wide_head_split(64, 128, 0, 64) == 64
-    assert wide_head_split(256, 128, 0, 32) == 128 and wide_head_split(128, 128, 64) == 128
-    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    off = ft.PlanRules().with_(wide_head_small_split_programs=10**6)
-    on = off.with_(narrow_head_small_split=64)
-    for d in (64, 128, 256):
-        heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
-        capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=off)
-        check_plan(tree, capped)
-        if d == 256:
-            assert _same_arrays(capped, uncapped)
-            continue
-        assert capped.n_units > uncapped.n_units
-        as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=off)
-        assert _same_arrays(capped, as_config)
-    # the programs limit holds here too: at 24 (the default) this 27-unit plan keeps its split
-    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 128}
-    limited = ft.PlanRules().with_(narrow_head_small_split=64)
-    assert _same_arrays(ft.plan(tree, **heads, rules=limited), ft.plan(tree, **heads))
+        # at the default limit (24 programs) this 27-unit plan keeps its split
+        limited = on.with_(wide_head_small_split_programs=24)
+        assert _same_arrays(ft.plan(tree, **heads, rules=limited), uncapped)
 
 
 def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
