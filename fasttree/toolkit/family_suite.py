@@ -32,9 +32,20 @@ __all__ = [
     "SUITES",
     "FamilyCase",
     "family_tree",
+    "format_shape",
     "heldout_cases",
     "parse_shape",
 ]
+
+#: A shape string's dtype tags (:func:`parse_shape`, :func:`format_shape`) and the dtype names they stand for.
+_SHAPE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def format_shape(heads: tuple[int, int], head_dim: int, dtype: str) -> str:
+    """A head layout ``((Hq, Hkv), D, dtype name)`` written ``HQxHKV/dD/DTYPE`` (``8x1/d256/bf16``):
+    what :func:`parse_shape` reads."""
+    tag = next(short for short, name in _SHAPE_DTYPES.items() if name == dtype)
+    return f"{heads[0]}x{heads[1]}/d{head_dim}/{tag}"
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ _SHAPES: tuple[tuple[str, tuple[int, int], int, str], ...] = (
 
 FAMILY_CASES: tuple[FamilyCase, ...] = tuple(
     FamilyCase(
-        name=f"{tree}/{hq}x{hkv}/d{d}/{'bf16' if dtype == 'bfloat16' else 'fp16'}",
+        name=f"{tree}/{format_shape((hq, hkv), d, dtype)}",
         family=_TREES[tree][0], seed=_TREES[tree][1], params=_TREES[tree][2], heads=(hq, hkv), head_dim=d,
         dtype=dtype,
     )
@@ -159,8 +170,7 @@ _CROSSOVER_SHAPES: tuple[tuple[tuple[int, int], int, str], ...] = (
 
 
 def _case(name: str, family: str, seed: int, params: dict[str, Any], heads, d: int, dtype: str) -> FamilyCase:
-    tag = "bf16" if dtype == "bfloat16" else "fp16"
-    return FamilyCase(name=f"{name}/{heads[0]}x{heads[1]}/d{d}/{tag}", family=family, seed=seed, params=params,
+    return FamilyCase(name=f"{name}/{format_shape(heads, d, dtype)}", family=family, seed=seed, params=params,
                       heads=heads, head_dim=d, dtype=dtype)  # fmt: skip
 
 
@@ -190,11 +200,10 @@ def parse_shape(text: str) -> tuple[tuple[int, int], int, str]:
     """A head layout written ``HQxHKV/dD/DTYPE`` (``8x1/d256/bf16``; dtype ``fp16`` or ``bf16``), as
     ``((Hq, Hkv), D, dtype name)``; ``ValueError`` names what is wrong."""
     parts = text.strip().split("/")
-    dtypes = {"fp16": "float16", "bf16": "bfloat16"}
     try:
         hq, hkv = (int(x) for x in parts[0].split("x"))
         d = int(parts[1].removeprefix("d")) if parts[1].startswith("d") else -1
-        dtype = dtypes[parts[2]]
+        dtype = _SHAPE_DTYPES[parts[2]]
     except (ValueError, IndexError, KeyError):
         msg = f"shape {text!r}: expected HQxHKV/dD/DTYPE such as 8x1/d256/bf16 (dtype fp16 or bf16)"
         raise ValueError(msg) from None

@@ -70,7 +70,7 @@ from ..launch_rules import GpuTarget, stage1_launches
 from ..runtime import TreeAttentionRuntime
 from .bench_cases import case_inputs, case_key, probe_item
 from .bench_common import DTYPES, HBM_BYTES_PER_S, TENSOR_FLOPS, TOL, anchor_rows, environment, geomean
-from .family_suite import HELDOUT_SHAPES, SUITES, FamilyCase, family_tree, heldout_cases, parse_shape
+from .family_suite import HELDOUT_SHAPES, SUITES, FamilyCase, family_tree, format_shape, heldout_cases, parse_shape
 from .suite import PAPER_HEADS, PAPER_SUITE, paper_tree
 from .timing import eager_loop_time_us, eager_time_us, graph_cold_time_us, interleaved_graph_times_us
 
@@ -724,11 +724,10 @@ def parse_candidate(text: str) -> tuple[ft.FastTreeConfig, ft.PlanRules]:
 def _heldout_draw(args: argparse.Namespace) -> dict[str, Any]:
     """What regenerates a heldout run's trees (:func:`.family_suite.heldout_cases`): seed, count,
     head layouts (``HQxHKV/dD/DTYPE``), families (None: every family) and their parameters."""
-    dtypes = {"float16": "fp16", "bfloat16": "bf16"}
     return {
         "seed": args.seed,
         "trees": args.trees,
-        "shapes": [f"{hq}x{hkv}/d{d}/{dtypes[dt]}" for (hq, hkv), d, dt in args.shapes],
+        "shapes": [format_shape(*shape) for shape in args.shapes],
         "families": [f for f in args.families.split(",") if f] if args.families else None,
         "family_params": _family_params(args.family_params),
     }
