@@ -144,10 +144,11 @@ class PlanRules:
         context x KV heads fit one wave of the launch at :func:`decode_programs_per_sm` programs
         per SM (head dims above 64 up to 128), as FlashInfer's batch decode sizes its own. On
         mixed lengths one wave waits for the longest chunk (0.993x, 14 of 47 below 0.97x on a fresh
-        draw of no-sharing batches). On fresh draws of equal-length batches (H100, 1k and 2k
-        tokens) it ran 1.01-1.19x on every changed batch at head dim 128 and lost up to 0.89x at
-        head dim 256, where it no longer applies. False by default until a fresh draw at head dims
-        up to 128 confirms it (``docs/history.md``).
+        draw of no-sharing batches). True by default: on fresh draws of equal-length batches (H100,
+        1k-4k tokens) it ran 1.01-1.19x on every changed batch at head dim 128 and lost up to 0.89x
+        at head dim 256, where it no longer applies; a further draw at head dims up to 128, not
+        used for that choice, confirmed it (1.036-1.090x on 45 changed batches, worst 0.985x;
+        ``docs/history.md``). Not in :meth:`runtime`'s fixed launch slots, where it was not timed.
     sm90_stage1 : bool
         Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
         (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dim 128
@@ -162,8 +163,6 @@ class PlanRules:
         At head dims above 128, the small split size (``FastTreeConfig.kv_split_sizes[1]``: KV
         tokens per unit of a phase with too few units) at most this (:func:`capped_small_split`), or 0
         for the config's own ...
-    narrow_head_small_split : int
-        The same cap at head dims up to 128 (0: off, by default), under the same conditions.
     wide_head_small_split_programs : int
         ... in plans whose units x KV heads at the config's split sizes are at most this many (a
         launch that leaves most SMs idle) and which merge partial results there already (a cap
@@ -205,10 +204,9 @@ class PlanRules:
     # plan); a default away from it is a rule adopted since
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
-    narrow_head_small_split: int = field(default=0, metadata={ADDED_AS: 0})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
-    equal_lengths_one_wave: bool = field(default=False, metadata={ADDED_AS: False})
+    equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})
     sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
 
@@ -220,7 +218,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split", "narrow_head_small_split"):
+            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
@@ -251,13 +249,14 @@ class PlanRules:
         bins would run with the large tile's registers. All-small trees go to the large tiles
         (``all_large_without_large``), as before the rule changed for ``ft.plan``: the runtime's
         fixed launch slots were not timed with all-small plans of such trees, nor with the wide-head
-        small split (``wide_head_small_split`` 0).
+        small split (``wide_head_small_split`` 0), nor with one-wave chunks of equal-length batches
+        (``equal_lengths_one_wave`` False).
         """
         if variants:
             return _DEFAULTS
         return replace(
             _DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False,
-            all_large_without_large=True, wide_head_small_split=0,
+            all_large_without_large=True, wide_head_small_split=0, equal_lengths_one_wave=False,
         )  # fmt: skip
 
     def with_(self, **changes: Any) -> PlanRules:
@@ -289,13 +288,11 @@ def decode_programs_per_sm(head_dim: int) -> int | None:
     return 4 if 64 < head_dim <= 128 else None
 
 
-def capped_small_split(head_dim: int, split: int, cap: int, narrow_cap: int = 0) -> int:
+def capped_small_split(head_dim: int, split: int, cap: int) -> int:
     """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or ``cap``
-    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128,
-    ``narrow_cap`` (:attr:`PlanRules.narrow_head_small_split`; 0: off) up to 128
+    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128
     (:func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the result)."""
-    cap = cap if head_dim > 128 else narrow_cap
-    if cap and split > cap:
+    if cap and head_dim > 128 and split > cap:
         return cap
     return split
 

@@ -1312,8 +1312,8 @@ def _adaptive_splits(
     ``para_threshs1``), and no group much longer than the phase's work spread over
     ``para_threshs1`` programs (one long group would be the launch's tail). Then a phase with
     fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim 128
-    at most ``rules.wide_head_small_split``, up to it at most ``rules.narrow_head_small_split``,
-    :func:`fasttree.plan_rules.capped_small_split`, where the plan's units x KV heads at the config's splits are at most
+    at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.capped_small_split`, where
+    the plan's units x KV heads at the config's splits are at most
     ``rules.wide_head_small_split_programs`` and the plan merges partial results there already: a
     query of ``n_queries`` reads two groups, or a group is cut; a cap that cuts a plan with no
     merge adds the merge launch, about 2 us of a 7 us plan on an H100); only if a split
@@ -1322,7 +1322,7 @@ def _adaptive_splits(
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
-    capped = capped_small_split(head_dim, small, rules.wide_head_small_split, rules.narrow_head_small_split)
+    capped = capped_small_split(head_dim, small, rules.wide_head_small_split)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest

@@ -702,24 +702,24 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     ("g", "hkv", "d", "dtype", "n", "length"),
     [(2, 8, 128, torch.float16, 40, 300), (8, 1, 96, torch.bfloat16, 70, 1000)],
 )
-def test_equal_lengths_one_wave_matches_the_reference_when_on(g, hkv, d, dtype, n, length, device):
-    """``equal_lengths_one_wave`` (off by default) switched on where it changes plain decode's chunks:
+def test_equal_lengths_one_wave_matches_the_reference(g, hkv, d, dtype, n, length, device):
+    """``equal_lengths_one_wave`` (on by default) where it changes plain decode's chunks:
     a batch of contexts within a tile of each other, more programs than one wave by default,
     scattered slots; the tree plan and plain decode's against the float64 reference, output
     poisoned first."""
     from fasttree.query_separated import plan_query_separated
 
-    on = ft.PlanRules.defaults().with_(equal_lengths_one_wave=True)
+    off = ft.PlanRules.defaults().with_(equal_lengths_one_wave=False)
     rng = np.random.default_rng(4200 + d)
     heads = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d}
     lens = length - rng.integers(0, 60, n)
     slots = rng.permutation(int(lens.sum()) + 30)
     bounds = np.concatenate([[0], np.cumsum(lens)])
     tree = ft.KVTree([-1] * n, [slots[bounds[j] : bounds[j + 1]] for j in range(n)], list(range(n)))
-    fitted = plan_query_separated(tree, **heads, rules=on)
-    assert fitted.n_units < plan_query_separated(tree, **heads).n_units
+    fitted = plan_query_separated(tree, **heads)
+    assert fitted.n_units < plan_query_separated(tree, **heads, rules=off).n_units
     q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, torch.Generator().manual_seed(4200 + d))
-    for plan in (ft.plan(tree, **heads, rules=on), fitted):
+    for plan in (ft.plan(tree, **heads), fitted):
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
         check_against_reference(out, q, k, v, tree)
 

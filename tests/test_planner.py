@@ -200,19 +200,21 @@ def test_solo_groups_are_cut_no_finer_than_plain_decode():
     chunks of 2,048 tokens, rounded up to the KV tile: 448 and 704 tokens), not at the small
     split size (128). 32 of 4k tokens with 4 KV heads (at the small split without the rule):
     each is cut into its share of the 528 programs, ceil(4096 x 528 / (32 x 4096 x 4)) = 5 chunks
-    of 832 tokens. With the rules off, 128."""
-    off = ft.PlanRules(solo_split_max_kv_heads=0, solo_recut=False)
+    of 832 tokens. With the rules off, 128. (Batches of equal contexts: one-wave chunks off here,
+    ``equal_lengths_one_wave`` has its own test.)"""
+    rules = ft.PlanRules(equal_lengths_one_wave=False)
+    off = rules.with_(solo_split_max_kv_heads=0, solo_recut=False)
     cases = [(ft.KVTree.from_lengths([-1] * 128, [2048] * 128, list(range(128))), 1, 448, 5),
              (ft.KVTree.from_lengths([-1] * 128, [2048] * 128, list(range(128))), 2, 704, 3),
              (ft.KVTree.from_lengths([-1] * 32, [4096] * 32, list(range(32))), 4, 832, 5)]  # fmt: skip
     for tree, hkv, unit, chunks in cases:
-        plan = ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128)
+        plan = ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128, rules=rules)
         check_plan(tree, plan)
         assert plan.unit_kv_len.max() == unit and plan.n_units == tree.n_queries * chunks, hkv
         assert ft.plan(tree, num_q_heads=16 * hkv, num_kv_heads=hkv, head_dim=128, rules=off).unit_kv_len.max() == 128
     # above solo_split_max_kv_heads, groups already cut at the big split keep it
     tree = cases[2][0]
-    plan = ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128)
+    plan = ft.plan(tree, num_q_heads=32, num_kv_heads=8, head_dim=128, rules=rules)
     assert plan.unit_kv_len.max() == 1024
     with pytest.raises(ValueError, match="solo_split_max_kv_heads"):
         ft.PlanRules(solo_split_max_kv_heads=-1)
@@ -564,7 +566,6 @@ def test_from_flat_matches_the_per_node_constructor_and_validates():
         ({"wide_head_kv_tile": -16}, r"PlanRules.wide_head_kv_tile must be 0 or a power of two"),
         ({"wide_head_small_split": -64}, "PlanRules.wide_head_small_split must be a non-negative integer"),
         ({"wide_head_small_split_programs": 0}, "PlanRules.wide_head_small_split_programs must be a positive integer"),
-        ({"narrow_head_small_split": -1}, "PlanRules.narrow_head_small_split must be a non-negative integer"),
     ],
 )
 def test_plan_rules_refuse_bad_values(kwargs, match):
@@ -584,34 +585,30 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         assert (rt.solo_units, rt.wide_units, rt.aligned_blocks) == (launches == 2, False, False)
         assert rt.all_large_without_large and not ft.PlanRules().all_large_without_large
         assert rt.wide_head_small_split == 0 and ft.PlanRules().wide_head_small_split == 64
+        assert not rt.equal_lengths_one_wave and ft.PlanRules().equal_lengths_one_wave
         same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True)
-        same = same.with_(all_large_without_large=False, wide_head_small_split=64)
+        same = same.with_(all_large_without_large=False, wide_head_small_split=64, equal_lengths_one_wave=True)
         assert same == ft.PlanRules()
 
 
-@pytest.mark.parametrize(
-    ("field", "capped_dims"), [("wide_head_small_split", (256,)), ("narrow_head_small_split", (64, 128))]
-)
-def test_small_split_caps_apply_at_their_head_dims_only(field, capped_dims):
-    """``PlanRules.wide_head_small_split`` (above head dim 128) and ``narrow_head_small_split`` (up
-    to 128; off by default) cap the config's small split size: a small tree whose phase takes the
-    small split is cut into units of at most that many tokens at those head dims (more units),
-    planned as the config with that small split would plan it, and left as it was at the others
-    or with the cap off (0). The programs limit holds for both."""
+def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
+    """``PlanRules.wide_head_small_split`` caps the config's small split size above head dim 128
+    only: a small tree whose phase takes the small split is cut into units of at most that many
+    tokens there (more units), planned as the config with that small split would plan it, and
+    left as it was at head dims 64 and 128 or with the cap off (0). The programs limit holds."""
     from fasttree.plan_rules import capped_small_split
 
-    assert ft.PlanRules().narrow_head_small_split == 0 and ft.PlanRules().wide_head_small_split == 64
+    assert ft.PlanRules().wide_head_small_split == 64
     assert capped_small_split(256, 128, 64) == 64 and capped_small_split(256, 32, 64) == 32
     assert capped_small_split(128, 128, 64) == 128 and capped_small_split(256, 128, 0) == 128
-    assert capped_small_split(128, 128, 64, 32) == 32 and capped_small_split(256, 128, 0, 32) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
     off = ft.PlanRules().with_(wide_head_small_split=0, wide_head_small_split_programs=10**6)  # in every plan
-    on = off.with_(**{field: 64})
+    on = off.with_(wide_head_small_split=64)
     for d in (64, 128, 256):
         heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
         capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=off)
         check_plan(tree, capped)
-        if d not in capped_dims:
+        if d != 256:
             assert _same_arrays(capped, uncapped)
             continue
         assert capped.n_units > uncapped.n_units  # the small phase cut finer
@@ -881,27 +878,27 @@ def test_one_wave_split_is_the_smallest_tile_multiple_that_fits_the_wave():
 
 
 def test_equal_lengths_one_wave_fits_equal_batches_to_one_wave_and_leaves_the_rest():
-    """``PlanRules.equal_lengths_one_wave`` (off by default): plain decode's plans, and tree plans of
+    """``PlanRules.equal_lengths_one_wave`` (on by default): plain decode's plans, and tree plans of
     batches without sharing, whose contexts are equal to within a KV tile run at most one wave of
     programs at ``decode_programs_per_sm`` per SM (4 above head dim 64 up to 128); mixed lengths,
     head dims 64 and 256 and trees with shared prefixes keep their plans."""
     from fasttree.plan_rules import decode_programs_per_sm
 
-    assert ft.PlanRules.defaults().equal_lengths_one_wave is False
+    assert ft.PlanRules.defaults().equal_lengths_one_wave is True
     assert [decode_programs_per_sm(d) for d in (64, 96, 128, 256)] == [None, 4, 4, None]
-    on = ft.PlanRules.defaults().with_(equal_lengths_one_wave=True)
+    off = ft.PlanRules.defaults().with_(equal_lengths_one_wave=False)
     for n, length, hq, hkv, d, today in ((16, 2048, 32, 8, 128, 640), (70, 4096, 8, 1, 96, 560)):
         tree = ft.KVTree.from_lengths([-1] * n, [length] * n, list(range(n)))
         heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d}
         wave = decode_programs_per_sm(d) * 132
         for make in (ft.plan_query_separated, ft.plan):
-            base, fitted = make(tree, **heads), make(tree, **heads, rules=on)
+            base, fitted = make(tree, **heads, rules=off), make(tree, **heads)
             assert base.n_units * hkv == today > wave
             assert fitted.n_units * hkv <= wave
             check_plan(tree, fitted)
         # within one tile of each other: still equal; a tile apart: not
         near = ft.KVTree.from_lengths([-1] * n, [length - (i % 2) * 63 for i in range(n)], list(range(n)))
-        assert ft.plan_query_separated(near, **heads, rules=on).n_units * hkv <= wave
+        assert ft.plan_query_separated(near, **heads).n_units * hkv <= wave
     rng = np.random.default_rng(0)
     lens = rng.integers(1024, 4097, 64)
     mixed = ft.KVTree.from_lengths([-1] * 64, lens, list(range(64)))
@@ -916,6 +913,6 @@ def test_equal_lengths_one_wave_fits_equal_batches_to_one_wave_and_leaves_the_re
     ):
         heads = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": d}
         for make in makers:
-            a, b = make(tree, **heads), make(tree, **heads, rules=on)
+            a, b = make(tree, **heads, rules=off), make(tree, **heads)
             for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
                 np.testing.assert_array_equal(getattr(a, name), getattr(b, name))

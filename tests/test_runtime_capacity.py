@@ -181,13 +181,31 @@ def test_sized_at_its_context_the_runtime_serves_tree_attentions_plan():
         assert np.array_equal(served.kv_indices, plan.kv_indices), name
 
 
+def test_small_batches_plan_within_the_default_capacities(device):
+    """A runtime sized at a small batch's queries and context entries, other capacities at their
+    defaults, serves the batch's own plan (no retry, no bounded plan): two questions on an 8k-token
+    document at 16/1 D 128 (about 137 partial rows, as many as their context over 64) and a drawn
+    20-query few-shot tree at 16/2 D 256 (822)."""
+    cases = [
+        (ft.KVTree.from_lengths([-1, 0, 0], [8000, 700, 750], [1, 2]), (16, 1, 128)),
+        (sample_tree("few_shot", 72078), (16, 2, 256)),
+    ]
+    for tree, (hq, hkv, d) in cases:
+        rt = _runtime(device, tree, hq, hkv, d)
+        own = ft.plan(tree, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        assert own.n_partial_rows > 16 * tree.n_queries + -(-_context(tree) // 256)  # beyond the other terms
+        up = rt.plan(tree)
+        assert not up.bounded and up.plan.n_units == own.n_units
+        assert np.array_equal(up.plan.kv_indices, own.kv_indices)
+
+
 def test_a_plan_just_over_a_capacity_keeps_most_of_its_chunks(device):
-    """A drawn few-shot tree at 16/2 D 256 needs 822 partial rows where a runtime sized at its
-    context holds 819: the runtime serves its plan at 1.5x the KV split sizes (the smallest retry
-    that fits, 114 units), not at 4x (fewer chunks per group, the plan 0.78x as fast on an H200)."""
+    """A drawn few-shot tree at 16/2 D 256 needs 822 partial rows; in a runtime holding 819, the
+    runtime serves its plan at 1.5x the KV split sizes (the smallest retry that fits, 114 units),
+    not at 4x (fewer chunks per group, the plan 0.78x as fast on an H200)."""
     tree = sample_tree("few_shot", 72078)
     heads = {"num_q_heads": 16, "num_kv_heads": 2, "head_dim": 256}
-    rt = _runtime(device, tree, 16, 2, 256)
+    rt = _runtime(device, tree, 16, 2, 256, max_partial_rows=819)
     own = ft.plan(tree, **heads)
     assert own.n_partial_rows > rt.max_partial_rows  # the premise
     up = rt.plan(tree)
