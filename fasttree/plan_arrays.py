@@ -292,6 +292,38 @@ def _solo_group_split(
     return out
 
 
+def _no_sharing_split_cap(
+    groups: Groups, group_split: np.ndarray | int, num_kv_heads: int, config: FastTreeConfig, rules: PlanRules
+) -> np.ndarray | int:
+    """``group_split`` capped at plain decode's chunk by the summed context in a plan without
+    sharing (:attr:`PlanRules.no_sharing_split_by_context`): every group one query's, their
+    groups x KV heads at least ``P = para_threshs1[1]`` programs, and the chunk that cuts their
+    summed context x KV heads into about ``P`` programs (a multiple of the small KV tile) at most
+    four fifths of the longest group; ``group_split`` itself otherwise.
+
+    Returns
+    -------
+    ndarray, int64 [n_groups], or int
+    """
+    if not rules.no_sharing_split_by_context:
+        return group_split
+    nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
+    kv_len = groups.kv_len
+    programs, tile = config.para_threshs1[1], config.kv_tile[1]
+    items = kv_len.size * num_kv_heads
+    if not nq.size or int(np.maximum.reduce(nq)) != 1 or items < programs:
+        return group_split
+    longest = int(np.maximum.reduce(kv_len))
+    cap = chunked_split(longest, programs, items, tile, int(np.add.reduce(kv_len, dtype=np.int64)) * num_kv_heads)
+    current = np.broadcast_to(np.asarray(group_split, dtype=np.int64), kv_len.shape)
+    over = current > cap
+    if 5 * cap > 4 * longest or not np.count_nonzero(over):
+        return group_split
+    out = current.copy()
+    out[over] = cap
+    return out
+
+
 def _pack_budget(
     kv_len: np.ndarray, config: FastTreeConfig, num_kv_heads: int, kept_out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
@@ -676,6 +708,7 @@ def materialize(
     if packing:
         small = config.kv_split_sizes[1] if small_split is None else small_split
         group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, small, config, rules)
+    group_split = _no_sharing_split_cap(groups, group_split, num_kv_heads, config, rules)
     units = _cut_units(groups, int(q_tiles[0]), group_split)
     layout = None
     if packing and (rules.pack_few_units or units.kv_len.size * num_kv_heads > config.pack_min_units):

@@ -149,6 +149,15 @@ class PlanRules:
         at head dim 256, where it no longer applies; a further draw at head dims up to 128, not
         used for that choice, confirmed it (1.036-1.090x on 45 changed batches, worst 0.985x;
         ``docs/history.md``). Not in :meth:`runtime`'s fixed launch slots, where it was not timed.
+    no_sharing_split_by_context : bool
+        In a tree plan without sharing (every group one query's) whose groups x KV heads alone fill
+        ``para_threshs1[1]`` programs, every group's split at most plain decode's chunk by the
+        summed context (:func:`fasttree.plan_arrays.chunked_split` with the summed context x KV
+        heads, as ``decode_split_by_context`` cuts plain decode), where that chunk is at most four
+        fifths of the longest context. Otherwise such a batch keeps its longest requests whole (the
+        phase's whole groups, the solo rule's one chunk each), a launch whose tail is the longest
+        request: on the H200, batches of 390-700 requests of 16-4k tokens ran 0.71-0.84x of plain
+        decode, whose chunks were 1-2k. False by default: a candidate, not yet measured.
     sm90_stage1 : bool
         Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
         (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dim 128
@@ -207,6 +216,7 @@ class PlanRules:
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})
+    no_sharing_split_by_context: bool = field(default=False, metadata={ADDED_AS: False})
     sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
 

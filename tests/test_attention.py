@@ -747,6 +747,30 @@ def test_decode_split_by_context_where_it_cuts_matches_the_reference(device):
 
 
 @pytest.mark.parametrize(
+    ("n", "hi", "g", "hkv", "d", "dtype"), [(20, 900, 4, 4, 128, torch.float16), (40, 500, 8, 2, 64, torch.bfloat16)]
+)
+def test_no_sharing_split_by_context_matches_the_reference(n, hi, g, hkv, d, dtype, device):
+    """``no_sharing_split_by_context`` (off by default) switched on where it cuts a batch of
+    independent requests finer (a config with ``para_threshs1`` (32, 64), so that a small batch
+    fills its programs; tree plans only; packed and unpacked): the plan against the float64
+    reference, scattered slots, output poisoned first."""
+    off = ft.PlanRules.defaults().with_(crossover_margin=0.0)
+    on = off.with_(no_sharing_split_by_context=True)
+    config = ft.FastTreeConfig(para_threshs1=(32, 64))
+    rng = np.random.default_rng(4300 + n)
+    lens = rng.integers(16, hi, n)
+    slots = rng.permutation(int(lens.sum()) + 40)
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+    tree = ft.KVTree([-1] * n, [slots[bounds[j] : bounds[j + 1]] for j in range(n)], list(range(n)))
+    heads = {"num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d}
+    plan = ft.plan(tree, config, **heads, rules=on)
+    assert plan.unit_kv_len.max() < ft.plan(tree, config, **heads, rules=off).unit_kv_len.max()
+    q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, torch.Generator().manual_seed(4300 + n))
+    out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
+    check_against_reference(out, q, k, v, tree)
+
+
+@pytest.mark.parametrize(
     ("g", "hkv", "d", "dtype"),
     [(4, 1, 64, torch.bfloat16), (16, 1, 128, torch.float16), (8, 2, 64, torch.bfloat16), (8, 1, 256, torch.bfloat16)],
 )

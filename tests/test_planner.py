@@ -916,3 +916,36 @@ def test_equal_lengths_one_wave_fits_equal_batches_to_one_wave_and_leaves_the_re
             a, b = make(tree, **heads, rules=off), make(tree, **heads)
             for name in ("kv_indices", "unit_kv_start", "unit_kv_len", "pair_query"):
                 np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def _independent_requests(n: int, lo: int, hi: int, seed: int) -> ft.KVTree:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi, n)
+    return ft.KVTree.from_lengths([-1] * n, lens, list(range(n)))
+
+
+def test_no_sharing_split_by_context_caps_long_requests_in_large_batches():
+    """``PlanRules.no_sharing_split_by_context`` (off by default): a tree plan of 140 independent
+    requests of 16-1,500 tokens at 16/4 heads (560 items, more than ``para_threshs1[1]`` = 528
+    programs) cuts its longest requests at the big split (1,024) without the rule; with it, no
+    unit is longer than the chunk that cuts the summed context x KV heads into about 528 programs.
+    Fewer items (2 KV heads), a batch with a shared prefix, or a chunk above four fifths of the
+    longest request leave the plan as it was."""
+    from fasttree.plan_arrays import chunked_split
+
+    assert ft.PlanRules.defaults().no_sharing_split_by_context is False
+    off = ft.PlanRules.defaults().with_(crossover_margin=0.0)  # tree plans only
+    on = off.with_(no_sharing_split_by_context=True)
+    tree = _independent_requests(140, 16, 1500, 4180)
+    lens = tree.path_lengths[tree.query_nodes]
+    heads = {"num_q_heads": 16, "num_kv_heads": 4, "head_dim": 64}
+    base, capped = ft.plan(tree, **heads, rules=off), ft.plan(tree, **heads, rules=on)
+    check_plan(tree, capped)
+    cap = chunked_split(int(lens.max()), 528, 560, 64, int(lens.sum()) * 4)
+    assert base.unit_kv_len.max() == 1024 > cap >= capped.unit_kv_len.max()
+    assert capped.n_units > base.n_units
+    shared = ft.KVTree.from_lengths([-1, 0, 0, *[-1] * 138], [200, 50, 60, *lens[2:]], list(range(1, 141)))
+    equal = ft.KVTree.from_lengths([-1] * 140, [1000] * 140, list(range(140)))  # the chunk above 4/5 of 1,000
+    for t, hkv in ((tree, 2), (shared, 4), (equal, 4)):
+        h = {"num_q_heads": 4 * hkv, "num_kv_heads": hkv, "head_dim": 64}
+        assert _same_arrays(ft.plan(t, **h, rules=off), ft.plan(t, **h, rules=on)), hkv
