@@ -14,7 +14,15 @@ from .config import FastTreeConfig
 from .costs import QUERY_SEPARATED
 from .groups import Groups
 from .native import address, planner_library
-from .plan_arrays import Plan, check_heads, chunked_split, materialize, one_wave_programs_per_sm, one_wave_split
+from .plan_arrays import (
+    Plan,
+    check_heads,
+    chunked_split,
+    context_capped_split,
+    materialize,
+    one_wave_programs_per_sm,
+    one_wave_split,
+)
 from .plan_rules import PlanRules
 from .tree import KVTree
 from .validation import check_int
@@ -140,12 +148,10 @@ def query_separated_split(
     ``n_queries`` queries x ``num_kv_heads`` KV heads. With ``context`` (the queries' summed
     context entries, ``PlanRules.decode_split_by_context``), where those items alone fill the
     four waves (one chunk per query: the longest context whole), the chunk that cuts the summed
-    context x ``num_kv_heads`` into about that many programs (:func:`chunked_split`) when it is
-    at most four fifths of that: a cap just below the longest context cuts a few queries in two
-    and adds partials and a merge launch for little (0.95-0.98x on the H100)."""
+    context x ``num_kv_heads`` into about that many programs when it is at most four fifths of
+    that (:func:`fasttree.plan_arrays.context_capped_split`)."""
     items, programs = n_queries * num_kv_heads, 4 * num_sms
-    split = chunked_split(longest, programs, items, kv_tile)
-    if context is None or items < programs:
-        return split
-    capped = chunked_split(longest, programs, items, kv_tile, context * num_kv_heads)
-    return capped if 5 * capped <= 4 * split else split
+    capped = (
+        None if context is None else context_capped_split(longest, programs, items, kv_tile, context * num_kv_heads)
+    )
+    return chunked_split(longest, programs, items, kv_tile) if capped is None else capped
