@@ -157,7 +157,10 @@ class PlanRules:
         fifths of the longest context. Otherwise such a batch keeps its longest requests whole (the
         phase's whole groups, the solo rule's one chunk each), a launch whose tail is the longest
         request: on the H200, batches of 390-700 requests of 16-4k tokens ran 0.71-0.84x of plain
-        decode, whose chunks were 1-2k. False by default: a candidate, not yet measured.
+        decode, whose chunks were 1-2k. True by default: on two fresh draws of no-sharing batches
+        (H100, 3 instances) it ran 1.013x and 1.068x on the 10 and 11 trees it changed, none below
+        0.998x, up to 1.32x (``docs/history.md``); no tree with sharing changes. Not in
+        :meth:`runtime`'s fixed launch slots, where it was not timed.
     sm90_stage1 : bool
         Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
         (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dim 128
@@ -216,7 +219,7 @@ class PlanRules:
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})
-    no_sharing_split_by_context: bool = field(default=False, metadata={ADDED_AS: False})
+    no_sharing_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
 
@@ -260,13 +263,15 @@ class PlanRules:
         (``all_large_without_large``), as before the rule changed for ``ft.plan``: the runtime's
         fixed launch slots were not timed with all-small plans of such trees, nor with the wide-head
         small split (``wide_head_small_split`` 0), nor with one-wave chunks of equal-length batches
-        (``equal_lengths_one_wave`` False).
+        (``equal_lengths_one_wave`` False) or no-sharing chunks by the summed context
+        (``no_sharing_split_by_context`` False).
         """
         if variants:
             return _DEFAULTS
         return replace(
             _DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False,
             all_large_without_large=True, wide_head_small_split=0, equal_lengths_one_wave=False,
+            no_sharing_split_by_context=False,
         )  # fmt: skip
 
     def with_(self, **changes: Any) -> PlanRules:

@@ -750,12 +750,12 @@ def test_decode_split_by_context_where_it_cuts_matches_the_reference(device):
     ("n", "hi", "g", "hkv", "d", "dtype"), [(20, 900, 4, 4, 128, torch.float16), (40, 500, 8, 2, 64, torch.bfloat16)]
 )
 def test_no_sharing_split_by_context_matches_the_reference(n, hi, g, hkv, d, dtype, device):
-    """``no_sharing_split_by_context`` (off by default) switched on where it cuts a batch of
+    """``no_sharing_split_by_context`` (on by default) against the rule off, where it cuts a batch of
     independent requests finer (a config with ``para_threshs1`` (32, 64), so that a small batch
     fills its programs; tree plans only; packed and unpacked): the plan against the float64
     reference, scattered slots, output poisoned first."""
-    off = ft.PlanRules.defaults().with_(crossover_margin=0.0)
-    on = off.with_(no_sharing_split_by_context=True)
+    on = ft.PlanRules.defaults().with_(crossover_margin=0.0)
+    off = on.with_(no_sharing_split_by_context=False)
     config = ft.FastTreeConfig(para_threshs1=(32, 64))
     rng = np.random.default_rng(4300 + n)
     lens = rng.integers(16, hi, n)

@@ -925,17 +925,20 @@ def _independent_requests(n: int, lo: int, hi: int, seed: int) -> ft.KVTree:
 
 
 def test_no_sharing_split_by_context_caps_long_requests_in_large_batches():
-    """``PlanRules.no_sharing_split_by_context`` (off by default): a tree plan of 140 independent
-    requests of 16-1,500 tokens at 16/4 heads (560 items, more than ``para_threshs1[1]`` = 528
-    programs) cuts its longest requests at the big split (1,024) without the rule; with it, no
+    """``PlanRules.no_sharing_split_by_context`` (on by default, off in the runtime's fixed launch):
+    a tree plan of 140 independent requests of 16-1,500 tokens at 16/4 heads (560 items, more than
+    ``para_threshs1[1]`` = 528 programs) cuts its longest requests at the big split (1,024)
+    without the rule; with it, no
     unit is longer than the chunk that cuts the summed context x KV heads into about 528 programs.
     Fewer items (2 KV heads), a batch with a shared prefix, or a chunk above four fifths of the
     longest request leave the plan as it was."""
     from fasttree.plan_arrays import chunked_split
 
-    assert ft.PlanRules.defaults().no_sharing_split_by_context is False
-    off = ft.PlanRules.defaults().with_(crossover_margin=0.0)  # tree plans only
-    on = off.with_(no_sharing_split_by_context=True)
+    assert ft.PlanRules.defaults().no_sharing_split_by_context is True
+    assert not any(ft.PlanRules.runtime(n).no_sharing_split_by_context for n in (1, 2))
+    assert ft.PlanRules.runtime(1, variants=True).no_sharing_split_by_context
+    on = ft.PlanRules.defaults().with_(crossover_margin=0.0)  # tree plans only
+    off = on.with_(no_sharing_split_by_context=False)
     tree = _independent_requests(140, 16, 1500, 4180)
     lens = tree.path_lengths[tree.query_nodes]
     heads = {"num_q_heads": 16, "num_kv_heads": 4, "head_dim": 64}
