@@ -159,21 +159,22 @@ def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
     )
 
 
-#: Rule sets to re-plan a record with, as it was measured: today's rules with the config's own
-#: small split at every head dim (``wide_head_small_split`` 0, newer than every shipped trace),
-#: then also with all-small trees on the large tiles (``all_large_without_large``), as every trace
-#: before they changed, then also every combination of the older rules switched off, all of them
-#: first (how most shipped traces were planned), then more rules on before fewer.
+#: Rules newer than every shipped trace, switched off in each legacy rule set: the config's own
+#: small split at every head dim and no-sharing plans' groups uncapped by the summed context.
+_NEWER_THAN_TRACES: dict[str, Any] = {"wide_head_small_split": 0, "no_sharing_split_by_context": False}
+#: Rule sets to re-plan a record with, as it was measured: today's rules less
+#: :data:`_NEWER_THAN_TRACES`, then also with all-small trees on the large tiles
+#: (``all_large_without_large``), as every trace before they changed, then also every combination
+#: of the older rules switched off, all of them first (how most shipped traces were planned), then
+#: more rules on before fewer.
 _LEGACY_RULES: tuple[PlanRules, ...] = (
-    PlanRules(wide_head_small_split=0),
-    *(PlanRules(all_large_without_large=True, wide_head_small_split=0, **off) for off in ({}, *_switched_off(_RULES))),
+    PlanRules(**_NEWER_THAN_TRACES),
+    *(PlanRules(all_large_without_large=True, **_NEWER_THAN_TRACES, **off) for off in ({}, *_switched_off(_RULES))),
 )
 #: The rules newer than the first runtime traces, switched off the same way, to re-plan a runtime
-#: record as it was measured (over the runtime's rules); the wide-head small split, newer than
-#: every shipped trace, is off in each.
+#: record as it was measured (over the runtime's rules); :data:`_NEWER_THAN_TRACES` off in each.
 _RUNTIME_LEGACY: tuple[dict[str, Any], ...] = tuple(
-    {**off, "wide_head_small_split": 0}
-    for off in ({}, *_switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :]))
+    {**off, **_NEWER_THAN_TRACES} for off in ({}, *_switched_off(_RULES[_RULES.index("solo_split_max_kv_heads") :]))
 )
 #: The first kernel version whose launches cap the KV tile of wide-head launches
 #: (:attr:`fasttree.PlanRules.wide_head_kv_tile`); a runtime record measured before it is launched

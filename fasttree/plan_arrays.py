@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import FastTreeConfig
-from .costs import ALL_LARGE
+from .costs import ALL_LARGE, QUERY_SEPARATED
 from .groups import ChainedSlots
 from .host_arrays import entry_array, work_array
 from .native import address, c_int32, c_int64, planner_library
@@ -184,10 +184,10 @@ def context_capped_split(longest: int, programs: int, items: int, kv_tile: int, 
     programs (:func:`chunked_split`), where the ``items`` alone fill them (the longest context would
     be read whole, the launch's tail) and that chunk is at most four fifths of the uncut one: a cap
     just below the longest context cuts a few contexts in two and adds partials and a merge launch
-    for little (0.95-0.98x on the H100). None otherwise. Plain decode's
-    (``PlanRules.decode_split_by_context``) and a no-sharing tree plan's
-    (``PlanRules.no_sharing_split_by_context``) rule."""
-    if items < programs:
+    for little (0.95-0.98x on the H100). None otherwise, and for no programs (a config's
+    ``para_threshs1`` of 0). Plain decode's (``PlanRules.decode_split_by_context``) and a no-sharing
+    tree plan's (``PlanRules.no_sharing_split_by_context``) rule."""
+    if programs < 1 or items < programs:
         return None
     split = chunked_split(longest, programs, items, kv_tile)
     capped = chunked_split(longest, programs, items, kv_tile, work)
@@ -310,8 +310,9 @@ def _solo_group_split(
 def _no_sharing_split_cap(
     groups: Groups, group_split: np.ndarray | int, num_kv_heads: int, config: FastTreeConfig, rules: PlanRules
 ) -> np.ndarray | int:
-    """``group_split`` capped at plain decode's chunk by the summed context in a plan without
-    sharing (:attr:`PlanRules.no_sharing_split_by_context`): every group one query's, their
+    """``group_split`` capped at plain decode's chunk by the summed context in a tree plan without
+    sharing (:attr:`PlanRules.no_sharing_split_by_context`; not plain decode's plan, whose chunks
+    :func:`fasttree.plan_query_separated` sizes, a caller's too): every group one query's, their
     groups x KV heads at least ``P = para_threshs1[1]`` programs, at the chunk of
     :func:`context_capped_split` for ``P`` programs and the small KV tile; ``group_split`` itself
     where that gives none.
@@ -725,7 +726,8 @@ def materialize(
     if packing:
         small = config.kv_split_sizes[1] if small_split is None else small_split
         group_split = _solo_group_split(groups, group_split, block_m, g, num_kv_heads, head_dim, small, config, rules)
-    group_split = _no_sharing_split_cap(groups, group_split, num_kv_heads, config, rules)
+    if tile_mode != QUERY_SEPARATED:  # a tree plan's rule: plain decode's chunks are its own
+        group_split = _no_sharing_split_cap(groups, group_split, num_kv_heads, config, rules)
     units = _cut_units(groups, int(q_tiles[0]), group_split)
     layout = None
     if packing and (rules.pack_few_units or units.kv_len.size * num_kv_heads > config.pack_min_units):

@@ -586,8 +586,10 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         assert rt.all_large_without_large and not ft.PlanRules().all_large_without_large
         assert rt.wide_head_small_split == 0 and ft.PlanRules().wide_head_small_split == 64
         assert not rt.equal_lengths_one_wave and ft.PlanRules().equal_lengths_one_wave
+        assert not rt.no_sharing_split_by_context and ft.PlanRules().no_sharing_split_by_context
         same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True)
         same = same.with_(all_large_without_large=False, wide_head_small_split=64, equal_lengths_one_wave=True)
+        same = same.with_(no_sharing_split_by_context=True)
         assert same == ft.PlanRules()
 
 
