@@ -323,7 +323,7 @@ def _no_sharing_split_cap(
     """
     if not rules.no_sharing_split_by_context:
         return group_split
-    nq = groups.q_indptr[1:] - groups.q_indptr[:-1]
+    nq = groups.n_queries
     kv_len = groups.kv_len
     if not nq.size or int(np.maximum.reduce(nq)) != 1:
         return group_split

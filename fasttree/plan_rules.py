@@ -152,15 +152,15 @@ class PlanRules:
     no_sharing_split_by_context : bool
         In a tree plan without sharing (every group one query's) whose groups x KV heads alone fill
         ``para_threshs1[1]`` programs, every group's split at most plain decode's chunk by the
-        summed context (:func:`fasttree.plan_arrays.chunked_split` with the summed context x KV
-        heads, as ``decode_split_by_context`` cuts plain decode), where that chunk is at most four
-        fifths of the longest context. Otherwise such a batch keeps its longest requests whole (the
-        phase's whole groups, the solo rule's one chunk each), a launch whose tail is the longest
-        request: on the H200, batches of 390-700 requests of 16-4k tokens ran 0.71-0.84x of plain
-        decode, whose chunks were 1-2k. True by default: on two fresh draws of no-sharing batches
-        (H100, 3 instances) it ran 1.013x and 1.068x on the 10 and 11 trees it changed, none below
-        0.998x, up to 1.32x (``docs/history.md``); no tree with sharing changes. Not in
-        :meth:`runtime`'s fixed launch slots, where it was not timed.
+        summed context (:func:`fasttree.plan_arrays.context_capped_split`, as
+        ``decode_split_by_context`` cuts plain decode), where that chunk is at most four fifths of
+        the longest context. Plain decode's own plan keeps its chunks. Otherwise such a batch keeps
+        its longest requests whole (the phase's whole groups, the solo rule's one chunk each), a
+        launch whose tail is the longest request: on the H200, batches of 390-700 requests of
+        16-4k tokens ran 0.71-0.84x of plain decode, whose chunks were 1-2k. True by default: on
+        two fresh draws of no-sharing batches (H100, 3 instances) it ran 1.013x and 1.068x on the
+        10 and 11 trees it changed, none below 0.998x, up to 1.32x (``docs/history.md``); no tree
+        with sharing changes. Not in :meth:`runtime`'s fixed launch slots, where it was not timed.
     sm90_stage1 : bool
         Whether the 64-row tile class's stage 1 runs the warp-specialized Gluon kernel
         (:mod:`fasttree.kernels.tree_attention_sm90`) on sm_90 GPUs at head dim 128

@@ -930,8 +930,8 @@ def test_no_sharing_split_by_context_caps_long_requests_in_large_batches():
     """``PlanRules.no_sharing_split_by_context`` (on by default, off in the runtime's fixed launch):
     a tree plan of 140 independent requests of 16-1,500 tokens at 16/4 heads (560 items, more than
     ``para_threshs1[1]`` = 528 programs) cuts its longest requests at the big split (1,024)
-    without the rule; with it, no
-    unit is longer than the chunk that cuts the summed context x KV heads into about 528 programs.
+    without the rule; with it, no unit is longer than the chunk that cuts the summed context x KV
+    heads into about 528 programs.
     Fewer items (2 KV heads), a batch with a shared prefix, or a chunk above four fifths of the
     longest request leave the plan as it was."""
     from fasttree.plan_arrays import chunked_split
