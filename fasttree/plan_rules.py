@@ -184,6 +184,9 @@ class PlanRules:
         them 1.00-1.32x (to decode's time), three 0.91-0.95x (``docs/history.md``). In every plan
         it lost (1.037x, 11 of 75 trees below 0.97x). Not in :meth:`runtime`'s fixed launch slots,
         where it was not timed.
+    small_split_cap_head_dim : int
+        The head dim above which ``wide_head_small_split`` caps the small split: 128 (today's
+        plans); 0 caps it at every head dim (a candidate, not yet measured).
     pack_few_units : bool
         Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
         packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
@@ -216,6 +219,7 @@ class PlanRules:
     # plan); a default away from it is a rule adopted since
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
+    small_split_cap_head_dim: int = field(default=128, metadata={ADDED_AS: 128})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})
@@ -231,7 +235,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split"):
+            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split", "small_split_cap_head_dim"):
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")
@@ -303,11 +307,12 @@ def decode_programs_per_sm(head_dim: int) -> int | None:
     return 4 if 64 < head_dim <= 128 else None
 
 
-def capped_small_split(head_dim: int, split: int, cap: int) -> int:
+def capped_small_split(head_dim: int, split: int, cap: int, above_head_dim: int = 128) -> int:
     """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or ``cap``
-    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim 128
-    (:func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the result)."""
-    if cap and head_dim > 128 and split > cap:
+    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim
+    ``above_head_dim`` (:attr:`PlanRules.small_split_cap_head_dim`;
+    :func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the result)."""
+    if cap and head_dim > above_head_dim and split > cap:
         return cap
     return split
 

@@ -1322,7 +1322,7 @@ def _adaptive_splits(
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
-    capped = capped_small_split(head_dim, small, rules.wide_head_small_split)
+    capped = capped_small_split(head_dim, small, rules.wide_head_small_split, rules.small_split_cap_head_dim)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest
