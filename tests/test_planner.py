@@ -621,6 +621,28 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
         assert _same_arrays(ft.plan(tree, **heads, rules=limited), uncapped)
 
 
+def test_small_split_cap_head_dim_moves_the_caps_head_dim_threshold():
+    """``PlanRules.small_split_cap_head_dim`` (128, today's plans) is the head dim above which the
+    small split is capped: at 0 the small tree above is capped at head dims 64 and 128 too, planned
+    as the config with that small split would plan it; at 128 those head dims keep their plans."""
+    from fasttree.plan_rules import capped_small_split
+
+    assert ft.PlanRules().small_split_cap_head_dim == 128
+    assert capped_small_split(128, 128, 64, 0) == 64 and capped_small_split(128, 128, 64, 128) == 128
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
+    base = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
+    for d in (64, 128):
+        heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
+        every = ft.plan(tree, **heads, rules=base.with_(small_split_cap_head_dim=0))
+        check_plan(tree, every)
+        uncapped = ft.plan(tree, **heads, rules=base)
+        assert every.n_units > uncapped.n_units
+        as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=base)
+        assert _same_arrays(every, as_config)
+    with pytest.raises(ValueError, match="small_split_cap_head_dim"):
+        ft.PlanRules().with_(small_split_cap_head_dim=-1)
+
+
 def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
     """With ``PlanRules.wide_head_small_split_programs``, the cap applies only to plans whose units
     x KV heads at the config's split sizes are at most that many: the small tree above (27 units
