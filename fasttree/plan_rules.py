@@ -23,6 +23,15 @@ __all__ = ["ADDED_AS", "PlanRules", "capped_small_split", "deciding_fields", "de
 ADDED_AS = "added_as"
 
 
+#: The integer rules that take 0 (the others are positive).
+_NON_NEGATIVE_INTS = (
+    "solo_split_max_kv_heads",
+    "wide_head_small_split",
+    "small_split_cap_head_dim",
+    "small_split_cap_max_group",
+)
+
+
 @dataclass(frozen=True)
 class PlanRules:
     """Planning rules beyond the tuned config, with the constants they use.
@@ -186,7 +195,11 @@ class PlanRules:
         where it was not timed.
     small_split_cap_head_dim : int
         The head dim above which ``wide_head_small_split`` caps the small split: 128 (today's
-        plans); 0 caps it at every head dim (a candidate, not yet measured).
+        plans); 0 caps it at every head dim (a candidate: on one H200 draw it left no changed tree
+        below 0.97x of decode, but cut 16/1 D 128 trees of 5-7 us to 0.90-0.97x of their plans).
+    small_split_cap_max_group : int
+        At head dims up to 128 (where ``small_split_cap_head_dim`` is below them), the cap only in
+        plans whose GQA ratio is at most this; 0: at any ratio (a candidate, not yet measured).
     pack_few_units : bool
         Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
         packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
@@ -220,6 +233,7 @@ class PlanRules:
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     small_split_cap_head_dim: int = field(default=128, metadata={ADDED_AS: 128})
+    small_split_cap_max_group: int = field(default=0, metadata={ADDED_AS: 0})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})
@@ -235,7 +249,7 @@ class PlanRules:
                     raise ValueError(f"{name} must be a bool, got {value!r}")
             elif f.name == "whole_groups_min_items":
                 value = check_int_pair(name, value, minimum=0)
-            elif f.name in ("solo_split_max_kv_heads", "wide_head_small_split", "small_split_cap_head_dim"):
+            elif f.name in _NON_NEGATIVE_INTS:
                 value = check_int(name, value, minimum=0, expected="a non-negative integer")
             elif f.name == "wide_head_kv_tile":
                 value = check_int(name, value, minimum=0, expected="0 or a power of two in [16, 512]")

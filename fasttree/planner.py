@@ -1239,7 +1239,7 @@ def _tree_plan(
     # adaptive passes only count units
     cost, assign, group_q, group_kv, kept = run_greedy(TWO_CLASSES)
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim, tree.n_queries)
+    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim, tree.n_queries, g)
     if mode != TWO_CLASSES:
         cost, assign, group_q, group_kv, kept = run_greedy(mode)
         units_for = None
@@ -1302,7 +1302,7 @@ def _decode_weighted_reads(tree: KVTree, g: int, exponent: float) -> float:
 
 
 def _adaptive_splits(
-    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int, n_queries: int
+    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int, n_queries: int, g: int
 ) -> tuple[list[int], str, int]:
     """The split size of each phase, the tile mode and the small split size (what a phase with
     too few units takes), from the two-class greedy's groups.
@@ -1323,6 +1323,8 @@ def _adaptive_splits(
     """
     big, small = config.kv_split_sizes
     capped = capped_small_split(head_dim, small, rules.wide_head_small_split, rules.small_split_cap_head_dim)
+    if head_dim <= 128 and rules.small_split_cap_max_group and g > rules.small_split_cap_max_group:
+        capped = small  # below the wide heads, the cap only up to that GQA ratio
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest

@@ -641,6 +641,19 @@ def test_small_split_cap_head_dim_moves_the_caps_head_dim_threshold():
         assert _same_arrays(every, as_config)
     with pytest.raises(ValueError, match="small_split_cap_head_dim"):
         ft.PlanRules().with_(small_split_cap_head_dim=-1)
+    # small_split_cap_max_group limits it there to plans of that GQA ratio at most (here 8)
+    everywhere = base.with_(small_split_cap_head_dim=0)
+    for hq, capped in ((8, True), (16, False)):
+        heads = {"num_q_heads": hq, "num_kv_heads": 1, "head_dim": 128}
+        limited = ft.plan(tree, **heads, rules=everywhere.with_(small_split_cap_max_group=8))
+        check_plan(tree, limited)
+        same_as = everywhere if capped else base
+        assert _same_arrays(limited, ft.plan(tree, **heads, rules=same_as))
+        assert _same_arrays(limited, ft.plan(tree, **heads, rules=base)) is not capped
+    wide = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 256}  # above head dim 128 the group does not count
+    assert _same_arrays(
+        ft.plan(tree, **wide, rules=everywhere.with_(small_split_cap_max_group=8)), ft.plan(tree, **wide, rules=base)
+    )
 
 
 def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
