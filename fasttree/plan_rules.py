@@ -29,6 +29,7 @@ _NON_NEGATIVE_INTS = (
     "wide_head_small_split",
     "small_split_cap_head_dim",
     "small_split_cap_max_group",
+    "small_split_cap_max_programs",
 )
 
 
@@ -199,7 +200,11 @@ class PlanRules:
         below 0.97x of decode, but cut 16/1 D 128 trees of 5-7 us to 0.90-0.97x of their plans).
     small_split_cap_max_group : int
         At head dims up to 128 (where ``small_split_cap_head_dim`` is below them), the cap only in
-        plans whose GQA ratio is at most this; 0: at any ratio (a candidate, not yet measured).
+        plans whose GQA ratio is at most this; 0: at any ratio (a candidate, chosen on one draw).
+    small_split_cap_max_programs : int
+        The cap only where the plan's units x KV heads after it are at most this many (about a
+        wave; more programs brought packing back or a second tile class, and lost); 0: no limit
+        (a candidate, chosen on one draw).
     pack_few_units : bool
         Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
         packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
@@ -234,6 +239,7 @@ class PlanRules:
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
     small_split_cap_head_dim: int = field(default=128, metadata={ADDED_AS: 128})
     small_split_cap_max_group: int = field(default=0, metadata={ADDED_AS: 0})
+    small_split_cap_max_programs: int = field(default=0, metadata={ADDED_AS: 0})
     pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})

@@ -1314,7 +1314,8 @@ def _adaptive_splits(
     fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim 128
     at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.capped_small_split`, where
     the plan's units x KV heads at the config's splits are at most
-    ``rules.wide_head_small_split_programs`` and the plan merges partial results there already: a
+    ``rules.wide_head_small_split_programs``, the cut plan's at most
+    ``rules.small_split_cap_max_programs`` (when set), and the plan merges partial results there already: a
     query of ``n_queries`` reads two groups, or a group is cut; a cap that cuts a plan with no
     merge adds the merge launch, about 2 us of a 7 us plan on an H100); only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
@@ -1343,6 +1344,10 @@ def _adaptive_splits(
     if changed and capped != small:
         if sum(units_for(splits)) > rules.wide_head_small_split_programs or not units_for.merges(splits, n_queries):
             capped = small  # enough programs at the config's split, or no merge there: it keeps the split
+        elif rules.small_split_cap_max_programs:
+            cut = [capped if c in changed else s for c, s in enumerate(splits)]
+            if sum(units_for(cut)) > rules.small_split_cap_max_programs:
+                capped = small  # the cut would make more programs than that: it keeps the split
         for c in changed:
             splits[c] = capped
     mode = TWO_CLASSES

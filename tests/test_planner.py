@@ -656,6 +656,23 @@ def test_small_split_cap_head_dim_moves_the_caps_head_dim_threshold():
     )
 
 
+def test_small_split_cap_max_programs_keeps_the_split_where_the_cut_makes_more_programs():
+    """``PlanRules.small_split_cap_max_programs`` (0: no limit) caps the small split only where the
+    cut plan's units x KV heads stay within it: the small tree at D 256 is cut under a limit above
+    its cut units and keeps the config's split under a limit of one program."""
+    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
+    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
+    on = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
+    capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=on.with_(wide_head_small_split=0))
+    assert capped.n_units > uncapped.n_units
+    assert ft.PlanRules().small_split_cap_max_programs == 0
+    wide = ft.plan(tree, **heads, rules=on.with_(small_split_cap_max_programs=10**6))
+    assert _same_arrays(wide, capped)
+    one = ft.plan(tree, **heads, rules=on.with_(small_split_cap_max_programs=1))
+    check_plan(tree, one)
+    assert _same_arrays(one, uncapped)
+
+
 def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
     """With ``PlanRules.wide_head_small_split_programs``, the cap applies only to plans whose units
     x KV heads at the config's split sizes are at most that many: the small tree above (27 units
