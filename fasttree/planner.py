@@ -1311,8 +1311,10 @@ def _adaptive_splits(
     parallelism: enough units x KV heads uncut (``rules.whole_groups_min_items`` times
     ``para_threshs1``), and no group much longer than the phase's work spread over
     ``para_threshs1`` programs (one long group would be the launch's tail). Then a phase with
-    fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim 128
-    at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.capped_small_split`, where
+    fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim
+    ``rules.small_split_cap_head_dim``, 128, at most ``rules.wide_head_small_split``,
+    :func:`fasttree.plan_rules.capped_small_split`, at head dims up to 128 only at a GQA ratio ``g``
+    up to ``rules.small_split_cap_max_group`` when set, where
     the plan's units x KV heads at the config's splits are at most
     ``rules.wide_head_small_split_programs``, the cut plan's at most
     ``rules.small_split_cap_max_programs`` (when set), and the plan merges partial results there already: a
