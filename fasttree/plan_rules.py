@@ -327,14 +327,19 @@ def decode_programs_per_sm(head_dim: int) -> int | None:
     return 4 if 64 < head_dim <= 128 else None
 
 
-def capped_small_split(head_dim: int, split: int, cap: int, above_head_dim: int = 128) -> int:
-    """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or ``cap``
-    (:attr:`PlanRules.wide_head_small_split`; 0: off) where it is smaller, above head dim
-    ``above_head_dim`` (:attr:`PlanRules.small_split_cap_head_dim`;
-    :func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the result)."""
-    if cap and head_dim > above_head_dim and split > cap:
-        return cap
-    return split
+def capped_small_split(head_dim: int, g: int, split: int, rules: PlanRules) -> int:
+    """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or the cap
+    :attr:`PlanRules.wide_head_small_split` (0: off) where it is smaller, above head dim
+    :attr:`PlanRules.small_split_cap_head_dim`, and at head dims up to 128 only at a GQA ratio ``g``
+    up to :attr:`PlanRules.small_split_cap_max_group` when that is set: the one place of where the
+    cap applies (:func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the
+    result)."""
+    cap, max_group = rules.wide_head_small_split, rules.small_split_cap_max_group
+    if not cap or split <= cap or head_dim <= rules.small_split_cap_head_dim:
+        return split
+    if head_dim <= 128 and max_group and g > max_group:
+        return split
+    return cap
 
 
 def deciding_fields(rules: PlanRules) -> dict[str, Any]:

@@ -1325,9 +1325,7 @@ def _adaptive_splits(
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
-    capped = capped_small_split(head_dim, small, rules.wide_head_small_split, rules.small_split_cap_head_dim)
-    if head_dim <= 128 and rules.small_split_cap_max_group and g > rules.small_split_cap_max_group:
-        capped = small  # below the wide heads, the cap only up to that GQA ratio
+    capped = capped_small_split(head_dim, g, small, rules)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest

@@ -601,8 +601,9 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
     from fasttree.plan_rules import capped_small_split
 
     assert ft.PlanRules().wide_head_small_split == 64
-    assert capped_small_split(256, 128, 64) == 64 and capped_small_split(256, 32, 64) == 32
-    assert capped_small_split(128, 128, 64) == 128 and capped_small_split(256, 128, 0) == 128
+    cap64, off = ft.PlanRules().with_(wide_head_small_split=64), ft.PlanRules().with_(wide_head_small_split=0)
+    assert capped_small_split(256, 8, 128, cap64) == 64 and capped_small_split(256, 8, 32, cap64) == 32
+    assert capped_small_split(128, 8, 128, cap64) == 128 and capped_small_split(256, 8, 128, off) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
     off = ft.PlanRules().with_(wide_head_small_split=0, wide_head_small_split_programs=10**6)  # in every plan
     on = off.with_(wide_head_small_split=64)
@@ -628,7 +629,12 @@ def test_small_split_cap_head_dim_moves_the_caps_head_dim_threshold():
     from fasttree.plan_rules import capped_small_split
 
     assert ft.PlanRules().small_split_cap_head_dim == 128
-    assert capped_small_split(128, 128, 64, 0) == 64 and capped_small_split(128, 128, 64, 128) == 128
+    cap64 = ft.PlanRules().with_(wide_head_small_split=64)
+    every_dim = cap64.with_(small_split_cap_head_dim=0)
+    assert capped_small_split(128, 8, 128, every_dim) == 64 and capped_small_split(128, 8, 128, cap64) == 128
+    grouped = every_dim.with_(small_split_cap_max_group=8)
+    assert capped_small_split(128, 8, 128, grouped) == 64 and capped_small_split(128, 16, 128, grouped) == 128
+    assert capped_small_split(256, 16, 128, grouped) == 64
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
     base = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
     for d in (64, 128):
