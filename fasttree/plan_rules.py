@@ -196,23 +196,28 @@ class PlanRules:
         where it was not timed.
     small_split_cap_head_dim : int
         The head dim above which ``wide_head_small_split`` caps the small split: 128 (today's
-        plans); 0 caps it at every head dim (a candidate: on one H200 draw it left no changed tree
-        below 0.97x of decode, but cut 16/1 D 128 trees of 5-7 us to 0.90-0.97x of their plans).
+        plans); 0 caps it at every head dim (on one H200 draw it left no changed tree below 0.97x
+        of decode, but cut 16/1 D 128 trees of 5-7 us to 0.90-0.97x of their plans, hence the
+        two limits below).
     small_split_cap_max_group : int
         At head dims up to 128 (where ``small_split_cap_head_dim`` is below them), the cap only in
-        plans whose GQA ratio is at most this; 0: at any ratio (a candidate, chosen on one draw).
+        plans whose GQA ratio is at most this; 0: at any ratio.
     small_split_cap_max_programs : int
         The cap only where the plan's units x KV heads after it are at most this many (about a
-        wave; more programs brought packing back or a second tile class, and lost); 0: no limit
-        (a candidate, chosen on one draw).
+        wave; more programs brought packing back or a second tile class, and lost); 0: no limit.
+        With the head-dim threshold at 0, the GQA limit at 8 and both program limits at 132 (a
+        candidate chosen on one H200 draw), the cap alone changed 8 trees of a fresh H100 draw,
+        none below 0.97x of the defaults; its own fresh draw decides.
     pack_few_units : bool
         Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
         packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
         thousands of latency-bound programs; a plan already short of ``pack_min_units`` programs
         only gets fewer and longer ones (on held-out D 256 trees of 2-10 queries, one bin of a
         64-token unit and a short tail ran two KV tiles where decode's units ran one, and the
-        launch applied row masks). False leaves such a plan's units unpacked: a candidate, not
-        yet measured.
+        launch applied row masks). False leaves such a plan's units unpacked: on three fresh
+        H100 draws 1.07-1.09x on the trees it changes, but 3-6 of them below 0.97x in each
+        (D 256 plans gaining one or two units and losing their masks, still slower; ``docs/history.md``),
+        so it stays on.
     """
 
     solo_units: bool = True
