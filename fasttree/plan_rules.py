@@ -205,9 +205,9 @@ class PlanRules:
     small_split_cap_max_programs : int
         The cap only where the plan's units x KV heads after it are at most this many (about a
         wave; more programs brought packing back or a second tile class, and lost); 0: no limit.
-        With the head-dim threshold at 0, the GQA limit at 8 and both program limits at 132 (a
-        candidate chosen on one H200 draw), the cap alone changed 8 trees of a fresh H100 draw,
-        none below 0.97x of the defaults; its own fresh draw decides.
+        With the head-dim threshold at 0, the GQA limit at 8 and both program limits at 132, the
+        cap lost on a fresh H100 draw (1.043x on 31 trees, 10 below 0.97x: with packing on, the
+        cut units are packed again); it pays only in unpacked plans (``pack_few_units``).
     pack_few_units : bool
         Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
         packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
