@@ -30,6 +30,7 @@ _NON_NEGATIVE_INTS = (
     "small_split_cap_head_dim",
     "small_split_cap_max_group",
     "small_split_cap_max_programs",
+    "crossover_wave_programs",
 )
 
 
@@ -84,6 +85,14 @@ class PlanRules:
         1.17x geomean against 0.5, every one within 0.983x of decode (13 of them below 0.97x at
         0.5); two whose tree plans had beaten decode (1.24x, 1.12x) lost that (``docs/history.md``).
         The weight alone predicts small trees loosely: their implied 64-row weight ranged 0.9-4.5.
+    crossover_wave_programs : int
+        A second crossover test, at every GQA ratio: where the tree plan and decode's plan each
+        have at most this many programs (units x KV heads: about one wave, where a step lasts
+        about as long as its longest program) and decode's longest program reads fewer KV tiles
+        than the tree plan's (two or more), :func:`fasttree.plan` returns decode's plan; 0: off
+        (:func:`fasttree.planner.decode_shorter_in_one_wave`). A candidate at 132, chosen on the
+        committed held-out A/B rows (H100 and H200): of 240 small tree plans, the 25 it sends to
+        decode all ran 0.75-0.95x of decode's time there, and no plan it keeps had lost more.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -251,6 +260,7 @@ class PlanRules:
     no_sharing_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
+    crossover_wave_programs: int = field(default=0, metadata={ADDED_AS: 0})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -41,11 +41,12 @@ from .config import FastTreeConfig
 from .costs import ALL_LARGE, ALL_SMALL, TWO_CLASSES, PaddingCost, mode_tiles
 from .groups import ChainedSlots, Groups
 from .host_arrays import entry_array
+from .launch_rules import launch_kv_tile
 from .native import address, c_int32, c_int64, planner_library
 from .plan_arrays import _MIN_BLOCK_M, Plan, check_heads, materialize, tile_read_weight, tile_rows
 from .plan_rules import PlanRules, capped_small_split
 from .portfolio import Portfolio, head_layout
-from .query_separated import plan_query_separated
+from .query_separated import PLANNED_SMS, plan_query_separated
 from .tree import KVTree, arange_view, exclusive_sum, inverse_permutation, ragged_arange, stable_argsort
 
 _DEFAULT_CONFIG = FastTreeConfig()
@@ -1211,7 +1212,48 @@ def plan(
     planned = _tree_plan(tree, config, rules, g, q_tiles, max_weighted_reads=limit, **heads)
     if planned is None:  # the crossover test: the tree plan costs more than margin x decode's
         return plan_query_separated(tree, **heads, rules=rules)
+    if rules.crossover_wave_programs:
+        decode = decode_shorter_in_one_wave(tree, planned, rules.crossover_wave_programs)
+        if decode is not None:
+            return decode
     return planned
+
+
+def longest_program_tiles(plan: Plan) -> int:
+    """KV tiles of ``plan``'s longest program: its longest unit over the KV tile its tile class's
+    launch runs (:func:`fasttree.launch_rules.launch_kv_tile`, on the planner's GPU of
+    :data:`fasttree.query_separated.PLANNED_SMS` SMs, so that plans do not depend on the device)."""
+    ptr, g, most = plan.class_unit_ptr, plan.group_size, 0
+    for c, tc in enumerate(plan.tile_classes):
+        lengths = plan.unit_kv_len[ptr[c] : ptr[c + 1]]
+        if lengths.size:
+            items = lengths.size * plan.num_kv_heads
+            tile = launch_kv_tile(g, plan.head_dim, tc, lengths, items, PLANNED_SMS, plan.rules.wide_head_kv_tile)
+            most = max(most, -(-int(lengths.max()) // tile))
+    return most
+
+
+def decode_shorter_in_one_wave(tree: KVTree, planned: Plan, programs: int) -> Plan | None:
+    """Decode's plan of ``tree`` where ``planned`` (its tree plan) and decode's plan each have at
+    most ``programs`` programs (units x KV heads) and decode's longest program reads fewer KV tiles
+    than the tree plan's, which reads two or more (:func:`longest_program_tiles`); else None.
+
+    Within about one wave a step lasts about as long as its longest program: a small tree plan
+    whose few programs each chain two or three KV tiles (and merge partial results) runs slower
+    than decode's one-tile chunks, though it reads fewer tokens (:attr:`PlanRules.crossover_wave_programs`).
+    """
+    kv_heads = planned.num_kv_heads
+    if planned.n_units * kv_heads > programs:
+        return None
+    tiles = longest_program_tiles(planned)
+    if tiles < 2:
+        return None
+    decode = plan_query_separated(
+        tree, num_q_heads=planned.num_q_heads, num_kv_heads=kv_heads, head_dim=planned.head_dim, rules=planned.rules
+    )
+    if decode.n_units * kv_heads > programs or longest_program_tiles(decode) >= tiles:
+        return None
+    return decode
 
 
 def _tree_plan(

@@ -27,7 +27,12 @@ from .plan_rules import PlanRules
 from .tree import KVTree
 from .validation import check_int
 
-__all__ = ["plan_query_separated", "query_contexts", "query_separated_split"]
+__all__ = ["PLANNED_SMS", "plan_query_separated", "query_contexts", "query_separated_split"]
+
+#: The SM count plans are made for where a rule counts waves (an H100's and an H200's 132): decode's
+#: default chunking and the one-wave crossover (:func:`fasttree.planner.decode_shorter_in_one_wave`),
+#: so that a tree's plan does not depend on the device it runs on.
+PLANNED_SMS = 132
 
 
 def query_contexts(tree: KVTree) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +78,7 @@ def plan_query_separated(
     num_kv_heads: int,
     head_dim: int,
     kv_split_size: int | None = None,
-    num_sms: int = 132,
+    num_sms: int = PLANNED_SMS,
     kv_tile: int = 64,
     rules: PlanRules | None = None,
 ) -> Plan:

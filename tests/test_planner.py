@@ -851,6 +851,34 @@ def test_the_crossover_weighs_a_tiles_rows_by_the_rules_exponent():
     assert sent.tile_mode == QUERY_SEPARATED
 
 
+def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decode():
+    """``PlanRules.crossover_wave_programs`` (0, off by default): where the tree plan and decode's
+    plan each fit that many programs and decode's longest program reads fewer KV tiles than the
+    tree plan's (two or more), ``ft.plan`` returns decode's plan, the same as
+    ``plan_query_separated``; a limit below the tree plan's programs, or a tree whose plan's
+    programs read one tile, keeps the tree plan."""
+    from fasttree.costs import QUERY_SEPARATED
+    from fasttree.planner import decode_shorter_in_one_wave, longest_program_tiles
+    from fasttree.toolkit.workloads import sample_tree
+
+    assert ft.PlanRules().crossover_wave_programs == 0
+    tree = sample_tree("random_recursive", 18)
+    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
+    kept = ft.plan(tree, **heads)
+    assert kept.tile_mode != QUERY_SEPARATED and kept.n_units <= 132 and longest_program_tiles(kept) == 3
+    on = ft.PlanRules().with_(crossover_wave_programs=132)
+    sent = ft.plan(tree, **heads, rules=on)
+    check_plan(tree, sent)
+    assert sent.tile_mode == QUERY_SEPARATED and longest_program_tiles(sent) == 1
+    assert _same_arrays(sent, ft.plan_query_separated(tree, **heads, rules=on))
+    assert _same_arrays(ft.plan(tree, **heads, rules=on.with_(crossover_wave_programs=kept.n_units - 1)), kept)
+    assert decode_shorter_in_one_wave(tree, kept, 104) is None  # decode's plan has 105 programs
+    one_tile = ft.KVTree.from_lengths([-1, -1], [40, 50], [0, 1])
+    assert ft.plan(one_tile, **heads, rules=on).tile_mode != QUERY_SEPARATED
+    with pytest.raises(ValueError, match="crossover_wave_programs"):
+        ft.PlanRules().with_(crossover_wave_programs=-1)
+
+
 def test_query_contexts_match_query_slots(monkeypatch):
     """Decode plans gather each query's context by the compiled chain walk: the same arrays as
     KVTree.query_slots on random forests (queries at roots and internal nodes, scattered slots)

@@ -131,6 +131,7 @@ def planned(draw, *, max_nodes: int = 24, lengths: tuple[int, ...] = LENGTHS, he
         **{name: draw(st.booleans()) for name in RULES},
         wide_head_small_split=draw(st.sampled_from((0, 16, 64))),
         wide_head_small_split_programs=draw(st.sampled_from((24, 10**6))),
+        crossover_wave_programs=draw(st.sampled_from((0, 132))),
     )
     plan_args = {"config": config, "num_q_heads": g * hkv, "num_kv_heads": hkv, "head_dim": d, "rules": rules}
     return tree, ft.plan(tree, **plan_args), plan_args
