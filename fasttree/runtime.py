@@ -640,11 +640,11 @@ class TreeAttentionRuntime:
     ) -> tuple[Plan, bool]:
         """Plan ``tree`` with ``config`` (a portfolio member; its KV split sizes times
         ``split_scale``, rounded up); whether the plan is query-centric. ``crossover=False``: never plain
-        decode's plan (``PlanRules.crossover_margin`` 0), which may need more KV entries than a
-        tree plan."""
+        decode's plan (``PlanRules.crossover_margin`` and ``crossover_wave_programs`` 0), which may
+        need more KV entries than a tree plan."""
         if split_scale != 1:
             config = config.with_(kv_split_sizes=tuple(math.ceil(split_scale * s) for s in config.kv_split_sizes))
-        rules = self._rules if crossover else self._rules.with_(crossover_margin=0.0)
+        rules = self._rules if crossover else self._rules.with_(crossover_margin=0.0, crossover_wave_programs=0)
         return plan_for_runtime(
             tree, config, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, stage1_launches=self.stage1_launches, query_centric=self.query_centric,
