@@ -89,7 +89,8 @@ class PlanRules:
         A second crossover test, at every GQA ratio: where the tree plan and decode's plan each
         have at most this many programs (units x KV heads: about one wave, where a step lasts
         about as long as its longest program) and decode's longest program reads fewer KV tiles
-        than the tree plan's (two or more), :func:`fasttree.plan` returns decode's plan; 0: off
+        than the tree plan's (two or more), :func:`fasttree.plan` returns decode's plan, unless
+        decode merges partial results and the tree plan does not; 0: off
         (:func:`fasttree.planner.decode_shorter_in_one_wave`). A candidate at 132, chosen on the
         committed held-out A/B rows (H100 and H200): of 240 small tree plans, the 25 it sends to
         decode all ran 0.75-0.95x of decode's time there; on the tree plans of three later draws

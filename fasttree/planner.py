@@ -1236,7 +1236,9 @@ def longest_program_tiles(plan: Plan) -> int:
 def decode_shorter_in_one_wave(tree: KVTree, planned: Plan, programs: int) -> Plan | None:
     """Decode's plan of ``tree`` where ``planned`` (its tree plan) and decode's plan each have at
     most ``programs`` programs (units x KV heads) and decode's longest program reads fewer KV tiles
-    than the tree plan's, which reads two or more (:func:`longest_program_tiles`); else None.
+    than the tree plan's, which reads two or more (:func:`longest_program_tiles`), unless decode
+    merges partial results and the tree plan does not (a one-unit tree plan: decode's merge launch
+    costs more than its shorter programs save); else None.
 
     Within about one wave a step lasts about as long as its longest program: a small tree plan
     whose few programs each chain two or three KV tiles (and merge partial results) runs slower
@@ -1252,6 +1254,8 @@ def decode_shorter_in_one_wave(tree: KVTree, planned: Plan, programs: int) -> Pl
         tree, num_q_heads=planned.num_q_heads, num_kv_heads=kv_heads, head_dim=planned.head_dim, rules=planned.rules
     )
     if decode.n_units * kv_heads > programs or longest_program_tiles(decode) >= tiles:
+        return None
+    if decode.n_partial_rows and not planned.n_partial_rows:  # decode would add the merge launch
         return None
     return decode
 

@@ -856,7 +856,8 @@ def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decod
     plan each fit that many programs and decode's longest program reads fewer KV tiles than the
     tree plan's (two or more), ``ft.plan`` returns decode's plan, the same as
     ``plan_query_separated``; a limit below the tree plan's programs, or a tree whose plan's
-    programs read one tile, keeps the tree plan."""
+    programs read one tile, or a one-unit tree plan (no merge) where decode would merge, keeps
+    the tree plan."""
     from fasttree.costs import QUERY_SEPARATED
     from fasttree.planner import decode_shorter_in_one_wave, longest_program_tiles
     from fasttree.toolkit.workloads import sample_tree
@@ -875,6 +876,12 @@ def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decod
     assert decode_shorter_in_one_wave(tree, kept, 104) is None  # decode's plan has 105 programs
     one_tile = ft.KVTree.from_lengths([-1, -1], [40, 50], [0, 1])
     assert ft.plan(one_tile, **heads, rules=on).tile_mode != QUERY_SEPARATED
+    one_query = ft.KVTree.from_lengths([-1], [104], [0])
+    mha = {"num_q_heads": 32, "num_kv_heads": 32, "head_dim": 128}
+    whole = ft.plan(one_query, **mha, rules=on)
+    split = ft.plan_query_separated(one_query, **mha, rules=on)
+    assert whole.tile_mode != QUERY_SEPARATED and whole.n_partial_rows == 0 and longest_program_tiles(whole) == 2
+    assert split.n_partial_rows > 0 and longest_program_tiles(split) == 1
     with pytest.raises(ValueError, match="crossover_wave_programs"):
         ft.PlanRules().with_(crossover_wave_programs=-1)
 
