@@ -91,10 +91,13 @@ class PlanRules:
         about as long as its longest program) and decode's longest program reads fewer KV tiles
         than the tree plan's (two or more), :func:`fasttree.plan` returns decode's plan, unless
         decode merges partial results and the tree plan does not; 0: off
-        (:func:`fasttree.planner.decode_shorter_in_one_wave`). A candidate at 132, chosen on the
-        committed held-out A/B rows (H100 and H200): of 240 small tree plans, the 25 it sends to
-        decode all ran 0.75-0.95x of decode's time there; on the tree plans of three later draws
-        (not used for the choice) it sends 15 of 86, each 0.71-0.93x of decode's time.
+        (:func:`fasttree.planner.decode_shorter_in_one_wave`). 132 by default: chosen on the
+        committed held-out A/B rows (H100 and H200), where of 240 small tree plans the 25 it sends
+        to decode all ran 0.75-0.95x of decode's time; on three later draws (not used for the
+        choice) the 15 it sends ran 0.71-0.93x of decode's time; the merge condition came from
+        a fourth (its two one-unit plans lost 0.86x to decode); on two fresh draws after it (H100)
+        the 60 trees it changes ran 1.23x geomean, each 1.07x or faster (``docs/history.md``).
+        Off in :meth:`runtime`'s fixed launch slots, where it was not timed.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -262,7 +265,7 @@ class PlanRules:
     no_sharing_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
-    crossover_wave_programs: int = field(default=0, metadata={ADDED_AS: 0})
+    crossover_wave_programs: int = field(default=132, metadata={ADDED_AS: 0})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -304,15 +307,16 @@ class PlanRules:
         (``all_large_without_large``), as before the rule changed for ``ft.plan``: the runtime's
         fixed launch slots were not timed with all-small plans of such trees, nor with the wide-head
         small split (``wide_head_small_split`` 0), nor with one-wave chunks of equal-length batches
-        (``equal_lengths_one_wave`` False) or no-sharing chunks by the summed context
-        (``no_sharing_split_by_context`` False).
+        (``equal_lengths_one_wave`` False), no-sharing chunks by the summed context
+        (``no_sharing_split_by_context`` False) or the one-wave crossover
+        (``crossover_wave_programs`` 0).
         """
         if variants:
             return _DEFAULTS
         return replace(
             _DEFAULTS, solo_units=stage1_launches == 2, wide_units=False, aligned_blocks=False,
             all_large_without_large=True, wide_head_small_split=0, equal_lengths_one_wave=False,
-            no_sharing_split_by_context=False,
+            no_sharing_split_by_context=False, crossover_wave_programs=0,
         )  # fmt: skip
 
     def with_(self, **changes: Any) -> PlanRules:

@@ -8,6 +8,10 @@ import numpy as np
 import fasttree as ft
 from fasttree.plan_arrays import ABSENT_ROW
 
+#: Today's rules less the one-wave crossover (``PlanRules.crossover_wave_programs``), which sends
+#: many of the tests' small tree plans to decode: for tests of what tree plans do.
+TREE_PLANS = ft.PlanRules().with_(crossover_wave_programs=0)
+
 
 def unit_class(plan: ft.Plan, u: int) -> int:
     return 0 if u < plan.class_unit_ptr[1] else 1

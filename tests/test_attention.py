@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from plan_checks import TREE_PLANS
 from trees import random_tree
 
 import fasttree as ft
@@ -117,7 +118,7 @@ def test_long_groups_left_whole_match_reference(g, hkv, d, dtype, device):
     for _ in range(6):
         tree = random_tree(rng, max_nodes=20, max_len=400)
         cfg = ft.FastTreeConfig(kv_split_sizes=(64, 16), para_threshs1=(1, 1), kv_tile=(16, 32))
-        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, rules=TREE_PLANS)
         whole += int(plan.unit_kv_len.max()) > 64
         q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
@@ -253,7 +254,7 @@ def test_packed_units_match_reference(g, hkv, d, dtype, device):
             kv_split_sizes=(64, int(rng.choice([8, 32]))),
             gamma=float(rng.choice([0.1, -10.0])),
         )
-        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, rules=TREE_PLANS)
         packed += plan.tile_classes[1].masked
         q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
         out = run_poisoned(lambda o, plan=plan, q=q, k=k, v=v: ft.tree_attention(q, k, v, plan, out=o), q)
@@ -273,7 +274,7 @@ def test_packed_units_in_both_tile_classes(g, hkv, q_tiles, device):
     cfg = ft.FastTreeConfig(
         q_tile_queries=q_tiles, pack_tokens=64, pack_min_units=0, kv_tile=(16, 16), para_threshs1=(0, 0)
     )
-    tree_plan = ft.PlanRules(crossover_margin=0.0)  # this small forest costs more than decode at GQA 16
+    tree_plan = TREE_PLANS.with_(crossover_margin=0.0)  # this small forest costs more than decode at GQA 16
     plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=tree_plan)
     assert plan.tile_classes[0].masked
     assert plan.tile_classes[1].masked or g == 16  # GQA 16: one query fills a small tile
@@ -289,7 +290,7 @@ def test_packed_unit_of_32_queries_uses_the_mask_sign_bit(device):
     cfg = ft.FastTreeConfig(
         q_tile_queries=(32, 8), pack_tokens=512, pack_min_units=0, kv_tile=(16, 16), para_threshs1=(0, 0)
     )
-    plan = ft.plan(tree, cfg, num_q_heads=2, num_kv_heads=2, head_dim=32)
+    plan = ft.plan(tree, cfg, num_q_heads=2, num_kv_heads=2, head_dim=32, rules=TREE_PLANS)
     assert plan.tile_classes[0].masked and plan.unit_q_len.max() == 32
     assert (plan.kv_row_mask == np.int32(-(2**31))).any()  # bit 31 alone: the 32nd query's leaf
     gen = torch.Generator().manual_seed(3)
@@ -370,7 +371,7 @@ def test_an_all_large_mha_plan_runs_its_64_row_tiles_at_4_warps(device):
     launches them at the large class's 4 warps (MHA's small class has 2), with the wide-head cap's
     32-token KV tiles; the result matches the float64 reference (compiled on a GPU)."""
     tree = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
-    all_large = ft.PlanRules.defaults().with_(all_large_without_large=True)  # the runtime's rule
+    all_large = TREE_PLANS.with_(all_large_without_large=True)  # the runtime's rule
     plan = ft.plan(tree, num_q_heads=2, num_kv_heads=2, head_dim=256, rules=all_large)
     target = _h200_like(device)
     (launch,) = launch_rules.stage1_launches(plan, target)
@@ -390,9 +391,9 @@ def test_all_small_and_all_large_plans_of_a_small_tree_match_reference(device):
     q, k, v = make_inputs(tree, 4, 1, 64, torch.float16, device, gen)
     all_large = ft.plan(
         tree, num_q_heads=4, num_kv_heads=1, head_dim=64,
-        rules=ft.PlanRules.defaults().with_(all_large_without_large=True),
+        rules=TREE_PLANS.with_(all_large_without_large=True),
     )  # fmt: skip
-    default = ft.plan(tree, num_q_heads=4, num_kv_heads=1, head_dim=64)
+    default = ft.plan(tree, num_q_heads=4, num_kv_heads=1, head_dim=64, rules=TREE_PLANS)
     assert (all_large.tile_mode, all_large.n_units, all_large.tile_classes[1].block_m) == ("all_large", 7, 64)
     assert (default.tile_mode, default.tile_classes[1].block_m) == ("all_small", 16)
     for plan in (all_large, default):
@@ -408,9 +409,9 @@ def test_wide_head_kv_tile_rule_launches_match_reference(device):
     cfg = ft.FastTreeConfig(q_tile_queries=(4, 1), pack_tokens=0, para_threshs2=(1, 1), gamma=-10.0)
     gen = torch.Generator().manual_seed(5)
     q, k, v = make_inputs(tree, 8, 1, 256, torch.bfloat16, device, gen)
-    capped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256)
+    capped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256, rules=TREE_PLANS)
     uncapped = ft.plan(tree, cfg, num_q_heads=8, num_kv_heads=1, head_dim=256,
-                       rules=ft.PlanRules.defaults().with_(wide_head_kv_tile=0))  # fmt: skip
+                       rules=TREE_PLANS.with_(wide_head_kv_tile=0))  # fmt: skip
     target = _h200_like(device)
     wide = [s for s in launch_rules.stage1_launches(capped, target) if s.block_m >= 32]
     assert wide and all(s.block_n == 32 for s in wide)
@@ -425,7 +426,7 @@ def test_wide_kv_tile_launch_matches_reference(g, q_tiles, pack_tokens, device, 
     132 SMs) reads its units' tail tiles masked and matches the float64 reference."""
     tree = ft.KVTree.from_lengths([-1, 0, 0, 1, 2], [200, 90, 37, 1, 150], [1, 2, 3, 4, 4])
     cfg = ft.FastTreeConfig(gamma=10.0, kv_split_sizes=(512, 512), pack_tokens=pack_tokens, q_tile_queries=q_tiles)
-    plan = ft.plan(tree, cfg, num_q_heads=g, num_kv_heads=1, head_dim=64)
+    plan = ft.plan(tree, cfg, num_q_heads=g, num_kv_heads=1, head_dim=64, rules=TREE_PLANS)
     gen = torch.Generator().manual_seed(11)
     q, k, v = make_inputs(tree, g, 1, 64, torch.float16, device, gen)
     launches = _launches(plan, q, k, v, torch.empty_like(q), target=_h200_like(device))
@@ -524,7 +525,7 @@ def test_balanced_bins_match_reference(levels, g, hkv, dtype, device):
     cfg = ft.FastTreeConfig(pack_min_units=32, para_threshs1=(1, 1), para_threshs2=(1, 1))
     gen = torch.Generator().manual_seed(g + hkv)
     q, k, v = make_inputs(tree, g * hkv, hkv, 64, dtype, device, gen)
-    tree_plan = ft.PlanRules(crossover_margin=0.0)  # this small forest costs more than decode at GQA 16
+    tree_plan = TREE_PLANS.with_(crossover_margin=0.0)  # this small forest costs more than decode at GQA 16
     plan = ft.plan(tree, cfg, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=64, rules=tree_plan)
     assert plan.tile_classes[0].masked or plan.tile_classes[1].masked
     out = run_poisoned(lambda o: ft.tree_attention(q, k, v, plan, out=o), q)
@@ -534,7 +535,7 @@ def test_balanced_bins_match_reference(levels, g, hkv, dtype, device):
 @pytest.mark.parametrize(("g", "hkv", "d", "dtype"), [SHAPES[1], SHAPES[2], SHAPES[3]])
 def test_random_plans_with_solo_units_match_reference(g, hkv, d, dtype, device):
     # random forests (queries at internal nodes, scattered slots) with the solo rule forced on
-    rules = ft.PlanRules(solo_min_waste_flops=0, solo_min_tokens=16)
+    rules = TREE_PLANS.with_(solo_min_waste_flops=0, solo_min_tokens=16)
     rng = np.random.default_rng(900 + g)
     gen = torch.Generator().manual_seed(900 + g)
     changed = 0
@@ -597,7 +598,7 @@ def test_peeled_tail_tiles_give_identical_outputs(g, hkv, d, dtype, peel, device
     gen = torch.Generator().manual_seed(41)
     for _ in range(2):
         tree = random_tree(rng, max_nodes=14, max_len=150)
-        plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d)
+        plan = ft.plan(tree, num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=d, rules=TREE_PLANS)
         block_n = min(tc.block_n for tc in plan.tile_classes)
         assert (plan.unit_kv_len > block_n).any() and (plan.unit_kv_len % block_n != 0).any()
         q, k, v = make_inputs(tree, g * hkv, hkv, d, dtype, device, gen)
@@ -689,8 +690,8 @@ def test_plan_with_aligned_blocks_is_correct(seed, heads, dtype, device):
     tree = multi_document(rng, n_documents=4, doc_tokens=(40, 120), questions_per_doc=(2, 6), question_tokens=(2, 12))
     config = ft.FastTreeConfig(para_threshs1=(1, 1), para_threshs2=(1, 1), pack_min_units=8)
     hq, hkv = heads
-    aligned = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64)
-    fixed_blocks = ft.PlanRules(aligned_blocks=False)
+    aligned = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, rules=TREE_PLANS)
+    fixed_blocks = TREE_PLANS.with_(aligned_blocks=False)
     fixed = ft.plan(tree, config, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, rules=fixed_blocks)
     assert aligned.stats()["kv_tokens_read"] < fixed.stats()["kv_tokens_read"]
     q, k, v = make_inputs(tree, hq, hkv, 64, dtype, device, torch.Generator().manual_seed(seed))

@@ -9,7 +9,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from plan_checks import assert_covers_contexts_once, assert_partials_consistent
+from plan_checks import TREE_PLANS, assert_covers_contexts_once, assert_partials_consistent
 from trees import random_tree
 
 import fasttree as ft
@@ -324,8 +324,8 @@ def test_all_large_tiles_without_large_groups_follow_the_rule():
     # bins packed from its short units)
     tree = ft.KVTree.from_lengths([-1, 0, 1, 0, 3], [134, 1, 79, 171, 111], [2, 4])
     heads = {"num_q_heads": 2, "num_kv_heads": 2, "head_dim": 64}
-    published = ft.plan(tree, **heads, rules=ft.PlanRules.defaults().with_(all_large_without_large=True))
-    kept = ft.plan(tree, **heads)
+    published = ft.plan(tree, **heads, rules=TREE_PLANS.with_(all_large_without_large=True))
+    kept = ft.plan(tree, **heads, rules=TREE_PLANS)
     assert published.tile_mode == ALL_LARGE and published.tile_classes[1].block_m == 64
     assert kept.tile_mode == ALL_SMALL and [tc.block_m for tc in kept.tile_classes] == [16, 16]
     assert published.units_per_class()[0] == kept.units_per_class()[0] == 0
@@ -587,9 +587,10 @@ def test_runtime_rules_differ_from_the_defaults_only_where_the_runtime_needs():
         assert rt.wide_head_small_split == 0 and ft.PlanRules().wide_head_small_split == 64
         assert not rt.equal_lengths_one_wave and ft.PlanRules().equal_lengths_one_wave
         assert not rt.no_sharing_split_by_context and ft.PlanRules().no_sharing_split_by_context
+        assert rt.crossover_wave_programs == 0 and ft.PlanRules().crossover_wave_programs == 132
         same = rt.with_(solo_units=True, wide_units=True, aligned_blocks=True)
         same = same.with_(all_large_without_large=False, wide_head_small_split=64, equal_lengths_one_wave=True)
-        same = same.with_(no_sharing_split_by_context=True)
+        same = same.with_(no_sharing_split_by_context=True, crossover_wave_programs=132)
         assert same == ft.PlanRules()
 
 
@@ -605,7 +606,7 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
     assert capped_small_split(256, 8, 128, cap64) == 64 and capped_small_split(256, 8, 32, cap64) == 32
     assert capped_small_split(128, 8, 128, cap64) == 128 and capped_small_split(256, 8, 128, off) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    off = ft.PlanRules().with_(wide_head_small_split=0, wide_head_small_split_programs=10**6)  # in every plan
+    off = TREE_PLANS.with_(wide_head_small_split=0, wide_head_small_split_programs=10**6)  # in every plan
     on = off.with_(wide_head_small_split=64)
     for d in (64, 128, 256):
         heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
@@ -636,7 +637,7 @@ def test_small_split_cap_head_dim_moves_the_caps_head_dim_threshold():
     assert capped_small_split(128, 8, 128, grouped) == 64 and capped_small_split(128, 16, 128, grouped) == 128
     assert capped_small_split(256, 16, 128, grouped) == 64
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    base = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
+    base = TREE_PLANS.with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
     for d in (64, 128):
         heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
         every = ft.plan(tree, **heads, rules=base.with_(small_split_cap_head_dim=0))
@@ -668,7 +669,7 @@ def test_small_split_cap_max_programs_keeps_the_split_where_the_cut_makes_more_p
     its cut units and keeps the config's split under a limit of one program."""
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
     heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    on = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
+    on = TREE_PLANS.with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
     capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=on.with_(wide_head_small_split=0))
     assert capped.n_units > uncapped.n_units
     assert ft.PlanRules().small_split_cap_max_programs == 0
@@ -685,13 +686,13 @@ def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
     uncapped) is capped under a limit of 32 and planned as without the cap under a limit of 24."""
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
     heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    off = ft.PlanRules().with_(wide_head_small_split=0)
+    off = TREE_PLANS.with_(wide_head_small_split=0)
     uncapped = ft.plan(tree, **heads, rules=off)
-    rules = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=32)
+    rules = TREE_PLANS.with_(wide_head_small_split=64, wide_head_small_split_programs=32)
     capped = ft.plan(tree, **heads, rules=rules)
     check_plan(tree, capped)
     assert capped.n_units > uncapped.n_units
-    every = ft.PlanRules().with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
+    every = TREE_PLANS.with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
     assert _same_arrays(capped, ft.plan(tree, **heads, rules=every))
     limited = ft.plan(tree, **heads, rules=rules.with_(wide_head_small_split_programs=24))
     check_plan(tree, limited)
@@ -704,8 +705,8 @@ def test_wide_head_small_split_leaves_plans_without_a_merge_alone():
     plan, which merges nothing; one request of 200 tokens (cut at the small split, merged) is
     capped, more units and still merged."""
     heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    on = ft.PlanRules().with_(wide_head_small_split=64)
-    off = ft.PlanRules().with_(wide_head_small_split=0)
+    on = TREE_PLANS.with_(wide_head_small_split=64)
+    off = TREE_PLANS.with_(wide_head_small_split=0)
     alone = ft.KVTree.from_lengths([-1, -1, -1], [100, 120, 90], [0, 1, 2])
     uncapped = ft.plan(alone, **heads, rules=off)
     assert uncapped.n_partial_rows == 0
@@ -796,7 +797,7 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
     plan() returns decode's plan exactly where the assembled tree plan costs more than 1.03x
     decode's (paper trees, random forests with internal queries, crossover batches; GQA 4-16,
     packing on and off; all-small trees planned all-small, as by default, and all-large; the
-    weight's exponent as by default and raised)."""
+    weight's exponent as by default and raised; the one-wave crossover off, tested on its own)."""
     from fasttree.costs import QUERY_SEPARATED
     from fasttree.toolkit.family_suite import CROSSOVER_CASES, family_tree
 
@@ -807,8 +808,7 @@ def test_the_crossover_is_decided_before_the_arrays_at_the_assembled_plans_cost(
     switched = kept = 0
     for tree, (hq, hkv), config, rules in itertools.product(
         trees, ((16, 1), (32, 2), (32, 8)), (ft.FastTreeConfig(), ft.FastTreeConfig(pack_tokens=0)),
-        (ft.PlanRules.defaults(), ft.PlanRules.defaults().with_(all_large_without_large=True),
-         ft.PlanRules.defaults().with_(crossover_row_exponent=0.75)),
+        (TREE_PLANS, TREE_PLANS.with_(all_large_without_large=True), TREE_PLANS.with_(crossover_row_exponent=0.75)),
     ):  # fmt: skip
         off = rules.with_(crossover_margin=0.0)
         heads = {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": 128}
@@ -852,7 +852,7 @@ def test_the_crossover_weighs_a_tiles_rows_by_the_rules_exponent():
 
 
 def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decode():
-    """``PlanRules.crossover_wave_programs`` (0, off by default): where the tree plan and decode's
+    """``PlanRules.crossover_wave_programs`` (132 by default): where the tree plan and decode's
     plan each fit that many programs and decode's longest program reads fewer KV tiles than the
     tree plan's (two or more), ``ft.plan`` returns decode's plan, the same as
     ``plan_query_separated``; a limit below the tree plan's programs, or a tree whose plan's
@@ -862,10 +862,10 @@ def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decod
     from fasttree.planner import decode_shorter_in_one_wave, longest_program_tiles
     from fasttree.toolkit.workloads import sample_tree
 
-    assert ft.PlanRules().crossover_wave_programs == 0
+    assert ft.PlanRules().crossover_wave_programs == 132
     tree = sample_tree("random_recursive", 18)
     heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    kept = ft.plan(tree, **heads)
+    kept = ft.plan(tree, **heads, rules=ft.PlanRules().with_(crossover_wave_programs=0))
     assert kept.tile_mode != QUERY_SEPARATED and kept.n_units <= 132 and longest_program_tiles(kept) == 3
     on = ft.PlanRules().with_(crossover_wave_programs=132)
     sent = ft.plan(tree, **heads, rules=on)

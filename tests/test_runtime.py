@@ -651,7 +651,7 @@ def test_runtime_portfolio_plans_each_tree_with_the_selected_member(device):
     rt = _runtime(device, portfolio)
     assert rt.portfolio is portfolio and rt.config == ft.FastTreeConfig()  # launches from member 0
     small = ft.KVTree.from_levels((1, 4), (200, 8))  # 4 queries: member 0
-    large = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))  # 16 queries: member 1
+    large = ft.KVTree.from_levels((1, 2, 16), (300, 60, 9))  # 16 queries: member 1 (a tree plan, not decode's)
     assert [portfolio.member_of(t) for t in (small, large, small)] == [0, 1, 0]
     for step, tree in enumerate((small, large, small)):
         info = rt.plan(tree)
@@ -677,7 +677,7 @@ def test_with_launch_variants_members_may_differ_in_launch_fields(device):
     with pytest.raises(ValueError, match="launch fields"):  # nor can it be made a runtime portfolio
         ft.Portfolio(members=mixed.members, selector=mixed.selector, runtime=True)
     small = ft.KVTree.from_levels((1, 4), (200, 8))  # 4 queries: member 0
-    large = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))  # 16 queries: member 1
+    large = ft.KVTree.from_levels((1, 2, 16), (300, 60, 9))  # 16 queries: member 1 (a tree plan, not decode's)
     larger = ft.KVTree.from_levels((1, 4, 16), (300, 60, 9))  # 64 queries: member 1, another variant
     rt = _runtime(device, mixed, max_variants=2)
     expected = [(small, ft.FastTreeConfig(), 1), (large, other, 2), (larger, other, 3), (small, ft.FastTreeConfig(), 4)]
