@@ -2,8 +2,8 @@
 
 The digests in ``tests/data/plan_digests.json`` were recorded with the planner before its
 host-time optimisations (re-recorded where a rule changed plans on purpose: the crossover's exponent at
-v35); every :class:`fasttree.Plan` array (values, dtype and shape), every
-decision of the plan and the runtime's staged plan-buffer words must still hash the same.
+v35, the one-wave crossover's default: 4 of 900 plans); every :class:`fasttree.Plan` array (values,
+dtype and shape), every decision of the plan and the runtime's staged plan-buffer words must still hash the same.
 
 Regenerate them (only when a plan change is intended) with::
 
