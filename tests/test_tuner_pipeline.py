@@ -65,7 +65,8 @@ def _steps(queries, prefix: int, weight: float = 1.0) -> list[WorkloadStep]:
     return out
 
 
-SMALL_Q, LARGE_Q = (2, 4, 8, 16, 32, 6, 12, 24), (64, 96, 128, 192, 256, 80, 160, 72)
+#: small trees' queries: each a tree plan with either KV tile (at 2 queries the 32-token tiles' plan is decode's)
+SMALL_Q, LARGE_Q = (5, 4, 8, 16, 32, 6, 12, 24), (64, 96, 128, 192, 256, 80, 160, 72)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_balance_families_counts_every_family_and_every_step_of_a_family_the_sam
     steps = [
         WorkloadStep(tree(4, 100), 32, 8, 1.0, "a/x/seed0/step0"),
         WorkloadStep(tree(64, 2000), 32, 8, 1.0, "b/x/seed0/step0"),
-        WorkloadStep(tree(8, 50), 32, 8, 3.0, "b/x/seed1/step0"),
+        WorkloadStep(tree(8, 200), 32, 8, 3.0, "b/x/seed1/step0"),  # a tree plan with either KV tile
         *[WorkloadStep(tree(q, 500 + q), 32, 8, 16.0, f"serving/chat/seed0/step{q}") for q in (2, 16, 100, 200, 7)],
     ]
     model = TileModel()
