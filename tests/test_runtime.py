@@ -804,6 +804,26 @@ def test_runtime_serves_the_crossover_decode_plan(device, launches, max_variants
     assert ft.max_relative_error(out[: tree.n_queries], ft.reference_attention(q[: tree.n_queries], k, v, tree)) < 2e-3
 
 
+@pytest.mark.parametrize("max_variants", [0, 4])
+def test_runtime_serves_the_one_wave_crossovers_decode_plan(device, max_variants):
+    """A small tree whose tree plan chains more KV tiles per program than decode's (32-token tiles, GQA 2):
+    with launch variants the runtime plans as ``ft.plan`` does, so the one-wave crossover
+    (``PlanRules.crossover_wave_programs``) gives it decode's plan; the fixed launch's rules keep the
+    tree plan. Either way the outputs match the float64 reference."""
+    from fasttree.costs import QUERY_SEPARATED
+
+    config = ft.FastTreeConfig(kv_tile=(32, 32))
+    tree = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))
+    assert ft.plan(tree, config, **HEADS).tile_mode == QUERY_SEPARATED
+    rt = _runtime(device, config, max_variants=max_variants)
+    info = rt.plan(tree)
+    assert (info.plan.tile_mode == QUERY_SEPARATED) == bool(max_variants) and not info.bounded
+    q, k, v = _inputs(tree, device, 64, seed=11)
+    out = rt.forward(q, k, v, out=torch.full_like(q, float("nan")))
+    ref = ft.reference_attention(q[: tree.n_queries], k, v, tree)
+    assert ft.max_relative_error(out[: tree.n_queries], ref) < 2e-3
+
+
 def test_the_merge_filler_query_keeps_no_partials_across_plans(device):
     """The relocation copies each array's aligned length, so a per-query array's padding lands on the
     queries past the plan's, the merge list's filler (query ``max_queries``) among them when
