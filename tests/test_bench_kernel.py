@@ -474,12 +474,12 @@ def test_a_heldout_run_times_the_candidate_on_the_gpu(tmp_path):
         assert isinstance(row["variant_plans"][kernel.CANDIDATE]["same_launches_as_fasttree"], bool)
     assert report["summary"]["candidate_vs_fasttree"]["n"] == 2
     # --changed-only: of four trees, only the one the candidate changes is timed
-    argv = ["--suite", "heldout", "--trees", "4", "--seed", "30000", "--shapes", "4x4/d256/fp16", "--export", "none",
+    argv = ["--suite", "heldout", "--trees", "4", "--seed", "30004", "--shapes", "4x4/d256/fp16", "--export", "none",
             "--variants", "fasttree", "--candidate", "all_large_without_large=true", "--changed-only",
             "--out", str(tmp_path), "--label", "c"]  # fmt: skip
     assert kernel.main(argv) == 0
     report = json.loads((tmp_path / "kernel_c.json").read_text())
-    assert report["changed_only"] and [row["case"] for row in report["rows"]] == ["beam_search#30000/4x4/d256/fp16"]
+    assert report["changed_only"] and [row["case"] for row in report["rows"]] == ["beam_search#30004/4x4/d256/fp16"]
     assert report["summary"]["candidate_changed_cases"] == 1
 
 
