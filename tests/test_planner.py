@@ -865,7 +865,7 @@ def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decod
     assert ft.PlanRules().crossover_wave_programs == 132
     tree = sample_tree("random_recursive", 18)
     heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    kept = ft.plan(tree, **heads, rules=ft.PlanRules().with_(crossover_wave_programs=0))
+    kept = ft.plan(tree, **heads, rules=TREE_PLANS)
     assert kept.tile_mode != QUERY_SEPARATED and kept.n_units <= 132 and longest_program_tiles(kept) == 3
     on = ft.PlanRules().with_(crossover_wave_programs=132)
     sent = ft.plan(tree, **heads, rules=on)
