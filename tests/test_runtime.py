@@ -12,6 +12,7 @@ from runtime_checks import run_poisoned
 from trees import random_tree, tiny_server_trees
 
 import fasttree as ft
+from fasttree.costs import QUERY_SEPARATED
 from fasttree.export import ConfigExport, ExportEntry, ExportGuard, load_portfolio, write_export
 from fasttree.runtime import PLAN_HEADER, TreeAttentionRuntime
 
@@ -786,8 +787,6 @@ def test_runtime_serves_the_crossover_decode_plan(device, launches, max_variants
     persistent launch and with launch variants. The fixed launch plans all-small trees all-large,
     so a small forest with internal queries crosses over there; with variants the runtime plans as
     ``ft.plan`` does, where only trees of enough units (here 132 one-query roots) pack 64-row bins."""
-    from fasttree.costs import QUERY_SEPARATED
-
     heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 16}
     if max_variants:
         tree = ft.KVTree.from_lengths([-1] * 132, [2] * 132, list(range(132)))
@@ -810,8 +809,6 @@ def test_runtime_serves_the_one_wave_crossovers_decode_plan(device, max_variants
     with launch variants the runtime plans as ``ft.plan`` does, so the one-wave crossover
     (``PlanRules.crossover_wave_programs``) gives it decode's plan; the fixed launch's rules keep the
     tree plan. Either way the outputs match the float64 reference."""
-    from fasttree.costs import QUERY_SEPARATED
-
     config = ft.FastTreeConfig(kv_tile=(32, 32))
     tree = ft.KVTree.from_levels((1, 2, 16), (200, 40, 8))
     assert ft.plan(tree, config, **HEADS).tile_mode == QUERY_SEPARATED
