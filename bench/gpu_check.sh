@@ -17,7 +17,15 @@
 #             writing kernel_<gpu>_heldout2.*, ...)
 #   suites_ab with CANDIDATE (one): the candidate against the defaults and decode on the crossover and
 #             families cases it changes (kernel_<gpu>_crossover_ab.*, kernel_<gpu>_fam_ab.*)
+#   fresh     with SEED (and TREES, default 112): today's defaults, the runtime and decode on a fresh draw
+#             of every family at the default held-out shapes, 3 instances unless INSTANCES says
+#             otherwise (kernel_<gpu>_fresh_<SEED>.*; pick a seed no earlier run used)
+#   validate  the export EXPORT (default docs/tune/run_export.json, the README main job's) on the frozen
+#             test and the paper suite, both targets, every step (STEPS=K: K evenly spaced steps of each
+#             workload): validation_<gpu>_<name of EXPORT>.{json,md} and its traces (.jsonl; with that
+#             file back in place a rerun resumes where a timed-out one stopped)
 #   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
+#   plan_host the runtime's plan + upload host time per serving step (plan_host_<gpu>.json)
 #   decode    the end-to-end decode benchmark (decode_<gpu>.*)
 # INSTANCES=N times each of our variants as N independent instances (bench.kernel --instances; default 1).
 # <gpu> is h200 or h100 as nvidia-smi names the card (else gpu). Results go to $OUT (default
@@ -106,6 +114,29 @@ for step in $steps; do
         echo "$suite A/B of $CANDIDATE: exit $?"; grep -E "^- (candidate_|all_correct)" "$out/kernel_$label.md"
       done
       ;;
+    fresh)
+      if [ -z "${SEED:-}" ]; then echo "fresh needs SEED (a seed no earlier run used)"; exit 2; fi
+      label="${gpu}_fresh_$SEED"
+      timeout "${KERNEL_S:-300}" python3 -m bench.kernel --instances "${INSTANCES:-3}" --suite heldout --seed "$SEED" \
+        --trees "${TREES:-112}" --variants fasttree,query_separated,runtime --export none --out "$out" --label "$label" \
+        --overwrite >"$out/kernel_$label.log" 2>&1
+      echo "fresh draw $SEED: exit $?"; grep -E "^- (runtime_vs|fasttree_vs|all_correct)" "$out/kernel_$label.md"
+      ;;
+    validate)
+      export_file=${EXPORT:-docs/tune/run_export.json}
+      name=$(basename "$export_file" .json)
+      steps=()
+      [ -n "${STEPS:-}" ] && steps=(--steps "$STEPS")
+      timeout "${VALIDATE_S:-540}" fasttree-tune validate --config "$export_file" fasttree/toolkit/data/workloads_test \
+        fasttree/toolkit/data/workloads/paper_suite.jsonl.gz "${steps[@]}" \
+        --traces-out "$out/validation_${gpu}_${name}.jsonl" -o "$out/validation_${gpu}_${name}.json" \
+        --markdown "$out/validation_${gpu}_${name}.md" --overwrite >"$out/validate_$name.log" 2>&1
+      echo "validate $export_file: exit $?"; head -n 7 "$out/validation_${gpu}_${name}.md"
+      ;;
+    plan_host)
+      timeout "${PLAN_S:-180}" python3 -m bench.plan_host --json "$out/plan_host_$gpu.json" >"$out/plan_host.log" 2>&1
+      echo "plan_host: exit $?"; tail -n 12 "$out/plan_host.log"
+      ;;
     plan)
       timeout "${PLAN_S:-180}" python3 -m bench.plan_time --label "$gpu-host" --out "$out" >"$out/plan_time.log" 2>&1
       echo "plan_time: exit $?"; grep -E "^- (max|median|rows)" "$out/plan_time_$gpu-host.md"
@@ -114,6 +145,6 @@ for step in $steps; do
       timeout "${DECODE_S:-400}" python3 -m bench.decode --out "$out" --label "decode_$gpu" >"$out/decode.log" 2>&1
       echo "decode benchmark: exit $?"; tail -n 3 "$out/decode.log"
       ;;
-    *) echo "unknown step $step (tests, compiled, memcheck, kernel, families, crossover, heldout, suites_ab, plan, decode)"; exit 2 ;;
+    *) echo "unknown step $step (tests, compiled, memcheck, kernel, families, crossover, heldout, suites_ab, fresh, validate, plan, plan_host, decode)"; exit 2 ;;
   esac
 done
