@@ -22,8 +22,9 @@
 #             otherwise (kernel_<gpu>_fresh_<SEED>.*; pick a seed no earlier run used)
 #   validate  the export EXPORT (default docs/tune/run_export.json, the README main job's) on the frozen
 #             test and the paper suite, both targets, every step (STEPS=K: K evenly spaced steps of each
-#             workload): validation_<gpu>_<name of EXPORT>.{json,md} and its traces (.jsonl; with that
-#             file back in place a rerun resumes where a timed-out one stopped)
+#             workload): validation_<gpu>_<name of EXPORT>.{json,md} and its traces (.jsonl; TRACES=FILE
+#             appends to FILE instead, e.g. the traces of a timed-out run carried back to the device,
+#             and resumes where that run stopped; a copy of FILE lands in $OUT)
 #   plan      planner host time on this machine's CPU (plan_time_<gpu>-host.*)
 #   plan_host the runtime's plan + upload host time per serving step (plan_host_<gpu>.json)
 #   decode    the end-to-end decode benchmark (decode_<gpu>.*)
@@ -127,11 +128,12 @@ for step in $steps; do
       name=$(basename "$export_file" .json)
       steps=()
       [ -n "${STEPS:-}" ] && steps=(--steps "$STEPS")
-      timeout "${VALIDATE_S:-540}" fasttree-tune validate --config "$export_file" fasttree/toolkit/data/workloads_test \
+      timeout "${VALIDATE_S:-540}" python3 -m fasttree.cli validate --config "$export_file" fasttree/toolkit/data/workloads_test \
         fasttree/toolkit/data/workloads/paper_suite.jsonl.gz "${steps[@]}" \
-        --traces-out "$out/validation_${gpu}_${name}.jsonl" -o "$out/validation_${gpu}_${name}.json" \
+        --traces-out "${TRACES:-$out/validation_${gpu}_${name}.jsonl}" -o "$out/validation_${gpu}_${name}.json" \
         --markdown "$out/validation_${gpu}_${name}.md" --overwrite >"$out/validate_$name.log" 2>&1
       echo "validate $export_file: exit $?"; head -n 7 "$out/validation_${gpu}_${name}.md"
+      [ -n "${TRACES:-}" ] && cp "$TRACES" "$out/validation_${gpu}_${name}.jsonl"
       ;;
     plan_host)
       timeout "${PLAN_S:-180}" python3 -m bench.plan_host --json "$out/plan_host_$gpu.json" >"$out/plan_host.log" 2>&1
