@@ -1238,7 +1238,8 @@ def decode_shorter_in_one_wave(tree: KVTree, planned: Plan, programs: int) -> Pl
     most ``programs`` programs (units x KV heads) and decode's longest program reads fewer KV tiles
     than the tree plan's, which reads two or more (:func:`longest_program_tiles`), unless decode
     merges partial results and the tree plan does not (a one-unit tree plan: decode's merge launch
-    costs more than its shorter programs save); else None.
+    costs more than its shorter programs save); with :attr:`PlanRules.crossover_merge_free_decode`,
+    also where decode merges nothing and the tree plan merges; else None.
 
     Within about one wave a step lasts about as long as its longest program: a small tree plan
     whose few programs each chain two or three KV tiles (and merge partial results) runs slower
@@ -1248,12 +1249,17 @@ def decode_shorter_in_one_wave(tree: KVTree, planned: Plan, programs: int) -> Pl
     if planned.n_units * kv_heads > programs:
         return None
     tiles = longest_program_tiles(planned)
-    if tiles < 2:
+    spare_merge = planned.rules.crossover_merge_free_decode and planned.n_partial_rows > 0
+    if tiles < 2 and not spare_merge:
         return None
     decode = plan_query_separated(
         tree, num_q_heads=planned.num_q_heads, num_kv_heads=kv_heads, head_dim=planned.head_dim, rules=planned.rules
     )
-    if decode.n_units * kv_heads > programs or longest_program_tiles(decode) >= tiles:
+    if decode.n_units * kv_heads > programs:
+        return None
+    if spare_merge and not decode.n_partial_rows:  # decode spares the tree plan's merge launch
+        return decode
+    if tiles < 2 or longest_program_tiles(decode) >= tiles:
         return None
     if decode.n_partial_rows and not planned.n_partial_rows:  # decode would add the merge launch
         return None

@@ -886,6 +886,39 @@ def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decod
         ft.PlanRules().with_(crossover_wave_programs=-1)
 
 
+def test_crossover_merge_free_decode_spares_tiny_plans_their_merge():
+    """``PlanRules.crossover_merge_free_decode`` (off by default): in the one-wave test, decode's plan
+    wherever decode merges nothing and the tree plan merges, both within the wave's programs,
+    whatever their KV tiles; every other plan as without it. Decode merges nothing within one wave
+    only when every context fits one KV tile, so each tree sent holds contexts of at most 64
+    tokens. On tiny random forests (nodes of up to 24 tokens) at the held-out head shapes."""
+    from fasttree.costs import QUERY_SEPARATED
+    from fasttree.toolkit.family_suite import family_tree, heldout_cases
+
+    off = ft.PlanRules()
+    assert off.crossover_merge_free_decode is False
+    on = off.with_(crossover_merge_free_decode=True)
+    sent = 0
+    for case in heldout_cases(94000, 42, families=("random_recursive",), params={"max_node_tokens": 24}):
+        tree = family_tree(case)
+        heads = {"num_q_heads": case.heads[0], "num_kv_heads": case.heads[1], "head_dim": case.head_dim}
+        base, plan = ft.plan(tree, **heads, rules=off), ft.plan(tree, **heads, rules=on)
+        check_plan(tree, plan)
+        decode = ft.plan_query_separated(tree, **heads, rules=on)
+        programs = 132 // heads["num_kv_heads"]
+        spared = (
+            base.tile_mode != QUERY_SEPARATED and base.n_partial_rows > 0 and base.n_units <= programs
+            and decode.n_partial_rows == 0 and decode.n_units <= programs
+        )  # fmt: skip
+        if spared:
+            sent += 1
+            assert plan.tile_mode == QUERY_SEPARATED and _same_arrays(plan, decode)
+            assert int(tree.path_lengths[tree.query_nodes].max()) <= 64
+        else:
+            assert _same_arrays(plan, base)
+    assert sent >= 3  # the draw holds such trees (9 of these 42)
+
+
 def test_query_contexts_match_query_slots(monkeypatch):
     """Decode plans gather each query's context by the compiled chain walk: the same arrays as
     KVTree.query_slots on random forests (queries at roots and internal nodes, scattered slots)
