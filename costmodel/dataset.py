@@ -161,9 +161,10 @@ def _switched_off(rules: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
 
 #: Rules newer than every shipped trace, switched off in each legacy rule set: the config's own
 #: small split at every head dim, no-sharing plans' groups uncapped by the summed context and no
-#: one-wave crossover.
+#: one-wave crossover (nor its merge-free decode).
 _NEWER_THAN_TRACES: dict[str, Any] = {
     "wide_head_small_split": 0, "no_sharing_split_by_context": False, "crossover_wave_programs": 0,
+    "crossover_merge_free_decode": False,
 }  # fmt: skip
 #: Rule sets to re-plan a record with, as it was measured: today's rules less
 #: :data:`_NEWER_THAN_TRACES`, then also with all-small trees on the large tiles

@@ -102,7 +102,10 @@ class PlanRules:
         every query's context fits one KV tile (its chunks split any longer context), so the tree
         plan's sharing saves at most a tile per query while its merge launch costs a launch's
         latency: on an H100, two such trees (2 queries of up to 35 tokens at 28/4 D 128, 6 of up to 55
-        at 32/8 D 256) ran 0.67x and 0.70x of decode's time. False: today's test.
+        at 32/8 D 256) ran 0.67x and 0.70x of decode's time. True by default: on two fresh draws of
+        small random forests (H100, 3 instances) 1.42x and 1.49x on the 42 and 30 trees it changed,
+        each 1.13x or faster, at decode's time; no suite case changes (``docs/history.md``). False:
+        the test as before.
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -271,7 +274,7 @@ class PlanRules:
     sm90_stage1: bool = field(default=True, metadata={ADDED_AS: False})
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
     crossover_wave_programs: int = field(default=132, metadata={ADDED_AS: 0})
-    crossover_merge_free_decode: bool = field(default=False, metadata={ADDED_AS: False})
+    crossover_merge_free_decode: bool = field(default=True, metadata={ADDED_AS: False})
 
     def __post_init__(self) -> None:
         for f in fields(self):

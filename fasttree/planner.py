@@ -1238,8 +1238,8 @@ def decode_shorter_in_one_wave(tree: KVTree, planned: Plan, programs: int) -> Pl
     most ``programs`` programs (units x KV heads) and decode's longest program reads fewer KV tiles
     than the tree plan's, which reads two or more (:func:`longest_program_tiles`), unless decode
     merges partial results and the tree plan does not (a one-unit tree plan: decode's merge launch
-    costs more than its shorter programs save); with :attr:`PlanRules.crossover_merge_free_decode`,
-    also where decode merges nothing and the tree plan merges; else None.
+    costs more than its shorter programs save); and (:attr:`PlanRules.crossover_merge_free_decode`)
+    wherever decode merges nothing and the tree plan merges; else None.
 
     Within about one wave a step lasts about as long as its longest program: a small tree plan
     whose few programs each chain two or three KV tiles (and merge partial results) runs slower

@@ -8,8 +8,8 @@ queries, scattered slots, empty nodes), the large trees of ``bench.plan_time``'s
 serving-simulation steps and extended trees (``KVTree.append_tokens``). The digests in
 ``tests/data/plan_digests_default_rules.json`` were recorded from the planner before its per-token
 host work was vectorised further (re-recorded where a rule changed plans on purpose: the
-crossover's exponent at v35, the one-wave crossover's default at 132 programs); a host-time
-optimisation must leave every plan as it was.
+crossover's exponent at v35, the one-wave crossover's default at 132 programs, its merge-free
+decode); a host-time optimisation must leave every plan as it was.
 
 Regenerate them (only when a plan change is intended) with::
 

@@ -887,7 +887,7 @@ def test_crossover_wave_programs_sends_small_plans_with_longer_programs_to_decod
 
 
 def test_crossover_merge_free_decode_spares_tiny_plans_their_merge():
-    """``PlanRules.crossover_merge_free_decode`` (off by default): in the one-wave test, decode's plan
+    """``PlanRules.crossover_merge_free_decode`` (on by default): in the one-wave test, decode's plan
     wherever decode merges nothing and the tree plan merges, both within the wave's programs,
     whatever their KV tiles; every other plan as without it. Decode merges nothing within one wave
     only when every context fits one KV tile, so each tree sent holds contexts of at most 64
@@ -895,9 +895,9 @@ def test_crossover_merge_free_decode_spares_tiny_plans_their_merge():
     from fasttree.costs import QUERY_SEPARATED
     from fasttree.toolkit.family_suite import family_tree, heldout_cases
 
-    off = ft.PlanRules()
-    assert off.crossover_merge_free_decode is False
-    on = off.with_(crossover_merge_free_decode=True)
+    on = ft.PlanRules()
+    assert on.crossover_merge_free_decode is True  # adopted
+    off = on.with_(crossover_merge_free_decode=False)
     sent = 0
     for case in heldout_cases(94000, 42, families=("random_recursive",), params={"max_node_tokens": 24}):
         tree = family_tree(case)
