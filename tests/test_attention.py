@@ -216,7 +216,7 @@ def test_merge_kernel_is_chosen_by_the_most_partials_of_a_query(most):
     # a chain of `most` nodes with one query at its leaf and one at its root, kept apart
     tree = ft.KVTree.from_lengths([-1, *range(most - 1)], [20] * most, [most - 1, 0])
     config = ft.FastTreeConfig(alpha=0.0, beta=0.0, gamma=-10.0, pack_tokens=0)
-    plan = ft.plan(tree, config, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    plan = ft.plan(tree, config, num_q_heads=8, num_kv_heads=2, head_dim=64, rules=TREE_PLANS)
     assert launch_rules.merge_max_partials(plan) == most
     q = torch.empty(2, 8, 64, dtype=torch.float16)
     launches = _launches(plan, q, q, q, q)

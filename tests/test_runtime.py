@@ -243,8 +243,9 @@ def test_portfolio_from_export_file_and_fallback(device, tmp_path):
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"gpu": gpu, "group_size": 2, "head_dim": 16, "dtype": "float16", "provenance": {},
               "guard": ExportGuard.current()}  # fmt: skip
-    # member 1 for trees like the evidence trees (a short prefix, 2-4 leaves of 4-6 tokens), at 2 KV heads
-    evidence = [ft.KVTree.from_levels([1, n], [40, m]) for n, m in ((2, 4), (3, 5), (4, 6))]
+    # member 1 for trees like the evidence trees (a short prefix, 2-4 leaves of 4-6 tokens), at 2 KV heads;
+    # contexts past one KV tile, where decode merges too (else the crossover plans such a tree as decode)
+    evidence = [ft.KVTree.from_levels([1, n], [60, m]) for n, m in ((2, 4), (3, 5), (4, 6))]
     region = ft.LeafRegion.of_trees([ft.tree_features(t) for t in evidence], [(2, 2)] * 3, "measured")
     runtime = ft.Portfolio((ft.FastTreeConfig(), tuned), ft.Selector(member=(1,)), runtime=True, regions=(region,))
     kernels = ft.Portfolio((ft.FastTreeConfig(), ft.FastTreeConfig(alpha=0.2)), ft.Selector(member=(1,)),
@@ -260,7 +261,7 @@ def test_portfolio_from_export_file_and_fallback(device, tmp_path):
     assert load_portfolio(path, **shape) == kernels.for_heads(4, 2)
     rt = _runtime(device, str(path))
     assert rt.portfolio == runtime.for_heads(4, 2) and rt.config == ft.FastTreeConfig()  # launches from member 0
-    tree = ft.KVTree.from_levels([1, 3], [40, 5])
+    tree = ft.KVTree.from_levels([1, 3], [60, 5])
     assert rt.plan(tree).plan.config == tuned  # a tree inside the region: member 1
     # a tree unlike the evidence trees (a 400-token prefix), or the same tree at 1 KV head: the defaults
     assert rt.plan(ft.KVTree.from_levels([1, 3], [400, 5])).plan.config == ft.FastTreeConfig()
