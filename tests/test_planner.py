@@ -905,7 +905,7 @@ def test_crossover_merge_free_decode_spares_tiny_plans_their_merge():
         base, plan = ft.plan(tree, **heads, rules=off), ft.plan(tree, **heads, rules=on)
         check_plan(tree, plan)
         decode = ft.plan_query_separated(tree, **heads, rules=on)
-        programs = 132 // heads["num_kv_heads"]
+        programs = on.crossover_wave_programs // heads["num_kv_heads"]  # units within the one-wave test
         spared = (
             base.tile_mode != QUERY_SEPARATED and base.n_partial_rows > 0 and base.n_units <= programs
             and decode.n_partial_rows == 0 and decode.n_units <= programs
