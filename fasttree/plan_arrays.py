@@ -957,6 +957,12 @@ def _pack_layout(
                 query_of_rank = inverse_permutation(query_rank)
             if _wide_units_whole_pay(chosen, whole, units, query_of_rank, rules.wide_row_tokens):
                 chosen = whole
+    if rules.unpacked_max_reads and chosen is not None:  # the bins re-read split units' KV: none at all
+        if query_of_rank is None:
+            query_of_rank = inverse_permutation(query_rank)
+        packed_reads, _ = layout_reads_and_rows(chosen, units.kv_len, units.q_len, units.pair_query, query_of_rank)
+        if int(np.add.reduce(units.kv_len, dtype=np.int64)) <= rules.unpacked_max_reads * packed_reads:
+            chosen = None
     return chosen, query_of_rank
 
 

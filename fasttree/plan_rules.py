@@ -106,6 +106,13 @@ class PlanRules:
         small random forests (H100, 3 instances) 1.42x and 1.49x on the 42 and 30 trees it changed,
         each 1.13x or faster, at decode's time; no suite case changes (``docs/history.md``). False:
         the test as before.
+    unpacked_max_reads : float
+        Packing splits a unit with more queries than a bin holds into one piece per bin, each
+        reading the unit's KV again. Where the plan's units without bins would read at most this
+        many times the KV tokens of the packed plan, the plan packs nothing (0: never). Added off
+        for a GPU A/B: on the H200 headroom sweep (kernel version 30) the three trees where this held
+        at 0.9 and a config without packing was timed ran 1.17-1.28x faster without
+        (``docs/history.md``).
     wide_units : bool
         Units with more queries than a packed bin holds (MHA's large-tile units) are either
         packed (cut into one piece per block of queries, each reading the unit's KV) or kept
@@ -275,6 +282,7 @@ class PlanRules:
     crossover_row_exponent: float = field(default=0.63, metadata={ADDED_AS: 0.5})
     crossover_wave_programs: int = field(default=132, metadata={ADDED_AS: 0})
     crossover_merge_free_decode: bool = field(default=True, metadata={ADDED_AS: False})
+    unpacked_max_reads: float = field(default=0.0, metadata={ADDED_AS: 0.0})
 
     def __post_init__(self) -> None:
         for f in fields(self):

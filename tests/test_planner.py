@@ -919,6 +919,34 @@ def test_crossover_merge_free_decode_spares_tiny_plans_their_merge():
     assert sent >= 3  # the draw holds such trees (9 of these 42)
 
 
+def test_unpacked_max_reads_drops_bins_that_reread_kv():
+    """``PlanRules.unpacked_max_reads`` (added off): a plan whose units without bins would read at
+    most that many times the packed plan's KV tokens packs nothing, and holds fewer KV entries; every
+    other plan is as without it. Off by default, so no default plan changes. On a default held-out
+    draw (token trees, beams and random forests are where packing re-reads split units' KV)."""
+    from fasttree.plan_rules import ADDED_AS
+    from fasttree.toolkit.family_suite import family_tree, heldout_cases
+
+    base = ft.PlanRules()
+    field = {f.name: f for f in base.__dataclass_fields__.values()}["unpacked_max_reads"]
+    assert base.unpacked_max_reads == field.metadata[ADDED_AS] == 0.0  # off
+    on = base.with_(unpacked_max_reads=0.7)
+    dropped = 0
+    for case in heldout_cases(96000, 40):
+        tree = family_tree(case)
+        heads = {"num_q_heads": case.heads[0], "num_kv_heads": case.heads[1], "head_dim": case.head_dim}
+        packed, plan = ft.plan(tree, **heads, rules=base), ft.plan(tree, **heads, rules=on)
+        check_plan(tree, plan)
+        if _same_arrays(plan, packed):
+            continue
+        dropped += 1
+        assert plan.kv_row_mask.size == 0 and packed.kv_row_mask.size > 0  # no bins left, there were some
+        assert plan.kv_indices.size < packed.kv_indices.size
+    assert dropped >= 3  # the draw holds such trees (6 of these 40)
+    with pytest.raises(ValueError, match="unpacked_max_reads"):
+        base.with_(unpacked_max_reads=-0.5)
+
+
 def test_query_contexts_match_query_slots(monkeypatch):
     """Decode plans gather each query's context by the compiled chain walk: the same arrays as
     KVTree.query_slots on random forests (queries at roots and internal nodes, scattered slots)
