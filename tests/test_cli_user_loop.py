@@ -123,6 +123,23 @@ def test_export_names_the_setting_that_differs_and_never_starts_trials(tmp_path,
     assert not (tmp_path / "e.json").exists()
 
 
+def test_a_study_on_the_shipped_model_survives_a_reinstall(tmp_path):
+    """A study records the model's path; the shipped model's is absolute, so a reinstall or moved
+    environment leaves a path that no longer exists. ``reconcile`` then takes the shipped model when
+    its bytes are the ones the study recorded, and asks for ``--model`` otherwise."""
+    from fasttree.cli.study_settings import reconcile, sha256_file
+    from fasttree.toolkit import shipped
+
+    gone = str(tmp_path / "old-env" / "h200_latency_model.skops")
+    recorded = {"fasttree-g4-d128-float16": {"model": gone, "model_sha256": sha256_file(shipped.model_path()),
+                                             "every": 16, "heldout": "split"}}  # fmt: skip
+    out = reconcile(recorded, model=None, every=None, heldout=None)
+    assert out["model"] == str(shipped.model_path()) and out["every"] == 16 and out["heldout"] == "split"
+    recorded["fasttree-g4-d128-float16"]["model_sha256"] = "0" * 64  # another model, gone
+    with pytest.raises(ValueError, match="which no longer exists: pass --model"):
+        reconcile(recorded, model=None, every=None, heldout=None)
+
+
 def test_export_refuses_other_workloads_than_the_studies_tuned(tmp_path, own_workload, capsys):
     studies = tmp_path / "studies"
     assert main(["tune", str(own_workload), "--model", str(MODEL), "--out", str(studies), *QUICK]) == 0

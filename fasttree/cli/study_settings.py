@@ -178,7 +178,7 @@ def reconcile(
     else:
         model = str(first.get("model"))
         if not Path(model).is_file():
-            raise ValueError(f"study {name} was tuned with --model {model}, which no longer exists: pass --model")
+            model = _shipped_copy(model, first.get("model_sha256"), name)
         if sha256_file(model) != first.get("model_sha256"):
             raise ValueError(
                 f"study {name} was tuned with --model {model}, which has changed since: pass --model with the "
@@ -187,6 +187,18 @@ def reconcile(
     out.update(model=model, every=first.get("every") if every is None else every)
     out["heldout"] = first.get("heldout") if heldout is None else heldout
     return out
+
+
+def _shipped_copy(model: str, sha256: Any, study: str) -> str:
+    """The shipped model in place of a study's recorded ``model`` that no longer exists, when its bytes are the
+    ones the study recorded (the package reinstalled or moved since: the shipped model's path is absolute);
+    else a ``ValueError`` asking for ``--model``."""
+    here = shipped.model_path()
+    if here.is_file() and sha256_file(here) == sha256:
+        logger.info("study %s was tuned with --model %s, which no longer exists: the shipped model %s has its bytes",
+                    study, model, here)  # fmt: skip
+        return str(here)
+    raise ValueError(f"study {study} was tuned with --model {model}, which no longer exists: pass --model")
 
 
 def check_workloads(recorded: Mapping[str, Mapping[str, Any] | None], workloads: Workloads) -> None:
