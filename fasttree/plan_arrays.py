@@ -730,7 +730,7 @@ def materialize(
         group_split = _no_sharing_split_cap(groups, group_split, num_kv_heads, config, rules)
     units = _cut_units(groups, int(q_tiles[0]), group_split)
     layout = None
-    if packing and (rules.pack_few_units or units.kv_len.size * num_kv_heads > config.pack_min_units):
+    if packing:
         layout, query_of_rank = _pack_layout(
             units, block_m, g, config, rules, num_kv_heads, head_dim, query_rank, query_of_rank
         )

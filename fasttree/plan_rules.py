@@ -27,9 +27,6 @@ ADDED_AS = "added_as"
 _NON_NEGATIVE_INTS = (
     "solo_split_max_kv_heads",
     "wide_head_small_split",
-    "small_split_cap_head_dim",
-    "small_split_cap_max_group",
-    "small_split_cap_max_programs",
     "crossover_wave_programs",
 )
 
@@ -223,30 +220,6 @@ class PlanRules:
         them 1.00-1.32x (to decode's time), three 0.91-0.95x (``docs/history.md``). In every plan
         it lost (1.037x, 11 of 75 trees below 0.97x). Not in :meth:`runtime`'s fixed launch slots,
         where it was not timed.
-    small_split_cap_head_dim : int
-        The head dim above which ``wide_head_small_split`` caps the small split: 128 (today's
-        plans); 0 caps it at every head dim (on one H200 draw it left no changed tree below 0.97x
-        of decode, but cut 16/1 D 128 trees of 5-7 us to 0.90-0.97x of their plans, hence the
-        two limits below).
-    small_split_cap_max_group : int
-        At head dims up to 128 (where ``small_split_cap_head_dim`` is below them), the cap only in
-        plans whose GQA ratio is at most this; 0: at any ratio.
-    small_split_cap_max_programs : int
-        The cap only where the plan's units x KV heads after it are at most this many (about a
-        wave; more programs brought packing back or a second tile class, and lost); 0: no limit.
-        With the head-dim threshold at 0, the GQA limit at 8 and both program limits at 132, the
-        cap lost on a fresh H100 draw (1.043x on 31 trees, 10 below 0.97x: with packing on, the
-        cut units are packed again); it pays only in unpacked plans (``pack_few_units``).
-    pack_few_units : bool
-        Whether a plan whose units x KV heads are at most ``FastTreeConfig.pack_min_units`` still
-        packs its short units into bins (True, today's plans). Packing exists to cut a deep tree's
-        thousands of latency-bound programs; a plan already short of ``pack_min_units`` programs
-        only gets fewer and longer ones (on held-out D 256 trees of 2-10 queries, one bin of a
-        64-token unit and a short tail ran two KV tiles where decode's units ran one, and the
-        launch applied row masks). False leaves such a plan's units unpacked: on three fresh
-        H100 draws 1.07-1.09x on the trees it changes, but 3-6 of them below 0.97x in each
-        (D 256 plans gaining one or two units and losing their masks, still slower; ``docs/history.md``),
-        so it stays on.
     """
 
     solo_units: bool = True
@@ -271,10 +244,6 @@ class PlanRules:
     # plan); a default away from it is a rule adopted since
     wide_head_small_split: int = field(default=64, metadata={ADDED_AS: 0})
     wide_head_small_split_programs: int = field(default=24, metadata={ADDED_AS: 24})
-    small_split_cap_head_dim: int = field(default=128, metadata={ADDED_AS: 128})
-    small_split_cap_max_group: int = field(default=0, metadata={ADDED_AS: 0})
-    small_split_cap_max_programs: int = field(default=0, metadata={ADDED_AS: 0})
-    pack_few_units: bool = field(default=True, metadata={ADDED_AS: True})
     decode_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
     equal_lengths_one_wave: bool = field(default=True, metadata={ADDED_AS: False})
     no_sharing_split_by_context: bool = field(default=True, metadata={ADDED_AS: False})
@@ -365,17 +334,13 @@ def decode_programs_per_sm(head_dim: int) -> int | None:
     return 4 if 64 < head_dim <= 128 else None
 
 
-def capped_small_split(head_dim: int, g: int, split: int, rules: PlanRules) -> int:
+def capped_small_split(head_dim: int, split: int, rules: PlanRules) -> int:
     """The small split size ``split`` (``FastTreeConfig.kv_split_sizes[1]``), or the cap
-    :attr:`PlanRules.wide_head_small_split` (0: off) where it is smaller, above head dim
-    :attr:`PlanRules.small_split_cap_head_dim`, and at head dims up to 128 only at a GQA ratio ``g``
-    up to :attr:`PlanRules.small_split_cap_max_group` when that is set: the one place of where the
-    cap applies (:func:`fasttree.planner._adaptive_splits` applies it, the solo re-cut reads the
-    result)."""
-    cap, max_group = rules.wide_head_small_split, rules.small_split_cap_max_group
-    if not cap or split <= cap or head_dim <= rules.small_split_cap_head_dim:
-        return split
-    if head_dim <= 128 and max_group and g > max_group:
+    :attr:`PlanRules.wide_head_small_split` (0: off) where it is smaller, above head dim 128: the one
+    place of where the cap applies (:func:`fasttree.planner._adaptive_splits` applies it, the solo
+    re-cut reads the result)."""
+    cap = rules.wide_head_small_split
+    if not cap or split <= cap or head_dim <= 128:
         return split
     return cap
 

@@ -1291,7 +1291,7 @@ def _tree_plan(
     # adaptive passes only count units
     cost, assign, group_q, group_kv, kept = run_greedy(TWO_CLASSES)
     units_for = _PhaseUnits(kept.count, kept.kv_len, cost.q_tiles, num_kv_heads)
-    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim, tree.n_queries, g)
+    splits, mode, small_split = _adaptive_splits(units_for, config, rules, head_dim, tree.n_queries)
     if mode != TWO_CLASSES:
         cost, assign, group_q, group_kv, kept = run_greedy(mode)
         units_for = None
@@ -1354,7 +1354,7 @@ def _decode_weighted_reads(tree: KVTree, g: int, exponent: float) -> float:
 
 
 def _adaptive_splits(
-    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int, n_queries: int, g: int
+    units_for: _PhaseUnits, config: FastTreeConfig, rules: PlanRules, head_dim: int, n_queries: int
 ) -> tuple[list[int], str, int]:
     """The split size of each phase, the tile mode and the small split size (what a phase with
     too few units takes), from the two-class greedy's groups.
@@ -1364,12 +1364,9 @@ def _adaptive_splits(
     ``para_threshs1``), and no group much longer than the phase's work spread over
     ``para_threshs1`` programs (one long group would be the launch's tail). Then a phase with
     fewer units x KV heads than ``para_threshs1`` takes the small split size (above head dim
-    ``rules.small_split_cap_head_dim``, 128, at most ``rules.wide_head_small_split``,
-    :func:`fasttree.plan_rules.capped_small_split`, at head dims up to 128 only at a GQA ratio ``g``
-    up to ``rules.small_split_cap_max_group`` when set, where
+    128 at most ``rules.wide_head_small_split``, :func:`fasttree.plan_rules.capped_small_split`, where
     the plan's units x KV heads at the config's splits are at most
-    ``rules.wide_head_small_split_programs``, the cut plan's at most
-    ``rules.small_split_cap_max_programs`` (when set), and the plan merges partial results there already: a
+    ``rules.wide_head_small_split_programs`` and the plan merges partial results there already: a
     query of ``n_queries`` reads two groups, or a group is cut; a cap that cuts a plan with no
     merge adds the merge launch, about 2 us of a 7 us plan on an H100); only if a split
     changed, the units are recounted and too few in the large (small) phase move every group to
@@ -1377,7 +1374,7 @@ def _adaptive_splits(
     ``rules.all_large_without_large`` (else all-small).
     """
     big, small = config.kv_split_sizes
-    capped = capped_small_split(head_dim, g, small, rules)
+    capped = capped_small_split(head_dim, small, rules)
     splits = [big, big]
     if rules.whole_groups and units_for.longest > big:
         whole = units_for.longest
@@ -1396,10 +1393,6 @@ def _adaptive_splits(
     if changed and capped != small:
         if sum(units_for(splits)) > rules.wide_head_small_split_programs or not units_for.merges(splits, n_queries):
             capped = small  # enough programs at the config's split, or no merge there: it keeps the split
-        elif rules.small_split_cap_max_programs:
-            cut = [capped if c in changed else s for c, s in enumerate(splits)]
-            if sum(units_for(cut)) > rules.small_split_cap_max_programs:
-                capped = small  # the cut would make more programs than that: it keeps the split
         for c in changed:
             splits[c] = capped
     mode = TWO_CLASSES

@@ -1291,13 +1291,13 @@ def test_defaults_fingerprint_ignores_rules_at_the_value_they_were_added_with():
 
     rules = fasttree.PlanRules.defaults()
     added = {f.name: f.metadata[ADDED_AS] for f in fields(rules) if ADDED_AS in f.metadata}
-    assert {"wide_head_small_split", "pack_few_units"} <= set(added)
+    assert {"wide_head_small_split", "unpacked_max_reads"} <= set(added)
     at_added = {name for name, value in added.items() if getattr(rules, name) == value}
-    assert "pack_few_units" in at_added and "wide_head_small_split" not in at_added  # the cap adopted
+    assert "unpacked_max_reads" in at_added and "wide_head_small_split" not in at_added  # the cap adopted
     state = deciding_fields(rules)
     assert set(state) == {f.name for f in fields(rules)} - at_added
     assert state["wide_head_small_split"] == 64
-    switched = deciding_fields(rules.with_(pack_few_units=False))
-    assert switched == state | {"pack_few_units": False}
+    switched = deciding_fields(rules.with_(unpacked_max_reads=0.9))
+    assert switched == state | {"unpacked_max_reads": 0.9}
     assert "wide_head_small_split" not in deciding_fields(rules.with_(wide_head_small_split=0))
     assert deciding_fields(rules.with_(crossover_margin=1.1))["crossover_margin"] == 1.1

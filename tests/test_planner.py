@@ -603,8 +603,8 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
 
     assert ft.PlanRules().wide_head_small_split == 64
     cap64, off = ft.PlanRules().with_(wide_head_small_split=64), ft.PlanRules().with_(wide_head_small_split=0)
-    assert capped_small_split(256, 8, 128, cap64) == 64 and capped_small_split(256, 8, 32, cap64) == 32
-    assert capped_small_split(128, 8, 128, cap64) == 128 and capped_small_split(256, 8, 128, off) == 128
+    assert capped_small_split(256, 128, cap64) == 64 and capped_small_split(256, 32, cap64) == 32
+    assert capped_small_split(128, 128, cap64) == 128 and capped_small_split(256, 128, off) == 128
     tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
     off = TREE_PLANS.with_(wide_head_small_split=0, wide_head_small_split_programs=10**6)  # in every plan
     on = off.with_(wide_head_small_split=64)
@@ -621,63 +621,6 @@ def test_wide_head_small_split_caps_the_small_split_above_head_dim_128_only():
         # at the default limit (24 programs) this 27-unit plan keeps its split
         limited = on.with_(wide_head_small_split_programs=24)
         assert _same_arrays(ft.plan(tree, **heads, rules=limited), uncapped)
-
-
-def test_small_split_cap_head_dim_moves_the_caps_head_dim_threshold():
-    """``PlanRules.small_split_cap_head_dim`` (128, today's plans) is the head dim above which the
-    small split is capped: at 0 the small tree above is capped at head dims 64 and 128 too, planned
-    as the config with that small split would plan it; at 128 those head dims keep their plans."""
-    from fasttree.plan_rules import capped_small_split
-
-    assert ft.PlanRules().small_split_cap_head_dim == 128
-    cap64 = ft.PlanRules().with_(wide_head_small_split=64)
-    every_dim = cap64.with_(small_split_cap_head_dim=0)
-    assert capped_small_split(128, 8, 128, every_dim) == 64 and capped_small_split(128, 8, 128, cap64) == 128
-    grouped = every_dim.with_(small_split_cap_max_group=8)
-    assert capped_small_split(128, 8, 128, grouped) == 64 and capped_small_split(128, 16, 128, grouped) == 128
-    assert capped_small_split(256, 16, 128, grouped) == 64
-    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    base = TREE_PLANS.with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
-    for d in (64, 128):
-        heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": d}
-        every = ft.plan(tree, **heads, rules=base.with_(small_split_cap_head_dim=0))
-        check_plan(tree, every)
-        uncapped = ft.plan(tree, **heads, rules=base)
-        assert every.n_units > uncapped.n_units
-        as_config = ft.plan(tree, ft.FastTreeConfig(kv_split_sizes=(1024, 64)), **heads, rules=base)
-        assert _same_arrays(every, as_config)
-    with pytest.raises(ValueError, match="small_split_cap_head_dim"):
-        ft.PlanRules().with_(small_split_cap_head_dim=-1)
-    # small_split_cap_max_group limits it there to plans of that GQA ratio at most (here 8)
-    everywhere = base.with_(small_split_cap_head_dim=0)
-    for hq, capped in ((8, True), (16, False)):
-        heads = {"num_q_heads": hq, "num_kv_heads": 1, "head_dim": 128}
-        limited = ft.plan(tree, **heads, rules=everywhere.with_(small_split_cap_max_group=8))
-        check_plan(tree, limited)
-        same_as = everywhere if capped else base
-        assert _same_arrays(limited, ft.plan(tree, **heads, rules=same_as))
-        assert _same_arrays(limited, ft.plan(tree, **heads, rules=base)) is not capped
-    wide = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 256}  # above head dim 128 the group does not count
-    assert _same_arrays(
-        ft.plan(tree, **wide, rules=everywhere.with_(small_split_cap_max_group=8)), ft.plan(tree, **wide, rules=base)
-    )
-
-
-def test_small_split_cap_max_programs_keeps_the_split_where_the_cut_makes_more_programs():
-    """``PlanRules.small_split_cap_max_programs`` (0: no limit) caps the small split only where the
-    cut plan's units x KV heads stay within it: the small tree at D 256 is cut under a limit above
-    its cut units and keeps the config's split under a limit of one program."""
-    tree = ft.KVTree.from_lengths([-1, 0, 0, 0], [900, 300, 500, 700], [1, 2, 3])
-    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    on = TREE_PLANS.with_(wide_head_small_split=64, wide_head_small_split_programs=10**6)
-    capped, uncapped = ft.plan(tree, **heads, rules=on), ft.plan(tree, **heads, rules=on.with_(wide_head_small_split=0))
-    assert capped.n_units > uncapped.n_units
-    assert ft.PlanRules().small_split_cap_max_programs == 0
-    wide = ft.plan(tree, **heads, rules=on.with_(small_split_cap_max_programs=10**6))
-    assert _same_arrays(wide, capped)
-    one = ft.plan(tree, **heads, rules=on.with_(small_split_cap_max_programs=1))
-    check_plan(tree, one)
-    assert _same_arrays(one, uncapped)
 
 
 def test_wide_head_small_split_programs_limits_the_cap_to_small_launches():
@@ -716,26 +659,6 @@ def test_wide_head_small_split_leaves_plans_without_a_merge_alone():
     capped = ft.plan(cut, **heads, rules=on)
     check_plan(cut, capped)
     assert uncapped.n_partial_rows > 0 and capped.n_units > uncapped.n_units
-
-
-def test_pack_few_units_false_leaves_plans_of_few_programs_unpacked():
-    """``PlanRules.pack_few_units=False``: a plan of at most ``pack_min_units`` units x KV heads
-    keeps its units (no bins, no row masks), where the defaults pack its short ones; a plan of
-    more programs (the same tree at 32 KV heads, and a config with ``pack_min_units`` below its
-    units) packs as before."""
-    tree = ft.KVTree.from_lengths([-1, 0, 0, 0, 0], [100, 6, 6, 6, 6], [1, 2, 3, 4])
-    heads = {"num_q_heads": 8, "num_kv_heads": 1, "head_dim": 256}
-    few = ft.PlanRules().with_(pack_few_units=False)
-    packed, unpacked = ft.plan(tree, **heads), ft.plan(tree, **heads, rules=few)
-    check_plan(tree, unpacked)
-    assert packed.kv_row_mask.size > 0 and unpacked.kv_row_mask.size == 0
-    assert unpacked.n_units > packed.n_units
-    mha = {"num_q_heads": 32, "num_kv_heads": 32, "head_dim": 128}
-    tree = ft.KVTree.from_lengths([-1] + [0] * 10, [64] + [20] * 10, list(range(1, 11)))
-    assert ft.plan(tree, **mha).kv_row_mask.size > 0
-    assert _same_arrays(ft.plan(tree, **mha, rules=few), ft.plan(tree, **mha))
-    config = ft.FastTreeConfig(pack_min_units=2)
-    assert _same_arrays(ft.plan(tree, config, **heads, rules=few), ft.plan(tree, config, **heads))
 
 
 # ---------------------------------------------------------- crossover with plain decode

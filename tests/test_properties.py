@@ -111,10 +111,7 @@ def configs(draw, *, group_size: int) -> ft.FastTreeConfig:
     )
 
 
-RULES = (
-    "solo_units", "balanced_bins", "whole_groups", "wide_units", "aligned_blocks", "all_large_without_large",
-    "pack_few_units",
-)  # fmt: skip
+RULES = ("solo_units", "balanced_bins", "whole_groups", "wide_units", "aligned_blocks", "all_large_without_large")
 
 
 @st.composite
