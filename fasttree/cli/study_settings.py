@@ -178,8 +178,8 @@ def reconcile(
     else:
         model = str(first.get("model"))
         if not Path(model).is_file():
-            model = _shipped_copy(model, first.get("model_sha256"), name)
-        if sha256_file(model) != first.get("model_sha256"):
+            model = _shipped_copy(model, first.get("model_sha256"), name)  # its bytes checked there
+        elif sha256_file(model) != first.get("model_sha256"):
             raise ValueError(
                 f"study {name} was tuned with --model {model}, which has changed since: pass --model with the "
                 "model it was tuned with"
